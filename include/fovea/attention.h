@@ -1,0 +1,108 @@
+// fovea/attention.h: packed varlen ("THD") attention for vision encoders: the backend enum, the batch
+// description, and the CPU reference that is the oracle for every other backend (design.md §3, §7).
+//
+// Layout: q, k, v are [total_tokens, heads, head_dim] views (token and head strides in elements, the
+// last dimension contiguous), so they can be read straight out of a fused qkv [N, 3, H, hd] tensor.
+// cu_seqlens is int32 [num_segments + 1], 0 = cu[0] < cu[1] < ... = total_tokens. Attention is
+// non-causal within each segment and never crosses segments.
+#pragma once
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "fovea/scales.h"
+
+namespace fovea {
+
+enum class AttnBackend { AUTO, FOVEA, CUDNN, CPU };
+enum class AttnDtype { AUTO, BF16, FP8 };
+
+const char* backend_name(AttnBackend b);
+const char* dtype_name(AttnDtype d);
+// Case-insensitive; FLASHINFER is an alias of CUDNN (vLLM's FLASHINFER encoder backend is cuDNN).
+std::optional<AttnBackend> parse_backend(const std::string& s);
+std::optional<AttnDtype> parse_dtype(const std::string& s);
+
+// A [tokens, heads, head_dim] view with the last dimension contiguous.
+template <class T>
+struct ThdView {
+  T* data = nullptr;
+  int64_t stride_token = 0;  // elements between consecutive tokens
+  int64_t stride_head = 0;   // elements between consecutive heads
+  T* row(int64_t token, int64_t head) const { return data + token * stride_token + head * stride_head; }
+};
+
+struct VarlenShape {
+  std::vector<int32_t> cu_seqlens;
+  int heads = 0;
+  int head_dim = 0;
+  int64_t total_tokens() const { return cu_seqlens.empty() ? 0 : cu_seqlens.back(); }
+  int num_segments() const { return int(cu_seqlens.size()) - 1; }
+  int max_seqlen() const;
+  double flops() const;  // 4 * sum(S_i^2) * head_dim * heads: QK^T and PV, non-causal
+  // Throws fovea::Error naming the offending value: cu_seqlens must start at 0 and strictly
+  // increase (every segment has >= 1 token); heads and head_dim must be > 0.
+  void validate() const;
+};
+
+VarlenShape varlen_from_seqlens(const std::vector<int>& seqlens, int heads, int head_dim);
+
+namespace cpu {
+
+// How the reference computes:
+//   EXACT - fp64 throughout, two-pass softmax (the oracle).
+//   BF16  - what a BF16 flash-attention kernel computes: Q, K, V rounded to bf16; S = QK^T in fp32;
+//           online softmax over KV blocks in fp32; P rounded to bf16 for PV; fp32 accumulation;
+//           output rounded to bf16.
+//   FP8   - what fovea's FP8 kernel computes: Q, K, V quantized per tensor to E4M3 with the given
+//           dequantization scales; S in fp32 times the descales; online softmax over KV blocks;
+//           P quantized to E4M3 with the P scheme below; fp32 accumulation; bf16 output.
+enum class RefMode { EXACT, BF16, FP8 };
+const char* ref_mode_name(RefMode m);
+
+// The P (softmax probabilities) quantization scheme of the FP8 kernel, emulated here.
+// Choice (from FlashAttention-3's FP8 path, and the pitfalls in design.md §2):
+//   - P is computed per KV block relative to the running row max, so p = exp(s - m) is in (0, 1];
+//     it is multiplied by p_scale = 256 before the E4M3 cast (E4M3's top binade is [256, 448), so
+//     p = 1 lands exactly on 256 and small p keep 3 mantissa bits down to 2^-6/256 = 2^-14 before
+//     going subnormal). The 256 is divided out of the output once, at the end.
+//   - The row sum l accumulates the fp32 p before quantization (as FA3 does), so the P quantization
+//     error does not move the normalizer.
+//   - KV blocks of block_n keys, aligned to the segment start, are visited last to first, so a large
+//     early key (an attention sink, usually the first patch) sets the row max last and does not
+//     flush the other blocks' P to zero in E4M3 before they are rescaled in fp32.
+// The BF16 mode uses the same block walk with P rounded to bf16 and p_scale 1.
+struct PScheme {
+  float p_scale = 256.0f;
+  int block_n = 128;
+  bool reverse_kv = true;
+};
+
+struct RefOptions {
+  RefMode mode = RefMode::EXACT;
+  float softmax_scale = 0.0f;  // 0: 1/sqrt(head_dim)
+  QkvScales fp8_scales;        // FP8 mode: dequantization scales of Q, K, V
+  PScheme p;
+  int threads = 0;  // 0: all hardware threads
+};
+
+// out: contiguous [total_tokens, heads, head_dim]. In BF16/FP8 modes every value is a bf16 value.
+void attention(const VarlenShape& shape, ThdView<const float> q, ThdView<const float> k,
+               ThdView<const float> v, const RefOptions& opt, double* out);
+
+}  // namespace cpu
+
+// max |x| over a view (the per-tensor amax of dynamic scaling); non-finite values propagate (inf/NaN
+// in -> non-finite out), so the scale book can ignore and count them.
+float amax(const VarlenShape& shape, ThdView<const float> x);
+
+struct ErrorStats {
+  double rel_l2 = 0;    // ||out - ref||_2 / ||ref||_2; NaN if out has a non-finite value
+  double max_abs = 0;   // max |out - ref|; NaN likewise
+  double mean_abs = 0;
+  int64_t nonfinite = 0;  // non-finite values in out
+};
+ErrorStats compare(const double* out, const double* ref, int64_t n);
+
+}  // namespace fovea

@@ -1,0 +1,61 @@
+// fovea/engine.h: the engine flags every model-running subcommand shares (design.md §5), their
+// validation (design.md §2's option errors), and what the machine offers.
+#pragma once
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "fovea/attention.h"
+#include "fovea/scales.h"
+
+namespace fovea {
+
+// What the flags say, as given (vLLM's names: --mm-encoder-attn-backend, ...).
+struct EngineOptions {
+  std::string backend = "AUTO";  // AUTO, FOVEA, CUDNN, FLASHINFER (= CUDNN), CPU
+  std::string dtype = "auto";    // auto, bf16, fp8
+  std::string scale_path;        // --mm-encoder-fp8-scale-path
+  std::string scale_save_path;   // --mm-encoder-fp8-scale-save-path
+  double scale_save_margin = kDefaultScaleMargin;
+  std::string device;  // cuda, cpu; empty: cuda when a GPU is visible, else cpu
+};
+
+struct GpuInfo {
+  int index = 0;
+  std::string name;
+  int cc_major = 0, cc_minor = 0;
+  int sms = 0;
+  size_t memory_bytes = 0;
+};
+
+struct SystemInfo {
+  bool cuda_built = false, cudnn_built = false;
+  int cuda_runtime_version = 0, cuda_driver_version = 0;  // 13000 = 13.0; 0 = unknown / none
+  size_t cudnn_version = 0;                               // 91400 = 9.14.0; 0 = not built / not loadable
+  std::vector<GpuInfo> gpus;
+  std::string gpu_error;  // why no GPU is visible, when none is
+};
+SystemInfo query_system();  // src/core/cuda-device.cu, or src/core/no-cuda-device.cpp
+
+enum class Device { CUDA, CPU };
+const char* device_name(Device d);
+
+struct EngineConfig {
+  Device device = Device::CPU;
+  AttnBackend backend = AttnBackend::CPU;
+  AttnDtype dtype = AttnDtype::BF16;     // resolved: BF16 or FP8
+  std::string dtype_note;                // how auto was resolved, if it was
+  std::optional<ScaleMode> scale_mode;   // set iff dtype is FP8
+  std::string scale_path, scale_save_path;
+  float scale_save_margin = kDefaultScaleMargin;
+  std::optional<ScaleFile> scale_file;   // static mode: the file, read and validated
+  std::optional<GpuInfo> gpu;            // device CUDA: the GPU used (device 0)
+};
+
+// Why a backend cannot run dtype on this device and machine, or nullopt if it can.
+std::optional<std::string> backend_unsupported(AttnBackend b, AttnDtype d, Device dev, const SystemInfo& sys);
+
+// Validates and resolves the flags; throws fovea::Error whose message names the offending option.
+EngineConfig resolve_engine(const EngineOptions& opt, const SystemInfo& sys);
+
+}  // namespace fovea

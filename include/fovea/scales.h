@@ -1,0 +1,159 @@
+// fovea/scales.h: FP8 scaling state for attention (design.md §2, normative).
+//
+// One dequantization scale s per tensor (Q, K, V) per attention layer: x8 = sat(rne(x / s)).
+//   dynamic   - a ring of the last 16 amax values (max |x|) per tensor; every forward records its
+//               amax, then s = max(ring) / 448 floored at the smallest normal float, then quantizes
+//               with s ("current scaling": the current call can never overflow). Non-finite amax
+//               values never enter the ring; they are counted.
+//   static    - scales from a scale file; no amax work.
+//   calibrate - dynamic, and after exactly 16 complete forwards, s * margin for every layer is
+//               written to a scale file, atomically.
+// The per-tensor state is a plain struct (AmaxHistory) so a CUDA kernel can update it in device
+// memory with the same function the CPU uses (amax_history_record), keeping the forward free of
+// host synchronization and capturable in a CUDA graph.
+#pragma once
+#include <cfloat>
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "fovea/fp8.h"
+#include "fovea/hd.h"
+
+namespace fovea {
+
+constexpr int kAmaxHistoryLen = 16;
+constexpr float kMinScale = FLT_MIN;  // smallest normal float: the floor of a dynamic scale
+constexpr float kDefaultScaleMargin = 1.5f;
+
+enum QkvIndex : int { Q = 0, K = 1, V = 2 };
+inline constexpr const char* kQkvNames[3] = {"q", "k", "v"};
+
+struct QkvScales {
+  float q = 1.0f, k = 1.0f, v = 1.0f;
+  FOVEA_HD float operator[](int i) const { return i == 0 ? q : i == 1 ? k : v; }
+  bool operator==(const QkvScales&) const = default;
+};
+
+// Dynamic-scaling state of one tensor of one layer. Plain data: lives in host or device memory.
+struct AmaxHistory {
+  float ring[kAmaxHistoryLen];  // amax values; slots [0, filled) hold data once the ring has wrapped
+  int32_t pos;                  // next slot to write
+  int32_t filled;               // number of valid entries, <= 16
+  uint32_t updates;             // forwards recorded, finite or not
+  uint32_t nonfinite;           // non-finite amax values ignored
+  float scale;                  // the dequantization scale of the latest forward
+};
+
+FOVEA_HD void amax_history_reset(AmaxHistory& h) {
+  for (int i = 0; i < kAmaxHistoryLen; ++i) h.ring[i] = 0.0f;
+  h.pos = h.filled = 0;
+  h.updates = h.nonfinite = 0;
+  h.scale = kMinScale;
+}
+
+// s = max(ring) / 448, floored at the smallest normal float (an empty ring gives the floor).
+FOVEA_HD float amax_history_scale(const AmaxHistory& h) {
+  float m = 0.0f;
+  for (int i = 0; i < kAmaxHistoryLen; ++i)
+    if (i < h.filled && h.ring[i] > m) m = h.ring[i];
+  const float s = m / kE4M3Max;
+  return s < kMinScale ? kMinScale : s;
+}
+
+// One forward of dynamic scaling: record amax (unless non-finite), recompute the scale, return it.
+FOVEA_HD float amax_history_record(AmaxHistory& h, float amax) {
+  h.updates += 1;
+  const bool finite = (float_bits(amax) & 0x7F800000u) != 0x7F800000u;  // bit test: immune to fast-math
+  if (finite) {
+    h.ring[h.pos] = amax < 0.0f ? -amax : amax;
+    h.pos = (h.pos + 1) % kAmaxHistoryLen;
+    if (h.filled < kAmaxHistoryLen) h.filled += 1;
+  } else {
+    h.nonfinite += 1;
+  }
+  h.scale = amax_history_scale(h);
+  return h.scale;
+}
+
+// Per-layer dynamic state: Q, K and V.
+struct LayerAmax {
+  AmaxHistory t[3];
+};
+
+enum class ScaleMode { DYNAMIC, STATIC, CALIBRATE };
+const char* scale_mode_name(ScaleMode m);
+
+// The scales of every attention layer of a model, in one of the three modes.
+class ScaleBook {
+ public:
+  static ScaleBook dynamic(int num_layers);
+  static ScaleBook fixed(std::vector<QkvScales> scales);  // static mode
+  // Calibration: dynamic, and after exactly 16 complete forwards writes the file (see Calibrator).
+  static ScaleBook calibrating(int num_layers, std::string save_path, float margin);
+
+  ScaleMode mode() const { return mode_; }
+  int num_layers() const { return num_layers_; }
+
+  // Dynamic/calibrate: record this forward's amax (max |x| of Q, K, V) for a layer and return the
+  // scales to quantize it with. Static: returns the fixed scales.
+  QkvScales record(int layer, float amax_q, float amax_k, float amax_v);
+  QkvScales scales(int layer) const;
+  // A forward is complete once every layer has recorded it; returns how many are.
+  uint32_t complete_forwards() const;
+  uint64_t nonfinite_count(int layer) const;  // non-finite amax values ignored for this layer
+
+  // Calibration only: call after each forward; writes the file after exactly the 16th complete
+  // forward and returns true that once. Throws fovea::Error if writing fails.
+  bool after_forward();
+  bool calibration_written() const { return calibration_written_; }
+  const std::string& save_path() const { return save_path_; }
+
+  // s * margin for every layer, from the rings as they are now. Throws if a layer has an empty
+  // ring (every amax it saw was non-finite), naming the layer.
+  std::vector<QkvScales> calibrated(float margin) const;
+
+  // Raw dynamic state, for copying to and from device memory.
+  std::vector<LayerAmax>& amax_state() { return amax_; }
+  const std::vector<LayerAmax>& amax_state() const { return amax_; }
+
+ private:
+  ScaleMode mode_ = ScaleMode::DYNAMIC;
+  int num_layers_ = 0;
+  std::vector<LayerAmax> amax_;      // dynamic and calibrate
+  std::vector<QkvScales> fixed_;     // static
+  std::string save_path_;            // calibrate
+  float margin_ = kDefaultScaleMargin;
+  bool calibration_written_ = false;
+  void check_layer(int layer) const;
+};
+
+// ---- scale files (compatible with vLLM's) ---------------------------------------------------------
+// { "visual.blocks.0.attn.attn": {"q": 0.0123, "k": 0.0110, "v": 0.0089}, ... }
+// or the same object under a top-level "layers" key; q_scale/k_scale/v_scale alias q/k/v.
+// Values are dequantization scales (amax / 448 x margin).
+
+std::string scale_layer_name(int layer);  // "visual.blocks.<layer>.attn.attn"
+
+struct ScaleFile {
+  std::string path;
+  bool nested = false;                // the entries were under "layers"
+  std::map<int, QkvScales> layers;    // by block index
+  std::map<int, std::string> names;   // the key each layer had in the file
+};
+
+// Reads and validates a whole scale file; throws fovea::Error naming the file, the layer and the
+// problem (nothing is half-loaded: the result is complete or not returned at all).
+ScaleFile read_scale_file(const std::string& path);
+
+// The scales of layers 0..num_layers-1. Throws if any is missing (listing the layers the file has);
+// warns about layers the model does not have.
+std::vector<QkvScales> scales_for_model(const ScaleFile& file, int num_layers);
+
+// Writes a flat scale file atomically: a temporary file in the same folder, then rename. Throws on
+// failure, leaving any existing file untouched and no temporary behind.
+void write_scale_file(const std::string& path, const std::vector<QkvScales>& scales);
+
+}  // namespace fovea

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Installs the Debian packages fovea builds against (design.md §6). Run as root or with sudo.
+# The CUDA toolkit (nvcc, cuBLASLt, cuDNN) is not a Debian package here; CMake finds it when present
+# and builds the CPU-only parts when it is not.
+set -euo pipefail
+pkgs=(cmake ninja-build g++ pkg-config
+      nlohmann-json3-dev libcli11-dev libfmt-dev libstb-dev libcpp-httplib-dev libgtest-dev)
+missing=()
+for p in "${pkgs[@]}"; do
+  dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
+done
+if [ ${#missing[@]} -eq 0 ]; then
+  echo "setup: all packages present"
+  exit 0
+fi
+sudo_cmd=()
+[ "$(id -u)" -eq 0 ] || sudo_cmd=(sudo)
+echo "setup: installing ${missing[*]}"
+"${sudo_cmd[@]}" apt-get update -qq
+DEBIAN_FRONTEND=noninteractive "${sudo_cmd[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}"

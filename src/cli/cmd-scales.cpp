@@ -1,0 +1,39 @@
+// fovea scales inspect FILE [--num-layers N]: validate a scale file and print every layer's scales
+// and the amax each implies (s x 448).
+#include <fmt/format.h>
+
+#include "cli/commands.h"
+#include "fovea/error.h"
+
+namespace fovea::cli {
+
+void add_scales(CLI::App& app, Runner& run) {
+  auto* scales = app.add_subcommand("scales", "FP8 scale files");
+  scales->require_subcommand(1);
+  auto* inspect = scales->add_subcommand("inspect", "validate a scale file and print its layers");
+  struct Args {
+    std::string file;
+    int num_layers = 0;
+  };
+  auto a = std::make_shared<Args>();
+  inspect->add_option("FILE", a->file, "scale file (JSON)")->required();
+  inspect->add_option("--num-layers", a->num_layers, "also require layers 0..N-1 to be present")
+      ->check(CLI::PositiveNumber);
+  inspect->callback([&run, a] {
+    run = [a] {
+      const ScaleFile f = read_scale_file(a->file);
+      if (a->num_layers > 0) scales_for_model(f, a->num_layers);  // throws if layers are missing
+      fmt::print("scale file {}: {} layers ({} format)\n", f.path, f.layers.size(),
+                 f.nested ? "nested \"layers\"" : "flat");
+      fmt::print("{:>5}  {:<28} {:>12} {:>12} {:>12}   {:>10} {:>10} {:>10}\n", "layer", "name", "q_scale",
+                 "k_scale", "v_scale", "q_amax", "k_amax", "v_amax");
+      for (const auto& [i, s] : f.layers)
+        fmt::print("{:>5}  {:<28} {:>12.6g} {:>12.6g} {:>12.6g}   {:>10.4g} {:>10.4g} {:>10.4g}\n", i,
+                   f.names.at(i), s.q, s.k, s.v, s.q * kE4M3Max, s.k * kE4M3Max, s.v * kE4M3Max);
+      fmt::print("(amax = scale x 448: the largest |x| each scale represents without saturating)\n");
+      return 0;
+    };
+  });
+}
+
+}  // namespace fovea::cli

@@ -1,0 +1,21 @@
+// The fovea command's subcommands. Each add_* registers its subcommand on the app and sets `run`
+// to what executes it; main() turns fovea::Error into "fovea: error: ..." and exit code 1.
+#pragma once
+#include <functional>
+#include <string>
+
+#include <CLI/CLI.hpp>
+
+#include "fovea/engine.h"
+
+namespace fovea::cli {
+
+using Runner = std::function<int()>;
+
+void add_engine_flags(CLI::App* cmd, EngineOptions& opt);
+
+void add_info(CLI::App& app, Runner& run);
+void add_scales(CLI::App& app, Runner& run);
+void add_bench_attention(CLI::App* bench, Runner& run);
+
+}  // namespace fovea::cli

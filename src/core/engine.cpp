@@ -1,0 +1,140 @@
+// Engine flag validation and resolution: one place for every subcommand that runs a model.
+#include "fovea/engine.h"
+
+#include <cmath>
+#include <filesystem>
+
+#include "fovea/error.h"
+
+namespace fovea {
+
+const char* device_name(Device d) { return d == Device::CUDA ? "cuda" : "cpu"; }
+
+namespace {
+bool is_hopper(const GpuInfo& g) { return g.cc_major == 9 && g.cc_minor == 0; }
+}  // namespace
+
+std::optional<std::string> backend_unsupported(AttnBackend b, AttnDtype d, Device dev, const SystemInfo& sys) {
+  switch (b) {
+    case AttnBackend::AUTO:
+      return "AUTO is resolved before this check";
+    case AttnBackend::CPU:
+      if (dev != Device::CPU) return "the CPU backend runs with --device cpu";
+      return std::nullopt;
+    case AttnBackend::FOVEA:
+      if (dev != Device::CUDA) return "the FOVEA backend runs on a GPU (--device cuda)";
+      if (!sys.cuda_built) return "this fovea was built without CUDA";
+      if (sys.gpus.empty() || !is_hopper(sys.gpus[0]))
+        return fmt::format("the FOVEA backend needs a Hopper GPU (sm_90: H100/H200){}",
+                           sys.gpus.empty() ? std::string()
+                                            : fmt::format("; GPU 0 is {} (sm_{}{})", sys.gpus[0].name,
+                                                          sys.gpus[0].cc_major, sys.gpus[0].cc_minor));
+      return std::nullopt;
+    case AttnBackend::CUDNN:
+      if (dev != Device::CUDA) return "the CUDNN backend runs on a GPU (--device cuda)";
+      if (!sys.cudnn_built) return "this fovea was built without cuDNN";
+      if (sys.gpus.empty()) return "no GPU is visible";
+      if (d == AttnDtype::FP8 && sys.gpus[0].cc_major * 10 + sys.gpus[0].cc_minor < 89)
+        return fmt::format("cuDNN FP8 attention needs sm_89 or newer; GPU 0 is sm_{}{}", sys.gpus[0].cc_major,
+                           sys.gpus[0].cc_minor);
+      return std::nullopt;
+  }
+  return "unknown backend";
+}
+
+EngineConfig resolve_engine(const EngineOptions& opt, const SystemInfo& sys) {
+  EngineConfig cfg;
+
+  // Device.
+  if (opt.device.empty()) {
+    cfg.device = (sys.cuda_built && !sys.gpus.empty()) ? Device::CUDA : Device::CPU;
+    if (parse_backend(opt.backend) == AttnBackend::CPU) cfg.device = Device::CPU;
+  } else if (opt.device == "cuda") {
+    if (!sys.cuda_built) fail("--device cuda: this fovea was built without CUDA (rebuild where nvcc is installed)");
+    if (sys.gpus.empty()) fail("--device cuda: no CUDA GPU is visible ({})", sys.gpu_error);
+    cfg.device = Device::CUDA;
+  } else if (opt.device == "cpu") {
+    cfg.device = Device::CPU;
+  } else {
+    fail("--device: '{}' is not one of cuda, cpu", opt.device);
+  }
+  if (cfg.device == Device::CUDA) cfg.gpu = sys.gpus.at(0);
+
+  // Dtype.
+  const auto dtype = parse_dtype(opt.dtype);
+  if (!dtype) fail("--mm-encoder-attn-dtype: '{}' is not one of auto, bf16, fp8", opt.dtype);
+  cfg.dtype = *dtype;
+  if (cfg.dtype == AttnDtype::AUTO) {
+    // No crossover has been measured yet, so auto means BF16 (vLLM's default too).
+    cfg.dtype = AttnDtype::BF16;
+    cfg.dtype_note = "auto: bf16 (FP8 is chosen only with --mm-encoder-attn-dtype fp8)";
+  }
+
+  // FP8 scale options (design.md §2 option errors).
+  if (!std::isfinite(opt.scale_save_margin) || !(opt.scale_save_margin > 0))
+    fail("--mm-encoder-fp8-scale-save-margin must be a number > 0, got {}", opt.scale_save_margin);
+  cfg.scale_save_margin = float(opt.scale_save_margin);
+  const bool fp8 = cfg.dtype == AttnDtype::FP8;
+  if (!opt.scale_path.empty() && !opt.scale_save_path.empty())
+    fail("--mm-encoder-fp8-scale-path and --mm-encoder-fp8-scale-save-path are exclusive: static scales are read "
+         "from a file, calibration writes one");
+  if (!opt.scale_path.empty() && !fp8)
+    fail("--mm-encoder-fp8-scale-path needs --mm-encoder-attn-dtype fp8 (the attention dtype is {})",
+         dtype_name(cfg.dtype));
+  if (!opt.scale_save_path.empty() && !fp8)
+    fail("--mm-encoder-fp8-scale-save-path needs --mm-encoder-attn-dtype fp8 (the attention dtype is {})",
+         dtype_name(cfg.dtype));
+  if (!opt.scale_save_path.empty()) {
+    namespace fs = std::filesystem;
+    const fs::path p(opt.scale_save_path);
+    const fs::path dir = p.has_parent_path() ? p.parent_path() : fs::path(".");
+    std::error_code ec;
+    if (!fs::is_directory(dir, ec))
+      fail("--mm-encoder-fp8-scale-save-path '{}': folder '{}' does not exist", opt.scale_save_path, dir.string());
+    if (fs::is_directory(p, ec))
+      fail("--mm-encoder-fp8-scale-save-path '{}' is a folder; give a file name", opt.scale_save_path);
+  }
+  if (fp8) {
+    if (!opt.scale_path.empty()) {
+      cfg.scale_mode = ScaleMode::STATIC;
+      try {
+        cfg.scale_file = read_scale_file(opt.scale_path);
+      } catch (const Error& e) {
+        fail("--mm-encoder-fp8-scale-path: {}", e.what());
+      }
+    } else if (!opt.scale_save_path.empty()) {
+      cfg.scale_mode = ScaleMode::CALIBRATE;
+    } else {
+      cfg.scale_mode = ScaleMode::DYNAMIC;
+    }
+  }
+  cfg.scale_path = opt.scale_path;
+  cfg.scale_save_path = opt.scale_save_path;
+
+  // Backend.
+  const auto backend = parse_backend(opt.backend);
+  if (!backend)
+    fail("--mm-encoder-attn-backend: '{}' is not one of AUTO, FOVEA, CUDNN, FLASHINFER, CPU", opt.backend);
+  cfg.backend = *backend;
+  if (cfg.backend == AttnBackend::AUTO) {
+    if (cfg.device == Device::CPU) {
+      cfg.backend = AttnBackend::CPU;
+    } else if (!backend_unsupported(AttnBackend::FOVEA, cfg.dtype, cfg.device, sys)) {
+      cfg.backend = AttnBackend::FOVEA;
+    } else {
+      cfg.backend = AttnBackend::CUDNN;
+    }
+  }
+  if (auto why = backend_unsupported(cfg.backend, cfg.dtype, cfg.device, sys)) {
+    std::vector<std::string> can;
+    for (AttnBackend b : {AttnBackend::FOVEA, AttnBackend::CUDNN, AttnBackend::CPU})
+      for (Device d : {Device::CUDA, Device::CPU})
+        if (!backend_unsupported(b, cfg.dtype, d, sys))
+          can.push_back(fmt::format("{} (--device {})", backend_name(b), device_name(d)));
+    fail("--mm-encoder-attn-backend {}: {}; {} attention runs here on: {}", backend_name(cfg.backend), *why,
+         dtype_name(cfg.dtype), can.empty() ? std::string("nothing") : fmt::format("{}", fmt::join(can, ", ")));
+  }
+  return cfg;
+}
+
+}  // namespace fovea

@@ -1,0 +1,12 @@
+// What the machine offers, in a build without CUDA: no GPUs.
+#include "fovea/engine.h"
+
+namespace fovea {
+
+SystemInfo query_system() {
+  SystemInfo s;
+  s.gpu_error = "built without CUDA";
+  return s;
+}
+
+}  // namespace fovea

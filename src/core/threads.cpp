@@ -1,0 +1,45 @@
+// parallel_for: dynamic chunking over std::thread; exceptions cross back to the caller.
+#include "fovea/threads.h"
+
+#include <algorithm>
+#include <atomic>
+#include <exception>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace fovea {
+
+int hardware_threads() { return std::max(1u, std::thread::hardware_concurrency()); }
+
+void parallel_for(int64_t n, const std::function<void(int64_t)>& fn, int threads, int64_t grain) {
+  if (n <= 0) return;
+  grain = std::max<int64_t>(1, grain);
+  const int64_t chunks = (n + grain - 1) / grain;
+  const int t = int(std::min<int64_t>(threads > 0 ? threads : hardware_threads(), chunks));
+  std::atomic<int64_t> next{0};
+  std::atomic<bool> stop{false};
+  std::exception_ptr error;
+  std::mutex error_mutex;
+  auto work = [&] {
+    for (;;) {
+      const int64_t c = next.fetch_add(1);
+      if (c >= chunks || stop.load(std::memory_order_relaxed)) return;
+      try {
+        for (int64_t i = c * grain, e = std::min(n, i + grain); i < e; ++i) fn(i);
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(error_mutex);
+        if (!error) error = std::current_exception();
+        stop = true;
+        return;
+      }
+    }
+  };
+  std::vector<std::thread> pool;
+  for (int i = 1; i < t; ++i) pool.emplace_back(work);
+  work();
+  for (auto& th : pool) th.join();
+  if (error) std::rethrow_exception(error);
+}
+
+}  // namespace fovea

@@ -1,0 +1,306 @@
+// The CPU reference attention: exact mode against closed-form cases, the varlen packing (segments are
+// independent, strided views), and the BF16/FP8 emulations (rounding, scales, P scheme, error size).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <numeric>
+#include <random>
+
+#include "fovea/attention.h"
+#include "fovea/bf16.h"
+#include "fovea/error.h"
+#include "fovea/fp8.h"
+#include "fovea/random.h"
+
+using namespace fovea;
+using cpu::RefMode;
+
+namespace {
+
+// Q, K, V in one fused [N, 3, H, hd] buffer, as the encoder's qkv GEMM writes them.
+struct Qkv {
+  VarlenShape shape;
+  std::vector<float> data;
+  ThdView<const float> view(int i) const {
+    const int64_t H = shape.heads, hd = shape.head_dim;
+    return {data.data() + i * H * hd, 3 * H * hd, hd};
+  }
+  float& at(int i, int64_t t, int h, int d) {
+    return data[size_t(((t * 3 + i) * shape.heads + h) * shape.head_dim + d)];
+  }
+  std::vector<double> run(const cpu::RefOptions& o) const {
+    std::vector<double> out(size_t(shape.total_tokens() * shape.heads * shape.head_dim), -12345.0);  // poison
+    cpu::attention(shape, view(0), view(1), view(2), o, out.data());
+    return out;
+  }
+};
+
+Qkv random_qkv(const std::vector<int>& seqlens, int heads, int hd, uint64_t seed, Dist dist = Dist::NORMAL) {
+  Qkv x;
+  x.shape = varlen_from_seqlens(seqlens, heads, hd);
+  x.data = random_values(x.shape.total_tokens() * 3 * heads * hd, dist, seed);
+  return x;
+}
+
+cpu::RefOptions mode(RefMode m, const Qkv& x = {}) {
+  cpu::RefOptions o;
+  o.mode = m;
+  if (m == RefMode::FP8) {
+    o.fp8_scales = {amax(x.shape, x.view(0)) / kE4M3Max, amax(x.shape, x.view(1)) / kE4M3Max,
+                    amax(x.shape, x.view(2)) / kE4M3Max};
+  }
+  return o;
+}
+
+// Fresh inputs every run; the seed is printed so a failure can be replayed.
+uint64_t fresh_seed() {
+  const uint64_t s = std::random_device{}();
+  std::printf("[seed %llu]\n", (unsigned long long)s);
+  return s;
+}
+
+}  // namespace
+
+TEST(AttentionRef, SingleTokenSegmentReturnsV) {
+  Qkv x = random_qkv({1, 5, 1}, 3, 8, fresh_seed());
+  for (RefMode m : {RefMode::EXACT, RefMode::BF16, RefMode::FP8}) {
+    const auto out = x.run(mode(m, x));
+    for (int64_t t : {0, 6})
+      for (int h = 0; h < 3; ++h)
+        for (int d = 0; d < 8; ++d) {
+          const float v = x.at(2, t, h, d);
+          const cpu::RefOptions o = mode(m, x);
+          const double want = m == RefMode::EXACT ? v
+                              : m == RefMode::BF16 ? bf16_round(v)
+                                                   : bf16_round(e4m3_to_float(e4m3_quantize(v, o.fp8_scales.v)) *
+                                                                o.fp8_scales.v);
+          EXPECT_EQ(out[size_t((t * 3 + h) * 8 + d)], want) << cpu::ref_mode_name(m) << " token " << t;
+        }
+  }
+}
+
+TEST(AttentionRef, ExactMatchesClosedForms) {
+  // One segment of 3 keys, hd 2, one head: weights are softmax(q.k / sqrt(2)).
+  Qkv x;
+  x.shape = varlen_from_seqlens({3}, 1, 2);
+  x.data.assign(3 * 3 * 2, 0.0f);
+  const float qv[2] = {1.0f, 2.0f}, ks[3][2] = {{1, 0}, {0, 1}, {-1, 1}}, vs[3][2] = {{1, 2}, {3, -4}, {0.5f, 8}};
+  for (int t = 0; t < 3; ++t)
+    for (int d = 0; d < 2; ++d) {
+      x.at(0, t, 0, d) = qv[d];
+      x.at(1, t, 0, d) = ks[t][d];
+      x.at(2, t, 0, d) = vs[t][d];
+    }
+  const auto out = x.run(mode(RefMode::EXACT));
+  double w[3], sum = 0;
+  for (int j = 0; j < 3; ++j) sum += w[j] = std::exp((qv[0] * ks[j][0] + qv[1] * ks[j][1]) / std::sqrt(2.0));
+  for (int t = 0; t < 3; ++t)
+    for (int d = 0; d < 2; ++d) {
+      double want = 0;
+      for (int j = 0; j < 3; ++j) want += w[j] / sum * vs[j][d];
+      EXPECT_NEAR(out[size_t(t * 2 + d)], want, 1e-12);
+    }
+
+  // Identical keys: uniform weights, the output is the mean of V, whatever q is.
+  Qkv y = random_qkv({300}, 2, 16, fresh_seed());
+  for (int t = 0; t < 300; ++t)
+    for (int h = 0; h < 2; ++h)
+      for (int d = 0; d < 16; ++d) y.at(1, t, h, d) = y.at(1, 0, h, d);
+  const auto out2 = y.run(mode(RefMode::EXACT));
+  for (int h = 0; h < 2; ++h)
+    for (int d = 0; d < 16; ++d) {
+      double mean = 0;
+      for (int t = 0; t < 300; ++t) mean += y.at(2, t, h, d);
+      mean /= 300;
+      for (int t : {0, 151, 299}) EXPECT_NEAR(out2[size_t((t * 2 + h) * 16 + d)], mean, 1e-12);
+    }
+}
+
+TEST(AttentionRef, SegmentsAreIndependentAndMatchSeparateRuns) {
+  const std::vector<int> lens = {1, 7, 64, 127, 128, 129, 300};
+  Qkv x = random_qkv(lens, 2, 24, fresh_seed());
+  for (RefMode m : {RefMode::EXACT, RefMode::BF16, RefMode::FP8}) {
+    const cpu::RefOptions o = mode(m, x);
+    const auto packed = x.run(o);
+    // Each segment alone, with the same scales, gives bit-identical rows.
+    for (size_t s = 0; s < lens.size(); ++s) {
+      Qkv one;
+      one.shape = varlen_from_seqlens({lens[s]}, 2, 24);
+      const int64_t row = 3 * 2 * 24, b = x.shape.cu_seqlens[s];
+      one.data.assign(x.data.begin() + b * row, x.data.begin() + (b + lens[s]) * row);
+      const auto alone = one.run(o);
+      for (size_t i = 0; i < alone.size(); ++i)
+        ASSERT_EQ(alone[i], packed[size_t(b * 2 * 24) + i]) << cpu::ref_mode_name(m) << " segment " << s;
+    }
+  }
+}
+
+TEST(AttentionRef, KeyOrderDoesNotMatterForExact) {
+  Qkv x = random_qkv({257}, 1, 32, fresh_seed());
+  const auto out = x.run(mode(RefMode::EXACT));
+  Qkv y = x;  // reverse the keys and values (queries stay)
+  for (int t = 0; t < 257; ++t)
+    for (int d = 0; d < 32; ++d) {
+      y.at(1, t, 0, d) = x.at(1, 256 - t, 0, d);
+      y.at(2, t, 0, d) = x.at(2, 256 - t, 0, d);
+    }
+  const auto out2 = y.run(mode(RefMode::EXACT));
+  for (size_t i = 0; i < out.size(); ++i) EXPECT_NEAR(out[i], out2[i], 1e-12);
+}
+
+TEST(AttentionRef, StridedViewsEqualContiguousCopies) {
+  Qkv x = random_qkv({33, 70}, 3, 40, fresh_seed());
+  const int64_t N = x.shape.total_tokens(), H = 3, hd = 40;
+  std::vector<float> planes[3];
+  for (int i = 0; i < 3; ++i) {
+    planes[i].resize(size_t(N * H * hd));
+    for (int64_t t = 0; t < N; ++t)
+      for (int h = 0; h < H; ++h)
+        for (int d = 0; d < hd; ++d) planes[i][size_t((t * H + h) * hd + d)] = x.at(i, t, h, d);
+  }
+  for (RefMode m : {RefMode::EXACT, RefMode::FP8}) {
+    const cpu::RefOptions o = mode(m, x);
+    const auto fused = x.run(o);
+    std::vector<double> out(fused.size());
+    auto v = [&](int i) { return ThdView<const float>{planes[i].data(), H * hd, hd}; };
+    cpu::attention(x.shape, v(0), v(1), v(2), o, out.data());
+    EXPECT_EQ(out, fused) << cpu::ref_mode_name(m);
+  }
+}
+
+// The measured error of the emulations against fp64 sits where bf16 and E4M3 rounding put it; these
+// bounds fail if rounding were skipped (error ~0) or misapplied (error >> the format's precision).
+TEST(AttentionRef, EmulationErrorsHaveTheFormatsSize) {
+  for (Dist dist : {Dist::NORMAL, Dist::OUTLIERS}) {
+    Qkv x = random_qkv({1, 7, 64, 127, 128, 129, 1000}, 2, 72, fresh_seed(), dist);
+    const auto ref = x.run(mode(RefMode::EXACT));
+    const auto bf = x.run(mode(RefMode::BF16));
+    const auto f8 = x.run(mode(RefMode::FP8, x));
+    const ErrorStats eb = compare(bf.data(), ref.data(), int64_t(ref.size()));
+    const ErrorStats e8 = compare(f8.data(), ref.data(), int64_t(ref.size()));
+    std::printf("%s: bf16 rel_l2 %.3e max %.3e | fp8 rel_l2 %.3e max %.3e\n", dist_name(dist), eb.rel_l2, eb.max_abs,
+                e8.rel_l2, e8.max_abs);
+    EXPECT_EQ(eb.nonfinite, 0);
+    EXPECT_EQ(e8.nonfinite, 0);
+    EXPECT_GT(eb.rel_l2, 2e-4);  // bf16 output rounding alone is ~1e-3 relative
+    EXPECT_LT(eb.rel_l2, 8e-3);
+    EXPECT_GT(e8.rel_l2, 4 * eb.rel_l2);  // E4M3 keeps 3 mantissa bits to bf16's 7
+    EXPECT_LT(e8.rel_l2, 0.1);
+    for (double v : bf) EXPECT_EQ(v, double(bf16_round(float(v))));  // outputs are bf16 values
+    for (double v : f8) ASSERT_EQ(v, double(bf16_round(float(v))));
+  }
+}
+
+// FP8 mode against a hand computation of the scheme documented in attention.h on one block.
+TEST(AttentionRef, Fp8FollowsTheDocumentedScheme) {
+  Qkv x = random_qkv({5}, 1, 4, fresh_seed());
+  cpu::RefOptions o = mode(RefMode::FP8, x);
+  o.fp8_scales = {o.fp8_scales.q * 1.3f, o.fp8_scales.k * 0.9f, o.fp8_scales.v * 1.1f};  // arbitrary, some saturate
+  const auto out = x.run(o);
+  auto deq = [&](int i, int t, int d) { return e4m3_to_float(e4m3_quantize(x.at(i, t, 0, d), o.fp8_scales[i])); };
+  const float c = float(0.5 * M_LOG2E * double(o.fp8_scales.q) * double(o.fp8_scales.k));  // 1/sqrt(4) = 0.5
+  for (int i = 0; i < 5; ++i) {
+    float t[5], m = -INFINITY, l = 0, acc[4] = {0, 0, 0, 0};
+    for (int j = 0; j < 5; ++j) {
+      float s = 0;
+      for (int d = 0; d < 4; ++d) s += deq(0, i, d) * deq(1, j, d);
+      m = std::max(m, t[j] = s * c);
+    }
+    for (int j = 0; j < 5; ++j) {
+      const float p = std::exp2(t[j] - m);
+      l += p;
+      const float p8 = e4m3_to_float(e4m3_from_float(p * 256.0f));
+      for (int d = 0; d < 4; ++d) acc[d] += p8 * deq(2, j, d);
+    }
+    for (int d = 0; d < 4; ++d)
+      EXPECT_EQ(out[size_t(i * 4 + d)], bf16_round(acc[d] * (o.fp8_scales.v / (256.0f * l)))) << i << "," << d;
+  }
+}
+
+TEST(AttentionRef, BlockOrderAndSizeChangeOnlyRounding) {
+  Qkv x = random_qkv({1000}, 1, 64, fresh_seed());
+  const auto ref = x.run(mode(RefMode::EXACT));
+  cpu::RefOptions a = mode(RefMode::FP8, x), b = a;
+  b.p.reverse_kv = false;
+  b.p.block_n = 64;
+  const auto oa = x.run(a), ob = x.run(b);
+  EXPECT_NE(oa, ob);  // the walk is really per block
+  const double ea = compare(oa.data(), ref.data(), int64_t(ref.size())).rel_l2;
+  const double eb = compare(ob.data(), ref.data(), int64_t(ref.size())).rel_l2;
+  EXPECT_LT(std::fabs(ea - eb), 0.25 * ea);
+}
+
+TEST(AttentionRef, ScalesAreApplied) {
+  Qkv x = random_qkv({200}, 1, 32, fresh_seed());
+  const auto ref = x.run(mode(RefMode::EXACT));
+  cpu::RefOptions good = mode(RefMode::FP8, x), saturating = good, coarse = good;
+  for (float* s : {&saturating.fp8_scales.q, &saturating.fp8_scales.k, &saturating.fp8_scales.v}) *s /= 20;
+  for (float* s : {&coarse.fp8_scales.q, &coarse.fp8_scales.k, &coarse.fp8_scales.v}) *s *= 1e5f;  // amax maps to 0.0045: all subnormal
+  const double e_good = compare(x.run(good).data(), ref.data(), int64_t(ref.size())).rel_l2;
+  const double e_sat = compare(x.run(saturating).data(), ref.data(), int64_t(ref.size())).rel_l2;
+  const double e_coarse = compare(x.run(coarse).data(), ref.data(), int64_t(ref.size())).rel_l2;
+  EXPECT_LT(e_good, 0.1);
+  EXPECT_GT(e_sat, 3 * e_good);     // values clipped at 448 x s
+  EXPECT_GT(e_coarse, 3 * e_good);  // values pushed into E4M3's subnormals
+}
+
+TEST(AttentionRef, NanStaysInItsSegment) {
+  Qkv x = random_qkv({50, 60}, 2, 16, fresh_seed());
+  x.at(1, 70, 1, 3) = NAN;  // a key of segment 1, head 1
+  for (RefMode m : {RefMode::EXACT, RefMode::BF16}) {
+    const auto out = x.run(mode(m, x));
+    for (int64_t t = 0; t < 110; ++t)
+      for (int h = 0; h < 2; ++h)
+        for (int d = 0; d < 16; ++d) {
+          const double v = out[size_t((t * 2 + h) * 16 + d)];
+          if (t >= 50 && h == 1) EXPECT_TRUE(std::isnan(v));
+          else ASSERT_TRUE(std::isfinite(v)) << t << "," << h;
+        }
+  }
+  EXPECT_TRUE(std::isinf(amax(x.shape, x.view(1))));  // the scale book then ignores and counts it
+}
+
+TEST(AttentionRef, AmaxIsTheLargestAbsoluteValue) {
+  Qkv x = random_qkv({10, 3}, 2, 8, fresh_seed());
+  x.at(2, 11, 1, 5) = -1000.0f;  // negative: amax is |x|, unlike vLLM's signed max
+  x.at(0, 11, 1, 5) = 999.0f;    // a Q value: must not leak into V's amax
+  EXPECT_EQ(amax(x.shape, x.view(2)), 1000.0f);
+}
+
+TEST(AttentionRef, ValidatesItsInputs) {
+  Qkv x = random_qkv({4}, 1, 8, fresh_seed());
+  std::vector<double> out(32);
+  auto run = [&](VarlenShape s, cpu::RefOptions o) { cpu::attention(s, x.view(0), x.view(1), x.view(2), o, out.data()); };
+  auto msg = [&](VarlenShape s, cpu::RefOptions o) -> std::string {
+    try {
+      run(s, o);
+    } catch (const Error& e) {
+      return e.what();
+    }
+    return "(no error)";
+  };
+  VarlenShape s = x.shape;
+  s.cu_seqlens = {1, 4};
+  EXPECT_NE(msg(s, {}).find("cu_seqlens[0] must be 0"), std::string::npos);
+  s.cu_seqlens = {0, 2, 2, 4};
+  EXPECT_NE(msg(s, {}).find("segment 1 is empty"), std::string::npos);
+  s = x.shape;
+  s.heads = 0;
+  EXPECT_NE(msg(s, {}).find("heads must be > 0"), std::string::npos);
+  cpu::RefOptions o = mode(RefMode::FP8, x);
+  o.fp8_scales.k = 0;
+  EXPECT_NE(msg(x.shape, o).find("FP8 k scale"), std::string::npos);
+  EXPECT_THROW(varlen_from_seqlens({3, 0}, 1, 8), Error);
+}
+
+TEST(AttentionRef, CompareCountsNonFinite) {
+  const double ref[4] = {1, 2, 3, 4};
+  const double out[4] = {1, 2, 3, 5};
+  const ErrorStats e = compare(out, ref, 4);
+  EXPECT_DOUBLE_EQ(e.max_abs, 1.0);
+  EXPECT_DOUBLE_EQ(e.rel_l2, 1.0 / std::sqrt(30.0));
+  const double bad[4] = {1, NAN, 3, 4};
+  const ErrorStats n = compare(bad, ref, 4);
+  EXPECT_EQ(n.nonfinite, 1);
+  EXPECT_TRUE(std::isnan(n.rel_l2));  // NaN never passes a `rel_l2 < tol` check
+}
