@@ -1,6 +1,7 @@
 // Engine flag validation and resolution: one place for every subcommand that runs a model.
 #include "fovea/engine.h"
 
+#include <cctype>
 #include <cmath>
 #include <filesystem>
 
@@ -46,14 +47,16 @@ EngineConfig resolve_engine(const EngineOptions& opt, const SystemInfo& sys) {
   EngineConfig cfg;
 
   // Device.
-  if (opt.device.empty()) {
+  std::string device = opt.device;
+  for (auto& c : device) c = char(std::tolower(static_cast<unsigned char>(c)));
+  if (device.empty()) {
     cfg.device = (sys.cuda_built && !sys.gpus.empty()) ? Device::CUDA : Device::CPU;
     if (parse_backend(opt.backend) == AttnBackend::CPU) cfg.device = Device::CPU;
-  } else if (opt.device == "cuda") {
+  } else if (device == "cuda") {
     if (!sys.cuda_built) fail("--device cuda: this fovea was built without CUDA (rebuild where nvcc is installed)");
     if (sys.gpus.empty()) fail("--device cuda: no CUDA GPU is visible ({})", sys.gpu_error);
     cfg.device = Device::CUDA;
-  } else if (opt.device == "cpu") {
+  } else if (device == "cpu") {
     cfg.device = Device::CPU;
   } else {
     fail("--device: '{}' is not one of cuda, cpu", opt.device);

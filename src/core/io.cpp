@@ -34,7 +34,7 @@ void write_file_atomic(const std::string& path, const std::string& contents, con
   std::error_code ec;
   if (!fs::is_directory(dir, ec)) fail("{} '{}': folder '{}' does not exist", what, path, dir.string());
   if (fs::is_directory(target, ec)) fail("{} '{}': is a folder; give a file name", what, path);
-  std::string tmp = (dir / ("." + target.filename().string() + ".tmp.XXXXXX")).string();
+  std::string tmp = (dir / fmt::format(".{}.tmp.XXXXXX", target.filename().string())).string();
   const int fd = mkstemp(tmp.data());
   if (fd < 0) fail("{} '{}': cannot create a temporary file in '{}': {}", what, path, dir.string(), std::strerror(errno));
   auto abandon = [&](const char* step, bool close_fd) {

@@ -71,8 +71,20 @@ ScaleFile read_scale_file(const std::string& path) {
   const std::string text = read_file(path, "scale file");
 
   json doc;
+  std::vector<std::string> keys;  // the object keys open at the current depth, for error messages
   try {
-    doc = json::parse(text);
+    doc = json::parse(text, [&keys](int depth, json::parse_event_t ev, json& j) {
+      if (ev == json::parse_event_t::key) {
+        keys.resize(size_t(depth > 0 ? depth - 1 : 0));  // depth 1 = the top-level object's keys
+        keys.push_back(j.get<std::string>());
+      }
+      return true;
+    });
+  } catch (const json::out_of_range& e) {  // a number that overflows a double, e.g. 1e999
+    const bool nested = keys.size() >= 3 && keys[0] == "layers";
+    const std::string layer = keys.size() > (nested ? 1u : 0u) ? keys[nested ? 1 : 0] : "?";
+    const std::string field = keys.size() > (nested ? 2u : 1u) ? keys[nested ? 2 : 1] : "?";
+    fail("scale file '{}': layer '{}': '{}' is not a finite number (it overflows a double)", path, layer, field);
   } catch (const json::parse_error& e) {
     auto [line, col] = line_col(text, e.byte == 0 ? 0 : e.byte - 1);
     std::string what = e.what();

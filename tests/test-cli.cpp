@@ -1,0 +1,281 @@
+// Tests of the fovea command (design.md §5): scales inspect, info with the engine flags and their
+// option errors (design.md §2), and bench attention on the CPU. Runs the built binary (FOVEA_BIN).
+#include <sys/wait.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "test-util.h"
+#include <nlohmann/json.hpp>
+
+namespace fs = std::filesystem;
+
+namespace {
+
+std::string slurp(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+std::vector<std::string> split_ws(const std::string& line) {
+  std::istringstream ss(line);
+  std::vector<std::string> out;
+  for (std::string w; ss >> w;) out.push_back(w);
+  return out;
+}
+
+
+struct Result {
+  int code = -1;
+  std::string out, err;
+};
+
+// Each test gets a scratch folder: work/ for its files, io/ for the captured stdout and stderr.
+class Cli : public ::testing::Test {
+ protected:
+  fs::path root, work, io;
+
+  void SetUp() override {
+    const auto* t = ::testing::UnitTest::GetInstance()->current_test_info();
+    root = fs::path(FOVEA_TEST_TMP) / (std::string("cli.") + t->test_suite_name() + "." + t->name());
+    work = root / "work";
+    io = root / "io";
+    fs::remove_all(root);
+    fs::create_directories(work);
+    fs::create_directories(io);
+  }
+  void TearDown() override {
+    std::error_code ec;
+    fs::remove_all(root, ec);
+  }
+
+  // Runs `fovea ARGS` (ARGS is shell text); returns the exit code, stdout and stderr.
+  Result run(const std::string& args) const {
+    const fs::path out = io / "stdout", err = io / "stderr";
+    const std::string cmd = std::string("'") + FOVEA_BIN + "' " + args + " >'" + out.string() + "' 2>'" + err.string() + "'";
+    const int status = std::system(cmd.c_str());
+    Result r;
+    r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+    r.out = slurp(out);
+    r.err = slurp(err);
+    return r;
+  }
+  std::string file(const std::string& name) const { return (work / name).string(); }
+  std::string write(const std::string& name, const std::string& text) const {
+    std::ofstream(work / name) << text;
+    return file(name);
+  }
+  std::vector<std::string> list_work() const {
+    std::vector<std::string> names;
+    for (const auto& e : fs::directory_iterator(work)) names.push_back(e.path().filename().string());
+    std::sort(names.begin(), names.end());
+    return names;
+  }
+};
+
+std::string q(const std::string& s) { return "'" + s + "'"; }
+
+// A fovea::Error reaches the user as one line on stderr: "fovea: error: ...", exit code 1.
+void expect_one_line_error(const Result& r, const std::string& must_name) {
+  EXPECT_EQ(r.code, 1) << "stderr: " << r.err;
+  EXPECT_EQ(r.err.rfind("fovea: error: ", 0), 0u) << "stderr: " << r.err;
+  EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << "stderr: " << r.err;
+  EXPECT_HAS(r.err, must_name);
+}
+
+std::string layer(int i) { return "visual.blocks." + std::to_string(i) + ".attn.attn"; }
+
+}  // namespace
+
+// ---- fovea scales inspect ----------------------------------------------------------------------------
+
+TEST_F(Cli, ScalesInspectPrintsEveryLayerAndTheImpliedAmax) {
+  const std::vector<std::array<double, 3>> scales = {{0.5, 0.25, 2.0}, {0.0123, 1.0 / 448, 0.001}, {3.0, 0.125, 0.75}};
+  std::string text = "{";
+  for (size_t i = 0; i < scales.size(); ++i)
+    text += (i ? ", \"" : "\"") + layer(int(i)) + "\": {\"q\": " + nlohmann::json(scales[i][0]).dump() +
+            ", \"k_scale\": " + nlohmann::json(scales[i][1]).dump() + ", \"v\": " + nlohmann::json(scales[i][2]).dump() + "}";
+  const std::string path = write("s.json", text + "}");
+
+  const Result r = run("scales inspect " + q(path));
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_EQ(r.err, "");
+  EXPECT_HAS(r.out, path);
+  // Each layer's line: index, name, 3 scales, 3 amax (= scale x 448).
+  std::vector<std::vector<std::string>> rows(scales.size());
+  std::istringstream lines(r.out);
+  for (std::string line; std::getline(lines, line);)
+    for (size_t i = 0; i < scales.size(); ++i)
+      if (line.find(layer(int(i))) != std::string::npos) rows[i] = split_ws(line);
+  for (size_t i = 0; i < scales.size(); ++i) {
+    SCOPED_TRACE(layer(int(i)));
+    ASSERT_EQ(rows[i].size(), 8u) << r.out;
+    EXPECT_EQ(rows[i][0], std::to_string(i));
+    for (size_t t = 0; t < 3; ++t) {
+      const double s = scales[i][t];
+      EXPECT_NEAR(std::stod(rows[i][2 + t]), s, 1e-5 * s) << rows[i][2 + t];
+      EXPECT_NEAR(std::stod(rows[i][5 + t]), s * 448, 1e-3 * s * 448) << rows[i][5 + t];
+    }
+  }
+  EXPECT_EQ(rows[0][5], "224");  // 0.5 x 448
+  EXPECT_EQ(rows[0][7], "896");  // 2 x 448
+}
+
+TEST_F(Cli, ScalesInspectNumLayers) {
+  std::string text = "{";
+  for (int i = 0; i < 3; ++i) text += (i ? ", \"" : "\"") + layer(i) + "\": {\"q\": 1, \"k\": 1, \"v\": 1}";
+  const std::string path = write("three.json", text + "}");
+  EXPECT_EQ(run("scales inspect " + q(path) + " --num-layers 3").code, 0);
+  EXPECT_EQ(run("scales inspect " + q(path) + " --num-layers 1").code, 0);
+  const Result r = run("scales inspect " + q(path) + " --num-layers 4");
+  expect_one_line_error(r, layer(3));
+  EXPECT_HAS(r.err, path);
+}
+
+TEST_F(Cli, ScalesInspectInvalidFilesAreOneLineErrorsNamingTheFile) {
+  fs::create_directory(work / "folder.json");
+  const std::vector<std::string> files = {
+      write("bad-json.json", "{\n  \"" + layer(0) + "\": {\"q\": 1,, \"k\": 1, \"v\": 1}\n}\n"),
+      write("missing-k.json", "{\"" + layer(0) + "\": {\"q\": 1, \"v\": 1}}"),
+      write("zero.json", "{\"" + layer(0) + "\": {\"q\": 0, \"k\": 1, \"v\": 1}}"),
+      write("array.json", "[1, 2, 3]"),
+      write("not-object.json", "{\"" + layer(0) + "\": 0.5}"),
+      file("absent.json"),
+      file("folder.json"),
+  };
+  for (const std::string& f : files) {
+    SCOPED_TRACE(f);
+    const Result r = run("scales inspect " + q(f));
+    expect_one_line_error(r, f);
+    EXPECT_EQ(r.out, "");  // nothing half-printed
+  }
+}
+
+TEST_F(Cli, ScalesInspectWithoutFileFails) {
+  const Result r = run("scales inspect");
+  EXPECT_NE(r.code, 0);
+  EXPECT_HAS(r.err, "FILE");
+}
+
+// ---- fovea info --------------------------------------------------------------------------------------
+
+TEST_F(Cli, InfoShowsTheEngine) {
+  const Result r = run("info");
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_HAS(r.out, "fovea");
+  EXPECT_HAS(r.out, "engine:");
+  if (r.out.find("GPUs: none") != std::string::npos) {
+    EXPECT_HAS(r.out, "backend: CPU");
+  } else {  // a machine with a GPU
+    EXPECT_TRUE(r.out.find("backend: FOVEA") != std::string::npos || r.out.find("backend: CUDNN") != std::string::npos)
+        << r.out;
+  }
+  const Result cpu = run("info --device cpu --mm-encoder-attn-dtype fp8");
+  ASSERT_EQ(cpu.code, 0) << cpu.err;
+  EXPECT_HAS(cpu.out, "backend: CPU");
+  EXPECT_HAS(cpu.out, "fp8");
+  EXPECT_HAS(cpu.out, "dynamic");
+}
+
+TEST_F(Cli, InfoWithStaticScales) {
+  const std::string path = write("s.json", "{\"layers\": {\"" + layer(0) + "\": {\"q\": 1, \"k\": 1, \"v\": 1}, \"" +
+                                               layer(1) + "\": {\"q\": 1, \"k\": 1, \"v\": 1}}}");
+  const Result r = run("info --device cpu --mm-encoder-attn-dtype fp8 --mm-encoder-fp8-scale-path " + q(path));
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_HAS(r.out, "static, 2 layers");
+  EXPECT_HAS(r.out, path);
+}
+
+TEST_F(Cli, InfoOptionErrorsNameTheOption) {
+  const std::string scales = write("s.json", "{\"" + layer(0) + "\": {\"q\": 1, \"k\": 1, \"v\": 1}}");
+  const std::string bad = write("bad.json", "{\"" + layer(0) + "\": {\"q\": 1, \"k\": 1}}");
+  const std::string save = file("out.json");
+  fs::create_directory(work / "folder");
+  const std::string fp8 = "--device cpu --mm-encoder-attn-dtype fp8 ";
+  const std::string save_flag = "--mm-encoder-fp8-scale-save-path ";
+  const std::string scale_flag = "--mm-encoder-fp8-scale-path ";
+  struct Case {
+    std::string args;
+    std::vector<std::string> words;
+  };
+  const std::vector<Case> cases = {
+      {scale_flag + q(scales), {"--mm-encoder-fp8-scale-path", "--mm-encoder-attn-dtype"}},
+      {save_flag + q(save), {"--mm-encoder-fp8-scale-save-path", "--mm-encoder-attn-dtype"}},
+      {fp8 + scale_flag + q(scales) + " " + save_flag + q(save),
+       {"--mm-encoder-fp8-scale-path", "--mm-encoder-fp8-scale-save-path"}},
+      {fp8 + save_flag + q(file("missing/out.json")), {"--mm-encoder-fp8-scale-save-path", file("missing")}},
+      {fp8 + save_flag + q(file("folder")), {"--mm-encoder-fp8-scale-save-path", "folder"}},
+      {fp8 + save_flag + q(save) + " --mm-encoder-fp8-scale-save-margin 0", {"--mm-encoder-fp8-scale-save-margin"}},
+      {fp8 + save_flag + q(save) + " --mm-encoder-fp8-scale-save-margin=-1", {"--mm-encoder-fp8-scale-save-margin"}},
+      {fp8 + scale_flag + q(bad), {"--mm-encoder-fp8-scale-path", bad, layer(0)}},
+      {"--mm-encoder-attn-backend NOPE", {"--mm-encoder-attn-backend", "NOPE"}},
+      {"--mm-encoder-attn-dtype int4", {"--mm-encoder-attn-dtype", "int4"}},
+      {"--device tpu", {"--device", "tpu"}},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.args);
+    const Result r = run("info " + c.args);
+    expect_one_line_error(r, c.words[0]);
+    for (const std::string& w : c.words) EXPECT_HAS(r.err, w);
+  }
+  EXPECT_EQ(list_work(), (std::vector<std::string>{"bad.json", "folder", "s.json"}));  // nothing written
+}
+
+// ---- fovea bench attention ---------------------------------------------------------------------------
+
+TEST_F(Cli, BenchAttentionWritesJsonWithSensibleErrors) {
+  for (const std::string dist : {"normal", "outliers"}) {
+    SCOPED_TRACE(dist);
+    const std::string json_path = file("bench-" + dist + ".json");
+    const Result r = run("bench attention --device cpu --seqlens 1,7,64,129 --heads 2 --head-dim 64 --dist " + dist +
+                         " --json " + q(json_path));
+    ASSERT_EQ(r.code, 0) << r.err;
+    nlohmann::json doc;
+    ASSERT_NO_THROW(doc = nlohmann::json::parse(slurp(json_path))) << slurp(json_path);
+    EXPECT_EQ(doc.at("seqlens"), nlohmann::json({1, 7, 64, 129}));
+    EXPECT_EQ(doc.at("heads"), 2);
+    EXPECT_EQ(doc.at("head_dim"), 64);
+    double rel[2] = {NAN, NAN};  // bf16, fp8
+    ASSERT_TRUE(doc.at("results").is_array());
+    for (const auto& res : doc.at("results")) {
+      const std::string dtype = res.at("dtype");
+      ASSERT_TRUE(dtype == "bf16" || dtype == "fp8") << dtype;
+      ASSERT_TRUE(res.at("rel_l2").is_number()) << res.dump();  // non-finite is written as null
+      rel[dtype == "fp8"] = res.at("rel_l2").get<double>();
+      EXPECT_EQ(res.at("nonfinite"), 0);
+    }
+    ASSERT_TRUE(std::isfinite(rel[0]) && std::isfinite(rel[1])) << doc.dump(2);
+    EXPECT_GT(rel[0], 0.0);
+    EXPECT_LT(rel[0], 1e-2);
+    EXPECT_LT(rel[0], rel[1]);
+    EXPECT_LT(rel[1], 0.1);
+  }
+}
+
+TEST_F(Cli, BenchAttentionRejectsBadSeqlens) {
+  for (const std::string s : {"0", "3,x", "-4", "8,,8"}) {
+    SCOPED_TRACE(s);
+    const Result r = run("bench attention --device cpu --heads 1 --head-dim 8 --seqlens " + q(s));
+    expect_one_line_error(r, "--seqlens");
+  }
+}
+
+TEST_F(Cli, BenchAttentionJsonIntoAMissingFolderFailsAndLeavesNothing) {
+  const std::string json_path = file("missing/b.json");
+  const Result r = run("bench attention --device cpu --seqlens 4 --heads 1 --head-dim 8 --json " + q(json_path));
+  EXPECT_NE(r.code, 0);
+  EXPECT_HAS(r.err, "--json");
+  EXPECT_HAS(r.err, json_path);
+  EXPECT_TRUE(list_work().empty()) << ::testing::PrintToString(list_work());
+}

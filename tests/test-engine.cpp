@@ -1,0 +1,233 @@
+// Tests of engine flag resolution (design.md §2 option errors, §3 backends, §5 flags) with hand-built
+// SystemInfo values: no GPU is needed or used.
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "fovea/engine.h"
+#include "fovea/error.h"
+#include "test-util.h"
+
+// EngineOptions are written with designated initializers naming only the flags a test sets; the
+// rest keep their defaults, which is the point, so -Wextra's warning about them is noise here.
+#pragma GCC diagnostic ignored "-Wmissing-field-initializers"
+
+namespace fs = std::filesystem;
+using namespace fovea;
+using namespace fovea::test;
+
+namespace {
+
+SystemInfo no_gpu(bool cuda_built = false) {
+  SystemInfo s;
+  s.cuda_built = s.cudnn_built = cuda_built;
+  s.gpu_error = "no GPU in this test";
+  return s;
+}
+SystemInfo with_gpu(const std::string& name, int major, int minor, bool cuda_built = true, bool cudnn_built = true) {
+  SystemInfo s;
+  s.cuda_built = cuda_built;
+  s.cudnn_built = cudnn_built;
+  s.gpus.push_back({0, name, major, minor, 132, size_t(141) << 30});
+  return s;
+}
+SystemInfo h200(bool cudnn_built = true) { return with_gpu("NVIDIA H200", 9, 0, true, cudnn_built); }
+SystemInfo a100(bool cudnn_built = true) { return with_gpu("NVIDIA A100-SXM4-80GB", 8, 0, true, cudnn_built); }
+
+// The message of the fovea::Error resolve_engine throws; a test failure if it does not throw one.
+std::string error_of(const EngineOptions& opt, const SystemInfo& sys) {
+  return fovea::test::error_of([&] { resolve_engine(opt, sys); });
+}
+
+const char* kScaleFlag = "--mm-encoder-fp8-scale-path";
+const char* kSaveFlag = "--mm-encoder-fp8-scale-save-path";
+const char* kMarginFlag = "--mm-encoder-fp8-scale-save-margin";
+const char* kBackendFlag = "--mm-encoder-attn-backend";
+const char* kDtypeFlag = "--mm-encoder-attn-dtype";
+
+const char* kValidScales = R"({"visual.blocks.0.attn.attn": {"q": 0.5, "k": 0.25, "v": 0.125},
+                               "visual.blocks.1.attn.attn": {"q": 1, "k": 2, "v": 4}})";
+
+}  // namespace
+
+// ---- resolution ------------------------------------------------------------------------------------
+
+TEST(ResolveEngine, DefaultsWithoutAGpuAreCpuBf16) {
+  for (bool built : {false, true}) {
+    const EngineConfig c = resolve_engine({}, no_gpu(built));
+    EXPECT_EQ(c.device, Device::CPU);
+    EXPECT_EQ(c.backend, AttnBackend::CPU);
+    EXPECT_EQ(c.dtype, AttnDtype::BF16);
+    EXPECT_FALSE(c.scale_mode.has_value());
+    EXPECT_FALSE(c.gpu.has_value());
+  }
+}
+
+TEST(ResolveEngine, DefaultsOnHopperAreCudaFovea) {
+  const EngineConfig c = resolve_engine({}, h200());
+  EXPECT_EQ(c.device, Device::CUDA);
+  EXPECT_EQ(c.backend, AttnBackend::FOVEA);
+  EXPECT_EQ(c.dtype, AttnDtype::BF16);
+  ASSERT_TRUE(c.gpu.has_value());
+  EXPECT_EQ(c.gpu->name, "NVIDIA H200");
+  const EngineConfig fp8 = resolve_engine({.dtype = "fp8"}, h200());
+  EXPECT_EQ(fp8.backend, AttnBackend::FOVEA);
+  EXPECT_EQ(fp8.dtype, AttnDtype::FP8);
+}
+
+TEST(ResolveEngine, AutoOnAmpereIsCudnn) {
+  const EngineConfig c = resolve_engine({}, a100());
+  EXPECT_EQ(c.device, Device::CUDA);
+  EXPECT_EQ(c.backend, AttnBackend::CUDNN);
+  // Without cuDNN nothing runs on that GPU: an error, not a silent fallback to the CPU.
+  const std::string msg = error_of({}, a100(/*cudnn_built=*/false));
+  EXPECT_HAS(msg, kBackendFlag);
+  EXPECT_HAS(msg, "cuDNN");
+  EXPECT_HAS(msg, "CPU (--device cpu)");
+}
+
+TEST(ResolveEngine, BackendNamesAreCaseInsensitiveAndFlashinferIsCudnn) {
+  const std::vector<std::pair<std::string, AttnBackend>> names = {
+      {"FLASHINFER", AttnBackend::CUDNN}, {"flashinfer", AttnBackend::CUDNN}, {"FlashInfer", AttnBackend::CUDNN},
+      {"CUDNN", AttnBackend::CUDNN},      {"cuDNN", AttnBackend::CUDNN},      {"fovea", AttnBackend::FOVEA},
+      {"Fovea", AttnBackend::FOVEA},      {"auto", AttnBackend::FOVEA},       {"AUTO", AttnBackend::FOVEA}};
+  for (const auto& [name, want] : names) {
+    EXPECT_EQ(resolve_engine({.backend = name}, h200()).backend, want) << name;
+  }
+  for (const std::string name : {"cpu", "CPU", "Cpu"}) {
+    const EngineConfig c = resolve_engine({.backend = name}, h200());
+    EXPECT_EQ(c.backend, AttnBackend::CPU) << name;
+    EXPECT_EQ(c.device, Device::CPU) << name;  // no --device: the CPU backend picks the CPU
+  }
+  EXPECT_EQ(resolve_engine({.dtype = "BF16"}, no_gpu()).dtype, AttnDtype::BF16);
+}
+
+TEST(ResolveEngine, Fp8ScaleModes) {
+  TempDir dir;
+  const EngineConfig dyn = resolve_engine({.dtype = "fp8"}, no_gpu());
+  EXPECT_EQ(dyn.dtype, AttnDtype::FP8);
+  EXPECT_EQ(dyn.backend, AttnBackend::CPU);
+  EXPECT_EQ(dyn.scale_mode, ScaleMode::DYNAMIC);
+
+  const std::string scales = dir.write("scales.json", kValidScales);
+  const EngineConfig st = resolve_engine({.dtype = "fp8", .scale_path = scales}, no_gpu());
+  EXPECT_EQ(st.scale_mode, ScaleMode::STATIC);
+  EXPECT_EQ(st.scale_path, scales);
+  ASSERT_TRUE(st.scale_file.has_value());
+  ASSERT_EQ(st.scale_file->layers.size(), 2u);
+  EXPECT_EQ(st.scale_file->layers.at(0), (QkvScales{0.5f, 0.25f, 0.125f}));
+  EXPECT_EQ(st.scale_file->layers.at(1), (QkvScales{1, 2, 4}));
+
+  const std::string save = dir.file("out.json");
+  const EngineConfig cal =
+      resolve_engine({.dtype = "fp8", .scale_save_path = save, .scale_save_margin = 2.0}, h200());
+  EXPECT_EQ(cal.scale_mode, ScaleMode::CALIBRATE);
+  EXPECT_EQ(cal.scale_save_path, save);
+  EXPECT_EQ(cal.scale_save_margin, 2.0f);
+  EXPECT_FALSE(cal.scale_file.has_value());
+  EXPECT_FALSE(fs::exists(save));  // resolving the flags writes nothing
+}
+
+// ---- errors: every message names the option ---------------------------------------------------------
+
+TEST(ResolveEngineErrors, ScaleOptions) {
+  TempDir dir;
+  const std::string scales = dir.write("scales.json", kValidScales);
+  const std::string save = dir.file("out.json");
+  fs::create_directory(dir.path / "folder");
+  struct Case {
+    const char* name;
+    EngineOptions opt;
+    std::vector<std::string> words;
+  };
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  const std::vector<Case> cases = {
+      {"scale path without fp8", {.scale_path = scales}, {kScaleFlag, kDtypeFlag}},
+      {"scale path with bf16", {.dtype = "bf16", .scale_path = scales}, {kScaleFlag, kDtypeFlag}},
+      {"save path without fp8", {.scale_save_path = save}, {kSaveFlag, kDtypeFlag}},
+      {"both paths", {.dtype = "fp8", .scale_path = scales, .scale_save_path = save}, {kScaleFlag, kSaveFlag}},
+      {"save folder missing", {.dtype = "fp8", .scale_save_path = dir.file("missing/out.json")}, {kSaveFlag, "missing"}},
+      {"save path is a folder", {.dtype = "fp8", .scale_save_path = dir.file("folder")}, {kSaveFlag, "folder"}},
+      {"margin 0", {.dtype = "fp8", .scale_save_path = save, .scale_save_margin = 0.0}, {kMarginFlag}},
+      {"margin -1", {.dtype = "fp8", .scale_save_path = save, .scale_save_margin = -1.0}, {kMarginFlag}},
+      {"margin NaN", {.dtype = "fp8", .scale_save_path = save, .scale_save_margin = nan}, {kMarginFlag}},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    const std::string msg = error_of(c.opt, no_gpu());
+    for (const std::string& w : c.words) EXPECT_HAS(msg, w);
+  }
+  EXPECT_FALSE(fs::exists(save));
+}
+
+TEST(ResolveEngineErrors, InvalidScaleFileNamesTheOptionAndTheFile) {
+  TempDir dir;
+  const std::string bad = dir.write("bad.json", R"({"visual.blocks.0.attn.attn": {"q": 0.5, "k": 0.5}})");
+  std::string msg = error_of({.dtype = "fp8", .scale_path = bad}, no_gpu());
+  EXPECT_HAS(msg, kScaleFlag);
+  EXPECT_HAS(msg, bad);
+  EXPECT_HAS(msg, "'v'");
+  const std::string absent = dir.file("absent.json");
+  msg = error_of({.dtype = "fp8", .scale_path = absent}, no_gpu());
+  EXPECT_HAS(msg, kScaleFlag);
+  EXPECT_HAS(msg, absent);
+}
+
+TEST(ResolveEngineErrors, UnknownNames) {
+  std::string msg = error_of({.backend = "TRITON"}, h200());
+  EXPECT_HAS(msg, kBackendFlag);
+  EXPECT_HAS(msg, "TRITON");
+  msg = error_of({.dtype = "fp16"}, h200());
+  EXPECT_HAS(msg, kDtypeFlag);
+  EXPECT_HAS(msg, "fp16");
+  msg = error_of({.device = "tpu"}, h200());
+  EXPECT_HAS(msg, "--device");
+  EXPECT_HAS(msg, "tpu");
+}
+
+TEST(ResolveEngineErrors, DeviceCudaNeedsACudaBuildAndAGpu) {
+  SystemInfo not_built = h200();
+  not_built.cuda_built = not_built.cudnn_built = false;
+  std::string msg = error_of({.device = "cuda"}, not_built);
+  EXPECT_HAS(msg, "--device");
+  EXPECT_HAS(msg, "CUDA");
+  msg = error_of({.device = "cuda"}, no_gpu(/*cuda_built=*/true));
+  EXPECT_HAS(msg, "--device");
+  EXPECT_HAS(msg, "no GPU in this test");  // says why no GPU is visible
+}
+
+TEST(ResolveEngineErrors, BackendCannotRunThere) {
+  struct Case {
+    const char* name;
+    EngineOptions opt;
+    SystemInfo sys;
+    std::vector<std::string> words;
+  };
+  const std::vector<Case> cases = {
+      {"FOVEA on the CPU", {.backend = "FOVEA"}, no_gpu(), {"FOVEA", "GPU", "runs here on", "CPU (--device cpu)"}},
+      {"FOVEA with --device cpu", {.backend = "FOVEA", .device = "cpu"}, h200(), {"FOVEA", "runs here on"}},
+      {"FOVEA on sm_80", {.backend = "FOVEA"}, a100(), {"FOVEA", "Hopper", "sm_80", "CUDNN (--device cuda)"}},
+      {"CPU backend on --device cuda", {.backend = "CPU", .device = "cuda"}, h200(), {"CPU", "--device cpu"}},
+      {"CUDNN fp8 on sm_80",
+       {.backend = "CUDNN", .dtype = "fp8"},
+       a100(),
+       {"CUDNN", "sm_89", "sm_80", "fp8 attention runs here on", "CPU (--device cpu)"}},
+      {"AUTO fp8 on sm_80", {.dtype = "fp8"}, a100(), {"sm_89", "runs here on", "CPU (--device cpu)"}},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    const std::string msg = error_of(c.opt, c.sys);
+    EXPECT_HAS(msg, kBackendFlag);
+    for (const std::string& w : c.words) EXPECT_HAS(msg, w);
+  }
+  // Where CUDNN fp8 cannot run it is not offered; on sm_80 only the CPU runs fp8.
+  const std::string msg = error_of({.backend = "CUDNN", .dtype = "fp8"}, a100());
+  EXPECT_EQ(msg.find("CUDNN (--device cuda)"), std::string::npos) << msg;
+  EXPECT_EQ(msg.find("FOVEA (--device cuda)"), std::string::npos) << msg;
+}

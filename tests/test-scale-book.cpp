@@ -1,0 +1,307 @@
+// Tests of the FP8 scale book (design.md §2): the amax ring of dynamic scaling, static scales, and
+// calibration (16 complete forwards, then s x margin written atomically).
+#include <algorithm>
+#include <array>
+#include <cfloat>
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "fovea/error.h"
+#include "test-util.h"
+#include "fovea/io.h"
+#include "fovea/scales.h"
+
+namespace fs = std::filesystem;
+using namespace fovea;
+using namespace fovea::test;
+
+namespace {
+
+constexpr float kInf = std::numeric_limits<float>::infinity();
+const float kNaN = std::numeric_limits<float>::quiet_NaN();
+
+
+AmaxHistory fresh() {
+  AmaxHistory h;
+  amax_history_reset(h);
+  return h;
+}
+
+// The spec's scale of a set of amax values: max |finite x| / 448, floored at FLT_MIN.
+float spec_scale(const std::vector<float>& amaxes) {
+  float m = 0.0f;
+  for (float a : amaxes)
+    if (std::isfinite(a)) m = std::max(m, std::fabs(a));
+  return std::max(m / 448.0f, FLT_MIN);
+}
+
+// Records one complete forward: amax[l][t] for every layer.
+void forward(ScaleBook& book, const std::vector<std::array<float, 3>>& amax) {
+  for (int l = 0; l < int(amax.size()); ++l) book.record(l, amax[l][0], amax[l][1], amax[l][2]);
+}
+
+}  // namespace
+
+// ---- the amax ring -------------------------------------------------------------------------------
+
+TEST(AmaxHistory, EmptyRingGivesTheFloor) {
+  const AmaxHistory h = fresh();
+  EXPECT_EQ(h.filled, 0);
+  EXPECT_EQ(h.updates, 0u);
+  EXPECT_EQ(amax_history_scale(h), FLT_MIN);
+  EXPECT_EQ(h.scale, FLT_MIN);
+  const ScaleBook book = ScaleBook::dynamic(2);
+  EXPECT_EQ(book.scales(1), (QkvScales{FLT_MIN, FLT_MIN, FLT_MIN}));
+}
+
+TEST(AmaxHistory, ScaleIncludesTheCurrentValue) {
+  AmaxHistory h = fresh();
+  EXPECT_EQ(amax_history_record(h, 10.0f), 10.0f / 448.0f);
+  EXPECT_EQ(amax_history_record(h, 1344.0f), 3.0f);  // the current call's amax is in at once
+  EXPECT_EQ(h.scale, 3.0f);
+  EXPECT_EQ(amax_history_record(h, 1.0f), 3.0f);  // a smaller one does not lower the max
+  EXPECT_EQ(h.filled, 3);
+}
+
+TEST(AmaxHistory, RingKeepsExactlyTheLast16) {
+  AmaxHistory h = fresh();
+  std::vector<float> fed;
+  for (int i = 0; i < 20; ++i) {
+    const float v = i == 2 ? 1000.0f : 1.0f + 0.25f * float(i);
+    fed.push_back(v);
+    const float s = amax_history_record(h, v);
+    const std::vector<float> last16(fed.end() - std::min<ptrdiff_t>(ptrdiff_t(fed.size()), 16), fed.end());
+    EXPECT_EQ(s, spec_scale(last16)) << "after value " << i;
+    EXPECT_EQ(h.filled, std::min(i + 1, kAmaxHistoryLen));
+    EXPECT_EQ(h.updates, uint32_t(i + 1));
+    // The big value (index 2) is in the ring for itself and the next 15 values, gone after 16 more.
+    if (i >= 2 && i <= 17) {
+      EXPECT_EQ(s, 1000.0f / 448.0f) << i;
+    } else if (i >= 18) {
+      EXPECT_EQ(s, v / 448.0f) << i;  // the rest increase: the newest is the max
+    }
+  }
+}
+
+TEST(AmaxHistory, FloorAppliesToZeroAndTinyAmax) {
+  AmaxHistory h = fresh();
+  EXPECT_EQ(amax_history_record(h, 0.0f), FLT_MIN);
+  EXPECT_EQ(amax_history_record(h, 1e-40f), FLT_MIN);  // 1e-40 / 448 is below the smallest normal
+  EXPECT_EQ(h.filled, 2);
+  EXPECT_EQ(amax_history_record(h, 896.0f * FLT_MIN), 2.0f * FLT_MIN);  // above the floor: no floor
+}
+
+TEST(AmaxHistory, NonFiniteAmaxIsIgnoredAndCounted) {
+  AmaxHistory h = fresh();
+  amax_history_record(h, 7.0f);
+  const AmaxHistory before = h;
+  int n = 0;
+  for (float bad : {kInf, -kInf, kNaN, -kNaN}) {
+    ++n;
+    EXPECT_EQ(amax_history_record(h, bad), 7.0f / 448.0f) << bad;
+    EXPECT_EQ(h.filled, 1);
+    EXPECT_EQ(h.pos, before.pos);
+    EXPECT_EQ(std::memcmp(h.ring, before.ring, sizeof h.ring), 0) << "the ring changed on " << bad;
+    EXPECT_EQ(h.nonfinite, uint32_t(n));
+    EXPECT_EQ(h.updates, uint32_t(1 + n));  // still an update
+  }
+
+  ScaleBook book = ScaleBook::dynamic(3);
+  book.record(0, 1.0f, 1.0f, 1.0f);
+  const QkvScales s = book.record(1, kInf, 2.0f, kNaN);
+  book.record(2, -kInf, -kInf, -kInf);
+  EXPECT_EQ(s, (QkvScales{FLT_MIN, 2.0f / 448.0f, FLT_MIN}));
+  EXPECT_EQ(book.nonfinite_count(0), 0u);
+  EXPECT_EQ(book.nonfinite_count(1), 2u);
+  EXPECT_EQ(book.nonfinite_count(2), 3u);
+  EXPECT_EQ(book.complete_forwards(), 1u);  // the non-finite records count as updates
+}
+
+TEST(AmaxHistory, NegativeAmaxCountsAsItsMagnitude) {
+  AmaxHistory h = fresh();
+  EXPECT_EQ(amax_history_record(h, -5.0f), 5.0f / 448.0f);
+  EXPECT_EQ(amax_history_record(h, 3.0f), 5.0f / 448.0f);  // |-5| stays the max
+  EXPECT_EQ(amax_history_record(h, -1000.0f), 1000.0f / 448.0f);
+  EXPECT_EQ(h.ring[2], 1000.0f);
+}
+
+// ---- the scale book ------------------------------------------------------------------------------
+
+TEST(ScaleBook, CompleteForwardsIsTheMinimumOverLayers) {
+  ScaleBook book = ScaleBook::dynamic(3);
+  EXPECT_EQ(book.mode(), ScaleMode::DYNAMIC);
+  EXPECT_EQ(book.complete_forwards(), 0u);
+  for (int i = 0; i < 3; ++i) book.record(0, 1, 1, 1);
+  book.record(2, 1, 1, 1);
+  EXPECT_EQ(book.complete_forwards(), 0u);  // layer 1 has recorded nothing
+  book.record(1, 1, 1, 1);
+  EXPECT_EQ(book.complete_forwards(), 1u);
+  book.record(1, 1, 1, 1);
+  book.record(2, 1, 1, 1);
+  EXPECT_EQ(book.complete_forwards(), 2u);
+  EXPECT_EQ(book.scales(2), (QkvScales{1.0f / 448.0f, 1.0f / 448.0f, 1.0f / 448.0f}));
+}
+
+TEST(ScaleBook, StaticModeReturnsTheFixedScales) {
+  const std::vector<QkvScales> fixed = {{0.125f, 0.25f, 0.5f}, {1.0f, 2.0f, 3.0f}};
+  ScaleBook book = ScaleBook::fixed(fixed);
+  EXPECT_EQ(book.mode(), ScaleMode::STATIC);
+  EXPECT_EQ(book.num_layers(), 2);
+  EXPECT_EQ(book.scales(0), fixed[0]);
+  EXPECT_EQ(book.record(1, 1e6f, 1e6f, 1e6f), fixed[1]);  // no amax work: the amax is ignored
+  EXPECT_EQ(book.scales(1), fixed[1]);
+  EXPECT_FALSE(book.after_forward());
+}
+
+TEST(ScaleBook, StaticModeRejectsNonPositiveOrNonFiniteScales) {
+  EXPECT_HAS(error_of([] { ScaleBook::fixed({}); }), "zero layers");
+  for (float bad : {0.0f, -0.0f, -1.0f, kInf, -kInf, kNaN}) {
+    for (int t = 0; t < 3; ++t) {
+      std::vector<QkvScales> s = {{1, 1, 1}, {1, 1, 1}};
+      (t == 0 ? s[1].q : t == 1 ? s[1].k : s[1].v) = bad;
+      const std::string msg = error_of([&] { ScaleBook::fixed(s); });
+      EXPECT_HAS(msg, "layer 1");
+      EXPECT_HAS(msg, kQkvNames[t]);
+      EXPECT_HAS(msg, "> 0");
+    }
+  }
+}
+
+TEST(ScaleBook, LayerOutOfRangeThrows) {
+  ScaleBook dyn = ScaleBook::dynamic(3);
+  const ScaleBook fixed = ScaleBook::fixed({{1, 1, 1}});
+  EXPECT_HAS(error_of([&] { dyn.record(3, 1, 1, 1); }), "out of range");
+  EXPECT_HAS(error_of([&] { dyn.record(-1, 1, 1, 1); }), "out of range");
+  EXPECT_HAS(error_of([&] { (void)dyn.scales(3); }), "layer 3");
+  EXPECT_HAS(error_of([&] { (void)dyn.nonfinite_count(-1); }), "out of range");
+  EXPECT_HAS(error_of([&] { (void)fixed.scales(1); }), "out of range");
+  EXPECT_HAS(error_of([] { ScaleBook::dynamic(0); }), "> 0");
+}
+
+// ---- calibration ---------------------------------------------------------------------------------
+
+TEST(Calibration, WritesScaleTimesMarginAfterExactly16CompleteForwards) {
+  TempDir dir;
+  const std::string path = dir.file("scales.json");
+  constexpr int L = 4;
+  const float margin = 1.5f;
+  ScaleBook book = ScaleBook::calibrating(L, path, margin);
+  EXPECT_EQ(book.mode(), ScaleMode::CALIBRATE);
+
+  // amax[f][l][t]: random magnitudes with random signs; layer 3's V is always 0 (floor), and one
+  // non-finite value in layer 1's K stays out of its ring.
+  std::mt19937 rng(20240611);
+  std::uniform_real_distribution<float> u(-40.0f, 40.0f);
+  std::vector<std::vector<std::array<float, 3>>> amax(16, std::vector<std::array<float, 3>>(L));
+  for (auto& f : amax)
+    for (auto& l : f)
+      for (float& x : l) x = u(rng);
+  for (auto& f : amax) f[3][V] = 0.0f;
+  amax[5][1][K] = kNaN;
+
+  for (int f = 0; f < 16; ++f) {
+    forward(book, amax[size_t(f)]);
+    EXPECT_EQ(book.complete_forwards(), uint32_t(f + 1));
+    if (f < 15) {
+      EXPECT_FALSE(book.after_forward()) << "forward " << f + 1;
+      EXPECT_FALSE(fs::exists(path)) << "written after forward " << f + 1;
+      EXPECT_FALSE(book.calibration_written());
+    }
+  }
+  EXPECT_TRUE(book.after_forward());
+  EXPECT_TRUE(book.calibration_written());
+  ASSERT_TRUE(fs::exists(path));
+  EXPECT_EQ(dir.list(), std::vector<std::string>{"scales.json"});  // no temp file behind
+  EXPECT_EQ(book.nonfinite_count(1), 1u);
+
+  const ScaleFile file = read_scale_file(path);
+  ASSERT_EQ(file.layers.size(), size_t(L));
+  for (int l = 0; l < L; ++l) {
+    for (int t = 0; t < 3; ++t) {
+      std::vector<float> fed;
+      for (int f = 0; f < 16; ++f) fed.push_back(amax[size_t(f)][size_t(l)][size_t(t)]);
+      EXPECT_EQ(file.layers.at(l)[t], spec_scale(fed) * margin) << "layer " << l << " " << kQkvNames[t];
+    }
+  }
+  EXPECT_EQ(file.layers.at(3).v, FLT_MIN * margin);
+
+  // Once only: more forwards do not write again.
+  const std::string written = read_file(path);
+  EXPECT_FALSE(book.after_forward());
+  forward(book, std::vector<std::array<float, 3>>(L, {1000.0f, 1000.0f, 1000.0f}));
+  EXPECT_FALSE(book.after_forward());
+  EXPECT_EQ(read_file(path), written);
+}
+
+TEST(Calibration, AnIncompleteForwardDoesNotCount) {
+  TempDir dir;
+  const std::string path = dir.file("s.json");
+  ScaleBook book = ScaleBook::calibrating(3, path, 2.0f);
+  for (int f = 0; f < 16; ++f) {
+    for (int l = 0; l < 3; ++l)
+      if (!(f == 7 && l == 1)) book.record(l, 1.0f, 1.0f, 1.0f);  // forward 8 misses layer 1
+    EXPECT_FALSE(book.after_forward()) << "forward " << f + 1;
+  }
+  EXPECT_EQ(book.complete_forwards(), 15u);
+  EXPECT_FALSE(fs::exists(path));
+  book.record(1, 448.0f, 448.0f, 448.0f);  // layer 1 catches up
+  EXPECT_EQ(book.complete_forwards(), 16u);
+  EXPECT_TRUE(book.after_forward());
+  const ScaleFile file = read_scale_file(path);
+  EXPECT_EQ(file.layers.at(1), (QkvScales{2.0f, 2.0f, 2.0f}));  // 448 / 448 * 2
+  EXPECT_EQ(file.layers.at(0).q, 1.0f / 448.0f * 2.0f);
+}
+
+TEST(Calibration, ALayerWithOnlyNonFiniteAmaxIsAnErrorNamingIt) {
+  TempDir dir;
+  const std::string path = dir.file("s.json");
+  ScaleBook book = ScaleBook::calibrating(3, path, 1.5f);
+  const float bad[3] = {kNaN, kInf, -kInf};
+  for (int f = 0; f < 16; ++f) {
+    book.record(0, 1, 1, 1);
+    book.record(1, 1, 1, 1);
+    book.record(2, bad[f % 3], 1, 1);
+  }
+  EXPECT_EQ(book.complete_forwards(), 16u);
+  const std::string msg = error_of([&] { book.after_forward(); });
+  EXPECT_HAS(msg, "visual.blocks.2.attn.attn");
+  EXPECT_HAS(msg, "non-finite");
+  EXPECT_FALSE(book.calibration_written());
+  EXPECT_TRUE(dir.list().empty()) << "left behind: " << ::testing::PrintToString(dir.list());
+}
+
+TEST(Calibration, MarginMustBePositiveAndFinite) {
+  TempDir dir;
+  for (float m : {0.0f, -1.0f, kNaN, kInf})
+    EXPECT_HAS(error_of([&] { ScaleBook::calibrating(2, dir.file("s.json"), m); }), "margin");
+  EXPECT_HAS(error_of([] { ScaleBook::calibrating(2, "", 1.5f); }), "save path");
+}
+
+TEST(Calibration, SavePathInAMissingFolderIsAnErrorAndWritesNothing) {
+  TempDir dir;
+  const std::string path = dir.file("missing/s.json");
+  ScaleBook book = ScaleBook::calibrating(2, path, 1.5f);
+  for (int f = 0; f < 16; ++f) forward(book, {{1, 1, 1}, {2, 2, 2}});
+  const std::string msg = error_of([&] { book.after_forward(); });
+  EXPECT_HAS(msg, path);
+  EXPECT_HAS(msg, "does not exist");
+  EXPECT_FALSE(book.calibration_written());
+  EXPECT_TRUE(dir.list().empty()) << "left behind: " << ::testing::PrintToString(dir.list());
+}
+
+TEST(Calibration, SavePathThatIsAFolderIsAnErrorAndLeavesNoTempFile) {
+  TempDir dir;
+  fs::create_directory(dir.path / "sub");
+  ScaleBook book = ScaleBook::calibrating(1, dir.file("sub"), 1.5f);
+  for (int f = 0; f < 16; ++f) book.record(0, 1, 1, 1);
+  EXPECT_HAS(error_of([&] { book.after_forward(); }), "folder");
+  EXPECT_EQ(dir.list(), std::vector<std::string>{"sub"});
+  EXPECT_TRUE(fs::is_empty(dir.path / "sub"));
+}

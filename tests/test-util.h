@@ -1,0 +1,62 @@
+// Helpers shared by the CPU test suites: a scratch folder per test, and error-message assertions.
+#pragma once
+#include <errno.h>  // program_invocation_short_name (GNU)
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "fovea/error.h"
+
+namespace fovea::test {
+
+// A scratch folder for one test (unique per test binary and test), removed afterwards.
+struct TempDir {
+  std::filesystem::path path;
+  TempDir() {
+    const auto* t = ::testing::UnitTest::GetInstance()->current_test_info();
+    path = std::filesystem::path(FOVEA_TEST_TMP) /
+           (std::string(program_invocation_short_name) + "." + t->test_suite_name() + "." + t->name());
+    std::filesystem::remove_all(path);
+    std::filesystem::create_directories(path);
+  }
+  ~TempDir() {
+    std::error_code ec;
+    std::filesystem::remove_all(path, ec);
+  }
+  std::string file(const std::string& name) const { return (path / name).string(); }
+  std::string write(const std::string& name, const std::string& text) const {
+    std::ofstream(path / name, std::ios::binary) << text;
+    return file(name);
+  }
+  std::vector<std::string> list() const {  // every entry, hidden ones (temp files) included
+    std::vector<std::string> names;
+    for (const auto& e : std::filesystem::directory_iterator(path)) names.push_back(e.path().filename().string());
+    std::sort(names.begin(), names.end());
+    return names;
+  }
+};
+
+// The message of the fovea::Error that f throws; a test failure if it throws nothing or something else.
+template <class F>
+std::string error_of(F&& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "threw a non-fovea exception: " << e.what();
+    return "";
+  }
+  ADD_FAILURE() << "did not throw";
+  return "";
+}
+
+}  // namespace fovea::test
+
+#define EXPECT_HAS(msg, sub) \
+  EXPECT_NE(std::string(msg).find(sub), std::string::npos) << "message: " << (msg) << "\nlacks: " << (sub)
