@@ -97,6 +97,54 @@ void attention(const VarlenShape& shape, ThdView<const float> q, ThdView<const f
 // in -> non-finite out), so the scale book can ignore and count them.
 float amax(const VarlenShape& shape, ThdView<const float> x);
 
+// ---- GPU: the FOVEA backend (Hopper, sm_90a) ---------------------------------------------------------
+// Built where nvcc exists; runs on compute capability 9.0. Implementation: src/attention/cuda/.
+
+typedef struct CUstream_st* cudaStream_t;
+
+namespace cuda {
+
+// Where prepare() finds one layer's FP8 scales in device memory.
+struct DeviceScales {
+  const float* fixed = nullptr;  // static scales: device float[3] (q, k, v)
+  LayerAmax* dynamic = nullptr;  // dynamic scaling: device LayerAmax, updated in place by prepare()
+};
+
+// Fused RoPE + quantize + layout step and the Hopper flash-attention kernel for one attention shape.
+//   plan()    once per batch shape (not capturable: allocates, uploads cu_seqlens, encodes TMA maps);
+//   prepare() reads the fused qkv [N, 3, H, hd] bf16 output, applies 2D RoPE to q and k and writes
+//             Q, K and V^T in the kernel's layouts (bf16, or E4M3 with the layer's scales; with dynamic
+//             scaling one extra launch first reduces amax and updates the ring, all on the device);
+//   attend()  writes bf16 out [N, H, hd] (contiguous), ready for the proj GEMM.
+// prepare() and attend() make no host synchronization and can be captured in a CUDA graph.
+class FlashAttention {
+ public:
+  FlashAttention(AttnDtype dtype, int heads, int head_dim);
+  ~FlashAttention();
+  FlashAttention(const FlashAttention&) = delete;
+  FlashAttention& operator=(const FlashAttention&) = delete;
+
+  void plan(const std::vector<int32_t>& cu_seqlens);
+  // qkv: device bf16, token stride qkv_token_stride elements (3*H*hd when packed); rope_cos/sin:
+  // device fp32 [N, hd/2] (angle of dims d and d + hd/2), or both null for no RoPE.
+  void prepare(const void* qkv, int64_t qkv_token_stride, const float* rope_cos, const float* rope_sin,
+               const DeviceScales& scales, cudaStream_t stream);
+  void attend(void* out, cudaStream_t stream);
+
+  const VarlenShape& shape() const;
+  AttnDtype dtype() const;
+
+  struct Impl;
+
+ private:
+  Impl* impl_;
+};
+
+// Head dims the FOVEA kernels are built for.
+bool flash_supports_head_dim(int head_dim);
+
+}  // namespace cuda
+
 struct ErrorStats {
   double rel_l2 = 0;    // ||out - ref||_2 / ||ref||_2; NaN if out has a non-finite value
   double max_abs = 0;   // max |out - ref|; NaN likewise

@@ -1,0 +1,212 @@
+// fovea::cuda::FlashAttention: plans a batch shape (padded layout, tile list, TMA descriptors) and
+// runs the prepare step and the flash kernel (prepare.cu, flash-fwd.cu).
+#include <cudaTypedefs.h>
+
+#include <algorithm>
+#include <cmath>
+#include <mutex>
+
+#include "attention/cuda/kernels.cuh"
+#include "attention/cuda/layout.cuh"
+#include "fovea/attention.h"
+
+namespace fovea::cuda {
+
+bool flash_supports_head_dim(int hd) { return hd == 64 || hd == 72 || hd == 80 || hd == 128; }
+
+namespace {
+
+PFN_cuTensorMapEncodeTiled_v12000 encode_fn() {
+  static PFN_cuTensorMapEncodeTiled_v12000 fn = nullptr;
+  static std::once_flag once;
+  std::call_once(once, [] {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q) == cudaSuccess &&
+        q == cudaDriverEntryPointSuccess)
+      fn = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
+  });
+  if (!fn) fail_cat("FOVEA attention: the CUDA driver has no cuTensorMapEncodeTiled (driver too old?)");
+  return fn;
+}
+
+// A 3D tiled tensor map over a [d2][d1][d0] array of elem-byte elements.
+CUtensorMap tensor_map(void* base, bool fp8, uint64_t d0, uint64_t d1, uint64_t d2, uint32_t box0, uint32_t box1,
+                       CUtensorMapSwizzle swizzle) {
+  const uint64_t es = fp8 ? 1 : 2;
+  const cuuint64_t dims[3] = {d0, d1, d2};
+  const cuuint64_t strides[2] = {d0 * es, d0 * d1 * es};
+  const cuuint32_t box[3] = {box0, box1, 1};
+  const cuuint32_t elem_strides[3] = {1, 1, 1};
+  CUtensorMap m;
+  const CUresult r = encode_fn()(&m, fp8 ? CU_TENSOR_MAP_DATA_TYPE_UINT8 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, base, dims,
+                                 strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
+                                 CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS)
+    fail_cat("FOVEA attention: cuTensorMapEncodeTiled failed (", int(r), ") for dims ", d0, "x", d1, "x", d2, " box ", box0, "x", box1);
+  return m;
+}
+
+template <class T>
+void upload(T*& dst, size_t& cap, const std::vector<T>& src) {
+  if (src.size() > cap) {
+    if (dst) cudaFree(dst);
+    dst = nullptr;
+    FOVEA_CUDA_CHECK(cudaMalloc(&dst, src.size() * sizeof(T)));
+    cap = src.size();
+  }
+  FOVEA_CUDA_CHECK(cudaMemcpy(dst, src.data(), src.size() * sizeof(T), cudaMemcpyHostToDevice));
+}
+
+}  // namespace
+
+struct FlashAttention::Impl {
+  AttnDtype dtype;
+  bool fp8;
+  VarlenShape shape;
+  int hd_pad = 0;
+  int64_t n_pad = 0;
+  int num_tiles = 0;
+  int32_t* d_cu = nullptr;
+  int32_t* d_cu_pad = nullptr;
+  int2* d_tiles = nullptr;
+  size_t cap_cu = 0, cap_cu_pad = 0, cap_tiles = 0;
+  void* buf = nullptr;  // q, k and v^t, one allocation
+  size_t cap_buf = 0;
+  unsigned int* d_scratch = nullptr;  // amax scratch [3] + CTA counter
+  FlashMaps maps{};
+  const float* scale_ptr[3] = {nullptr, nullptr, nullptr};
+  bool planned = false, prepared = false;
+
+  void* q() const { return buf; }
+  void* k() const { return static_cast<uint8_t*>(buf) + qk_bytes(); }
+  void* vt() const { return static_cast<uint8_t*>(buf) + 2 * qk_bytes(); }
+  size_t es() const { return fp8 ? 1 : 2; }
+  size_t qk_bytes() const { return size_t(shape.heads) * n_pad * hd_pad * es(); }
+  size_t v_bytes() const { return size_t(shape.heads) * shape.head_dim * n_pad * es(); }
+};
+
+FlashAttention::FlashAttention(AttnDtype dtype, int heads, int head_dim) : impl_(new Impl) {
+  if (dtype != AttnDtype::BF16 && dtype != AttnDtype::FP8) fail_cat("FOVEA attention: dtype must be bf16 or fp8");
+  if (!flash_supports_head_dim(head_dim))
+    fail_cat("FOVEA attention: head_dim ", head_dim, " is not supported (64, 72, 80, 128)");
+  if (heads <= 0) fail_cat("FOVEA attention: heads must be > 0, got ", heads);
+  impl_->dtype = dtype;
+  impl_->fp8 = dtype == AttnDtype::FP8;
+  impl_->shape.heads = heads;
+  impl_->shape.head_dim = head_dim;
+  impl_->hd_pad = layout::head_dim_pad(head_dim, impl_->fp8);
+  FOVEA_CUDA_CHECK(cudaMalloc(&impl_->d_scratch, 4 * sizeof(unsigned int)));
+  FOVEA_CUDA_CHECK(cudaMemset(impl_->d_scratch, 0, 4 * sizeof(unsigned int)));
+}
+
+FlashAttention::~FlashAttention() {
+  cudaFree(impl_->d_cu);
+  cudaFree(impl_->d_cu_pad);
+  cudaFree(impl_->d_tiles);
+  cudaFree(impl_->buf);
+  cudaFree(impl_->d_scratch);
+  delete impl_;
+}
+
+const VarlenShape& FlashAttention::shape() const { return impl_->shape; }
+AttnDtype FlashAttention::dtype() const { return impl_->dtype; }
+
+void FlashAttention::plan(const std::vector<int32_t>& cu_seqlens) {
+  Impl& m = *impl_;
+  VarlenShape sh = m.shape;
+  sh.cu_seqlens = cu_seqlens;
+  sh.validate();
+  const int segs = sh.num_segments();
+  std::vector<int32_t> cu_pad(size_t(segs) + 1, 0);
+  std::vector<int2> tiles;
+  for (int s = 0; s < segs; ++s) {
+    const int len = cu_seqlens[size_t(s) + 1] - cu_seqlens[size_t(s)];
+    const int64_t next = int64_t(cu_pad[size_t(s)]) + layout::round_up_tile(len);
+    if (next > INT32_MAX) fail_cat("FOVEA attention: ", next, " padded tokens exceed int32");
+    cu_pad[size_t(s) + 1] = int32_t(next);
+    for (int mb = 0; mb * layout::kBlockM < len; ++mb) tiles.push_back({s, mb});
+  }
+  // Longest segments first: their CTAs have the most KV blocks, so they start earliest.
+  std::stable_sort(tiles.begin(), tiles.end(), [&](int2 a, int2 b) {
+    return cu_seqlens[size_t(a.x) + 1] - cu_seqlens[size_t(a.x)] > cu_seqlens[size_t(b.x) + 1] - cu_seqlens[size_t(b.x)];
+  });
+  m.shape = sh;
+  m.n_pad = cu_pad.back();
+  m.num_tiles = int(tiles.size());
+  upload(m.d_cu, m.cap_cu, cu_seqlens);
+  upload(m.d_cu_pad, m.cap_cu_pad, cu_pad);
+  upload(m.d_tiles, m.cap_tiles, tiles);
+  const size_t need = 2 * m.qk_bytes() + m.v_bytes();
+  if (need > m.cap_buf) {
+    cudaFree(m.buf);
+    m.buf = nullptr;
+    FOVEA_CUDA_CHECK(cudaMalloc(&m.buf, need));
+    m.cap_buf = need;
+  }
+  const int H = sh.heads, hd = sh.head_dim;
+  const uint32_t kstep = uint32_t(layout::kstep(m.fp8));
+  m.maps.q = tensor_map(m.q(), m.fp8, uint64_t(m.hd_pad), uint64_t(m.n_pad), uint64_t(H), kstep, layout::kBlockM,
+                        CU_TENSOR_MAP_SWIZZLE_32B);
+  m.maps.k = tensor_map(m.k(), m.fp8, uint64_t(m.hd_pad), uint64_t(m.n_pad), uint64_t(H), kstep, layout::kBlockN,
+                        CU_TENSOR_MAP_SWIZZLE_32B);
+  m.maps.v = tensor_map(m.vt(), m.fp8, uint64_t(m.n_pad), uint64_t(hd), uint64_t(H), m.fp8 ? 128u : 64u, uint32_t(hd),
+                        CU_TENSOR_MAP_SWIZZLE_128B);
+  m.planned = true;
+  m.prepared = false;
+}
+
+void FlashAttention::prepare(const void* qkv, int64_t qkv_token_stride, const float* rope_cos, const float* rope_sin,
+                             const DeviceScales& scales, cudaStream_t stream) {
+  Impl& m = *impl_;
+  if (!m.planned) fail_cat("FOVEA attention: prepare() before plan()");
+  if (!qkv) fail_cat("FOVEA attention: qkv is null");
+  if (qkv_token_stride < 3 * int64_t(m.shape.heads) * m.shape.head_dim || qkv_token_stride % 8 != 0)
+    fail_cat("FOVEA attention: qkv token stride ", qkv_token_stride, " must be >= 3*H*hd = ", 3 * m.shape.heads * m.shape.head_dim, " and a multiple of 8 (16-byte rows)");
+  if (reinterpret_cast<uintptr_t>(qkv) % 16 != 0) fail_cat("FOVEA attention: qkv must be 16-byte aligned");
+  if (bool(rope_cos) != bool(rope_sin)) fail_cat("FOVEA attention: give both RoPE tables or neither");
+  if (m.fp8 && !scales.fixed && !scales.dynamic)
+    fail_cat("FOVEA attention: FP8 needs scales (static or dynamic)");
+  PrepareArgs a;
+  a.qkv = static_cast<const __nv_bfloat16*>(qkv);
+  a.qkv_token_stride = qkv_token_stride;
+  a.rope_cos = rope_cos;
+  a.rope_sin = rope_sin;
+  a.cu_seqlens = m.d_cu;
+  a.cu_padded = m.d_cu_pad;
+  a.num_segments = m.shape.num_segments();
+  a.heads = m.shape.heads;
+  a.total_tokens = m.shape.total_tokens();
+  a.n_pad = m.n_pad;
+  a.q = m.q();
+  a.k = m.k();
+  a.vt = m.vt();
+  a.fixed = scales.dynamic ? nullptr : scales.fixed;
+  a.dynamic = scales.dynamic;
+  a.amax_scratch = m.d_scratch;
+  a.amax_done = m.d_scratch + 3;
+  launch_prepare(a, m.fp8, m.shape.head_dim, stream);
+  if (m.fp8) {
+    for (int i = 0; i < 3; ++i) m.scale_ptr[i] = scales.dynamic ? &scales.dynamic->t[i].scale : scales.fixed + i;
+  }
+  m.prepared = true;
+}
+
+void FlashAttention::attend(void* out, cudaStream_t stream) {
+  Impl& m = *impl_;
+  if (!m.prepared) fail_cat("FOVEA attention: attend() before prepare()");
+  if (!out) fail_cat("FOVEA attention: out is null");
+  FlashParams p;
+  p.tiles = m.d_tiles;
+  p.cu_seqlens = m.d_cu;
+  p.cu_padded = m.d_cu_pad;
+  p.out = static_cast<__nv_bfloat16*>(out);
+  p.heads = m.shape.heads;
+  p.q_scale = m.scale_ptr[0];
+  p.k_scale = m.scale_ptr[1];
+  p.v_scale = m.scale_ptr[2];
+  p.softmax_scale_log2 = float(M_LOG2E / std::sqrt(double(m.shape.head_dim)));
+  launch_flash(p, m.maps, m.num_tiles, m.fp8, m.shape.head_dim, stream);
+}
+
+}  // namespace fovea::cuda

@@ -1,0 +1,278 @@
+// fovea's Hopper flash-attention forward kernel (FP8 E4M3 and BF16), packed varlen, non-causal.
+//
+// Design (one CTA = 128 query rows of one segment and one head; 384 threads):
+//   - warpgroup 0 is the producer: one thread issues TMA bulk tensor loads (Q once, then K and V^T
+//     for each 128-key block) completing on mbarriers, kStages buffers deep; it keeps 24 registers.
+//   - warpgroups 1 and 2 are consumers (240 registers each), 64 query rows apiece:
+//       S = Q K^T      wgmma m64n128k{16|32}, both operands K-major in shared memory (32-byte swizzle:
+//                      one swizzle row = one wgmma K step, so head_dim 72 pads only to 80 / 96)
+//       online softmax in fp32 registers, exp2 on the MUFU; FP8: P = 256 * exp2(s - m) (layout of
+//                      attention.h's PScheme: p_scale 256, 128-key blocks visited last to first)
+//       O += P V       wgmma m64n{hd}k{16|32}, P from registers (no shuffles: see layout.cuh), V^T
+//                      K-major in shared memory (128-byte swizzle), N = head_dim exactly (72 works)
+//     and release the stage to the producer.
+//   - epilogue: O / l (times the V descale for FP8) to bf16, written straight into out [N, H, hd].
+// Tiles: 128 x 128; stages: 2. Scales are read from device memory (graph-safe for dynamic scaling).
+// Not yet done (each measured before it is claimed): intra-warpgroup softmax/GEMM overlap
+// (FA3's ping-pong), a persistent tile scheduler, an smem-staged TMA-store epilogue.
+#include <algorithm>
+#include <cmath>
+
+#include "attention/cuda/kernels.cuh"
+#include "attention/cuda/layout.cuh"
+#include "attention/cuda/ptx.cuh"
+#include "attention/cuda/wgmma-ops.cuh"
+
+namespace fovea::cuda {
+
+namespace {
+
+template <bool kFp8, int kHeadDim>
+struct FlashCfg {
+  static constexpr int kBlockM = layout::kBlockM, kBlockN = layout::kBlockN;
+  static constexpr int kKStep = layout::kstep(kFp8);
+  static constexpr int kHdPad = layout::head_dim_pad(kHeadDim, kFp8);
+  static constexpr int kChunks = kHdPad / kKStep;  // 32-byte K chunks of a Q / K row
+  static constexpr int kQChunkBytes = kBlockM * 32;
+  static constexpr int kKChunkBytes = kBlockN * 32;
+  static constexpr int kQBytes = kChunks * kQChunkBytes;
+  static constexpr int kKBytes = kChunks * kKChunkBytes;
+  static constexpr int kVChunkKeys = kFp8 ? 128 : 64;  // keys in one 128-byte V^T row
+  static constexpr int kVChunks = kBlockN / kVChunkKeys;
+  static constexpr int kVChunkBytes = kHeadDim * 128;
+  static constexpr int kVBytes = kVChunks * kVChunkBytes;
+  static constexpr int kStages = 2;
+  static constexpr int kBarrierBytes = 8 * (2 * kStages + 1);
+  static constexpr int kSmemBytes = 1024 + kQBytes + kStages * (kKBytes + kVBytes) + kBarrierBytes;
+  static constexpr int kThreads = 384;
+  static_assert(kHeadDim % 8 == 0, "wgmma N (= head_dim) must be a multiple of 8");
+  static_assert(kVChunkBytes % 1024 == 0 && kQBytes % 1024 == 0 && kKBytes % 1024 == 0,
+                "128-byte-swizzled V^T tiles must start on 1024-byte boundaries");
+  static_assert(kSmemBytes <= 227 * 1024, "shared memory budget of one H100/H200 CTA exceeded");
+};
+
+template <bool kFp8>
+__device__ __forceinline__ void mma_qk(float (&d)[64], uint64_t da, uint64_t db, int scale_d) {
+  if constexpr (kFp8) wgmma::wgmma_ss_e4m3_n128(d, da, db, scale_d);
+  else wgmma::wgmma_ss_bf16_n128(d, da, db, scale_d);
+}
+
+template <bool kFp8, int N>
+__device__ __forceinline__ void mma_pv(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t db) {
+  if constexpr (kFp8) {
+    if constexpr (N == 64) wgmma::wgmma_rs_e4m3_n64(d, a, db, 1);
+    else if constexpr (N == 72) wgmma::wgmma_rs_e4m3_n72(d, a, db, 1);
+    else if constexpr (N == 80) wgmma::wgmma_rs_e4m3_n80(d, a, db, 1);
+    else wgmma::wgmma_rs_e4m3_n128(d, a, db, 1);
+  } else {
+    if constexpr (N == 64) wgmma::wgmma_rs_bf16_n64(d, a, db, 1);
+    else if constexpr (N == 72) wgmma::wgmma_rs_bf16_n72(d, a, db, 1);
+    else if constexpr (N == 80) wgmma::wgmma_rs_bf16_n80(d, a, db, 1);
+    else wgmma::wgmma_rs_bf16_n128(d, a, db, 1);
+  }
+}
+
+template <bool kFp8, int kHeadDim>
+__global__ void __launch_bounds__(384, 1)
+    flash_fwd_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
+                     const __grid_constant__ CUtensorMap tm_v, const FlashParams p) {
+  using C = FlashCfg<kFp8, kHeadDim>;
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  uint8_t* sQ = smem;
+  uint8_t* sK = sQ + C::kQBytes;
+  uint8_t* sV = sK + C::kStages * C::kKBytes;
+  uint64_t* full = reinterpret_cast<uint64_t*>(sV + C::kStages * C::kVBytes);
+  uint64_t* empty = full + C::kStages;
+  uint64_t* q_full = empty + C::kStages;
+
+  const int2 tile = p.tiles[blockIdx.x];
+  const int seg = tile.x, m_block = tile.y, head = blockIdx.y;
+  const int seq_begin = p.cu_seqlens[seg];
+  const int seqlen = p.cu_seqlens[seg + 1] - seq_begin;
+  const int pad_begin = p.cu_padded[seg];
+  const int n_blocks = (seqlen + C::kBlockN - 1) / C::kBlockN;
+  const int wg = threadIdx.x / 128;
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < C::kStages; ++s) {
+      ptx::mbar_init(&full[s], 1);
+      ptx::mbar_init(&empty[s], 256);  // every consumer thread arrives
+    }
+    ptx::mbar_init(q_full, 1);
+    ptx::fence_barrier_init();
+  }
+  __syncthreads();
+
+  if (wg == 0) {  // ---------------------------------------------------------------- producer
+    ptx::setmaxnreg_dec<24>();
+    if (threadIdx.x == 0) {
+      ptx::prefetch_tensormap(&tm_q);
+      ptx::prefetch_tensormap(&tm_k);
+      ptx::prefetch_tensormap(&tm_v);
+      ptx::mbar_arrive_expect_tx(q_full, C::kQBytes);
+      for (int c = 0; c < C::kChunks; ++c)
+        ptx::tma_load_3d(sQ + c * C::kQChunkBytes, &tm_q, q_full, c * C::kKStep, pad_begin + m_block * C::kBlockM, head);
+      for (int i = 0; i < n_blocks; ++i) {
+        const int n = n_blocks - 1 - i, s = i % C::kStages;
+        if (i >= C::kStages) ptx::mbar_wait(&empty[s], ((i / C::kStages) & 1) ^ 1);
+        ptx::mbar_arrive_expect_tx(&full[s], C::kKBytes + C::kVBytes);
+        const int key0 = pad_begin + n * C::kBlockN;
+        for (int c = 0; c < C::kChunks; ++c)
+          ptx::tma_load_3d(sK + s * C::kKBytes + c * C::kKChunkBytes, &tm_k, &full[s], c * C::kKStep, key0, head);
+        for (int c = 0; c < C::kVChunks; ++c)
+          ptx::tma_load_3d(sV + s * C::kVBytes + c * C::kVChunkBytes, &tm_v, &full[s], key0 + c * C::kVChunkKeys, 0, head);
+      }
+    }
+    return;
+  }
+
+  // ------------------------------------------------------------------------------------ consumers
+  ptx::setmaxnreg_inc<240>();
+  const int cw = wg - 1;  // consumer warpgroup: query rows cw*64 .. cw*64+63 of the tile
+  const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32, t = lane % 4, g = lane / 4;
+  float o[kHeadDim / 2];
+#pragma unroll
+  for (int i = 0; i < kHeadDim / 2; ++i) o[i] = 0.f;
+  float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
+  const float qk_scale = kFp8 ? p.softmax_scale_log2 * (*p.q_scale) * (*p.k_scale) : p.softmax_scale_log2;
+  constexpr float kPShift = kFp8 ? 8.f : 0.f;  // FP8: P = 2^8 * exp2(s - m), E4M3's top binade
+
+  ptx::mbar_wait(q_full, 0);
+  for (int i = 0; i < n_blocks; ++i) {
+    const int n = n_blocks - 1 - i, s = i % C::kStages;
+    ptx::mbar_wait(&full[s], (i / C::kStages) & 1);
+
+    float sacc[64];
+    ptx::wgmma_fence();
+#pragma unroll
+    for (int c = 0; c < C::kChunks; ++c) {
+      const uint64_t da = ptx::kmajor_desc(sQ + c * C::kQChunkBytes + cw * 64 * 32, 256, ptx::kSwizzle32B);
+      const uint64_t db = ptx::kmajor_desc(sK + s * C::kKBytes + c * C::kKChunkBytes, 256, ptx::kSwizzle32B);
+      mma_qk<kFp8>(sacc, da, db, c > 0);
+    }
+    ptx::wgmma_commit();
+    ptx::wgmma_wait<0>();
+    ptx::fence_regs(sacc);
+
+    const int valid = seqlen - n * C::kBlockN;  // keys of this block inside the segment
+    if (valid < C::kBlockN) {
+#pragma unroll
+      for (int j = 0; j < 16; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e)
+          if (8 * j + 2 * t + e >= valid) sacc[4 * j + e] = sacc[4 * j + 2 + e] = -INFINITY;
+    }
+
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {  // rows g and g + 8 of this warp's 16
+      float mx = -INFINITY;
+#pragma unroll
+      for (int j = 0; j < 16; ++j) mx = fmaxf(mx, fmaxf(sacc[4 * j + 2 * r], sacc[4 * j + 2 * r + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float m_new = fmaxf(row_max[r], mx * qk_scale);
+      const float corr = ptx::exp2_approx(row_max[r] - m_new);
+      row_max[r] = m_new;
+      const float shift = m_new - kPShift;
+      float sum = 0.f;
+#pragma unroll
+      for (int j = 0; j < 16; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float pv = ptx::exp2_approx(fmaf(sacc[4 * j + 2 * r + e], qk_scale, -shift));
+          sacc[4 * j + 2 * r + e] = pv;
+          sum += pv;
+        }
+      row_sum[r] = row_sum[r] * corr + sum;
+#pragma unroll
+      for (int j = 0; j < kHeadDim / 8; ++j) {
+        o[4 * j + 2 * r] *= corr;
+        o[4 * j + 2 * r + 1] *= corr;
+      }
+    }
+
+    // P as the A operand, packed before the first wgmma so the GEMMs issue back to back.
+    constexpr int kPSteps = C::kBlockN / C::kKStep;
+    uint32_t pa[kPSteps][4];
+#pragma unroll
+    for (int kc = 0; kc < kPSteps; ++kc) {
+      if constexpr (kFp8) {
+        const float* q = sacc + 16 * kc;
+        pa[kc][0] = ptx::pack_e4m3x4(q[0], q[1], q[4], q[5]);
+        pa[kc][1] = ptx::pack_e4m3x4(q[2], q[3], q[6], q[7]);
+        pa[kc][2] = ptx::pack_e4m3x4(q[8], q[9], q[12], q[13]);
+        pa[kc][3] = ptx::pack_e4m3x4(q[10], q[11], q[14], q[15]);
+      } else {
+        const float* q = sacc + 8 * kc;
+        pa[kc][0] = ptx::pack_bf16x2(q[0], q[1]);
+        pa[kc][1] = ptx::pack_bf16x2(q[2], q[3]);
+        pa[kc][2] = ptx::pack_bf16x2(q[4], q[5]);
+        pa[kc][3] = ptx::pack_bf16x2(q[6], q[7]);
+      }
+    }
+    ptx::wgmma_fence();
+#pragma unroll
+    for (int kc = 0; kc < kPSteps; ++kc) {
+      const uint8_t* v = kFp8 ? sV + s * C::kVBytes + kc * 32
+                              : sV + s * C::kVBytes + (kc / 4) * C::kVChunkBytes + (kc % 4) * 32;
+      mma_pv<kFp8, kHeadDim>(o, pa[kc], ptx::kmajor_desc(v, 1024, ptx::kSwizzle128B));
+    }
+    ptx::wgmma_commit();
+    ptx::wgmma_wait<0>();
+    ptx::fence_regs(o);
+    ptx::mbar_arrive(&empty[s]);
+  }
+
+  // Epilogue: normalize, convert, store rows that belong to the segment.
+  const float v_scale = kFp8 ? *p.v_scale : 1.f;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float sum = row_sum[r];
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+    const float inv = v_scale / sum;
+    const int row = m_block * C::kBlockM + cw * 64 + warp * 16 + g + 8 * r;
+    if (row < seqlen) {
+      __nv_bfloat16* dst = p.out + (int64_t(seq_begin + row) * p.heads + head) * kHeadDim;
+#pragma unroll
+      for (int j = 0; j < kHeadDim / 8; ++j)
+        *reinterpret_cast<uint32_t*>(dst + 8 * j + 2 * t) = ptx::pack_bf16x2(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
+    }
+  }
+}
+
+template <bool kFp8, int kHeadDim>
+void launch(const FlashParams& p, const FlashMaps& m, int num_tiles, cudaStream_t stream) {
+  using C = FlashCfg<kFp8, kHeadDim>;
+  auto* kernel = flash_fwd_kernel<kFp8, kHeadDim>;
+  static bool configured = false;  // one attribute call per instantiation
+  if (!configured) {
+    FOVEA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes));
+    configured = true;
+  }
+  kernel<<<dim3(unsigned(num_tiles), unsigned(p.heads)), C::kThreads, C::kSmemBytes, stream>>>(m.q, m.k, m.v, p);
+  FOVEA_CUDA_CHECK(cudaGetLastError());
+}
+
+template <bool kFp8>
+void launch_dtype(const FlashParams& p, const FlashMaps& m, int num_tiles, int head_dim, cudaStream_t stream) {
+  switch (head_dim) {
+    case 64: return launch<kFp8, 64>(p, m, num_tiles, stream);
+    case 72: return launch<kFp8, 72>(p, m, num_tiles, stream);
+    case 80: return launch<kFp8, 80>(p, m, num_tiles, stream);
+    case 128: return launch<kFp8, 128>(p, m, num_tiles, stream);
+  }
+  fail_cat("FOVEA attention: head_dim ", head_dim, " is not built (64, 72, 80, 128)");
+}
+
+}  // namespace
+
+void launch_flash(const FlashParams& p, const FlashMaps& maps, int num_tiles, bool fp8, int head_dim,
+                  cudaStream_t stream) {
+  if (num_tiles == 0) return;
+  if (fp8) launch_dtype<true>(p, maps, num_tiles, head_dim, stream);
+  else launch_dtype<false>(p, maps, num_tiles, head_dim, stream);
+}
+
+}  // namespace fovea::cuda

@@ -1,0 +1,34 @@
+// The layouts the prepare step writes and the flash kernel reads (one definition for both).
+//
+// Tokens are padded per segment to whole 128-token tiles: segment s occupies padded rows
+// [cu_padded[s], cu_padded[s] + round_up(len_s, 128)), and the padding rows are written as zeros, so
+// every Q, K and V tile a CTA loads starts on a tile boundary and never mixes segments.
+//   Q, K: [H][n_pad][hd_pad]  (hd_pad = head_dim rounded up to one wgmma K step: 16 bf16 / 32 fp8;
+//                              the extra dims are zeros, so QK^T over hd_pad equals QK^T over hd)
+//   V^T:  [H][head_dim][n_pad] (keys contiguous: the K-major B operand of O += P V)
+// FP8 only: within every 16 keys, V^T stores key kv_perm(l) at column l. That is the order in which
+// the QK^T accumulator already holds P in each thread's registers, so P feeds the second wgmma as its
+// A operand with no shuffles (wgmma's k32 A fragment wants 4 consecutive k per register; the m64 f32
+// accumulator gives each thread column pairs {2t, 2t+1} and {2t+8, 2t+9}).
+#pragma once
+#include <cstdint>
+
+namespace fovea::cuda::layout {
+
+constexpr int kBlockM = 128;  // query rows per CTA (two consumer warpgroups of 64)
+constexpr int kBlockN = 128;  // keys per KV block
+constexpr int kTilePad = 128;  // segment padding granularity = max(kBlockM, kBlockN)
+
+__host__ __device__ constexpr int kstep(bool fp8) { return fp8 ? 32 : 16; }
+__host__ __device__ constexpr int head_dim_pad(int head_dim, bool fp8) {
+  return (head_dim + kstep(fp8) - 1) / kstep(fp8) * kstep(fp8);
+}
+__host__ __device__ constexpr int round_up_tile(int n) { return (n + kTilePad - 1) / kTilePad * kTilePad; }
+
+// FP8 V^T column l (0..15 within a 16-key group) holds key kv_perm(l) of that group.
+__host__ __device__ constexpr int kv_perm(int l) {
+  const int t = l / 4, i = l % 4;
+  return 2 * t + (i & 1) + 8 * (i >> 1);
+}
+
+}  // namespace fovea::cuda::layout

@@ -1,0 +1,206 @@
+// The prepare step: 2D RoPE on q and k, per-tensor amax (dynamic FP8), E4M3 quantization or bf16
+// rounding, and the padded / transposed layouts of layout.cuh, straight from the fused qkv output.
+//
+// Launches per layer: BF16 1 (prepare); FP8 static 1 (prepare); FP8 dynamic 2 (amax, prepare). The
+// amax kernel's last CTA records the three amax values in the layer's device ring
+// (amax_history_record, the scale book's own function) and resets its scratch, so repeated launches
+// need no host work and replay correctly inside a CUDA graph.
+#include <cuda_bf16.h>
+
+#include "attention/cuda/kernels.cuh"
+#include "attention/cuda/layout.cuh"
+#include "fovea/fp8.h"
+#include "fovea/scales.h"
+
+namespace fovea::cuda {
+
+namespace {
+
+constexpr int kThreads = layout::kBlockM;  // one padded row per thread
+
+// Segment of a padded row (binary search in cu_padded), and the token it holds or -1 for padding.
+__device__ __forceinline__ int padded_row_token(const PrepareArgs& a, int row) {
+  int lo = 0, hi = a.num_segments - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (a.cu_padded[mid] <= row) lo = mid; else hi = mid - 1;
+  }
+  const int off = row - a.cu_padded[lo];
+  const int len = a.cu_seqlens[lo + 1] - a.cu_seqlens[lo];
+  return off < len ? a.cu_seqlens[lo] + off : -1;
+}
+
+// One head-row of q, k or v in fp32, with RoPE applied when `rope` (q and k).
+template <int kHeadDim>
+__device__ __forceinline__ void load_row(const PrepareArgs& a, int token, int head, int which, bool rope,
+                                         float (&x)[kHeadDim]) {
+  const __nv_bfloat16* src = a.qkv + int64_t(token) * a.qkv_token_stride + (int64_t(which) * a.heads + head) * kHeadDim;
+#pragma unroll
+  for (int i = 0; i < kHeadDim / 8; ++i) {
+    const uint4 v = reinterpret_cast<const uint4*>(src)[i];
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float2 f = __bfloat1622float2(h[j]);
+      x[8 * i + 2 * j] = f.x;
+      x[8 * i + 2 * j + 1] = f.y;
+    }
+  }
+  if (rope && a.rope_cos) {
+    constexpr int kHalf = kHeadDim / 2;
+    const float* c = a.rope_cos + int64_t(token) * kHalf;
+    const float* s = a.rope_sin + int64_t(token) * kHalf;
+#pragma unroll
+    for (int d = 0; d < kHalf; ++d) {
+      // Unfused multiply and add, rounded like the CPU reference's (and transformers' fp32) RoPE, so
+      // the amax and every quantized value agree bit for bit with the host.
+      const float x1 = x[d], x2 = x[d + kHalf];
+      x[d] = __fsub_rn(__fmul_rn(x1, c[d]), __fmul_rn(x2, s[d]));
+      x[d + kHalf] = __fadd_rn(__fmul_rn(x2, c[d]), __fmul_rn(x1, s[d]));
+    }
+  }
+}
+
+// ---- amax (dynamic FP8 only) ----------------------------------------------------------------------
+
+template <int kHeadDim>
+__global__ void __launch_bounds__(kThreads) qkv_amax_kernel(PrepareArgs a) {
+  __shared__ unsigned int block_max[3];
+  __shared__ bool last;
+  if (threadIdx.x < 3) block_max[threadIdx.x] = 0;
+  __syncthreads();
+  const int head = blockIdx.y;
+  const int64_t n = a.total_tokens;
+  unsigned int m[3] = {0, 0, 0};  // |x| as float bits: non-negative floats order like unsigned ints,
+                                  // and inf / NaN bits sort above every finite value
+  for (int64_t t = int64_t(blockIdx.x) * kThreads + threadIdx.x; t < n; t += int64_t(gridDim.x) * kThreads) {
+#pragma unroll
+    for (int w = 0; w < 3; ++w) {
+      float x[kHeadDim];
+      load_row<kHeadDim>(a, int(t), head, w, w < 2, x);
+#pragma unroll
+      for (int d = 0; d < kHeadDim; ++d) m[w] = max(m[w], __float_as_uint(fabsf(x[d])));
+    }
+  }
+#pragma unroll
+  for (int w = 0; w < 3; ++w) {
+#pragma unroll
+    for (int o = 16; o > 0; o /= 2) m[w] = max(m[w], __shfl_xor_sync(0xffffffffu, m[w], o));
+    if ((threadIdx.x & 31) == 0) atomicMax(&block_max[w], m[w]);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int w = 0; w < 3; ++w) atomicMax(&a.amax_scratch[w], block_max[w]);
+    __threadfence();
+    const unsigned int blocks = gridDim.x * gridDim.y;
+    last = atomicAdd(a.amax_done, 1u) == blocks - 1;
+  }
+  __syncthreads();
+  if (last && threadIdx.x == 0) {
+    __threadfence();
+    for (int w = 0; w < 3; ++w) {
+      const unsigned int bits = atomicExch(&a.amax_scratch[w], 0u);
+      amax_history_record(a.dynamic->t[w], __uint_as_float(bits));
+    }
+    *a.amax_done = 0;
+    __threadfence();
+  }
+}
+
+// ---- quantize / round into the kernel layouts -----------------------------------------------------
+
+template <bool kFp8, int kHeadDim>
+__global__ void __launch_bounds__(kThreads) prepare_kernel(PrepareArgs a) {
+  using Elem = std::conditional_t<kFp8, uint8_t, __nv_bfloat16>;
+  constexpr int kHdPad = layout::head_dim_pad(kHeadDim, kFp8);
+  __shared__ __align__(16) Elem sv[kThreads][kHeadDim];
+  const int head = blockIdx.y;
+  const int row = blockIdx.x * kThreads + threadIdx.x;  // padded row
+  const int token = padded_row_token(a, row);
+  float inv[3] = {1.f, 1.f, 1.f};
+  if constexpr (kFp8) {
+    for (int w = 0; w < 3; ++w) inv[w] = a.dynamic ? a.dynamic->t[w].scale : a.fixed[w];
+  }
+
+  // Q and K: one row each, RoPE'd, padded to kHdPad with zeros.
+#pragma unroll
+  for (int w = 0; w < 2; ++w) {
+    float x[kHeadDim];
+    if (token >= 0) load_row<kHeadDim>(a, token, head, w, true, x);
+    else
+#pragma unroll
+      for (int d = 0; d < kHeadDim; ++d) x[d] = 0.f;
+    Elem* dst = (w == 0 ? static_cast<Elem*>(a.q) : static_cast<Elem*>(a.k)) +
+                (int64_t(head) * a.n_pad + row) * kHdPad;
+    __align__(16) Elem out[kHdPad];
+#pragma unroll
+    for (int d = 0; d < kHdPad; ++d) {
+      const float v = d < kHeadDim ? x[d] : 0.f;
+      if constexpr (kFp8) out[d] = e4m3_quantize(v, inv[w]);
+      else out[d] = __float2bfloat16_rn(v);
+    }
+#pragma unroll
+    for (int i = 0; i < int(kHdPad * sizeof(Elem) / 16); ++i)
+      reinterpret_cast<uint4*>(dst)[i] = reinterpret_cast<const uint4*>(out)[i];
+  }
+
+  // V: into shared memory, then out transposed, 128 keys per V^T row.
+  {
+    float x[kHeadDim];
+    if (token >= 0) load_row<kHeadDim>(a, token, head, 2, false, x);
+    else
+#pragma unroll
+      for (int d = 0; d < kHeadDim; ++d) x[d] = 0.f;
+#pragma unroll
+    for (int d = 0; d < kHeadDim; ++d) {
+      if constexpr (kFp8) sv[threadIdx.x][d] = e4m3_quantize(x[d], inv[2]);
+      else sv[threadIdx.x][d] = __float2bfloat16_rn(x[d]);
+    }
+  }
+  __syncthreads();
+  const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
+  const int row0 = blockIdx.x * kThreads;
+  for (int d = warp; d < kHeadDim; d += kThreads / 32) {
+    Elem* dst = static_cast<Elem*>(a.vt) + (int64_t(head) * kHeadDim + d) * a.n_pad + row0;
+    if constexpr (kFp8) {
+      // Lane writes columns 4*lane .. 4*lane+3: keys kv_perm() of its 16-key group.
+      const int base = 16 * (lane / 4);
+      uint32_t packed = 0;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) packed |= uint32_t(sv[base + layout::kv_perm(4 * (lane % 4) + i)][d]) << (8 * i);
+      reinterpret_cast<uint32_t*>(dst)[lane] = packed;
+    } else {
+      __align__(8) __nv_bfloat16 v4[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) v4[i] = sv[4 * lane + i][d];
+      reinterpret_cast<uint2*>(dst)[lane] = *reinterpret_cast<const uint2*>(v4);
+    }
+  }
+}
+
+template <int kHeadDim>
+void launch_for_head_dim(const PrepareArgs& a, bool fp8, cudaStream_t stream) {
+  if (fp8 && a.dynamic) {
+    const int blocks_x = int(std::min<int64_t>((a.total_tokens + kThreads - 1) / kThreads, 1024 / std::max(1, a.heads) + 1));
+    qkv_amax_kernel<kHeadDim><<<dim3(blocks_x, a.heads), kThreads, 0, stream>>>(a);
+    FOVEA_CUDA_CHECK(cudaGetLastError());
+  }
+  const dim3 grid(unsigned(a.n_pad / kThreads), unsigned(a.heads));
+  if (fp8) prepare_kernel<true, kHeadDim><<<grid, kThreads, 0, stream>>>(a);
+  else prepare_kernel<false, kHeadDim><<<grid, kThreads, 0, stream>>>(a);
+  FOVEA_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace
+
+void launch_prepare(const PrepareArgs& a, bool fp8, int head_dim, cudaStream_t stream) {
+  switch (head_dim) {
+    case 64: return launch_for_head_dim<64>(a, fp8, stream);
+    case 72: return launch_for_head_dim<72>(a, fp8, stream);
+    case 80: return launch_for_head_dim<80>(a, fp8, stream);
+    case 128: return launch_for_head_dim<128>(a, fp8, stream);
+  }
+  fail_cat("prepare: head_dim ", head_dim, " is not built (64, 72, 80, 128)");
+}
+
+}  // namespace fovea::cuda

@@ -1,0 +1,299 @@
+// GPU tests of the FOVEA backend (prepare step + Hopper flash attention) against the CPU reference:
+// every head_dim x dtype, ragged packed batches, fresh random inputs, poisoned outputs, the design.md
+// §7 tolerance rule; dynamic FP8 scaling replayed from a CUDA graph against the CPU scale book.
+// Label `gpu`: runs on the GPU machine.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+
+#include "fovea/attention.h"
+#include "fovea/bf16.h"
+#include "fovea/random.h"
+#include "fovea/scales.h"
+
+using namespace fovea;
+
+#define CUDA_OK(x)                                                                 \
+  do {                                                                             \
+    const cudaError_t e_ = (x);                                                    \
+    ASSERT_EQ(e_, cudaSuccess) << #x << ": " << cudaGetErrorString(e_);            \
+  } while (0)
+
+namespace {
+
+uint64_t fresh_seed() {
+  const uint64_t s = std::random_device{}();
+  std::printf("[seed %llu]\n", (unsigned long long)s);
+  return s;
+}
+
+template <class T>
+struct DeviceBuf {
+  T* p = nullptr;
+  size_t n = 0;
+  explicit DeviceBuf(size_t count) : n(count) {
+    if (cudaMalloc(&p, count * sizeof(T)) != cudaSuccess) throw std::runtime_error("cudaMalloc failed");
+  }
+  ~DeviceBuf() { cudaFree(p); }
+  void upload(const std::vector<T>& h) { cudaMemcpy(p, h.data(), n * sizeof(T), cudaMemcpyHostToDevice); }
+  std::vector<T> download() const {
+    std::vector<T> h(n);
+    cudaMemcpy(h.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost);
+    return h;
+  }
+};
+
+// One random problem: fused qkv (bf16 values), RoPE tables of a 2D grid, and the rotated q, k in fp32
+// exactly as prepare() computes them (unfused multiply and add).
+struct Problem {
+  VarlenShape shape;
+  std::vector<float> qkv;       // [N, 3, H, hd], bf16 values
+  std::vector<float> cos, sin;  // [N, hd/2]
+  std::vector<float> rot;       // [N, 3, H, hd]: q, k rotated; v copied
+
+  Problem(const std::vector<int>& seqlens, int heads, int hd, uint64_t seed, float magnitude = 1.0f) {
+    shape = varlen_from_seqlens(seqlens, heads, hd);
+    const int64_t N = shape.total_tokens();
+    qkv = random_values(N * 3 * heads * hd, Dist::NORMAL, seed, false);
+    for (auto& x : qkv) x = bf16_round(x * magnitude);
+    cos.resize(size_t(N) * hd / 2);
+    sin.resize(cos.size());
+    for (int s = 0; s < shape.num_segments(); ++s) {
+      const int len = shape.cu_seqlens[size_t(s) + 1] - shape.cu_seqlens[size_t(s)];
+      const int w = std::max(1, int(std::sqrt(double(len))));
+      for (int i = 0; i < len; ++i) {
+        const int64_t t = shape.cu_seqlens[size_t(s)] + i;
+        for (int d = 0; d < hd / 2; ++d) {
+          const int q = hd / 4;  // first half of the angles: row, second: column (spec §3.4)
+          const double inv_freq = std::pow(10000.0, -2.0 * (d % q) / (hd / 2.0));
+          const float angle = float((d < q ? i / w : i % w) * inv_freq);
+          cos[size_t(t * hd / 2 + d)] = std::cos(angle);
+          sin[size_t(t * hd / 2 + d)] = std::sin(angle);
+        }
+      }
+    }
+    rot = qkv;
+    for (int64_t t = 0; t < N; ++t)
+      for (int w = 0; w < 2; ++w)
+        for (int h = 0; h < heads; ++h) {
+          float* x = rot.data() + ((t * 3 + w) * heads + h) * hd;
+          const float* c = cos.data() + t * hd / 2;
+          const float* s = sin.data() + t * hd / 2;
+          for (int d = 0; d < hd / 2; ++d) {
+            const float x1 = x[d], x2 = x[d + hd / 2];
+            const float a = x1 * c[d], b = x2 * s[d], e = x2 * c[d], f = x1 * s[d];
+            x[d] = a - b;
+            x[d + hd / 2] = e + f;
+          }
+        }
+  }
+  ThdView<const float> view(int w) const {
+    const int64_t H = shape.heads, hd = shape.head_dim;
+    return {rot.data() + w * H * hd, 3 * H * hd, hd};
+  }
+  std::vector<uint16_t> qkv_bf16() const {
+    std::vector<uint16_t> b(qkv.size());
+    for (size_t i = 0; i < b.size(); ++i) b[i] = bf16_from_float(qkv[i]);
+    return b;
+  }
+  std::vector<double> reference(const cpu::RefOptions& o) const {
+    std::vector<double> out(size_t(shape.total_tokens() * shape.heads * shape.head_dim));
+    cpu::attention(shape, view(0), view(1), view(2), o, out.data());
+    return out;
+  }
+};
+
+// Device copies of a problem's inputs and an output buffer.
+struct DeviceProblem {
+  DeviceBuf<uint16_t> qkv;
+  DeviceBuf<float> cos, sin;
+  DeviceBuf<uint16_t> out;
+  explicit DeviceProblem(const Problem& p)
+      : qkv(p.qkv.size()), cos(p.cos.size()), sin(p.sin.size()), out(size_t(p.shape.total_tokens()) * p.shape.heads * p.shape.head_dim) {
+    qkv.upload(p.qkv_bf16());
+    cos.upload(p.cos);
+    sin.upload(p.sin);
+  }
+  std::vector<double> output() const {
+    const auto h = out.download();
+    std::vector<double> d(h.size());
+    for (size_t i = 0; i < h.size(); ++i) d[i] = bf16_to_float(h[i]);
+    return d;
+  }
+};
+
+float amax_of(const struct Problem& p, int w);
+std::string fmt_name(int hd, AttnDtype d, const char* what) {
+  return std::string(dtype_name(d)) + " hd" + std::to_string(hd) + " " + what;
+}
+
+struct Checked {
+  ErrorStats gpu, emu, vs_emu;
+};
+
+// Runs FOVEA attention (dynamic FP8 scaling from a fresh ring, or BF16) and checks it against the CPU.
+Checked run_and_check(const Problem& p, AttnDtype dtype) {
+  const int64_t H = p.shape.heads, hd = p.shape.head_dim;
+  DeviceProblem d(p);
+  cuda::FlashAttention attn(dtype, int(H), int(hd));
+  attn.plan(p.shape.cu_seqlens);
+  DeviceBuf<LayerAmax> amax(1);
+  LayerAmax fresh;
+  for (auto& t : fresh.t) amax_history_reset(t);
+  amax.upload({fresh});
+  cuda::DeviceScales scales;
+  scales.dynamic = amax.p;
+  cudaMemset(d.out.p, 0xFF, d.out.n * 2);  // poison: bf16 NaN
+  attn.prepare(d.qkv.p, 3 * H * hd, d.cos.p, d.sin.p, scales, nullptr);
+  attn.attend(d.out.p, nullptr);
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const auto out = d.output();
+
+  cpu::RefOptions o;
+  o.mode = dtype == AttnDtype::FP8 ? cpu::RefMode::FP8 : cpu::RefMode::BF16;
+  if (dtype == AttnDtype::FP8) {
+    ScaleBook book = ScaleBook::dynamic(1);
+    o.fp8_scales = book.record(0, amax_of(p, 0), amax_of(p, 1), amax_of(p, 2));
+    const LayerAmax g = amax.download()[0];
+    EXPECT_EQ(g.t[0].scale, o.fp8_scales.q);  // the device ring saw the same amax as the host
+    EXPECT_EQ(g.t[1].scale, o.fp8_scales.k);
+    EXPECT_EQ(g.t[2].scale, o.fp8_scales.v);
+  }
+  const auto exact = p.reference({});
+  const auto emu = p.reference(o);
+  const int64_t n = int64_t(exact.size());
+  return {compare(out.data(), exact.data(), n), compare(emu.data(), exact.data(), n), compare(out.data(), emu.data(), n)};
+}
+
+float amax_of(const Problem& p, int w) { return amax(p.shape, p.view(w)); }
+
+// design.md §7: a fast path's error against fp64 is at most 2x the same-precision CPU emulation's,
+// plus a small atol; NaN never passes (compare() makes rel_l2 NaN, and NaN <= x is false).
+void expect_within_rule(const Checked& c, const std::string& what) {
+  std::printf("%-28s gpu rel %.3e max %.3e | emu rel %.3e max %.3e | gpu-vs-emu rel %.3e\n", what.c_str(),
+              c.gpu.rel_l2, c.gpu.max_abs, c.emu.rel_l2, c.emu.max_abs, c.vs_emu.rel_l2);
+  EXPECT_EQ(c.gpu.nonfinite, 0) << what;
+  EXPECT_LE(c.gpu.rel_l2, 2 * c.emu.rel_l2 + 1e-3) << what;
+  EXPECT_LE(c.gpu.max_abs, 2 * c.emu.max_abs + 1e-2) << what;
+}
+
+const std::vector<int> kRagged = {1, 7, 64, 127, 128, 129, 1000};
+
+}  // namespace
+
+class FlashAttentionGpu : public ::testing::TestWithParam<std::tuple<int, AttnDtype>> {};
+
+TEST_P(FlashAttentionGpu, RaggedBatchMatchesReference) {
+  const auto [hd, dtype] = GetParam();
+  const Problem p(kRagged, 3, hd, fresh_seed());
+  expect_within_rule(run_and_check(p, dtype), fmt_name(hd, dtype, "ragged"));
+}
+
+TEST_P(FlashAttentionGpu, LongSegmentsMatchReference) {
+  const auto [hd, dtype] = GetParam();
+  const Problem p({4096, 16384, 5}, 1, hd, fresh_seed());
+  expect_within_rule(run_and_check(p, dtype), fmt_name(hd, dtype, "4096+16384+5"));
+}
+
+INSTANTIATE_TEST_SUITE_P(All, FlashAttentionGpu,
+                         ::testing::Combine(::testing::Values(64, 72, 80, 128),
+                                            ::testing::Values(AttnDtype::BF16, AttnDtype::FP8)),
+                         [](const auto& info) {
+                           return "hd" + std::to_string(std::get<0>(info.param)) + "_" +
+                                  dtype_name(std::get<1>(info.param));
+                         });
+
+// Static scales: the kernel uses exactly the given scales (one launch, no amax work).
+TEST(FlashAttentionGpuStatic, UsesTheGivenScales) {
+  const Problem p({300, 77}, 2, 72, fresh_seed());
+  const int64_t H = 2, hd = 72;
+  DeviceProblem d(p);
+  const QkvScales s = {amax_of(p, 0) / 300.0f, amax_of(p, 1) / 448.0f * 1.5f, amax_of(p, 2) / 200.0f};
+  DeviceBuf<float> fixed(3);
+  fixed.upload({s.q, s.k, s.v});
+  cuda::FlashAttention attn(AttnDtype::FP8, int(H), int(hd));
+  attn.plan(p.shape.cu_seqlens);
+  cuda::DeviceScales scales;
+  scales.fixed = fixed.p;
+  cudaMemset(d.out.p, 0xFF, d.out.n * 2);
+  attn.prepare(d.qkv.p, 3 * H * hd, d.cos.p, d.sin.p, scales, nullptr);
+  attn.attend(d.out.p, nullptr);
+  CUDA_OK(cudaDeviceSynchronize());
+  cpu::RefOptions o;
+  o.mode = cpu::RefMode::FP8;
+  o.fp8_scales = s;
+  const auto exact = p.reference({}), emu = p.reference(o), out = d.output();
+  const int64_t n = int64_t(exact.size());
+  expect_within_rule({compare(out.data(), exact.data(), n), compare(emu.data(), exact.data(), n),
+                      compare(out.data(), emu.data(), n)},
+                     "static hd72");
+}
+
+// Dynamic scaling in a CUDA graph: capture prepare + attend once, replay 20 times on changing inputs
+// (magnitudes vary so the ring's max moves), and check ring and scales against the CPU scale book
+// after every replay, plus the output against the FP8 emulation with the book's scales.
+TEST(FlashAttentionGpuGraph, DynamicScalingReplays) {
+  const std::vector<int> lens = {100, 300, 17};
+  const int H = 2, hd = 72;
+  Problem p(lens, H, hd, fresh_seed());
+  DeviceProblem d(p);
+  DeviceBuf<LayerAmax> amax(1);
+  LayerAmax fresh;
+  for (auto& t : fresh.t) amax_history_reset(t);
+  amax.upload({fresh});
+  cuda::DeviceScales scales;
+  scales.dynamic = amax.p;
+  cuda::FlashAttention attn(AttnDtype::FP8, H, hd);
+  attn.plan(p.shape.cu_seqlens);
+  cudaStream_t stream;
+  CUDA_OK(cudaStreamCreate(&stream));
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  attn.prepare(d.qkv.p, 3 * H * hd, d.cos.p, d.sin.p, scales, stream);
+  attn.attend(d.out.p, stream);
+  CUDA_OK(cudaStreamEndCapture(stream, &graph));
+  CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+
+  ScaleBook book = ScaleBook::dynamic(1);
+  std::mt19937 rng{unsigned(fresh_seed())};
+  std::uniform_real_distribution<float> mag(0.25f, 8.0f);
+  for (int replay = 0; replay < 20; ++replay) {
+    p = Problem(lens, H, hd, rng(), mag(rng));
+    d.qkv.upload(p.qkv_bf16());
+    cudaMemset(d.out.p, 0xFF, d.out.n * 2);
+    CUDA_OK(cudaGraphLaunch(exec, stream));
+    CUDA_OK(cudaStreamSynchronize(stream));
+    const QkvScales s = book.record(0, amax_of(p, 0), amax_of(p, 1), amax_of(p, 2));
+    const LayerAmax g = amax.download()[0];
+    const LayerAmax& want = book.amax_state()[0];
+    for (int w = 0; w < 3; ++w) {
+      EXPECT_EQ(g.t[w].pos, want.t[w].pos) << "replay " << replay;
+      EXPECT_EQ(g.t[w].filled, want.t[w].filled) << "replay " << replay;
+      EXPECT_EQ(g.t[w].updates, want.t[w].updates) << "replay " << replay;
+      EXPECT_EQ(std::memcmp(g.t[w].ring, want.t[w].ring, sizeof g.t[w].ring), 0) << "replay " << replay << " tensor " << w;
+      EXPECT_EQ(g.t[w].scale, s[w]) << "replay " << replay << " tensor " << w;
+    }
+    cpu::RefOptions o;
+    o.mode = cpu::RefMode::FP8;
+    o.fp8_scales = s;
+    const auto exact = p.reference({}), emu = p.reference(o), out = d.output();
+    const int64_t n = int64_t(exact.size());
+    expect_within_rule({compare(out.data(), exact.data(), n), compare(emu.data(), exact.data(), n),
+                        compare(out.data(), emu.data(), n)},
+                       "graph replay " + std::to_string(replay));
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+}
+
+// A small case for compute-sanitizer (tools/device/run.sh runs it under memcheck).
+TEST(FlashAttentionGpuSmall, SanitizerCase) {
+  const Problem p({1, 130, 64}, 2, 72, fresh_seed());
+  expect_within_rule(run_and_check(p, AttnDtype::FP8), "small fp8");
+  expect_within_rule(run_and_check(p, AttnDtype::BF16), "small bf16");
+}

@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Builds here and copies what the GPU machine runs into .device-bin/ (ignored by git; carried by the
+# device tool). Then: run with carry [".device-bin"] and command "bash tools/device/check.sh".
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+cmake --build build
+rm -rf .device-bin && mkdir -p .device-bin
+cp build/fovea build/tests/test-attention-gpu build/tests/test-fp8-device .device-bin/
+du -sh .device-bin
