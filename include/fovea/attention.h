@@ -13,6 +13,8 @@
 
 #include "fovea/scales.h"
 
+typedef struct CUstream_st* cudaStream_t;  // as cuda_runtime_api.h declares it
+
 namespace fovea {
 
 enum class AttnBackend { AUTO, FOVEA, CUDNN, CPU };
@@ -99,8 +101,6 @@ float amax(const VarlenShape& shape, ThdView<const float> x);
 
 // ---- GPU: the FOVEA backend (Hopper, sm_90a) ---------------------------------------------------------
 // Built where nvcc exists; runs on compute capability 9.0. Implementation: src/attention/cuda/.
-
-typedef struct CUstream_st* cudaStream_t;
 
 namespace cuda {
 

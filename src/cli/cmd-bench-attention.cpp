@@ -9,8 +9,14 @@
 
 #include "cli/commands.h"
 #include "fovea/error.h"
+#include "fovea/bf16.h"
 #include "fovea/io.h"
 #include "fovea/random.h"
+#include "fovea/rope.h"
+
+#if FOVEA_HAVE_CUDA
+#include <cuda_runtime.h>
+#endif
 
 namespace fovea::cli {
 
@@ -23,6 +29,10 @@ struct Args {
   std::string dist = "normal";
   std::string dtypes = "bf16,fp8";
   std::string device = "cpu";
+  std::string backend = "FOVEA";
+  int reps = 20;
+  int warmup = 3;
+  bool check = true;
   uint64_t seed = 0;
   int threads = 0;
   std::string json_path;
@@ -60,11 +70,13 @@ std::vector<AttnDtype> parse_dtypes(const std::string& s) {
   return out;
 }
 
-nlohmann::json num(double x) { return std::isfinite(x) ? nlohmann::json(x) : nlohmann::json(nullptr); }
+nlohmann::ordered_json num(double x) { return std::isfinite(x) ? nlohmann::ordered_json(x) : nlohmann::ordered_json(nullptr); }
+
+int run_bench_cuda(const Args& a, const VarlenShape& shape, const std::vector<int>& seqlens,
+                   const std::vector<AttnDtype>& dtypes, const std::vector<float>& qkv);
 
 int run_bench(const Args& a) {
-  if (a.device != "cpu")
-    fail("--device {}: the attention benchmark runs the CPU reference only so far (GPU kernels: issue #3)", a.device);
+  if (a.device != "cpu" && a.device != "cuda") fail("--device: '{}' is not one of cpu, cuda", a.device);
   const auto dist = parse_dist(a.dist);
   if (!dist) fail("--dist: '{}' is not one of normal, outliers", a.dist);
   if (a.heads < 1) fail("--heads must be >= 1, got {}", a.heads);
@@ -76,6 +88,7 @@ int run_bench(const Args& a) {
   // Q, K, V as one fused [N, 3, H, hd] buffer (how the encoder's qkv GEMM lays them out); bf16 values.
   const int64_t N = shape.total_tokens(), H = a.heads, hd = a.head_dim;
   const std::vector<float> qkv = random_values(N * 3 * H * hd, *dist, a.seed);
+  if (a.device == "cuda") return run_bench_cuda(a, shape, seqlens, dtypes, qkv);
   auto view = [&](int i) { return ThdView<const float>{qkv.data() + i * H * hd, 3 * H * hd, hd}; };
   const auto q = view(0), k = view(1), v = view(2);
 
@@ -131,6 +144,153 @@ int run_bench(const Args& a) {
   return 0;
 }
 
+#if FOVEA_HAVE_CUDA
+
+#define BENCH_CUDA(call)                                                                      \
+  do {                                                                                        \
+    const cudaError_t e_ = (call);                                                            \
+    if (e_ != cudaSuccess) fail("{} failed: {}", #call, cudaGetErrorString(e_));              \
+  } while (0)
+
+// A device buffer that frees itself.
+struct DevBuf {
+  void* p = nullptr;
+  explicit DevBuf(size_t bytes) { BENCH_CUDA(cudaMalloc(&p, bytes)); }
+  ~DevBuf() { cudaFree(p); }
+};
+
+// Median time of fn() over reps launches, after warmup, with CUDA events around each.
+template <class F>
+double median_ms(F&& fn, int warmup, int reps) {
+  for (int i = 0; i < warmup; ++i) fn();
+  cudaEvent_t e0, e1;
+  BENCH_CUDA(cudaEventCreate(&e0));
+  BENCH_CUDA(cudaEventCreate(&e1));
+  std::vector<float> t;
+  for (int i = 0; i < reps; ++i) {
+    BENCH_CUDA(cudaEventRecord(e0));
+    fn();
+    BENCH_CUDA(cudaEventRecord(e1));
+    BENCH_CUDA(cudaEventSynchronize(e1));
+    float ms = 0;
+    BENCH_CUDA(cudaEventElapsedTime(&ms, e0, e1));
+    t.push_back(ms);
+  }
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  std::sort(t.begin(), t.end());
+  return t[t.size() / 2];
+}
+
+int run_bench_cuda(const Args& a, const VarlenShape& shape, const std::vector<int>& seqlens,
+                   const std::vector<AttnDtype>& dtypes, const std::vector<float>& qkv) {
+  const auto backend = parse_backend(a.backend);
+  if (backend != AttnBackend::FOVEA)
+    fail("--backend {}: the GPU attention benchmark runs FOVEA (the cuDNN backend is not built yet)", a.backend);
+  if (a.reps < 1) fail("--reps must be >= 1, got {}", a.reps);
+  const SystemInfo sys = query_system();
+  if (auto why = backend_unsupported(AttnBackend::FOVEA, AttnDtype::FP8, Device::CUDA, sys)) fail("--device cuda: {}", *why);
+  const int64_t N = shape.total_tokens(), H = shape.heads, hd = shape.head_dim;
+
+  // Inputs: the fused bf16 qkv and 2D RoPE tables; the fp32 rotated copy feeds the reference.
+  std::vector<float> cos, sin;
+  rope_tables_grid(shape, cos, sin);
+  std::vector<uint16_t> qkv16(qkv.size());
+  for (size_t i = 0; i < qkv.size(); ++i) qkv16[i] = bf16_from_float(qkv[i]);
+  DevBuf d_qkv(qkv16.size() * 2), d_cos(cos.size() * 4), d_sin(sin.size() * 4), d_out(size_t(N * H * hd) * 2);
+  BENCH_CUDA(cudaMemcpy(d_qkv.p, qkv16.data(), qkv16.size() * 2, cudaMemcpyHostToDevice));
+  BENCH_CUDA(cudaMemcpy(d_cos.p, cos.data(), cos.size() * 4, cudaMemcpyHostToDevice));
+  BENCH_CUDA(cudaMemcpy(d_sin.p, sin.data(), sin.size() * 4, cudaMemcpyHostToDevice));
+  std::vector<float> rot = qkv;
+  apply_rope_qk(shape, cos, sin, rot);
+
+  // Error against fp64 on head 0 (the reference is O(sum S^2) on the CPU: skipped past 2^28).
+  double s2 = 0;
+  for (int n : seqlens) s2 += double(n) * n;
+  const bool check = a.check && s2 <= double(1 << 28);
+  VarlenShape one = shape;
+  one.heads = 1;
+  auto all = [&](int w) { return ThdView<const float>{rot.data() + w * H * hd, 3 * H * hd, hd}; };
+  std::vector<double> ref;
+  if (check) {
+    ref.resize(size_t(N * hd));
+    cpu::attention(one, all(0), all(1), all(2), {}, ref.data());  // heads = 1: head 0 of each view
+  }
+  // Static scales for the benchmark: current scaling of these inputs over all heads (what calibration
+  // with margin 1 would give).
+  const QkvScales st_all = ScaleBook::dynamic(1).record(0, amax(shape, all(0)), amax(shape, all(1)), amax(shape, all(2)));
+  DevBuf d_fixed(3 * sizeof(float)), d_amax(sizeof(LayerAmax));
+  const float fixed[3] = {st_all.q, st_all.k, st_all.v};
+  BENCH_CUDA(cudaMemcpy(d_fixed.p, fixed, sizeof fixed, cudaMemcpyHostToDevice));
+  LayerAmax fresh;
+  for (auto& t : fresh.t) amax_history_reset(t);
+  BENCH_CUDA(cudaMemcpy(d_amax.p, &fresh, sizeof fresh, cudaMemcpyHostToDevice));
+
+  const GpuInfo& gpu = sys.gpus.at(0);
+  fmt::print("fovea bench attention | device cuda ({}) | backend FOVEA | seqlens {} ({} segments, {} tokens) | heads {} | "
+             "head_dim {} | dist {} | seed {} | median of {}\n",
+             gpu.name, a.seqlens, shape.num_segments(), N, H, hd, a.dist, a.seed, a.reps);
+  fmt::print("{:<6} | {:>9} | {:>8} | {:>12} | {:>13} | {:>10} | {:>10} | {:>10}\n", "dtype", "attn ms", "TFLOP/s",
+             "prep ms", "prep dyn ms", "total ms", "rel_l2", "max_abs");
+  nlohmann::ordered_json results = nlohmann::ordered_json::array();
+  for (AttnDtype d : dtypes) {
+    const bool fp8 = d == AttnDtype::FP8;
+    cuda::FlashAttention attn(d, int(H), int(hd));
+    attn.plan(shape.cu_seqlens);
+    cuda::DeviceScales st_scales, dyn_scales;
+    st_scales.fixed = static_cast<const float*>(d_fixed.p);
+    dyn_scales.dynamic = static_cast<LayerAmax*>(d_amax.p);
+    auto prep = [&](const cuda::DeviceScales& sc) { attn.prepare(d_qkv.p, 3 * H * hd, static_cast<const float*>(d_cos.p), static_cast<const float*>(d_sin.p), sc, nullptr); };
+    const double prep_ms = median_ms([&] { prep(st_scales); }, a.warmup, a.reps);
+    const double prep_dyn_ms = fp8 ? median_ms([&] { prep(dyn_scales); }, a.warmup, a.reps) : prep_ms;
+    prep(st_scales);
+    const double attn_ms = median_ms([&] { attn.attend(d_out.p, nullptr); }, a.warmup, a.reps);
+    // Correctness on the static-scale path: poison, run once, compare head 0.
+    BENCH_CUDA(cudaMemset(d_out.p, 0xFF, size_t(N * H * hd) * 2));
+    prep(st_scales);
+    attn.attend(d_out.p, nullptr);
+    BENCH_CUDA(cudaDeviceSynchronize());
+    ErrorStats e{};
+    if (check) {
+      std::vector<uint16_t> out16(size_t(N * H * hd));
+      BENCH_CUDA(cudaMemcpy(out16.data(), d_out.p, out16.size() * 2, cudaMemcpyDeviceToHost));
+      std::vector<double> out(size_t(N * hd));
+      for (int64_t t = 0; t < N; ++t)
+        for (int64_t i = 0; i < hd; ++i) out[size_t(t * hd + i)] = bf16_to_float(out16[size_t(t * H * hd + i)]);
+      e = compare(out.data(), ref.data(), N * hd);
+    }
+    const double tflops = shape.flops() / (attn_ms * 1e-3) / 1e12;
+    const std::string rel = check ? fmt::format("{:.3e}", e.rel_l2) : "-", mx = check ? fmt::format("{:.3e}", e.max_abs) : "-";
+    fmt::print("{:<6} | {:>9.4f} | {:>8.1f} | {:>12.4f} | {:>13.4f} | {:>10.4f} | {:>10} | {:>10}\n", dtype_name(d),
+               attn_ms, tflops, prep_ms, prep_dyn_ms, attn_ms + prep_ms, rel, mx);
+    nlohmann::ordered_json entry = {{"dtype", dtype_name(d)},     {"backend", "FOVEA"},     {"attn_ms", attn_ms},
+                                    {"tflops", tflops},           {"prepare_ms", prep_ms},  {"prepare_dynamic_ms", prep_dyn_ms},
+                                    {"total_ms", attn_ms + prep_ms}};
+    entry["rel_l2"] = num(check ? e.rel_l2 : NAN);  // null when not checked
+    entry["max_abs"] = num(check ? e.max_abs : NAN);
+    entry["checked_heads"] = check ? 1 : 0;
+    results.push_back(entry);
+  }
+  if (!a.json_path.empty()) {
+    const nlohmann::ordered_json doc = {{"bench", "attention"}, {"device", "cuda"},  {"gpu", gpu.name},
+                                        {"seqlens", seqlens},    {"heads", H},        {"head_dim", hd},
+                                        {"dist", a.dist},        {"seed", a.seed},    {"flops", shape.flops()},
+                                        {"reps", a.reps},        {"results", results}};
+    write_file_atomic(a.json_path, doc.dump(2) + "\n", "--json");
+    fmt::print("wrote {}\n", a.json_path);
+  }
+  return 0;
+}
+
+#else
+
+int run_bench_cuda(const Args&, const VarlenShape&, const std::vector<int>&, const std::vector<AttnDtype>&,
+                   const std::vector<float>&) {
+  fail("--device cuda: this fovea was built without CUDA");
+}
+
+#endif
+
 }  // namespace
 
 void add_bench_attention(CLI::App* bench, Runner& run) {
@@ -143,7 +303,13 @@ void add_bench_attention(CLI::App* bench, Runner& run) {
   cmd->add_option("--dist", a->dist, "input distribution: normal | outliers (N(0,1) + N(0,100)*Bernoulli(0.001))")
       ->capture_default_str();
   cmd->add_option("--dtype", a->dtypes, "comma list of dtypes: bf16, fp8")->capture_default_str();
-  cmd->add_option("--device", a->device, "cpu (the reference emulations)")->capture_default_str();
+  cmd->add_option("--device", a->device, "cpu (the reference emulations) or cuda (the GPU kernels)")
+      ->capture_default_str();
+  cmd->add_option("--backend", a->backend, "GPU backend: FOVEA")->capture_default_str();
+  cmd->add_option("--reps", a->reps, "GPU: timed repetitions (median reported)")->capture_default_str();
+  cmd->add_option("--warmup", a->warmup, "GPU: untimed warm-up runs")->capture_default_str();
+  cmd->add_option("--check", a->check, "GPU: error against fp64 on head 0 (skipped when sum(S^2) > 2^28)")
+      ->capture_default_str();
   cmd->add_option("--seed", a->seed, "random seed")->capture_default_str();
   cmd->add_option("--threads", a->threads, "CPU threads (0: all)")->capture_default_str();
   cmd->add_option("--json", a->json_path, "write the results as JSON to this file");

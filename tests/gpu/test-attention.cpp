@@ -12,6 +12,7 @@
 #include "fovea/attention.h"
 #include "fovea/bf16.h"
 #include "fovea/random.h"
+#include "fovea/rope.h"
 #include "fovea/scales.h"
 
 using namespace fovea;
@@ -59,36 +60,9 @@ struct Problem {
     const int64_t N = shape.total_tokens();
     qkv = random_values(N * 3 * heads * hd, Dist::NORMAL, seed, false);
     for (auto& x : qkv) x = bf16_round(x * magnitude);
-    cos.resize(size_t(N) * hd / 2);
-    sin.resize(cos.size());
-    for (int s = 0; s < shape.num_segments(); ++s) {
-      const int len = shape.cu_seqlens[size_t(s) + 1] - shape.cu_seqlens[size_t(s)];
-      const int w = std::max(1, int(std::sqrt(double(len))));
-      for (int i = 0; i < len; ++i) {
-        const int64_t t = shape.cu_seqlens[size_t(s)] + i;
-        for (int d = 0; d < hd / 2; ++d) {
-          const int q = hd / 4;  // first half of the angles: row, second: column (spec §3.4)
-          const double inv_freq = std::pow(10000.0, -2.0 * (d % q) / (hd / 2.0));
-          const float angle = float((d < q ? i / w : i % w) * inv_freq);
-          cos[size_t(t * hd / 2 + d)] = std::cos(angle);
-          sin[size_t(t * hd / 2 + d)] = std::sin(angle);
-        }
-      }
-    }
+    rope_tables_grid(shape, cos, sin);
     rot = qkv;
-    for (int64_t t = 0; t < N; ++t)
-      for (int w = 0; w < 2; ++w)
-        for (int h = 0; h < heads; ++h) {
-          float* x = rot.data() + ((t * 3 + w) * heads + h) * hd;
-          const float* c = cos.data() + t * hd / 2;
-          const float* s = sin.data() + t * hd / 2;
-          for (int d = 0; d < hd / 2; ++d) {
-            const float x1 = x[d], x2 = x[d + hd / 2];
-            const float a = x1 * c[d], b = x2 * s[d], e = x2 * c[d], f = x1 * s[d];
-            x[d] = a - b;
-            x[d + hd / 2] = e + f;
-          }
-        }
+    apply_rope_qk(shape, cos, sin, rot);
   }
   ThdView<const float> view(int w) const {
     const int64_t H = shape.heads, hd = shape.head_dim;

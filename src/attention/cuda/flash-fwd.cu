@@ -12,9 +12,12 @@
 //                      K-major in shared memory (128-byte swizzle), N = head_dim exactly (72 works)
 //     and release the stage to the producer.
 //   - epilogue: O / l (times the V descale for FP8) to bf16, written straight into out [N, H, hd].
-// Tiles: 128 x 128; stages: 2. Scales are read from device memory (graph-safe for dynamic scaling).
-// Not yet done (each measured before it is claimed): intra-warpgroup softmax/GEMM overlap
-// (FA3's ping-pong), a persistent tile scheduler, an smem-staged TMA-store epilogue.
+// Tiles: 128 x 128; stages: 3. Scales are read from device memory (graph-safe for dynamic scaling).
+// Overlap: within a warpgroup, softmax of block i runs while PV of block i-1 is on the tensor cores;
+// across the two consumer warpgroups, GEMM issue alternates (ping-pong) so one's softmax hides the
+// other's GEMMs. FP8 computes a quarter of its exponentials with a polynomial on the FMA pipe (the
+// MUFU's 16 ex2/clk/SM bound FP8 near hd 72). Not done yet: a persistent tile scheduler, an
+// smem-staged TMA-store epilogue.
 #include <algorithm>
 #include <cmath>
 
@@ -41,15 +44,22 @@ struct FlashCfg {
   static constexpr int kVChunks = kBlockN / kVChunkKeys;
   static constexpr int kVChunkBytes = kHeadDim * 128;
   static constexpr int kVBytes = kVChunks * kVChunkBytes;
-  static constexpr int kStages = 2;
-  static constexpr int kBarrierBytes = 8 * (2 * kStages + 1);
-  static constexpr int kSmemBytes = 1024 + kQBytes + kStages * (kKBytes + kVBytes) + kBarrierBytes;
+  static constexpr int kSmemLimit = 227 * 1024;  // per CTA on H100/H200
+  static constexpr int smem_bytes(int stages) { return 1024 + kQBytes + stages * (kKBytes + kVBytes) + 8 * (2 * stages + 1); }
+  static constexpr int kStages = smem_bytes(3) <= kSmemLimit ? 3 : 2;  // 3 fit up to bf16 hd 128 (225 KB)
+  static constexpr int kSmemBytes = smem_bytes(kStages);
   static constexpr int kThreads = 384;
   static_assert(kHeadDim % 8 == 0, "wgmma N (= head_dim) must be a multiple of 8");
   static_assert(kVChunkBytes % 1024 == 0 && kQBytes % 1024 == 0 && kKBytes % 1024 == 0,
                 "128-byte-swizzled V^T tiles must start on 1024-byte boundaries");
-  static_assert(kSmemBytes <= 227 * 1024, "shared memory budget of one H100/H200 CTA exceeded");
+  static_assert(kSmemBytes <= kSmemLimit, "shared memory budget of one H100/H200 CTA exceeded");
 };
+
+// Which of the 16 column pairs of a thread's S row take exp2 on the FMA pipe in FP8 (bit j: pair j).
+#ifndef FOVEA_FP8_FMA_EXP_MASK
+#define FOVEA_FP8_FMA_EXP_MASK 0x8888  // 4 of 16: measured best so far (see the header comment)
+#endif
+constexpr unsigned kFmaExpMask = FOVEA_FP8_FMA_EXP_MASK;
 
 template <bool kFp8>
 __device__ __forceinline__ void mma_qk(float (&d)[64], uint64_t da, uint64_t db, int scale_d) {
@@ -138,13 +148,15 @@ __global__ void __launch_bounds__(384, 1)
   const float qk_scale = kFp8 ? p.softmax_scale_log2 * (*p.q_scale) * (*p.k_scale) : p.softmax_scale_log2;
   constexpr float kPShift = kFp8 ? 8.f : 0.f;  // FP8: P = 2^8 * exp2(s - m), E4M3's top binade
 
-  ptx::mbar_wait(q_full, 0);
-  for (int i = 0; i < n_blocks; ++i) {
-    const int n = n_blocks - 1 - i, s = i % C::kStages;
-    ptx::mbar_wait(&full[s], (i / C::kStages) & 1);
+  // Software pipeline inside the warpgroup (FlashAttention-3's intra-warpgroup overlap): while the
+  // tensor cores run O += P_{i-1} V_{i-1}, the warps compute softmax on S_i = Q K_i^T, which was
+  // issued just before it. O is rescaled only after that PV has landed.
+  constexpr int kPSteps = C::kBlockN / C::kKStep;
+  float sacc[64];
+  uint32_t pa[kPSteps][4];  // P of the previous block, as wgmma A fragments
+  float corr[2];
 
-    float sacc[64];
-    ptx::wgmma_fence();
+  auto issue_qk = [&](int s) {
 #pragma unroll
     for (int c = 0; c < C::kChunks; ++c) {
       const uint64_t da = ptx::kmajor_desc(sQ + c * C::kQChunkBytes + cw * 64 * 32, 256, ptx::kSwizzle32B);
@@ -152,18 +164,19 @@ __global__ void __launch_bounds__(384, 1)
       mma_qk<kFp8>(sacc, da, db, c > 0);
     }
     ptx::wgmma_commit();
-    ptx::wgmma_wait<0>();
-    ptx::fence_regs(sacc);
-
-    const int valid = seqlen - n * C::kBlockN;  // keys of this block inside the segment
-    if (valid < C::kBlockN) {
+  };
+  auto issue_pv = [&](int s) {
 #pragma unroll
-      for (int j = 0; j < 16; ++j)
-#pragma unroll
-        for (int e = 0; e < 2; ++e)
-          if (8 * j + 2 * t + e >= valid) sacc[4 * j + e] = sacc[4 * j + 2 + e] = -INFINITY;
+    for (int kc = 0; kc < kPSteps; ++kc) {
+      const uint8_t* v = kFp8 ? sV + s * C::kVBytes + kc * 32
+                              : sV + s * C::kVBytes + (kc / 4) * C::kVChunkBytes + (kc % 4) * 32;
+      mma_pv<kFp8, kHeadDim>(o, pa[kc], ptx::kmajor_desc(v, 1024, ptx::kSwizzle128B));
     }
-
+    ptx::wgmma_commit();
+  };
+  // Online softmax of sacc in place (P = exp2(s * scale - m), times 256 for FP8); corr[r] is the
+  // factor by which the row's previous O and l shrink.
+  auto softmax = [&] {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {  // rows g and g + 8 of this warp's 16
       float mx = -INFINITY;
@@ -172,7 +185,7 @@ __global__ void __launch_bounds__(384, 1)
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
       const float m_new = fmaxf(row_max[r], mx * qk_scale);
-      const float corr = ptx::exp2_approx(row_max[r] - m_new);
+      corr[r] = ptx::exp2_approx(row_max[r] - m_new);
       row_max[r] = m_new;
       const float shift = m_new - kPShift;
       float sum = 0.f;
@@ -180,21 +193,29 @@ __global__ void __launch_bounds__(384, 1)
       for (int j = 0; j < 16; ++j)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          const float pv = ptx::exp2_approx(fmaf(sacc[4 * j + 2 * r + e], qk_scale, -shift));
+          // FP8 is exp-bound at small head_dim: a quarter of the exponentials go to the FMA pipe.
+          const float arg = fmaf(sacc[4 * j + 2 * r + e], qk_scale, -shift);
+          const float pv = (kFp8 && ((kFmaExpMask >> j) & 1)) ? ptx::exp2_fma(arg) : ptx::exp2_approx(arg);
           sacc[4 * j + 2 * r + e] = pv;
           sum += pv;
         }
-      row_sum[r] = row_sum[r] * corr + sum;
-#pragma unroll
-      for (int j = 0; j < kHeadDim / 8; ++j) {
-        o[4 * j + 2 * r] *= corr;
-        o[4 * j + 2 * r + 1] *= corr;
-      }
+      row_sum[r] = row_sum[r] * corr[r] + sum;
     }
-
-    // P as the A operand, packed before the first wgmma so the GEMMs issue back to back.
-    constexpr int kPSteps = C::kBlockN / C::kKStep;
-    uint32_t pa[kPSteps][4];
+  };
+  // Measured (H200, 2026-11-29): tree reductions for the row max/sum and skipping this rescale when
+  // no row max moved (a warp vote) both made the kernel slower (FP8 hd 72, S 8192: 545 -> 481
+  // TFLOP/s), so the plain chains stay.
+  auto rescale_o = [&] {
+#pragma unroll
+    for (int j = 0; j < kHeadDim / 8; ++j)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        o[4 * j + 2 * r] *= corr[r];
+        o[4 * j + 2 * r + 1] *= corr[r];
+      }
+  };
+  // P as the A operand (see layout.cuh for why FP8 needs no shuffle).
+  auto pack_p = [&] {
 #pragma unroll
     for (int kc = 0; kc < kPSteps; ++kc) {
       if constexpr (kFp8) {
@@ -211,18 +232,61 @@ __global__ void __launch_bounds__(384, 1)
         pa[kc][3] = ptx::pack_bf16x2(q[6], q[7]);
       }
     }
-    ptx::wgmma_fence();
+  };
+
+  // Ping-pong between the two consumer warpgroups (FlashAttention-3's inter-warpgroup overlap): a
+  // warpgroup issues its GEMMs only on its turn and then hands the turn over, so one warpgroup's
+  // softmax (MUFU, FMA pipes) runs while the other's GEMMs hold the tensor cores. Named barriers
+  // 1 and 2 are the turns of consumer warpgroups 0 and 1; warpgroup 0 starts.
+  const int my_turn = 1 + cw, other_turn = 2 - cw;
+  if (cw == 1) ptx::named_bar_arrive(1, 256);
+  auto take_turn = [&] { ptx::named_bar_sync(my_turn, 256); };
+  auto pass_turn = [&](bool last) {
+    if (!(last && cw == 1)) ptx::named_bar_arrive(other_turn, 256);  // nobody waits after the end
+  };
+
+  ptx::mbar_wait(q_full, 0);
+  // Block 0 of the walk is the segment's last KV block, the only one that can be partial.
+  ptx::mbar_wait(&full[0], 0);
+  take_turn();
+  ptx::wgmma_fence();
+  issue_qk(0);
+  pass_turn(false);
+  ptx::wgmma_wait<0>();
+  ptx::fence_regs(sacc);
+  const int valid = seqlen - (n_blocks - 1) * C::kBlockN;
+  if (valid < C::kBlockN) {
 #pragma unroll
-    for (int kc = 0; kc < kPSteps; ++kc) {
-      const uint8_t* v = kFp8 ? sV + s * C::kVBytes + kc * 32
-                              : sV + s * C::kVBytes + (kc / 4) * C::kVChunkBytes + (kc % 4) * 32;
-      mma_pv<kFp8, kHeadDim>(o, pa[kc], ptx::kmajor_desc(v, 1024, ptx::kSwizzle128B));
-    }
-    ptx::wgmma_commit();
+    for (int j = 0; j < 16; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e)
+        if (8 * j + 2 * t + e >= valid) sacc[4 * j + e] = sacc[4 * j + 2 + e] = -INFINITY;
+  }
+  softmax();
+  pack_p();
+  for (int i = 1; i < n_blocks; ++i) {
+    const int s = i % C::kStages, s_prev = (i - 1) % C::kStages;
+    ptx::mbar_wait(&full[s], (i / C::kStages) & 1);
+    take_turn();
+    ptx::wgmma_fence();
+    issue_qk(s);
+    issue_pv(s_prev);
+    pass_turn(false);
+    ptx::wgmma_wait<1>();  // S_i is ready; PV_{i-1} may still run
+    ptx::fence_regs(sacc);
+    softmax();
     ptx::wgmma_wait<0>();
     ptx::fence_regs(o);
-    ptx::mbar_arrive(&empty[s]);
+    ptx::mbar_arrive(&empty[s_prev]);
+    rescale_o();
+    pack_p();
   }
+  take_turn();
+  ptx::wgmma_fence();
+  issue_pv((n_blocks - 1) % C::kStages);
+  pass_turn(true);
+  ptx::wgmma_wait<0>();
+  ptx::fence_regs(o);
 
   // Epilogue: normalize, convert, store rows that belong to the segment.
   const float v_scale = kFp8 ? *p.v_scale : 1.f;

@@ -9,6 +9,7 @@
 
 #include "attention/cuda/kernels.cuh"
 #include "attention/cuda/layout.cuh"
+#include "attention/cuda/ptx.cuh"
 #include "fovea/fp8.h"
 #include "fovea/scales.h"
 
@@ -48,15 +49,54 @@ __device__ __forceinline__ void load_row(const PrepareArgs& a, int token, int he
   }
   if (rope && a.rope_cos) {
     constexpr int kHalf = kHeadDim / 2;
-    const float* c = a.rope_cos + int64_t(token) * kHalf;
-    const float* s = a.rope_sin + int64_t(token) * kHalf;
+    const float4* c4 = reinterpret_cast<const float4*>(a.rope_cos + int64_t(token) * kHalf);
+    const float4* s4 = reinterpret_cast<const float4*>(a.rope_sin + int64_t(token) * kHalf);
 #pragma unroll
-    for (int d = 0; d < kHalf; ++d) {
-      // Unfused multiply and add, rounded like the CPU reference's (and transformers' fp32) RoPE, so
-      // the amax and every quantized value agree bit for bit with the host.
-      const float x1 = x[d], x2 = x[d + kHalf];
-      x[d] = __fsub_rn(__fmul_rn(x1, c[d]), __fmul_rn(x2, s[d]));
-      x[d + kHalf] = __fadd_rn(__fmul_rn(x2, c[d]), __fmul_rn(x1, s[d]));
+    for (int i = 0; i < kHalf / 4; ++i) {
+      const float4 cv = c4[i], sv = s4[i];
+      const float c[4] = {cv.x, cv.y, cv.z, cv.w}, s[4] = {sv.x, sv.y, sv.z, sv.w};
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        // Unfused multiply and add, rounded like the CPU reference's (and transformers' fp32) RoPE,
+        // so the amax and every quantized value agree bit for bit with the host.
+        const int d = 4 * i + j;
+        const float x1 = x[d], x2 = x[d + kHalf];
+        x[d] = __fsub_rn(__fmul_rn(x1, c[j]), __fmul_rn(x2, s[j]));
+        x[d + kHalf] = __fadd_rn(__fmul_rn(x2, c[j]), __fmul_rn(x1, s[j]));
+      }
+    }
+  }
+}
+
+// x8 = sat(rne(x / s)) for four values, packed (the hardware conversion, bit-identical to
+// fovea::e4m3_from_float: tests/gpu/test-fp8-device.cu).
+__device__ __forceinline__ uint32_t quantize4(float a, float b, float c, float d, float s) {
+  return ptx::pack_e4m3x4(__fdiv_rn(a, s), __fdiv_rn(b, s), __fdiv_rn(c, s), __fdiv_rn(d, s));
+}
+
+// Writes one padded row (kHdPad elements, zeros past kHeadDim) as 16-byte stores.
+template <bool kFp8, int kHeadDim, int kHdPad>
+__device__ __forceinline__ void store_row(void* dst, const float (&x)[kHeadDim], float scale) {
+  auto at = [&](int d) { return d < kHeadDim ? x[d] : 0.f; };
+  uint4* out = static_cast<uint4*>(dst);
+  if constexpr (kFp8) {
+#pragma unroll
+    for (int i = 0; i < kHdPad / 16; ++i) {
+      uint32_t w[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int d = 16 * i + 4 * j;
+        w[j] = quantize4(at(d), at(d + 1), at(d + 2), at(d + 3), scale);
+      }
+      out[i] = make_uint4(w[0], w[1], w[2], w[3]);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < kHdPad / 8; ++i) {
+      uint32_t w[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) w[j] = ptx::pack_bf16x2(at(8 * i + 2 * j), at(8 * i + 2 * j + 1));
+      out[i] = make_uint4(w[0], w[1], w[2], w[3]);
     }
   }
 }
@@ -117,9 +157,9 @@ __global__ void __launch_bounds__(kThreads) prepare_kernel(PrepareArgs a) {
   const int head = blockIdx.y;
   const int row = blockIdx.x * kThreads + threadIdx.x;  // padded row
   const int token = padded_row_token(a, row);
-  float inv[3] = {1.f, 1.f, 1.f};
+  float scale[3] = {1.f, 1.f, 1.f};  // FP8 dequantization scales of q, k, v
   if constexpr (kFp8) {
-    for (int w = 0; w < 3; ++w) inv[w] = a.dynamic ? a.dynamic->t[w].scale : a.fixed[w];
+    for (int w = 0; w < 3; ++w) scale[w] = a.dynamic ? a.dynamic->t[w].scale : a.fixed[w];
   }
 
   // Q and K: one row each, RoPE'd, padded to kHdPad with zeros.
@@ -132,16 +172,7 @@ __global__ void __launch_bounds__(kThreads) prepare_kernel(PrepareArgs a) {
       for (int d = 0; d < kHeadDim; ++d) x[d] = 0.f;
     Elem* dst = (w == 0 ? static_cast<Elem*>(a.q) : static_cast<Elem*>(a.k)) +
                 (int64_t(head) * a.n_pad + row) * kHdPad;
-    __align__(16) Elem out[kHdPad];
-#pragma unroll
-    for (int d = 0; d < kHdPad; ++d) {
-      const float v = d < kHeadDim ? x[d] : 0.f;
-      if constexpr (kFp8) out[d] = e4m3_quantize(v, inv[w]);
-      else out[d] = __float2bfloat16_rn(v);
-    }
-#pragma unroll
-    for (int i = 0; i < int(kHdPad * sizeof(Elem) / 16); ++i)
-      reinterpret_cast<uint4*>(dst)[i] = reinterpret_cast<const uint4*>(out)[i];
+    store_row<kFp8, kHeadDim, kHdPad>(dst, x, scale[w]);
   }
 
   // V: into shared memory, then out transposed, 128 keys per V^T row.
@@ -153,7 +184,7 @@ __global__ void __launch_bounds__(kThreads) prepare_kernel(PrepareArgs a) {
       for (int d = 0; d < kHeadDim; ++d) x[d] = 0.f;
 #pragma unroll
     for (int d = 0; d < kHeadDim; ++d) {
-      if constexpr (kFp8) sv[threadIdx.x][d] = e4m3_quantize(x[d], inv[2]);
+      if constexpr (kFp8) sv[threadIdx.x][d] = uint8_t(quantize4(x[d], 0.f, 0.f, 0.f, scale[2]));
       else sv[threadIdx.x][d] = __float2bfloat16_rn(x[d]);
     }
   }

@@ -39,6 +39,14 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
       : "memory");
 }
 
+// ---- named barriers (bar 0 is __syncthreads) --------------------------------------------------------
+__device__ __forceinline__ void named_bar_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_bar_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
 // ---- TMA: 3D tiled bulk tensor load into shared memory, completing on an mbarrier ------------------
 __device__ __forceinline__ void tma_load_3d(void* dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1, int c2) {
   asm volatile(
@@ -88,6 +96,19 @@ __device__ __forceinline__ float exp2_approx(float x) {
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
 }
+// 2^x on the FMA pipe, for x <= ~127: round x to j with the 1.5 * 2^23 trick, 2^f for f in
+// [-0.5, 0.5] by a degree-3 polynomial (Chebyshev nodes; max relative error 1.0e-4, far below
+// E4M3's 2^-4 rounding step), then add j to the exponent. Inputs below -125 give ~2^-125, which is
+// zero after the E4M3 cast. Used for part of the FP8 softmax so the MUFU is not the only exp unit.
+__device__ __forceinline__ float exp2_fma(float x) {
+  x = fmaxf(x, -125.f);
+  const float t = x + 12582912.f;
+  const int j = __float_as_int(t) - 0x4B400000;
+  const float f = x - (t - 12582912.f);
+  const float p = fmaf(fmaf(fmaf(0.0558382829f, f, 0.242639479f), f, 0.693136734f), f, 0.999924557f);
+  return __int_as_float(__float_as_int(p) + (j << 23));
+}
+
 // Two floats to packed bf16x2, lo in the low half.
 __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
   uint32_t r;
