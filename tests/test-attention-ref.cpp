@@ -11,6 +11,7 @@
 #include "fovea/error.h"
 #include "fovea/fp8.h"
 #include "fovea/random.h"
+#include "fovea/rope.h"
 
 using namespace fovea;
 using cpu::RefMode;
@@ -303,4 +304,35 @@ TEST(AttentionRef, CompareCountsNonFinite) {
   const ErrorStats n = compare(bad, ref, 4);
   EXPECT_EQ(n.nonfinite, 1);
   EXPECT_TRUE(std::isnan(n.rel_l2));  // NaN never passes a `rel_l2 < tol` check
+}
+
+TEST(Rope, TablesFollowTheSpecAndRotationKeepsPairNorms) {
+  const VarlenShape sh = varlen_from_seqlens({10, 7}, 2, 8);  // segment 0: 3 columns; segment 1: 2
+  std::vector<float> cos, sin;
+  rope_tables_grid(sh, cos, sin);
+  // Token 5 of segment 0 sits at row 1, column 2; hd 8 has inv_freq {1, 10000^-0.5}.
+  const int t = 5, half = 4;
+  EXPECT_FLOAT_EQ(cos[t * half + 0], std::cos(1.0f));                                 // row * 1
+  EXPECT_FLOAT_EQ(sin[t * half + 1], float(std::sin(1.0 * std::pow(10000.0, -0.5))));  // row * f1
+  EXPECT_FLOAT_EQ(cos[t * half + 2], std::cos(2.0f));                                 // col * 1
+  EXPECT_FLOAT_EQ(cos[(10 + 3) * half + 2], std::cos(1.0f));  // segment 1, token 3: row 1, col 1
+  std::vector<float> x = random_values(17 * 3 * 2 * 8, Dist::NORMAL, fresh_seed(), false), y = x;
+  apply_rope_qk(sh, cos, sin, y);
+  for (int64_t tok = 0; tok < 17; ++tok)
+    for (int w = 0; w < 3; ++w)
+      for (int h = 0; h < 2; ++h)
+        for (int d = 0; d < 4; ++d) {
+          const size_t i = size_t(((tok * 3 + w) * 2 + h) * 8 + d);
+          if (w == 2) {
+            ASSERT_EQ(y[i], x[i]);  // v is not rotated
+            ASSERT_EQ(y[i + 4], x[i + 4]);
+            continue;
+          }
+          const double before = double(x[i]) * x[i] + double(x[i + 4]) * x[i + 4];
+          const double after = double(y[i]) * y[i] + double(y[i + 4]) * y[i + 4];
+          ASSERT_NEAR(after, before, 1e-5 * (1 + before));
+          if (tok == 0) {
+            ASSERT_EQ(y[i], x[i]);  // position (0, 0): angle 0
+          }
+        }
 }

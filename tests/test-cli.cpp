@@ -279,3 +279,27 @@ TEST_F(Cli, BenchAttentionJsonIntoAMissingFolderFailsAndLeavesNothing) {
   EXPECT_HAS(r.err, json_path);
   EXPECT_TRUE(list_work().empty()) << ::testing::PrintToString(list_work());
 }
+
+// --device cuda: on a machine without a Hopper GPU (CI) a one-line error naming the option; where
+// one is visible, the GPU table with an error column checked against fp64.
+TEST_F(Cli, BenchAttentionCuda) {
+  const Result info = run("info");
+  ASSERT_EQ(info.code, 0) << info.err;
+  const bool hopper = info.out.find("sm_90") != std::string::npos;
+  const std::string json = file("gpu.json");
+  const Result r = run("bench attention --device cuda --seqlens 5,300 --heads 2 --head-dim 72 --reps 2 --json '" + json + "'");
+  if (!hopper) {
+    EXPECT_NE(r.code, 0);
+    EXPECT_NE(r.err.find("--device cuda"), std::string::npos) << r.err;
+    EXPECT_FALSE(fs::exists(json));
+    return;
+  }
+  ASSERT_EQ(r.code, 0) << r.err;
+  const auto doc = nlohmann::json::parse(slurp(json));
+  ASSERT_EQ(doc["results"].size(), 2u);
+  for (const auto& e : doc["results"]) {
+    ASSERT_TRUE(e["rel_l2"].is_number()) << e.dump();
+    EXPECT_LT(e["rel_l2"].get<double>(), e["dtype"] == "fp8" ? 0.1 : 1e-2) << e.dump();
+    EXPECT_GT(e["attn_ms"].get<double>(), 0.0);
+  }
+}

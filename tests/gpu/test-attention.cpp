@@ -104,6 +104,22 @@ std::string fmt_name(int hd, AttnDtype d, const char* what) {
   return std::string(dtype_name(d)) + " hd" + std::to_string(hd) + " " + what;
 }
 
+// One layer's dynamic-scaling state in device memory, starting from an empty ring.
+struct DynamicScales {
+  DeviceBuf<LayerAmax> buf{1};
+  DynamicScales() {
+    LayerAmax fresh;
+    for (auto& t : fresh.t) amax_history_reset(t);
+    buf.upload({fresh});
+  }
+  cuda::DeviceScales scales() const {
+    cuda::DeviceScales s;
+    s.dynamic = buf.p;
+    return s;
+  }
+  LayerAmax download() const { return buf.download()[0]; }
+};
+
 struct Checked {
   ErrorStats gpu, emu, vs_emu;
 };
@@ -114,12 +130,8 @@ Checked run_and_check(const Problem& p, AttnDtype dtype) {
   DeviceProblem d(p);
   cuda::FlashAttention attn(dtype, int(H), int(hd));
   attn.plan(p.shape.cu_seqlens);
-  DeviceBuf<LayerAmax> amax(1);
-  LayerAmax fresh;
-  for (auto& t : fresh.t) amax_history_reset(t);
-  amax.upload({fresh});
-  cuda::DeviceScales scales;
-  scales.dynamic = amax.p;
+  DynamicScales amax;
+  const cuda::DeviceScales scales = amax.scales();
   cudaMemset(d.out.p, 0xFF, d.out.n * 2);  // poison: bf16 NaN
   attn.prepare(d.qkv.p, 3 * H * hd, d.cos.p, d.sin.p, scales, nullptr);
   attn.attend(d.out.p, nullptr);
@@ -131,7 +143,7 @@ Checked run_and_check(const Problem& p, AttnDtype dtype) {
   if (dtype == AttnDtype::FP8) {
     ScaleBook book = ScaleBook::dynamic(1);
     o.fp8_scales = book.record(0, amax_of(p, 0), amax_of(p, 1), amax_of(p, 2));
-    const LayerAmax g = amax.download()[0];
+    const LayerAmax g = amax.download();
     EXPECT_EQ(g.t[0].scale, o.fp8_scales.q);  // the device ring saw the same amax as the host
     EXPECT_EQ(g.t[1].scale, o.fp8_scales.k);
     EXPECT_EQ(g.t[2].scale, o.fp8_scales.v);
@@ -152,6 +164,16 @@ void expect_within_rule(const Checked& c, const std::string& what) {
   EXPECT_EQ(c.gpu.nonfinite, 0) << what;
   EXPECT_LE(c.gpu.rel_l2, 2 * c.emu.rel_l2 + 1e-3) << what;
   EXPECT_LE(c.gpu.max_abs, 2 * c.emu.max_abs + 1e-2) << what;
+}
+
+// A GPU FP8 output against fp64 and against the FP8 emulation with the same scales.
+Checked check_fp8(const Problem& p, const std::vector<double>& out, const QkvScales& s) {
+  cpu::RefOptions o;
+  o.mode = cpu::RefMode::FP8;
+  o.fp8_scales = s;
+  const auto exact = p.reference({}), emu = p.reference(o);
+  const int64_t n = int64_t(exact.size());
+  return {compare(out.data(), exact.data(), n), compare(emu.data(), exact.data(), n), compare(out.data(), emu.data(), n)};
 }
 
 const std::vector<int> kRagged = {1, 7, 64, 127, 128, 129, 1000};
@@ -196,14 +218,7 @@ TEST(FlashAttentionGpuStatic, UsesTheGivenScales) {
   attn.prepare(d.qkv.p, 3 * H * hd, d.cos.p, d.sin.p, scales, nullptr);
   attn.attend(d.out.p, nullptr);
   CUDA_OK(cudaDeviceSynchronize());
-  cpu::RefOptions o;
-  o.mode = cpu::RefMode::FP8;
-  o.fp8_scales = s;
-  const auto exact = p.reference({}), emu = p.reference(o), out = d.output();
-  const int64_t n = int64_t(exact.size());
-  expect_within_rule({compare(out.data(), exact.data(), n), compare(emu.data(), exact.data(), n),
-                      compare(out.data(), emu.data(), n)},
-                     "static hd72");
+  expect_within_rule(check_fp8(p, d.output(), s), "static hd72");
 }
 
 // Dynamic scaling in a CUDA graph: capture prepare + attend once, replay 20 times on changing inputs
@@ -214,12 +229,8 @@ TEST(FlashAttentionGpuGraph, DynamicScalingReplays) {
   const int H = 2, hd = 72;
   Problem p(lens, H, hd, fresh_seed());
   DeviceProblem d(p);
-  DeviceBuf<LayerAmax> amax(1);
-  LayerAmax fresh;
-  for (auto& t : fresh.t) amax_history_reset(t);
-  amax.upload({fresh});
-  cuda::DeviceScales scales;
-  scales.dynamic = amax.p;
+  DynamicScales amax;
+  const cuda::DeviceScales scales = amax.scales();
   cuda::FlashAttention attn(AttnDtype::FP8, H, hd);
   attn.plan(p.shape.cu_seqlens);
   cudaStream_t stream;
@@ -242,7 +253,7 @@ TEST(FlashAttentionGpuGraph, DynamicScalingReplays) {
     CUDA_OK(cudaGraphLaunch(exec, stream));
     CUDA_OK(cudaStreamSynchronize(stream));
     const QkvScales s = book.record(0, amax_of(p, 0), amax_of(p, 1), amax_of(p, 2));
-    const LayerAmax g = amax.download()[0];
+    const LayerAmax g = amax.download();
     const LayerAmax& want = book.amax_state()[0];
     for (int w = 0; w < 3; ++w) {
       EXPECT_EQ(g.t[w].pos, want.t[w].pos) << "replay " << replay;
@@ -251,14 +262,7 @@ TEST(FlashAttentionGpuGraph, DynamicScalingReplays) {
       EXPECT_EQ(std::memcmp(g.t[w].ring, want.t[w].ring, sizeof g.t[w].ring), 0) << "replay " << replay << " tensor " << w;
       EXPECT_EQ(g.t[w].scale, s[w]) << "replay " << replay << " tensor " << w;
     }
-    cpu::RefOptions o;
-    o.mode = cpu::RefMode::FP8;
-    o.fp8_scales = s;
-    const auto exact = p.reference({}), emu = p.reference(o), out = d.output();
-    const int64_t n = int64_t(exact.size());
-    expect_within_rule({compare(out.data(), exact.data(), n), compare(emu.data(), exact.data(), n),
-                        compare(out.data(), emu.data(), n)},
-                       "graph replay " + std::to_string(replay));
+    expect_within_rule(check_fp8(p, d.output(), s), "graph replay " + std::to_string(replay));
   }
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);

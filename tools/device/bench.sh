@@ -1,11 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU machine: fovea's attention kernels beside torch SDPA, one table (bench/RESULTS.md).
 set -uo pipefail
-B=${1:-.device-bin}
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-export LD_LIBRARY_PATH=/opt/torch/.venv/lib/python3.12/site-packages/nvidia/cudnn/lib:${LD_LIBRARY_PATH:-}
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu --format=csv,noheader
+source "$(dirname "$0")/env.sh"
 PYTHONUNBUFFERED=1 python3 bench/attention-peers.py --fovea "$B/fovea" --json "$OUT/peers.json" ${SHAPES:+--shapes $SHAPES} 2>"$OUT/peers.log"
 tail -5 "$OUT/peers.log"
 echo "== SASS (wgmma instructions in the fovea binary)"

@@ -3,11 +3,7 @@
 # FP8, HGMMA for BF16). Binaries are built on the development machine and carried in .device-bin/
 # (tools/device/stage.sh); logs go to $OUT.
 set -uo pipefail
-B=${1:-.device-bin}
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-export LD_LIBRARY_PATH=/opt/torch/.venv/lib/python3.12/site-packages/nvidia/cudnn/lib:${LD_LIBRARY_PATH:-}
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu --format=csv,noheader
+source "$(dirname "$0")/env.sh"
 ldd "$B/fovea" | grep "not found"
 "$B/fovea" info 2>&1 | tee "$OUT/info.txt"
 echo "== SASS: wgmma kinds in the flash kernels"

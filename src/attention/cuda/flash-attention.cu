@@ -125,7 +125,7 @@ void FlashAttention::plan(const std::vector<int32_t>& cu_seqlens) {
     const int64_t next = int64_t(cu_pad[size_t(s)]) + layout::round_up_tile(len);
     if (next > INT32_MAX) fail_cat("FOVEA attention: ", next, " padded tokens exceed int32");
     cu_pad[size_t(s) + 1] = int32_t(next);
-    for (int mb = 0; mb * layout::kBlockM < len; ++mb) tiles.push_back({s, mb});
+    for (int mb = 0; mb * layout::block_m(m.fp8, sh.head_dim) < len; ++mb) tiles.push_back({s, mb});
   }
   // Longest segments first: their CTAs have the most KV blocks, so they start earliest.
   std::stable_sort(tiles.begin(), tiles.end(), [&](int2 a, int2 b) {
@@ -146,7 +146,8 @@ void FlashAttention::plan(const std::vector<int32_t>& cu_seqlens) {
   }
   const int H = sh.heads, hd = sh.head_dim;
   const uint32_t kstep = uint32_t(layout::kstep(m.fp8));
-  m.maps.q = tensor_map(m.q(), m.fp8, uint64_t(m.hd_pad), uint64_t(m.n_pad), uint64_t(H), kstep, layout::kBlockM,
+  m.maps.q = tensor_map(m.q(), m.fp8, uint64_t(m.hd_pad), uint64_t(m.n_pad), uint64_t(H), kstep,
+                        uint32_t(layout::block_m(m.fp8, hd)),
                         CU_TENSOR_MAP_SWIZZLE_32B);
   m.maps.k = tensor_map(m.k(), m.fp8, uint64_t(m.hd_pad), uint64_t(m.n_pad), uint64_t(H), kstep, layout::kBlockN,
                         CU_TENSOR_MAP_SWIZZLE_32B);

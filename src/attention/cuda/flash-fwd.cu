@@ -1,23 +1,44 @@
 // fovea's Hopper flash-attention forward kernel (FP8 E4M3 and BF16), packed varlen, non-causal.
 //
-// Design (one CTA = 128 query rows of one segment and one head; 384 threads):
-//   - warpgroup 0 is the producer: one thread issues TMA bulk tensor loads (Q once, then K and V^T
-//     for each 128-key block) completing on mbarriers, kStages buffers deep; it keeps 24 registers.
-//   - warpgroups 1 and 2 are consumers (240 registers each), 64 query rows apiece:
-//       S = Q K^T      wgmma m64n128k{16|32}, both operands K-major in shared memory (32-byte swizzle:
-//                      one swizzle row = one wgmma K step, so head_dim 72 pads only to 80 / 96)
-//       online softmax in fp32 registers, exp2 on the MUFU; FP8: P = 256 * exp2(s - m) (layout of
-//                      attention.h's PScheme: p_scale 256, 128-key blocks visited last to first)
-//       O += P V       wgmma m64n{hd}k{16|32}, P from registers (no shuffles: see layout.cuh), V^T
-//                      K-major in shared memory (128-byte swizzle), N = head_dim exactly (72 works)
-//     and release the stage to the producer.
-//   - epilogue: O / l (times the V descale for FP8) to bf16, written straight into out [N, H, hd].
-// Tiles: 128 x 128; stages: 3. Scales are read from device memory (graph-safe for dynamic scaling).
-// Overlap: within a warpgroup, softmax of block i runs while PV of block i-1 is on the tensor cores;
-// across the two consumer warpgroups, GEMM issue alternates (ping-pong) so one's softmax hides the
-// other's GEMMs. FP8 computes a quarter of its exponentials with a polynomial on the FMA pipe (the
-// MUFU's 16 ex2/clk/SM bound FP8 near hd 72). Not done yet: a persistent tile scheduler, an
-// smem-staged TMA-store epilogue.
+// Design. One CTA = one (segment, 64*W-row query tile, head), W consumer warpgroups + 1 producer:
+//   - warpgroup 0 is the producer (24 registers after setmaxnreg): one thread issues TMA bulk tensor
+//     loads, Q once, then K and V^T for each 128-key block into a 3-stage ring; each stage completes
+//     on a "full" mbarrier (transaction bytes) and is handed back on an "empty" mbarrier.
+//   - W = 3 consumer warpgroups (160 registers) for FP8 at head_dim <= 80, else W = 2 (240): 64 query
+//     rows apiece, so tiles are 192 x 128 or 128 x 128 (see layout.cuh: consumer_warpgroups()).
+//       S = Q K^T   wgmma m64n128k{16|32}, A and B K-major in shared memory with a 32-byte swizzle:
+//                   one swizzle row = one wgmma K step, so head_dim 72 is padded only to 80 (bf16) or
+//                   96 (fp8) inside the prepare step's layout, never by a copy.
+//       softmax     online, fp32 registers, exp2 on the MUFU; for FP8 a quarter of the exponentials
+//                   run as a degree-3 polynomial on the FMA pipe (the MUFU's 16 ex2/clk/SM bound FP8
+//                   near head_dim 72). FP8 P = 2^8 * exp2(s - m) cast to E4M3 (attention.h's PScheme:
+//                   p_scale 256; 128-key blocks visited last to first, so the only partial block, the
+//                   segment's last, is masked in the prologue and a leading sink key does not flush
+//                   the other blocks' P); the row sum adds the fp32 P.
+//       O += P V    wgmma m64n{hd}k{16|32}, P straight from registers (the FP8 k32 A fragment matches
+//                   the accumulator because V^T's keys are permuted by the prepare step: layout.cuh),
+//                   V^T K-major in shared memory with a 128-byte swizzle, N = head_dim exactly.
+//     Overlap: inside a warpgroup, softmax of block i runs while PV of block i-1 is on the tensor
+//     cores (O is rescaled after that PV lands); across warpgroups, GEMM issue is round-robin through
+//     named barriers (FlashAttention-3's ping-pong), so one warpgroup's softmax hides another's GEMMs.
+//   - epilogue: O / l (times the V descale for FP8) to bf16, stored straight into out [N, H, hd]
+//     rows that belong to the segment.
+// Scales are read from device memory at run time, so a dynamic-scaling forward replays in a graph.
+//
+// Measured (H200, 16 heads, one segment of S tokens, attention only, TFLOP/s = 4 S^2 hd H / t;
+// 2026-11-29, bench/RESULTS.md has the full table and the commands):
+//   version                                  FP8 hd72 S8192  FP8 hd128  BF16 hd72  BF16 hd128
+//   first correct: 2 WG, no overlap, 2 stages      507          775        429        588
+//   + in-warpgroup overlap, 3 stages               528          806        435        666
+//   + ping-pong between consumer warpgroups        523          883        484        692
+//   + 25% of FP8 exp2 on the FMA pipe              545          872          -          -
+//     (0% 525, 37.5% 519, 50% 500 in the same run)
+//   + 3 consumer warpgroups for FP8 hd <= 80       553 (645 at S 32640, 563 at 3 x 3520)
+//   tried and reverted: tree reductions for the row max/sum plus a vote to skip O rescaling
+//   (FP8 hd72 545 -> 481).
+// What limits it now: FP8 hd 72 is bound by softmax issue (MUFU + FMA pipes), not the tensor cores;
+// with 192-row tiles S 8192 makes 688 CTAs = 5.2 waves on 132 SMs (a 13% tail). Not done yet: a
+// persistent scheduler that splits the tail, a TMA-store epilogue, FP8 ex2 on packed f16x2.
 #include <algorithm>
 #include <cmath>
 
@@ -32,7 +53,8 @@ namespace {
 
 template <bool kFp8, int kHeadDim>
 struct FlashCfg {
-  static constexpr int kBlockM = layout::kBlockM, kBlockN = layout::kBlockN;
+  static constexpr int kConsumers = layout::consumer_warpgroups(kFp8, kHeadDim);
+  static constexpr int kBlockM = 64 * kConsumers, kBlockN = layout::kBlockN;
   static constexpr int kKStep = layout::kstep(kFp8);
   static constexpr int kHdPad = layout::head_dim_pad(kHeadDim, kFp8);
   static constexpr int kChunks = kHdPad / kKStep;  // 32-byte K chunks of a Q / K row
@@ -48,7 +70,9 @@ struct FlashCfg {
   static constexpr int smem_bytes(int stages) { return 1024 + kQBytes + stages * (kKBytes + kVBytes) + 8 * (2 * stages + 1); }
   static constexpr int kStages = smem_bytes(3) <= kSmemLimit ? 3 : 2;  // 3 fit up to bf16 hd 128 (225 KB)
   static constexpr int kSmemBytes = smem_bytes(kStages);
-  static constexpr int kThreads = 384;
+  static constexpr int kThreads = 128 * (1 + kConsumers);
+  static constexpr int kConsumerRegs = kConsumers == 3 ? 160 : 240;  // 24 * 128 + regs * 128 * kConsumers <= 64K
+  static_assert(24 * 128 + kConsumerRegs * 128 * kConsumers <= 65536, "register file exceeded");
   static_assert(kHeadDim % 8 == 0, "wgmma N (= head_dim) must be a multiple of 8");
   static_assert(kVChunkBytes % 1024 == 0 && kQBytes % 1024 == 0 && kKBytes % 1024 == 0,
                 "128-byte-swizzled V^T tiles must start on 1024-byte boundaries");
@@ -83,7 +107,7 @@ __device__ __forceinline__ void mma_pv(float (&d)[N / 2], const uint32_t (&a)[4]
 }
 
 template <bool kFp8, int kHeadDim>
-__global__ void __launch_bounds__(384, 1)
+__global__ void __launch_bounds__(FlashCfg<kFp8, kHeadDim>::kThreads, 1)
     flash_fwd_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                      const __grid_constant__ CUtensorMap tm_v, const FlashParams p) {
   using C = FlashCfg<kFp8, kHeadDim>;
@@ -107,7 +131,7 @@ __global__ void __launch_bounds__(384, 1)
   if (threadIdx.x == 0) {
     for (int s = 0; s < C::kStages; ++s) {
       ptx::mbar_init(&full[s], 1);
-      ptx::mbar_init(&empty[s], 256);  // every consumer thread arrives
+      ptx::mbar_init(&empty[s], 128 * C::kConsumers);  // every consumer thread arrives
     }
     ptx::mbar_init(q_full, 1);
     ptx::fence_barrier_init();
@@ -138,7 +162,7 @@ __global__ void __launch_bounds__(384, 1)
   }
 
   // ------------------------------------------------------------------------------------ consumers
-  ptx::setmaxnreg_inc<240>();
+  ptx::setmaxnreg_inc<C::kConsumerRegs>();
   const int cw = wg - 1;  // consumer warpgroup: query rows cw*64 .. cw*64+63 of the tile
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32, t = lane % 4, g = lane / 4;
   float o[kHeadDim / 2];
@@ -234,15 +258,16 @@ __global__ void __launch_bounds__(384, 1)
     }
   };
 
-  // Ping-pong between the two consumer warpgroups (FlashAttention-3's inter-warpgroup overlap): a
-  // warpgroup issues its GEMMs only on its turn and then hands the turn over, so one warpgroup's
-  // softmax (MUFU, FMA pipes) runs while the other's GEMMs hold the tensor cores. Named barriers
-  // 1 and 2 are the turns of consumer warpgroups 0 and 1; warpgroup 0 starts.
-  const int my_turn = 1 + cw, other_turn = 2 - cw;
-  if (cw == 1) ptx::named_bar_arrive(1, 256);
+  // Round-robin GEMM issue between the consumer warpgroups (FlashAttention-3's ping-pong): a
+  // warpgroup issues its GEMMs only on its turn and then hands the turn to the next, so the others'
+  // softmax (MUFU, FMA pipes) runs while its GEMMs hold the tensor cores. Named barrier 1 + w is
+  // warpgroup w's turn (256 threads: w waits, its predecessor arrives); warpgroup 0 starts.
+  const int my_turn = 1 + cw, next_turn = 1 + (cw + 1) % C::kConsumers;
+  const bool is_last_wg = cw == C::kConsumers - 1;
+  if (is_last_wg) ptx::named_bar_arrive(1, 256);
   auto take_turn = [&] { ptx::named_bar_sync(my_turn, 256); };
   auto pass_turn = [&](bool last) {
-    if (!(last && cw == 1)) ptx::named_bar_arrive(other_turn, 256);  // nobody waits after the end
+    if (!(last && is_last_wg)) ptx::named_bar_arrive(next_turn, 256);  // nobody waits after the end
   };
 
   ptx::mbar_wait(q_full, 0);

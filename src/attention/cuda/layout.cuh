@@ -15,9 +15,15 @@
 
 namespace fovea::cuda::layout {
 
-constexpr int kBlockM = 128;  // query rows per CTA (two consumer warpgroups of 64)
-constexpr int kBlockN = 128;  // keys per KV block
-constexpr int kTilePad = 128;  // segment padding granularity = max(kBlockM, kBlockN)
+constexpr int kBlockN = 128;   // keys per KV block
+constexpr int kTilePad = 128;  // segment padding granularity: KV tiles never straddle segments
+                               // (a Q tile may read past its segment: those rows are not stored)
+
+// Consumer warpgroups per CTA, 64 query rows each: 3 for FP8 at head_dim <= 80, where softmax (the
+// MUFU) rather than the tensor cores bounds the kernel, so a third warpgroup keeps exp2 busy while
+// two others hold the tensor cores (FlashAttention-3 uses 192-row tiles there too); else 2.
+__host__ __device__ constexpr int consumer_warpgroups(bool fp8, int head_dim) { return fp8 && head_dim <= 80 ? 3 : 2; }
+__host__ __device__ constexpr int block_m(bool fp8, int head_dim) { return 64 * consumer_warpgroups(fp8, head_dim); }
 
 __host__ __device__ constexpr int kstep(bool fp8) { return fp8 ? 32 : 16; }
 __host__ __device__ constexpr int head_dim_pad(int head_dim, bool fp8) {

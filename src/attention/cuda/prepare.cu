@@ -17,7 +17,7 @@ namespace fovea::cuda {
 
 namespace {
 
-constexpr int kThreads = layout::kBlockM;  // one padded row per thread
+constexpr int kThreads = layout::kTilePad;  // one padded row per thread
 
 // Segment of a padded row (binary search in cu_padded), and the token it holds or -1 for padding.
 __device__ __forceinline__ int padded_row_token(const PrepareArgs& a, int row) {
