@@ -5,5 +5,5 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 cmake --build build
 rm -rf .device-bin && mkdir -p .device-bin
-cp build/fovea build/tests/test-attention-gpu build/tests/test-fp8-device .device-bin/
+cp build/fovea build/tests/test-attention-gpu build/tests/test-encoder-gpu build/tests/test-fp8-device .device-bin/
 du -sh .device-bin

@@ -1,0 +1,104 @@
+// fovea/model.h: the Qwen3-VL / Qwen3.5 vision encoder: configuration, weights (from a Hugging Face
+// checkpoint or a built-in synthetic model), and the fp32 CPU reference forward that is the oracle
+// for the GPU forward. Spec: shared/docs/qwen3-vl-vision-spec.md (section numbers below refer to it).
+#pragma once
+#include <array>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "fovea/attention.h"
+#include "fovea/scales.h"
+
+namespace fovea::qwen3vl {
+
+struct VisionConfig {
+  std::string name;  // where it came from: a folder or "synthetic:<preset>"
+  int depth = 27, hidden = 1152, intermediate = 4304, heads = 16;
+  int in_channels = 3, patch = 16, temporal_patch = 2, merge = 2;
+  int out_hidden = 3584, num_pos_embeddings = 2304;
+  std::vector<int> deepstack;  // block indices tapped by the deepstack mergers; empty for Qwen3.5
+  std::string hidden_act = "gelu_pytorch_tanh";
+
+  int head_dim() const { return hidden / heads; }
+  int patch_dim() const { return in_channels * temporal_patch * patch * patch; }  // 1536
+  int merged_dim() const { return hidden * merge * merge; }                         // 4D
+  int pos_side() const;                                                              // 48
+  void validate() const;  // throws fovea::Error naming the field
+};
+
+// `vision_config` of a config.json (a full Qwen3-VL / Qwen3.5 config, or the vision config alone).
+VisionConfig parse_config(const std::string& json_text, const std::string& where);
+// Built-in presets: "synthetic:tiny", "synthetic:qwen3-vl-2b", "synthetic:qwen3-vl-8b".
+std::optional<VisionConfig> synthetic_config(const std::string& spec);
+std::vector<std::string> synthetic_names();
+
+// Every tensor the encoder needs, relative to the vision prefix, with its shape (spec §4).
+std::vector<std::pair<std::string, std::vector<int64_t>>> expected_tensors(const VisionConfig& c);
+
+// fp32 weights for the CPU forward (PyTorch layouts: Linear [out, in]).
+struct Linear {
+  std::vector<float> w, b;
+  int out = 0, in = 0;
+};
+struct Norm {
+  std::vector<float> w, b;
+};
+struct Block {
+  Norm norm1, norm2;
+  Linear qkv, proj, fc1, fc2;
+};
+struct Merger {
+  Norm norm;
+  Linear fc1, fc2;
+};
+struct Weights {
+  Linear patch_embed;      // [D, 1536]
+  std::vector<float> pos;  // [num_pos_embeddings, D]
+  std::vector<Block> blocks;
+  Merger merger;
+  std::vector<Merger> deepstack;
+};
+
+struct Model {
+  VisionConfig config;
+  Weights weights;
+};
+
+// MODEL is a checkpoint folder (config.json + safetensors, sharded or not; keys under
+// "model.visual." or "visual.") or a synthetic preset. Errors name the problem: missing tensors
+// (listed), shape mismatches (expected vs found), truncated or corrupt files; unexpected tensors
+// under the vision prefix are a warning.
+Model load_model(const std::string& spec);
+
+using GridThw = std::array<int, 3>;  // (t, h, w) in 16-px patch units, h and w even
+
+struct ForwardOptions {
+  cpu::RefMode attention = cpu::RefMode::EXACT;  // EXACT (fp64), BF16 or FP8 emulation
+  ScaleBook* scales = nullptr;                   // FP8: one layer per block; dynamic, static or calibrating
+  bool keep_intermediates = false;
+  int threads = 0;
+};
+
+struct ForwardResult {
+  std::vector<float> merged;                  // [N/4, out_hidden]
+  std::vector<std::vector<float>> deepstack;  // each [N/4, out_hidden]
+  std::map<std::string, std::vector<float>> intermediates;  // "embed" [N, D], "block0" [N, D], "last_hidden" [N, D]
+};
+
+// The fp32 CPU reference forward (spec §3.11). pixels: [N, 1536] in merge-window order (§2.5).
+ForwardResult forward_cpu(const Model& m, const std::vector<float>& pixels, const std::vector<GridThw>& grids,
+                          const ForwardOptions& opt = {});
+
+// Per-token (row, col) patch positions in merge-window order, repeated per frame (§3.4), and the
+// vision RoPE tables [N, hd/2] built from them (fp32, as transformers computes them).
+std::vector<std::array<int, 2>> patch_positions(const std::vector<GridThw>& grids);
+// The learned position table resampled bilinearly to each grid, merge-window order, repeated per
+// frame (§3.3): [N, hidden].
+std::vector<float> position_embedding(const VisionConfig& c, const std::vector<float>& table,
+                                      const std::vector<GridThw>& grids);
+void vision_rope_tables(const std::vector<GridThw>& grids, int head_dim, std::vector<float>& cos,
+                        std::vector<float>& sin);
+
+}  // namespace fovea::qwen3vl

@@ -1,0 +1,152 @@
+// Qwen3-VL vision configuration: parsing config.json, validation, and the built-in presets.
+#include <cmath>
+
+#include <nlohmann/json.hpp>
+
+#include "fovea/error.h"
+#include "fovea/model.h"
+
+namespace fovea::qwen3vl {
+
+using json = nlohmann::json;
+
+int VisionConfig::pos_side() const { return int(std::lround(std::sqrt(double(num_pos_embeddings)))); }
+
+void VisionConfig::validate() const {
+  auto positive = [&](int v, const char* field) {
+    if (v <= 0) fail("{}: vision_config.{} must be > 0, got {}", name, field, v);
+  };
+  positive(depth, "depth");
+  positive(hidden, "hidden_size");
+  positive(intermediate, "intermediate_size");
+  positive(heads, "num_heads");
+  positive(in_channels, "in_channels");
+  positive(patch, "patch_size");
+  positive(temporal_patch, "temporal_patch_size");
+  positive(merge, "spatial_merge_size");
+  positive(out_hidden, "out_hidden_size");
+  positive(num_pos_embeddings, "num_position_embeddings");
+  if (hidden % heads != 0) fail("{}: hidden_size {} is not divisible by num_heads {}", name, hidden, heads);
+  if (head_dim() % 4 != 0) fail("{}: head_dim {} must be a multiple of 4 (2D RoPE)", name, head_dim());
+  if (pos_side() * pos_side() != num_pos_embeddings)
+    fail("{}: num_position_embeddings {} is not a square grid", name, num_pos_embeddings);
+  if (merge != 2) fail("{}: spatial_merge_size {} is not supported (2)", name, merge);
+  for (size_t i = 0; i < deepstack.size(); ++i) {
+    const int d = deepstack[i];
+    if (d < 0 || d >= depth) fail("{}: deepstack_visual_indexes has {}, outside blocks 0..{}", name, d, depth - 1);
+    if (i > 0 && d <= deepstack[i - 1]) fail("{}: deepstack_visual_indexes must increase, got {} after {}", name, d, deepstack[i - 1]);
+  }
+  if (hidden_act != "gelu_pytorch_tanh")
+    fail("{}: hidden_act '{}' is not supported (gelu_pytorch_tanh)", name, hidden_act);
+}
+
+VisionConfig parse_config(const std::string& text, const std::string& where) {
+  json doc;
+  try {
+    doc = json::parse(text);
+  } catch (const json::exception& e) {
+    fail("{}: invalid JSON: {}", where, e.what());
+  }
+  if (!doc.is_object()) fail("{}: not a JSON object", where);
+  const json& v = doc.contains("vision_config") ? doc.at("vision_config") : doc;
+  if (!v.is_object()) fail("{}: vision_config is not an object", where);
+  VisionConfig c;
+  c.name = where;
+  auto get = [&](const char* key, int& dst) {
+    if (!v.contains(key)) return;  // class defaults (spec §1.1) apply
+    if (!v.at(key).is_number_integer()) fail("{}: vision_config.{} is {}, not an integer", where, key, v.at(key).dump());
+    dst = v.at(key).get<int>();
+  };
+  get("depth", c.depth);
+  get("hidden_size", c.hidden);
+  get("intermediate_size", c.intermediate);
+  get("num_heads", c.heads);
+  get("in_channels", c.in_channels);
+  get("patch_size", c.patch);
+  get("temporal_patch_size", c.temporal_patch);
+  get("spatial_merge_size", c.merge);
+  get("out_hidden_size", c.out_hidden);
+  get("num_position_embeddings", c.num_pos_embeddings);
+  if (v.contains("hidden_act")) c.hidden_act = v.at("hidden_act").get<std::string>();
+  // Qwen3.5 has no deepstack: the key is absent (or null / empty).
+  c.deepstack.clear();
+  if (v.contains("deepstack_visual_indexes") && !v.at("deepstack_visual_indexes").is_null()) {
+    const json& d = v.at("deepstack_visual_indexes");
+    if (!d.is_array()) fail("{}: vision_config.deepstack_visual_indexes is not a list", where);
+    for (const auto& x : d) c.deepstack.push_back(x.get<int>());
+  } else if (!v.contains("deepstack_visual_indexes")) {
+    const std::string type = doc.value("model_type", std::string());
+    if (type.rfind("qwen3_vl", 0) == 0) c.deepstack = {8, 16, 24};  // Qwen3-VL class default
+  }
+  c.validate();
+  return c;
+}
+
+std::vector<std::string> synthetic_names() {
+  return {"synthetic:tiny", "synthetic:qwen3-vl-2b", "synthetic:qwen3-vl-8b"};
+}
+
+std::optional<VisionConfig> synthetic_config(const std::string& spec) {
+  VisionConfig c;
+  c.name = spec;
+  if (spec == "synthetic:qwen3-vl-8b") {
+    c.out_hidden = 4096;
+    c.deepstack = {8, 16, 24};
+  } else if (spec == "synthetic:qwen3-vl-2b") {
+    c.depth = 24;
+    c.hidden = 1024;
+    c.intermediate = 4096;
+    c.out_hidden = 2048;
+    c.deepstack = {5, 11, 17};
+  } else if (spec == "synthetic:tiny") {
+    // Small enough for CI's CPU forward; odd intermediate size like the real 4304.
+    c.depth = 3;
+    c.hidden = 64;
+    c.intermediate = 96;
+    c.heads = 4;
+    c.out_hidden = 48;
+    c.num_pos_embeddings = 64;
+    c.deepstack = {0, 2};
+  } else {
+    return std::nullopt;
+  }
+  c.validate();
+  return c;
+}
+
+std::vector<std::pair<std::string, std::vector<int64_t>>> expected_tensors(const VisionConfig& c) {
+  const int64_t D = c.hidden, I = c.intermediate, M = c.merged_dim(), O = c.out_hidden;
+  std::vector<std::pair<std::string, std::vector<int64_t>>> t = {
+      {"patch_embed.proj.weight", {D, c.in_channels, c.temporal_patch, c.patch, c.patch}},
+      {"patch_embed.proj.bias", {D}},
+      {"pos_embed.weight", {c.num_pos_embeddings, D}},
+  };
+  for (int i = 0; i < c.depth; ++i) {
+    const std::string b = "blocks." + std::to_string(i) + ".";
+    t.push_back({b + "norm1.weight", {D}});
+    t.push_back({b + "norm1.bias", {D}});
+    t.push_back({b + "attn.qkv.weight", {3 * D, D}});
+    t.push_back({b + "attn.qkv.bias", {3 * D}});
+    t.push_back({b + "attn.proj.weight", {D, D}});
+    t.push_back({b + "attn.proj.bias", {D}});
+    t.push_back({b + "norm2.weight", {D}});
+    t.push_back({b + "norm2.bias", {D}});
+    t.push_back({b + "mlp.linear_fc1.weight", {I, D}});
+    t.push_back({b + "mlp.linear_fc1.bias", {I}});
+    t.push_back({b + "mlp.linear_fc2.weight", {D, I}});
+    t.push_back({b + "mlp.linear_fc2.bias", {D}});
+  }
+  auto merger = [&](const std::string& p, int64_t norm_width) {
+    t.push_back({p + "norm.weight", {norm_width}});
+    t.push_back({p + "norm.bias", {norm_width}});
+    t.push_back({p + "linear_fc1.weight", {M, M}});
+    t.push_back({p + "linear_fc1.bias", {M}});
+    t.push_back({p + "linear_fc2.weight", {O, M}});
+    t.push_back({p + "linear_fc2.bias", {O}});
+  };
+  merger("merger.", D);  // pre-shuffle norm over D
+  for (size_t k = 0; k < c.deepstack.size(); ++k) merger("deepstack_merger_list." + std::to_string(k) + ".", M);
+  return t;
+}
+
+}  // namespace fovea::qwen3vl

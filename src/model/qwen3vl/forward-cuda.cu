@@ -1,0 +1,368 @@
+// The Qwen3-VL vision encoder forward on the GPU (fovea/encoder.h): bf16 activations, cuBLASLt
+// GEMMs with the bias, the block MLP's tanh-GELU and the residual adds fused into their epilogues,
+// LayerNorm and the mergers' exact GELU as small kernels, FOVEA attention (prepare + attend).
+#include <cublasLt.h>
+#include <cuda_bf16.h>
+
+#include <map>
+#include <tuple>
+
+#include "attention/cuda/kernels.cuh"
+#include "fovea/bf16.h"
+#include "fovea/encoder.h"
+
+#define FOVEA_CUBLAS_CHECK(call)                                                                   \
+  do {                                                                                             \
+    const cublasStatus_t st_ = (call);                                                             \
+    if (st_ != CUBLAS_STATUS_SUCCESS)                                                              \
+      ::fovea::fail_cat(#call, " failed: cuBLAS status ", int(st_), " at ", __FILE__, ":", __LINE__); \
+  } while (0)
+
+namespace fovea::qwen3vl::cuda {
+
+namespace {
+
+using bf16 = __nv_bfloat16;
+
+template <class T>
+T* dev_alloc(size_t count) {
+  T* p = nullptr;
+  FOVEA_CUDA_CHECK(cudaMalloc(&p, count * sizeof(T)));
+  return p;
+}
+
+bf16* upload_bf16(const std::vector<float>& v) {
+  std::vector<uint16_t> h(v.size());
+  for (size_t i = 0; i < v.size(); ++i) h[i] = bf16_from_float(v[i]);
+  bf16* d = dev_alloc<bf16>(v.size());
+  FOVEA_CUDA_CHECK(cudaMemcpy(d, h.data(), h.size() * 2, cudaMemcpyHostToDevice));
+  return d;
+}
+float* upload_f32(const std::vector<float>& v) {
+  float* d = dev_alloc<float>(v.size());
+  FOVEA_CUDA_CHECK(cudaMemcpy(d, v.data(), v.size() * 4, cudaMemcpyHostToDevice));
+  return d;
+}
+
+struct DevLinear {
+  bf16* w = nullptr;
+  bf16* b = nullptr;
+  int out = 0, in = 0;
+};
+struct DevNorm {
+  float* w = nullptr;
+  float* b = nullptr;
+  int width = 0;
+};
+
+// LayerNorm over `width` columns, one 128-thread block per row, fp32 statistics (two passes over
+// the row, which stays in L1), bf16 in and out.
+__global__ void layernorm_kernel(const bf16* __restrict__ x, bf16* __restrict__ y, const float* __restrict__ w,
+                                 const float* __restrict__ b, int width) {
+  const bf16* xr = x + int64_t(blockIdx.x) * width;
+  bf16* yr = y + int64_t(blockIdx.x) * width;
+  __shared__ float red[4];
+  auto block_sum = [&](float v) {
+    for (int o = 16; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
+    __syncthreads();
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x / 32] = v;
+    __syncthreads();
+    return red[0] + red[1] + red[2] + red[3];
+  };
+  float s = 0.f;
+  for (int i = threadIdx.x; i < width; i += blockDim.x) s += __bfloat162float(xr[i]);
+  const float mean = block_sum(s) / float(width);
+  float v = 0.f;
+  for (int i = threadIdx.x; i < width; i += blockDim.x) {
+    const float d = __bfloat162float(xr[i]) - mean;
+    v += d * d;
+  }
+  const float inv = rsqrtf(block_sum(v) / float(width) + 1e-6f);
+  for (int i = threadIdx.x; i < width; i += blockDim.x)
+    yr[i] = __float2bfloat16_rn((__bfloat162float(xr[i]) - mean) * inv * w[i] + b[i]);
+}
+
+__global__ void gelu_erf_kernel(bf16* x, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const float v = __bfloat162float(x[i]);
+    x[i] = __float2bfloat16_rn(0.5f * v * (1.f + erff(v * 0.70710678118654752f)));
+  }
+}
+
+// D[M, N] = A[M, K] W[N, K]^T + bias (+ C) (tanh-GELU), row-major bf16, fp32 accumulation. In
+// cuBLASLt's column-major terms: D^T (N x M) = W^T... i.e. op(W) = T on the K x N view of W.
+class Gemm {
+ public:
+  Gemm() {
+    FOVEA_CUBLAS_CHECK(cublasLtCreate(&handle_));
+    workspace_ = dev_alloc<uint8_t>(kWorkspace);
+  }
+  ~Gemm() {
+    cudaFree(workspace_);
+    cublasLtDestroy(handle_);
+  }
+  void run(const bf16* a, const DevLinear& w, bf16* d, int64_t m, const bf16* c, bool gelu, cudaStream_t stream) {
+    cublasLtMatmulDesc_t op;
+    FOVEA_CUBLAS_CHECK(cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+    const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
+    FOVEA_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta));
+    FOVEA_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb));
+    const cublasLtEpilogue_t epi = gelu ? CUBLASLT_EPILOGUE_GELU_BIAS : CUBLASLT_EPILOGUE_BIAS;
+    FOVEA_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof epi));
+    const void* bias = w.b;
+    FOVEA_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof bias));
+    const cudaDataType_t bias_type = CUDA_R_16BF;
+    FOVEA_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bias_type, sizeof bias_type));
+    cublasLtMatrixLayout_t la, lb, lc;
+    FOVEA_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&la, CUDA_R_16BF, w.in, w.out, w.in));  // W: K x N
+    FOVEA_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&lb, CUDA_R_16BF, w.in, m, w.in));      // A: K x M
+    FOVEA_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&lc, CUDA_R_16BF, w.out, m, w.out));    // C, D: N x M
+    const float alpha = 1.f, beta = c ? 1.f : 0.f;
+    const auto key = std::make_tuple(m, w.out, w.in, gelu, c != nullptr);
+    auto it = algos_.find(key);
+    if (it == algos_.end()) {
+      cublasLtMatmulPreference_t pref;
+      FOVEA_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+      const size_t ws = kWorkspace;
+      FOVEA_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws));
+      cublasLtMatmulHeuristicResult_t result{};
+      int found = 0;
+      FOVEA_CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(handle_, op, la, lb, lc, lc, pref, 1, &result, &found));
+      cublasLtMatmulPreferenceDestroy(pref);
+      if (found == 0) fail_cat("cuBLASLt has no algorithm for [", m, " x ", w.in, "] x [", w.in, " x ", w.out, "]");
+      it = algos_.emplace(key, result.algo).first;
+    }
+    FOVEA_CUBLAS_CHECK(cublasLtMatmul(handle_, op, &alpha, w.w, la, a, lb, &beta, c ? c : d, lc, d, lc, &it->second,
+                                      workspace_, kWorkspace, stream));
+    cublasLtMatrixLayoutDestroy(la);
+    cublasLtMatrixLayoutDestroy(lb);
+    cublasLtMatrixLayoutDestroy(lc);
+    cublasLtMatmulDescDestroy(op);
+  }
+
+ private:
+  static constexpr size_t kWorkspace = size_t(32) << 20;
+  cublasLtHandle_t handle_ = nullptr;
+  uint8_t* workspace_ = nullptr;
+  std::map<std::tuple<int64_t, int, int, bool, bool>, cublasLtMatmulAlgo_t> algos_;
+};
+
+DevLinear upload(const Linear& l) { return {upload_bf16(l.w), upload_bf16(l.b), l.out, l.in}; }
+DevNorm upload(const Norm& n) { return {upload_f32(n.w), upload_f32(n.b), int(n.w.size())}; }
+
+struct DevBlock {
+  DevNorm norm1, norm2;
+  DevLinear qkv, proj, fc1, fc2;
+};
+struct DevMerger {
+  DevNorm norm;
+  DevLinear fc1, fc2;
+};
+
+}  // namespace
+
+struct Encoder::Impl {
+  VisionConfig cfg;
+  EncoderOptions opt;
+  Gemm gemm;
+  std::vector<void*> owned;  // every device allocation, freed in the destructor
+  DevLinear patch;
+  std::vector<float> pos_table;  // host: resampled per plan()
+  std::vector<DevBlock> blocks;
+  DevMerger merger;
+  std::vector<DevMerger> deepstack;
+  std::unique_ptr<fovea::cuda::FlashAttention> attn;
+  LayerAmax* amax = nullptr;    // FP8 dynamic / calibrate: [depth] rings on the device
+  float* fixed = nullptr;       // FP8 static: [depth][3]
+  // Per plan():
+  std::vector<GridThw> grids;
+  int64_t n = 0;
+  bf16 *pixels = nullptr, *pe = nullptr, *x = nullptr, *ln = nullptr, *qkv = nullptr, *att = nullptr, *h = nullptr;
+  bf16 *m1 = nullptr, *m2 = nullptr, *merged = nullptr;
+  std::vector<bf16*> ds;
+  float *cos = nullptr, *sin = nullptr;
+  std::vector<void*> per_plan;
+
+  template <class T>
+  T* plan_alloc(size_t count) {
+    T* p = dev_alloc<T>(count);
+    per_plan.push_back(p);
+    return p;
+  }
+  void free_plan() {
+    for (void* p : per_plan) cudaFree(p);
+    per_plan.clear();
+  }
+  void layernorm(const bf16* in, bf16* out, const DevNorm& nrm, int64_t rows, cudaStream_t s) {
+    layernorm_kernel<<<unsigned(rows), 128, 0, s>>>(in, out, nrm.w, nrm.b, nrm.width);
+    FOVEA_CUDA_CHECK(cudaGetLastError());
+  }
+  void run_merger(const DevMerger& mg, const bf16* in_norm, bf16* out, cudaStream_t s) {
+    const int64_t rows = n / 4;
+    gemm.run(in_norm, mg.fc1, m2, rows, nullptr, false, s);
+    gelu_erf_kernel<<<1024, 256, 0, s>>>(m2, rows * mg.fc1.out);
+    FOVEA_CUDA_CHECK(cudaGetLastError());
+    gemm.run(m2, mg.fc2, out, rows, nullptr, false, s);
+  }
+};
+
+Encoder::Encoder(const Model& model, const EncoderOptions& options) : impl_(new Impl) {
+  Impl& m = *impl_;
+  m.cfg = model.config;
+  m.opt = options;
+  const auto& W = model.weights;
+  if (options.dtype != AttnDtype::BF16 && options.dtype != AttnDtype::FP8) fail_cat("encoder: dtype must be bf16 or fp8");
+  if (options.dtype == AttnDtype::FP8) {
+    if (!options.scales || options.scales->num_layers() != m.cfg.depth)
+      fail_cat("encoder: FP8 attention needs a scale book with ", m.cfg.depth, " layers");
+    if (options.scales->mode() == ScaleMode::STATIC) {
+      std::vector<float> f;
+      for (int l = 0; l < m.cfg.depth; ++l)
+        for (int t = 0; t < 3; ++t) f.push_back(options.scales->scales(l)[t]);
+      m.fixed = upload_f32(f);
+    } else {
+      m.amax = dev_alloc<LayerAmax>(size_t(m.cfg.depth));
+      FOVEA_CUDA_CHECK(cudaMemcpy(m.amax, options.scales->amax_state().data(), sizeof(LayerAmax) * size_t(m.cfg.depth),
+                                  cudaMemcpyHostToDevice));
+    }
+  }
+  Linear patch = W.patch_embed;
+  m.patch = upload(patch);
+  m.pos_table = W.pos;
+  for (const auto& b : W.blocks)
+    m.blocks.push_back({upload(b.norm1), upload(b.norm2), upload(b.qkv), upload(b.proj), upload(b.fc1), upload(b.fc2)});
+  m.merger = {upload(W.merger.norm), upload(W.merger.fc1), upload(W.merger.fc2)};
+  for (const auto& d : W.deepstack) m.deepstack.push_back({upload(d.norm), upload(d.fc1), upload(d.fc2)});
+  m.attn = std::make_unique<fovea::cuda::FlashAttention>(options.dtype, m.cfg.heads, m.cfg.head_dim());
+}
+
+Encoder::~Encoder() {
+  Impl& m = *impl_;
+  m.free_plan();
+  auto free_lin = [](DevLinear& l) { cudaFree(l.w); cudaFree(l.b); };
+  auto free_norm = [](DevNorm& n) { cudaFree(n.w); cudaFree(n.b); };
+  free_lin(m.patch);
+  for (auto& b : m.blocks) {
+    free_norm(b.norm1); free_norm(b.norm2);
+    free_lin(b.qkv); free_lin(b.proj); free_lin(b.fc1); free_lin(b.fc2);
+  }
+  for (DevMerger* mg : {&m.merger}) { free_norm(mg->norm); free_lin(mg->fc1); free_lin(mg->fc2); }
+  for (auto& mg : m.deepstack) { free_norm(mg.norm); free_lin(mg.fc1); free_lin(mg.fc2); }
+  cudaFree(m.amax);
+  cudaFree(m.fixed);
+}
+
+int64_t Encoder::tokens() const { return impl_->n; }
+
+void Encoder::plan(const std::vector<GridThw>& grids) {
+  Impl& m = *impl_;
+  std::vector<int32_t> cu = {0};
+  int64_t n = 0;
+  for (const auto& g : grids) {
+    if (g[0] < 1 || g[1] < 2 || g[2] < 2 || g[1] % 2 || g[2] % 2)
+      fail_cat("encoder: grid_thw (", g[0], ", ", g[1], ", ", g[2], ") must have t >= 1 and even h, w >= 2");
+    for (int f = 0; f < g[0]; ++f) cu.push_back(cu.back() + g[1] * g[2]);
+    n += int64_t(g[0]) * g[1] * g[2];
+  }
+  if (grids.empty()) fail_cat("encoder: no images");
+  m.free_plan();
+  m.grids = grids;
+  m.n = n;
+  const int64_t D = m.cfg.hidden, I = m.cfg.intermediate, M4 = m.cfg.merged_dim(), O = m.cfg.out_hidden;
+  m.pixels = m.plan_alloc<bf16>(size_t(n) * m.cfg.patch_dim());
+  m.x = m.plan_alloc<bf16>(size_t(n * D));
+  m.ln = m.plan_alloc<bf16>(size_t(n * D));
+  m.qkv = m.plan_alloc<bf16>(size_t(n * 3 * D));
+  m.att = m.plan_alloc<bf16>(size_t(n * D));
+  m.h = m.plan_alloc<bf16>(size_t(n * I));
+  m.m1 = m.plan_alloc<bf16>(size_t(n / 4 * M4));
+  m.m2 = m.plan_alloc<bf16>(size_t(n / 4 * M4));
+  m.merged = m.plan_alloc<bf16>(size_t(n / 4 * O));
+  m.ds.clear();
+  for (size_t k = 0; k < m.deepstack.size(); ++k) m.ds.push_back(m.plan_alloc<bf16>(size_t(n / 4 * O)));
+  // Tables that depend only on the grids: position embedding (bf16, added in the patch GEMM's
+  // epilogue) and the RoPE cos / sin.
+  const std::vector<float> pe = position_embedding(m.cfg, m.pos_table, grids);
+  m.pe = upload_bf16(pe);
+  m.per_plan.push_back(m.pe);
+  std::vector<float> cos, sin;
+  vision_rope_tables(grids, m.cfg.head_dim(), cos, sin);
+  m.cos = upload_f32(cos);
+  m.sin = upload_f32(sin);
+  m.per_plan.push_back(m.cos);
+  m.per_plan.push_back(m.sin);
+  m.attn->plan(cu);
+}
+
+void Encoder::upload_pixels(const std::vector<float>& pixels, cudaStream_t stream) {
+  Impl& m = *impl_;
+  if (int64_t(pixels.size()) != m.n * m.cfg.patch_dim())
+    fail_cat("encoder: pixel_values has ", pixels.size(), " values, the plan expects ", m.n * m.cfg.patch_dim());
+  std::vector<uint16_t> h(pixels.size());
+  for (size_t i = 0; i < h.size(); ++i) h[i] = bf16_from_float(pixels[i]);
+  FOVEA_CUDA_CHECK(cudaMemcpyAsync(m.pixels, h.data(), h.size() * 2, cudaMemcpyHostToDevice, stream));
+  FOVEA_CUDA_CHECK(cudaStreamSynchronize(stream));  // h is a local
+}
+
+void Encoder::forward(cudaStream_t s) {
+  Impl& m = *impl_;
+  if (m.n == 0) fail_cat("encoder: forward() before plan()");
+  const int64_t n = m.n;
+  const int D = m.cfg.hidden;
+  m.gemm.run(m.pixels, m.patch, m.x, n, m.pe, false, s);  // patch embed + bias + position embedding
+  size_t tap = 0;
+  for (int l = 0; l < m.cfg.depth; ++l) {
+    const DevBlock& b = m.blocks[size_t(l)];
+    m.layernorm(m.x, m.ln, b.norm1, n, s);
+    m.gemm.run(m.ln, b.qkv, m.qkv, n, nullptr, false, s);
+    fovea::cuda::DeviceScales sc;
+    if (m.amax) sc.dynamic = m.amax + l;
+    if (m.fixed) sc.fixed = m.fixed + 3 * l;
+    m.attn->prepare(m.qkv, 3 * int64_t(D), m.cos, m.sin, sc, s);
+    m.attn->attend(m.att, s);
+    m.gemm.run(m.att, b.proj, m.x, n, m.x, false, s);  // + residual, in place
+    m.layernorm(m.x, m.ln, b.norm2, n, s);
+    m.gemm.run(m.ln, b.fc1, m.h, n, nullptr, true, s);  // tanh-GELU in the epilogue
+    m.gemm.run(m.h, b.fc2, m.x, n, m.x, false, s);
+    if (tap < m.cfg.deepstack.size() && m.cfg.deepstack[tap] == l) {
+      // Deepstack: the [N, D] buffer is already [N/4, 4D] row-major; LayerNorm over 4D.
+      m.layernorm(m.x, m.m1, m.deepstack[tap].norm, n / 4, s);
+      m.run_merger(m.deepstack[tap], m.m1, m.ds[tap], s);
+      ++tap;
+    }
+  }
+  m.layernorm(m.x, m.ln, m.merger.norm, n, s);  // over D per patch, then the (free) shuffle
+  m.run_merger(m.merger, m.ln, m.merged, s);
+}
+
+void Encoder::after_forward(cudaStream_t stream) {
+  Impl& m = *impl_;
+  if (!m.amax || m.opt.scales->mode() != ScaleMode::CALIBRATE) return;
+  auto& state = m.opt.scales->amax_state();
+  FOVEA_CUDA_CHECK(cudaMemcpyAsync(state.data(), m.amax, sizeof(LayerAmax) * state.size(), cudaMemcpyDeviceToHost, stream));
+  FOVEA_CUDA_CHECK(cudaStreamSynchronize(stream));
+  m.opt.scales->after_forward();
+}
+
+namespace {
+std::vector<float> download(const bf16* d, size_t count, cudaStream_t stream) {
+  std::vector<uint16_t> h(count);
+  FOVEA_CUDA_CHECK(cudaMemcpyAsync(h.data(), d, count * 2, cudaMemcpyDeviceToHost, stream));
+  FOVEA_CUDA_CHECK(cudaStreamSynchronize(stream));
+  std::vector<float> f(count);
+  for (size_t i = 0; i < count; ++i) f[i] = bf16_to_float(h[i]);
+  return f;
+}
+}  // namespace
+
+std::vector<float> Encoder::merged(cudaStream_t stream) const {
+  return download(impl_->merged, size_t(impl_->n / 4 * impl_->cfg.out_hidden), stream);
+}
+
+std::vector<std::vector<float>> Encoder::deepstack(cudaStream_t stream) const {
+  std::vector<std::vector<float>> r;
+  for (bf16* d : impl_->ds) r.push_back(download(d, size_t(impl_->n / 4 * impl_->cfg.out_hidden), stream));
+  return r;
+}
+
+}  // namespace fovea::qwen3vl::cuda

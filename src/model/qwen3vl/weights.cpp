@@ -1,0 +1,157 @@
+// Loading the vision encoder's weights: from a Hugging Face checkpoint (safetensors, any of
+// bf16/fp16/fp32) or generated deterministically for the synthetic presets.
+#include <cmath>
+#include <filesystem>
+#include <functional>
+
+#include "fovea/bf16.h"
+#include "fovea/encoder.h"
+#include "fovea/error.h"
+#include "fovea/io.h"
+#include "fovea/model.h"
+#include "fovea/safetensors.h"
+
+namespace fovea::qwen3vl {
+
+namespace {
+
+using Shape = std::vector<int64_t>;
+using Source = std::function<std::vector<float>(const std::string& name, const Shape& shape)>;
+
+// Fills the Weights struct in the order of expected_tensors() from a source of named fp32 tensors.
+Weights assemble(const VisionConfig& c, const Source& get) {
+  Weights w;
+  auto linear = [&](const std::string& p, int out, int in) {
+    Linear l;
+    l.out = out;
+    l.in = in;
+    l.w = get(p + ".weight", {out, in});
+    l.b = get(p + ".bias", {out});
+    return l;
+  };
+  auto norm = [&](const std::string& p, int width) { return Norm{get(p + ".weight", {width}), get(p + ".bias", {width})}; };
+  const int D = c.hidden, I = c.intermediate, M = c.merged_dim();
+  w.patch_embed.out = D;
+  w.patch_embed.in = c.patch_dim();
+  w.patch_embed.w = get("patch_embed.proj.weight", {D, c.in_channels, c.temporal_patch, c.patch, c.patch});
+  w.patch_embed.b = get("patch_embed.proj.bias", {D});
+  w.pos = get("pos_embed.weight", {c.num_pos_embeddings, D});
+  for (int i = 0; i < c.depth; ++i) {
+    const std::string b = "blocks." + std::to_string(i) + ".";
+    Block blk;
+    blk.norm1 = norm(b + "norm1", D);
+    blk.qkv = linear(b + "attn.qkv", 3 * D, D);
+    blk.proj = linear(b + "attn.proj", D, D);
+    blk.norm2 = norm(b + "norm2", D);
+    blk.fc1 = linear(b + "mlp.linear_fc1", I, D);
+    blk.fc2 = linear(b + "mlp.linear_fc2", D, I);
+    w.blocks.push_back(std::move(blk));
+  }
+  auto merger = [&](const std::string& p, int norm_width) {
+    return Merger{norm(p + "norm", norm_width), linear(p + "linear_fc1", M, M), linear(p + "linear_fc2", c.out_hidden, M)};
+  };
+  w.merger = merger("merger.", D);
+  for (size_t k = 0; k < c.deepstack.size(); ++k) w.deepstack.push_back(merger("deepstack_merger_list." + std::to_string(k) + ".", M));
+  return w;
+}
+
+std::string shape_str(const Shape& s) {
+  std::string r = "[";
+  for (size_t i = 0; i < s.size(); ++i) r += (i ? ", " : "") + std::to_string(s[i]);
+  return r + "]";
+}
+
+// Deterministic synthetic values: a counter-based hash (splitmix64) of (tensor name, index), so any
+// tensor can be regenerated alone and in any order; values are rounded to bf16 like a real checkpoint.
+uint64_t splitmix64(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+
+std::vector<float> synthetic_tensor(const std::string& name, const Shape& shape) {
+  uint64_t h = 1469598103934665603ull;  // FNV-1a of the name
+  for (unsigned char ch : name) h = (h ^ ch) * 1099511628211ull;
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  const bool bias = name.size() > 5 && name.compare(name.size() - 5, 5, ".bias") == 0;
+  const bool is_norm = name.find("norm") != std::string::npos;
+  const int64_t fan_in = shape.size() >= 2 ? n / shape[0] : 1;
+  // Scales that keep a 27-block trunk's activations O(1): weights ~ U(-1,1) * sqrt(3 / fan_in).
+  const float scale = is_norm ? (bias ? 0.05f : 0.1f)
+                      : bias ? 0.02f
+                      : name == "pos_embed.weight" ? 0.5f
+                                                   : std::sqrt(3.0f / float(fan_in));
+  std::vector<float> v(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) {
+    const double u = double(splitmix64(h ^ uint64_t(i) * 0xD1B54A32D192ED03ull) >> 11) * (1.0 / 9007199254740992.0);
+    const float x = float(2.0 * u - 1.0) * scale + (is_norm && !bias ? 1.0f : 0.0f);
+    v[size_t(i)] = bf16_round(x);
+  }
+  return v;
+}
+
+}  // namespace
+
+Model synthetic_model(const VisionConfig& config) {
+  config.validate();
+  Model m;
+  m.config = config;
+  m.weights = assemble(m.config, synthetic_tensor);
+  return m;
+}
+
+Model load_model(const std::string& spec) {
+  Model m;
+  if (auto c = synthetic_config(spec)) return synthetic_model(*c);
+  if (spec.rfind("synthetic:", 0) == 0)
+    fail("unknown synthetic model '{}' (built in: synthetic:tiny, synthetic:qwen3-vl-2b, synthetic:qwen3-vl-8b)", spec);
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  if (!fs::is_directory(spec, ec)) fail("model '{}': not a folder (and not a synthetic:<name> model)", spec);
+  const std::string config_path = (fs::path(spec) / "config.json").string();
+  m.config = parse_config(read_file(config_path, "model config"), config_path);
+  m.config.name = spec;
+  const Checkpoint ck = Checkpoint::open(spec);
+
+  const auto expected = expected_tensors(m.config);
+  std::string prefix;
+  for (const char* p : {"model.visual.", "visual.", ""})
+    if (ck.find(std::string(p) + "patch_embed.proj.weight")) {
+      prefix = p;
+      break;
+    }
+  std::vector<std::string> missing;
+  std::map<std::string, bool> known;
+  for (const auto& [name, shape] : expected) {
+    known[name] = true;
+    const TensorInfo* t = ck.find(prefix + name);
+    if (!t) {
+      missing.push_back(prefix + name);
+      continue;
+    }
+    if (t->shape != shape)
+      fail("model '{}': tensor {} has shape {} in {}, expected {}", spec, prefix + name, shape_str(t->shape), t->file,
+           shape_str(shape));
+  }
+  if (!missing.empty()) {
+    std::string list;
+    for (size_t i = 0; i < missing.size() && i < 12; ++i) list += (i ? ", " : "") + missing[i];
+    if (missing.size() > 12) list += fmt::format(", ... ({} more)", missing.size() - 12);
+    fail("model '{}': {} vision tensor(s) missing from the checkpoint: {}", spec, missing.size(), list);
+  }
+  std::vector<std::string> unexpected;
+  const std::string vision_prefix = prefix.empty() ? std::string() : prefix;
+  for (const auto& [name, t] : ck.tensors())
+    if (name.rfind(vision_prefix, 0) == 0 && !known.count(name.substr(vision_prefix.size())) &&
+        (!prefix.empty() || name.find("language_model") == std::string::npos))
+      unexpected.push_back(name);
+  if (!unexpected.empty() && !prefix.empty())
+    warn(fmt::format("model '{}': {} unexpected tensor(s) under '{}' ignored (first: {})", spec, unexpected.size(),
+                     prefix, unexpected.front()));
+  m.weights = assemble(m.config, [&](const std::string& name, const Shape&) { return ck.find(prefix + name)->to_float(); });
+  return m;
+}
+
+}  // namespace fovea::qwen3vl

@@ -1,0 +1,206 @@
+// The Qwen3-VL vision encoder on the CPU: loading (checkpoint folder, synthetic presets, every error
+// the loader names), conformance with transformers through golden files (tests/data, made by
+// tools/make-golden.py), and FP8 scaling end to end (dynamic, calibration, static reuse).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+
+#include "fovea/error.h"
+#include "fovea/model.h"
+#include "fovea/safetensors.h"
+#include "test-util.h"
+
+using namespace fovea;
+using namespace fovea::qwen3vl;
+using namespace fovea::test;
+namespace fs = std::filesystem;
+
+namespace {
+
+const std::string kTiny = std::string(FOVEA_TEST_DATA) + "/qwen3vl-tiny";
+
+struct Golden {
+  std::vector<float> pixels;
+  std::vector<GridThw> grids;
+  std::map<std::string, std::vector<float>> out;
+};
+
+Golden load_golden() {
+  const Checkpoint ck = Checkpoint::open(kTiny + "/golden.safetensors");
+  Golden g;
+  g.pixels = ck.find("pixel_values")->to_float();
+  const auto grid = ck.find("grid_thw")->to_float();
+  for (size_t i = 0; i + 2 < grid.size(); i += 3) g.grids.push_back({int(grid[i]), int(grid[i + 1]), int(grid[i + 2])});
+  for (const auto& [name, t] : ck.tensors())
+    if (name != "pixel_values" && name != "grid_thw") g.out[name] = t.to_float();
+  return g;
+}
+
+double rel_l2(const std::vector<float>& a, const std::vector<float>& b) {
+  EXPECT_EQ(a.size(), b.size());
+  double num = 0, den = 0;
+  for (size_t i = 0; i < a.size() && i < b.size(); ++i) {
+    if (!std::isfinite(a[i])) return NAN;
+    num += (double(a[i]) - b[i]) * (double(a[i]) - b[i]);
+    den += double(b[i]) * b[i];
+  }
+  return std::sqrt(num / den);
+}
+
+double mean_cosine(const std::vector<float>& a, const std::vector<float>& b, int width) {
+  double sum = 0;
+  const size_t rows = a.size() / size_t(width);
+  for (size_t r = 0; r < rows; ++r) {
+    double ab = 0, aa = 0, bb = 0;
+    for (int i = 0; i < width; ++i) {
+      const double x = a[r * width + i], y = b[r * width + i];
+      ab += x * y;
+      aa += x * x;
+      bb += y * y;
+    }
+    sum += ab / std::sqrt(aa * bb);
+  }
+  return sum / double(rows);
+}
+
+}  // namespace
+
+TEST(EncoderLoad, TinyCheckpointMatchesTheSpecShapes) {
+  const Model m = load_model(kTiny);
+  EXPECT_EQ(m.config.depth, 3);
+  EXPECT_EQ(m.config.head_dim(), 16);
+  EXPECT_EQ(m.config.deepstack, (std::vector<int>{0, 2}));
+  EXPECT_EQ(m.weights.blocks.size(), 3u);
+  EXPECT_EQ(m.weights.deepstack.size(), 2u);
+  EXPECT_EQ(m.weights.merger.fc1.in, 256);
+  EXPECT_EQ(m.weights.patch_embed.w.size(), size_t(64 * 1536));
+}
+
+TEST(EncoderLoad, SyntheticPresetsAreDeterministicAndReal) {
+  const Model a = load_model("synthetic:tiny"), b = load_model("synthetic:tiny");
+  EXPECT_EQ(a.weights.blocks[1].fc1.w, b.weights.blocks[1].fc1.w);
+  EXPECT_NE(a.weights.blocks[1].fc1.w, a.weights.blocks[2].fc1.w);  // tensors differ from each other
+  const auto c8 = synthetic_config("synthetic:qwen3-vl-8b");
+  ASSERT_TRUE(c8);
+  EXPECT_EQ(c8->depth, 27);
+  EXPECT_EQ(c8->head_dim(), 72);
+  EXPECT_EQ(c8->deepstack, (std::vector<int>{8, 16, 24}));
+  size_t params = 0;
+  for (const auto& [name, shape] : expected_tensors(*c8)) {
+    size_t n = 1;
+    for (auto d : shape) n *= size_t(d);
+    params += n;
+  }
+  EXPECT_EQ(params, 576388336u) << "spec §4: 8B ViT with final and 3 deepstack mergers is 576.4M";
+  EXPECT_NE(error_of([] { load_model("synthetic:nope"); }).find("synthetic:tiny"), std::string::npos);
+}
+
+TEST(EncoderLoad, ErrorsNameTheProblem) {
+  TempDir dir;
+  const fs::path d = dir.path / "ckpt";
+  fs::create_directories(d);
+  // Missing config.json.
+  EXPECT_HAS(error_of([&] { load_model(d.string()); }), "config.json");
+  // A checkpoint missing tensors: list them.
+  fs::copy_file(kTiny + "/config.json", d / "config.json");
+  const Checkpoint full = Checkpoint::open(kTiny + "/model.safetensors");
+  std::vector<TensorToWrite> kept;
+  for (const auto& [name, t] : full.tensors()) {
+    if (name.find("blocks.1.attn") != std::string::npos) continue;
+    kept.push_back({name, t.dtype, t.shape, std::vector<uint8_t>(t.data, t.data + t.bytes)});
+  }
+  write_safetensors((d / "model.safetensors").string(), kept);
+  const std::string missing = error_of([&] { load_model(d.string()); });
+  EXPECT_HAS(missing, "missing");
+  EXPECT_HAS(missing, "model.visual.blocks.1.attn.qkv.weight");
+  EXPECT_HAS(missing, "model.visual.blocks.1.attn.proj.bias");
+  // A shape mismatch: expected vs found.
+  for (auto& t : kept)
+    if (t.name == "model.visual.pos_embed.weight") t.shape = {32, 128};
+  kept.push_back({"model.visual.blocks.1.attn.qkv.weight", DType::F32, {192, 64}, std::vector<uint8_t>(192 * 64 * 4)});
+  kept.push_back({"model.visual.blocks.1.attn.qkv.bias", DType::F32, {192}, std::vector<uint8_t>(192 * 4)});
+  kept.push_back({"model.visual.blocks.1.attn.proj.weight", DType::F16, {64, 64}, std::vector<uint8_t>(64 * 64 * 2)});
+  kept.push_back({"model.visual.blocks.1.attn.proj.bias", DType::BF16, {64}, std::vector<uint8_t>(64 * 2)});
+  write_safetensors((d / "model.safetensors").string(), kept);
+  const std::string shape = error_of([&] { load_model(d.string()); });
+  EXPECT_HAS(shape, "model.visual.pos_embed.weight");
+  EXPECT_HAS(shape, "[32, 128]");
+  EXPECT_HAS(shape, "[64, 64]");
+}
+
+// fovea's fp32 CPU forward against transformers' fp32 forward on the same weights and pixels.
+TEST(EncoderConformance, TinyMatchesTransformers) {
+  const Model m = load_model(kTiny);
+  const Golden g = load_golden();
+  ForwardOptions o;
+  o.keep_intermediates = true;
+  const ForwardResult r = forward_cpu(m, g.pixels, g.grids, o);
+  std::map<std::string, const std::vector<float>*> ours = {{"merged", &r.merged}};
+  for (size_t k = 0; k < r.deepstack.size(); ++k) ours["deepstack." + std::to_string(k)] = &r.deepstack[k];
+  for (const auto& [k, v] : r.intermediates) ours[k] = &v;
+  ASSERT_EQ(ours.size(), g.out.size());
+  for (const auto& [name, want] : g.out) {
+    ASSERT_TRUE(ours.count(name)) << name;
+    const double e = rel_l2(*ours[name], want);
+    std::printf("%-12s rel_l2 vs transformers %.3e\n", name.c_str(), e);
+    EXPECT_LT(e, 1e-5) << name;  // fp32 against fp32: only summation order differs
+  }
+}
+
+// FP8 scaling end to end on the CPU: dynamic, then calibration (16 forwards, file written once),
+// then static scales from that file on other inputs, each against the exact forward.
+TEST(EncoderFp8, DynamicCalibrateStatic) {
+  const Model m = load_model(kTiny);
+  const Golden g = load_golden();
+  const auto exact = forward_cpu(m, g.pixels, g.grids);
+  const int out = m.config.out_hidden;
+
+  ScaleBook dynamic = ScaleBook::dynamic(m.config.depth);
+  ForwardOptions o;
+  o.attention = cpu::RefMode::FP8;
+  o.scales = &dynamic;
+  const auto fp8 = forward_cpu(m, g.pixels, g.grids, o);
+  const double cos_dyn = mean_cosine(fp8.merged, exact.merged, out);
+  std::printf("fp8 dynamic: rel_l2 %.3e, mean cosine %.6f\n", rel_l2(fp8.merged, exact.merged), cos_dyn);
+  EXPECT_GT(cos_dyn, 0.99);
+  EXPECT_LT(rel_l2(fp8.merged, exact.merged), 0.1);
+  EXPECT_GT(rel_l2(fp8.merged, exact.merged), 1e-4);  // FP8 rounding really happened
+
+  TempDir dir;
+  const std::string path = dir.file("scales.json");
+  ScaleBook cal = ScaleBook::calibrating(m.config.depth, path, 1.5f);
+  o.scales = &cal;
+  for (int i = 0; i < 16; ++i) {
+    EXPECT_FALSE(fs::exists(path)) << "written before the 16th forward";
+    forward_cpu(m, g.pixels, g.grids, o);
+  }
+  ASSERT_TRUE(fs::exists(path));
+  const auto file = read_scale_file(path);
+  ASSERT_EQ(file.layers.size(), size_t(m.config.depth));
+  for (int l = 0; l < m.config.depth; ++l) EXPECT_FLOAT_EQ(file.layers.at(l).q, dynamic.scales(l).q * 1.5f);
+
+  // Static scales on other inputs (pixels scaled by 0.8: within the calibrated range).
+  std::vector<float> other = g.pixels;
+  for (auto& x : other) x *= 0.8f;
+  ScaleBook fixed = ScaleBook::fixed(scales_for_model(file, m.config.depth));
+  o.scales = &fixed;
+  const auto st = forward_cpu(m, other, g.grids, o);
+  const auto ex2 = forward_cpu(m, other, g.grids);
+  const double cos_static = mean_cosine(st.merged, ex2.merged, out);
+  std::printf("fp8 static (calibrated, margin 1.5) on other inputs: rel_l2 %.3e, mean cosine %.6f\n",
+              rel_l2(st.merged, ex2.merged), cos_static);
+  EXPECT_GT(cos_static, 0.99);
+}
+
+TEST(EncoderForward, RejectsBadInputs) {
+  const Model m = load_model("synthetic:tiny");
+  std::vector<float> px(size_t(16) * 1536, 0.1f);
+  EXPECT_HAS(error_of([&] { forward_cpu(m, px, {{1, 4, 6}}); }), "pixel_values has");
+  EXPECT_HAS(error_of([&] { forward_cpu(m, px, {{1, 3, 4}}); }), "even");
+  EXPECT_HAS(error_of([&] { forward_cpu(m, px, {}); }), "no images");
+  ForwardOptions o;
+  o.attention = cpu::RefMode::FP8;
+  EXPECT_HAS(error_of([&] { forward_cpu(m, px, {{1, 4, 4}}, o); }), "scale book");
+}

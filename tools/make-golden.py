@@ -1,0 +1,100 @@
+#!/usr/bin/env python3
+"""Golden files for fovea's Qwen3-VL vision encoder conformance tests, made by Hugging Face transformers.
+
+Run where torch and transformers are installed (the GPU machine has them; the CPU is used, in fp32,
+so no TF32 or GPU kernel choice enters the reference):
+    python3 tools/make-golden.py --out tests/data
+Writes tests/data/qwen3vl-tiny/{config.json, model.safetensors, golden.safetensors}: a tiny config of
+the real architecture (3 blocks, 2 deepstack taps, head_dim 16) with deterministic random weights
+rounded to bf16 (stored bf16, as released checkpoints are), random pixel inputs for three images
+(one of them two frames: two attention segments), and transformers' fp32 outputs: the final merger
+output, every deepstack output, and the hidden states after embedding, after block 0 and before
+the merger.
+"""
+import argparse
+import json
+import os
+
+import torch
+import transformers
+from safetensors.torch import save_file
+from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLVisionConfig
+from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
+
+TINY = dict(depth=3, hidden_size=64, intermediate_size=96, num_heads=4, out_hidden_size=48,
+            num_position_embeddings=64, deepstack_visual_indexes=[0, 2], patch_size=16,
+            temporal_patch_size=2, spatial_merge_size=2, in_channels=3, hidden_act="gelu_pytorch_tanh")
+GRIDS = [[1, 4, 6], [1, 6, 4], [2, 4, 4]]
+
+
+def init_weights(model, gen):
+    """U(-1, 1) scaled so activations stay O(1), like fovea's synthetic models; rounded to bf16."""
+    for name, p in model.named_parameters():
+        u = torch.rand(p.shape, generator=gen, dtype=torch.float32) * 2 - 1
+        if "norm" in name:
+            v = 1 + 0.1 * u if name.endswith("weight") else 0.05 * u
+        elif name.endswith("bias"):
+            v = 0.02 * u
+        elif name == "pos_embed.weight":
+            v = 0.5 * u
+        else:
+            v = u * (3.0 / (p.numel() // p.shape[0])) ** 0.5
+        with torch.no_grad():
+            p.copy_(v.to(torch.bfloat16).to(torch.float32))
+
+
+def first_tensor(x):
+    return x[0] if isinstance(x, (tuple, list)) else x
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="tests/data")
+    a = ap.parse_args()
+    gen = torch.Generator().manual_seed(20261129)
+    cfg = Qwen3VLVisionConfig(**TINY)
+    try:
+        cfg._attn_implementation = "eager"
+    except Exception:
+        pass
+    model = Qwen3VLVisionModel(cfg).to(torch.float32).eval()
+    init_weights(model, gen)
+    n = sum(t * h * w for t, h, w in GRIDS)
+    pixels = (torch.rand(n, 3 * 2 * 16 * 16, generator=gen) * 2 - 1).to(torch.bfloat16).to(torch.float32)
+    grid = torch.tensor(GRIDS, dtype=torch.int64)
+
+    got = {}
+    hooks = [
+        model.blocks[0].register_forward_pre_hook(
+            lambda m, args, kwargs: got.__setitem__("embed", (args[0] if args else kwargs["hidden_states"]).clone()),
+            with_kwargs=True),
+        model.blocks[0].register_forward_hook(lambda m, i, o: got.__setitem__("block0", first_tensor(o).clone())),
+        model.merger.register_forward_pre_hook(
+            lambda m, args, kwargs: got.__setitem__("last_hidden", (args[0] if args else kwargs["hidden_states"]).clone()),
+            with_kwargs=True),
+        model.merger.register_forward_hook(lambda m, i, o: got.__setitem__("merged", first_tensor(o).clone())),
+    ]
+    for k, dm in enumerate(model.deepstack_merger_list):
+        hooks.append(dm.register_forward_hook(lambda m, i, o, k=k: got.__setitem__(f"deepstack.{k}", first_tensor(o).clone())))
+    with torch.no_grad():
+        model(pixels, grid_thw=grid)
+    for h in hooks:
+        h.remove()
+
+    d = os.path.join(a.out, "qwen3vl-tiny")
+    os.makedirs(d, exist_ok=True)
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump({"model_type": "qwen3_vl", "vision_config": dict(TINY, model_type="qwen3_vl")}, f, indent=1)
+    save_file({"model.visual." + k: v.to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()},
+              os.path.join(d, "model.safetensors"), metadata={"format": "pt"})
+    golden = {"pixel_values": pixels.contiguous(), "grid_thw": grid.to(torch.float32)}
+    golden.update({k: v.to(torch.float32).contiguous() for k, v in got.items()})
+    save_file(golden, os.path.join(d, "golden.safetensors"),
+              metadata={"transformers": transformers.__version__, "torch": torch.__version__})
+    for k, v in sorted(golden.items()):
+        print(f"{k:14s} {tuple(v.shape)} norm {v.norm().item():.4f}")
+    print("state_dict keys:", len(model.state_dict()), "first:", list(model.state_dict())[:3])
+
+
+if __name__ == "__main__":
+    main()
