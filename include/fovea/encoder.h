@@ -41,6 +41,8 @@ class Encoder {
   void forward(cudaStream_t stream);
   // Host-side bookkeeping after a forward (calibration: sync, copy rings, maybe write the file).
   void after_forward(cudaStream_t stream);
+  // Copies the device rings and scales into the scale book (dynamic and calibrate modes; syncs).
+  void sync_scales(cudaStream_t stream);
   std::vector<float> merged(cudaStream_t stream) const;                  // [N/4, out_hidden]
   std::vector<std::vector<float>> deepstack(cudaStream_t stream) const;  // each [N/4, out_hidden]
   int64_t tokens() const;

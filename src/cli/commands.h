@@ -17,5 +17,6 @@ void add_engine_flags(CLI::App* cmd, EngineOptions& opt);
 void add_info(CLI::App& app, Runner& run);
 void add_scales(CLI::App& app, Runner& run);
 void add_bench_attention(CLI::App* bench, Runner& run);
+void add_bench_encoder(CLI::App* bench, Runner& run);
 
 }  // namespace fovea::cli

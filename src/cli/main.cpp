@@ -11,9 +11,10 @@ int main(int argc, char** argv) {
   fovea::cli::Runner run;
   fovea::cli::add_info(app, run);
   fovea::cli::add_scales(app, run);
-  CLI::App* bench = app.add_subcommand("bench", "benchmarks: attention");
+  CLI::App* bench = app.add_subcommand("bench", "benchmarks: attention, encoder");
   bench->require_subcommand(1);
   fovea::cli::add_bench_attention(bench, run);
+  fovea::cli::add_bench_encoder(bench, run);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

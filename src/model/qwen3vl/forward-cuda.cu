@@ -335,12 +335,18 @@ void Encoder::forward(cudaStream_t s) {
   m.run_merger(m.merger, m.ln, m.merged, s);
 }
 
-void Encoder::after_forward(cudaStream_t stream) {
+void Encoder::sync_scales(cudaStream_t stream) {
   Impl& m = *impl_;
-  if (!m.amax || m.opt.scales->mode() != ScaleMode::CALIBRATE) return;
+  if (!m.amax) return;
   auto& state = m.opt.scales->amax_state();
   FOVEA_CUDA_CHECK(cudaMemcpyAsync(state.data(), m.amax, sizeof(LayerAmax) * state.size(), cudaMemcpyDeviceToHost, stream));
   FOVEA_CUDA_CHECK(cudaStreamSynchronize(stream));
+}
+
+void Encoder::after_forward(cudaStream_t stream) {
+  Impl& m = *impl_;
+  if (!m.amax || m.opt.scales->mode() != ScaleMode::CALIBRATE) return;
+  sync_scales(stream);
   m.opt.scales->after_forward();
 }
 
