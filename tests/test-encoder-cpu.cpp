@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <filesystem>
+#include <cstring>
 #include <fstream>
 
 #include "fovea/error.h"
@@ -203,4 +204,39 @@ TEST(EncoderForward, RejectsBadInputs) {
   ForwardOptions o;
   o.attention = cpu::RefMode::FP8;
   EXPECT_HAS(error_of([&] { forward_cpu(m, px, {{1, 4, 4}}, o); }), "scale book");
+}
+
+TEST(EncoderLoad, Qwen35ConfigsHaveNoDeepstackAndPrefixesAndDtypesVary) {
+  // Qwen3.5: same ViT, no deepstack key; Qwen3-VL without the key gets the class default.
+  EXPECT_TRUE(parse_config(R"({"model_type": "qwen3_5", "vision_config": {"out_hidden_size": 4096}})", "c").deepstack.empty());
+  EXPECT_EQ(parse_config(R"({"model_type": "qwen3_vl", "vision_config": {}})", "c").deepstack, (std::vector<int>{8, 16, 24}));
+  EXPECT_HAS(error_of([] { parse_config(R"({"vision_config": {"hidden_size": 1000}})", "cfg.json"); }), "num_heads");
+  EXPECT_HAS(error_of([] { parse_config(R"({"vision_config": {"depth": "x"}})", "cfg.json"); }), "vision_config.depth");
+  EXPECT_HAS(error_of([] { parse_config("{", "cfg.json"); }), "cfg.json");
+
+  // The tiny checkpoint rewritten with the older "visual." prefix and fp32 tensors loads the same
+  // weights, with a warning for a stray tensor under the prefix.
+  TempDir dir;
+  const fs::path d = dir.path / "ckpt";
+  fs::create_directories(d);
+  fs::copy_file(kTiny + "/config.json", d / "config.json");
+  const Checkpoint full = Checkpoint::open(kTiny + "/model.safetensors");
+  std::vector<TensorToWrite> out;
+  for (const auto& [name, t] : full.tensors()) {
+    const std::vector<float> v = t.to_float();
+    TensorToWrite w{"visual." + name.substr(std::string("model.visual.").size()), DType::F32, t.shape, {}};
+    w.bytes.resize(v.size() * 4);
+    std::memcpy(w.bytes.data(), v.data(), w.bytes.size());
+    out.push_back(std::move(w));
+  }
+  out.push_back({"visual.stray.weight", DType::F32, {1}, std::vector<uint8_t>(4)});
+  write_safetensors((d / "model.safetensors").string(), out);
+  static std::string warned;
+  warned.clear();
+  set_warning_sink([](const std::string& m) { warned += m; });
+  const Model a = load_model(d.string()), b = load_model(kTiny);
+  set_warning_sink(nullptr);
+  EXPECT_HAS(warned, "visual.stray.weight");
+  EXPECT_EQ(a.weights.blocks[2].fc2.w, b.weights.blocks[2].fc2.w);
+  EXPECT_EQ(a.weights.deepstack[1].norm.w, b.weights.deepstack[1].norm.w);
 }

@@ -231,3 +231,23 @@ TEST(ResolveEngineErrors, BackendCannotRunThere) {
   EXPECT_EQ(msg.find("CUDNN (--device cuda)"), std::string::npos) << msg;
   EXPECT_EQ(msg.find("FOVEA (--device cuda)"), std::string::npos) << msg;
 }
+
+// ---- the scale book an engine runs with ------------------------------------------------------------
+
+TEST(ScaleBookFromEngine, FollowsTheScaleMode) {
+  TempDir dir;
+  const SystemInfo sys = no_gpu();
+  EXPECT_EQ(make_scale_book(resolve_engine({.dtype = "fp8"}, sys), 2).mode(), ScaleMode::DYNAMIC);
+  const auto cal = make_scale_book(resolve_engine({.dtype = "fp8", .scale_save_path = dir.file("s.json")}, sys), 3);
+  EXPECT_EQ(cal.mode(), ScaleMode::CALIBRATE);
+  EXPECT_EQ(cal.save_path(), dir.file("s.json"));
+  const std::string file = dir.write("scales.json", kValidScales);
+  const auto st = make_scale_book(resolve_engine({.dtype = "fp8", .scale_path = file}, sys), 2);
+  EXPECT_EQ(st.mode(), ScaleMode::STATIC);
+  EXPECT_EQ(st.scales(1), (QkvScales{1, 2, 4}));
+  // The file has layers 0 and 1: a 3-layer model is an error naming the file and the missing layer.
+  const std::string e = fovea::test::error_of([&] { make_scale_book(resolve_engine({.dtype = "fp8", .scale_path = file}, sys), 3); });
+  EXPECT_HAS(e, file);
+  EXPECT_HAS(e, "visual.blocks.2.attn.attn");
+  EXPECT_HAS(fovea::test::error_of([&] { make_scale_book(resolve_engine({}, sys), 2); }), "bf16");
+}

@@ -58,4 +58,9 @@ std::optional<std::string> backend_unsupported(AttnBackend b, AttnDtype d, Devic
 // Validates and resolves the flags; throws fovea::Error whose message names the offending option.
 EngineConfig resolve_engine(const EngineOptions& opt, const SystemInfo& sys);
 
+// The scale book an FP8 engine runs a model of num_layers attention layers with: dynamic, static
+// (the scale file's layers 0..num_layers-1; missing layers are an error naming the file), or
+// calibrating (writes the save path after 16 forwards). Throws if the engine is not FP8.
+ScaleBook make_scale_book(const EngineConfig& cfg, int num_layers);
+
 }  // namespace fovea

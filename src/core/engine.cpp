@@ -140,4 +140,14 @@ EngineConfig resolve_engine(const EngineOptions& opt, const SystemInfo& sys) {
   return cfg;
 }
 
+ScaleBook make_scale_book(const EngineConfig& cfg, int num_layers) {
+  if (!cfg.scale_mode) fail("FP8 scales requested, but the engine runs {} attention", dtype_name(cfg.dtype));
+  switch (*cfg.scale_mode) {
+    case ScaleMode::STATIC: return ScaleBook::fixed(scales_for_model(*cfg.scale_file, num_layers));
+    case ScaleMode::CALIBRATE: return ScaleBook::calibrating(num_layers, cfg.scale_save_path, cfg.scale_save_margin);
+    case ScaleMode::DYNAMIC: break;
+  }
+  return ScaleBook::dynamic(num_layers);
+}
+
 }  // namespace fovea
