@@ -14,9 +14,7 @@
 #include "fovea/random.h"
 #include "fovea/rope.h"
 
-#if FOVEA_HAVE_CUDA
-#include <cuda_runtime.h>
-#endif
+#include "cli/bench-cuda.h"
 
 namespace fovea::cli {
 
@@ -145,12 +143,6 @@ int run_bench(const Args& a) {
 }
 
 #if FOVEA_HAVE_CUDA
-
-#define BENCH_CUDA(call)                                                                      \
-  do {                                                                                        \
-    const cudaError_t e_ = (call);                                                            \
-    if (e_ != cudaSuccess) fail("{} failed: {}", #call, cudaGetErrorString(e_));              \
-  } while (0)
 
 // A device buffer that frees itself.
 struct DevBuf {

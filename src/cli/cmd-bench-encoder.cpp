@@ -13,9 +13,7 @@
 #include "fovea/io.h"
 #include "fovea/random.h"
 
-#if FOVEA_HAVE_CUDA
-#include <cuda_runtime.h>
-#endif
+#include "cli/bench-cuda.h"
 
 namespace fovea::cli {
 
@@ -49,12 +47,6 @@ std::vector<std::string> split(const std::string& s) {
 }
 
 #if FOVEA_HAVE_CUDA
-
-#define BENCH_CUDA(call)                                                         \
-  do {                                                                           \
-    const cudaError_t e_ = (call);                                               \
-    if (e_ != cudaSuccess) fail("{} failed: {}", #call, cudaGetErrorString(e_)); \
-  } while (0)
 
 int run(const Args& a) {
   const SystemInfo sys = query_system();
