@@ -213,6 +213,21 @@ TEST(EncoderLoad, Qwen35ConfigsHaveNoDeepstackAndPrefixesAndDtypesVary) {
   EXPECT_HAS(error_of([] { parse_config(R"({"vision_config": {"hidden_size": 1000}})", "cfg.json"); }), "num_heads");
   EXPECT_HAS(error_of([] { parse_config(R"({"vision_config": {"depth": "x"}})", "cfg.json"); }), "vision_config.depth");
   EXPECT_HAS(error_of([] { parse_config("{", "cfg.json"); }), "cfg.json");
+}
+
+// Wrongly typed config values are fovea::Errors naming the field, not escaping JSON-library
+// exceptions, and integers are never silently truncated.
+TEST(EncoderLoad, ConfigTypeErrorsNameTheField) {
+  EXPECT_HAS(error_of([] { parse_config(R"({"vision_config": {"hidden_act": 5}})", "c"); }), "hidden_act");
+  EXPECT_HAS(error_of([] { parse_config(R"({"vision_config": {"deepstack_visual_indexes": ["a"]}})", "c"); }),
+             "deepstack_visual_indexes");
+  EXPECT_HAS(error_of([] { parse_config(R"({"vision_config": {"deepstack_visual_indexes": [8.5]}})", "c"); }),
+             "deepstack_visual_indexes");
+  EXPECT_HAS(error_of([] { parse_config(R"({"vision_config": {"depth": 4294967299}})", "c"); }), "vision_config.depth");
+  EXPECT_HAS(error_of([] { parse_config(R"({"vision_config": {"depth": 18446744073709551615}})", "c"); }),
+             "vision_config.depth");
+  // A non-string model_type is simply not Qwen3-VL's (no deepstack default).
+  EXPECT_TRUE(parse_config(R"({"model_type": 3, "vision_config": {}})", "c").deepstack.empty());
 
   // The tiny checkpoint rewritten with the older "visual." prefix and fp32 tensors loads the same
   // weights, with a warning for a stray tensor under the prefix.

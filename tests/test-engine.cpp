@@ -157,6 +157,8 @@ TEST(ResolveEngineErrors, ScaleOptions) {
       {"margin 0", {.dtype = "fp8", .scale_save_path = save, .scale_save_margin = 0.0}, {kMarginFlag}},
       {"margin -1", {.dtype = "fp8", .scale_save_path = save, .scale_save_margin = -1.0}, {kMarginFlag}},
       {"margin NaN", {.dtype = "fp8", .scale_save_path = save, .scale_save_margin = nan}, {kMarginFlag}},
+      {"margin 0 as a float", {.dtype = "fp8", .scale_save_path = save, .scale_save_margin = 1e-50}, {kMarginFlag}},
+      {"margin inf as a float", {.dtype = "fp8", .scale_save_path = save, .scale_save_margin = 1e300}, {kMarginFlag}},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.name);

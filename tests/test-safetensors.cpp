@@ -273,6 +273,11 @@ TEST(Checkpoint, IndexErrors) {
   EXPECT_HAS(msg, idx);
   EXPECT_HAS(msg, "not valid JSON");
 
+  dir.write("model.safetensors.index.json", R"({"metadata": {"total_size": 1e999}, "weight_map": {"a": "s1.safetensors"}})");
+  msg = error_of([&] { Checkpoint::open(idx); });
+  EXPECT_HAS(msg, idx);
+  EXPECT_HAS(msg, "not valid JSON");
+
   dir.write("model.safetensors.index.json", R"({"metadata": {}})");
   msg = error_of([&] { Checkpoint::open(idx); });
   EXPECT_HAS(msg, idx);
@@ -317,6 +322,9 @@ TEST(SafetensorsErrors, HeaderNotJsonOrNotObject) {
   EXPECT_HAS(open_error(dir, "[1, 2]"), "header is not a JSON object");
   EXPECT_HAS(open_error(dir, "\"\xff\xfe\""), "header is not valid JSON");  // not UTF-8
   EXPECT_HAS(open_error(dir, R"({"__metadata__": 3})"), "__metadata__ is not a JSON object");
+  // A number that overflows a double is the JSON library's out_of_range, still a fovea::Error.
+  EXPECT_HAS(open_error(dir, R"({"w": {"dtype": "F32", "shape": [1e999], "data_offsets": [0, 4]}})"),
+             "header is not valid JSON");
 }
 
 TEST(SafetensorsErrors, BadEntries) {

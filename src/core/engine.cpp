@@ -2,6 +2,7 @@
 #include "fovea/engine.h"
 
 #include <cctype>
+#include <cfloat>
 #include <cmath>
 #include <filesystem>
 
@@ -74,7 +75,8 @@ EngineConfig resolve_engine(const EngineOptions& opt, const SystemInfo& sys) {
   }
 
   // FP8 scale options (design.md §2 option errors).
-  if (!std::isfinite(opt.scale_save_margin) || !(opt.scale_save_margin > 0))
+  // Checked as the float the scale book keeps (1e-50 or 1e300 pass as a double, not as a float).
+  if (!(opt.scale_save_margin > 0) || !(opt.scale_save_margin <= FLT_MAX) || !(float(opt.scale_save_margin) > 0))
     fail("--mm-encoder-fp8-scale-save-margin must be a number > 0, got {}", opt.scale_save_margin);
   cfg.scale_save_margin = float(opt.scale_save_margin);
   const bool fp8 = cfg.dtype == AttnDtype::FP8;

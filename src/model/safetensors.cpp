@@ -161,7 +161,7 @@ class SafetensorsFile {
     json header;
     try {
       header = json::parse(text, text + n);
-    } catch (const json::parse_error& e) {
+    } catch (const json::exception& e) {  // parse_error, or out_of_range for a number like 1e999
       fail("safetensors file '{}': header is not valid JSON: {}", path, e.what());
     }
     if (!header.is_object()) fail("safetensors file '{}': header is not a JSON object", path);
@@ -255,7 +255,7 @@ Checkpoint Checkpoint::open(const std::string& path) {
   json j;
   try {
     j = json::parse(read_file(ip, "checkpoint index"));
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {  // parse_error, or out_of_range for a number like 1e999
     fail("checkpoint index '{}': not valid JSON: {}", ip, e.what());
   }
   if (!j.is_object() || !j.contains("weight_map") || !j["weight_map"].is_object() || j["weight_map"].empty())

@@ -52,6 +52,7 @@ void upload(T*& dst, size_t& cap, const std::vector<T>& src) {
   if (src.size() > cap) {
     if (dst) cudaFree(dst);
     dst = nullptr;
+    cap = 0;  // a failed cudaMalloc must not leave a capacity behind for a null pointer
     FOVEA_CUDA_CHECK(cudaMalloc(&dst, src.size() * sizeof(T)));
     cap = src.size();
   }
@@ -114,6 +115,7 @@ AttnDtype FlashAttention::dtype() const { return impl_->dtype; }
 
 void FlashAttention::plan(const std::vector<int32_t>& cu_seqlens) {
   Impl& m = *impl_;
+  m.planned = m.prepared = false;  // until this plan is complete (a throw below leaves no stale plan)
   VarlenShape sh = m.shape;
   sh.cu_seqlens = cu_seqlens;
   sh.validate();
@@ -141,6 +143,7 @@ void FlashAttention::plan(const std::vector<int32_t>& cu_seqlens) {
   if (need > m.cap_buf) {
     cudaFree(m.buf);
     m.buf = nullptr;
+    m.cap_buf = 0;
     FOVEA_CUDA_CHECK(cudaMalloc(&m.buf, need));
     m.cap_buf = need;
   }

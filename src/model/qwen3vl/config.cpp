@@ -1,4 +1,5 @@
 // Qwen3-VL vision configuration: parsing config.json, validation, and the built-in presets.
+#include <climits>
 #include <cmath>
 
 #include <nlohmann/json.hpp>
@@ -52,9 +53,14 @@ VisionConfig parse_config(const std::string& text, const std::string& where) {
   if (!v.is_object()) fail("{}: vision_config is not an object", where);
   VisionConfig c;
   c.name = where;
+  // A JSON integer that fits an int (no silent truncation of 2^32 + 27, no 8.5 -> 8).
+  auto fits_int = [](const json& j) {
+    if (j.is_number_unsigned()) return j.get<uint64_t>() <= uint64_t(INT_MAX);
+    return j.is_number_integer() && j.get<int64_t>() >= INT_MIN && j.get<int64_t>() <= INT_MAX;
+  };
   auto get = [&](const char* key, int& dst) {
     if (!v.contains(key)) return;  // class defaults (spec §1.1) apply
-    if (!v.at(key).is_number_integer()) fail("{}: vision_config.{} is {}, not an integer", where, key, v.at(key).dump());
+    if (!fits_int(v.at(key))) fail("{}: vision_config.{} is {}, not an integer", where, key, v.at(key).dump());
     dst = v.at(key).get<int>();
   };
   get("depth", c.depth);
@@ -67,15 +73,23 @@ VisionConfig parse_config(const std::string& text, const std::string& where) {
   get("spatial_merge_size", c.merge);
   get("out_hidden_size", c.out_hidden);
   get("num_position_embeddings", c.num_pos_embeddings);
-  if (v.contains("hidden_act")) c.hidden_act = v.at("hidden_act").get<std::string>();
+  if (v.contains("hidden_act")) {
+    if (!v.at("hidden_act").is_string())
+      fail("{}: vision_config.hidden_act is {}, not a string", where, v.at("hidden_act").dump());
+    c.hidden_act = v.at("hidden_act").get<std::string>();
+  }
   // Qwen3.5 has no deepstack: the key is absent (or null / empty).
   c.deepstack.clear();
   if (v.contains("deepstack_visual_indexes") && !v.at("deepstack_visual_indexes").is_null()) {
     const json& d = v.at("deepstack_visual_indexes");
     if (!d.is_array()) fail("{}: vision_config.deepstack_visual_indexes is not a list", where);
-    for (const auto& x : d) c.deepstack.push_back(x.get<int>());
+    for (const auto& x : d) {
+      if (!fits_int(x)) fail("{}: vision_config.deepstack_visual_indexes has {}, not an integer", where, x.dump());
+      c.deepstack.push_back(x.get<int>());
+    }
   } else if (!v.contains("deepstack_visual_indexes")) {
-    const std::string type = doc.value("model_type", std::string());
+    const std::string type =
+        doc.contains("model_type") && doc.at("model_type").is_string() ? doc.at("model_type").get<std::string>() : "";
     if (type.rfind("qwen3_vl", 0) == 0) c.deepstack = {8, 16, 24};  // Qwen3-VL class default
   }
   c.validate();

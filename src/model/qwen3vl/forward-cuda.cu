@@ -31,15 +31,19 @@ T* dev_alloc(size_t count) {
   return p;
 }
 
-bf16* upload_bf16(const std::vector<float>& v) {
+// Uploads record their allocation in `owner` before copying, so nothing leaks when a later step
+// throws: the owner list is freed by whoever holds it.
+bf16* upload_bf16(const std::vector<float>& v, std::vector<void*>& owner) {
   std::vector<uint16_t> h(v.size());
   for (size_t i = 0; i < v.size(); ++i) h[i] = bf16_from_float(v[i]);
   bf16* d = dev_alloc<bf16>(v.size());
+  owner.push_back(d);
   FOVEA_CUDA_CHECK(cudaMemcpy(d, h.data(), h.size() * 2, cudaMemcpyHostToDevice));
   return d;
 }
-float* upload_f32(const std::vector<float>& v) {
+float* upload_f32(const std::vector<float>& v, std::vector<void*>& owner) {
   float* d = dev_alloc<float>(v.size());
+  owner.push_back(d);
   FOVEA_CUDA_CHECK(cudaMemcpy(d, v.data(), v.size() * 4, cudaMemcpyHostToDevice));
   return d;
 }
@@ -147,8 +151,12 @@ class Gemm {
   std::map<std::tuple<int64_t, int, int, bool, bool>, cublasLtMatmulAlgo_t> algos_;
 };
 
-DevLinear upload(const Linear& l) { return {upload_bf16(l.w), upload_bf16(l.b), l.out, l.in}; }
-DevNorm upload(const Norm& n) { return {upload_f32(n.w), upload_f32(n.b), int(n.w.size())}; }
+DevLinear upload(const Linear& l, std::vector<void*>& owner) {
+  return {upload_bf16(l.w, owner), upload_bf16(l.b, owner), l.out, l.in};
+}
+DevNorm upload(const Norm& n, std::vector<void*>& owner) {
+  return {upload_f32(n.w, owner), upload_f32(n.b, owner), int(n.w.size())};
+}
 
 struct DevBlock {
   DevNorm norm1, norm2;
@@ -165,7 +173,7 @@ struct Encoder::Impl {
   VisionConfig cfg;
   EncoderOptions opt;
   Gemm gemm;
-  std::vector<void*> owned;  // every device allocation, freed in the destructor
+  std::vector<void*> owned;  // weights and scale state: every allocation, freed by ~Impl
   DevLinear patch;
   std::vector<float> pos_table;  // host: resampled per plan()
   std::vector<DevBlock> blocks;
@@ -183,6 +191,10 @@ struct Encoder::Impl {
   float *cos = nullptr, *sin = nullptr;
   std::vector<void*> per_plan;
 
+  ~Impl() {
+    free_plan();
+    for (void* p : owned) cudaFree(p);
+  }
   template <class T>
   T* plan_alloc(size_t count) {
     T* p = dev_alloc<T>(count);
@@ -219,38 +231,40 @@ Encoder::Encoder(const Model& model, const EncoderOptions& options) : impl_(new 
       std::vector<float> f;
       for (int l = 0; l < m.cfg.depth; ++l)
         for (int t = 0; t < 3; ++t) f.push_back(options.scales->scales(l)[t]);
-      m.fixed = upload_f32(f);
+      m.fixed = upload_f32(f, m.owned);
     } else {
       m.amax = dev_alloc<LayerAmax>(size_t(m.cfg.depth));
+      m.owned.push_back(m.amax);
       FOVEA_CUDA_CHECK(cudaMemcpy(m.amax, options.scales->amax_state().data(), sizeof(LayerAmax) * size_t(m.cfg.depth),
                                   cudaMemcpyHostToDevice));
     }
   }
-  Linear patch = W.patch_embed;
-  m.patch = upload(patch);
+  auto& o = m.owned;
+  m.patch = upload(W.patch_embed, o);
   m.pos_table = W.pos;
-  for (const auto& b : W.blocks)
-    m.blocks.push_back({upload(b.norm1), upload(b.norm2), upload(b.qkv), upload(b.proj), upload(b.fc1), upload(b.fc2)});
-  m.merger = {upload(W.merger.norm), upload(W.merger.fc1), upload(W.merger.fc2)};
-  for (const auto& d : W.deepstack) m.deepstack.push_back({upload(d.norm), upload(d.fc1), upload(d.fc2)});
+  for (const auto& b : W.blocks) {
+    DevBlock d;  // one upload per statement: the order of allocations is the order of the owner list
+    d.norm1 = upload(b.norm1, o);
+    d.norm2 = upload(b.norm2, o);
+    d.qkv = upload(b.qkv, o);
+    d.proj = upload(b.proj, o);
+    d.fc1 = upload(b.fc1, o);
+    d.fc2 = upload(b.fc2, o);
+    m.blocks.push_back(d);
+  }
+  auto merger = [&](const Merger& g) {
+    DevMerger d;
+    d.norm = upload(g.norm, o);
+    d.fc1 = upload(g.fc1, o);
+    d.fc2 = upload(g.fc2, o);
+    return d;
+  };
+  m.merger = merger(W.merger);
+  for (const auto& d : W.deepstack) m.deepstack.push_back(merger(d));
   m.attn = std::make_unique<fovea::cuda::FlashAttention>(options.dtype, m.cfg.heads, m.cfg.head_dim());
 }
 
-Encoder::~Encoder() {
-  Impl& m = *impl_;
-  m.free_plan();
-  auto free_lin = [](DevLinear& l) { cudaFree(l.w); cudaFree(l.b); };
-  auto free_norm = [](DevNorm& n) { cudaFree(n.w); cudaFree(n.b); };
-  free_lin(m.patch);
-  for (auto& b : m.blocks) {
-    free_norm(b.norm1); free_norm(b.norm2);
-    free_lin(b.qkv); free_lin(b.proj); free_lin(b.fc1); free_lin(b.fc2);
-  }
-  for (DevMerger* mg : {&m.merger}) { free_norm(mg->norm); free_lin(mg->fc1); free_lin(mg->fc2); }
-  for (auto& mg : m.deepstack) { free_norm(mg.norm); free_lin(mg.fc1); free_lin(mg.fc2); }
-  cudaFree(m.amax);
-  cudaFree(m.fixed);
-}
+Encoder::~Encoder() = default;  // Impl frees every device allocation
 
 int64_t Encoder::tokens() const { return impl_->n; }
 
@@ -266,8 +280,8 @@ void Encoder::plan(const std::vector<GridThw>& grids) {
   }
   if (grids.empty()) fail_cat("encoder: no images");
   m.free_plan();
+  m.n = 0;  // forward() refuses to run until this plan is complete (a throw below leaves no dangling plan)
   m.grids = grids;
-  m.n = n;
   const int64_t D = m.cfg.hidden, I = m.cfg.intermediate, M4 = m.cfg.merged_dim(), O = m.cfg.out_hidden;
   m.pixels = m.plan_alloc<bf16>(size_t(n) * m.cfg.patch_dim());
   m.x = m.plan_alloc<bf16>(size_t(n * D));
@@ -283,15 +297,13 @@ void Encoder::plan(const std::vector<GridThw>& grids) {
   // Tables that depend only on the grids: position embedding (bf16, added in the patch GEMM's
   // epilogue) and the RoPE cos / sin.
   const std::vector<float> pe = position_embedding(m.cfg, m.pos_table, grids);
-  m.pe = upload_bf16(pe);
-  m.per_plan.push_back(m.pe);
+  m.pe = upload_bf16(pe, m.per_plan);
   std::vector<float> cos, sin;
   vision_rope_tables(grids, m.cfg.head_dim(), cos, sin);
-  m.cos = upload_f32(cos);
-  m.sin = upload_f32(sin);
-  m.per_plan.push_back(m.cos);
-  m.per_plan.push_back(m.sin);
+  m.cos = upload_f32(cos, m.per_plan);
+  m.sin = upload_f32(sin, m.per_plan);
   m.attn->plan(cu);
+  m.n = n;
 }
 
 void Encoder::upload_pixels(const std::vector<float>& pixels, cudaStream_t stream) {
