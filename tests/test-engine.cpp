@@ -26,14 +26,14 @@ namespace {
 
 SystemInfo no_gpu(bool cuda_built = false) {
   SystemInfo s;
-  s.cuda_built = s.cudnn_built = cuda_built;
+  s.cuda_built = s.cudnn_built = s.cudnn_backend = cuda_built;
   s.gpu_error = "no GPU in this test";
   return s;
 }
 SystemInfo with_gpu(const std::string& name, int major, int minor, bool cuda_built = true, bool cudnn_built = true) {
   SystemInfo s;
   s.cuda_built = cuda_built;
-  s.cudnn_built = cudnn_built;
+  s.cudnn_built = s.cudnn_backend = cudnn_built;  // a build with the CUDNN backend (not written yet)
   s.gpus.push_back({0, name, major, minor, 132, size_t(141) << 30});
   return s;
 }
@@ -252,4 +252,16 @@ TEST(ScaleBookFromEngine, FollowsTheScaleMode) {
   EXPECT_HAS(e, file);
   EXPECT_HAS(e, "visual.blocks.2.attn.attn");
   EXPECT_HAS(fovea::test::error_of([&] { make_scale_book(resolve_engine({}, sys), 2); }), "bf16");
+}
+
+// Today's fovea has no CUDNN backend: the real machine query says so, and AUTO on a non-Hopper GPU
+// is then an error that names what runs, not a silent pick of a missing backend.
+TEST(ResolveEngineErrors, CudnnBackendNotImplementedYet) {
+  EXPECT_FALSE(query_system().cudnn_backend);
+  SystemInfo sys = a100();
+  sys.cudnn_backend = false;
+  const std::string msg = error_of({}, sys);
+  EXPECT_HAS(msg, "not implemented");
+  EXPECT_HAS(msg, "CPU (--device cpu)");
+  EXPECT_EQ(resolve_engine({.device = "cpu"}, sys).backend, AttnBackend::CPU);
 }

@@ -330,3 +330,15 @@ TEST(ScalesForModel, ExtraLayersAreAWarningAndIgnored) {
   EXPECT_HAS(g_warnings[0], path);
   EXPECT_TRUE(has_any(g_warnings[0], {"3,4", "3, 4"})) << g_warnings[0];
 }
+
+TEST(ReadScaleFileErrors, RepeatedKeysAreErrors) {
+  TempDir dir;
+  const std::string layer_twice = dir.write("a.json", "{\"" + L0 + "\": " + entry("0.5") + ", \"" + L0 + "\": " + entry("0.25") + "}");
+  const std::string e1 = error_of([&] { read_scale_file(layer_twice); });
+  EXPECT_HAS(e1, layer_twice);
+  EXPECT_HAS(e1, L0);
+  EXPECT_HAS(e1, "twice");
+  const std::string field_twice = dir.write("b.json", "{\"" + L0 + "\": {\"q\": 1, \"k\": 1, \"v\": 1, \"q\": 2}}");
+  const std::string e2 = error_of([&] { read_scale_file(field_twice); });
+  EXPECT_HAS(e2, "'q' appears twice in '" + L0 + "'");
+}

@@ -35,6 +35,7 @@ std::optional<std::string> backend_unsupported(AttnBackend b, AttnDtype d, Devic
     case AttnBackend::CUDNN:
       if (dev != Device::CUDA) return "the CUDNN backend runs on a GPU (--device cuda)";
       if (!sys.cudnn_built) return "this fovea was built without cuDNN";
+      if (!sys.cudnn_backend) return "the CUDNN backend is not implemented in this version of fovea yet";
       if (sys.gpus.empty()) return "no GPU is visible";
       if (d == AttnDtype::FP8 && sys.gpus[0].cc_major * 10 + sys.gpus[0].cc_minor < 89)
         return fmt::format("cuDNN FP8 attention needs sm_89 or newer; GPU 0 is sm_{}{}", sys.gpus[0].cc_major,

@@ -36,7 +36,10 @@ void parallel_for(int64_t n, const std::function<void(int64_t)>& fn, int threads
     }
   };
   std::vector<std::thread> pool;
-  for (int i = 1; i < t; ++i) pool.emplace_back(work);
+  try {
+    for (int i = 1; i < t; ++i) pool.emplace_back(work);
+  } catch (...) {  // could not start a thread (resource limits): work on with the ones that started
+  }
   work();
   for (auto& th : pool) th.join();
   if (error) std::rethrow_exception(error);

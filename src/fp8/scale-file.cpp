@@ -3,6 +3,7 @@
 // dequantization scales. Every error names the file, the layer and the problem.
 #include <cmath>
 #include <regex>
+#include <set>
 
 #include <nlohmann/json.hpp>
 
@@ -72,11 +73,19 @@ ScaleFile read_scale_file(const std::string& path) {
 
   json doc;
   std::vector<std::string> keys;  // the object keys open at the current depth, for error messages
+  std::vector<std::set<std::string>> seen;  // keys of each open object: JSON would keep the last of
+                                            // a repeated key silently; a scale file must not
   try {
-    doc = json::parse(text, [&keys](int depth, json::parse_event_t ev, json& j) {
+    doc = json::parse(text, [&](int depth, json::parse_event_t ev, json& j) {
+      if (ev == json::parse_event_t::object_start) seen.emplace_back();
+      if (ev == json::parse_event_t::object_end && !seen.empty()) seen.pop_back();
       if (ev == json::parse_event_t::key) {
         keys.resize(size_t(depth > 0 ? depth - 1 : 0));  // depth 1 = the top-level object's keys
-        keys.push_back(j.get<std::string>());
+        const std::string key = j.get<std::string>();
+        if (!seen.empty() && !seen.back().insert(key).second)
+          fail("scale file '{}': key '{}' appears twice{}", path, key,
+               keys.empty() ? std::string() : fmt::format(" in '{}'", keys.back()));
+        keys.push_back(key);
       }
       return true;
     });
