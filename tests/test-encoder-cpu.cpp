@@ -255,3 +255,20 @@ TEST(EncoderLoad, ConfigTypeErrorsNameTheField) {
   EXPECT_EQ(a.weights.blocks[2].fc2.w, b.weights.blocks[2].fc2.w);
   EXPECT_EQ(a.weights.deepstack[1].norm.w, b.weights.deepstack[1].norm.w);
 }
+
+// A saved model reads back with identical weights and gives the identical forward; the CLI does it too.
+TEST(EncoderSave, SyntheticRoundTripsThroughACheckpoint) {
+  TempDir dir;
+  const Model a = load_model("synthetic:tiny");
+  save_model(a, dir.path.string());
+  const Model b = load_model(dir.path.string());
+  EXPECT_EQ(b.config.deepstack, a.config.deepstack);
+  EXPECT_EQ(b.weights.blocks[1].qkv.w, a.weights.blocks[1].qkv.w);  // synthetic weights are bf16 values
+  const Golden g = load_golden();
+  EXPECT_EQ(forward_cpu(b, g.pixels, g.grids).merged, forward_cpu(a, g.pixels, g.grids).merged);
+  EXPECT_HAS(error_of([&] { save_model(a, (dir.path / "missing").string()); }), "does not exist");
+  const fs::path cli = dir.path / "cli";
+  fs::create_directories(cli);
+  ASSERT_EQ(std::system((std::string("'") + FOVEA_BIN + "' export-model synthetic:tiny '" + cli.string() + "' >/dev/null").c_str()), 0);
+  EXPECT_EQ(load_model(cli.string()).weights.merger.fc2.w, a.weights.merger.fc2.w);
+}

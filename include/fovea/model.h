@@ -72,6 +72,12 @@ struct Model {
 // under the vision prefix are a warning.
 Model load_model(const std::string& spec);
 
+// Writes a model as a Hugging Face-style checkpoint folder that load_model() (and transformers'
+// Qwen3VLVisionModel, through safetensors) reads back: config.json with the vision_config and
+// model.safetensors with bf16 tensors under "model.visual.". The folder must exist; both files are
+// written atomically.
+void save_model(const Model& m, const std::string& folder);
+
 using GridThw = std::array<int, 3>;  // (t, h, w) in 16-px patch units, h and w even
 
 struct ForwardOptions {

@@ -2,7 +2,10 @@
 // bf16/fp16/fp32) or generated deterministically for the synthetic presets.
 #include <cmath>
 #include <filesystem>
+#include <cstring>
 #include <functional>
+
+#include <nlohmann/json.hpp>
 
 #include "fovea/bf16.h"
 #include "fovea/encoder.h"
@@ -152,6 +155,72 @@ Model load_model(const std::string& spec) {
                      prefix, unexpected.front()));
   m.weights = assemble(m.config, [&](const std::string& name, const Shape&) { return ck.find(prefix + name)->to_float(); });
   return m;
+}
+
+void save_model(const Model& m, const std::string& folder) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  if (!fs::is_directory(folder, ec)) fail("save model: folder '{}' does not exist", folder);
+  const VisionConfig& c = m.config;
+  nlohmann::ordered_json v = {{"model_type", "qwen3_vl"},
+                              {"depth", c.depth},
+                              {"hidden_size", c.hidden},
+                              {"intermediate_size", c.intermediate},
+                              {"num_heads", c.heads},
+                              {"in_channels", c.in_channels},
+                              {"patch_size", c.patch},
+                              {"temporal_patch_size", c.temporal_patch},
+                              {"spatial_merge_size", c.merge},
+                              {"out_hidden_size", c.out_hidden},
+                              {"num_position_embeddings", c.num_pos_embeddings},
+                              {"deepstack_visual_indexes", c.deepstack},
+                              {"hidden_act", c.hidden_act}};
+  const nlohmann::ordered_json doc = {{"model_type", "qwen3_vl"}, {"vision_config", v}};
+  // The tensors in expected_tensors() order, from the same assembly the loader uses, so a saved
+  // model reads back identically.
+  std::map<std::string, const std::vector<float>*> by_name;
+  const Weights& w = m.weights;
+  auto lin = [&](const std::string& p, const Linear& l) {
+    by_name[p + ".weight"] = &l.w;
+    by_name[p + ".bias"] = &l.b;
+  };
+  auto nrm = [&](const std::string& p, const Norm& n) {
+    by_name[p + ".weight"] = &n.w;
+    by_name[p + ".bias"] = &n.b;
+  };
+  by_name["patch_embed.proj.weight"] = &w.patch_embed.w;
+  by_name["patch_embed.proj.bias"] = &w.patch_embed.b;
+  by_name["pos_embed.weight"] = &w.pos;
+  for (size_t i = 0; i < w.blocks.size(); ++i) {
+    const std::string b = "blocks." + std::to_string(i) + ".";
+    nrm(b + "norm1", w.blocks[i].norm1);
+    nrm(b + "norm2", w.blocks[i].norm2);
+    lin(b + "attn.qkv", w.blocks[i].qkv);
+    lin(b + "attn.proj", w.blocks[i].proj);
+    lin(b + "mlp.linear_fc1", w.blocks[i].fc1);
+    lin(b + "mlp.linear_fc2", w.blocks[i].fc2);
+  }
+  auto merger = [&](const std::string& p, const Merger& g) {
+    nrm(p + "norm", g.norm);
+    lin(p + "linear_fc1", g.fc1);
+    lin(p + "linear_fc2", g.fc2);
+  };
+  merger("merger.", w.merger);
+  for (size_t k = 0; k < w.deepstack.size(); ++k) merger("deepstack_merger_list." + std::to_string(k) + ".", w.deepstack[k]);
+  std::vector<TensorToWrite> tensors;
+  for (const auto& [name, shape] : expected_tensors(c)) {
+    const auto it = by_name.find(name);
+    if (it == by_name.end()) fail("save model: no weights for {}", name);
+    TensorToWrite t{"model.visual." + name, DType::BF16, shape, {}};
+    t.bytes.resize(it->second->size() * 2);
+    for (size_t i = 0; i < it->second->size(); ++i) {
+      const uint16_t b = bf16_from_float((*it->second)[i]);
+      std::memcpy(t.bytes.data() + 2 * i, &b, 2);
+    }
+    tensors.push_back(std::move(t));
+  }
+  write_safetensors((fs::path(folder) / "model.safetensors").string(), tensors, {{"format", "pt"}});
+  write_file_atomic((fs::path(folder) / "config.json").string(), doc.dump(1) + "\n", "config");
 }
 
 }  // namespace fovea::qwen3vl
