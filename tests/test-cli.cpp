@@ -303,3 +303,21 @@ TEST_F(Cli, BenchAttentionCuda) {
     EXPECT_GT(e["attn_ms"].get<double>(), 0.0);
   }
 }
+
+// check-golden on the tiny golden model (CPU): reports every output's error against transformers.
+TEST_F(Cli, CheckGoldenOnTheCpu) {
+  const std::string data = std::string(FOVEA_SOURCE_DIR) + "/tests/data/qwen3vl-tiny";
+  const std::string json = file("check.json");
+  const Result r = run("check-golden '" + data + "' '" + data + "/golden.safetensors' --device cpu --json '" + json + "'");
+  ASSERT_EQ(r.code, 0) << r.err;
+  const auto doc = nlohmann::json::parse(slurp(json));
+  ASSERT_EQ(doc["outputs"].size(), 3u);  // merged + 2 deepstack
+  for (const auto& o : doc["outputs"]) {
+    EXPECT_LT(o["rel_l2"].get<double>(), 1e-2) << o.dump();  // BF16-emulated attention vs fp32
+    EXPECT_GT(o["rel_l2"].get<double>(), 1e-5) << o.dump();  // ... which really rounds
+  }
+  // A golden file without the reference outputs: the error names the file and the tensor.
+  const Result bad = run("check-golden '" + data + "' '" + data + "/model.safetensors' --device cpu");
+  EXPECT_NE(bad.code, 0);
+  EXPECT_NE(bad.err.find("pixel_values"), std::string::npos) << bad.err;
+}

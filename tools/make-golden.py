@@ -10,6 +10,12 @@ rounded to bf16 (stored bf16, as released checkpoints are), random pixel inputs 
 (one of them two frames: two attention segments), and transformers' fp32 outputs: the final merger
 output, every deepstack output, and the hidden states after embedding, after block 0 and before
 the merger.
+
+With --model DIR (a checkpoint folder, e.g. from `fovea export-model synthetic:qwen3-vl-8b DIR`) it
+instead loads those weights, runs transformers in fp32 (TF32 off) and in BF16 on --device, and
+writes DIR-named golden files whose "<output>.bf16" tensors are transformers' own BF16 outputs, so
+`fovea check-golden DIR FILE` can report fovea's error beside transformers BF16's (issue #4's
+criterion). That path was written on 2026-11-29 and has not been run yet.
 """
 import argparse
 import json
@@ -47,10 +53,56 @@ def first_tensor(x):
     return x[0] if isinstance(x, (tuple, list)) else x
 
 
+def capture_outputs(model, pixels, grid):
+    """The final merger and deepstack outputs of one forward, through hooks (API-version proof)."""
+    got = {}
+    hooks = [model.merger.register_forward_hook(lambda m, i, o: got.__setitem__("merged", first_tensor(o).clone()))]
+    for k, dm in enumerate(getattr(model, "deepstack_merger_list", [])):
+        hooks.append(dm.register_forward_hook(lambda m, i, o, k=k: got.__setitem__(f"deepstack.{k}", first_tensor(o).clone())))
+    with torch.no_grad():
+        model(pixels, grid_thw=grid)
+    for h in hooks:
+        h.remove()
+    return {k: v.float().cpu().contiguous() for k, v in got.items()}
+
+
+def from_checkpoint(a):
+    from safetensors.torch import load_file
+    with open(os.path.join(a.model, "config.json")) as f:
+        vc = dict(json.load(f)["vision_config"])
+    vc.pop("model_type", None)
+    model = Qwen3VLVisionModel(Qwen3VLVisionConfig(**vc)).to(torch.float32).eval()
+    state = {k.split("model.visual.", 1)[-1]: v.float() for k, v in load_file(os.path.join(a.model, "model.safetensors")).items()}
+    model.load_state_dict(state, strict=True)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    grids = [[int(x) for x in g.split("x")] for g in a.grids.split(",")]
+    gen = torch.Generator().manual_seed(20261129)
+    n = sum(t * h * w for t, h, w in grids)
+    pixels = (torch.rand(n, 3 * 2 * 16 * 16, generator=gen) * 2 - 1).to(torch.bfloat16).to(torch.float32)
+    grid = torch.tensor(grids, dtype=torch.int64)
+    model = model.to(a.device)
+    golden = {"pixel_values": pixels.contiguous(), "grid_thw": grid.to(torch.float32)}
+    golden.update(capture_outputs(model, pixels.to(a.device), grid.to(a.device)))
+    bf = capture_outputs(model.to(torch.bfloat16), pixels.to(a.device, torch.bfloat16), grid.to(a.device))
+    golden.update({k + ".bf16": v for k, v in bf.items()})
+    path = os.path.join(a.out, a.name + ".safetensors")
+    save_file(golden, path, metadata={"transformers": transformers.__version__, "torch": torch.__version__, "model": a.model})
+    for k, v in sorted(golden.items()):
+        print(f"{k:16s} {tuple(v.shape)} norm {v.norm().item():.4f}")
+    print("wrote", path)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="tests/data")
+    ap.add_argument("--model", default="", help="checkpoint folder to load instead of the tiny random model")
+    ap.add_argument("--grids", default="1x44x80,1x16x16", help="with --model: t x h x w per image")
+    ap.add_argument("--name", default="golden-model", help="with --model: output file name (no extension)")
+    ap.add_argument("--device", default="cuda", help="with --model: where transformers runs")
     a = ap.parse_args()
+    if a.model:
+        return from_checkpoint(a)
     gen = torch.Generator().manual_seed(20261129)
     cfg = Qwen3VLVisionConfig(**TINY)
     try:

@@ -12,6 +12,7 @@ int main(int argc, char** argv) {
   fovea::cli::add_info(app, run);
   fovea::cli::add_scales(app, run);
   fovea::cli::add_export_model(app, run);
+  fovea::cli::add_check_golden(app, run);
   CLI::App* bench = app.add_subcommand("bench", "benchmarks: attention, encoder");
   bench->require_subcommand(1);
   fovea::cli::add_bench_attention(bench, run);

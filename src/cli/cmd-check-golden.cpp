@@ -1,0 +1,132 @@
+// fovea check-golden MODEL GOLDEN: run fovea's encoder (CPU or GPU, any engine flags) on the pixel
+// inputs of a golden file made by tools/make-golden.py and report its error against the reference
+// outputs stored there (transformers fp32), and, when the file also holds transformers' own BF16
+// outputs ("<name>.bf16"), that error too and the ratio between the two.
+#include <cmath>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "cli/bench-cuda.h"
+#include "cli/commands.h"
+#include "fovea/encoder.h"
+#include "fovea/error.h"
+#include "fovea/io.h"
+#include "fovea/safetensors.h"
+
+namespace fovea::cli {
+
+namespace {
+
+struct Args {
+  std::string model, golden, json_path;
+  EngineOptions engine;
+};
+
+struct Diff {
+  double rel_l2 = NAN, cosine = NAN;
+};
+
+Diff diff(const std::vector<float>& a, const std::vector<float>& ref, int width, const std::string& name) {
+  if (a.size() != ref.size()) fail("check-golden: '{}' has {} values in fovea, {} in the golden file", name, a.size(), ref.size());
+  double num = 0, den = 0, cos_sum = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    num += (double(a[i]) - ref[i]) * (double(a[i]) - ref[i]);
+    den += double(ref[i]) * ref[i];
+  }
+  const size_t rows = a.size() / size_t(width);
+  for (size_t r = 0; r < rows; ++r) {
+    double ab = 0, aa = 0, bb = 0;
+    for (int i = 0; i < width; ++i) {
+      const double x = a[r * width + i], y = ref[r * width + i];
+      ab += x * y, aa += x * x, bb += y * y;
+    }
+    cos_sum += ab / std::sqrt(aa * bb);
+  }
+  return {std::sqrt(num / den), cos_sum / double(rows)};  // NaN in `a` makes both NaN
+}
+
+int run(const Args& a) {
+  const SystemInfo sys = query_system();
+  const EngineConfig cfg = resolve_engine(a.engine, sys);
+  const qwen3vl::Model m = qwen3vl::load_model(a.model);
+  const Checkpoint g = Checkpoint::open(a.golden);
+  auto need = [&](const std::string& name) {
+    const TensorInfo* t = g.find(name);
+    if (!t) fail("check-golden: '{}' has no tensor '{}'", a.golden, name);
+    return t->to_float();
+  };
+  const std::vector<float> pixels = need("pixel_values");
+  const std::vector<float> grid = need("grid_thw");
+  std::vector<qwen3vl::GridThw> grids;
+  for (size_t i = 0; i + 2 < grid.size(); i += 3) grids.push_back({int(grid[i]), int(grid[i + 1]), int(grid[i + 2])});
+
+  std::optional<ScaleBook> book;
+  if (cfg.dtype == AttnDtype::FP8) book = make_scale_book(cfg, m.config.depth);
+  std::vector<float> merged;
+  std::vector<std::vector<float>> deepstack;
+  if (cfg.device == Device::CPU) {
+    qwen3vl::ForwardOptions o;
+    o.attention = cfg.dtype == AttnDtype::FP8 ? cpu::RefMode::FP8 : cpu::RefMode::BF16;
+    o.scales = book ? &*book : nullptr;
+    auto r = qwen3vl::forward_cpu(m, pixels, grids, o);
+    merged = std::move(r.merged);
+    deepstack = std::move(r.deepstack);
+  } else {
+#if FOVEA_HAVE_CUDA
+    qwen3vl::cuda::EncoderOptions o;
+    o.dtype = cfg.dtype;
+    o.scales = book ? &*book : nullptr;
+    qwen3vl::cuda::Encoder enc(m, o);
+    enc.plan(grids);
+    enc.upload_pixels(pixels, nullptr);
+    enc.forward(nullptr);
+    enc.after_forward(nullptr);
+    BENCH_CUDA(cudaDeviceSynchronize());
+    merged = enc.merged(nullptr);
+    deepstack = enc.deepstack(nullptr);
+#endif
+  }
+  fmt::print("fovea check-golden | {} | {} | device {} | {} attention{}\n", a.model, a.golden, device_name(cfg.device),
+             dtype_name(cfg.dtype), book ? fmt::format(" ({} scales)", scale_mode_name(book->mode())) : "");
+  fmt::print("{:<12} | {:>14} | {:>12} | {:>18} | {:>12}\n", "output", "rel_l2 vs ref", "mean cosine",
+             "transformers bf16", "ratio");
+  nlohmann::ordered_json rows = nlohmann::ordered_json::array();
+  std::vector<std::pair<std::string, const std::vector<float>*>> ours = {{"merged", &merged}};
+  for (size_t k = 0; k < deepstack.size(); ++k) ours.push_back({"deepstack." + std::to_string(k), &deepstack[k]});
+  const int width = m.config.out_hidden;
+  for (const auto& [name, v] : ours) {
+    const Diff d = diff(*v, need(name), width, name);
+    std::string hf = "-", ratio = "-";
+    nlohmann::ordered_json row = {{"output", name}, {"rel_l2", d.rel_l2}, {"mean_cosine", d.cosine}};
+    if (g.find(name + ".bf16")) {
+      const Diff h = diff(g.find(name + ".bf16")->to_float(), need(name), width, name + ".bf16");
+      hf = fmt::format("{:.3e}", h.rel_l2);
+      ratio = fmt::format("{:.2f}", d.rel_l2 / h.rel_l2);
+      row["transformers_bf16_rel_l2"] = h.rel_l2;
+    }
+    fmt::print("{:<12} | {:>14.3e} | {:>12.6f} | {:>18} | {:>12}\n", name, d.rel_l2, d.cosine, hf, ratio);
+    rows.push_back(row);
+    if (!std::isfinite(d.rel_l2)) fail("check-golden: fovea's '{}' has non-finite values", name);
+  }
+  if (!a.json_path.empty()) {
+    const nlohmann::ordered_json doc = {{"model", a.model}, {"golden", a.golden}, {"device", device_name(cfg.device)},
+                                        {"dtype", dtype_name(cfg.dtype)}, {"outputs", rows}};
+    write_file_atomic(a.json_path, doc.dump(2) + "\n", "--json");
+  }
+  return 0;
+}
+
+}  // namespace
+
+void add_check_golden(CLI::App& app, Runner& runner) {
+  auto* cmd = app.add_subcommand("check-golden", "run the encoder on a golden file's pixels and report its error against the stored reference outputs");
+  auto a = std::make_shared<Args>();
+  cmd->add_option("MODEL", a->model, "checkpoint folder or synthetic:<preset>")->required();
+  cmd->add_option("GOLDEN", a->golden, "safetensors file from tools/make-golden.py")->required();
+  cmd->add_option("--json", a->json_path, "write the results as JSON to this file");
+  add_engine_flags(cmd, a->engine);
+  cmd->callback([&runner, a] { runner = [a] { return run(*a); }; });
+}
+
+}  // namespace fovea::cli
