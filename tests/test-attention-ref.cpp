@@ -186,7 +186,9 @@ TEST(AttentionRef, EmulationErrorsHaveTheFormatsSize) {
     EXPECT_GT(eb.rel_l2, 2e-4);  // bf16 output rounding alone is ~1e-3 relative
     EXPECT_LT(eb.rel_l2, 8e-3);
     EXPECT_GT(e8.rel_l2, 4 * eb.rel_l2);  // E4M3 keeps 3 mantissa bits to bf16's 7
-    EXPECT_LT(e8.rel_l2, 0.1);
+    // Per-tensor E4M3: ~5e-2 on N(0,1); outliers move the logits they enter (measured 0.08-0.10
+    // over random seeds, bench/RESULTS.md), so their bound is looser.
+    EXPECT_LT(e8.rel_l2, dist == Dist::NORMAL ? 0.08 : 0.2);
     for (double v : bf) EXPECT_EQ(v, double(bf16_round(float(v))));  // outputs are bf16 values
     for (double v : f8) ASSERT_EQ(v, double(bf16_round(float(v))));
   }
