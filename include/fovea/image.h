@@ -1,0 +1,56 @@
+// fovea/image.h: image files to the encoder's pixel rows, as transformers' Qwen3-VL image processor
+// (torchvision backend) does it (spec §2): decode (stb: JPEG, PNG, BMP, GIF first frame), RGB
+// conversion, smart_resize, antialiased bicubic resize on uint8, rescale + normalize, patchify in
+// merge-window order. Every bad input is a fovea::Error naming the file.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "fovea/model.h"
+
+namespace fovea::image {
+
+struct Rgb8 {
+  int width = 0, height = 0;
+  std::vector<uint8_t> data;  // height x width x 3, row-major
+};
+
+struct PreprocessConfig {
+  int patch = 16, merge = 2, temporal = 2;
+  int64_t min_pixels = 65536, max_pixels = 16777216;  // hub preprocessor_config.json (spec §2.1)
+  float mean[3] = {0.5f, 0.5f, 0.5f};
+  float std[3] = {0.5f, 0.5f, 0.5f};
+  int64_t max_image_pixels = int64_t(1) << 28;  // decompression-bomb guard: header pixels above this are refused
+};
+
+// preprocessor_config.json of a checkpoint folder; the shipped Qwen3-VL defaults when absent.
+PreprocessConfig load_preprocess_config(const std::string& folder);
+
+// Decodes an image file (or bytes) to RGB: grey is replicated, palette expanded, alpha composited
+// over white. `name` is used in error messages.
+Rgb8 decode_file(const std::string& path, const PreprocessConfig& cfg = {});
+Rgb8 decode_memory(const std::vector<uint8_t>& bytes, const std::string& name, const PreprocessConfig& cfg = {});
+
+// Spec §2.2 (Python's round-half-to-even included). Throws for aspect ratios above 200.
+std::pair<int, int> smart_resize(int height, int width, int factor, int64_t min_pixels, int64_t max_pixels);
+
+// Antialiased bicubic resize of a uint8 image to (out_h, out_w): separable (horizontal pass, then
+// vertical), Keys cubic with a = -0.5, support 2 x scale when shrinking, fixed-point weights and a
+// uint8-rounded intermediate, as Pillow and torchvision's uint8 path compute it.
+Rgb8 resize_bicubic(const Rgb8& in, int out_h, int out_w);
+
+struct Patches {
+  std::vector<float> pixels;  // [t*h*w, 3*temporal*patch*patch], merge-window row order (spec §2.5)
+  qwen3vl::GridThw grid;
+};
+
+// Rescale (1/255), normalize, duplicate the frame temporally, patchify. The image must already be
+// a multiple of patch * merge on each side.
+Patches patchify(const Rgb8& img, const PreprocessConfig& cfg);
+
+// decode -> smart_resize -> resize -> patchify.
+Patches preprocess(const Rgb8& img, const PreprocessConfig& cfg);
+
+}  // namespace fovea::image

@@ -1,0 +1,192 @@
+// smart_resize, the antialiased bicubic resize, normalization and patchify (spec §2.2-§2.5).
+#include <cmath>
+#include <filesystem>
+
+#include <nlohmann/json.hpp>
+
+#include "fovea/error.h"
+#include "fovea/image.h"
+#include "fovea/io.h"
+
+namespace fovea::image {
+
+PreprocessConfig load_preprocess_config(const std::string& folder) {
+  PreprocessConfig c;
+  const std::string path = (std::filesystem::path(folder) / "preprocessor_config.json").string();
+  std::error_code ec;
+  if (!std::filesystem::exists(path, ec)) return c;  // the shipped defaults
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(read_file(path, "preprocessor config"));
+    if (j.contains("size") && j["size"].is_object()) {
+      c.min_pixels = j["size"].value("shortest_edge", c.min_pixels);
+      c.max_pixels = j["size"].value("longest_edge", c.max_pixels);
+    }
+    c.min_pixels = j.value("min_pixels", c.min_pixels);
+    c.max_pixels = j.value("max_pixels", c.max_pixels);
+    c.patch = j.value("patch_size", c.patch);
+    c.merge = j.value("merge_size", c.merge);
+    c.temporal = j.value("temporal_patch_size", c.temporal);
+    for (const char* key : {"image_mean", "image_std"})
+      if (j.contains(key)) {
+        const auto v = j[key].get<std::vector<float>>();
+        if (v.size() != 3) fail("{}: {} must have 3 values", path, key);
+        for (int i = 0; i < 3; ++i) (std::string(key) == "image_mean" ? c.mean : c.std)[i] = v[size_t(i)];
+      }
+  } catch (const nlohmann::json::exception& e) {
+    fail("{}: {}", path, e.what());
+  }
+  if (c.patch <= 0 || c.merge <= 0 || c.temporal <= 0 || c.min_pixels <= 0 || c.max_pixels < c.min_pixels)
+    fail("{}: invalid sizes (patch {}, merge {}, temporal {}, min_pixels {}, max_pixels {})", path, c.patch, c.merge,
+         c.temporal, c.min_pixels, c.max_pixels);
+  return c;
+}
+
+std::pair<int, int> smart_resize(int height, int width, int factor, int64_t min_pixels, int64_t max_pixels) {
+  if (height <= 0 || width <= 0) fail("image size {}x{} is empty", width, height);
+  if (double(std::max(height, width)) / std::min(height, width) > 200)
+    fail("aspect ratio {}x{} is over 200:1", width, height);
+  // Python's round() is round-half-to-even, which std::nearbyint gives in the default FP mode.
+  int64_t h = int64_t(std::nearbyint(double(height) / factor)) * factor;
+  int64_t w = int64_t(std::nearbyint(double(width) / factor)) * factor;
+  if (h * w > max_pixels) {
+    const double beta = std::sqrt(double(height) * width / double(max_pixels));
+    h = std::max<int64_t>(factor, int64_t(std::floor(height / beta / factor)) * factor);
+    w = std::max<int64_t>(factor, int64_t(std::floor(width / beta / factor)) * factor);
+  } else if (h * w < min_pixels) {
+    const double beta = std::sqrt(double(min_pixels) / (double(height) * width));
+    h = int64_t(std::ceil(height * beta / factor)) * factor;
+    w = int64_t(std::ceil(width * beta / factor)) * factor;
+  }
+  return {int(h), int(w)};
+}
+
+namespace {
+
+// Keys' cubic convolution kernel with a = -0.5 (the antialiased bicubic's choice).
+double cubic(double x) {
+  constexpr double a = -0.5;
+  x = std::fabs(x);
+  if (x < 1) return ((a + 2) * x - (a + 3)) * x * x + 1;
+  if (x < 2) return (((x - 5) * x + 8) * x - 4) * a;
+  return 0;
+}
+
+constexpr int kPrecisionBits = 32 - 8 - 2;
+
+struct Taps {
+  std::vector<int> start, count;
+  std::vector<int32_t> weights;  // fixed point, `ksize` per output
+  int ksize = 0;
+};
+
+// Per output pixel: the input range and normalized fixed-point weights (Pillow's precompute_coeffs).
+Taps taps(int in_size, int out_size) {
+  const double scale = double(in_size) / out_size;
+  const double filterscale = std::max(scale, 1.0);
+  const double support = 2.0 * filterscale;
+  Taps t;
+  t.ksize = int(std::ceil(support)) * 2 + 1;
+  t.start.resize(size_t(out_size));
+  t.count.resize(size_t(out_size));
+  t.weights.assign(size_t(out_size) * t.ksize, 0);
+  std::vector<double> k(size_t(t.ksize));
+  for (int o = 0; o < out_size; ++o) {
+    const double center = (o + 0.5) * scale;
+    int xmin = int(center - support + 0.5);
+    if (xmin < 0) xmin = 0;
+    int xmax = int(center + support + 0.5);
+    if (xmax > in_size) xmax = in_size;
+    xmax -= xmin;
+    double ww = 0;
+    for (int x = 0; x < xmax; ++x) ww += k[size_t(x)] = cubic((x + xmin - center + 0.5) / filterscale);
+    for (int x = 0; x < xmax; ++x) {
+      const double v = ww != 0 ? k[size_t(x)] / ww : 0;
+      t.weights[size_t(o) * t.ksize + x] = int32_t(v * (1 << kPrecisionBits) + (v < 0 ? -0.5 : 0.5));
+    }
+    t.start[size_t(o)] = xmin;
+    t.count[size_t(o)] = xmax;
+  }
+  return t;
+}
+
+uint8_t clip8(int64_t v) {
+  v >>= kPrecisionBits;
+  return uint8_t(v < 0 ? 0 : v > 255 ? 255 : v);
+}
+
+}  // namespace
+
+Rgb8 resize_bicubic(const Rgb8& in, int out_h, int out_w) {
+  if (out_h <= 0 || out_w <= 0) fail("resize to {}x{}: empty size", out_w, out_h);
+  // Horizontal pass (in_h x out_w), then vertical (out_h x out_w), each rounded to uint8.
+  Rgb8 mid;
+  mid.width = out_w;
+  mid.height = in.height;
+  mid.data.resize(size_t(out_w) * in.height * 3);
+  if (out_w == in.width) {
+    mid.data = in.data;
+  } else {
+    const Taps t = taps(in.width, out_w);
+    for (int y = 0; y < in.height; ++y)
+      for (int x = 0; x < out_w; ++x)
+        for (int c = 0; c < 3; ++c) {
+          int64_t ss = int64_t(1) << (kPrecisionBits - 1);
+          for (int i = 0; i < t.count[size_t(x)]; ++i)
+            ss += int64_t(in.data[(size_t(y) * in.width + t.start[size_t(x)] + i) * 3 + c]) * t.weights[size_t(x) * t.ksize + i];
+          mid.data[(size_t(y) * out_w + x) * 3 + c] = clip8(ss);
+        }
+  }
+  if (out_h == in.height) return mid;
+  Rgb8 out;
+  out.width = out_w;
+  out.height = out_h;
+  out.data.resize(size_t(out_w) * out_h * 3);
+  const Taps t = taps(in.height, out_h);
+  for (int y = 0; y < out_h; ++y)
+    for (int x = 0; x < out_w; ++x)
+      for (int c = 0; c < 3; ++c) {
+        int64_t ss = int64_t(1) << (kPrecisionBits - 1);
+        for (int i = 0; i < t.count[size_t(y)]; ++i)
+          ss += int64_t(mid.data[(size_t(t.start[size_t(y)] + i) * out_w + x) * 3 + c]) * t.weights[size_t(y) * t.ksize + i];
+        out.data[(size_t(y) * out_w + x) * 3 + c] = clip8(ss);
+      }
+  return out;
+}
+
+Patches patchify(const Rgb8& img, const PreprocessConfig& cfg) {
+  const int P = cfg.patch, M = cfg.merge, T = cfg.temporal;
+  if (img.height % (P * M) || img.width % (P * M))
+    fail("patchify: image {}x{} is not a multiple of {} on each side", img.width, img.height, P * M);
+  const int gh = img.height / P, gw = img.width / P;
+  const int row = 3 * T * P * P;
+  Patches out;
+  out.grid = {1, gh, gw};
+  out.pixels.resize(size_t(gh) * gw * row);
+  size_t r = 0;
+  // Rows in (bh, bw, mh, mw) order; columns (c, t, py, px); the still frame is repeated T times.
+  for (int bh = 0; bh < gh / M; ++bh)
+    for (int bw = 0; bw < gw / M; ++bw)
+      for (int mh = 0; mh < M; ++mh)
+        for (int mw = 0; mw < M; ++mw, ++r) {
+          const int y0 = (bh * M + mh) * P, x0 = (bw * M + mw) * P;
+          float* dst = out.pixels.data() + r * size_t(row);
+          for (int c = 0; c < 3; ++c)
+            for (int t = 0; t < T; ++t)
+              for (int py = 0; py < P; ++py)
+                for (int px = 0; px < P; ++px) {
+                  // transformers fuses rescale into normalize: (x - mean*255) / (std*255) in float32
+                  // ((x - 127.5) / 127.5 for the shipped values; spec §2.3).
+                  const float v = img.data[(size_t(y0 + py) * img.width + x0 + px) * 3 + c];
+                  dst[((c * T + t) * P + py) * P + px] = (v - cfg.mean[c] * 255.0f) / (cfg.std[c] * 255.0f);
+                }
+        }
+  return out;
+}
+
+Patches preprocess(const Rgb8& img, const PreprocessConfig& cfg) {
+  const auto [h, w] = smart_resize(img.height, img.width, cfg.patch * cfg.merge, cfg.min_pixels, cfg.max_pixels);
+  return patchify(h == img.height && w == img.width ? img : resize_bicubic(img, h, w), cfg);
+}
+
+}  // namespace fovea::image

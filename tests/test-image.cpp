@@ -1,0 +1,184 @@
+// Image decoding and preprocessing (spec §2): smart_resize's rounding, the patch layout, the
+// antialiased bicubic resize, RGB conversion, and every bad-input error naming the file.
+#include <stb_image_write.h>
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+
+#include "fovea/image.h"
+#include "test-util.h"
+
+using namespace fovea;
+using namespace fovea::image;
+using namespace fovea::test;
+
+namespace {
+
+std::vector<uint8_t> encode(const std::string& kind, int w, int h, int comp, const std::vector<uint8_t>& px) {
+  std::vector<uint8_t> out;
+  auto sink = [](void* ctx, void* data, int size) {
+    auto* v = static_cast<std::vector<uint8_t>*>(ctx);
+    v->insert(v->end(), static_cast<uint8_t*>(data), static_cast<uint8_t*>(data) + size);
+  };
+  if (kind == "png") stbi_write_png_to_func(sink, &out, w, h, comp, px.data(), w * comp);
+  if (kind == "bmp") stbi_write_bmp_to_func(sink, &out, w, h, comp, px.data());
+  if (kind == "jpg") stbi_write_jpg_to_func(sink, &out, w, h, comp, px.data(), 95);
+  return out;
+}
+
+Rgb8 gradient(int w, int h) {
+  Rgb8 img{w, h, std::vector<uint8_t>(size_t(w) * h * 3)};
+  for (int y = 0; y < h; ++y)
+    for (int x = 0; x < w; ++x) {
+      uint8_t* p = img.data.data() + (size_t(y) * w + x) * 3;
+      p[0] = uint8_t(x * 255 / std::max(1, w - 1));
+      p[1] = uint8_t(y * 255 / std::max(1, h - 1));
+      p[2] = uint8_t((x + y) % 256);
+    }
+  return img;
+}
+
+}  // namespace
+
+TEST(SmartResize, MatchesTransformersOnTheSpecTable) {
+  // Spec §5 (shipped defaults: factor 32, min 65536, max 16777216): half-to-even rounding matters.
+  EXPECT_EQ(smart_resize(720, 1280, 32, 65536, 16777216), std::make_pair(704, 1280));   // 22.5 -> 22
+  EXPECT_EQ(smart_resize(1080, 1920, 32, 65536, 16777216), std::make_pair(1088, 1920));
+  EXPECT_EQ(smart_resize(1440, 2560, 32, 65536, 16777216), std::make_pair(1440, 2560));
+  EXPECT_EQ(smart_resize(2160, 3840, 32, 65536, 16777216), std::make_pair(2176, 3840));  // 67.5 -> 68
+  // The README budget (longest 1280*32*32, shortest 256*32*32): every input from 1080p lands on 832x1504.
+  EXPECT_EQ(smart_resize(1080, 1920, 32, 262144, 1310720), std::make_pair(832, 1504));
+  EXPECT_EQ(smart_resize(2160, 3840, 32, 262144, 1310720), std::make_pair(832, 1504));
+  // Below min_pixels: scale up from the original size, ceil to the factor.
+  const double beta = std::sqrt(65536.0 / (20 * 30));
+  EXPECT_EQ(smart_resize(20, 30, 32, 65536, 16777216),
+            std::make_pair(int(std::ceil(20 * beta / 32)) * 32, int(std::ceil(30 * beta / 32)) * 32));
+  EXPECT_HAS(error_of([] { smart_resize(10, 2010, 32, 65536, 16777216); }), "over 200:1");
+}
+
+TEST(Patchify, RowsAndColumnsFollowTheSpecLayout) {
+  const Rgb8 img = gradient(96, 64);  // grid 4 x 6
+  const Patches p = patchify(img, {});
+  ASSERT_EQ(p.grid, (qwen3vl::GridThw{1, 4, 6}));
+  ASSERT_EQ(p.pixels.size(), size_t(24) * 1536);
+  const int Bw = 3;
+  for (int bh : {0, 1})
+    for (int bw : {0, 2})
+      for (int mh : {0, 1})
+        for (int mw : {0, 1}) {
+          const int r = ((bh * Bw + bw) * 2 + mh) * 2 + mw;  // spec §2.5
+          for (int ch : {0, 2})
+            for (int t : {0, 1})
+              for (int py : {0, 7, 15})
+                for (int px : {0, 9, 15}) {
+                  const int c = ch * 512 + t * 256 + py * 16 + px;
+                  const int y = (2 * bh + mh) * 16 + py, x = (2 * bw + mw) * 16 + px;
+                  const float want = (float(img.data[(size_t(y) * 96 + x) * 3 + ch]) - 127.5f) / 127.5f;  // §2.3
+                  ASSERT_EQ(p.pixels[size_t(r) * 1536 + c], want) << r << "," << c;
+                }
+        }
+  EXPECT_HAS(error_of([&] { patchify(gradient(90, 64), {}); }), "multiple of 32");
+}
+
+TEST(Resize, ConstantStaysConstantAndIdentityIsExact) {
+  Rgb8 flat{50, 40, std::vector<uint8_t>(50 * 40 * 3, 173)};
+  for (auto [h, w] : {std::pair{13, 17}, std::pair{96, 128}, std::pair{40, 50}}) {
+    const Rgb8 r = resize_bicubic(flat, h, w);
+    ASSERT_EQ(r.data.size(), size_t(h) * w * 3);
+    for (uint8_t v : r.data) ASSERT_EQ(v, 173) << h << "x" << w;
+  }
+  const Rgb8 g = gradient(64, 48);
+  EXPECT_EQ(resize_bicubic(g, 48, 64).data, g.data);
+}
+
+// Against a plain double-precision separable implementation of the same filter: the fixed-point
+// passes (with their uint8 intermediate) stay within 1 level.
+TEST(Resize, AgreesWithAFloatReference) {
+  std::mt19937 rng(5);
+  Rgb8 img{37, 29, std::vector<uint8_t>(37 * 29 * 3)};
+  for (auto& v : img.data) v = uint8_t(rng() % 256);
+  auto cubic = [](double x) {
+    x = std::fabs(x);
+    return x < 1 ? (1.5 * x - 2.5) * x * x + 1 : x < 2 ? ((-0.5 * x + 2.5) * x - 4) * x + 2 : 0.0;
+  };
+  auto pass = [&](const std::vector<double>& in, int in_n, int out_n, int other, bool horizontal) {
+    std::vector<double> out(size_t(out_n) * other * 3);
+    const double scale = double(in_n) / out_n, fs = std::max(scale, 1.0), support = 2 * fs;
+    for (int o = 0; o < out_n; ++o) {
+      const double center = (o + 0.5) * scale;
+      const int lo = std::max(0, int(center - support + 0.5)), hi = std::min(in_n, int(center + support + 0.5));
+      double sum = 0;
+      for (int i = lo; i < hi; ++i) sum += cubic((i - center + 0.5) / fs);
+      for (int k = 0; k < other; ++k)
+        for (int c = 0; c < 3; ++c) {
+          double acc = 0;
+          for (int i = lo; i < hi; ++i) {
+            const size_t src = horizontal ? (size_t(k) * in_n + i) * 3 + c : (size_t(i) * other + k) * 3 + c;
+            acc += in[src] * cubic((i - center + 0.5) / fs) / sum;
+          }
+          out[horizontal ? (size_t(k) * out_n + o) * 3 + c : (size_t(o) * other + k) * 3 + c] =
+              std::min(255.0, std::max(0.0, std::round(acc)));
+        }
+    }
+    return out;
+  };
+  for (auto [oh, ow] : {std::pair{13, 11}, std::pair{64, 80}, std::pair{29, 9}}) {
+    std::vector<double> in(img.data.begin(), img.data.end());
+    const auto ref = pass(pass(in, 37, ow, 29, true), 29, oh, ow, false);
+    const Rgb8 got = resize_bicubic(img, oh, ow);
+    int worst = 0;
+    for (size_t i = 0; i < ref.size(); ++i) worst = std::max(worst, std::abs(int(got.data[i]) - int(ref[i])));
+    EXPECT_LE(worst, 1) << oh << "x" << ow;
+  }
+}
+
+TEST(Decode, FormatsAndRgbConversion) {
+  TempDir dir;
+  const Rgb8 g = gradient(20, 12);
+  for (const char* kind : {"png", "bmp"}) {
+    const auto bytes = encode(kind, 20, 12, 3, g.data);
+    const Rgb8 d = decode_memory(bytes, kind);
+    EXPECT_EQ(d.width, 20);
+    EXPECT_EQ(d.height, 12);
+    EXPECT_EQ(d.data, g.data) << kind;  // lossless
+  }
+  const Rgb8 j = decode_memory(encode("jpg", 20, 12, 3, g.data), "jpg");
+  double err = 0;
+  for (size_t i = 0; i < j.data.size(); ++i) err = std::max(err, std::fabs(double(j.data[i]) - g.data[i]));
+  EXPECT_LT(err, 40);  // lossy, but the same picture
+  // Grey replicated to RGB; alpha composited over white.
+  const Rgb8 grey = decode_memory(encode("png", 2, 1, 1, {10, 200}), "grey");
+  EXPECT_EQ(grey.data, (std::vector<uint8_t>{10, 10, 10, 200, 200, 200}));
+  const Rgb8 rgba = decode_memory(encode("png", 3, 1, 4, {0, 0, 0, 0, 0, 0, 0, 255, 100, 50, 0, 128}), "rgba");
+  EXPECT_EQ(rgba.data[0], 255);  // transparent -> white
+  EXPECT_EQ(rgba.data[3], 0);    // opaque black stays black
+  EXPECT_EQ(rgba.data[6], (100 * 128 + 255 * 127 + 127) / 255);
+  // From a file.
+  const auto png = encode("png", 20, 12, 3, g.data);
+  const std::string path = dir.write("a.png", std::string(png.begin(), png.end()));
+  EXPECT_EQ(decode_file(path).data, g.data);
+}
+
+TEST(Decode, BadInputsNameTheFile) {
+  TempDir dir;
+  EXPECT_HAS(error_of([&] { decode_file(dir.file("missing.jpg")); }), "missing.jpg");
+  EXPECT_HAS(error_of([&] { decode_file(dir.write("empty.png", "")); }), "empty file");
+  EXPECT_HAS(error_of([&] { decode_file(dir.write("text.jpg", "hello, not an image")); }), "text.jpg");
+  const auto png = encode("png", 64, 64, 3, gradient(64, 64).data);
+  const std::string cut = dir.write("cut.png", std::string(png.begin(), png.begin() + long(png.size() / 2)));
+  EXPECT_HAS(error_of([&] { decode_file(cut); }), "cut.png");
+  PreprocessConfig small;
+  small.max_image_pixels = 1000;  // a 64x64 header claims 4096 pixels: refused before decoding
+  const std::string e = error_of([&] { decode_memory(png, "bomb.png", small); });
+  EXPECT_HAS(e, "bomb.png");
+  EXPECT_HAS(e, "exceeds the limit");
+}
+
+TEST(Preprocess, HdPhotoSizedInputGivesTheTransformersGrid) {
+  const Patches p = preprocess(gradient(1280, 720), {});
+  EXPECT_EQ(p.grid, (qwen3vl::GridThw{1, 44, 80}));  // 704 x 1280 (spec §5)
+  ASSERT_EQ(p.pixels.size(), size_t(3520) * 1536);
+  for (float v : p.pixels) ASSERT_TRUE(v >= -1.f && v <= 1.f);
+}
