@@ -5,9 +5,11 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <fstream>
 #include <random>
 
 #include "fovea/image.h"
+#include "fovea/safetensors.h"
 #include "test-util.h"
 
 using namespace fovea;
@@ -181,4 +183,41 @@ TEST(Preprocess, HdPhotoSizedInputGivesTheTransformersGrid) {
   EXPECT_EQ(p.grid, (qwen3vl::GridThw{1, 44, 80}));  // 704 x 1280 (spec §5)
   ASSERT_EQ(p.pixels.size(), size_t(3520) * 1536);
   for (float v : p.pixels) ASSERT_TRUE(v >= -1.f && v <= 1.f);
+}
+
+// fovea encode on the CPU: good images are encoded together, a bad one is reported by name and
+// makes the exit code non-zero; the written tokens equal the library forward on the same pixels.
+TEST(EncodeCli, EncodesTheGoodImagesAndReportsTheBadOne) {
+  TempDir dir;
+  const auto a = encode("png", 300, 200, 3, gradient(300, 200).data);
+  const auto b = encode("bmp", 64, 640, 3, gradient(64, 640).data);
+  const std::string pa = dir.write("a.png", std::string(a.begin(), a.end()));
+  const std::string pb = dir.write("b.bmp", std::string(b.begin(), b.end()));
+  const std::string bad = dir.write("bad.jpg", "not an image");
+  const std::string out = dir.file("out.safetensors"), err = dir.file("err.txt");
+  const std::string cmd = std::string("'") + FOVEA_BIN + "' encode synthetic:tiny '" + pa + "' '" + bad + "' '" + pb +
+                          "' --device cpu -o '" + out + "' >/dev/null 2>'" + err + "'";
+  const int status = std::system(cmd.c_str());
+  EXPECT_NE(status, 0);
+  std::ifstream ef(err);
+  const std::string errors((std::istreambuf_iterator<char>(ef)), std::istreambuf_iterator<char>());
+  EXPECT_HAS(errors, "bad.jpg");
+  EXPECT_HAS(errors, "1 of 3");
+  const Checkpoint ck = Checkpoint::open(out);
+  const auto grid0 = ck.find("image.0.grid_thw")->to_float();
+  EXPECT_EQ(grid0, (std::vector<float>{1, 14, 20}));  // 300x200 -> 320x224 (min_pixels)
+  ASSERT_TRUE(ck.find("image.1.embeddings"));
+  EXPECT_EQ(ck.find("image.1.embeddings")->shape[0], int64_t(1) * 52 * 6 / 4);  // 64x640 -> 96x832
+  EXPECT_TRUE(ck.find("image.0.deepstack.1"));
+  // Same numbers as the library, image by image in one packed forward.
+  const qwen3vl::Model m = qwen3vl::load_model("synthetic:tiny");
+  const Patches p0 = preprocess(decode_file(pa), {}), p1 = preprocess(decode_file(pb), {});
+  std::vector<float> px = p0.pixels;
+  px.insert(px.end(), p1.pixels.begin(), p1.pixels.end());
+  qwen3vl::ForwardOptions o;
+  o.attention = cpu::RefMode::BF16;
+  const auto r = qwen3vl::forward_cpu(m, px, {p0.grid, p1.grid}, o);
+  const auto e0 = ck.find("image.0.embeddings")->to_float();
+  ASSERT_EQ(e0.size(), size_t(70 * 48));
+  EXPECT_TRUE(std::equal(e0.begin(), e0.end(), r.merged.begin()));
 }

@@ -1,0 +1,170 @@
+// fovea encode MODEL IMAGE... [-o out.safetensors]: image files to visual tokens. Decodes and
+// preprocesses the images on several threads (spec §2), encodes every readable image in one packed
+// forward (CPU or GPU, engine flags), writes each image's tokens, deepstack features and grid, and
+// prints tokens and per-stage times. Unreadable images are reported and skipped; the exit code says
+// whether any failed.
+#include <chrono>
+#include <cstring>
+#include <filesystem>
+#include <mutex>
+
+#include <fmt/format.h>
+
+#include "cli/bench-cuda.h"
+#include "cli/commands.h"
+#include "fovea/encoder.h"
+#include "fovea/error.h"
+#include "fovea/image.h"
+#include "fovea/safetensors.h"
+#include "fovea/threads.h"
+
+namespace fovea::cli {
+
+namespace {
+
+struct Args {
+  std::string model;
+  std::vector<std::string> images;
+  std::string out;
+  int64_t max_image_pixels = int64_t(1) << 28;
+  int64_t min_pixels = 0, max_pixels = 0;  // 0: the checkpoint's preprocessor_config.json
+  EngineOptions engine;
+};
+
+using clock_type = std::chrono::steady_clock;
+double ms_since(clock_type::time_point t) { return std::chrono::duration<double, std::milli>(clock_type::now() - t).count(); }
+
+TensorToWrite f32_tensor(const std::string& name, std::vector<int64_t> shape, const float* data, size_t n) {
+  TensorToWrite t{name, DType::F32, std::move(shape), std::vector<uint8_t>(n * 4)};
+  std::memcpy(t.bytes.data(), data, n * 4);
+  return t;
+}
+
+int run(const Args& a) {
+  const SystemInfo sys = query_system();
+  const EngineConfig cfg = resolve_engine(a.engine, sys);
+  if (a.images.empty()) fail("encode: no images given");
+  auto t0 = clock_type::now();
+  const qwen3vl::Model model = qwen3vl::load_model(a.model);
+  const double load_ms = ms_since(t0);
+  std::error_code ec;
+  image::PreprocessConfig pcfg =
+      std::filesystem::is_directory(a.model, ec) ? image::load_preprocess_config(a.model) : image::PreprocessConfig{};
+  pcfg.max_image_pixels = a.max_image_pixels;
+  if (a.min_pixels > 0) pcfg.min_pixels = a.min_pixels;
+  if (a.max_pixels > 0) pcfg.max_pixels = a.max_pixels;
+  if (pcfg.max_pixels < pcfg.min_pixels)
+    fail("--max-pixels {} is below --min-pixels {}", pcfg.max_pixels, pcfg.min_pixels);
+
+  // Decode + preprocess every image in parallel; failures are kept per image.
+  const size_t n = a.images.size();
+  std::vector<image::Patches> patches(n);
+  std::vector<std::string> errors(n);
+  std::vector<double> decode_ms(n), prep_ms(n);
+  parallel_for(int64_t(n), [&](int64_t i) {
+    try {
+      const auto t = clock_type::now();
+      const image::Rgb8 img = image::decode_file(a.images[size_t(i)], pcfg);
+      decode_ms[size_t(i)] = ms_since(t);
+      const auto t2 = clock_type::now();
+      patches[size_t(i)] = image::preprocess(img, pcfg);
+      prep_ms[size_t(i)] = ms_since(t2);
+    } catch (const std::exception& e) {
+      errors[size_t(i)] = e.what();
+    }
+  });
+  std::vector<size_t> ok;
+  std::vector<qwen3vl::GridThw> grids;
+  std::vector<float> pixels;
+  for (size_t i = 0; i < n; ++i) {
+    if (!errors[i].empty()) {
+      fmt::print(stderr, "fovea: error: {}\n", errors[i]);
+      continue;
+    }
+    ok.push_back(i);
+    grids.push_back(patches[i].grid);
+    pixels.insert(pixels.end(), patches[i].pixels.begin(), patches[i].pixels.end());
+    patches[i].pixels.clear();
+  }
+  if (ok.empty()) fail("encode: none of the {} image(s) could be read", n);
+
+  std::optional<ScaleBook> book;
+  if (cfg.dtype == AttnDtype::FP8) book = make_scale_book(cfg, model.config.depth);
+  const auto tf = clock_type::now();
+  std::vector<float> merged;
+  std::vector<std::vector<float>> deepstack;
+  if (cfg.device == Device::CPU) {
+    qwen3vl::ForwardOptions o;
+    o.attention = cfg.dtype == AttnDtype::FP8 ? cpu::RefMode::FP8 : cpu::RefMode::BF16;
+    o.scales = book ? &*book : nullptr;
+    auto r = qwen3vl::forward_cpu(model, pixels, grids, o);
+    merged = std::move(r.merged);
+    deepstack = std::move(r.deepstack);
+  } else {
+#if FOVEA_HAVE_CUDA
+    qwen3vl::cuda::Encoder enc(model, {cfg.dtype, book ? &*book : nullptr});
+    enc.plan(grids);
+    enc.upload_pixels(pixels, nullptr);
+    enc.forward(nullptr);
+    enc.after_forward(nullptr);
+    BENCH_CUDA(cudaDeviceSynchronize());
+    merged = enc.merged(nullptr);
+    deepstack = enc.deepstack(nullptr);
+#endif
+  }
+  const double forward_ms = ms_since(tf);
+
+  // Per image: its rows of the merged tokens and of each deepstack output.
+  const int64_t O = model.config.out_hidden;
+  std::vector<TensorToWrite> tensors;
+  std::map<std::string, std::string> meta = {{"model", a.model}, {"dtype", dtype_name(cfg.dtype)},
+                                             {"device", device_name(cfg.device)}};
+  fmt::print("{:<5} {:<40} {:>14} {:>8} {:>10} {:>12}\n", "image", "file", "grid_thw", "tokens", "decode ms",
+             "preprocess ms");
+  int64_t row = 0;
+  for (size_t j = 0; j < ok.size(); ++j) {
+    const size_t i = ok[j];
+    const auto& g = grids[j];
+    const int64_t tokens = int64_t(g[0]) * g[1] * g[2] / 4;
+    const std::string p = "image." + std::to_string(j);
+    tensors.push_back(f32_tensor(p + ".embeddings", {tokens, O}, merged.data() + row * O, size_t(tokens * O)));
+    for (size_t k = 0; k < deepstack.size(); ++k)
+      tensors.push_back(f32_tensor(p + ".deepstack." + std::to_string(k), {tokens, O}, deepstack[k].data() + row * O,
+                                   size_t(tokens * O)));
+    const float gf[3] = {float(g[0]), float(g[1]), float(g[2])};
+    tensors.push_back(f32_tensor(p + ".grid_thw", {3}, gf, 3));
+    meta[p + ".file"] = a.images[i];
+    fmt::print("{:<5} {:<40} {:>14} {:>8} {:>10.1f} {:>12.1f}\n", j, a.images[i], fmt::format("({}, {}, {})", g[0], g[1], g[2]),
+               tokens, decode_ms[i], prep_ms[i]);
+    row += tokens;
+  }
+  fmt::print("model load {:.1f} ms | encoder forward ({} images, {} patches, {} on {}) {:.1f} ms\n", load_ms, ok.size(),
+             pixels.size() / size_t(model.config.patch_dim()), dtype_name(cfg.dtype), device_name(cfg.device), forward_ms);
+  if (!a.out.empty()) {
+    write_safetensors(a.out, tensors, meta);
+    fmt::print("wrote {}\n", a.out);
+  }
+  if (ok.size() < n) {
+    fmt::print(stderr, "fovea: {} of {} image(s) failed\n", n - ok.size(), n);
+    return 1;
+  }
+  return 0;
+}
+
+}  // namespace
+
+void add_encode(CLI::App& app, Runner& runner) {
+  auto* cmd = app.add_subcommand("encode", "image files to visual tokens (and deepstack features)");
+  auto a = std::make_shared<Args>();
+  cmd->add_option("MODEL", a->model, "checkpoint folder or synthetic:<preset>")->required();
+  cmd->add_option("IMAGE", a->images, "JPEG, PNG, BMP or GIF files")->required();
+  cmd->add_option("-o,--output", a->out, "write tokens, deepstack features and grid_thw to this safetensors file");
+  cmd->add_option("--max-image-pixels", a->max_image_pixels, "refuse images whose header claims more pixels")
+      ->capture_default_str();
+  cmd->add_option("--min-pixels", a->min_pixels, "resize budget: at least this many pixels (default: the checkpoint's)");
+  cmd->add_option("--max-pixels", a->max_pixels, "resize budget: at most this many pixels (default: the checkpoint's, 4096^2)");
+  add_engine_flags(cmd, a->engine);
+  cmd->callback([&runner, a] { runner = [a] { return run(*a); }; });
+}
+
+}  // namespace fovea::cli
