@@ -9,6 +9,7 @@
 
 #include "cli/bench-cuda.h"
 #include "cli/commands.h"
+#include "cli/run-encoder.h"
 #include "fovea/encoder.h"
 #include "fovea/error.h"
 #include "fovea/io.h"
@@ -63,30 +64,7 @@ int run(const Args& a) {
 
   std::optional<ScaleBook> book;
   if (cfg.dtype == AttnDtype::FP8) book = make_scale_book(cfg, m.config.depth);
-  std::vector<float> merged;
-  std::vector<std::vector<float>> deepstack;
-  if (cfg.device == Device::CPU) {
-    qwen3vl::ForwardOptions o;
-    o.attention = cfg.dtype == AttnDtype::FP8 ? cpu::RefMode::FP8 : cpu::RefMode::BF16;
-    o.scales = book ? &*book : nullptr;
-    auto r = qwen3vl::forward_cpu(m, pixels, grids, o);
-    merged = std::move(r.merged);
-    deepstack = std::move(r.deepstack);
-  } else {
-#if FOVEA_HAVE_CUDA
-    qwen3vl::cuda::EncoderOptions o;
-    o.dtype = cfg.dtype;
-    o.scales = book ? &*book : nullptr;
-    qwen3vl::cuda::Encoder enc(m, o);
-    enc.plan(grids);
-    enc.upload_pixels(pixels, nullptr);
-    enc.forward(nullptr);
-    enc.after_forward(nullptr);
-    BENCH_CUDA(cudaDeviceSynchronize());
-    merged = enc.merged(nullptr);
-    deepstack = enc.deepstack(nullptr);
-#endif
-  }
+  auto [merged, deepstack] = run_encoder(m, pixels, grids, cfg, book ? &*book : nullptr);
   fmt::print("fovea check-golden | {} | {} | device {} | {} attention{}\n", a.model, a.golden, device_name(cfg.device),
              dtype_name(cfg.dtype), book ? fmt::format(" ({} scales)", scale_mode_name(book->mode())) : "");
   fmt::print("{:<12} | {:>14} | {:>12} | {:>18} | {:>12}\n", "output", "rel_l2 vs ref", "mean cosine",

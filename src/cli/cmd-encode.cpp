@@ -12,6 +12,7 @@
 
 #include "cli/bench-cuda.h"
 #include "cli/commands.h"
+#include "cli/run-encoder.h"
 #include "fovea/encoder.h"
 #include "fovea/error.h"
 #include "fovea/image.h"
@@ -91,27 +92,7 @@ int run(const Args& a) {
   std::optional<ScaleBook> book;
   if (cfg.dtype == AttnDtype::FP8) book = make_scale_book(cfg, model.config.depth);
   const auto tf = clock_type::now();
-  std::vector<float> merged;
-  std::vector<std::vector<float>> deepstack;
-  if (cfg.device == Device::CPU) {
-    qwen3vl::ForwardOptions o;
-    o.attention = cfg.dtype == AttnDtype::FP8 ? cpu::RefMode::FP8 : cpu::RefMode::BF16;
-    o.scales = book ? &*book : nullptr;
-    auto r = qwen3vl::forward_cpu(model, pixels, grids, o);
-    merged = std::move(r.merged);
-    deepstack = std::move(r.deepstack);
-  } else {
-#if FOVEA_HAVE_CUDA
-    qwen3vl::cuda::Encoder enc(model, {cfg.dtype, book ? &*book : nullptr});
-    enc.plan(grids);
-    enc.upload_pixels(pixels, nullptr);
-    enc.forward(nullptr);
-    enc.after_forward(nullptr);
-    BENCH_CUDA(cudaDeviceSynchronize());
-    merged = enc.merged(nullptr);
-    deepstack = enc.deepstack(nullptr);
-#endif
-  }
+  auto [merged, deepstack] = run_encoder(model, pixels, grids, cfg, book ? &*book : nullptr);
   const double forward_ms = ms_since(tf);
 
   // Per image: its rows of the merged tokens and of each deepstack output.
