@@ -17,6 +17,8 @@
 #include "test-util.h"
 #include <nlohmann/json.hpp>
 
+#include "fovea/scales.h"
+
 namespace fs = std::filesystem;
 
 namespace {
@@ -320,4 +322,33 @@ TEST_F(Cli, CheckGoldenOnTheCpu) {
   const Result bad = run("check-golden '" + data + "' '" + data + "/model.safetensors' --device cpu");
   EXPECT_NE(bad.code, 0);
   EXPECT_NE(bad.err.find("pixel_values"), std::string::npos) << bad.err;
+}
+
+// bench mm-processor on the CPU: per-stage statistics, and calibration writes the scale file after
+// exactly 16 complete forwards with warm-ups counted (15 requests: no file; 16: the file).
+TEST_F(Cli, BenchMmProcessorCalibrates) {
+  const std::string base = "bench mm-processor --model synthetic:tiny --dataset-name random-mm --random-mm-size 64x96 "
+                           "--device cpu --mm-encoder-attn-dtype fp8 --metric-percentiles 50,99 ";
+  const std::string s15 = file("s15.json"), s16 = file("s16.json"), json = file("mm.json");
+  const Result r15 = run(base + "--num-warmups 5 --num-prompts 10 --mm-encoder-fp8-scale-save-path '" + s15 + "'");
+  ASSERT_EQ(r15.code, 0) << r15.err;
+  EXPECT_FALSE(fs::exists(s15)) << "written before the 16th forward";
+  const Result r16 = run(base + "--num-warmups 6 --num-prompts 10 --mm-encoder-fp8-scale-save-path '" + s16 +
+                         "' --output-json '" + json + "'");
+  ASSERT_EQ(r16.code, 0) << r16.err;
+  ASSERT_TRUE(fs::exists(s16));
+  EXPECT_EQ(fovea::read_scale_file(s16).layers.size(), 3u);  // synthetic:tiny has 3 blocks
+  const auto doc = nlohmann::json::parse(slurp(json));
+  for (const char* stage : {"decode", "preprocess", "encoder forward", "total"}) {
+    ASSERT_TRUE(doc["stages"].contains(stage)) << stage;
+    EXPECT_GE(doc["stages"][stage]["p99_ms"].get<double>(), doc["stages"][stage]["p50_ms"].get<double>());
+  }
+  EXPECT_GT(doc["stages"]["encoder forward"]["mean_ms"].get<double>(), 0.0);
+  // Static scales from that file on the same dataset; a bad dataset path is an error naming it.
+  const Result st = run(base + "--num-warmups 0 --num-prompts 2 --mm-encoder-fp8-scale-path '" + s16 + "'");
+  EXPECT_EQ(st.code, 0) << st.err;
+  EXPECT_NE(st.out.find("static"), std::string::npos) << st.out;
+  const Result bad = run("bench mm-processor --model synthetic:tiny --dataset-name folder --dataset-path /nonexistent --device cpu");
+  EXPECT_NE(bad.code, 0);
+  EXPECT_NE(bad.err.find("/nonexistent"), std::string::npos) << bad.err;
 }

@@ -64,7 +64,7 @@ int run(const Args& a) {
 
   std::optional<ScaleBook> book;
   if (cfg.dtype == AttnDtype::FP8) book = make_scale_book(cfg, m.config.depth);
-  auto [merged, deepstack] = run_encoder(m, pixels, grids, cfg, book ? &*book : nullptr);
+  auto [merged, deepstack] = EncoderRunner(m, cfg, book ? &*book : nullptr).run(pixels, grids);
   fmt::print("fovea check-golden | {} | {} | device {} | {} attention{}\n", a.model, a.golden, device_name(cfg.device),
              dtype_name(cfg.dtype), book ? fmt::format(" ({} scales)", scale_mode_name(book->mode())) : "");
   fmt::print("{:<12} | {:>14} | {:>12} | {:>18} | {:>12}\n", "output", "rel_l2 vs ref", "mean cosine",

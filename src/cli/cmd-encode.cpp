@@ -92,7 +92,7 @@ int run(const Args& a) {
   std::optional<ScaleBook> book;
   if (cfg.dtype == AttnDtype::FP8) book = make_scale_book(cfg, model.config.depth);
   const auto tf = clock_type::now();
-  auto [merged, deepstack] = run_encoder(model, pixels, grids, cfg, book ? &*book : nullptr);
+  auto [merged, deepstack] = EncoderRunner(model, cfg, book ? &*book : nullptr).run(pixels, grids);
   const double forward_ms = ms_since(tf);
 
   // Per image: its rows of the merged tokens and of each deepstack output.

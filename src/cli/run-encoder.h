@@ -1,7 +1,8 @@
-// One encoder forward as the engine flags ask: CPU (reference forward with BF16 / FP8-emulated
-// attention) or GPU (cuda::Encoder), FP8 with the engine's scale book. Used by encode and
-// check-golden.
+// The encoder forward as the engine flags ask: CPU (reference forward with BF16 / FP8-emulated
+// attention) or GPU (cuda::Encoder, weights uploaded once), FP8 with the engine's scale book.
+// Used by encode, check-golden and bench mm-processor.
 #pragma once
+#include <memory>
 #include <vector>
 
 #include "fovea/engine.h"
@@ -14,8 +15,19 @@ struct EncoderOutputs {
   std::vector<std::vector<float>> deepstack;  // each [N/4, out_hidden]
 };
 
-// `book` is the FP8 scale book (make_scale_book), null for BF16; calibration is advanced by one forward.
-EncoderOutputs run_encoder(const qwen3vl::Model& m, const std::vector<float>& pixels,
-                           const std::vector<qwen3vl::GridThw>& grids, const EngineConfig& cfg, ScaleBook* book);
+class EncoderRunner {
+ public:
+  // `book`: the FP8 scale book (make_scale_book), null for BF16; every run() advances calibration.
+  EncoderRunner(const qwen3vl::Model& m, const EngineConfig& cfg, ScaleBook* book);
+  ~EncoderRunner();
+  EncoderOutputs run(const std::vector<float>& pixels, const std::vector<qwen3vl::GridThw>& grids);
+
+ private:
+  struct Gpu;
+  const qwen3vl::Model& model_;
+  EngineConfig cfg_;
+  ScaleBook* book_;
+  std::unique_ptr<Gpu> gpu_;
+};
 
 }  // namespace fovea::cli

@@ -1,0 +1,206 @@
+// fovea bench mm-processor: the whole image path (decode, preprocess, encoder forward) over a
+// dataset, vLLM's `bench mm-processor` flags: a folder of images taken --images-per-request at a
+// time, or random-mm (synthetic images of one size). Per stage: mean, median, std and percentiles.
+// With --mm-encoder-fp8-scale-save-path it calibrates (dynamic scaling; the scale file is written
+// after 16 complete forwards, warm-ups included); with --mm-encoder-fp8-scale-path it runs static.
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <filesystem>
+#include <random>
+#include <sstream>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "cli/commands.h"
+#include "cli/run-encoder.h"
+#include "fovea/error.h"
+#include "fovea/image.h"
+#include "fovea/io.h"
+#include "fovea/threads.h"
+
+namespace fovea::cli {
+
+namespace {
+
+struct Args {
+  std::string model, dataset = "random-mm", path, json_path, percentiles = "50,90,99", random_size = "720x1280";
+  int prompts = 20, warmups = 2, images = 1;
+  int64_t max_pixels = 0;
+  EngineOptions engine;
+};
+
+using clock_type = std::chrono::steady_clock;
+double ms_since(clock_type::time_point t) { return std::chrono::duration<double, std::milli>(clock_type::now() - t).count(); }
+
+struct Summary {
+  double mean = 0, median = 0, std = 0;
+  std::vector<std::pair<double, double>> pct;  // (percentile, value)
+};
+
+Summary summarize(std::vector<double> v, const std::vector<double>& pcts) {
+  Summary s;
+  if (v.empty()) return s;
+  std::sort(v.begin(), v.end());
+  for (double x : v) s.mean += x;
+  s.mean /= double(v.size());
+  for (double x : v) s.std += (x - s.mean) * (x - s.mean);
+  s.std = std::sqrt(s.std / double(v.size()));
+  auto at = [&](double p) {  // linear interpolation between closest ranks (numpy's default)
+    const double r = p / 100.0 * double(v.size() - 1);
+    const size_t lo = size_t(std::floor(r)), hi = std::min(v.size() - 1, lo + 1);
+    return v[lo] + (v[hi] - v[lo]) * (r - double(lo));
+  };
+  s.median = at(50);
+  for (double p : pcts) s.pct.push_back({p, at(p)});
+  return s;
+}
+
+int run(const Args& a) {
+  const SystemInfo sys = query_system();
+  const EngineConfig cfg = resolve_engine(a.engine, sys);
+  if (a.prompts < 1) fail("--num-prompts must be >= 1, got {}", a.prompts);
+  if (a.warmups < 0) fail("--num-warmups must be >= 0, got {}", a.warmups);
+  if (a.images < 1) fail("--images-per-request must be >= 1, got {}", a.images);
+  std::vector<double> pcts;
+  {
+    std::stringstream ss(a.percentiles);
+    std::string item;
+    while (std::getline(ss, item, ',')) {
+      char* end = nullptr;
+      const double p = std::strtod(item.c_str(), &end);
+      if (item.empty() || *end || p < 0 || p > 100) fail("--metric-percentiles: '{}' is not a number in [0, 100]", item);
+      pcts.push_back(p);
+    }
+  }
+  const qwen3vl::Model model = qwen3vl::load_model(a.model);
+  std::error_code ec;
+  image::PreprocessConfig pcfg =
+      std::filesystem::is_directory(a.model, ec) ? image::load_preprocess_config(a.model) : image::PreprocessConfig{};
+  if (a.max_pixels > 0) pcfg.max_pixels = a.max_pixels;
+
+  // The dataset: file names (folder) or one random image size (random-mm).
+  std::vector<std::string> files;
+  int rh = 0, rw = 0;
+  if (a.dataset == "folder") {
+    if (a.path.empty()) fail("--dataset-name folder needs --dataset-path");
+    if (!std::filesystem::is_directory(a.path, ec)) fail("--dataset-path '{}' is not a folder", a.path);
+    for (const auto& e : std::filesystem::directory_iterator(a.path)) {
+      std::string ext = e.path().extension().string();
+      std::transform(ext.begin(), ext.end(), ext.begin(), ::tolower);
+      if (e.is_regular_file() && (ext == ".jpg" || ext == ".jpeg" || ext == ".png" || ext == ".bmp" || ext == ".gif"))
+        files.push_back(e.path().string());
+    }
+    std::sort(files.begin(), files.end());
+    if (files.empty()) fail("--dataset-path '{}' has no .jpg/.jpeg/.png/.bmp/.gif files", a.path);
+  } else if (a.dataset == "random-mm") {
+    if (std::sscanf(a.random_size.c_str(), "%dx%d", &rh, &rw) != 2 || rh < 1 || rw < 1)
+      fail("--random-mm-size '{}' is not HxW", a.random_size);
+  } else {
+    fail("--dataset-name: '{}' is not one of random-mm, folder", a.dataset);
+  }
+
+  std::optional<ScaleBook> book;
+  if (cfg.dtype == AttnDtype::FP8) book = make_scale_book(cfg, model.config.depth);
+  EncoderRunner runner(model, cfg, book ? &*book : nullptr);
+  std::vector<double> t_decode, t_pre, t_fwd, t_total;
+  std::mt19937 rng(1234);
+  const int total = a.warmups + a.prompts;
+  size_t next_file = 0;
+  for (int req = 0; req < total; ++req) {
+    const auto t0 = clock_type::now();
+    std::vector<image::Rgb8> imgs(size_t(a.images));
+    std::vector<std::string> names(size_t(a.images));
+    for (auto& n : names) n = files.empty() ? "random" : files[next_file++ % files.size()];
+    std::vector<double> dec(size_t(a.images), 0.0);
+    parallel_for(a.images, [&](int64_t i) {
+      const auto t = clock_type::now();
+      if (files.empty()) {
+        std::mt19937 r(unsigned(rng() + unsigned(i)));
+        imgs[size_t(i)] = {rw, rh, std::vector<uint8_t>(size_t(rw) * rh * 3)};
+        for (auto& v : imgs[size_t(i)].data) v = uint8_t(r() & 255);
+      } else {
+        imgs[size_t(i)] = image::decode_file(names[size_t(i)], pcfg);
+        dec[size_t(i)] = ms_since(t);
+      }
+    });
+    const double decode_ms = ms_since(t0);
+    const auto t1 = clock_type::now();
+    std::vector<image::Patches> pt(size_t(a.images));
+    parallel_for(a.images, [&](int64_t i) { pt[size_t(i)] = image::preprocess(imgs[size_t(i)], pcfg); });
+    std::vector<float> pixels;
+    std::vector<qwen3vl::GridThw> grids;
+    for (auto& p : pt) {
+      pixels.insert(pixels.end(), p.pixels.begin(), p.pixels.end());
+      grids.push_back(p.grid);
+    }
+    const double pre_ms = ms_since(t1);
+    const auto t2 = clock_type::now();
+    runner.run(pixels, grids);
+    const double fwd_ms = ms_since(t2);
+    if (req >= a.warmups) {
+      t_decode.push_back(files.empty() ? 0.0 : decode_ms);
+      t_pre.push_back(pre_ms);
+      t_fwd.push_back(fwd_ms);
+      t_total.push_back(ms_since(t0));
+    }
+    const int width = 30, done = (req + 1) * width / total;
+    fmt::print(stderr, "\r[{}{}] {}/{} requests{}", std::string(size_t(done), '#'), std::string(size_t(width - done), ' '),
+               req + 1, total, book && book->calibration_written() ? " (scales saved)" : "");
+  }
+  fmt::print(stderr, "\n");
+
+  fmt::print("fovea bench mm-processor | {} | dataset {} | {} requests x {} image(s) (+{} warm-up) | {} on {}{}\n",
+             a.model, a.dataset == "folder" ? a.path : "random-mm " + a.random_size, a.prompts, a.images, a.warmups,
+             dtype_name(cfg.dtype), device_name(cfg.device),
+             book ? fmt::format(" ({} scales)", scale_mode_name(book->mode())) : "");
+  std::string head = fmt::format("{:<16} | {:>9} | {:>9} | {:>9}", "stage (ms)", "mean", "median", "std");
+  for (double p : pcts) head += fmt::format(" | {:>8}", fmt::format("p{:g}", p));
+  fmt::print("{}\n", head);
+  nlohmann::ordered_json stages = nlohmann::ordered_json::object();
+  for (const auto& [name, v] : {std::pair<const char*, std::vector<double>*>{"decode", &t_decode},
+                                {"preprocess", &t_pre}, {"encoder forward", &t_fwd}, {"total", &t_total}}) {
+    const Summary s = summarize(*v, pcts);
+    std::string line = fmt::format("{:<16} | {:>9.2f} | {:>9.2f} | {:>9.2f}", name, s.mean, s.median, s.std);
+    nlohmann::ordered_json j = {{"mean_ms", s.mean}, {"median_ms", s.median}, {"std_ms", s.std}};
+    for (const auto& [p, val] : s.pct) {
+      line += fmt::format(" | {:>8.2f}", val);
+      j[fmt::format("p{:g}_ms", p)] = val;
+    }
+    fmt::print("{}\n", line);
+    stages[name] = j;
+  }
+  if (book && book->mode() == ScaleMode::CALIBRATE)
+    fmt::print("calibration: {} complete forwards; scale file {}\n", book->complete_forwards(),
+               book->calibration_written() ? "written to " + book->save_path() : "NOT written (needs 16 forwards)");
+  if (!a.json_path.empty()) {
+    const nlohmann::ordered_json doc = {{"bench", "mm-processor"}, {"model", a.model}, {"dataset", a.dataset},
+                                        {"requests", a.prompts}, {"warmups", a.warmups}, {"images_per_request", a.images},
+                                        {"dtype", dtype_name(cfg.dtype)}, {"device", device_name(cfg.device)},
+                                        {"stages", stages}};
+    write_file_atomic(a.json_path, doc.dump(2) + "\n", "--output-json");
+  }
+  return 0;
+}
+
+}  // namespace
+
+void add_bench_mm_processor(CLI::App* bench, Runner& runner) {
+  auto* cmd = bench->add_subcommand("mm-processor", "decode + preprocess + encoder forward over a dataset, per-stage statistics");
+  auto a = std::make_shared<Args>();
+  cmd->add_option("--model", a->model, "checkpoint folder or synthetic:<preset>")->required();
+  cmd->add_option("--dataset-name", a->dataset, "random-mm or folder")->capture_default_str();
+  cmd->add_option("--dataset-path", a->path, "folder of images (dataset folder)");
+  cmd->add_option("--num-prompts", a->prompts, "timed requests")->capture_default_str();
+  cmd->add_option("--num-warmups", a->warmups, "untimed requests first (they count toward calibration)")->capture_default_str();
+  cmd->add_option("--images-per-request", a->images, "images encoded together per request")->capture_default_str();
+  cmd->add_option("--random-mm-size", a->random_size, "random-mm: image size HxW")->capture_default_str();
+  cmd->add_option("--max-pixels", a->max_pixels, "resize budget override (default: the checkpoint's)");
+  cmd->add_option("--metric-percentiles", a->percentiles, "comma list of percentiles")->capture_default_str();
+  cmd->add_option("--output-json", a->json_path, "write the statistics as JSON to this file");
+  add_engine_flags(cmd, a->engine);
+  cmd->callback([&runner, a] { runner = [a] { return run(*a); }; });
+}
+
+}  // namespace fovea::cli
