@@ -5,16 +5,22 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <algorithm>
+#include <filesystem>
 #include <fstream>
 #include <random>
 
 #include "fovea/image.h"
 #include "fovea/safetensors.h"
+#include "fovea/scales.h"
+
+#include <nlohmann/json.hpp>
 #include "test-util.h"
 
 using namespace fovea;
 using namespace fovea::image;
 using namespace fovea::test;
+namespace fs = std::filesystem;
 
 namespace {
 
@@ -220,4 +226,32 @@ TEST(EncodeCli, EncodesTheGoodImagesAndReportsTheBadOne) {
   const auto e0 = ck.find("image.0.embeddings")->to_float();
   ASSERT_EQ(e0.size(), size_t(70 * 48));
   EXPECT_TRUE(std::equal(e0.begin(), e0.end(), r.merged.begin()));
+}
+
+// bench calibration on the CPU: calibrates on two images, holds two out; static and dynamic FP8
+// both stay close to BF16 there, and the scale file is written.
+TEST(EncodeCli, CalibrationHoldsOnOtherImages) {
+  TempDir dir;
+  std::mt19937 rng(3);
+  for (int i = 0; i < 4; ++i) {
+    Rgb8 g = gradient(160 + 32 * i, 128);
+    for (auto& v : g.data) v = uint8_t(std::clamp(int(v) + int(rng() % 31) - 15, 0, 255));
+    const auto png = encode("png", g.width, g.height, 3, g.data);
+    dir.write("img" + std::to_string(i) + ".png", std::string(png.begin(), png.end()));
+  }
+  fs::create_directories(dir.path / "out");
+  const std::string scales = (dir.path / "out" / "scales.json").string(), json = (dir.path / "out" / "r.json").string();
+  const std::string cmd = std::string("'") + FOVEA_BIN + "' bench calibration --model synthetic:tiny --dataset-path '" +
+                          dir.path.string() + "' --calibration-images 2 --device cpu --scale-file '" + scales +
+                          "' --output-json '" + json + "' >/dev/null";
+  ASSERT_EQ(std::system(cmd.c_str()), 0);
+  EXPECT_EQ(read_scale_file(scales).layers.size(), 3u);
+  std::ifstream f(json);
+  const auto doc = nlohmann::json::parse(f);
+  ASSERT_EQ(doc["rows"].size(), 2u);
+  for (const auto& r : doc["rows"]) {
+    EXPECT_GT(r["static_cosine"].get<double>(), 0.99) << r.dump();
+    EXPECT_GT(r["dynamic_cosine"].get<double>(), 0.99) << r.dump();
+    EXPECT_LT(r["static_rel_l2"].get<double>(), 0.1) << r.dump();
+  }
 }

@@ -22,5 +22,6 @@ void add_encode(CLI::App& app, Runner& run);
 void add_bench_attention(CLI::App* bench, Runner& run);
 void add_bench_encoder(CLI::App* bench, Runner& run);
 void add_bench_mm_processor(CLI::App* bench, Runner& run);
+void add_bench_calibration(CLI::App* bench, Runner& run);
 
 }  // namespace fovea::cli

@@ -14,11 +14,12 @@ int main(int argc, char** argv) {
   fovea::cli::add_scales(app, run);
   fovea::cli::add_export_model(app, run);
   fovea::cli::add_check_golden(app, run);
-  CLI::App* bench = app.add_subcommand("bench", "benchmarks: attention, encoder, mm-processor");
+  CLI::App* bench = app.add_subcommand("bench", "benchmarks: attention, encoder, mm-processor, calibration");
   bench->require_subcommand(1);
   fovea::cli::add_bench_attention(bench, run);
   fovea::cli::add_bench_encoder(bench, run);
   fovea::cli::add_bench_mm_processor(bench, run);
+  fovea::cli::add_bench_calibration(bench, run);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -1,0 +1,144 @@
+// fovea bench calibration: "calibrated on one set, holds on another". Calibrates FP8 scales with
+// dynamic scaling on the first images of a folder (16 forwards), then encodes the other images with
+// BF16, FP8-dynamic and FP8-static (the calibrated file) and reports, per image and overall, each
+// FP8 mode's final embeddings against BF16: mean per-token cosine and relative L2 error.
+#include <cmath>
+#include <filesystem>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "cli/commands.h"
+#include "cli/run-encoder.h"
+#include "fovea/error.h"
+#include "fovea/image.h"
+#include "fovea/io.h"
+
+namespace fovea::cli {
+
+namespace {
+
+struct Args {
+  std::string model, path, json_path, scale_path = "calibrated-scales.json";
+  int calibration_images = 4, images = 1;
+  int64_t max_pixels = 0;
+  EngineOptions engine;  // device / backend; dtype and scale options are set per mode
+};
+
+std::pair<double, double> cosine_and_rel(const std::vector<float>& a, const std::vector<float>& ref, int width) {
+  double num = 0, den = 0, cos_sum = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    num += (double(a[i]) - ref[i]) * (double(a[i]) - ref[i]);
+    den += double(ref[i]) * ref[i];
+  }
+  const size_t rows = a.size() / size_t(width);
+  for (size_t r = 0; r < rows; ++r) {
+    double ab = 0, aa = 0, bb = 0;
+    for (int i = 0; i < width; ++i) {
+      const double x = a[r * width + i], y = ref[r * width + i];
+      ab += x * y, aa += x * x, bb += y * y;
+    }
+    cos_sum += ab / std::sqrt(aa * bb);
+  }
+  return {cos_sum / double(rows), std::sqrt(num / den)};
+}
+
+int run(const Args& a) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  if (!fs::is_directory(a.path, ec)) fail("--dataset-path '{}' is not a folder", a.path);
+  std::vector<std::string> files;
+  for (const auto& e : fs::directory_iterator(a.path)) {
+    std::string ext = e.path().extension().string();
+    for (auto& c : ext) c = char(std::tolower(static_cast<unsigned char>(c)));
+    if (e.is_regular_file() && (ext == ".jpg" || ext == ".jpeg" || ext == ".png" || ext == ".bmp" || ext == ".gif"))
+      files.push_back(e.path().string());
+  }
+  std::sort(files.begin(), files.end());
+  if (a.calibration_images < 1) fail("--calibration-images must be >= 1");
+  if (int(files.size()) <= a.calibration_images)
+    fail("--dataset-path '{}' has {} images; need more than --calibration-images {} to hold some out", a.path,
+         files.size(), a.calibration_images);
+  const SystemInfo sys = query_system();
+  const qwen3vl::Model model = qwen3vl::load_model(a.model);
+  image::PreprocessConfig pcfg =
+      fs::is_directory(a.model, ec) ? image::load_preprocess_config(a.model) : image::PreprocessConfig{};
+  if (a.max_pixels > 0) pcfg.max_pixels = a.max_pixels;
+  auto load = [&](const std::string& f, std::vector<float>& px, std::vector<qwen3vl::GridThw>& g) {
+    auto p = image::preprocess(image::decode_file(f, pcfg), pcfg);
+    px.insert(px.end(), p.pixels.begin(), p.pixels.end());
+    g.push_back(p.grid);
+  };
+  auto config = [&](const std::string& dtype, const std::string& scale, const std::string& save) {
+    EngineOptions o = a.engine;
+    o.dtype = dtype;
+    o.scale_path = scale;
+    o.scale_save_path = save;
+    return resolve_engine(o, sys);
+  };
+
+  // 1. Calibrate on the first images, cycling through them until 16 forwards have run.
+  {
+    const EngineConfig cfg = config("fp8", "", a.scale_path);
+    ScaleBook book = make_scale_book(cfg, model.config.depth);
+    EncoderRunner runner(model, cfg, &book);
+    for (int i = 0; !book.calibration_written(); ++i) {
+      std::vector<float> px;
+      std::vector<qwen3vl::GridThw> g;
+      load(files[size_t(i % a.calibration_images)], px, g);
+      runner.run(px, g);
+      if (i > 10 * kAmaxHistoryLen) fail("calibration did not complete");  // cannot happen: 16 forwards write
+    }
+  }
+  fmt::print("calibrated on {} image(s) of {} -> {}\n", a.calibration_images, a.path, a.scale_path);
+
+  // 2. The held-out images: BF16 reference, FP8 dynamic, FP8 static.
+  const EngineConfig bf = config("bf16", "", ""), dyn = config("fp8", "", ""), st = config("fp8", a.scale_path, "");
+  ScaleBook dyn_book = make_scale_book(dyn, model.config.depth), st_book = make_scale_book(st, model.config.depth);
+  EncoderRunner r_bf(model, bf, nullptr), r_dyn(model, dyn, &dyn_book), r_st(model, st, &st_book);
+  const int O = model.config.out_hidden;
+  fmt::print("{:<40} | {:>7} | {:>12} | {:>12} | {:>12} | {:>12}\n", "held-out image", "tokens", "dyn cosine", "dyn rel_l2",
+             "static cos", "static rel_l2");
+  nlohmann::ordered_json rows = nlohmann::ordered_json::array();
+  double sums[4] = {0, 0, 0, 0};
+  int count = 0;
+  for (size_t i = size_t(a.calibration_images); i < files.size(); ++i) {
+    std::vector<float> px;
+    std::vector<qwen3vl::GridThw> g;
+    load(files[i], px, g);
+    const auto ref = r_bf.run(px, g).merged;
+    const auto [cd, ed] = cosine_and_rel(r_dyn.run(px, g).merged, ref, O);
+    const auto [cs, es] = cosine_and_rel(r_st.run(px, g).merged, ref, O);
+    fmt::print("{:<40} | {:>7} | {:>12.6f} | {:>12.3e} | {:>12.6f} | {:>12.3e}\n", files[i], ref.size() / size_t(O), cd, ed, cs, es);
+    rows.push_back({{"image", files[i]}, {"dynamic_cosine", cd}, {"dynamic_rel_l2", ed}, {"static_cosine", cs}, {"static_rel_l2", es}});
+    sums[0] += cd, sums[1] += ed, sums[2] += cs, sums[3] += es;
+    ++count;
+  }
+  fmt::print("{:<40} | {:>7} | {:>12.6f} | {:>12.3e} | {:>12.6f} | {:>12.3e}\n", "mean over held-out images", "", sums[0] / count,
+             sums[1] / count, sums[2] / count, sums[3] / count);
+  if (!a.json_path.empty())
+    write_file_atomic(a.json_path,
+                      nlohmann::ordered_json({{"model", a.model}, {"calibration_images", a.calibration_images},
+                                              {"device", device_name(bf.device)}, {"rows", rows}})
+                              .dump(2) + "\n",
+                      "--output-json");
+  return 0;
+}
+
+}  // namespace
+
+void add_bench_calibration(CLI::App* bench, Runner& runner) {
+  auto* cmd = bench->add_subcommand("calibration", "calibrate FP8 scales on some images, check static and dynamic FP8 against BF16 on the others");
+  auto a = std::make_shared<Args>();
+  cmd->add_option("--model", a->model, "checkpoint folder or synthetic:<preset>")->required();
+  cmd->add_option("--dataset-path", a->path, "folder of images: the first --calibration-images calibrate, the rest are held out")->required();
+  cmd->add_option("--calibration-images", a->calibration_images, "images used for calibration")->capture_default_str();
+  cmd->add_option("--scale-file", a->scale_path, "where the calibrated scales are written")->capture_default_str();
+  cmd->add_option("--max-pixels", a->max_pixels, "resize budget override (default: the checkpoint's)");
+  cmd->add_option("--output-json", a->json_path, "write the per-image results as JSON");
+  cmd->add_option("--device", a->engine.device, "cuda or cpu (default: cuda when a GPU is visible)");
+  cmd->add_option("--mm-encoder-attn-backend", a->engine.backend, "attention backend")->capture_default_str();
+  cmd->callback([&runner, a] { runner = [a] { return run(*a); }; });
+}
+
+}  // namespace fovea::cli
