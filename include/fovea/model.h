@@ -97,6 +97,13 @@ struct ForwardResult {
 ForwardResult forward_cpu(const Model& m, const std::vector<float>& pixels, const std::vector<GridThw>& grids,
                           const ForwardOptions& opt = {});
 
+// How far encoder outputs [rows, width] are from a reference: relative L2 over everything and the
+// mean over rows of the per-token cosine similarity. A non-finite value makes both NaN.
+struct EmbeddingError {
+  double rel_l2 = 0, mean_cosine = 0;
+};
+EmbeddingError embedding_error(const std::vector<float>& out, const std::vector<float>& ref, int width);
+
 // Per-token (row, col) patch positions in merge-window order, repeated per frame (§3.4), and the
 // vision RoPE tables [N, hd/2] built from them (fp32, as transformers computes them).
 std::vector<std::array<int, 2>> patch_positions(const std::vector<GridThw>& grids);

@@ -25,24 +25,6 @@ struct Args {
   EngineOptions engine;  // device / backend; dtype and scale options are set per mode
 };
 
-std::pair<double, double> cosine_and_rel(const std::vector<float>& a, const std::vector<float>& ref, int width) {
-  double num = 0, den = 0, cos_sum = 0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    num += (double(a[i]) - ref[i]) * (double(a[i]) - ref[i]);
-    den += double(ref[i]) * ref[i];
-  }
-  const size_t rows = a.size() / size_t(width);
-  for (size_t r = 0; r < rows; ++r) {
-    double ab = 0, aa = 0, bb = 0;
-    for (int i = 0; i < width; ++i) {
-      const double x = a[r * width + i], y = ref[r * width + i];
-      ab += x * y, aa += x * x, bb += y * y;
-    }
-    cos_sum += ab / std::sqrt(aa * bb);
-  }
-  return {cos_sum / double(rows), std::sqrt(num / den)};
-}
-
 int run(const Args& a) {
   namespace fs = std::filesystem;
   std::error_code ec;
@@ -107,8 +89,9 @@ int run(const Args& a) {
     std::vector<qwen3vl::GridThw> g;
     load(files[i], px, g);
     const auto ref = r_bf.run(px, g).merged;
-    const auto [cd, ed] = cosine_and_rel(r_dyn.run(px, g).merged, ref, O);
-    const auto [cs, es] = cosine_and_rel(r_st.run(px, g).merged, ref, O);
+    const auto dyn_err = qwen3vl::embedding_error(r_dyn.run(px, g).merged, ref, O);
+    const auto st_err = qwen3vl::embedding_error(r_st.run(px, g).merged, ref, O);
+    const double cd = dyn_err.mean_cosine, ed = dyn_err.rel_l2, cs = st_err.mean_cosine, es = st_err.rel_l2;
     fmt::print("{:<40} | {:>7} | {:>12.6f} | {:>12.3e} | {:>12.6f} | {:>12.3e}\n", files[i], ref.size() / size_t(O), cd, ed, cs, es);
     rows.push_back({{"image", files[i]}, {"dynamic_cosine", cd}, {"dynamic_rel_l2", ed}, {"static_cosine", cs}, {"static_rel_l2", es}});
     sums[0] += cd, sums[1] += ed, sums[2] += cs, sums[3] += es;

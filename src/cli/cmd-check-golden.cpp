@@ -24,29 +24,6 @@ struct Args {
   EngineOptions engine;
 };
 
-struct Diff {
-  double rel_l2 = NAN, cosine = NAN;
-};
-
-Diff diff(const std::vector<float>& a, const std::vector<float>& ref, int width, const std::string& name) {
-  if (a.size() != ref.size()) fail("check-golden: '{}' has {} values in fovea, {} in the golden file", name, a.size(), ref.size());
-  double num = 0, den = 0, cos_sum = 0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    num += (double(a[i]) - ref[i]) * (double(a[i]) - ref[i]);
-    den += double(ref[i]) * ref[i];
-  }
-  const size_t rows = a.size() / size_t(width);
-  for (size_t r = 0; r < rows; ++r) {
-    double ab = 0, aa = 0, bb = 0;
-    for (int i = 0; i < width; ++i) {
-      const double x = a[r * width + i], y = ref[r * width + i];
-      ab += x * y, aa += x * x, bb += y * y;
-    }
-    cos_sum += ab / std::sqrt(aa * bb);
-  }
-  return {std::sqrt(num / den), cos_sum / double(rows)};  // NaN in `a` makes both NaN
-}
-
 int run(const Args& a) {
   const SystemInfo sys = query_system();
   const EngineConfig cfg = resolve_engine(a.engine, sys);
@@ -74,16 +51,16 @@ int run(const Args& a) {
   for (size_t k = 0; k < deepstack.size(); ++k) ours.push_back({"deepstack." + std::to_string(k), &deepstack[k]});
   const int width = m.config.out_hidden;
   for (const auto& [name, v] : ours) {
-    const Diff d = diff(*v, need(name), width, name);
+    const auto d = qwen3vl::embedding_error(*v, need(name), width);
     std::string hf = "-", ratio = "-";
-    nlohmann::ordered_json row = {{"output", name}, {"rel_l2", d.rel_l2}, {"mean_cosine", d.cosine}};
+    nlohmann::ordered_json row = {{"output", name}, {"rel_l2", d.rel_l2}, {"mean_cosine", d.mean_cosine}};
     if (g.find(name + ".bf16")) {
-      const Diff h = diff(g.find(name + ".bf16")->to_float(), need(name), width, name + ".bf16");
+      const auto h = qwen3vl::embedding_error(g.find(name + ".bf16")->to_float(), need(name), width);
       hf = fmt::format("{:.3e}", h.rel_l2);
       ratio = fmt::format("{:.2f}", d.rel_l2 / h.rel_l2);
       row["transformers_bf16_rel_l2"] = h.rel_l2;
     }
-    fmt::print("{:<12} | {:>14.3e} | {:>12.6f} | {:>18} | {:>12}\n", name, d.rel_l2, d.cosine, hf, ratio);
+    fmt::print("{:<12} | {:>14.3e} | {:>12.6f} | {:>18} | {:>12}\n", name, d.rel_l2, d.mean_cosine, hf, ratio);
     rows.push_back(row);
     if (!std::isfinite(d.rel_l2)) fail("check-golden: fovea's '{}' has non-finite values", name);
   }

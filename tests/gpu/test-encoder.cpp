@@ -15,29 +15,6 @@ using namespace fovea::qwen3vl;
 
 namespace {
 
-struct Stats {
-  double rel_l2 = 0, cosine = 0;
-};
-
-Stats stats(const std::vector<float>& a, const std::vector<float>& b, int width) {
-  double num = 0, den = 0, cos_sum = 0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    if (!std::isfinite(a[i])) return {NAN, NAN};
-    num += (double(a[i]) - b[i]) * (double(a[i]) - b[i]);
-    den += double(b[i]) * b[i];
-  }
-  const size_t rows = a.size() / size_t(width);
-  for (size_t r = 0; r < rows; ++r) {
-    double ab = 0, aa = 0, bb = 0;
-    for (int i = 0; i < width; ++i) {
-      const double x = a[r * width + i], y = b[r * width + i];
-      ab += x * y, aa += x * x, bb += y * y;
-    }
-    cos_sum += ab / std::sqrt(aa * bb);
-  }
-  return {std::sqrt(num / den), cos_sum / double(rows)};
-}
-
 Model two_block_8b() {
   VisionConfig c = *synthetic_config("synthetic:qwen3-vl-8b");
   c.depth = 2;
@@ -80,14 +57,14 @@ TEST(EncoderGpu, Bf16AndFp8MatchTheCpuReference) {
     const auto merged = enc.merged(nullptr);
     const auto ds = enc.deepstack(nullptr);
     ASSERT_EQ(ds.size(), ref.deepstack.size());
-    const Stats s = stats(merged, ref.merged, O);
-    std::printf("%s merged: rel_l2 %.3e, mean cosine %.6f\n", dtype_name(dt), s.rel_l2, s.cosine);
+    const auto s = embedding_error(merged, ref.merged, O);
+    std::printf("%s merged: rel_l2 %.3e, mean cosine %.6f\n", dtype_name(dt), s.rel_l2, s.mean_cosine);
     const double tol = dt == AttnDtype::BF16 ? 3e-2 : 8e-2;
     EXPECT_LT(s.rel_l2, tol);
-    EXPECT_GT(s.cosine, dt == AttnDtype::BF16 ? 0.999 : 0.996);
+    EXPECT_GT(s.mean_cosine, dt == AttnDtype::BF16 ? 0.999 : 0.996);
     for (size_t k = 0; k < ds.size(); ++k) {
-      const Stats d = stats(ds[k], ref.deepstack[k], O);
-      std::printf("%s deepstack %zu: rel_l2 %.3e, mean cosine %.6f\n", dtype_name(dt), k, d.rel_l2, d.cosine);
+      const auto d = embedding_error(ds[k], ref.deepstack[k], O);
+      std::printf("%s deepstack %zu: rel_l2 %.3e, mean cosine %.6f\n", dtype_name(dt), k, d.rel_l2, d.mean_cosine);
       EXPECT_LT(d.rel_l2, tol);
     }
     if (dt == AttnDtype::FP8) {

@@ -120,6 +120,24 @@ void vision_rope_tables(const std::vector<GridThw>& grids, int head_dim, std::ve
     }
 }
 
+EmbeddingError embedding_error(const std::vector<float>& out, const std::vector<float>& ref, int width) {
+  if (out.size() != ref.size() || width <= 0 || out.size() % size_t(width) != 0)
+    fail("embedding_error: {} values against {} (width {})", out.size(), ref.size(), width);
+  double num = 0, den = 0, cos_sum = 0;
+  const size_t rows = out.size() / size_t(width);
+  for (size_t r = 0; r < rows; ++r) {
+    double ab = 0, aa = 0, bb = 0;
+    for (int i = 0; i < width; ++i) {
+      const double x = out[r * width + i], y = ref[r * width + i];
+      num += (x - y) * (x - y);
+      den += y * y;
+      ab += x * y, aa += x * x, bb += y * y;
+    }
+    cos_sum += ab / std::sqrt(aa * bb);
+  }
+  return {std::sqrt(num / den), rows ? cos_sum / double(rows) : 0.0};
+}
+
 ForwardResult forward_cpu(const Model& m, const std::vector<float>& pixels, const std::vector<GridThw>& grids,
                           const ForwardOptions& opt) {
   const VisionConfig& c = m.config;
