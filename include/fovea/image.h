@@ -25,8 +25,13 @@ struct PreprocessConfig {
   int64_t max_image_pixels = int64_t(1) << 28;  // decompression-bomb guard: header pixels above this are refused
 };
 
-// preprocessor_config.json of a checkpoint folder; the shipped Qwen3-VL defaults when absent.
-PreprocessConfig load_preprocess_config(const std::string& folder);
+// The preprocessing of a model: its folder's preprocessor_config.json, or the shipped Qwen3-VL
+// defaults when the model is synthetic:<preset> or the file is absent.
+PreprocessConfig load_preprocess_config(const std::string& model);
+
+// The image files (.jpg .jpeg .png .bmp .gif, any case) of a folder, sorted; throws if the folder
+// does not exist or has none. `what` names the flag in the error.
+std::vector<std::string> list_images(const std::string& folder, const std::string& what);
 
 // Decodes an image file (or bytes) to RGB: grey is replicated, palette expanded, alpha composited
 // over white. `name` is used in error messages.

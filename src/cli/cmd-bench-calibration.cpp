@@ -26,25 +26,14 @@ struct Args {
 };
 
 int run(const Args& a) {
-  namespace fs = std::filesystem;
-  std::error_code ec;
-  if (!fs::is_directory(a.path, ec)) fail("--dataset-path '{}' is not a folder", a.path);
-  std::vector<std::string> files;
-  for (const auto& e : fs::directory_iterator(a.path)) {
-    std::string ext = e.path().extension().string();
-    for (auto& c : ext) c = char(std::tolower(static_cast<unsigned char>(c)));
-    if (e.is_regular_file() && (ext == ".jpg" || ext == ".jpeg" || ext == ".png" || ext == ".bmp" || ext == ".gif"))
-      files.push_back(e.path().string());
-  }
-  std::sort(files.begin(), files.end());
+  const std::vector<std::string> files = image::list_images(a.path, "--dataset-path");
   if (a.calibration_images < 1) fail("--calibration-images must be >= 1");
   if (int(files.size()) <= a.calibration_images)
     fail("--dataset-path '{}' has {} images; need more than --calibration-images {} to hold some out", a.path,
          files.size(), a.calibration_images);
   const SystemInfo sys = query_system();
   const qwen3vl::Model model = qwen3vl::load_model(a.model);
-  image::PreprocessConfig pcfg =
-      fs::is_directory(a.model, ec) ? image::load_preprocess_config(a.model) : image::PreprocessConfig{};
+  image::PreprocessConfig pcfg = image::load_preprocess_config(a.model);
   if (a.max_pixels > 0) pcfg.max_pixels = a.max_pixels;
   auto load = [&](const std::string& f, std::vector<float>& px, std::vector<qwen3vl::GridThw>& g) {
     auto p = image::preprocess(image::decode_file(f, pcfg), pcfg);
@@ -62,9 +51,8 @@ int run(const Args& a) {
   // 1. Calibrate on the first images, cycling through them until 16 forwards have run.
   {
     const EngineConfig cfg = config("fp8", "", a.scale_path);
-    ScaleBook book = make_scale_book(cfg, model.config.depth);
-    EncoderRunner runner(model, cfg, &book);
-    for (int i = 0; !book.calibration_written(); ++i) {
+    EncoderRunner runner(model, cfg);
+    for (int i = 0; !runner.book()->calibration_written(); ++i) {
       std::vector<float> px;
       std::vector<qwen3vl::GridThw> g;
       load(files[size_t(i % a.calibration_images)], px, g);
@@ -76,8 +64,7 @@ int run(const Args& a) {
 
   // 2. The held-out images: BF16 reference, FP8 dynamic, FP8 static.
   const EngineConfig bf = config("bf16", "", ""), dyn = config("fp8", "", ""), st = config("fp8", a.scale_path, "");
-  ScaleBook dyn_book = make_scale_book(dyn, model.config.depth), st_book = make_scale_book(st, model.config.depth);
-  EncoderRunner r_bf(model, bf, nullptr), r_dyn(model, dyn, &dyn_book), r_st(model, st, &st_book);
+  EncoderRunner r_bf(model, bf), r_dyn(model, dyn), r_st(model, st);
   const int O = model.config.out_hidden;
   fmt::print("{:<40} | {:>7} | {:>12} | {:>12} | {:>12} | {:>12}\n", "held-out image", "tokens", "dyn cosine", "dyn rel_l2",
              "static cos", "static rel_l2");

@@ -75,9 +75,7 @@ int run(const Args& a) {
     }
   }
   const qwen3vl::Model model = qwen3vl::load_model(a.model);
-  std::error_code ec;
-  image::PreprocessConfig pcfg =
-      std::filesystem::is_directory(a.model, ec) ? image::load_preprocess_config(a.model) : image::PreprocessConfig{};
+  image::PreprocessConfig pcfg = image::load_preprocess_config(a.model);
   if (a.max_pixels > 0) pcfg.max_pixels = a.max_pixels;
 
   // The dataset: file names (folder) or one random image size (random-mm).
@@ -85,15 +83,7 @@ int run(const Args& a) {
   int rh = 0, rw = 0;
   if (a.dataset == "folder") {
     if (a.path.empty()) fail("--dataset-name folder needs --dataset-path");
-    if (!std::filesystem::is_directory(a.path, ec)) fail("--dataset-path '{}' is not a folder", a.path);
-    for (const auto& e : std::filesystem::directory_iterator(a.path)) {
-      std::string ext = e.path().extension().string();
-      std::transform(ext.begin(), ext.end(), ext.begin(), ::tolower);
-      if (e.is_regular_file() && (ext == ".jpg" || ext == ".jpeg" || ext == ".png" || ext == ".bmp" || ext == ".gif"))
-        files.push_back(e.path().string());
-    }
-    std::sort(files.begin(), files.end());
-    if (files.empty()) fail("--dataset-path '{}' has no .jpg/.jpeg/.png/.bmp/.gif files", a.path);
+    files = image::list_images(a.path, "--dataset-path");
   } else if (a.dataset == "random-mm") {
     if (std::sscanf(a.random_size.c_str(), "%dx%d", &rh, &rw) != 2 || rh < 1 || rw < 1)
       fail("--random-mm-size '{}' is not HxW", a.random_size);
@@ -101,9 +91,8 @@ int run(const Args& a) {
     fail("--dataset-name: '{}' is not one of random-mm, folder", a.dataset);
   }
 
-  std::optional<ScaleBook> book;
-  if (cfg.dtype == AttnDtype::FP8) book = make_scale_book(cfg, model.config.depth);
-  EncoderRunner runner(model, cfg, book ? &*book : nullptr);
+  EncoderRunner runner(model, cfg);
+  const ScaleBook* book = runner.book();
   std::vector<double> t_decode, t_pre, t_fwd, t_total;
   std::mt19937 rng(1234);
   const int total = a.warmups + a.prompts;

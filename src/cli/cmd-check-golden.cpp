@@ -39,9 +39,9 @@ int run(const Args& a) {
   std::vector<qwen3vl::GridThw> grids;
   for (size_t i = 0; i + 2 < grid.size(); i += 3) grids.push_back({int(grid[i]), int(grid[i + 1]), int(grid[i + 2])});
 
-  std::optional<ScaleBook> book;
-  if (cfg.dtype == AttnDtype::FP8) book = make_scale_book(cfg, m.config.depth);
-  auto [merged, deepstack] = EncoderRunner(m, cfg, book ? &*book : nullptr).run(pixels, grids);
+  EncoderRunner runner(m, cfg);
+  auto [merged, deepstack] = runner.run(pixels, grids);
+  const ScaleBook* book = runner.book();
   fmt::print("fovea check-golden | {} | {} | device {} | {} attention{}\n", a.model, a.golden, device_name(cfg.device),
              dtype_name(cfg.dtype), book ? fmt::format(" ({} scales)", scale_mode_name(book->mode())) : "");
   fmt::print("{:<12} | {:>14} | {:>12} | {:>18} | {:>12}\n", "output", "rel_l2 vs ref", "mean cosine",

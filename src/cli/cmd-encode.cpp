@@ -48,9 +48,7 @@ int run(const Args& a) {
   auto t0 = clock_type::now();
   const qwen3vl::Model model = qwen3vl::load_model(a.model);
   const double load_ms = ms_since(t0);
-  std::error_code ec;
-  image::PreprocessConfig pcfg =
-      std::filesystem::is_directory(a.model, ec) ? image::load_preprocess_config(a.model) : image::PreprocessConfig{};
+  image::PreprocessConfig pcfg = image::load_preprocess_config(a.model);
   pcfg.max_image_pixels = a.max_image_pixels;
   if (a.min_pixels > 0) pcfg.min_pixels = a.min_pixels;
   if (a.max_pixels > 0) pcfg.max_pixels = a.max_pixels;
@@ -89,10 +87,8 @@ int run(const Args& a) {
   }
   if (ok.empty()) fail("encode: none of the {} image(s) could be read", n);
 
-  std::optional<ScaleBook> book;
-  if (cfg.dtype == AttnDtype::FP8) book = make_scale_book(cfg, model.config.depth);
   const auto tf = clock_type::now();
-  auto [merged, deepstack] = EncoderRunner(model, cfg, book ? &*book : nullptr).run(pixels, grids);
+  auto [merged, deepstack] = EncoderRunner(model, cfg).run(pixels, grids);
   const double forward_ms = ms_since(tf);
 
   // Per image: its rows of the merged tokens and of each deepstack output.

@@ -14,11 +14,11 @@ struct EncoderRunner::Gpu {
 #endif
 };
 
-EncoderRunner::EncoderRunner(const qwen3vl::Model& m, const EngineConfig& cfg, ScaleBook* book)
-    : model_(m), cfg_(cfg), book_(book) {
+EncoderRunner::EncoderRunner(const qwen3vl::Model& m, const EngineConfig& cfg) : model_(m), cfg_(cfg) {
+  if (cfg.dtype == AttnDtype::FP8) book_ = make_scale_book(cfg, m.config.depth);
   if (cfg.device == Device::CUDA) {
 #if FOVEA_HAVE_CUDA
-    gpu_ = std::make_unique<Gpu>(m, qwen3vl::cuda::EncoderOptions{cfg.dtype, book});
+    gpu_ = std::make_unique<Gpu>(m, qwen3vl::cuda::EncoderOptions{cfg.dtype, book()});
 #else
     fail("--device cuda: this fovea was built without CUDA");
 #endif
@@ -32,7 +32,7 @@ EncoderOutputs EncoderRunner::run(const std::vector<float>& pixels, const std::v
   if (!gpu_) {
     qwen3vl::ForwardOptions o;
     o.attention = cfg_.dtype == AttnDtype::FP8 ? cpu::RefMode::FP8 : cpu::RefMode::BF16;
-    o.scales = book_;
+    o.scales = book();
     auto r = qwen3vl::forward_cpu(model_, pixels, grids, o);
     out.merged = std::move(r.merged);
     out.deepstack = std::move(r.deepstack);

@@ -3,6 +3,7 @@
 // Used by encode, check-golden and bench mm-processor.
 #pragma once
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "fovea/engine.h"
@@ -17,16 +18,18 @@ struct EncoderOutputs {
 
 class EncoderRunner {
  public:
-  // `book`: the FP8 scale book (make_scale_book), null for BF16; every run() advances calibration.
-  EncoderRunner(const qwen3vl::Model& m, const EngineConfig& cfg, ScaleBook* book);
+  // FP8 engines get the scale book make_scale_book() gives (dynamic, static or calibrating); every
+  // run() advances calibration.
+  EncoderRunner(const qwen3vl::Model& m, const EngineConfig& cfg);
   ~EncoderRunner();
   EncoderOutputs run(const std::vector<float>& pixels, const std::vector<qwen3vl::GridThw>& grids);
+  ScaleBook* book() { return book_ ? &*book_ : nullptr; }  // null for BF16
 
  private:
   struct Gpu;
   const qwen3vl::Model& model_;
   EngineConfig cfg_;
-  ScaleBook* book_;
+  std::optional<ScaleBook> book_;
   std::unique_ptr<Gpu> gpu_;
 };
 

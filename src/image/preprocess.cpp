@@ -1,4 +1,6 @@
 // smart_resize, the antialiased bicubic resize, normalization and patchify (spec §2.2-§2.5).
+#include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <filesystem>
 
@@ -10,10 +12,26 @@
 
 namespace fovea::image {
 
-PreprocessConfig load_preprocess_config(const std::string& folder) {
-  PreprocessConfig c;
-  const std::string path = (std::filesystem::path(folder) / "preprocessor_config.json").string();
+std::vector<std::string> list_images(const std::string& folder, const std::string& what) {
   std::error_code ec;
+  if (!std::filesystem::is_directory(folder, ec)) fail("{} '{}' is not a folder", what, folder);
+  std::vector<std::string> files;
+  for (const auto& e : std::filesystem::directory_iterator(folder)) {
+    std::string ext = e.path().extension().string();
+    for (auto& c : ext) c = char(std::tolower(static_cast<unsigned char>(c)));
+    if (e.is_regular_file() && (ext == ".jpg" || ext == ".jpeg" || ext == ".png" || ext == ".bmp" || ext == ".gif"))
+      files.push_back(e.path().string());
+  }
+  std::sort(files.begin(), files.end());
+  if (files.empty()) fail("{} '{}' has no .jpg/.jpeg/.png/.bmp/.gif files", what, folder);
+  return files;
+}
+
+PreprocessConfig load_preprocess_config(const std::string& model) {
+  PreprocessConfig c;
+  std::error_code ec;
+  if (!std::filesystem::is_directory(model, ec)) return c;  // synthetic:<preset>: the shipped defaults
+  const std::string path = (std::filesystem::path(model) / "preprocessor_config.json").string();
   if (!std::filesystem::exists(path, ec)) return c;  // the shipped defaults
   nlohmann::json j;
   try {
