@@ -7,4 +7,4 @@ cd "$(dirname "$0")/.."
 scripts/setup.sh
 cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release
 cmake --build build -j "$(nproc)"
-ctest --test-dir build -LE gpu --output-on-failure -j "$(nproc)"
+ctest --test-dir build -LE "gpu|photos" --output-on-failure -j "$(nproc)"

@@ -28,8 +28,8 @@ struct Golden {
   std::map<std::string, std::vector<float>> out;
 };
 
-Golden load_golden() {
-  const Checkpoint ck = Checkpoint::open(kTiny + "/golden.safetensors");
+Golden load_golden(const std::string& path = kTiny + "/golden.safetensors") {
+  const Checkpoint ck = Checkpoint::open(path);
   Golden g;
   g.pixels = ck.find("pixel_values")->to_float();
   const auto grid = ck.find("grid_thw")->to_float();
@@ -147,6 +147,24 @@ TEST(EncoderConformance, TinyMatchesTransformers) {
     const double e = rel_l2(*ours[name], want);
     std::printf("%-12s rel_l2 vs transformers %.3e\n", name.c_str(), e);
     EXPECT_LT(e, 1e-5) << name;  // fp32 against fp32: only summation order differs
+  }
+}
+
+// The 8B shapes (hd 72, intermediate 4304, 4096-wide mergers) cut to two blocks, with fovea's
+// synthetic weights exported and loaded by transformers (tools/make-golden.py --model, fp32, TF32 off).
+// The file also holds transformers' own BF16 outputs ("<name>.bf16"), printed for scale.
+TEST(EncoderConformance, EightBShapesTwoBlocksMatchTransformers) {
+  const Model m = load_model("synthetic:qwen3-vl-8b-2blocks");
+  const Golden g = load_golden(std::string(FOVEA_TEST_DATA) + "/qwen3vl-8b-2blocks/golden.safetensors");
+  const ForwardResult r = forward_cpu(m, g.pixels, g.grids, {});
+  std::map<std::string, const std::vector<float>*> ours = {{"merged", &r.merged}};
+  for (size_t k = 0; k < r.deepstack.size(); ++k) ours["deepstack." + std::to_string(k)] = &r.deepstack[k];
+  for (const auto& [name, v] : ours) {
+    ASSERT_TRUE(g.out.count(name)) << name;
+    const double e = rel_l2(*v, g.out.at(name));
+    const double hf_bf16 = g.out.count(name + ".bf16") ? rel_l2(g.out.at(name + ".bf16"), g.out.at(name)) : NAN;
+    std::printf("%-12s rel_l2 vs transformers fp32 %.3e (transformers bf16: %.3e)\n", name.c_str(), e, hf_bf16);
+    EXPECT_LT(e, 1e-5) << name;
   }
 }
 

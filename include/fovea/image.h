@@ -33,8 +33,9 @@ PreprocessConfig load_preprocess_config(const std::string& model);
 // does not exist or has none. `what` names the flag in the error.
 std::vector<std::string> list_images(const std::string& folder, const std::string& what);
 
-// Decodes an image file (or bytes) to RGB: grey is replicated, palette expanded, alpha composited
-// over white. `name` is used in error messages.
+// Decodes an image file (or bytes) to RGB as transformers' processor sees it (PIL's convert("RGB")):
+// grey is replicated, palette expanded, alpha dropped (not composited), a GIF's transparent pixels
+// take their palette colour. `name` is used in error messages.
 Rgb8 decode_file(const std::string& path, const PreprocessConfig& cfg = {});
 Rgb8 decode_memory(const std::vector<uint8_t>& bytes, const std::string& name, const PreprocessConfig& cfg = {});
 
@@ -42,8 +43,8 @@ Rgb8 decode_memory(const std::vector<uint8_t>& bytes, const std::string& name, c
 std::pair<int, int> smart_resize(int height, int width, int factor, int64_t min_pixels, int64_t max_pixels);
 
 // Antialiased bicubic resize of a uint8 image to (out_h, out_w): separable (horizontal pass, then
-// vertical), Keys cubic with a = -0.5, support 2 x scale when shrinking, fixed-point weights and a
-// uint8-rounded intermediate, as Pillow and torchvision's uint8 path compute it.
+// vertical), Keys cubic with a = -0.5, support 2 x scale when shrinking, int16 fixed-point weights and
+// a uint8-rounded intermediate, as torch's uint8 path (under torchvision's resize) computes it.
 Rgb8 resize_bicubic(const Rgb8& in, int out_h, int out_w);
 
 struct Patches {

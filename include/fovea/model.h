@@ -30,7 +30,8 @@ struct VisionConfig {
 
 // `vision_config` of a config.json (a full Qwen3-VL / Qwen3.5 config, or the vision config alone).
 VisionConfig parse_config(const std::string& json_text, const std::string& where);
-// Built-in presets: "synthetic:tiny", "synthetic:qwen3-vl-2b", "synthetic:qwen3-vl-8b".
+// Built-in presets: "synthetic:tiny", "synthetic:qwen3-vl-2b", "synthetic:qwen3-vl-8b", and
+// "synthetic:qwen3-vl-8b-2blocks" (the 8B shapes cut to two blocks, both deepstack taps).
 std::optional<VisionConfig> synthetic_config(const std::string& spec);
 std::vector<std::string> synthetic_names();
 

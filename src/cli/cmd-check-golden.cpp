@@ -21,6 +21,7 @@ namespace {
 
 struct Args {
   std::string model, golden, json_path;
+  double require_ratio = 0;  // > 0: fail when fovea's error exceeds this x transformers BF16's
   EngineOptions engine;
 };
 
@@ -29,6 +30,8 @@ int run(const Args& a) {
   const EngineConfig cfg = resolve_engine(a.engine, sys);
   const qwen3vl::Model m = qwen3vl::load_model(a.model);
   const Checkpoint g = Checkpoint::open(a.golden);
+  if (a.require_ratio > 0 && !g.find("merged.bf16"))
+    fail("check-golden: --require-ratio needs transformers' BF16 outputs ('merged.bf16') in '{}'", a.golden);
   auto need = [&](const std::string& name) {
     const TensorInfo* t = g.find(name);
     if (!t) fail("check-golden: '{}' has no tensor '{}'", a.golden, name);
@@ -50,6 +53,7 @@ int run(const Args& a) {
   std::vector<std::pair<std::string, const std::vector<float>*>> ours = {{"merged", &merged}};
   for (size_t k = 0; k < deepstack.size(); ++k) ours.push_back({"deepstack." + std::to_string(k), &deepstack[k]});
   const int width = m.config.out_hidden;
+  std::vector<std::string> over;
   for (const auto& [name, v] : ours) {
     const auto d = qwen3vl::embedding_error(*v, need(name), width);
     std::string hf = "-", ratio = "-";
@@ -59,6 +63,7 @@ int run(const Args& a) {
       hf = fmt::format("{:.3e}", h.rel_l2);
       ratio = fmt::format("{:.2f}", d.rel_l2 / h.rel_l2);
       row["transformers_bf16_rel_l2"] = h.rel_l2;
+      if (a.require_ratio > 0 && !(d.rel_l2 <= a.require_ratio * h.rel_l2)) over.push_back(name);
     }
     fmt::print("{:<12} | {:>14.3e} | {:>12.6f} | {:>18} | {:>12}\n", name, d.rel_l2, d.mean_cosine, hf, ratio);
     rows.push_back(row);
@@ -69,6 +74,9 @@ int run(const Args& a) {
                                         {"dtype", dtype_name(cfg.dtype)}, {"outputs", rows}};
     write_file_atomic(a.json_path, doc.dump(2) + "\n", "--json");
   }
+  if (!over.empty())
+    fail("check-golden: fovea's error exceeds {} x transformers BF16's on {} (of {} outputs)", a.require_ratio,
+         fmt::join(over, ", "), ours.size());
   return 0;
 }
 
@@ -80,6 +88,9 @@ void add_check_golden(CLI::App& app, Runner& runner) {
   cmd->add_option("MODEL", a->model, "checkpoint folder or synthetic:<preset>")->required();
   cmd->add_option("GOLDEN", a->golden, "safetensors file from tools/make-golden.py")->required();
   cmd->add_option("--json", a->json_path, "write the results as JSON to this file");
+  cmd->add_option("--require-ratio", a->require_ratio,
+                  "exit 1 when fovea's rel. error on any output exceeds this multiple of transformers BF16's (e.g. 1.5)")
+      ->check(CLI::PositiveNumber);
   add_engine_flags(cmd, a->engine);
   cmd->callback([&runner, a] { runner = [a] { return run(*a); }; });
 }

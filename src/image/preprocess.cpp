@@ -90,47 +90,53 @@ double cubic(double x) {
   return 0;
 }
 
-constexpr int kPrecisionBits = 32 - 8 - 2;
-
 struct Taps {
   std::vector<int> start, count;
-  std::vector<int32_t> weights;  // fixed point, `ksize` per output
-  int ksize = 0;
+  std::vector<int32_t> weights;  // fixed point with `precision` fraction bits, `ksize` per output
+  int ksize = 0, precision = 0;
 };
 
-// Per output pixel: the input range and normalized fixed-point weights (Pillow's precompute_coeffs).
+// Per output pixel: the input range and normalized weights, rounded to int16 with as many fraction
+// bits as the largest weight allows (torch's uint8 antialiased path, which transformers'
+// torchvision backend runs: Pillow's precompute_coeffs with int16 instead of 22-bit weights).
 Taps taps(int in_size, int out_size) {
   const double scale = double(in_size) / out_size;
-  const double filterscale = std::max(scale, 1.0);
-  const double support = 2.0 * filterscale;
+  const double support = 2.0 * std::max(scale, 1.0);
+  const double invscale = scale >= 1.0 ? 1.0 / scale : 1.0;
   Taps t;
   t.ksize = int(std::ceil(support)) * 2 + 1;
   t.start.resize(size_t(out_size));
   t.count.resize(size_t(out_size));
-  t.weights.assign(size_t(out_size) * t.ksize, 0);
-  std::vector<double> k(size_t(t.ksize));
+  std::vector<double> w(size_t(out_size) * t.ksize, 0.0);
+  double wmax = 0;
   for (int o = 0; o < out_size; ++o) {
     const double center = (o + 0.5) * scale;
-    int xmin = int(center - support + 0.5);
-    if (xmin < 0) xmin = 0;
-    int xmax = int(center + support + 0.5);
-    if (xmax > in_size) xmax = in_size;
-    xmax -= xmin;
-    double ww = 0;
-    for (int x = 0; x < xmax; ++x) ww += k[size_t(x)] = cubic((x + xmin - center + 0.5) / filterscale);
-    for (int x = 0; x < xmax; ++x) {
-      const double v = ww != 0 ? k[size_t(x)] / ww : 0;
-      t.weights[size_t(o) * t.ksize + x] = int32_t(v * (1 << kPrecisionBits) + (v < 0 ? -0.5 : 0.5));
+    const int xmin = std::max(int(center - support + 0.5), 0);
+    const int xcount = std::min(int(center + support + 0.5), in_size) - xmin;
+    double* k = w.data() + size_t(o) * t.ksize;
+    double total = 0;
+    for (int x = 0; x < xcount; ++x) total += k[x] = cubic((x + xmin - center + 0.5) * invscale);
+    for (int x = 0; x < xcount; ++x) {
+      if (total != 0) k[x] /= total;
+      wmax = std::max(wmax, k[x]);
     }
     t.start[size_t(o)] = xmin;
-    t.count[size_t(o)] = xmax;
+    t.count[size_t(o)] = xcount;
   }
+  while (t.precision < 22 && int(0.5 + wmax * double(1 << (t.precision + 1))) < (1 << 15)) ++t.precision;
+  t.weights.resize(w.size());
+  for (size_t i = 0; i < w.size(); ++i)
+    t.weights[i] = int16_t(w[i] * double(1 << t.precision) + (w[i] < 0 ? -0.5 : 0.5));
   return t;
 }
 
-uint8_t clip8(int64_t v) {
-  v >>= kPrecisionBits;
-  return uint8_t(v < 0 ? 0 : v > 255 ? 255 : v);
+// One output value: the rounded, clamped fixed-point dot product of a tap row with `n` inputs
+// `stride` apart.
+uint8_t convolve(const uint8_t* in, size_t stride, const int32_t* w, int n, int precision) {
+  int32_t ss = 1 << (precision - 1);
+  for (int i = 0; i < n; ++i) ss += int32_t(in[size_t(i) * stride]) * w[i];
+  ss >>= precision;
+  return uint8_t(ss < 0 ? 0 : ss > 255 ? 255 : ss);
 }
 
 }  // namespace
@@ -148,12 +154,10 @@ Rgb8 resize_bicubic(const Rgb8& in, int out_h, int out_w) {
     const Taps t = taps(in.width, out_w);
     for (int y = 0; y < in.height; ++y)
       for (int x = 0; x < out_w; ++x)
-        for (int c = 0; c < 3; ++c) {
-          int64_t ss = int64_t(1) << (kPrecisionBits - 1);
-          for (int i = 0; i < t.count[size_t(x)]; ++i)
-            ss += int64_t(in.data[(size_t(y) * in.width + t.start[size_t(x)] + i) * 3 + c]) * t.weights[size_t(x) * t.ksize + i];
-          mid.data[(size_t(y) * out_w + x) * 3 + c] = clip8(ss);
-        }
+        for (int c = 0; c < 3; ++c)
+          mid.data[(size_t(y) * out_w + x) * 3 + c] =
+              convolve(in.data.data() + (size_t(y) * in.width + t.start[size_t(x)]) * 3 + c, 3,
+                       t.weights.data() + size_t(x) * t.ksize, t.count[size_t(x)], t.precision);
   }
   if (out_h == in.height) return mid;
   Rgb8 out;
@@ -163,12 +167,10 @@ Rgb8 resize_bicubic(const Rgb8& in, int out_h, int out_w) {
   const Taps t = taps(in.height, out_h);
   for (int y = 0; y < out_h; ++y)
     for (int x = 0; x < out_w; ++x)
-      for (int c = 0; c < 3; ++c) {
-        int64_t ss = int64_t(1) << (kPrecisionBits - 1);
-        for (int i = 0; i < t.count[size_t(y)]; ++i)
-          ss += int64_t(mid.data[(size_t(t.start[size_t(y)] + i) * out_w + x) * 3 + c]) * t.weights[size_t(y) * t.ksize + i];
-        out.data[(size_t(y) * out_w + x) * 3 + c] = clip8(ss);
-      }
+      for (int c = 0; c < 3; ++c)
+        out.data[(size_t(y) * out_w + x) * 3 + c] =
+            convolve(mid.data.data() + (size_t(t.start[size_t(y)]) * out_w + x) * 3 + c, size_t(out_w) * 3,
+                     t.weights.data() + size_t(y) * t.ksize, t.count[size_t(y)], t.precision);
   return out;
 }
 

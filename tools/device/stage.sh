@@ -5,5 +5,9 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 cmake --build build
 rm -rf .device-bin && mkdir -p .device-bin
-cp build/fovea build/tests/test-attention-gpu build/tests/test-encoder-gpu build/tests/test-fp8-device .device-bin/
+cp build/fovea build/tests/test-attention-gpu build/tests/test-encoder-gpu build/tests/test-fp8-device \
+   build/tests/test-processor-golden .device-bin/
+# Shared libraries from Debian packages the GPU machine does not have (env.sh puts lib/ on the path).
+mkdir -p .device-bin/lib
+ldd build/fovea | awk '/libcpp-httplib|libbrotli/ {print $3}' | xargs -r cp -L -t .device-bin/lib
 du -sh .device-bin
