@@ -37,7 +37,7 @@ std::vector<uint8_t> encode(const std::string& kind, int w, int h, int comp, con
 }
 
 Rgb8 gradient(int w, int h) {
-  Rgb8 img{w, h, std::vector<uint8_t>(size_t(w) * h * 3)};
+  Rgb8 img{w, h, std::vector<uint8_t>(size_t(w) * h * 3), ""};
   for (int y = 0; y < h; ++y)
     for (int x = 0; x < w; ++x) {
       uint8_t* p = img.data.data() + (size_t(y) * w + x) * 3;
@@ -91,7 +91,7 @@ TEST(Patchify, RowsAndColumnsFollowTheSpecLayout) {
 }
 
 TEST(Resize, ConstantStaysConstantAndIdentityIsExact) {
-  Rgb8 flat{50, 40, std::vector<uint8_t>(50 * 40 * 3, 173)};
+  Rgb8 flat{50, 40, std::vector<uint8_t>(50 * 40 * 3, 173), ""};
   for (auto [h, w] : {std::pair{13, 17}, std::pair{96, 128}, std::pair{40, 50}}) {
     const Rgb8 r = resize_bicubic(flat, h, w);
     ASSERT_EQ(r.data.size(), size_t(h) * w * 3);
@@ -105,7 +105,7 @@ TEST(Resize, ConstantStaysConstantAndIdentityIsExact) {
 // passes (with their uint8 intermediate) stay within 1 level.
 TEST(Resize, AgreesWithAFloatReference) {
   std::mt19937 rng(5);
-  Rgb8 img{37, 29, std::vector<uint8_t>(37 * 29 * 3)};
+  Rgb8 img{37, 29, std::vector<uint8_t>(37 * 29 * 3), ""};
   for (auto& v : img.data) v = uint8_t(rng() % 256);
   auto cubic = [](double x) {
     x = std::fabs(x);
@@ -228,6 +228,51 @@ TEST(EncodeCli, EncodesTheGoodImagesAndReportsTheBadOne) {
 
 // bench calibration on the CPU: calibrates on two images, holds two out; static and dynamic FP8
 // both stay close to BF16 there, and the scale file is written.
+// Issue #5's bad inputs, all in one encode call beside two good images: each failure is reported
+// naming the file and the problem, the good images are still encoded, and the exit code is 1. A tiny
+// image is not an error: transformers 5.17's smart_resize upscales it to min_pixels, and so does fovea.
+TEST(EncodeCli, EveryBadInputIsNamedAndTheRestEncoded) {
+  TempDir dir;
+  const auto good = encode("png", 96, 64, 3, gradient(96, 64).data);
+  const auto jpg = encode("jpg", 64, 64, 3, gradient(64, 64).data);
+  const auto tiny = encode("png", 3, 2, 3, gradient(3, 2).data);
+  const auto wide = encode("png", 402, 2, 3, gradient(402, 2).data);  // 201:1
+  const auto big = encode("png", 300, 300, 3, gradient(300, 300).data);  // over --max-image-pixels
+  struct Case {
+    std::string path, expect;
+  };
+  const std::vector<Case> bad = {
+      {dir.write("zero.png", ""), "empty file"},
+      {dir.write("text.gif", "just some text"), "not a JPEG, PNG, BMP or GIF"},
+      {dir.write("cut.jpg", std::string(jpg.begin(), jpg.begin() + long(jpg.size() / 3))), "cut.jpg"},
+      {dir.write("wide.png", std::string(wide.begin(), wide.end())), "over 200:1"},
+      {dir.write("big.png", std::string(big.begin(), big.end())), "exceeds the limit of 50000"},
+      {dir.file("missing.bmp"), "missing.bmp"},
+      {[&] { fs::create_directories(dir.file("folder.png")); return dir.file("folder.png"); }(), "folder.png"},
+  };
+  const std::string a = dir.write("a.png", std::string(good.begin(), good.end()));
+  const std::string t = dir.write("tiny.png", std::string(tiny.begin(), tiny.end()));
+  std::string cmd = std::string("'") + FOVEA_BIN + "' encode synthetic:tiny --device cpu --max-image-pixels 50000 '" + a + "'";
+  for (const auto& c : bad) cmd += " '" + c.path + "'";
+  const std::string out = dir.file("out.safetensors"), err = dir.file("err.txt");
+  cmd += " '" + t + "' -o '" + out + "' >/dev/null 2>'" + err + "'";
+  const int status = std::system(cmd.c_str());
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 1);
+  std::ifstream ef(err);
+  const std::string errors((std::istreambuf_iterator<char>(ef)), std::istreambuf_iterator<char>());
+  for (const auto& c : bad) {
+    const size_t line = errors.find(fs::path(c.path).filename().string());
+    ASSERT_NE(line, std::string::npos) << c.path << " not named in:\n" << errors;
+    EXPECT_HAS(errors.substr(line, errors.find('\n', line) - line), c.expect);
+  }
+  EXPECT_HAS(errors, "7 of 9");
+  const Checkpoint ck = Checkpoint::open(out);
+  EXPECT_EQ(ck.find("image.0.grid_thw")->to_float(), (std::vector<float>{1, 14, 20}));  // 96x64 -> 320x224 (min_pixels)
+  EXPECT_EQ(ck.find("image.1.grid_thw")->to_float(), (std::vector<float>{1, 14, 20}));  // 3x2 -> 320x224
+  EXPECT_FALSE(ck.find("image.2.grid_thw"));
+}
+
 TEST(EncodeCli, CalibrationHoldsOnOtherImages) {
   TempDir dir;
   std::mt19937 rng(3);

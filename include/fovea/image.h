@@ -15,6 +15,7 @@ namespace fovea::image {
 struct Rgb8 {
   int width = 0, height = 0;
   std::vector<uint8_t> data;  // height x width x 3, row-major
+  std::string name;           // the file (or request part) it came from, for error messages
 };
 
 struct PreprocessConfig {
@@ -56,7 +57,7 @@ struct Patches {
 // a multiple of patch * merge on each side.
 Patches patchify(const Rgb8& img, const PreprocessConfig& cfg);
 
-// decode -> smart_resize -> resize -> patchify.
+// smart_resize -> resize -> patchify; errors name img.name when it is set.
 Patches preprocess(const Rgb8& img, const PreprocessConfig& cfg);
 
 }  // namespace fovea::image

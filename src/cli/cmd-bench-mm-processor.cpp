@@ -107,7 +107,7 @@ int run(const Args& a) {
       const auto t = clock_type::now();
       if (files.empty()) {
         std::mt19937 r(unsigned(rng() + unsigned(i)));
-        imgs[size_t(i)] = {rw, rh, std::vector<uint8_t>(size_t(rw) * rh * 3)};
+        imgs[size_t(i)] = {rw, rh, std::vector<uint8_t>(size_t(rw) * rh * 3), "random-mm"};
         for (auto& v : imgs[size_t(i)].data) v = uint8_t(r() & 255);
       } else {
         imgs[size_t(i)] = image::decode_file(names[size_t(i)], pcfg);

@@ -65,6 +65,7 @@ Rgb8 decode_memory(const std::vector<uint8_t>& bytes, const std::string& name, c
   Rgb8 out;
   out.width = w;
   out.height = h;
+  out.name = name;
   out.data.resize(size_t(w) * h * 3);
   const auto gif_colour = n == 4 ? gif_transparent_colour(bytes) : std::nullopt;
   for (size_t i = 0; i < size_t(w) * h; ++i) {

@@ -205,8 +205,13 @@ Patches patchify(const Rgb8& img, const PreprocessConfig& cfg) {
 }
 
 Patches preprocess(const Rgb8& img, const PreprocessConfig& cfg) {
-  const auto [h, w] = smart_resize(img.height, img.width, cfg.patch * cfg.merge, cfg.min_pixels, cfg.max_pixels);
-  return patchify(h == img.height && w == img.width ? img : resize_bicubic(img, h, w), cfg);
+  try {
+    const auto [h, w] = smart_resize(img.height, img.width, cfg.patch * cfg.merge, cfg.min_pixels, cfg.max_pixels);
+    return patchify(h == img.height && w == img.width ? img : resize_bicubic(img, h, w), cfg);
+  } catch (const Error& e) {
+    if (img.name.empty()) throw;
+    fail("image '{}': {}", img.name, e.what());
+  }
 }
 
 }  // namespace fovea::image
