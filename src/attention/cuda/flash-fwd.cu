@@ -18,6 +18,8 @@
 //       O += P V    wgmma m64n{hd}k{16|32}, P straight from registers (the FP8 k32 A fragment matches
 //                   the accumulator because V^T's keys are permuted by the prepare step: layout.cuh),
 //                   V^T K-major in shared memory with a 128-byte swizzle, N = head_dim exactly.
+//                   FP8 accumulates two-level: each block's PV in a fresh accumulator, added to O
+//                   in fp32 (kTwoLevel below: the FP8 wgmma's own accumulation is not fp32).
 //     Overlap: inside a warpgroup, softmax of block i runs while PV of block i-1 is on the tensor
 //     cores (O is rescaled after that PV lands); across warpgroups, GEMM issue is round-robin through
 //     named barriers (FlashAttention-3's ping-pong), so one warpgroup's softmax hides another's GEMMs.
@@ -92,17 +94,17 @@ __device__ __forceinline__ void mma_qk(float (&d)[64], uint64_t da, uint64_t db,
 }
 
 template <bool kFp8, int N>
-__device__ __forceinline__ void mma_pv(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t db) {
+__device__ __forceinline__ void mma_pv(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t db, int scale_d) {
   if constexpr (kFp8) {
-    if constexpr (N == 64) wgmma::wgmma_rs_e4m3_n64(d, a, db, 1);
-    else if constexpr (N == 72) wgmma::wgmma_rs_e4m3_n72(d, a, db, 1);
-    else if constexpr (N == 80) wgmma::wgmma_rs_e4m3_n80(d, a, db, 1);
-    else wgmma::wgmma_rs_e4m3_n128(d, a, db, 1);
+    if constexpr (N == 64) wgmma::wgmma_rs_e4m3_n64(d, a, db, scale_d);
+    else if constexpr (N == 72) wgmma::wgmma_rs_e4m3_n72(d, a, db, scale_d);
+    else if constexpr (N == 80) wgmma::wgmma_rs_e4m3_n80(d, a, db, scale_d);
+    else wgmma::wgmma_rs_e4m3_n128(d, a, db, scale_d);
   } else {
-    if constexpr (N == 64) wgmma::wgmma_rs_bf16_n64(d, a, db, 1);
-    else if constexpr (N == 72) wgmma::wgmma_rs_bf16_n72(d, a, db, 1);
-    else if constexpr (N == 80) wgmma::wgmma_rs_bf16_n80(d, a, db, 1);
-    else wgmma::wgmma_rs_bf16_n128(d, a, db, 1);
+    if constexpr (N == 64) wgmma::wgmma_rs_bf16_n64(d, a, db, scale_d);
+    else if constexpr (N == 72) wgmma::wgmma_rs_bf16_n72(d, a, db, scale_d);
+    else if constexpr (N == 80) wgmma::wgmma_rs_bf16_n80(d, a, db, scale_d);
+    else wgmma::wgmma_rs_bf16_n128(d, a, db, scale_d);
   }
 }
 
@@ -179,6 +181,14 @@ __global__ void __launch_bounds__(FlashCfg<kFp8, kHeadDim>::kThreads, 1)
   float sacc[64];
   uint32_t pa[kPSteps][4];  // P of the previous block, as wgmma A fragments
   float corr[2];
+  // FP8: Hopper's FP8 wgmma does not keep a full fp32 accumulator (SageAttention2 measured about 22
+  // bits), so adding every block's small PV share into one large running O loses precision in
+  // proportion to the number of blocks: with image-like V (alike neighbours) over 32768 keys the
+  // error was 4x the emulation's (tests/gpu: CorrelatedValuesMatchTheEmulation). Each block's PV
+  // therefore lands in a fresh accumulator (scale_d = 0 on its first k step) and is added to O in
+  // fp32, folded into the rescale: two-level accumulation. BF16 wgmma accumulates in fp32.
+  constexpr bool kTwoLevel = kFp8;
+  float opv[kHeadDim / 2];
 
   auto issue_qk = [&](int s) {
 #pragma unroll
@@ -194,7 +204,8 @@ __global__ void __launch_bounds__(FlashCfg<kFp8, kHeadDim>::kThreads, 1)
     for (int kc = 0; kc < kPSteps; ++kc) {
       const uint8_t* v = kFp8 ? sV + s * C::kVBytes + kc * 32
                               : sV + s * C::kVBytes + (kc / 4) * C::kVChunkBytes + (kc % 4) * 32;
-      mma_pv<kFp8, kHeadDim>(o, pa[kc], ptx::kmajor_desc(v, 1024, ptx::kSwizzle128B));
+      mma_pv<kFp8, kHeadDim>(kTwoLevel ? opv : o, pa[kc], ptx::kmajor_desc(v, 1024, ptx::kSwizzle128B),
+                             kTwoLevel ? int(kc > 0) : 1);
     }
     ptx::wgmma_commit();
   };
@@ -233,10 +244,12 @@ __global__ void __launch_bounds__(FlashCfg<kFp8, kHeadDim>::kThreads, 1)
 #pragma unroll
     for (int j = 0; j < kHeadDim / 8; ++j)
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        o[4 * j + 2 * r] *= corr[r];
-        o[4 * j + 2 * r + 1] *= corr[r];
-      }
+      for (int r = 0; r < 2; ++r)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          float& x = o[4 * j + 2 * r + e];
+          x = kTwoLevel ? (x + opv[4 * j + 2 * r + e]) * corr[r] : x * corr[r];
+        }
   };
   // P as the A operand (see layout.cuh for why FP8 needs no shuffle).
   auto pack_p = [&] {
@@ -302,6 +315,7 @@ __global__ void __launch_bounds__(FlashCfg<kFp8, kHeadDim>::kThreads, 1)
     softmax();
     ptx::wgmma_wait<0>();
     ptx::fence_regs(o);
+    if constexpr (kTwoLevel) ptx::fence_regs(opv);
     ptx::mbar_arrive(&empty[s_prev]);
     rescale_o();
     pack_p();
@@ -312,6 +326,11 @@ __global__ void __launch_bounds__(FlashCfg<kFp8, kHeadDim>::kThreads, 1)
   pass_turn(true);
   ptx::wgmma_wait<0>();
   ptx::fence_regs(o);
+  if constexpr (kTwoLevel) {
+    ptx::fence_regs(opv);
+#pragma unroll
+    for (int i = 0; i < kHeadDim / 2; ++i) o[i] += opv[i];
+  }
 
   // Epilogue: normalize, convert, store rows that belong to the segment.
   const float v_scale = kFp8 ? *p.v_scale : 1.f;
