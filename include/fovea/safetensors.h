@@ -55,5 +55,8 @@ struct TensorToWrite {
 };
 void write_safetensors(const std::string& path, const std::vector<TensorToWrite>& tensors,
                        const std::map<std::string, std::string>& metadata = {});
+// The same file's bytes, in memory (`fovea serve` replies with them); `name` is used in errors.
+std::string safetensors_bytes(const std::string& name, const std::vector<TensorToWrite>& tensors,
+                              const std::map<std::string, std::string>& metadata = {});
 
 }  // namespace fovea

@@ -4,7 +4,6 @@
 // prints tokens and per-stage times. Unreadable images are reported and skipped; the exit code says
 // whether any failed.
 #include <chrono>
-#include <cstring>
 #include <filesystem>
 #include <mutex>
 
@@ -34,12 +33,6 @@ struct Args {
 
 using clock_type = std::chrono::steady_clock;
 double ms_since(clock_type::time_point t) { return std::chrono::duration<double, std::milli>(clock_type::now() - t).count(); }
-
-TensorToWrite f32_tensor(const std::string& name, std::vector<int64_t> shape, const float* data, size_t n) {
-  TensorToWrite t{name, DType::F32, std::move(shape), std::vector<uint8_t>(n * 4)};
-  std::memcpy(t.bytes.data(), data, n * 4);
-  return t;
-}
 
 int run(const Args& a) {
   const SystemInfo sys = query_system();
@@ -102,15 +95,11 @@ int run(const Args& a) {
   for (size_t j = 0; j < ok.size(); ++j) {
     const size_t i = ok[j];
     const auto& g = grids[j];
-    const int64_t tokens = int64_t(g[0]) * g[1] * g[2] / 4;
-    const std::string p = "image." + std::to_string(j);
-    tensors.push_back(f32_tensor(p + ".embeddings", {tokens, O}, merged.data() + row * O, size_t(tokens * O)));
-    for (size_t k = 0; k < deepstack.size(); ++k)
-      tensors.push_back(f32_tensor(p + ".deepstack." + std::to_string(k), {tokens, O}, deepstack[k].data() + row * O,
-                                   size_t(tokens * O)));
-    const float gf[3] = {float(g[0]), float(g[1]), float(g[2])};
-    tensors.push_back(f32_tensor(p + ".grid_thw", {3}, gf, 3));
-    meta[p + ".file"] = a.images[i];
+    const int64_t tokens = image_tokens(model.config, g);
+    std::vector<const float*> ds;
+    for (const auto& d : deepstack) ds.push_back(d.data() + row * O);
+    append_image_tensors(tensors, j, g, tokens, int(O), merged.data() + row * O, ds);
+    meta["image." + std::to_string(j) + ".file"] = a.images[i];
     fmt::print("{:<5} {:<40} {:>14} {:>8} {:>10.1f} {:>12.1f}\n", j, a.images[i], fmt::format("({}, {}, {})", g[0], g[1], g[2]),
                tokens, decode_ms[i], prep_ms[i]);
     row += tokens;

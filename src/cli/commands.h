@@ -19,6 +19,7 @@ void add_scales(CLI::App& app, Runner& run);
 void add_export_model(CLI::App& app, Runner& run);
 void add_check_golden(CLI::App& app, Runner& run);
 void add_encode(CLI::App& app, Runner& run);
+void add_serve(CLI::App& app, Runner& run);
 void add_bench_attention(CLI::App* bench, Runner& run);
 void add_bench_encoder(CLI::App* bench, Runner& run);
 void add_bench_mm_processor(CLI::App* bench, Runner& run);

@@ -10,6 +10,7 @@ int main(int argc, char** argv) {
   app.set_version_flag("--version", "fovea " FOVEA_VERSION);
   fovea::cli::Runner run;
   fovea::cli::add_encode(app, run);
+  fovea::cli::add_serve(app, run);
   fovea::cli::add_info(app, run);
   fovea::cli::add_scales(app, run);
   fovea::cli::add_export_model(app, run);

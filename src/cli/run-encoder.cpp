@@ -1,6 +1,8 @@
 // EncoderRunner: the CPU or GPU encoder forward the engine configuration selects.
 #include "cli/run-encoder.h"
 
+#include <cstring>
+
 #include "cli/bench-cuda.h"
 #include "fovea/encoder.h"
 #include "fovea/error.h"
@@ -49,6 +51,39 @@ EncoderOutputs EncoderRunner::run(const std::vector<float>& pixels, const std::v
   out.deepstack = enc.deepstack(nullptr);
 #endif
   return out;
+}
+
+uint64_t EncoderRunner::nonfinite_amax() {
+  if (!book_ || book_->mode() == ScaleMode::STATIC) return 0;
+#if FOVEA_HAVE_CUDA
+  if (gpu_) gpu_->enc.sync_scales(nullptr);
+#endif
+  uint64_t n = 0;
+  for (int l = 0; l < book_->num_layers(); ++l) n += book_->nonfinite_count(l);
+  return n;
+}
+
+int64_t image_tokens(const qwen3vl::VisionConfig& c, const qwen3vl::GridThw& g) {
+  return int64_t(g[0]) * g[1] * g[2] / (int64_t(c.merge) * c.merge);
+}
+
+namespace {
+TensorToWrite f32_tensor(const std::string& name, std::vector<int64_t> shape, const float* data, size_t n) {
+  TensorToWrite t{name, DType::F32, std::move(shape), std::vector<uint8_t>(n * 4)};
+  std::memcpy(t.bytes.data(), data, n * 4);
+  return t;
+}
+}  // namespace
+
+void append_image_tensors(std::vector<TensorToWrite>& out, size_t j, const qwen3vl::GridThw& g, int64_t tokens,
+                          int out_hidden, const float* merged, const std::vector<const float*>& deepstack) {
+  const std::string p = "image." + std::to_string(j);
+  const size_t n = size_t(tokens) * size_t(out_hidden);
+  out.push_back(f32_tensor(p + ".embeddings", {tokens, out_hidden}, merged, n));
+  for (size_t k = 0; k < deepstack.size(); ++k)
+    out.push_back(f32_tensor(p + ".deepstack." + std::to_string(k), {tokens, out_hidden}, deepstack[k], n));
+  const float gf[3] = {float(g[0]), float(g[1]), float(g[2])};
+  out.push_back(f32_tensor(p + ".grid_thw", {3}, gf, 3));
 }
 
 }  // namespace fovea::cli

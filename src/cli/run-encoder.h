@@ -1,6 +1,6 @@
 // The encoder forward as the engine flags ask: CPU (reference forward with BF16 / FP8-emulated
 // attention) or GPU (cuda::Encoder, weights uploaded once), FP8 with the engine's scale book.
-// Used by encode, check-golden and bench mm-processor.
+// Used by encode, serve, check-golden and bench mm-processor.
 #pragma once
 #include <memory>
 #include <optional>
@@ -8,6 +8,7 @@
 
 #include "fovea/engine.h"
 #include "fovea/model.h"
+#include "fovea/safetensors.h"
 
 namespace fovea::cli {
 
@@ -24,6 +25,9 @@ class EncoderRunner {
   ~EncoderRunner();
   EncoderOutputs run(const std::vector<float>& pixels, const std::vector<qwen3vl::GridThw>& grids);
   ScaleBook* book() { return book_ ? &*book_ : nullptr; }  // null for BF16
+  // Non-finite amax values the scale book has ignored so far, all layers (0 for BF16 and static
+  // scales). On the GPU this copies the device rings into the book first (one small sync).
+  uint64_t nonfinite_amax();
 
  private:
   struct Gpu;
@@ -32,5 +36,14 @@ class EncoderRunner {
   std::optional<ScaleBook> book_;
   std::unique_ptr<Gpu> gpu_;
 };
+
+// Visual tokens (merger output rows) of one image: t*h*w / merge^2.
+int64_t image_tokens(const qwen3vl::VisionConfig& c, const qwen3vl::GridThw& g);
+
+// One image's tensors as `fovea encode -o` writes them and `fovea serve` returns them, appended to
+// `out`, all fp32: "image.<j>.embeddings" [tokens, out_hidden] from `merged` (the image's first row),
+// "image.<j>.deepstack.<k>" likewise from each of `deepstack`, and "image.<j>.grid_thw" [3].
+void append_image_tensors(std::vector<TensorToWrite>& out, size_t j, const qwen3vl::GridThw& g, int64_t tokens,
+                          int out_hidden, const float* merged, const std::vector<const float*>& deepstack);
 
 }  // namespace fovea::cli

@@ -283,8 +283,8 @@ Checkpoint Checkpoint::open(const std::string& path) {
   return ck;
 }
 
-void write_safetensors(const std::string& path, const std::vector<TensorToWrite>& tensors,
-                       const std::map<std::string, std::string>& metadata) {
+std::string safetensors_bytes(const std::string& path, const std::vector<TensorToWrite>& tensors,
+                              const std::map<std::string, std::string>& metadata) {
   nlohmann::ordered_json header = nlohmann::ordered_json::object();  // keeps the given tensor order
   if (!metadata.empty()) header["__metadata__"] = metadata;
   size_t offset = 0;
@@ -309,7 +309,12 @@ void write_safetensors(const std::string& path, const std::vector<TensorToWrite>
   out.reserve(8 + text.size() + offset);
   out += text;
   for (const TensorToWrite& t : tensors) out.append(reinterpret_cast<const char*>(t.bytes.data()), t.bytes.size());
-  write_file_atomic(path, out, "safetensors file");
+  return out;
+}
+
+void write_safetensors(const std::string& path, const std::vector<TensorToWrite>& tensors,
+                       const std::map<std::string, std::string>& metadata) {
+  write_file_atomic(path, safetensors_bytes(path, tensors, metadata), "safetensors file");
 }
 
 }  // namespace fovea

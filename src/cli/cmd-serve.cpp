@@ -1,0 +1,35 @@
+// fovea serve MODEL [--host 127.0.0.1] [--port 8000] [limits] [engine flags]: the HTTP encoder
+// service (src/server/). Runs until SIGINT or SIGTERM, then finishes the requests in flight.
+#include "cli/commands.h"
+#include "server/server.h"
+
+namespace fovea::cli {
+
+void add_serve(CLI::App& app, Runner& runner) {
+  auto* cmd = app.add_subcommand("serve", "HTTP encoder service: POST /v1/encode, /health, /v1/models, /metrics");
+  auto o = std::make_shared<server::ServeOptions>();
+  cmd->add_option("MODEL", o->model, "checkpoint folder or synthetic:<preset>")->required();
+  cmd->add_option("--host", o->host, "address to listen on")->capture_default_str();
+  cmd->add_option("--port", o->port, "port to listen on; 0 picks a free one (printed)")->capture_default_str();
+  cmd->add_option("--max-batch-tokens", o->max_batch_tokens,
+                  "visual tokens per encoder forward; requests are packed up to this, an image is never split")
+      ->capture_default_str();
+  cmd->add_option("--max-queue", o->max_queue, "requests waiting for the encoder; more are answered 503")
+      ->capture_default_str();
+  cmd->add_option("--max-body-bytes", o->max_body_bytes, "largest request body; larger is answered 413")
+      ->capture_default_str();
+  cmd->add_option("--max-images-per-request", o->max_images_per_request, "more images in one request are answered 400")
+      ->capture_default_str();
+  cmd->add_option("--max-image-pixels", o->max_image_pixels, "refuse images whose header claims more pixels")
+      ->capture_default_str();
+  cmd->add_option("--min-pixels", o->min_pixels, "resize budget: at least this many pixels (default: the checkpoint's)");
+  cmd->add_option("--max-pixels", o->max_pixels, "resize budget: at most this many pixels (default: the checkpoint's, 4096^2)");
+  cmd->add_option("--request-timeout", o->request_timeout_s, "seconds from request to reply; later is answered 504")
+      ->capture_default_str();
+  cmd->add_option("--threads", o->threads, "HTTP threads (each decodes the images of the request it handles)")
+      ->capture_default_str();
+  add_engine_flags(cmd, o->engine);
+  cmd->callback([&runner, o] { runner = [o] { return server::serve(*o); }; });
+}
+
+}  // namespace fovea::cli

@@ -1,0 +1,17 @@
+// Base64 (RFC 4648, standard alphabet) for `fovea serve`: images arrive as base64 or data URLs,
+// bf16 embeddings leave as base64.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace fovea::server {
+
+std::string base64_encode(const uint8_t* data, size_t n);
+
+// Strict decoding: the standard alphabet, '=' padding optional, ASCII whitespace (line breaks of
+// wrapped base64) skipped. Throws fovea::Error naming `what`, the offending character and its offset.
+std::vector<uint8_t> base64_decode(std::string_view text, const std::string& what);
+
+}  // namespace fovea::server

@@ -1,0 +1,178 @@
+// The batching worker of `fovea serve` (see batcher.h).
+#include "server/batcher.h"
+
+#include <optional>
+
+#include "cli/run-encoder.h"
+
+namespace fovea::server {
+
+namespace {
+double ms_between(Clock::time_point a, Clock::time_point b) {
+  return std::chrono::duration<double, std::milli>(b - a).count();
+}
+}  // namespace
+
+Batcher::Batcher(const qwen3vl::Model& model, const EngineConfig& cfg, size_t max_queue, int64_t max_batch_tokens)
+    : model_(model), cfg_(cfg), max_queue_(max_queue), max_batch_tokens_(max_batch_tokens) {
+  std::promise<void> ready;
+  std::future<void> started = ready.get_future();
+  thread_ = std::thread([this, &ready] { worker(ready); });
+  try {
+    started.get();
+  } catch (...) {
+    thread_.join();
+    throw;
+  }
+}
+
+Batcher::~Batcher() { stop(); }
+
+std::shared_ptr<Job> Batcher::submit(std::vector<ImageInput> images) {
+  auto job = std::make_shared<Job>();
+  job->outputs.resize(images.size());
+  job->images = std::move(images);
+  job->submitted = Clock::now();
+  {
+    std::lock_guard lk(mu_);
+    if (stopping_ || queue_.size() >= max_queue_) return nullptr;
+    queue_.push_back(job);
+  }
+  queued_.notify_one();
+  return job;
+}
+
+Batcher::Wait Batcher::wait(Job& job, Clock::time_point deadline, std::string& error) {
+  std::unique_lock lk(mu_);
+  const bool finished =
+      done_.wait_until(lk, deadline, [&] { return job.done == job.images.size() || !job.error.empty(); });
+  if (!finished) {
+    job.abandoned = true;  // a forward running it finishes; nothing else of it runs
+    std::erase_if(queue_, [&](const std::shared_ptr<Job>& j) { return j.get() == &job; });  // frees its queue slot now
+    return Wait::TIMED_OUT;
+  }
+  error = job.error;
+  return error.empty() ? Wait::DONE : Wait::FAILED;
+}
+
+void Batcher::stop() {
+  {
+    std::lock_guard lk(mu_);
+    stopping_ = true;
+  }
+  queued_.notify_all();
+  if (thread_.joinable()) thread_.join();
+}
+
+size_t Batcher::queue_depth() const {
+  std::lock_guard lk(mu_);
+  return queue_.size();
+}
+
+std::vector<Batcher::Slot> Batcher::take_batch() {
+  std::vector<Slot> batch;
+  int64_t tokens = 0;
+  while (!queue_.empty()) {
+    const std::shared_ptr<Job>& job = queue_.front();
+    if (job->abandoned || !job->error.empty() || job->next == job->images.size()) {
+      queue_.pop_front();
+      continue;
+    }
+    const int64_t t = cli::image_tokens(model_.config, job->images[job->next].grid);
+    if (!batch.empty() && tokens + t > max_batch_tokens_) break;
+    batch.push_back({job, job->next++});
+    tokens += t;
+    if (job->next == job->images.size()) queue_.pop_front();
+  }
+  return batch;
+}
+
+void Batcher::worker(std::promise<void>& ready) {
+  std::optional<cli::EncoderRunner> runner;
+  try {
+    runner.emplace(model_, cfg_);
+  } catch (...) {
+    ready.set_exception(std::current_exception());
+    return;
+  }
+  ready.set_value();
+  for (;;) {
+    std::vector<Slot> batch;
+    {
+      std::unique_lock lk(mu_);
+      queued_.wait(lk, [&] { return stopping_ || !queue_.empty(); });
+      batch = take_batch();
+      if (batch.empty() && stopping_) return;  // stopping and everything queued is done
+    }
+    if (!batch.empty()) run_batch(*runner, batch);
+  }
+}
+
+void Batcher::run_batch(cli::EncoderRunner& runner, const std::vector<Slot>& batch) {
+  // The worker alone reads images and writes outputs of the slots it took; waiters read outputs
+  // only after seeing `done` reach the image count under the mutex.
+  std::vector<float> pixels;
+  std::vector<qwen3vl::GridThw> grids;
+  size_t floats = 0;
+  for (const Slot& s : batch) floats += s.job->images[s.index].pixels.size();
+  pixels.reserve(floats);
+  for (const Slot& s : batch) {
+    ImageInput& in = s.job->images[s.index];
+    pixels.insert(pixels.end(), in.pixels.begin(), in.pixels.end());
+    grids.push_back(in.grid);
+    in.pixels = {};  // the request keeps no second copy
+  }
+
+  const Clock::time_point start = Clock::now();
+  std::string error;
+  cli::EncoderOutputs out;
+  try {
+    out = runner.run(pixels, grids);
+    nonfinite_ = runner.nonfinite_amax();
+  } catch (const std::exception& e) {
+    error = e.what();
+  } catch (...) {
+    error = "unknown exception in the encoder forward";
+  }
+  const double forward_ms = ms_between(start, Clock::now());
+
+  int64_t batch_tokens = 0;
+  for (const auto& g : grids) batch_tokens += cli::image_tokens(model_.config, g);
+  if (error.empty()) {
+    const size_t O = size_t(model_.config.out_hidden);
+    size_t row = 0;
+    for (size_t i = 0; i < batch.size(); ++i) {
+      const size_t tokens = size_t(cli::image_tokens(model_.config, grids[i]));
+      ImageOutput& o = batch[i].job->outputs[batch[i].index];
+      const auto rows = [&](const std::vector<float>& v) {
+        return std::vector<float>(v.begin() + long(row * O), v.begin() + long((row + tokens) * O));
+      };
+      o.merged = rows(out.merged);
+      for (const auto& d : out.deepstack) o.deepstack.push_back(rows(d));
+      o.queue_ms = ms_between(batch[i].job->submitted, start);
+      o.forward_ms = forward_ms;
+      o.batch_images = int(batch.size());
+      o.batch_tokens = batch_tokens;
+      row += tokens;
+    }
+    forwards_ += 1;
+    images_ += batch.size();
+    tokens_ += uint64_t(batch_tokens);
+    forward_us_ += uint64_t(forward_ms * 1000);
+  } else {
+    failed_forwards_ += 1;
+  }
+  {
+    std::lock_guard lk(mu_);
+    for (const Slot& s : batch) {
+      if (!error.empty()) {
+        if (s.job->error.empty()) s.job->error = "encoder forward failed: " + error;
+      } else {
+        s.job->done += 1;
+      }
+    }
+  }
+  done_.notify_all();
+}
+
+}  // namespace fovea::server

@@ -1,0 +1,106 @@
+// The batching worker of `fovea serve`: a bounded queue of requests and one thread that owns the
+// encoder (EncoderRunner: created on that thread, used by it alone) and packs the images of queued
+// requests, first come first served, into one varlen forward of at most max_batch_tokens visual
+// tokens. An image is never split; one larger than the limit runs alone. A request's images may
+// spread over several forwards. A forward that throws fails only the requests in it.
+#pragma once
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <future>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "fovea/engine.h"
+#include "fovea/model.h"
+
+namespace fovea::cli {
+class EncoderRunner;
+}
+
+namespace fovea::server {
+
+using Clock = std::chrono::steady_clock;
+
+struct ImageInput {
+  std::vector<float> pixels;  // [t*h*w, patch_dim], as image::preprocess gives them
+  qwen3vl::GridThw grid{};
+};
+
+struct ImageOutput {
+  std::vector<float> merged;                  // [tokens, out_hidden]
+  std::vector<std::vector<float>> deepstack;  // each [tokens, out_hidden]
+  double queue_ms = 0;                        // submit -> start of its forward
+  double forward_ms = 0;                      // the whole forward it was part of
+  int batch_images = 0;                       // images in that forward
+  int64_t batch_tokens = 0;                   // visual tokens in that forward
+};
+
+// One request in the queue. The worker writes outputs; the waiting thread reads them once done.
+struct Job {
+  std::vector<ImageInput> images;
+  std::vector<ImageOutput> outputs;
+  Clock::time_point submitted;
+  // Guarded by the Batcher's mutex:
+  size_t next = 0;         // first image not yet taken into a forward
+  size_t done = 0;         // images finished
+  std::string error;       // set if a forward it was in failed: its other images are dropped
+  bool abandoned = false;  // its client gave up (timeout): images not yet run are dropped
+};
+
+class Batcher {
+ public:
+  // Starts the worker, which creates the encoder; throws (the encoder's error) if that fails.
+  Batcher(const qwen3vl::Model& model, const EngineConfig& cfg, size_t max_queue, int64_t max_batch_tokens);
+  ~Batcher();  // stop()
+
+  // Queues a request; nullptr if max_queue requests are already waiting (or the worker stopped).
+  std::shared_ptr<Job> submit(std::vector<ImageInput> images);
+
+  enum class Wait { DONE, FAILED, TIMED_OUT };
+  // Blocks until the job is done, failed (`error` says why), or the deadline passed (the job is
+  // then abandoned: its images not yet started are dropped).
+  Wait wait(Job& job, Clock::time_point deadline, std::string& error);
+
+  // Finishes every queued request, then joins the worker. Idempotent.
+  void stop();
+
+  // For /metrics.
+  size_t queue_depth() const;  // requests waiting, partly started ones included
+  uint64_t forwards() const { return forwards_; }
+  uint64_t images_encoded() const { return images_; }
+  uint64_t tokens_encoded() const { return tokens_; }
+  double forward_seconds() const { return forward_us_ / 1e6; }
+  uint64_t failed_forwards() const { return failed_forwards_; }
+  uint64_t nonfinite_amax() const { return nonfinite_; }
+
+ private:
+  struct Slot {  // one image of one job in the forward being assembled
+    std::shared_ptr<Job> job;
+    size_t index;
+  };
+  void worker(std::promise<void>& ready);
+  std::vector<Slot> take_batch();  // with mu_ held
+  void run_batch(cli::EncoderRunner& runner, const std::vector<Slot>& batch);
+
+  const qwen3vl::Model& model_;
+  const EngineConfig cfg_;
+  const size_t max_queue_;
+  const int64_t max_batch_tokens_;
+
+  mutable std::mutex mu_;
+  std::condition_variable queued_;  // worker: something to do, or stop
+  std::condition_variable done_;    // waiters: some job progressed
+  std::deque<std::shared_ptr<Job>> queue_;
+  bool stopping_ = false;
+  std::thread thread_;
+
+  std::atomic<uint64_t> forwards_{0}, images_{0}, tokens_{0}, forward_us_{0}, failed_forwards_{0}, nonfinite_{0};
+};
+
+}  // namespace fovea::server

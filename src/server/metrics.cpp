@@ -1,0 +1,95 @@
+// Prometheus text exposition format 0.0.4 (see metrics.h).
+#include "server/metrics.h"
+
+#include <fmt/format.h>
+
+namespace fovea::server {
+
+namespace {
+
+// Label values: backslash, double quote and newline escaped.
+std::string label(const std::string& v) {
+  std::string out;
+  for (char c : v) {
+    if (c == '\\' || c == '"') out += '\\';
+    if (c == '\n') {
+      out += "\\n";
+      continue;
+    }
+    out += c;
+  }
+  return out;
+}
+
+void header(std::string& out, const char* name, const char* type, const char* help) {
+  out += fmt::format("# HELP {} {}\n# TYPE {} {}\n", name, help, name, type);
+}
+
+// Unknown paths share one label so that probing clients cannot grow the metric without bound.
+std::string path_label(const std::string& path) {
+  for (const char* known : {"/v1/encode", "/v1/models", "/health", "/metrics"})
+    if (path == known) return path;
+  return "other";
+}
+
+}  // namespace
+
+void Metrics::count_response(const std::string& path, int status) {
+  std::lock_guard lk(mu_);
+  responses_[{path_label(path), status}] += 1;
+}
+
+void Metrics::observe_encode_seconds(double s) {
+  size_t b = 0;
+  while (b < kBuckets.size() && s > kBuckets[b]) ++b;
+  std::lock_guard lk(mu_);
+  bucket_counts_[b] += 1;
+  latency_sum_ += s;
+  latency_count_ += 1;
+}
+
+std::string Metrics::render(const std::string& model, const EngineConfig& engine, const Batcher& batcher,
+                            int64_t in_flight) const {
+  std::string out;
+  {
+    std::lock_guard lk(mu_);
+    header(out, "fovea_requests_total", "counter", "HTTP responses by path and status code.");
+    for (const auto& [key, n] : responses_)
+      out += fmt::format("fovea_requests_total{{path=\"{}\",code=\"{}\"}} {}\n", key.first, key.second, n);
+    header(out, "fovea_request_duration_seconds", "histogram", "POST /v1/encode latency, body read to reply ready.");
+    uint64_t cumulative = 0;
+    for (size_t b = 0; b < kBuckets.size(); ++b) {
+      cumulative += bucket_counts_[b];
+      out += fmt::format("fovea_request_duration_seconds_bucket{{le=\"{}\"}} {}\n", kBuckets[b], cumulative);
+    }
+    out += fmt::format("fovea_request_duration_seconds_bucket{{le=\"+Inf\"}} {}\n", latency_count_);
+    out += fmt::format("fovea_request_duration_seconds_sum {}\n", latency_sum_);
+    out += fmt::format("fovea_request_duration_seconds_count {}\n", latency_count_);
+  }
+  header(out, "fovea_requests_in_flight", "gauge", "POST /v1/encode requests being handled.");
+  out += fmt::format("fovea_requests_in_flight {}\n", in_flight);
+  header(out, "fovea_queue_depth", "gauge", "Requests waiting for the encoder (partly encoded ones included).");
+  out += fmt::format("fovea_queue_depth {}\n", batcher.queue_depth());
+  header(out, "fovea_images_encoded_total", "counter", "Images encoded.");
+  out += fmt::format("fovea_images_encoded_total {}\n", batcher.images_encoded());
+  header(out, "fovea_tokens_encoded_total", "counter", "Visual tokens (merger output rows) produced.");
+  out += fmt::format("fovea_tokens_encoded_total {}\n", batcher.tokens_encoded());
+  header(out, "fovea_encoder_forwards_total", "counter", "Encoder forwards (batches) run.");
+  out += fmt::format("fovea_encoder_forwards_total {}\n", batcher.forwards());
+  header(out, "fovea_encoder_failed_forwards_total", "counter", "Encoder forwards that threw.");
+  out += fmt::format("fovea_encoder_failed_forwards_total {}\n", batcher.failed_forwards());
+  header(out, "fovea_encoder_forward_seconds_total", "counter", "Time spent in encoder forwards.");
+  out += fmt::format("fovea_encoder_forward_seconds_total {}\n", batcher.forward_seconds());
+  header(out, "fovea_engine_info", "gauge", "The engine this server runs (value 1).");
+  out += fmt::format("fovea_engine_info{{model=\"{}\",device=\"{}\",backend=\"{}\",dtype=\"{}\"}} 1\n", label(model),
+                     device_name(engine.device), backend_name(engine.backend), dtype_name(engine.dtype));
+  header(out, "fovea_fp8_scale_mode", "gauge", "FP8 attention scale mode (value 1); \"none\" for BF16 attention.");
+  out += fmt::format("fovea_fp8_scale_mode{{mode=\"{}\"}} 1\n",
+                     engine.scale_mode ? scale_mode_name(*engine.scale_mode) : "none");
+  header(out, "fovea_fp8_nonfinite_amax_total", "counter",
+         "Non-finite amax values the FP8 scale book ignored, all layers (design.md 2).");
+  out += fmt::format("fovea_fp8_nonfinite_amax_total {}\n", batcher.nonfinite_amax());
+  return out;
+}
+
+}  // namespace fovea::server

@@ -1,0 +1,37 @@
+// `fovea serve`: the HTTP front end (cpp-httplib) over the batching worker (batcher.h).
+//   POST /v1/encode   images (data URLs, base64, or OpenAI image_url content parts) -> visual tokens
+//                     as JSON (bf16 base64 or float lists) or, with Accept: application/octet-stream,
+//                     the safetensors file `fovea encode -o` would write
+//   GET  /health, GET /v1/models, GET /metrics (Prometheus)
+// Every failure of a request is answered with {"error": {"message", "type", "code"}} and an HTTP
+// status; the server itself survives any request. SIGINT / SIGTERM: stop accepting, finish the
+// requests in flight, return 0.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "fovea/engine.h"
+
+namespace fovea::server {
+
+struct ServeOptions {
+  std::string model;  // checkpoint folder or synthetic:<preset>
+  std::string host = "127.0.0.1";
+  int port = 8000;                           // 0: any free port (the one taken is printed)
+  int64_t max_batch_tokens = 16384;          // visual tokens per forward (an image larger runs alone)
+  size_t max_queue = 64;                     // requests waiting; more get 503
+  size_t max_body_bytes = size_t(64) << 20;  // more gets 413
+  size_t max_images_per_request = 16;
+  int64_t max_image_pixels = int64_t(1) << 28;  // decompression-bomb guard, as encode has
+  int64_t min_pixels = 0, max_pixels = 0;       // resize budget; 0: the checkpoint's
+  double request_timeout_s = 120;               // body read to reply; later gets 504
+  int threads = 32;                             // HTTP threads (each decodes its own requests' images)
+  EngineOptions engine;
+};
+
+// Runs the server until SIGINT or SIGTERM; returns the exit code. Startup errors (options, model,
+// engine, port) throw fovea::Error.
+int serve(const ServeOptions& options);
+
+}  // namespace fovea::server

@@ -1,0 +1,625 @@
+// Tests of `fovea serve` (issue 6): the built binary (FOVEA_BIN) runs as a child process on a
+// loopback port (--port 0; the printed port is read back) with synthetic:tiny on the CPU. Every reply
+// of 16 concurrent clients is checked against `fovea encode` on the same image; malformed requests get
+// the right 4xx while the server keeps serving; a full queue gets 503, a slow request 504; /metrics
+// counts what happened; SIGTERM finishes the requests in flight and exits 0.
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <stb_image_write.h>
+
+#include <fcntl.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <optional>
+#include <random>
+#include <sstream>
+#include <thread>
+
+#include <gtest/gtest.h>
+#include <httplib.h>
+#include <nlohmann/json.hpp>
+
+#include "fovea/bf16.h"
+#include "fovea/safetensors.h"
+#include "server/base64.h"
+#include "test-util.h"
+
+extern char** environ;
+
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+using fovea::server::base64_decode;
+using fovea::server::base64_encode;
+
+namespace {
+
+std::string slurp(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+// The resize budget of every server and reference encode here: small images, fast CPU forwards
+// (16 to 96 patches per image).
+const std::vector<std::string> kPixels = {"--min-pixels", "1024", "--max-pixels", "65536"};
+
+// ---- test images and their reference tokens from `fovea encode` ----------------------------------
+
+struct TestImage {
+  std::string bytes;        // PNG or JPEG file
+  std::string mime;         // for data URLs
+  std::array<int, 3> grid;  // from encode
+  int64_t tokens = 0;
+  std::vector<float> embeddings;               // [tokens, 48] fp32, from encode
+  std::vector<std::vector<float>> deepstack;   // 2 x [tokens, 48]
+};
+
+std::string encode_image(const std::string& kind, int w, int h, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::vector<uint8_t> px(size_t(w) * h * 3);
+  for (int y = 0; y < h; ++y)
+    for (int x = 0; x < w; ++x)
+      for (int c = 0; c < 3; ++c)  // a gradient with noise: neither flat nor pure noise
+        px[(size_t(y) * w + x) * 3 + c] = uint8_t((x * (c + 1) * 255 / w + y * 128 / h + rng() % 64) % 256);
+  std::string out;
+  auto sink = [](void* ctx, void* data, int size) { static_cast<std::string*>(ctx)->append(static_cast<char*>(data), size_t(size)); };
+  if (kind == "png") stbi_write_png_to_func(sink, &out, w, h, 3, px.data(), w * 3);
+  if (kind == "jpg") stbi_write_jpg_to_func(sink, &out, w, h, 3, px.data(), 90);
+  return out;
+}
+
+std::vector<float> tensor(const fovea::Checkpoint& ck, const std::string& name) {
+  const fovea::TensorInfo* t = ck.find(name);
+  if (!t) ADD_FAILURE() << "no tensor " << name;
+  return t ? t->to_float() : std::vector<float>{};
+}
+
+std::string join_args(const std::vector<std::string>& args) {
+  std::string s;
+  for (const auto& a : args) s += " '" + a + "'";
+  return s;
+}
+
+// Four images of different shapes (one JPEG); each encoded alone by `fovea encode -o`.
+std::vector<TestImage> make_reference(const fs::path& dir) {
+  struct Spec {
+    const char* kind;
+    int w, h;
+  };
+  const Spec specs[] = {{"png", 64, 64}, {"png", 200, 120}, {"jpg", 96, 160}, {"png", 128, 64}};
+  std::vector<TestImage> images;
+  for (size_t j = 0; j < std::size(specs); ++j) {
+    TestImage im;
+    im.bytes = encode_image(specs[j].kind, specs[j].w, specs[j].h, uint32_t(j + 1));
+    im.mime = std::string("image/") + (specs[j].kind == std::string("jpg") ? "jpeg" : "png");
+    const fs::path file = dir / ("image" + std::to_string(j) + "." + specs[j].kind);
+    std::ofstream(file, std::ios::binary) << im.bytes;
+    const fs::path out = dir / ("ref" + std::to_string(j) + ".safetensors");
+    const std::string cmd = std::string("'") + FOVEA_BIN + "' encode synthetic:tiny '" + file.string() + "' -o '" +
+                            out.string() + "' --device cpu" + join_args(kPixels) + " >/dev/null";
+    EXPECT_EQ(std::system(cmd.c_str()), 0) << cmd;
+    const auto ck = fovea::Checkpoint::open(out.string());
+    const auto g = tensor(ck, "image.0.grid_thw");
+    im.grid = {int(g.at(0)), int(g.at(1)), int(g.at(2))};
+    im.embeddings = tensor(ck, "image.0.embeddings");
+    im.tokens = int64_t(im.embeddings.size() / 48);
+    for (int k = 0; k < 2; ++k) im.deepstack.push_back(tensor(ck, "image.0.deepstack." + std::to_string(k)));
+    images.push_back(std::move(im));
+  }
+  return images;
+}
+
+// ---- the server as a child process -----------------------------------------------------------------
+
+class ServerProcess {
+ public:
+  // Starts `fovea serve synthetic:tiny --device cpu --port 0 PIXELS EXTRA` and waits for the
+  // "listening on" line.
+  ServerProcess(const fs::path& dir, const std::vector<std::string>& extra, const std::vector<std::string>& pixels = kPixels)
+      : out_(dir / "server.out"), err_(dir / "server.err") {
+    std::vector<std::string> args = {FOVEA_BIN, "serve", "synthetic:tiny", "--device", "cpu", "--port", "0"};
+    args.insert(args.end(), pixels.begin(), pixels.end());
+    args.insert(args.end(), extra.begin(), extra.end());
+    std::vector<char*> argv;
+    for (auto& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    posix_spawn_file_actions_t fa;
+    posix_spawn_file_actions_init(&fa);
+    posix_spawn_file_actions_addopen(&fa, 1, out_.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    posix_spawn_file_actions_addopen(&fa, 2, err_.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    const int rc = posix_spawn(&pid_, FOVEA_BIN, &fa, nullptr, argv.data(), environ);
+    posix_spawn_file_actions_destroy(&fa);
+    if (rc != 0) {
+      ADD_FAILURE() << "posix_spawn: " << std::strerror(rc);
+      pid_ = -1;
+      return;
+    }
+    const std::string marker = "listening on http://127.0.0.1:";
+    for (int i = 0; i < 3000 && port_ == 0; ++i) {  // up to 30 s
+      const std::string out = slurp(out_);
+      if (const size_t p = out.find(marker); p != std::string::npos && out.find('\n', p) != std::string::npos)
+        port_ = std::stoi(out.substr(p + marker.size()));
+      else if (waitpid(pid_, nullptr, WNOHANG) == pid_) {
+        pid_ = -1;
+        break;
+      } else
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    if (port_ == 0) ADD_FAILURE() << "the server did not start; stderr:\n" << slurp(err_);
+  }
+  ~ServerProcess() {
+    if (pid_ > 0) {
+      kill(pid_, SIGKILL);
+      waitpid(pid_, nullptr, 0);
+    }
+  }
+  int port() const { return port_; }
+  pid_t pid() const { return pid_; }
+  std::string out() const { return slurp(out_); }
+  std::string err() const { return slurp(err_); }
+  // Sends sig and waits (up to 30 s) for the exit; returns the exit code, or -1 if it did not exit normally.
+  int stop(int sig) {
+    kill(pid_, sig);
+    int status = 0;
+    for (int i = 0; i < 3000; ++i) {
+      if (waitpid(pid_, &status, WNOHANG) == pid_) {
+        pid_ = -1;
+        return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    return -1;
+  }
+
+ private:
+  fs::path out_, err_;
+  pid_t pid_ = -1;
+  int port_ = 0;
+};
+
+std::unique_ptr<httplib::Client> client(int port) {
+  auto c = std::make_unique<httplib::Client>("127.0.0.1", port);
+  c->set_connection_timeout(10);
+  c->set_read_timeout(60);
+  c->set_write_timeout(60);
+  return c;
+}
+
+// A metric's value in /metrics text ("name" or "name{labels}"); 0 if absent (a counter not yet hit).
+double metric(const std::string& text, const std::string& series) {
+  std::istringstream in(text);
+  for (std::string line; std::getline(in, line);)
+    if (line.rfind(series + " ", 0) == 0) return std::stod(line.substr(series.size() + 1));
+  return 0;
+}
+
+std::string get_metrics(int port) {
+  auto r = client(port)->Get("/metrics");
+  EXPECT_TRUE(r && r->status == 200);
+  return r ? r->body : "";
+}
+
+// ---- requests and checks ---------------------------------------------------------------------------
+
+std::string b64(const std::string& s) { return base64_encode(reinterpret_cast<const uint8_t*>(s.data()), s.size()); }
+
+// The three ways to send an image.
+json image_item(const TestImage& im, int style) {
+  const std::string data = b64(im.bytes);
+  if (style == 0) return "data:" + im.mime + ";base64," + data;
+  if (style == 1) return data;
+  return {{"type", "image_url"}, {"image_url", {{"url", "data:" + im.mime + ";base64," + data}}}};
+}
+
+std::vector<float> bf16_values(const std::string& text) {
+  const std::vector<uint8_t> bytes = base64_decode(text, "reply");
+  std::vector<float> v(bytes.size() / 2);
+  for (size_t i = 0; i < v.size(); ++i) v[i] = fovea::bf16_to_float(uint16_t(bytes[2 * i] | bytes[2 * i + 1] << 8));
+  return v;
+}
+
+// Largest |got - ref| / |ref| over all elements; any non-finite value or size mismatch gives +inf.
+// The server runs the same CPU forward as `fovea encode`, and rows of a packed batch are computed
+// independently (row-wise GEMMs, attention within each image), so batching changes nothing; the one
+// difference allowed is the reply's rounding to bf16 (round-to-nearest: half an ulp, at most 2^-8
+// relative). The tests allow one bf16 ulp, 2^-7 relative, and the float and safetensors replies
+// (fp32, no rounding) are held to the same bound.
+double max_rel_error(const std::vector<float>& got, const std::vector<float>& ref) {
+  if (got.size() != ref.size() || got.empty()) return INFINITY;
+  double worst = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    if (!std::isfinite(got[i])) return INFINITY;
+    const double d = std::fabs(double(got[i]) - ref[i]);
+    worst = std::max(worst, ref[i] == 0 ? (d == 0 ? 0 : INFINITY) : d / std::fabs(ref[i]));
+  }
+  return worst;
+}
+constexpr double kBf16Ulp = 1.0 / 128;
+
+// Checks a 200 reply against the references of the images sent; returns the largest error seen.
+double check_reply(const httplib::Result& r, const std::vector<const TestImage*>& sent, bool octet, bool deepstack,
+                   const fs::path& scratch) {
+  if (!r) {
+    ADD_FAILURE() << "no reply: " << httplib::to_string(r.error());
+    return INFINITY;
+  }
+  if (r->status != 200) {
+    ADD_FAILURE() << "status " << r->status << ": " << r->body;
+    return INFINITY;
+  }
+  double worst = 0;
+  if (octet) {
+    EXPECT_EQ(r->get_header_value("Content-Type"), "application/octet-stream");
+    std::ofstream(scratch, std::ios::binary) << r->body;
+    const auto ck = fovea::Checkpoint::open(scratch.string());
+    EXPECT_EQ(ck.tensors().size(), sent.size() * (deepstack ? 4 : 2));
+    for (size_t j = 0; j < sent.size(); ++j) {
+      const std::string p = "image." + std::to_string(j);
+      const auto g = tensor(ck, p + ".grid_thw");
+      EXPECT_EQ(g, (std::vector<float>{float(sent[j]->grid[0]), float(sent[j]->grid[1]), float(sent[j]->grid[2])}));
+      worst = std::max(worst, max_rel_error(tensor(ck, p + ".embeddings"), sent[j]->embeddings));
+      for (int k = 0; k < 2 && deepstack; ++k)
+        worst = std::max(worst, max_rel_error(tensor(ck, p + ".deepstack." + std::to_string(k)), sent[j]->deepstack[size_t(k)]));
+    }
+    return worst;
+  }
+  const json doc = json::parse(r->body);
+  const bool as_base64 = doc.at("encoding") == "base64";
+  EXPECT_EQ(doc.at("model"), "synthetic:tiny");
+  const auto& data = doc.at("data");
+  EXPECT_EQ(data.size(), sent.size());
+  for (size_t j = 0; j < std::min(data.size(), sent.size()); ++j) {
+    const json& d = data[j];
+    const TestImage& im = *sent[j];
+    EXPECT_EQ(d.at("index"), j);
+    EXPECT_EQ(d.at("grid_thw"), json(im.grid));
+    EXPECT_EQ(d.at("num_tokens"), im.tokens);
+    EXPECT_EQ(d.at("hidden_size"), 48);
+    for (const char* t : {"decode", "preprocess", "queue", "forward"}) EXPECT_GE(d.at("timings_ms").at(t).get<double>(), 0.0) << t;
+    const auto values = [&](const json& v) { return as_base64 ? bf16_values(v.get<std::string>()) : v.get<std::vector<float>>(); };
+    worst = std::max(worst, max_rel_error(values(d.at("embeddings")), im.embeddings));
+    EXPECT_EQ(d.contains("deepstack"), deepstack);
+    if (deepstack && d.contains("deepstack")) {
+      EXPECT_EQ(d.at("deepstack").size(), 2u);
+      for (size_t k = 0; k < std::min<size_t>(2, d.at("deepstack").size()); ++k)
+        worst = std::max(worst, max_rel_error(values(d.at("deepstack")[k]), im.deepstack[k]));
+    }
+  }
+  return worst;
+}
+
+struct ErrorReply {
+  int status = 0;
+  std::string code, message, type;
+};
+
+ErrorReply error_of(const httplib::Result& r) {
+  if (!r) {
+    ADD_FAILURE() << "no reply: " << httplib::to_string(r.error());
+    return {};
+  }
+  ErrorReply e{r->status, "", "", ""};
+  try {
+    const json doc = json::parse(r->body);
+    e.code = doc.at("error").at("code");
+    e.message = doc.at("error").at("message");
+    e.type = doc.at("error").at("type");
+  } catch (const std::exception& ex) {
+    ADD_FAILURE() << "not a JSON error body (" << ex.what() << "): " << r->body;
+  }
+  return e;
+}
+
+// ---- fixture ---------------------------------------------------------------------------------------
+
+class Serve : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    dir_ = fs::path(FOVEA_TEST_TMP) / ("serve." + std::to_string(getpid()));
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
+    images_ = make_reference(dir_);
+  }
+  static void TearDownTestSuite() {
+    std::error_code ec;
+    fs::remove_all(dir_, ec);
+  }
+  static const TestImage& image(size_t j) { return images_[j % images_.size()]; }
+  static inline fs::path dir_;
+  static inline std::vector<TestImage> images_;
+};
+
+}  // namespace
+
+// RFC 4648 test vectors, and the strict decoder's errors.
+TEST(Base64, MatchesRfc4648AndRejectsWhatItShould) {
+  const std::pair<std::string, std::string> vectors[] = {{"", ""},         {"f", "Zg=="},         {"fo", "Zm8="},
+                                                         {"foo", "Zm9v"},  {"foob", "Zm9vYg=="},  {"fooba", "Zm9vYmE="},
+                                                         {"foobar", "Zm9vYmFy"}};
+  for (const auto& [plain, coded] : vectors) {
+    EXPECT_EQ(b64(plain), coded);
+    const auto back = base64_decode(coded, "v");
+    EXPECT_EQ(std::string(back.begin(), back.end()), plain);
+  }
+  const auto unpadded = base64_decode("Zm9vYg", "v");  // padding is optional
+  EXPECT_EQ(std::string(unpadded.begin(), unpadded.end()), "foob");
+  const auto wrapped = base64_decode("Zm9v\r\nYmFy\n", "v");  // line breaks of wrapped base64
+  EXPECT_EQ(std::string(wrapped.begin(), wrapped.end()), "foobar");
+  std::string all(256, '\0');
+  for (int i = 0; i < 256; ++i) all[size_t(i)] = char(i);
+  const auto round = base64_decode(b64(all), "v");
+  EXPECT_EQ(std::string(round.begin(), round.end()), all);
+  EXPECT_HAS(fovea::test::error_of([] { base64_decode("Zm9v!", "images[3]"); }), "images[3]: invalid base64: '!' at offset 4");
+  EXPECT_HAS(fovea::test::error_of([] { base64_decode("Zm9vY", "x"); }), "truncated");
+  EXPECT_HAS(fovea::test::error_of([] { base64_decode("Zg==Zg==", "x"); }), "after '=' padding");
+  EXPECT_HAS(fovea::test::error_of([] { base64_decode("Zg=", "x"); }), "padding");
+  EXPECT_HAS(fovea::test::error_of([] { base64_decode("Zm\x01v", "x"); }), "byte 0x01");
+}
+
+// 16 clients x 20 requests, 1 to 3 images each, every encoding and image form; every reply matches
+// `fovea encode` on the same image; concurrent requests share forwards; /metrics counts them all.
+TEST_F(Serve, ConcurrentClientsMatchEncode) {
+  ServerProcess server(dir_, {"--threads", "20", "--max-batch-tokens", "256"});
+  ASSERT_GT(server.port(), 0);
+  constexpr int kClients = 16, kRequests = 20;
+  std::atomic<int> ok{0};
+  std::atomic<int64_t> images_sent{0}, tokens_sent{0}, batched{0};
+  std::vector<double> worst(kClients, 0);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kClients; ++t)
+    threads.emplace_back([&, t] {
+      auto cli = client(server.port());
+      for (int i = 0; i < kRequests; ++i) {
+        const int k = t * kRequests + i;
+        const int mode = k % 4;  // 0, 1: base64 JSON; 2: float JSON; 3: safetensors
+        const bool deepstack = k % 3 == 0;
+        json body = {{"images", json::array()}};
+        std::vector<const TestImage*> sent;
+        for (int m = 0; m < 1 + k % 3; ++m) {
+          sent.push_back(&image(size_t(k + m)));
+          body["images"].push_back(image_item(*sent.back(), (k + m) % 3));
+          tokens_sent += sent.back()->tokens;
+        }
+        images_sent += int64_t(sent.size());
+        if (mode == 2) body["encoding"] = "float";
+        if (mode == 0) body["encoding"] = "base64";
+        if (deepstack || k % 5 == 0) body["return_deepstack"] = deepstack;
+        const httplib::Headers headers = mode == 3 ? httplib::Headers{{"Accept", "application/octet-stream"}} : httplib::Headers{};
+        const auto r = cli->Post("/v1/encode", headers, body.dump(), "application/json");
+        const fs::path scratch = dir_ / ("reply." + std::to_string(t) + ".safetensors");
+        const double e = check_reply(r, sent, mode == 3, deepstack, scratch);
+        EXPECT_LE(e, kBf16Ulp) << "client " << t << " request " << i;
+        worst[size_t(t)] = std::max(worst[size_t(t)], e);
+        if (e <= kBf16Ulp) ok += 1;
+        if (r && r->status == 200 && mode != 3) {
+          const json doc = json::parse(r->body);
+          for (const auto& d : doc.at("data"))
+            if (d.at("batch").at("images").get<int>() > int(sent.size())) batched += 1;  // shared with another request
+        }
+      }
+    });
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(ok, kClients * kRequests);
+  const double max_err = *std::max_element(worst.begin(), worst.end());
+  std::printf("%d requests, %lld images: max relative error against fovea encode %.3g (bound %.3g)\n",
+              kClients * kRequests, (long long)images_sent.load(), max_err, kBf16Ulp);
+  EXPECT_GT(batched, 0) << "no image shared a forward with another request";
+
+  const std::string m = get_metrics(server.port());
+  EXPECT_EQ(metric(m, "fovea_requests_total{path=\"/v1/encode\",code=\"200\"}"), kClients * kRequests);
+  EXPECT_EQ(metric(m, "fovea_request_duration_seconds_count"), kClients * kRequests);
+  EXPECT_EQ(metric(m, "fovea_request_duration_seconds_bucket{le=\"+Inf\"}"), kClients * kRequests);
+  EXPECT_EQ(metric(m, "fovea_images_encoded_total"), images_sent);
+  EXPECT_EQ(metric(m, "fovea_tokens_encoded_total"), tokens_sent);
+  EXPECT_LT(metric(m, "fovea_encoder_forwards_total"), images_sent) << "concurrent requests were never packed";
+  EXPECT_GT(metric(m, "fovea_encoder_forward_seconds_total"), 0);
+  EXPECT_EQ(metric(m, "fovea_queue_depth"), 0);
+  EXPECT_EQ(metric(m, "fovea_fp8_scale_mode{mode=\"none\"}"), 1);
+  EXPECT_EQ(metric(m, "fovea_fp8_nonfinite_amax_total"), 0);
+  EXPECT_EQ(server.stop(SIGTERM), 0) << server.err();
+}
+
+// Malformed requests: each gets its 4xx with a JSON error naming the problem, and the server keeps
+// serving (health after each, a valid request at the end, counted in /metrics).
+TEST_F(Serve, BadRequestsGetTheRight4xxAndTheServerKeepsServing) {
+  ServerProcess server(dir_, {"--max-images-per-request", "4", "--max-body-bytes", "1000000", "--max-image-pixels", "40000"});
+  ASSERT_GT(server.port(), 0);
+  auto cli = client(server.port());
+  const json good = image_item(image(1), 0);
+  const std::string png = image(0).bytes;
+  const std::string big_png = encode_image("png", 256, 256, 9);  // 65536 pixels > --max-image-pixels
+  const auto with = [&](json images) { return json{{"images", std::move(images)}}.dump(); };
+  struct Case {
+    std::string name, body;
+    int status;
+    std::string code, says;
+  };
+  const std::vector<Case> cases = {
+      {"truncated JSON", "{\"images\": [", 400, "invalid_json", "not valid JSON"},
+      {"not an object", "[1, 2]", 400, "invalid_request", "JSON object"},
+      {"no images", "{}", 400, "invalid_request", "\"images\""},
+      {"empty images", with(json::array()), 400, "invalid_request", "non-empty"},
+      {"bad base64", with({"data:image/png;base64,iVBOR@@@"}), 400, "invalid_base64", "images[0]: invalid base64: '@'"},
+      {"bad base64 in the second", with({good, "not base64!"}), 400, "invalid_base64", "images[1]"},
+      {"not an image", with({b64("this is text, not an image")}), 400, "invalid_image", "images[0]"},
+      {"truncated PNG", with({good, b64(png.substr(0, png.size() / 2))}), 400, "invalid_image", "images[1]"},
+      {"too many images", with({good, good, good, good, good}), 400, "too_many_images", "limit is 4"},
+      {"decompression bomb guard", with({b64(big_png)}), 400, "invalid_image", "--max-image-pixels"},
+      {"aspect ratio over 200:1", with({good, b64(encode_image("png", 1, 300, 3))}), 400, "invalid_image",
+       "image 'images[1]': aspect ratio 1x300 is over 200:1"},
+      {"number as image", with({42}), 400, "invalid_image", "images[0]: expected a data URL or base64 string"},
+      {"remote URL", with({"https://example.com/cat.png"}), 400, "invalid_image", "not fetched"},
+      {"text content part", with({{{"type", "text"}, {"text", "hi"}}}), 400, "invalid_image", "image_url"},
+      {"bad encoding", json{{"images", {good}}, {"encoding", "hex"}}.dump(), 400, "invalid_request", "\"encoding\""},
+      {"unknown field", json{{"images", {good}}, {"return_deepstacks", true}}.dump(), 400, "invalid_request",
+       "unknown field \"return_deepstacks\""},
+      {"other model", json{{"images", {good}}, {"model", "gpt-4o"}}.dump(), 404, "model_not_found", "gpt-4o"},
+      {"oversized body", with({std::string(1100000, 'A')}), 413, "body_too_large", "--max-body-bytes"},
+  };
+  std::map<int, int> expected;  // status -> count on /v1/encode
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    const ErrorReply e = error_of(cli->Post("/v1/encode", c.body, "application/json"));
+    EXPECT_EQ(e.status, c.status);
+    EXPECT_EQ(e.code, c.code);
+    EXPECT_HAS(e.message, c.says);
+    EXPECT_EQ(e.type, "invalid_request_error");
+    expected[c.status] += 1;
+    const auto h = cli->Get("/health");
+    ASSERT_TRUE(h && h->status == 200) << "the server stopped answering after: " << c.name;
+  }
+  {  // an oversized body without Content-Length (chunked) is refused too
+    const std::string chunk(64 * 1024, 'A');
+    size_t sent = 0;
+    const auto r = cli->Post(
+        "/v1/encode",
+        [&](size_t, httplib::DataSink& sink) {
+          if (sent < 1200000) {
+            sink.write(chunk.data(), chunk.size());
+            sent += chunk.size();
+          } else {
+            sink.done();
+          }
+          return true;
+        },
+        "application/json");
+    const ErrorReply e = error_of(r);
+    EXPECT_EQ(e.status, 413);
+    EXPECT_EQ(e.code, "body_too_large");
+    expected[413] += 1;
+  }
+  {  // unknown endpoint
+    const ErrorReply e = error_of(cli->Get("/v1/embeddings"));
+    EXPECT_EQ(e.status, 404);
+    EXPECT_HAS(e.message, "POST /v1/encode");
+  }
+  const auto models = cli->Get("/v1/models");
+  ASSERT_TRUE(models && models->status == 200);
+  EXPECT_EQ(json::parse(models->body).at("data").at(0).at("id"), "synthetic:tiny");
+  // Still serving: a valid request matches encode.
+  const auto r = cli->Post("/v1/encode", with({good}), "application/json");
+  EXPECT_LE(check_reply(r, {&image(1)}, false, false, dir_ / "reply.safetensors"), kBf16Ulp);
+
+  const std::string m = get_metrics(server.port());
+  for (const auto& [status, n] : expected)
+    EXPECT_EQ(metric(m, "fovea_requests_total{path=\"/v1/encode\",code=\"" + std::to_string(status) + "\"}"), n) << status;
+  EXPECT_EQ(metric(m, "fovea_requests_total{path=\"/v1/encode\",code=\"200\"}"), 1);
+  EXPECT_EQ(metric(m, "fovea_requests_total{path=\"other\",code=\"404\"}"), 1);
+  EXPECT_GE(metric(m, "fovea_requests_total{path=\"/health\",code=\"200\"}"), double(cases.size()));
+  EXPECT_EQ(metric(m, "fovea_images_encoded_total"), 1);
+  EXPECT_EQ(server.stop(SIGINT), 0) << server.err();
+}
+
+// --max-queue 1: while a long request waits in the queue, the next one gets 503 with Retry-After;
+// the long one passes --request-timeout and gets 504, and its images not yet run are dropped; then
+// the server serves again.
+TEST_F(Serve, FullQueueIs503AndSlowRequestIs504) {
+  // Each image alone in its forward, resized to about 65536 pixels (about 256 patches: some 80 ms
+  // each on a 2-core machine, 5 s for the 64), against a 0.5 s timeout; decoding the 64 takes about
+  // 0.1 s, so the request waits in the queue for some 0.4 s.
+  ServerProcess server(dir_, {"--max-queue", "1", "--max-batch-tokens", "1", "--request-timeout", "0.5",
+                              "--max-images-per-request", "64"},
+                       {"--min-pixels", "65536", "--max-pixels", "65536"});
+  ASSERT_GT(server.port(), 0);
+  constexpr int kSlowImages = 64;
+  json slow = {{"images", json::array()}};
+  for (int i = 0; i < kSlowImages; ++i) slow["images"].push_back(image_item(image(size_t(i)), 1));
+  std::optional<httplib::Result> slow_reply;
+  std::thread slow_client([&] { slow_reply = client(server.port())->Post("/v1/encode", slow.dump(), "application/json"); });
+  bool queued = false;
+  for (int i = 0; i < 1000 && !queued; ++i) {  // until the slow request is in the queue
+    queued = metric(get_metrics(server.port()), "fovea_queue_depth") == 1;
+    if (!queued) std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  EXPECT_TRUE(queued);
+  const json one = {{"images", {image_item(image(0), 0)}}};
+  const auto busy = client(server.port())->Post("/v1/encode", one.dump(), "application/json");
+  const ErrorReply e = error_of(busy);
+  EXPECT_EQ(e.status, 503);
+  EXPECT_EQ(e.code, "queue_full");
+  EXPECT_EQ(e.type, "overloaded_error");
+  EXPECT_TRUE(busy && busy->get_header_value("Retry-After") == "1");
+  slow_client.join();
+  const ErrorReply t = error_of(*slow_reply);
+  EXPECT_EQ(t.status, 504);
+  EXPECT_EQ(t.code, "timeout");
+  EXPECT_HAS(t.message, "--request-timeout");
+  // The worker dropped the rest of the slow request: a new one is answered in time.
+  const auto again = client(server.port())->Post("/v1/encode", one.dump(), "application/json");
+  ASSERT_TRUE(again);
+  EXPECT_EQ(again->status, 200) << again->body;
+  const std::string m = get_metrics(server.port());
+  EXPECT_LT(metric(m, "fovea_images_encoded_total"), kSlowImages) << "the abandoned images were run anyway";
+  EXPECT_EQ(metric(m, "fovea_requests_total{path=\"/v1/encode\",code=\"503\"}"), 1);
+  EXPECT_EQ(metric(m, "fovea_requests_total{path=\"/v1/encode\",code=\"504\"}"), 1);
+  EXPECT_EQ(server.stop(SIGTERM), 0) << server.err();
+}
+
+// SIGTERM while requests are in flight: they are all answered (correctly), then the server exits 0
+// and no longer accepts connections.
+TEST_F(Serve, SigtermFinishesRequestsInFlightAndExitsZero) {
+  ServerProcess server(dir_, {"--max-batch-tokens", "64"});  // many small forwards: the work takes a while
+  ASSERT_GT(server.port(), 0);
+  constexpr int kClients = 4, kImages = 16;
+  std::vector<std::optional<httplib::Result>> replies(kClients);
+  std::vector<std::vector<const TestImage*>> sent(kClients);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kClients; ++t) {
+    json body = {{"images", json::array()}};
+    for (int i = 0; i < kImages; ++i) {
+      sent[size_t(t)].push_back(&image(size_t(t + i)));
+      body["images"].push_back(image_item(*sent[size_t(t)].back(), i % 3));
+    }
+    threads.emplace_back([&, t, text = body.dump()] {
+      replies[size_t(t)] = client(server.port())->Post("/v1/encode", text, "application/json");
+    });
+  }
+  bool all_in = false;
+  for (int i = 0; i < 2000 && !all_in; ++i) {
+    all_in = metric(get_metrics(server.port()), "fovea_requests_in_flight") == kClients;
+    if (!all_in) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  EXPECT_TRUE(all_in);
+  EXPECT_EQ(server.stop(SIGTERM), 0) << server.err();
+  for (auto& th : threads) th.join();
+  for (int t = 0; t < kClients; ++t)
+    EXPECT_LE(check_reply(*replies[size_t(t)], sent[size_t(t)], false, false, dir_ / "reply.safetensors"), kBf16Ulp) << t;
+  const std::string out = server.out();
+  EXPECT_HAS(out, "finishing");
+  EXPECT_EQ(out.find("finishing 0 request(s)"), std::string::npos) << "nothing was in flight at SIGTERM:\n" << out;
+  EXPECT_HAS(out, "stopped");
+  const auto after = client(server.port())->Get("/health");
+  EXPECT_FALSE(after) << "still answering after exit";
+}
+
+// Startup errors are one-line fovea errors naming the option, with no port taken.
+TEST_F(Serve, BadOptionsFailAtStartup) {
+  for (const auto& [args, says] : std::vector<std::pair<std::string, std::string>>{
+           {"--port 0 --max-queue 0", "--max-queue"},
+           {"--port 0 --request-timeout 0", "--request-timeout"},
+           {"--port 70000", "--port"},
+           {"--port 0 --min-pixels 70000 --max-pixels 65536", "--max-pixels"},
+           {"--port 0 --mm-encoder-attn-dtype int4", "--mm-encoder-attn-dtype"}}) {
+    SCOPED_TRACE(args);
+    const std::string err = (dir_ / "err.txt").string();
+    const std::string cmd = std::string("'") + FOVEA_BIN + "' serve synthetic:tiny --device cpu " + args +
+                            " >/dev/null 2>'" + err + "'";
+    const int status = std::system(cmd.c_str());
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 1) << status;
+    EXPECT_HAS(slurp(err), says);
+    EXPECT_HAS(slurp(err), "fovea: error: ");
+  }
+}
