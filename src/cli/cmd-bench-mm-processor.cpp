@@ -93,7 +93,7 @@ int run(const Args& a) {
 
   EncoderRunner runner(model, cfg);
   const ScaleBook* book = runner.book();
-  std::vector<double> t_decode, t_pre, t_fwd, t_total;
+  std::vector<double> t_decode, t_pre, t_fwd, t_total, t_plan, t_upload, t_gpu, t_download;
   std::mt19937 rng(1234);
   const int total = a.warmups + a.prompts;
   size_t next_file = 0;
@@ -129,6 +129,11 @@ int run(const Args& a) {
     runner.run(pixels, grids);
     const double fwd_ms = ms_since(t2);
     if (req >= a.warmups) {
+      const auto& rt = runner.last_timings();
+      t_plan.push_back(rt.plan);
+      t_upload.push_back(rt.upload);
+      t_gpu.push_back(rt.forward);
+      t_download.push_back(rt.download);
       t_decode.push_back(files.empty() ? 0.0 : decode_ms);
       t_pre.push_back(pre_ms);
       t_fwd.push_back(fwd_ms);
@@ -148,8 +153,12 @@ int run(const Args& a) {
   for (double p : pcts) head += fmt::format(" | {:>8}", fmt::format("p{:g}", p));
   fmt::print("{}\n", head);
   nlohmann::ordered_json stages = nlohmann::ordered_json::object();
+  // The encoder forward's parts (EncoderRunner::Timings): batch-shape planning, pixel upload, the
+  // forward itself, outputs back to the host.
   for (const auto& [name, v] : {std::pair<const char*, std::vector<double>*>{"decode", &t_decode},
-                                {"preprocess", &t_pre}, {"encoder forward", &t_fwd}, {"total", &t_total}}) {
+                                {"preprocess", &t_pre}, {"encoder forward", &t_fwd}, {"  plan", &t_plan},
+                                {"  upload", &t_upload}, {"  forward", &t_gpu}, {"  download", &t_download},
+                                {"total", &t_total}}) {
     const Summary s = summarize(*v, pcts);
     std::string line = fmt::format("{:<16} | {:>9.2f} | {:>9.2f} | {:>9.2f}", name, s.mean, s.median, s.std);
     nlohmann::ordered_json j = {{"mean_ms", s.mean}, {"median_ms", s.median}, {"std_ms", s.std}};
@@ -158,7 +167,7 @@ int run(const Args& a) {
       j[fmt::format("p{:g}_ms", p)] = val;
     }
     fmt::print("{}\n", line);
-    stages[name] = j;
+    stages[name[0] == ' ' ? "encoder " + std::string(name + 2) : std::string(name)] = j;
   }
   if (book && book->mode() == ScaleMode::CALIBRATE)
     fmt::print("calibration: {} complete forwards; scale file {}\n", book->complete_forwards(),

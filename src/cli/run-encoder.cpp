@@ -1,6 +1,7 @@
 // EncoderRunner: the CPU or GPU encoder forward the engine configuration selects.
 #include "cli/run-encoder.h"
 
+#include <chrono>
 #include <cstring>
 
 #include "cli/bench-cuda.h"
@@ -31,6 +32,15 @@ EncoderRunner::~EncoderRunner() = default;
 
 EncoderOutputs EncoderRunner::run(const std::vector<float>& pixels, const std::vector<qwen3vl::GridThw>& grids) {
   EncoderOutputs out;
+  using clock = std::chrono::steady_clock;
+  auto t = clock::now();
+  auto lap = [&t] {
+    const auto now = clock::now();
+    const double ms = std::chrono::duration<double, std::milli>(now - t).count();
+    t = now;
+    return ms;
+  };
+  timings_ = {};
   if (!gpu_) {
     qwen3vl::ForwardOptions o;
     o.attention = cfg_.dtype == AttnDtype::FP8 ? cpu::RefMode::FP8 : cpu::RefMode::BF16;
@@ -38,17 +48,24 @@ EncoderOutputs EncoderRunner::run(const std::vector<float>& pixels, const std::v
     auto r = qwen3vl::forward_cpu(model_, pixels, grids, o);
     out.merged = std::move(r.merged);
     out.deepstack = std::move(r.deepstack);
+    timings_.forward = lap();
     return out;
   }
 #if FOVEA_HAVE_CUDA
   auto& enc = gpu_->enc;
   enc.plan(grids);
+  BENCH_CUDA(cudaDeviceSynchronize());
+  timings_.plan = lap();
   enc.upload_pixels(pixels, nullptr);
+  BENCH_CUDA(cudaDeviceSynchronize());
+  timings_.upload = lap();
   enc.forward(nullptr);
   enc.after_forward(nullptr);
   BENCH_CUDA(cudaDeviceSynchronize());
+  timings_.forward = lap();
   out.merged = enc.merged(nullptr);
   out.deepstack = enc.deepstack(nullptr);
+  timings_.download = lap();
 #endif
   return out;
 }

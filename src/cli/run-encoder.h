@@ -25,6 +25,13 @@ class EncoderRunner {
   ~EncoderRunner();
   EncoderOutputs run(const std::vector<float>& pixels, const std::vector<qwen3vl::GridThw>& grids);
   ScaleBook* book() { return book_ ? &*book_ : nullptr; }  // null for BF16
+  // Where the last run() spent its time (host wall clock, ms): planning the batch shape, pixel
+  // conversion + upload, the forward on the device (synchronized), outputs back + conversion. On
+  // the CPU all of it is `forward`.
+  struct Timings {
+    double plan = 0, upload = 0, forward = 0, download = 0;
+  };
+  const Timings& last_timings() const { return timings_; }
   // Non-finite amax values the scale book has ignored so far, all layers (0 for BF16 and static
   // scales). On the GPU this copies the device rings into the book first (one small sync).
   uint64_t nonfinite_amax();
@@ -35,6 +42,7 @@ class EncoderRunner {
   EngineConfig cfg_;
   std::optional<ScaleBook> book_;
   std::unique_ptr<Gpu> gpu_;
+  Timings timings_;
 };
 
 // Visual tokens (merger output rows) of one image: t*h*w / merge^2.

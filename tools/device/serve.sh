@@ -8,7 +8,7 @@ source "$(dirname "$0")/env.sh"
 P=${PHOTOS:-data/photos-device}
 M=${MODEL:-synthetic:qwen3-vl-8b}
 BUDGET=${BUDGET:-2073600}   # resize budget (pixels): a FullHD-sized image -> ~2000 tokens
-for dt in bf16 fp8; do
+for dt in ${DTYPES:-bf16 fp8}; do
   echo "== fovea serve $M --mm-encoder-attn-dtype $dt --max-pixels $BUDGET"
   "$B/fovea" serve $M --port 0 --mm-encoder-attn-dtype $dt --max-pixels $BUDGET > /tmp/serve-$dt.log 2>&1 &
   pid=$!
@@ -19,7 +19,7 @@ for dt in bf16 fp8; do
     sleep 0.5
   done
   [ -z "$url" ] && { echo "server did not start:"; cat /tmp/serve-$dt.log; kill $pid; continue; }
-  python3 bench/serve-load.py --url $url --images $P --concurrency 1,4,16 --requests 48 --warmup 6 \
+  python3 bench/serve-load.py --url $url --images $P --concurrency ${LEVELS:-1,4,16} --requests ${REQUESTS:-48} --warmup 6 \
     --json "$OUT/serve-$dt.json" 2>&1 | tail -8
   curl -s $url/metrics | grep -E "^fovea_(forward|images|tokens|fp8|nonfinite)" | head -12
   kill -TERM $pid; wait $pid; echo "server exit code $?"

@@ -74,11 +74,15 @@ std::vector<std::array<int, 2>> patch_positions(const std::vector<GridThw>& grid
 std::vector<float> position_embedding(const VisionConfig& c, const std::vector<float>& table,
                                       const std::vector<GridThw>& grids) {
   const int G = c.pos_side(), D = c.hidden;
-  std::vector<float> out;
+  int64_t total = 0;
+  for (const auto& g : grids) total += int64_t(g[0]) * g[1] * g[2];
+  std::vector<float> out(size_t(total) * D);
+  int64_t base = 0;  // first row of this image
   for (const auto& g : grids) {
     const int t = g[0], h = g[1], w = g[2];
-    std::vector<float> img(size_t(h) * w * D);
-    for (int r = 0; r < h; ++r)
+    // Rows of the grid in parallel (a 4K image has 32640 patches of 1152 values); each patch's
+    // embedding is written at its merge-window row (spec §2.5), once per frame.
+    parallel_for(h, [&](int64_t r) {
       for (int col = 0; col < w; ++col) {
         const float sr = h == 1 ? 0.f : float(r) * (float(G - 1) / float(h - 1));
         const float sc = w == 1 ? 0.f : float(col) * (float(G - 1) / float(w - 1));
@@ -90,17 +94,13 @@ std::vector<float> position_embedding(const VisionConfig& c, const std::vector<f
         const float* e01 = table.data() + int64_t(r0 * G + c1) * D;
         const float* e10 = table.data() + int64_t(r1 * G + c0) * D;
         const float* e11 = table.data() + int64_t(r1 * G + c1) * D;
-        float* dst = img.data() + int64_t(r * w + col) * D;
+        const int64_t row = ((r / 2) * (w / 2) + col / 2) * 4 + (r % 2) * 2 + col % 2;
+        float* dst = out.data() + (base + row) * D;
         for (int d = 0; d < D; ++d) dst[d] = w00 * e00[d] + w01 * e01[d] + w10 * e10[d] + w11 * e11[d];
+        for (int f = 1; f < t; ++f) std::copy(dst, dst + D, dst + int64_t(f) * h * w * D);
       }
-    for (int f = 0; f < t; ++f)
-      for (int bh = 0; bh < h / 2; ++bh)
-        for (int bw = 0; bw < w / 2; ++bw)
-          for (int mh = 0; mh < 2; ++mh)
-            for (int mw = 0; mw < 2; ++mw) {
-              const float* src = img.data() + int64_t((2 * bh + mh) * w + 2 * bw + mw) * D;
-              out.insert(out.end(), src, src + D);
-            }
+    }, int64_t(h) * w * D >= (int64_t(1) << 20) ? 0 : 1);
+    base += int64_t(t) * h * w;
   }
   return out;
 }

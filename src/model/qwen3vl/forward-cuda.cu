@@ -10,6 +10,7 @@
 #include "attention/cuda/kernels.cuh"
 #include "fovea/bf16.h"
 #include "fovea/encoder.h"
+#include "fovea/threads.h"
 
 #define FOVEA_CUBLAS_CHECK(call)                                                                   \
   do {                                                                                             \
@@ -33,9 +34,20 @@ T* dev_alloc(size_t count) {
 
 // Uploads record their allocation in `owner` before copying, so nothing leaks when a later step
 // throws: the owner list is freed by whoever holds it.
-bf16* upload_bf16(const std::vector<float>& v, std::vector<void*>& owner) {
+// Host conversions of whole activations (tens of millions of values per image batch) run on every
+// core in chunks; on one core they cost more than the forward itself (bench mm-processor's
+// "upload" and "download" stages).
+constexpr int64_t kConvertGrain = 1 << 16;
+std::vector<uint16_t> to_bf16(const std::vector<float>& v) {
   std::vector<uint16_t> h(v.size());
-  for (size_t i = 0; i < v.size(); ++i) h[i] = bf16_from_float(v[i]);
+  parallel_for(int64_t(v.size() + kConvertGrain - 1) / kConvertGrain, [&](int64_t c) {
+    for (size_t i = size_t(c * kConvertGrain), e = std::min(v.size(), i + kConvertGrain); i < e; ++i) h[i] = bf16_from_float(v[i]);
+  });
+  return h;
+}
+
+bf16* upload_bf16(const std::vector<float>& v, std::vector<void*>& owner) {
+  const std::vector<uint16_t> h = to_bf16(v);
   bf16* d = dev_alloc<bf16>(v.size());
   owner.push_back(d);
   FOVEA_CUDA_CHECK(cudaMemcpy(d, h.data(), h.size() * 2, cudaMemcpyHostToDevice));
@@ -279,6 +291,7 @@ void Encoder::plan(const std::vector<GridThw>& grids) {
     n += int64_t(g[0]) * g[1] * g[2];
   }
   if (grids.empty()) fail_cat("encoder: no images");
+  if (m.n > 0 && m.grids == grids) return;  // the same batch shape: buffers and tables stand
   m.free_plan();
   m.n = 0;  // forward() refuses to run until this plan is complete (a throw below leaves no dangling plan)
   m.grids = grids;
@@ -310,8 +323,7 @@ void Encoder::upload_pixels(const std::vector<float>& pixels, cudaStream_t strea
   Impl& m = *impl_;
   if (int64_t(pixels.size()) != m.n * m.cfg.patch_dim())
     fail_cat("encoder: pixel_values has ", pixels.size(), " values, the plan expects ", m.n * m.cfg.patch_dim());
-  std::vector<uint16_t> h(pixels.size());
-  for (size_t i = 0; i < h.size(); ++i) h[i] = bf16_from_float(pixels[i]);
+  const std::vector<uint16_t> h = to_bf16(pixels);
   FOVEA_CUDA_CHECK(cudaMemcpyAsync(m.pixels, h.data(), h.size() * 2, cudaMemcpyHostToDevice, stream));
   FOVEA_CUDA_CHECK(cudaStreamSynchronize(stream));  // h is a local
 }
@@ -368,7 +380,9 @@ std::vector<float> download(const bf16* d, size_t count, cudaStream_t stream) {
   FOVEA_CUDA_CHECK(cudaMemcpyAsync(h.data(), d, count * 2, cudaMemcpyDeviceToHost, stream));
   FOVEA_CUDA_CHECK(cudaStreamSynchronize(stream));
   std::vector<float> f(count);
-  for (size_t i = 0; i < count; ++i) f[i] = bf16_to_float(h[i]);
+  parallel_for(int64_t(count + kConvertGrain - 1) / kConvertGrain, [&](int64_t c) {
+    for (size_t i = size_t(c * kConvertGrain), e = std::min(count, i + kConvertGrain); i < e; ++i) f[i] = bf16_to_float(h[i]);
+  });
   return f;
 }
 }  // namespace
