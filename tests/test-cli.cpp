@@ -21,14 +21,9 @@
 
 namespace fs = std::filesystem;
 
-namespace {
+using fovea::test::slurp;
 
-std::string slurp(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
+namespace {
 
 std::vector<std::string> split_ws(const std::string& line) {
   std::istringstream ss(line);

@@ -167,6 +167,21 @@ TEST(Decode, FormatsAndRgbConversion) {
   EXPECT_EQ(decode_file(path).data, g.data);
 }
 
+// Command-line budgets over the model's preprocessing: applied, and an inverted budget is refused
+// naming the flags (bench mm-processor and bench calibration used to accept one silently).
+TEST(PreprocessConfig, OverridesApplyAndInvertedBudgetsAreRefused) {
+  const PreprocessConfig d = load_preprocess_config("synthetic:tiny");
+  EXPECT_EQ(d.min_pixels, 65536);
+  EXPECT_EQ(d.max_pixels, 16777216);
+  const PreprocessConfig o = load_preprocess_config("synthetic:tiny", {4096, 262144, 1000});
+  EXPECT_EQ(o.min_pixels, 4096);
+  EXPECT_EQ(o.max_pixels, 262144);
+  EXPECT_EQ(o.max_image_pixels, 1000);
+  EXPECT_HAS(error_of([] { load_preprocess_config("synthetic:tiny", {0, 40000}); }),
+             "--max-pixels 40000 is below --min-pixels 65536");
+  EXPECT_HAS(error_of([] { load_preprocess_config("synthetic:tiny", {0, 0, 0}); }), "--max-image-pixels");
+}
+
 TEST(Decode, BadInputsNameTheFile) {
   TempDir dir;
   EXPECT_HAS(error_of([&] { decode_file(dir.file("missing.jpg")); }), "missing.jpg");

@@ -85,7 +85,9 @@ void check_golden_set(const std::string& dir) {
       const double err = std::fabs(level - want[i]);
       ASSERT_LT(std::fabs(level - std::round(level)), 1e-3) << "fovea's value is not a uint8 level at " << i;
       // An equal level must give the transformers float value bit for bit: (u - 127.5) / 127.5 in fp32.
-      if (err == 0) ASSERT_EQ(got.pixels[i], (float(want[i]) - 127.5f) / 127.5f) << i;
+      if (err == 0) {
+        ASSERT_EQ(got.pixels[i], (float(want[i]) - 127.5f) / 127.5f) << i;
+      }
       d.max = std::max(d.max, int(std::lround(err)));
       sum += err;
     }

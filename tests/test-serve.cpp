@@ -40,17 +40,11 @@ extern char** environ;
 
 namespace fs = std::filesystem;
 using json = nlohmann::json;
+using fovea::test::slurp;
 using fovea::server::base64_decode;
 using fovea::server::base64_encode;
 
 namespace {
-
-std::string slurp(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
 
 // The resize budget of every server and reference encode here: small images, fast CPU forwards
 // (16 to 96 patches per image).

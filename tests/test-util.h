@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -40,6 +41,14 @@ struct TempDir {
     return names;
   }
 };
+
+// A whole file's bytes ("" if it cannot be read).
+inline std::string slurp(const std::filesystem::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
 
 // The message of the fovea::Error that f throws; a test failure if it throws nothing or something else.
 template <class F>

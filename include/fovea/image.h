@@ -26,9 +26,16 @@ struct PreprocessConfig {
   int64_t max_image_pixels = int64_t(1) << 28;  // decompression-bomb guard: header pixels above this are refused
 };
 
+// Command-line overrides of a model's preprocessing (0: keep the model's value).
+struct PreprocessOverrides {
+  int64_t min_pixels = 0, max_pixels = 0;      // --min-pixels, --max-pixels
+  int64_t max_image_pixels = int64_t(1) << 28;  // --max-image-pixels
+};
+
 // The preprocessing of a model: its folder's preprocessor_config.json, or the shipped Qwen3-VL
-// defaults when the model is synthetic:<preset> or the file is absent.
-PreprocessConfig load_preprocess_config(const std::string& model);
+// defaults when the model is synthetic:<preset> or the file is absent; then the overrides. A budget
+// whose max is below its min is an error naming the flags.
+PreprocessConfig load_preprocess_config(const std::string& model, const PreprocessOverrides& overrides = {});
 
 // The image files (.jpg .jpeg .png .bmp .gif, any case) of a folder, sorted; throws if the folder
 // does not exist or has none. `what` names the flag in the error.

@@ -33,8 +33,7 @@ int run(const Args& a) {
          files.size(), a.calibration_images);
   const SystemInfo sys = query_system();
   const qwen3vl::Model model = qwen3vl::load_model(a.model);
-  image::PreprocessConfig pcfg = image::load_preprocess_config(a.model);
-  if (a.max_pixels > 0) pcfg.max_pixels = a.max_pixels;
+  const image::PreprocessConfig pcfg = image::load_preprocess_config(a.model, {0, a.max_pixels});
   auto load = [&](const std::string& f, std::vector<float>& px, std::vector<qwen3vl::GridThw>& g) {
     auto p = image::preprocess(image::decode_file(f, pcfg), pcfg);
     px.insert(px.end(), p.pixels.begin(), p.pixels.end());

@@ -75,8 +75,7 @@ int run(const Args& a) {
     }
   }
   const qwen3vl::Model model = qwen3vl::load_model(a.model);
-  image::PreprocessConfig pcfg = image::load_preprocess_config(a.model);
-  if (a.max_pixels > 0) pcfg.max_pixels = a.max_pixels;
+  const image::PreprocessConfig pcfg = image::load_preprocess_config(a.model, {0, a.max_pixels});
 
   // The dataset: file names (folder) or one random image size (random-mm).
   std::vector<std::string> files;

@@ -41,12 +41,8 @@ int run(const Args& a) {
   auto t0 = clock_type::now();
   const qwen3vl::Model model = qwen3vl::load_model(a.model);
   const double load_ms = ms_since(t0);
-  image::PreprocessConfig pcfg = image::load_preprocess_config(a.model);
-  pcfg.max_image_pixels = a.max_image_pixels;
-  if (a.min_pixels > 0) pcfg.min_pixels = a.min_pixels;
-  if (a.max_pixels > 0) pcfg.max_pixels = a.max_pixels;
-  if (pcfg.max_pixels < pcfg.min_pixels)
-    fail("--max-pixels {} is below --min-pixels {}", pcfg.max_pixels, pcfg.min_pixels);
+  const image::PreprocessConfig pcfg =
+      image::load_preprocess_config(a.model, {a.min_pixels, a.max_pixels, a.max_image_pixels});
 
   // Decode + preprocess every image in parallel; failures are kept per image.
   const size_t n = a.images.size();

@@ -28,7 +28,10 @@ std::vector<std::string> list_images(const std::string& folder, const std::strin
   return files;
 }
 
-PreprocessConfig load_preprocess_config(const std::string& model) {
+namespace {
+
+// The model's own preprocessing (its folder's preprocessor_config.json, or the shipped defaults).
+PreprocessConfig model_preprocess_config(const std::string& model) {
   PreprocessConfig c;
   std::error_code ec;
   if (!std::filesystem::is_directory(model, ec)) return c;  // synthetic:<preset>: the shipped defaults
@@ -58,6 +61,18 @@ PreprocessConfig load_preprocess_config(const std::string& model) {
   if (c.patch <= 0 || c.merge <= 0 || c.temporal <= 0 || c.min_pixels <= 0 || c.max_pixels < c.min_pixels)
     fail("{}: invalid sizes (patch {}, merge {}, temporal {}, min_pixels {}, max_pixels {})", path, c.patch, c.merge,
          c.temporal, c.min_pixels, c.max_pixels);
+  return c;
+}
+
+}  // namespace
+
+PreprocessConfig load_preprocess_config(const std::string& model, const PreprocessOverrides& o) {
+  PreprocessConfig c = model_preprocess_config(model);
+  if (o.min_pixels > 0) c.min_pixels = o.min_pixels;
+  if (o.max_pixels > 0) c.max_pixels = o.max_pixels;
+  if (c.max_pixels < c.min_pixels) fail("--max-pixels {} is below --min-pixels {}", c.max_pixels, c.min_pixels);
+  if (o.max_image_pixels <= 0) fail("--max-image-pixels must be positive, got {}", o.max_image_pixels);
+  c.max_image_pixels = o.max_image_pixels;
   return c;
 }
 

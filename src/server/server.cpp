@@ -456,12 +456,8 @@ void check_options(const ServeOptions& o) {
 int serve(const ServeOptions& o) {
   check_options(o);
   const EngineConfig engine = resolve_engine(o.engine, query_system());
-  image::PreprocessConfig pcfg = image::load_preprocess_config(o.model);
-  pcfg.max_image_pixels = o.max_image_pixels;
-  if (o.min_pixels > 0) pcfg.min_pixels = o.min_pixels;
-  if (o.max_pixels > 0) pcfg.max_pixels = o.max_pixels;
-  if (pcfg.max_pixels < pcfg.min_pixels)
-    fail("--max-pixels {} is below --min-pixels {}", pcfg.max_pixels, pcfg.min_pixels);
+  const image::PreprocessConfig pcfg =
+      image::load_preprocess_config(o.model, {o.min_pixels, o.max_pixels, o.max_image_pixels});
   const qwen3vl::Model model = qwen3vl::load_model(o.model);
   Batcher batcher(model, engine, o.max_queue, o.max_batch_tokens);
   Context c(o, model, engine, pcfg, batcher);
