@@ -30,7 +30,8 @@ EncoderRunner::EncoderRunner(const qwen3vl::Model& m, const EngineConfig& cfg) :
 
 EncoderRunner::~EncoderRunner() = default;
 
-EncoderOutputs EncoderRunner::run(const std::vector<float>& pixels, const std::vector<qwen3vl::GridThw>& grids) {
+EncoderOutputs EncoderRunner::run(const std::vector<float>& pixels, const std::vector<qwen3vl::GridThw>& grids,
+                                  bool with_deepstack) {
   EncoderOutputs out;
   using clock = std::chrono::steady_clock;
   auto t = clock::now();
@@ -47,7 +48,7 @@ EncoderOutputs EncoderRunner::run(const std::vector<float>& pixels, const std::v
     o.scales = book();
     auto r = qwen3vl::forward_cpu(model_, pixels, grids, o);
     out.merged = std::move(r.merged);
-    out.deepstack = std::move(r.deepstack);
+    if (with_deepstack) out.deepstack = std::move(r.deepstack);
     timings_.forward = lap();
     return out;
   }
@@ -64,7 +65,7 @@ EncoderOutputs EncoderRunner::run(const std::vector<float>& pixels, const std::v
   BENCH_CUDA(cudaDeviceSynchronize());
   timings_.forward = lap();
   out.merged = enc.merged(nullptr);
-  out.deepstack = enc.deepstack(nullptr);
+  if (with_deepstack) out.deepstack = enc.deepstack(nullptr);
   timings_.download = lap();
 #endif
   return out;

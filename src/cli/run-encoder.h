@@ -23,7 +23,9 @@ class EncoderRunner {
   // run() advances calibration.
   EncoderRunner(const qwen3vl::Model& m, const EngineConfig& cfg);
   ~EncoderRunner();
-  EncoderOutputs run(const std::vector<float>& pixels, const std::vector<qwen3vl::GridThw>& grids);
+  // with_deepstack = false leaves `deepstack` empty (on the GPU they are then not copied back).
+  EncoderOutputs run(const std::vector<float>& pixels, const std::vector<qwen3vl::GridThw>& grids,
+                     bool with_deepstack = true);
   ScaleBook* book() { return book_ ? &*book_ : nullptr; }  // null for BF16
   // Where the last run() spent its time (host wall clock, ms): planning the batch shape, pixel
   // conversion + upload, the forward on the device (synchronized), outputs back + conversion. On

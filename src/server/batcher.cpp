@@ -28,8 +28,9 @@ Batcher::Batcher(const qwen3vl::Model& model, const EngineConfig& cfg, size_t ma
 
 Batcher::~Batcher() { stop(); }
 
-std::shared_ptr<Job> Batcher::submit(std::vector<ImageInput> images) {
+std::shared_ptr<Job> Batcher::submit(std::vector<ImageInput> images, bool deepstack) {
   auto job = std::make_shared<Job>();
+  job->deepstack = deepstack;
   job->outputs.resize(images.size());
   job->images = std::move(images);
   job->submitted = Clock::now();
@@ -114,7 +115,11 @@ void Batcher::run_batch(cli::EncoderRunner& runner, const std::vector<Slot>& bat
   std::vector<float> pixels;
   std::vector<qwen3vl::GridThw> grids;
   size_t floats = 0;
-  for (const Slot& s : batch) floats += s.job->images[s.index].pixels.size();
+  bool deepstack = false;
+  for (const Slot& s : batch) {
+    floats += s.job->images[s.index].pixels.size();
+    deepstack = deepstack || s.job->deepstack;
+  }
   pixels.reserve(floats);
   for (const Slot& s : batch) {
     ImageInput& in = s.job->images[s.index];
@@ -127,7 +132,7 @@ void Batcher::run_batch(cli::EncoderRunner& runner, const std::vector<Slot>& bat
   std::string error;
   cli::EncoderOutputs out;
   try {
-    out = runner.run(pixels, grids);
+    out = runner.run(pixels, grids, deepstack);
     nonfinite_ = runner.nonfinite_amax();
   } catch (const std::exception& e) {
     error = e.what();
@@ -148,7 +153,8 @@ void Batcher::run_batch(cli::EncoderRunner& runner, const std::vector<Slot>& bat
         return std::vector<float>(v.begin() + long(row * O), v.begin() + long((row + tokens) * O));
       };
       o.merged = rows(out.merged);
-      for (const auto& d : out.deepstack) o.deepstack.push_back(rows(d));
+      if (batch[i].job->deepstack)
+        for (const auto& d : out.deepstack) o.deepstack.push_back(rows(d));
       o.queue_ms = ms_between(batch[i].job->submitted, start);
       o.forward_ms = forward_ms;
       o.batch_images = int(batch.size());

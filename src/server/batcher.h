@@ -46,6 +46,7 @@ struct Job {
   std::vector<ImageInput> images;
   std::vector<ImageOutput> outputs;
   Clock::time_point submitted;
+  bool deepstack = false;  // the client asked for the deepstack features
   // Guarded by the Batcher's mutex:
   size_t next = 0;         // first image not yet taken into a forward
   size_t done = 0;         // images finished
@@ -60,7 +61,9 @@ class Batcher {
   ~Batcher();  // stop()
 
   // Queues a request; nullptr if max_queue requests are already waiting (or the worker stopped).
-  std::shared_ptr<Job> submit(std::vector<ImageInput> images);
+  // The deepstack features are copied back from the device only for forwards with a job that
+  // asked for them (each is as large as the visual tokens).
+  std::shared_ptr<Job> submit(std::vector<ImageInput> images, bool deepstack);
 
   enum class Wait { DONE, FAILED, TIMED_OUT };
   // Blocks until the job is done, failed (`error` says why), or the deadline passed (the job is

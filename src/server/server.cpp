@@ -290,7 +290,7 @@ void encode(Context& c, const httplib::Request& req, httplib::Response& res, con
   const EncodeRequest r = parse_encode_request(doc, c.opt.max_images_per_request, c.opt.model);
   Decoded d = decode_images(r, c.pcfg);
 
-  const std::shared_ptr<Job> job = c.batcher.submit(std::move(d.images));
+  const std::shared_ptr<Job> job = c.batcher.submit(std::move(d.images), r.deepstack);
   if (!job) {
     res.set_header("Retry-After", "1");  // kept on the error reply send_error() writes
     reject(503, "queue_full",
