@@ -562,6 +562,38 @@ TEST_F(Serve, FullQueueIs503AndSlowRequestIs504) {
   EXPECT_EQ(server.stop(SIGTERM), 0) << server.err();
 }
 
+// --max-queue-tokens: the queue's memory is bounded by the visual tokens waiting (their pixels are
+// held until the forward). An idle queue takes a request of any size (the 64-image one, 4096 tokens,
+// against a limit of 100); while it waits, a 64-token request that would pass the limit gets 503
+// naming the flag; once the queue is empty again a request is served.
+TEST_F(Serve, QueueTokenLimitIs503) {
+  ServerProcess server(dir_, {"--max-queue", "8", "--max-queue-tokens", "100", "--max-batch-tokens", "1",
+                              "--request-timeout", "0.5", "--max-images-per-request", "64"},
+                       {"--min-pixels", "65536", "--max-pixels", "65536"});
+  ASSERT_GT(server.port(), 0);
+  json big = {{"images", json::array()}};
+  for (int i = 0; i < 64; ++i) big["images"].push_back(image_item(image(size_t(i)), 1));
+  std::optional<httplib::Result> big_reply;
+  std::thread big_client([&] { big_reply = client(server.port())->Post("/v1/encode", big.dump(), "application/json"); });
+  bool queued = false;
+  for (int i = 0; i < 1000 && !queued; ++i) {
+    queued = metric(get_metrics(server.port()), "fovea_queue_depth") == 1;
+    if (!queued) std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  EXPECT_TRUE(queued);
+  const json one = {{"images", {image_item(image(0), 0)}}};
+  const ErrorReply e = error_of(client(server.port())->Post("/v1/encode", one.dump(), "application/json"));
+  EXPECT_EQ(e.status, 503);
+  EXPECT_EQ(e.code, "queue_full");
+  EXPECT_HAS(e.message, "--max-queue-tokens 100");
+  big_client.join();
+  EXPECT_EQ(error_of(*big_reply).status, 504);  // --request-timeout: the rest of it is dropped
+  const auto again = client(server.port())->Post("/v1/encode", one.dump(), "application/json");
+  ASSERT_TRUE(again);
+  EXPECT_EQ(again->status, 200) << again->body;
+  EXPECT_EQ(server.stop(SIGTERM), 0) << server.err();
+}
+
 // SIGTERM while requests are in flight: they are all answered (correctly), then the server exits 0
 // and no longer accepts connections.
 TEST_F(Serve, SigtermFinishesRequestsInFlightAndExitsZero) {
@@ -603,6 +635,7 @@ TEST_F(Serve, SigtermFinishesRequestsInFlightAndExitsZero) {
 TEST_F(Serve, BadOptionsFailAtStartup) {
   for (const auto& [args, says] : std::vector<std::pair<std::string, std::string>>{
            {"--port 0 --max-queue 0", "--max-queue"},
+           {"--port 0 --max-queue-tokens 0", "--max-queue-tokens"},
            {"--port 0 --request-timeout 0", "--request-timeout"},
            {"--port 70000", "--port"},
            {"--port 0 --min-pixels 70000 --max-pixels 65536", "--max-pixels"},

@@ -16,6 +16,10 @@ void add_serve(CLI::App& app, Runner& runner) {
       ->capture_default_str();
   cmd->add_option("--max-queue", o->max_queue, "requests waiting for the encoder; more are answered 503")
       ->capture_default_str();
+  cmd->add_option("--max-queue-tokens", o->max_queue_tokens,
+                  "visual tokens waiting for the encoder (their pixels stay in memory, ~24 KB each); a request that "
+                  "would pass it is answered 503 unless the queue is empty")
+      ->capture_default_str();
   cmd->add_option("--max-body-bytes", o->max_body_bytes, "largest request body; larger is answered 413")
       ->capture_default_str();
   cmd->add_option("--max-images-per-request", o->max_images_per_request, "more images in one request are answered 400")

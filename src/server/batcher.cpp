@@ -3,6 +3,8 @@
 
 #include <optional>
 
+#include <fmt/format.h>
+
 #include "cli/run-encoder.h"
 
 namespace fovea::server {
@@ -13,8 +15,10 @@ double ms_between(Clock::time_point a, Clock::time_point b) {
 }
 }  // namespace
 
-Batcher::Batcher(const qwen3vl::Model& model, const EngineConfig& cfg, size_t max_queue, int64_t max_batch_tokens)
-    : model_(model), cfg_(cfg), max_queue_(max_queue), max_batch_tokens_(max_batch_tokens) {
+Batcher::Batcher(const qwen3vl::Model& model, const EngineConfig& cfg, size_t max_queue, int64_t max_queue_tokens,
+                 int64_t max_batch_tokens)
+    : model_(model), cfg_(cfg), max_queue_(max_queue), max_queue_tokens_(max_queue_tokens),
+      max_batch_tokens_(max_batch_tokens) {
   std::promise<void> ready;
   std::future<void> started = ready.get_future();
   thread_ = std::thread([this, &ready] { worker(ready); });
@@ -28,15 +32,30 @@ Batcher::Batcher(const qwen3vl::Model& model, const EngineConfig& cfg, size_t ma
 
 Batcher::~Batcher() { stop(); }
 
-std::shared_ptr<Job> Batcher::submit(std::vector<ImageInput> images, bool deepstack) {
+std::shared_ptr<Job> Batcher::submit(std::vector<ImageInput> images, bool deepstack, std::string& refused) {
   auto job = std::make_shared<Job>();
   job->deepstack = deepstack;
   job->outputs.resize(images.size());
   job->images = std::move(images);
   job->submitted = Clock::now();
+  int64_t tokens = 0;
+  for (const auto& im : job->images) tokens += cli::image_tokens(model_.config, im.grid);
   {
     std::lock_guard lk(mu_);
-    if (stopping_ || queue_.size() >= max_queue_) return nullptr;
+    if (stopping_) {
+      refused = "the server is stopping";
+      return nullptr;
+    }
+    if (queue_.size() >= max_queue_) {
+      refused = fmt::format("the encoder queue is full ({} requests waiting, --max-queue)", queue_.size());
+      return nullptr;
+    }
+    const int64_t waiting = queued_tokens();
+    if (!queue_.empty() && waiting + tokens > max_queue_tokens_) {
+      refused = fmt::format("the encoder queue holds {} visual tokens; this request's {} would pass --max-queue-tokens {}",
+                            waiting, tokens, max_queue_tokens_);
+      return nullptr;
+    }
     queue_.push_back(job);
   }
   queued_.notify_one();
@@ -68,6 +87,14 @@ void Batcher::stop() {
 size_t Batcher::queue_depth() const {
   std::lock_guard lk(mu_);
   return queue_.size();
+}
+
+int64_t Batcher::queued_tokens() const {
+  int64_t tokens = 0;
+  for (const auto& job : queue_)
+    if (!job->abandoned && job->error.empty())
+      for (size_t i = job->next; i < job->images.size(); ++i) tokens += cli::image_tokens(model_.config, job->images[i].grid);
+  return tokens;
 }
 
 std::vector<Batcher::Slot> Batcher::take_batch() {

@@ -57,13 +57,15 @@ struct Job {
 class Batcher {
  public:
   // Starts the worker, which creates the encoder; throws (the encoder's error) if that fails.
-  Batcher(const qwen3vl::Model& model, const EngineConfig& cfg, size_t max_queue, int64_t max_batch_tokens);
+  Batcher(const qwen3vl::Model& model, const EngineConfig& cfg, size_t max_queue, int64_t max_queue_tokens,
+          int64_t max_batch_tokens);
   ~Batcher();  // stop()
 
-  // Queues a request; nullptr if max_queue requests are already waiting (or the worker stopped).
-  // The deepstack features are copied back from the device only for forwards with a job that
-  // asked for them (each is as large as the visual tokens).
-  std::shared_ptr<Job> submit(std::vector<ImageInput> images, bool deepstack);
+  // Queues a request; nullptr, with the reason in `refused`, if max_queue requests are already
+  // waiting, if its visual tokens would take the queue past max_queue_tokens (an empty queue takes
+  // any request), or if the worker stopped. The deepstack features are copied back from the device
+  // only for forwards with a job that asked for them (each is as large as the visual tokens).
+  std::shared_ptr<Job> submit(std::vector<ImageInput> images, bool deepstack, std::string& refused);
 
   enum class Wait { DONE, FAILED, TIMED_OUT };
   // Blocks until the job is done, failed (`error` says why), or the deadline passed (the job is
@@ -89,11 +91,13 @@ class Batcher {
   };
   void worker(std::promise<void>& ready);
   std::vector<Slot> take_batch();  // with mu_ held
+  int64_t queued_tokens() const;   // with mu_ held: visual tokens of the images not yet taken
   void run_batch(cli::EncoderRunner& runner, const std::vector<Slot>& batch);
 
   const qwen3vl::Model& model_;
   const EngineConfig cfg_;
   const size_t max_queue_;
+  const int64_t max_queue_tokens_;
   const int64_t max_batch_tokens_;
 
   mutable std::mutex mu_;

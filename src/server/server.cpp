@@ -290,11 +290,11 @@ void encode(Context& c, const httplib::Request& req, httplib::Response& res, con
   const EncodeRequest r = parse_encode_request(doc, c.opt.max_images_per_request, c.opt.model);
   Decoded d = decode_images(r, c.pcfg);
 
-  const std::shared_ptr<Job> job = c.batcher.submit(std::move(d.images), r.deepstack);
+  std::string refused;
+  const std::shared_ptr<Job> job = c.batcher.submit(std::move(d.images), r.deepstack, refused);
   if (!job) {
     res.set_header("Retry-After", "1");  // kept on the error reply send_error() writes
-    reject(503, "queue_full",
-           fmt::format("the encoder queue is full ({} requests waiting, --max-queue); retry later", c.opt.max_queue));
+    reject(503, "queue_full", refused + "; retry later");
   }
   const auto deadline = t0 + std::chrono::duration_cast<Clock::duration>(
                                  std::chrono::duration<double>(c.opt.request_timeout_s));
@@ -444,6 +444,7 @@ void check_options(const ServeOptions& o) {
   if (o.port < 0 || o.port > 65535) fail("--port {} is not a port number (0 picks a free one)", o.port);
   if (o.max_batch_tokens < 1) fail("--max-batch-tokens must be at least 1, not {}", o.max_batch_tokens);
   if (o.max_queue < 1) fail("--max-queue must be at least 1");
+  if (o.max_queue_tokens < 1) fail("--max-queue-tokens must be at least 1");
   if (o.max_body_bytes < 1) fail("--max-body-bytes must be at least 1");
   if (o.max_images_per_request < 1) fail("--max-images-per-request must be at least 1");
   if (o.max_image_pixels < 1) fail("--max-image-pixels must be at least 1, not {}", o.max_image_pixels);
@@ -459,7 +460,7 @@ int serve(const ServeOptions& o) {
   const image::PreprocessConfig pcfg =
       image::load_preprocess_config(o.model, {o.min_pixels, o.max_pixels, o.max_image_pixels});
   const qwen3vl::Model model = qwen3vl::load_model(o.model);
-  Batcher batcher(model, engine, o.max_queue, o.max_batch_tokens);
+  Batcher batcher(model, engine, o.max_queue, o.max_queue_tokens, o.max_batch_tokens);
   Context c(o, model, engine, pcfg, batcher);
 
   httplib::Server svr;

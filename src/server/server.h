@@ -21,6 +21,8 @@ struct ServeOptions {
   int port = 8000;                           // 0: any free port (the one taken is printed)
   int64_t max_batch_tokens = 16384;          // visual tokens per forward (an image larger runs alone)
   size_t max_queue = 64;                     // requests waiting; more get 503
+  int64_t max_queue_tokens = 65536;          // visual tokens waiting (their pixels are held: ~24 KB
+                                             // each); more get 503, but an idle queue takes any request
   size_t max_body_bytes = size_t(64) << 20;  // more gets 413
   size_t max_images_per_request = 16;
   int64_t max_image_pixels = int64_t(1) << 28;  // decompression-bomb guard, as encode has
