@@ -500,6 +500,14 @@ TEST_F(Serve, BadRequestsGetTheRight4xxAndTheServerKeepsServing) {
     EXPECT_EQ(e.status, 404);
     EXPECT_HAS(e.message, "POST /v1/encode");
   }
+  {  // a known endpoint, the wrong method: 405 with Allow
+    const auto r = cli->Get("/v1/encode");
+    const ErrorReply e = error_of(r);
+    EXPECT_EQ(e.status, 405);
+    EXPECT_EQ(e.code, "method_not_allowed");
+    EXPECT_TRUE(r && r->get_header_value("Allow") == "POST");
+    EXPECT_EQ(error_of(cli->Post("/metrics", "{}", "application/json")).status, 405);
+  }
   const auto models = cli->Get("/v1/models");
   ASSERT_TRUE(models && models->status == 200);
   EXPECT_EQ(json::parse(models->body).at("data").at(0).at("id"), "synthetic:tiny");
@@ -510,6 +518,7 @@ TEST_F(Serve, BadRequestsGetTheRight4xxAndTheServerKeepsServing) {
   const std::string m = get_metrics(server.port());
   for (const auto& [status, n] : expected)
     EXPECT_EQ(metric(m, "fovea_requests_total{path=\"/v1/encode\",code=\"" + std::to_string(status) + "\"}"), n) << status;
+  EXPECT_EQ(metric(m, "fovea_requests_total{path=\"/v1/encode\",code=\"405\"}"), 1);
   EXPECT_EQ(metric(m, "fovea_requests_total{path=\"/v1/encode\",code=\"200\"}"), 1);
   EXPECT_EQ(metric(m, "fovea_requests_total{path=\"other\",code=\"404\"}"), 1);
   EXPECT_GE(metric(m, "fovea_requests_total{path=\"/health\",code=\"200\"}"), double(cases.size()));

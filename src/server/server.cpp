@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <map>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -351,7 +352,14 @@ void add_routes(httplib::Server& svr, Context& c) {
   // another path) get the same JSON error body.
   svr.set_error_handler(httplib::Server::HandlerWithResponse([&c](const httplib::Request& req, httplib::Response& res) {
     if (!res.body.empty()) return httplib::Server::HandlerResponse::Unhandled;
-    if (res.status == 404)
+    static const std::map<std::string, std::string> kAllowed = {
+        {"/v1/encode", "POST"}, {"/health", "GET"}, {"/v1/models", "GET"}, {"/metrics", "GET"}};
+    const auto known = kAllowed.find(req.path);
+    if (res.status == 404 && known != kAllowed.end()) {  // a known path, another method
+      res.set_header("Allow", known->second);
+      send_error(res, {405, "method_not_allowed",
+                       fmt::format("{} {}: this endpoint takes {}", req.method, req.path, known->second)});
+    } else if (res.status == 404)
       send_error(res, {404, "not_found", fmt::format("no endpoint {} {} (endpoints: POST /v1/encode, GET /health, "
                                                      "GET /v1/models, GET /metrics)", req.method, req.path)});
     else if (res.status == 413)
