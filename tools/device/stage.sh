@@ -10,4 +10,13 @@ cp build/fovea build/tests/test-attention-gpu build/tests/test-encoder-gpu build
 # Shared libraries from Debian packages the GPU machine does not have (env.sh puts lib/ on the path).
 mkdir -p .device-bin/lib
 ldd build/fovea | awk '/libcpp-httplib|libbrotli/ {print $3}' | xargs -r cp -L -t .device-bin/lib
+# The photographs the GPU scripts use (carry "data/photos-device"; under 64 MiB with .device-bin):
+# a fixed subset of tools/fetch-photos.sh's mate-backgrounds, never committed.
+if [ -d data/photos ]; then
+  mkdir -p data/photos-device
+  for f in Aqua.jpg Arc-Colors-Transparent-Wallpaper.png Blinds.jpg Dune.jpg Elephants.jpg Elephants_3840x2160.jpg Elephants_5640x3172.jpg FreshFlower.jpg Garden.jpg \
+           GreenMeadow.jpg GreenTraditional.jpg Gulp.png LadyBird.jpg RainDrops.jpg Storm.jpg TwoWings.jpg Wood.jpg YellowFlower.jpg; do
+    [ -f "data/photos-device/$f" ] || cp "data/photos/$f" data/photos-device/
+  done
+fi
 du -sh .device-bin
