@@ -13,4 +13,8 @@ int hardware_threads();
 // rethrown in the caller after all threads stop.
 void parallel_for(int64_t n, const std::function<void(int64_t)>& fn, int threads = 0, int64_t grain = 1);
 
+// Calls fn(begin, end) for consecutive ranges of at most `grain` indices that cover [0, n), on all
+// threads: for element-wise loops over large arrays.
+void parallel_ranges(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& fn);
+
 }  // namespace fovea

@@ -26,8 +26,7 @@ struct Args {
   std::string model;
   std::vector<std::string> images;
   std::string out;
-  int64_t max_image_pixels = int64_t(1) << 28;
-  int64_t min_pixels = 0, max_pixels = 0;  // 0: the checkpoint's preprocessor_config.json
+  image::PreprocessOverrides preprocess;  // 0: the checkpoint's preprocessor_config.json
   EngineOptions engine;
 };
 
@@ -42,7 +41,7 @@ int run(const Args& a) {
   const qwen3vl::Model model = qwen3vl::load_model(a.model);
   const double load_ms = ms_since(t0);
   const image::PreprocessConfig pcfg =
-      image::load_preprocess_config(a.model, {a.min_pixels, a.max_pixels, a.max_image_pixels});
+      image::load_preprocess_config(a.model, a.preprocess);
 
   // Decode + preprocess every image in parallel; failures are kept per image.
   const size_t n = a.images.size();
@@ -121,10 +120,7 @@ void add_encode(CLI::App& app, Runner& runner) {
   cmd->add_option("MODEL", a->model, "checkpoint folder or synthetic:<preset>")->required();
   cmd->add_option("IMAGE", a->images, "JPEG, PNG, BMP or GIF files")->required();
   cmd->add_option("-o,--output", a->out, "write tokens, deepstack features and grid_thw to this safetensors file");
-  cmd->add_option("--max-image-pixels", a->max_image_pixels, "refuse images whose header claims more pixels")
-      ->capture_default_str();
-  cmd->add_option("--min-pixels", a->min_pixels, "resize budget: at least this many pixels (default: the checkpoint's)");
-  cmd->add_option("--max-pixels", a->max_pixels, "resize budget: at most this many pixels (default: the checkpoint's, 4096^2)");
+  add_preprocess_flags(cmd, a->preprocess);
   add_engine_flags(cmd, a->engine);
   cmd->callback([&runner, a] { runner = [a] { return run(*a); }; });
 }

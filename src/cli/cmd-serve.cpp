@@ -24,10 +24,7 @@ void add_serve(CLI::App& app, Runner& runner) {
       ->capture_default_str();
   cmd->add_option("--max-images-per-request", o->max_images_per_request, "more images in one request are answered 400")
       ->capture_default_str();
-  cmd->add_option("--max-image-pixels", o->max_image_pixels, "refuse images whose header claims more pixels")
-      ->capture_default_str();
-  cmd->add_option("--min-pixels", o->min_pixels, "resize budget: at least this many pixels (default: the checkpoint's)");
-  cmd->add_option("--max-pixels", o->max_pixels, "resize budget: at most this many pixels (default: the checkpoint's, 4096^2)");
+  add_preprocess_flags(cmd, o->preprocess);
   cmd->add_option("--request-timeout", o->request_timeout_s, "seconds from request to reply; later is answered 504")
       ->capture_default_str();
   cmd->add_option("--threads", o->threads, "HTTP threads (each decodes the images of the request it handles)")

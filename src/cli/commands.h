@@ -7,12 +7,15 @@
 #include <CLI/CLI.hpp>
 
 #include "fovea/engine.h"
+#include "fovea/image.h"
 
 namespace fovea::cli {
 
 using Runner = std::function<int()>;
 
 void add_engine_flags(CLI::App* cmd, EngineOptions& opt);
+// --min-pixels, --max-pixels, --max-image-pixels (encode, serve).
+void add_preprocess_flags(CLI::App* cmd, image::PreprocessOverrides& o);
 
 void add_info(CLI::App& app, Runner& run);
 void add_scales(CLI::App& app, Runner& run);

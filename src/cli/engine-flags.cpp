@@ -1,5 +1,5 @@
-// The engine flags (design.md §5), registered the same way on every subcommand that runs a model.
-// Validation lives in fovea::resolve_engine, not here.
+// The engine flags (design.md §5), registered the same way on every subcommand that runs a model
+// (validation lives in fovea::resolve_engine, not here), and the preprocessing budget flags.
 #include "cli/commands.h"
 
 namespace fovea::cli {
@@ -17,6 +17,14 @@ void add_engine_flags(CLI::App* cmd, EngineOptions& o) {
   cmd->add_option("--mm-encoder-fp8-scale-save-margin", o.scale_save_margin,
                   "margin multiplied onto saved scales (> 0)")->capture_default_str()->group("Engine");
   cmd->add_option("--device", o.device, "cuda or cpu (default: cuda when a GPU is visible)")->group("Engine");
+}
+
+// Validation lives in image::load_preprocess_config.
+void add_preprocess_flags(CLI::App* cmd, image::PreprocessOverrides& o) {
+  cmd->add_option("--max-image-pixels", o.max_image_pixels, "refuse images whose header claims more pixels")
+      ->capture_default_str();
+  cmd->add_option("--min-pixels", o.min_pixels, "resize budget: at least this many pixels (default: the checkpoint's)");
+  cmd->add_option("--max-pixels", o.max_pixels, "resize budget: at most this many pixels (default: the checkpoint's, 4096^2)");
 }
 
 }  // namespace fovea::cli

@@ -45,4 +45,10 @@ void parallel_for(int64_t n, const std::function<void(int64_t)>& fn, int threads
   if (error) std::rethrow_exception(error);
 }
 
+void parallel_ranges(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& fn) {
+  if (n <= 0) return;
+  grain = std::max<int64_t>(1, grain);
+  parallel_for((n + grain - 1) / grain, [&](int64_t c) { fn(c * grain, std::min(n, (c + 1) * grain)); });
+}
+
 }  // namespace fovea

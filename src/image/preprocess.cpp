@@ -71,7 +71,7 @@ PreprocessConfig load_preprocess_config(const std::string& model, const Preproce
   if (o.min_pixels > 0) c.min_pixels = o.min_pixels;
   if (o.max_pixels > 0) c.max_pixels = o.max_pixels;
   if (c.max_pixels < c.min_pixels) fail("--max-pixels {} is below --min-pixels {}", c.max_pixels, c.min_pixels);
-  if (o.max_image_pixels <= 0) fail("--max-image-pixels must be positive, got {}", o.max_image_pixels);
+  if (o.max_image_pixels < 1) fail("--max-image-pixels must be at least 1, not {}", o.max_image_pixels);
   c.max_image_pixels = o.max_image_pixels;
   return c;
 }

@@ -25,6 +25,13 @@ void header(std::string& out, const char* name, const char* type, const char* he
   out += fmt::format("# HELP {} {}\n# TYPE {} {}\n", name, help, name, type);
 }
 
+// A metric with one unlabelled sample.
+template <class T>
+void sample(std::string& out, const char* name, const char* type, const char* help, const T& value) {
+  header(out, name, type, help);
+  out += fmt::format("{} {}\n", name, value);
+}
+
 // Unknown paths share one label so that probing clients cannot grow the metric without bound.
 std::string path_label(const std::string& path) {
   for (const char* known : {"/v1/encode", "/v1/models", "/health", "/metrics"})
@@ -66,29 +73,26 @@ std::string Metrics::render(const std::string& model, const EngineConfig& engine
     out += fmt::format("fovea_request_duration_seconds_sum {}\n", latency_sum_);
     out += fmt::format("fovea_request_duration_seconds_count {}\n", latency_count_);
   }
-  header(out, "fovea_requests_in_flight", "gauge", "POST /v1/encode requests being handled.");
-  out += fmt::format("fovea_requests_in_flight {}\n", in_flight);
-  header(out, "fovea_queue_depth", "gauge", "Requests waiting for the encoder (partly encoded ones included).");
-  out += fmt::format("fovea_queue_depth {}\n", batcher.queue_depth());
-  header(out, "fovea_images_encoded_total", "counter", "Images encoded.");
-  out += fmt::format("fovea_images_encoded_total {}\n", batcher.images_encoded());
-  header(out, "fovea_tokens_encoded_total", "counter", "Visual tokens (merger output rows) produced.");
-  out += fmt::format("fovea_tokens_encoded_total {}\n", batcher.tokens_encoded());
-  header(out, "fovea_encoder_forwards_total", "counter", "Encoder forwards (batches) run.");
-  out += fmt::format("fovea_encoder_forwards_total {}\n", batcher.forwards());
-  header(out, "fovea_encoder_failed_forwards_total", "counter", "Encoder forwards that threw.");
-  out += fmt::format("fovea_encoder_failed_forwards_total {}\n", batcher.failed_forwards());
-  header(out, "fovea_encoder_forward_seconds_total", "counter", "Time spent in encoder forwards.");
-  out += fmt::format("fovea_encoder_forward_seconds_total {}\n", batcher.forward_seconds());
+  sample(out, "fovea_requests_in_flight", "gauge", "POST /v1/encode requests being handled.", in_flight);
+  sample(out, "fovea_queue_depth", "gauge", "Requests waiting for the encoder (partly encoded ones included).",
+         batcher.queue_depth());
+  sample(out, "fovea_images_encoded_total", "counter", "Images encoded.", batcher.images_encoded());
+  sample(out, "fovea_tokens_encoded_total", "counter", "Visual tokens (merger output rows) produced.",
+         batcher.tokens_encoded());
+  sample(out, "fovea_encoder_forwards_total", "counter", "Encoder forwards (batches) run.", batcher.forwards());
+  sample(out, "fovea_encoder_failed_forwards_total", "counter", "Encoder forwards that threw.",
+         batcher.failed_forwards());
+  sample(out, "fovea_encoder_forward_seconds_total", "counter", "Time spent in encoder forwards.",
+         batcher.forward_seconds());
   header(out, "fovea_engine_info", "gauge", "The engine this server runs (value 1).");
   out += fmt::format("fovea_engine_info{{model=\"{}\",device=\"{}\",backend=\"{}\",dtype=\"{}\"}} 1\n", label(model),
                      device_name(engine.device), backend_name(engine.backend), dtype_name(engine.dtype));
   header(out, "fovea_fp8_scale_mode", "gauge", "FP8 attention scale mode (value 1); \"none\" for BF16 attention.");
   out += fmt::format("fovea_fp8_scale_mode{{mode=\"{}\"}} 1\n",
                      engine.scale_mode ? scale_mode_name(*engine.scale_mode) : "none");
-  header(out, "fovea_fp8_nonfinite_amax_total", "counter",
-         "Non-finite amax values the FP8 scale book ignored, all layers (design.md 2).");
-  out += fmt::format("fovea_fp8_nonfinite_amax_total {}\n", batcher.nonfinite_amax());
+  sample(out, "fovea_fp8_nonfinite_amax_total", "counter",
+         "Non-finite amax values the FP8 scale book ignored, all layers (design.md 2).",
+         batcher.nonfinite_amax());
   return out;
 }
 

@@ -455,7 +455,6 @@ void check_options(const ServeOptions& o) {
   if (o.max_queue_tokens < 1) fail("--max-queue-tokens must be at least 1");
   if (o.max_body_bytes < 1) fail("--max-body-bytes must be at least 1");
   if (o.max_images_per_request < 1) fail("--max-images-per-request must be at least 1");
-  if (o.max_image_pixels < 1) fail("--max-image-pixels must be at least 1, not {}", o.max_image_pixels);
   if (!(o.request_timeout_s > 0)) fail("--request-timeout must be > 0 seconds, not {}", o.request_timeout_s);
   if (o.threads < 1 || o.threads > 4096) fail("--threads must be in [1, 4096], not {}", o.threads);
 }
@@ -466,7 +465,7 @@ int serve(const ServeOptions& o) {
   check_options(o);
   const EngineConfig engine = resolve_engine(o.engine, query_system());
   const image::PreprocessConfig pcfg =
-      image::load_preprocess_config(o.model, {o.min_pixels, o.max_pixels, o.max_image_pixels});
+      image::load_preprocess_config(o.model, o.preprocess);
   const qwen3vl::Model model = qwen3vl::load_model(o.model);
   Batcher batcher(model, engine, o.max_queue, o.max_queue_tokens, o.max_batch_tokens);
   Context c(o, model, engine, pcfg, batcher);

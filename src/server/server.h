@@ -12,6 +12,7 @@
 #include <string>
 
 #include "fovea/engine.h"
+#include "fovea/image.h"
 
 namespace fovea::server {
 
@@ -25,8 +26,7 @@ struct ServeOptions {
                                              // each); more get 503, but an idle queue takes any request
   size_t max_body_bytes = size_t(64) << 20;  // more gets 413
   size_t max_images_per_request = 16;
-  int64_t max_image_pixels = int64_t(1) << 28;  // decompression-bomb guard, as encode has
-  int64_t min_pixels = 0, max_pixels = 0;       // resize budget; 0: the checkpoint's
+  image::PreprocessOverrides preprocess;        // resize budget (0: the checkpoint's), bomb guard
   double request_timeout_s = 120;               // body read to reply; later gets 504
   int threads = 32;                             // HTTP threads (each decodes its own requests' images)
   EngineOptions engine;

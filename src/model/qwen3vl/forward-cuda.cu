@@ -40,8 +40,8 @@ T* dev_alloc(size_t count) {
 constexpr int64_t kConvertGrain = 1 << 16;
 std::vector<uint16_t> to_bf16(const std::vector<float>& v) {
   std::vector<uint16_t> h(v.size());
-  parallel_for(int64_t(v.size() + kConvertGrain - 1) / kConvertGrain, [&](int64_t c) {
-    for (size_t i = size_t(c * kConvertGrain), e = std::min(v.size(), i + kConvertGrain); i < e; ++i) h[i] = bf16_from_float(v[i]);
+  parallel_ranges(int64_t(v.size()), kConvertGrain, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) h[size_t(i)] = bf16_from_float(v[size_t(i)]);
   });
   return h;
 }
@@ -380,8 +380,8 @@ std::vector<float> download(const bf16* d, size_t count, cudaStream_t stream) {
   FOVEA_CUDA_CHECK(cudaMemcpyAsync(h.data(), d, count * 2, cudaMemcpyDeviceToHost, stream));
   FOVEA_CUDA_CHECK(cudaStreamSynchronize(stream));
   std::vector<float> f(count);
-  parallel_for(int64_t(count + kConvertGrain - 1) / kConvertGrain, [&](int64_t c) {
-    for (size_t i = size_t(c * kConvertGrain), e = std::min(count, i + kConvertGrain); i < e; ++i) f[i] = bf16_to_float(h[i]);
+  parallel_ranges(int64_t(count), kConvertGrain, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) f[size_t(i)] = bf16_to_float(h[size_t(i)]);
   });
   return f;
 }
