@@ -4,10 +4,13 @@
 # and builds the CPU-only parts when it is not.
 set -euo pipefail
 pkgs=(cmake ninja-build g++ pkg-config
-      nlohmann-json3-dev libcli11-dev libfmt-dev libstb-dev libcpp-httplib-dev libgtest-dev)
+      nlohmann-json3-dev libcli11-dev libfmt-dev libcpp-httplib-dev libgtest-dev
+      libjpeg62-turbo-dev libpng-dev libgif-dev libwebp-dev zlib1g-dev  # image decoders (static archives)
+      clang libclang-rt-14-dev llvm-14 python3)  # the sanitizer/fuzz build, its symbolizer, the hostile suite
 missing=()
 for p in "${pkgs[@]}"; do
-  dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
+  # Installed, not merely known: `dpkg -s` also succeeds for a removed package whose config files remain.
+  [ "$(dpkg-query -W -f='${Status}' "$p" 2>/dev/null)" = "install ok installed" ] || missing+=("$p")
 done
 if [ ${#missing[@]} -eq 0 ]; then
   echo "setup: all packages present"

@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # The test command: installs the Debian packages, builds everything (the CUDA parts too where nvcc is
-# installed) and runs every CPU test. GPU tests (ctest label `gpu`) run on a GPU machine:
+# installed) and runs every CPU test; then the sanitizer stage, scripts/sanitize.sh (issue 10): the
+# CPU parts built again with clang, ASan + UBSan (build-san), the CPU tests under the sanitizers, and
+# every libFuzzer harness for a bounded time. FOVEA_SKIP_SANITIZE=1 skips that stage (local runs).
+# GPU tests (ctest label `gpu`) run on a GPU machine:
 #   ctest --test-dir build -L gpu
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -8,3 +11,8 @@ scripts/setup.sh
 cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release
 cmake --build build -j "$(nproc)"
 ctest --test-dir build -LE "gpu|photos" --output-on-failure -j "$(nproc)"
+if [ "${FOVEA_SKIP_SANITIZE:-0}" = 1 ]; then
+  echo "test: FOVEA_SKIP_SANITIZE=1: the sanitizer and fuzz stage is skipped"
+else
+  scripts/sanitize.sh
+fi

@@ -328,7 +328,10 @@ TEST_F(Cli, CheckGoldenRequireRatio) {
   const std::string json = file("ratio.json");
   const Result ok = run("check-golden synthetic:qwen3-vl-8b-2blocks '" + g + "' --device cpu --require-ratio 1.5 --json '" + json + "'");
   ASSERT_EQ(ok.code, 0) << ok.err;
-  for (const auto& o : nlohmann::json::parse(slurp(json))["outputs"])
+  // Named, not a range-for over parse(...)["outputs"]: that temporary dies before the loop runs.
+  const auto doc = nlohmann::json::parse(slurp(json));
+  ASSERT_FALSE(doc["outputs"].empty());
+  for (const auto& o : doc["outputs"])
     EXPECT_LT(o["rel_l2"].get<double>(), 0.5 * o["transformers_bf16_rel_l2"].get<double>()) << o.dump();
   const Result over = run("check-golden synthetic:qwen3-vl-8b-2blocks '" + g +
                           "' --device cpu --mm-encoder-attn-dtype fp8 --require-ratio 1.0");

@@ -8,7 +8,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include <stb_image_write.h>
+#include "image-encode.h"
 
 #include <fcntl.h>
 
@@ -40,6 +40,8 @@ extern char** environ;
 
 namespace fs = std::filesystem;
 using json = nlohmann::json;
+using fovea::test::kTimeScale;
+using fovea::test::scaled_seconds;
 using fovea::test::slurp;
 using fovea::server::base64_decode;
 using fovea::server::base64_encode;
@@ -68,11 +70,8 @@ std::string encode_image(const std::string& kind, int w, int h, uint32_t seed) {
     for (int x = 0; x < w; ++x)
       for (int c = 0; c < 3; ++c)  // a gradient with noise: neither flat nor pure noise
         px[(size_t(y) * w + x) * 3 + c] = uint8_t((x * (c + 1) * 255 / w + y * 128 / h + rng() % 64) % 256);
-  std::string out;
-  auto sink = [](void* ctx, void* data, int size) { static_cast<std::string*>(ctx)->append(static_cast<char*>(data), size_t(size)); };
-  if (kind == "png") stbi_write_png_to_func(sink, &out, w, h, 3, px.data(), w * 3);
-  if (kind == "jpg") stbi_write_jpg_to_func(sink, &out, w, h, 3, px.data(), 90);
-  return out;
+  const std::vector<uint8_t> out = kind == "png" ? fovea::test::encode_png_rgb(w, h, px) : fovea::test::encode_jpeg_rgb(w, h, px, 90);
+  return std::string(out.begin(), out.end());
 }
 
 std::vector<float> tensor(const fovea::Checkpoint& ck, const std::string& name) {
@@ -142,7 +141,7 @@ class ServerProcess {
       return;
     }
     const std::string marker = "listening on http://127.0.0.1:";
-    for (int i = 0; i < 3000 && port_ == 0; ++i) {  // up to 30 s
+    for (int i = 0; i < 3000 * kTimeScale && port_ == 0; ++i) {  // up to 30 s (x kTimeScale)
       const std::string out = slurp(out_);
       if (const size_t p = out.find(marker); p != std::string::npos && out.find('\n', p) != std::string::npos)
         port_ = std::stoi(out.substr(p + marker.size()));
@@ -168,7 +167,7 @@ class ServerProcess {
   int stop(int sig) {
     kill(pid_, sig);
     int status = 0;
-    for (int i = 0; i < 3000; ++i) {
+    for (int i = 0; i < 3000 * kTimeScale; ++i) {
       if (waitpid(pid_, &status, WNOHANG) == pid_) {
         pid_ = -1;
         return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
@@ -187,8 +186,8 @@ class ServerProcess {
 std::unique_ptr<httplib::Client> client(int port) {
   auto c = std::make_unique<httplib::Client>("127.0.0.1", port);
   c->set_connection_timeout(10);
-  c->set_read_timeout(60);
-  c->set_write_timeout(60);
+  c->set_read_timeout(60 * kTimeScale);
+  c->set_write_timeout(60 * kTimeScale);
   return c;
 }
 
@@ -532,8 +531,9 @@ TEST_F(Serve, BadRequestsGetTheRight4xxAndTheServerKeepsServing) {
 TEST_F(Serve, FullQueueIs503AndSlowRequestIs504) {
   // Each image alone in its forward, resized to about 65536 pixels (about 256 patches: some 80 ms
   // each on a 2-core machine, 5 s for the 64), against a 0.5 s timeout; decoding the 64 takes about
-  // 0.1 s, so the request waits in the queue for some 0.4 s.
-  ServerProcess server(dir_, {"--max-queue", "1", "--max-batch-tokens", "1", "--request-timeout", "0.5",
+  // 0.1 s, so the request waits in the queue for some 0.4 s. Sanitizer builds slow the work down by
+  // about as much as they lengthen the timeout (kTimeScale), so the margins hold there too.
+  ServerProcess server(dir_, {"--max-queue", "1", "--max-batch-tokens", "1", "--request-timeout", scaled_seconds(0.5),
                               "--max-images-per-request", "64"},
                        {"--min-pixels", "65536", "--max-pixels", "65536"});
   ASSERT_GT(server.port(), 0);
@@ -543,7 +543,7 @@ TEST_F(Serve, FullQueueIs503AndSlowRequestIs504) {
   std::optional<httplib::Result> slow_reply;
   std::thread slow_client([&] { slow_reply = client(server.port())->Post("/v1/encode", slow.dump(), "application/json"); });
   bool queued = false;
-  for (int i = 0; i < 1000 && !queued; ++i) {  // until the slow request is in the queue
+  for (int i = 0; i < 1000 * kTimeScale && !queued; ++i) {  // until the slow request is in the queue
     queued = metric(get_metrics(server.port()), "fovea_queue_depth") == 1;
     if (!queued) std::this_thread::sleep_for(std::chrono::milliseconds(2));
   }
@@ -577,7 +577,7 @@ TEST_F(Serve, FullQueueIs503AndSlowRequestIs504) {
 // naming the flag; once the queue is empty again a request is served.
 TEST_F(Serve, QueueTokenLimitIs503) {
   ServerProcess server(dir_, {"--max-queue", "8", "--max-queue-tokens", "100", "--max-batch-tokens", "1",
-                              "--request-timeout", "0.5", "--max-images-per-request", "64"},
+                              "--request-timeout", scaled_seconds(0.5), "--max-images-per-request", "64"},
                        {"--min-pixels", "65536", "--max-pixels", "65536"});
   ASSERT_GT(server.port(), 0);
   json big = {{"images", json::array()}};
@@ -585,7 +585,7 @@ TEST_F(Serve, QueueTokenLimitIs503) {
   std::optional<httplib::Result> big_reply;
   std::thread big_client([&] { big_reply = client(server.port())->Post("/v1/encode", big.dump(), "application/json"); });
   bool queued = false;
-  for (int i = 0; i < 1000 && !queued; ++i) {
+  for (int i = 0; i < 1000 * kTimeScale && !queued; ++i) {
     queued = metric(get_metrics(server.port()), "fovea_queue_depth") == 1;
     if (!queued) std::this_thread::sleep_for(std::chrono::milliseconds(2));
   }
@@ -623,7 +623,7 @@ TEST_F(Serve, SigtermFinishesRequestsInFlightAndExitsZero) {
     });
   }
   bool all_in = false;
-  for (int i = 0; i < 2000 && !all_in; ++i) {
+  for (int i = 0; i < 2000 * kTimeScale && !all_in; ++i) {
     all_in = metric(get_metrics(server.port()), "fovea_requests_in_flight") == kClients;
     if (!all_in) std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }

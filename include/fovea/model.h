@@ -6,12 +6,33 @@
 #include <map>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "fovea/attention.h"
 #include "fovea/scales.h"
 
+namespace fovea {
+struct JsonLimits;  // fovea/json.h
+}
+
 namespace fovea::qwen3vl {
+
+// Supported ranges of the vision config, checked at load (validate()) so a hostile or corrupt
+// config.json is refused with the field, the value and the range before anything is allocated.
+// The largest released Qwen3-VL encoder has depth 27, hidden 1152, intermediate 4304, 16 heads.
+constexpr int kMaxDepth = 256;               // depth: 1..256 blocks
+constexpr int kMaxHidden = 65536;            // hidden_size: 1..65536, divisible by num_heads
+constexpr int kMaxHeads = 1024;              // num_heads: 1..1024
+constexpr int kMaxHeadDim = 512;             // head_dim = hidden / heads: a multiple of 4, <= 512
+constexpr int kMaxIntermediate = 262144;     // intermediate_size: 1..262144
+constexpr int kMaxInChannels = 4;            // in_channels: 1..4 (images are RGB: 3)
+constexpr int kMaxPatch = 64;                // patch_size: 1..64
+constexpr int kMaxTemporalPatch = 4;         // temporal_patch_size: 1..4
+constexpr int kMaxMerge = 8;                 // spatial_merge_size: 1..8 (the forward supports 2)
+constexpr int kMaxOutHidden = 65536;         // out_hidden_size: 1..65536
+constexpr int kMaxPosEmbeddings = 65536;     // num_position_embeddings: 1..65536, a perfect square
+                                             // deepstack_visual_indexes: increasing, within 0..depth-1
 
 struct VisionConfig {
   std::string name;  // where it came from: a folder or "synthetic:<preset>"
@@ -29,7 +50,11 @@ struct VisionConfig {
 };
 
 // `vision_config` of a config.json (a full Qwen3-VL / Qwen3.5 config, or the vision config alone).
-VisionConfig parse_config(const std::string& json_text, const std::string& where);
+// The text is parsed with config_json_limits() (1 MiB, depth 16, 2^16 values, 4096 keys per object,
+// strings of 64 KiB); `where` names the file in messages.
+VisionConfig parse_config(std::string_view json_text, const std::string& where);
+// The limits config.json and preprocessor_config.json are parsed with (fovea/json.h).
+JsonLimits config_json_limits();
 // Built-in presets: "synthetic:tiny", "synthetic:qwen3-vl-2b", "synthetic:qwen3-vl-8b", and
 // "synthetic:qwen3-vl-8b-2blocks" (the 8B shapes cut to two blocks, both deepstack taps).
 std::optional<VisionConfig> synthetic_config(const std::string& spec);

@@ -7,6 +7,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace fovea {
@@ -45,6 +46,19 @@ class Checkpoint {
   std::vector<std::unique_ptr<SafetensorsFile>> files_;
   std::map<std::string, TensorInfo> tensors_;
 };
+
+// Limits, each a fovea::Error naming the file: a header of at most 100,000,000 bytes (the format's
+// own cap) holding at most 2^18 tensors of at most 16 dimensions, nesting depth 4; every tensor's
+// [begin, end) inside the data, end - begin == numel x dtype size (computed with overflow checks),
+// and no two tensors overlapping. An index of at most 64 MiB and 2^18 tensors naming at most 4096
+// shards, each one plain file name beside the index (no '/', no "..": never a path elsewhere).
+// Only regular files are opened (a FIFO or device named as a shard fails at once, never blocks).
+
+// The tensor table of a whole safetensors file held in memory (TensorInfo::data points into
+// `bytes`); `file` names it in messages. What Checkpoint::open runs on each mapped file.
+std::vector<TensorInfo> parse_safetensors(const uint8_t* bytes, size_t size, const std::string& file);
+// An index file's text (`file` names it in messages): tensor name -> shard file name, validated.
+std::map<std::string, std::string> parse_checkpoint_index(std::string_view text, const std::string& file);
 
 // Writes tensors as one safetensors file (atomically), for tests, tools and `fovea encode -o`.
 struct TensorToWrite {

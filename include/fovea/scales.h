@@ -17,6 +17,7 @@
 #include <map>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "fovea/fp8.h"
@@ -144,9 +145,16 @@ struct ScaleFile {
   std::map<int, std::string> names;   // the key each layer had in the file
 };
 
+// Limits (a real file has 27 layers, ~3 KB): at most kMaxScaleLayers layers, each index below it;
+// the text at most 4 MiB, nesting depth 8, keys 1 KiB; a key given twice is an error.
+constexpr int kMaxScaleLayers = 4096;
+
 // Reads and validates a whole scale file; throws fovea::Error naming the file, the layer and the
-// problem (nothing is half-loaded: the result is complete or not returned at all).
+// problem (nothing is half-loaded: the result is complete or not returned at all). Only a regular
+// file is read (a FIFO or a device is refused without blocking).
 ScaleFile read_scale_file(const std::string& path);
+// The same from the file's text (`path` names it in messages): what read_scale_file runs.
+ScaleFile parse_scale_file(std::string_view text, const std::string& path);
 
 // The scales of layers 0..num_layers-1. Throws if any is missing (listing the layers the file has);
 // warns about layers the model does not have.

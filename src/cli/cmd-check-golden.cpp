@@ -40,6 +40,11 @@ int run(const Args& a) {
   const std::vector<float> pixels = need("pixel_values");
   const std::vector<float> grid = need("grid_thw");
   std::vector<qwen3vl::GridThw> grids;
+  if (grid.empty() || grid.size() % 3)
+    fail("check-golden: '{}': grid_thw has {} values, not (t, h, w) triples", a.golden, grid.size());
+  for (size_t i = 0; i < grid.size(); ++i)  // float -> int of a value out of range would be UB
+    if (!(grid[i] >= 1 && grid[i] <= 65536) || grid[i] != float(int(grid[i])))
+      fail("check-golden: '{}': grid_thw[{}] = {} is not an integer in 1..65536", a.golden, i, grid[i]);
   for (size_t i = 0; i + 2 < grid.size(); i += 3) grids.push_back({int(grid[i]), int(grid[i + 1]), int(grid[i + 2])});
 
   EncoderRunner runner(m, cfg);

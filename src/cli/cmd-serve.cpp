@@ -27,7 +27,30 @@ void add_serve(CLI::App& app, Runner& runner) {
   add_preprocess_flags(cmd, o->preprocess);
   cmd->add_option("--request-timeout", o->request_timeout_s, "seconds from request to reply; later is answered 504")
       ->capture_default_str();
-  cmd->add_option("--threads", o->threads, "HTTP threads (each decodes the images of the request it handles)")
+  cmd->add_option("--threads", o->threads,
+                  "worker threads: each handles one request's body (parse, decode, wait for the encoder); "
+                  "connections take no thread")
+      ->capture_default_str();
+  cmd->add_option("--header-timeout", o->header_timeout_s,
+                  "seconds from a request's first byte to the end of its head; later is answered 408")
+      ->capture_default_str();
+  cmd->add_option("--body-timeout", o->body_timeout_s,
+                  "seconds from the end of a request's head to the end of its body; later is answered 408")
+      ->capture_default_str();
+  cmd->add_option("--keep-alive-timeout", o->keep_alive_timeout_s, "seconds an idle connection is kept open")
+      ->capture_default_str();
+  cmd->add_option("--max-header-bytes", o->max_header_bytes,
+                  "largest request head (request line and fields); larger is answered 431")
+      ->capture_default_str();
+  cmd->add_option("--max-connections", o->max_connections, "open connections; more are answered 503")
+      ->capture_default_str();
+  cmd->add_option("--max-body-bytes-in-flight", o->max_body_bytes_in_flight,
+                  "request bodies being received or handled, all connections together; a request that would "
+                  "pass it is answered 503 (a lone request always fits)")
+      ->capture_default_str();
+  cmd->add_option("--max-decode-bytes", o->max_decode_bytes,
+                  "memory for images being decoded and preprocessed, all requests together (each image's share "
+                  "is reserved from its header before decoding); more waits, until the request's deadline")
       ->capture_default_str();
   add_engine_flags(cmd, o->engine);
   cmd->callback([&runner, o] { runner = [o] { return server::serve(*o); }; });

@@ -5,26 +5,75 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
-#include <sstream>
 
 #include "fovea/error.h"
 
 namespace fovea {
 
-std::string read_file(const std::string& path, const std::string& what) {
-  std::error_code ec;
-  if (std::filesystem::is_directory(path, ec)) fail("{} '{}': is a folder, not a file", what, path);
-  std::ifstream in(path, std::ios::binary);
-  if (!in) fail("{} '{}': cannot open: {}", what, path, std::strerror(errno));
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  if (in.bad()) fail("{} '{}': read error", what, path);
-  return ss.str();
+int open_regular_file(const std::string& path, const std::string& what, struct stat* st) {
+  // O_NONBLOCK: open() of a FIFO with no writer would otherwise wait forever; for a regular file it
+  // changes nothing. The type is checked on the open descriptor (fstat), not by a stat() before
+  // open(), so the file cannot be swapped in between.
+  const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+  if (fd < 0) {
+    const int err = errno;
+    fail("{} '{}': cannot open: {}", what, path, std::strerror(err));
+  }
+  if (::fstat(fd, st) != 0) {
+    const int err = errno;
+    ::close(fd);
+    fail("{} '{}': cannot stat: {}", what, path, std::strerror(err));
+  }
+  if (S_ISDIR(st->st_mode)) {
+    ::close(fd);
+    fail("{} '{}': is a folder, not a file", what, path);
+  }
+  if (!S_ISREG(st->st_mode)) {
+    ::close(fd);
+    fail("{} '{}': is not a regular file ({})", what, path,
+         S_ISFIFO(st->st_mode) ? "a FIFO" : S_ISCHR(st->st_mode) || S_ISBLK(st->st_mode) ? "a device"
+                                     : S_ISSOCK(st->st_mode)                              ? "a socket"
+                                                                                          : "not a plain file");
+  }
+  return fd;
+}
+
+std::string read_file(const std::string& path, const std::string& what, size_t max_bytes) {
+  struct stat st {};
+  const int fd = open_regular_file(path, what, &st);
+  auto bail = [&](const std::string& message) {
+    ::close(fd);
+    throw Error(message);
+  };
+  if (uint64_t(st.st_size) > max_bytes)
+    bail(fmt::format("{} '{}': {} bytes, larger than the limit of {} bytes", what, path, uint64_t(st.st_size),
+                     max_bytes));
+  // st_size bytes, then on until EOF: some regular files (/proc) report size 0, and a file may grow
+  // while it is read; the bound holds either way.
+  std::string out(size_t(st.st_size), '\0');
+  size_t done = 0;
+  char more[1 << 16];
+  for (;;) {
+    char* dst = done < out.size() ? out.data() + done : more;
+    const size_t room = done < out.size() ? out.size() - done : sizeof(more);
+    const ssize_t n = ::read(fd, dst, room);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) bail(fmt::format("{} '{}': read error: {}", what, path, std::strerror(errno)));
+    if (n == 0) break;
+    if (dst == more) out.append(more, size_t(n));
+    done += size_t(n);
+    if (done > max_bytes)
+      bail(fmt::format("{} '{}': larger than the limit of {} bytes (it grew while being read)", what, path, max_bytes));
+  }
+  ::close(fd);
+  out.resize(done);  // a file that shrank while being read
+  return out;
 }
 
 void write_file_atomic(const std::string& path, const std::string& contents, const std::string& what) {

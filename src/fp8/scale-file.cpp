@@ -1,14 +1,15 @@
 // Scale files: read, validate and write the per-layer FP8 Q/K/V scales (design.md §2).
 // The format is vLLM's: a flat object of layer prefixes, or the same under "layers"; values are
 // dequantization scales. Every error names the file, the layer and the problem.
+#include <algorithm>
 #include <cmath>
-#include <regex>
-#include <set>
+#include <string_view>
 
 #include <nlohmann/json.hpp>
 
 #include "fovea/error.h"
 #include "fovea/io.h"
+#include "fovea/json.h"
 #include "fovea/scales.h"
 
 namespace fovea {
@@ -19,28 +20,42 @@ std::string scale_layer_name(int layer) { return fmt::format("visual.blocks.{}.a
 
 namespace {
 
-// "visual.blocks.<i>.attn.attn", with any module prefix before "visual." (e.g. "model.visual.").
-std::optional<int> parse_layer_key(const std::string& key) {
-  static const std::regex re(R"(^(?:.*\.)?visual\.blocks\.(\d{1,6})\.attn\.attn$)");
-  std::smatch m;
-  if (!std::regex_match(key, m, re)) return std::nullopt;
-  return std::stoi(m[1].str());
+// What a scale file may hold (see scales.h): far above a real file (27 layers, ~3 KB), far below
+// what would cost real time or memory.
+JsonLimits scale_file_limits() {
+  JsonLimits l;
+  l.max_bytes = size_t(4) << 20;          // 4096 layers of long decimals, indented, fit in ~1 MB
+  l.max_depth = 8;                        // {"layers": {"<layer>": {"q": 1}}} is depth 3
+  l.max_elements = size_t(1) << 16;       // 4096 layers x (entry + 3 values) = 16384
+  l.max_object_keys = kMaxScaleLayers + 64;  // the layers object, plus a few unknown keys
+  l.max_string_bytes = 1024;              // a layer key is ~30 bytes, a prefix adds a few more
+  return l;
 }
 
-// Line and column (1-based) of a byte offset, for JSON syntax errors.
-std::pair<size_t, size_t> line_col(const std::string& text, size_t byte) {
-  size_t line = 1, col = 1;
-  for (size_t i = 0; i < byte && i < text.size(); ++i) {
-    if (text[i] == '\n') { ++line; col = 1; } else { ++col; }
+// "visual.blocks.<i>.attn.attn", with any module prefix before "visual." (e.g. "model.visual."),
+// parsed by hand in one pass (no regex: std::regex recursed once per character and crashed on a
+// ~1 MB key). Returns -1 if the key is not a layer name, -2 if it is one whose index is too large.
+int parse_layer_key(std::string_view key) {
+  constexpr std::string_view kSuffix = ".attn.attn", kStem = "visual.blocks.";
+  if (key.size() <= kSuffix.size() || key.substr(key.size() - kSuffix.size()) != kSuffix) return -1;
+  key.remove_suffix(kSuffix.size());
+  size_t digits = 0;
+  while (digits < key.size() && key[key.size() - 1 - digits] >= '0' && key[key.size() - 1 - digits] <= '9') ++digits;
+  if (digits == 0) return -1;
+  const std::string_view number = key.substr(key.size() - digits);
+  key.remove_suffix(digits);
+  if (key.size() < kStem.size() || key.substr(key.size() - kStem.size()) != kStem) return -1;
+  key.remove_suffix(kStem.size());
+  if (!key.empty() && key.back() != '.') return -1;  // "xvisual.blocks." is not a module path
+  int64_t index = 0;
+  for (char c : number) {
+    index = index * 10 + (c - '0');
+    if (index >= kMaxScaleLayers) return -2;
   }
-  return {line, col};
+  return int(index);
 }
 
-std::string describe(const json& v) {
-  std::string s = v.dump();
-  if (s.size() > 40) s = s.substr(0, 37) + "...";
-  return fmt::format("{} ({})", s, v.type_name());
-}
+std::string describe(const json& v) { return fmt::format("{} ({})", quote_for_error(v, 40), v.type_name()); }
 
 float read_value(const std::string& path, const std::string& layer, const json& entry, int t) {
   const std::string name = kQkvNames[t];
@@ -69,37 +84,13 @@ float read_value(const std::string& path, const std::string& layer, const json& 
 }  // namespace
 
 ScaleFile read_scale_file(const std::string& path) {
-  const std::string text = read_file(path, "scale file");
+  return parse_scale_file(read_file(path, "scale file", scale_file_limits().max_bytes), path);
+}
 
-  json doc;
-  std::vector<std::string> keys;  // the object keys open at the current depth, for error messages
-  std::vector<std::set<std::string>> seen;  // keys of each open object: JSON would keep the last of
-                                            // a repeated key silently; a scale file must not
-  try {
-    doc = json::parse(text, [&](int depth, json::parse_event_t ev, json& j) {
-      if (ev == json::parse_event_t::object_start) seen.emplace_back();
-      if (ev == json::parse_event_t::object_end && !seen.empty()) seen.pop_back();
-      if (ev == json::parse_event_t::key) {
-        keys.resize(size_t(depth > 0 ? depth - 1 : 0));  // depth 1 = the top-level object's keys
-        const std::string key = j.get<std::string>();
-        if (!seen.empty() && !seen.back().insert(key).second)
-          fail("scale file '{}': key '{}' appears twice{}", path, key,
-               keys.empty() ? std::string() : fmt::format(" in '{}'", keys.back()));
-        keys.push_back(key);
-      }
-      return true;
-    });
-  } catch (const json::out_of_range& e) {  // a number that overflows a double, e.g. 1e999
-    const bool nested = keys.size() >= 3 && keys[0] == "layers";
-    const std::string layer = keys.size() > (nested ? 1u : 0u) ? keys[nested ? 1 : 0] : "?";
-    const std::string field = keys.size() > (nested ? 2u : 1u) ? keys[nested ? 2 : 1] : "?";
-    fail("scale file '{}': layer '{}': '{}' is not a finite number (it overflows a double)", path, layer, field);
-  } catch (const json::parse_error& e) {
-    auto [line, col] = line_col(text, e.byte == 0 ? 0 : e.byte - 1);
-    std::string what = e.what();
-    if (auto p = what.find(": "); p != std::string::npos) what = what.substr(p + 2);  // drop the id
-    fail("scale file '{}': invalid JSON at line {}, column {}: {}", path, line, col, what);
-  }
+ScaleFile parse_scale_file(std::string_view text, const std::string& path) {
+  // The JSON limits bound the work; duplicate keys are refused there (JSON would keep the last of
+  // a repeated key silently; a scale file must not).
+  const json doc = parse_json_bounded(text, scale_file_limits(), fmt::format("scale file '{}'", path));
 
   ScaleFile out;
   out.path = path;
@@ -112,15 +103,20 @@ ScaleFile read_scale_file(const std::string& path) {
     out.nested = true;
   }
   if (layers->empty()) fail("scale file '{}': no layers in the file", path);
+  if (layers->size() > size_t(kMaxScaleLayers))
+    fail("scale file '{}': {} layers, more than the limit of {}", path, layers->size(), kMaxScaleLayers);
 
-  for (const auto& [key, entry] : layers->items()) {
+  for (const auto& [raw_key, entry] : layers->items()) {
+    const std::string key = escape_for_error(raw_key, 128);  // keys go into messages: cut, escaped
     if (!entry.is_object())
       fail("scale file '{}': layer '{}': the entry is {}, not an object with q/k/v", path, key, describe(entry));
-    const auto idx = parse_layer_key(key);
-    if (!idx)
+    const int idx = parse_layer_key(raw_key);
+    if (idx == -2)
+      fail("scale file '{}': key '{}': the layer index is over the limit of {}", path, key, kMaxScaleLayers - 1);
+    if (idx < 0)
       fail("scale file '{}': key '{}' is not a layer name (expected 'visual.blocks.<i>.attn.attn')", path, key);
-    if (out.layers.count(*idx))
-      fail("scale file '{}': layer {} is given twice ('{}' and '{}')", path, *idx, out.names[*idx], key);
+    if (out.layers.count(idx))
+      fail("scale file '{}': layer {} is given twice ('{}' and '{}')", path, idx, out.names[idx], key);
     QkvScales s;
     s.q = read_value(path, key, entry, Q);
     s.k = read_value(path, key, entry, K);
@@ -129,10 +125,10 @@ ScaleFile read_scale_file(const std::string& path) {
       (void)unused;
       static const char* known[] = {"q", "k", "v", "q_scale", "k_scale", "v_scale"};
       if (std::find(std::begin(known), std::end(known), k2) == std::end(known))
-        warn(fmt::format("scale file '{}': layer '{}': ignoring unknown field '{}'", path, key, k2));
+        warn(fmt::format("scale file '{}': layer '{}': ignoring unknown field '{}'", path, key, escape_for_error(k2)));
     }
-    out.layers[*idx] = s;
-    out.names[*idx] = key;
+    out.layers[idx] = s;
+    out.names[idx] = key;
   }
   return out;
 }

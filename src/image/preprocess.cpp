@@ -3,12 +3,14 @@
 #include <cctype>
 #include <cmath>
 #include <filesystem>
+#include <optional>
 
 #include <nlohmann/json.hpp>
 
 #include "fovea/error.h"
 #include "fovea/image.h"
 #include "fovea/io.h"
+#include "fovea/json.h"
 #include "fovea/threads.h"
 
 namespace fovea::image {
@@ -20,58 +22,116 @@ std::vector<std::string> list_images(const std::string& folder, const std::strin
   for (const auto& e : std::filesystem::directory_iterator(folder)) {
     std::string ext = e.path().extension().string();
     for (auto& c : ext) c = char(std::tolower(static_cast<unsigned char>(c)));
-    if (e.is_regular_file() && (ext == ".jpg" || ext == ".jpeg" || ext == ".png" || ext == ".bmp" || ext == ".gif"))
+    if (e.is_regular_file() &&
+        (ext == ".jpg" || ext == ".jpeg" || ext == ".png" || ext == ".webp" || ext == ".bmp" || ext == ".gif"))
       files.push_back(e.path().string());
   }
   std::sort(files.begin(), files.end());
-  if (files.empty()) fail("{} '{}' has no .jpg/.jpeg/.png/.bmp/.gif files", what, folder);
+  if (files.empty()) fail("{} '{}' has no .jpg/.jpeg/.png/.webp/.bmp/.gif files", what, folder);
   return files;
+}
+
+PreprocessConfig parse_preprocess_config(std::string_view text, const std::string& where) {
+  const nlohmann::json j = parse_json_bounded(text, qwen3vl::config_json_limits(), where);
+  if (!j.is_object()) fail("{}: not a JSON object", where);
+  PreprocessConfig c;
+  // An integer field within [lo, hi], or the default when absent.
+  auto integer = [&](const nlohmann::json& obj, const char* key, int64_t& dst, int64_t lo, int64_t hi,
+                     const char* shown) {
+    if (!obj.contains(key) || obj.at(key).is_null()) return;
+    const nlohmann::json& v = obj.at(key);
+    const bool ok = v.is_number_unsigned() ? v.get<uint64_t>() <= uint64_t(hi) && int64_t(v.get<uint64_t>()) >= lo
+                    : v.is_number_integer() ? v.get<int64_t>() >= lo && v.get<int64_t>() <= hi
+                                            : false;
+    if (!ok) fail("{}: {} is {}; it must be an integer in {}..{}", where, shown, quote_for_error(v), lo, hi);
+    dst = v.get<int64_t>();
+  };
+  auto small = [&](const char* key, int& dst, int hi) {
+    int64_t v = dst;
+    integer(j, key, v, 1, hi, key);
+    dst = int(v);
+  };
+  if (j.contains("size") && j.at("size").is_object()) {
+    integer(j.at("size"), "shortest_edge", c.min_pixels, 1, kMaxPixelBudget, "size.shortest_edge");
+    integer(j.at("size"), "longest_edge", c.max_pixels, 1, kMaxPixelBudget, "size.longest_edge");
+  }
+  integer(j, "min_pixels", c.min_pixels, 1, kMaxPixelBudget, "min_pixels");
+  integer(j, "max_pixels", c.max_pixels, 1, kMaxPixelBudget, "max_pixels");
+  if (c.max_pixels < c.min_pixels)
+    fail("{}: max_pixels {} is below min_pixels {}", where, c.max_pixels, c.min_pixels);
+  small("patch_size", c.patch, qwen3vl::kMaxPatch);
+  small("merge_size", c.merge, qwen3vl::kMaxMerge);
+  small("temporal_patch_size", c.temporal, qwen3vl::kMaxTemporalPatch);
+  for (const char* key : {"image_mean", "image_std"}) {
+    if (!j.contains(key) || j.at(key).is_null()) continue;
+    const bool is_std = std::string_view(key) == "image_std";
+    const nlohmann::json& v = j.at(key);
+    if (!v.is_array() || v.size() != 3) fail("{}: {} is {}; it must be a list of 3 numbers", where, key, quote_for_error(v));
+    for (size_t i = 0; i < 3; ++i) {
+      const double x = v[i].is_number() ? v[i].get<double>() : std::nan("");
+      const bool ok = is_std ? x >= 1e-6 && x <= 1e6 : x >= -1e6 && x <= 1e6;  // false for NaN
+      if (!ok)
+        fail("{}: {}[{}] is {}; it must be a finite number in {}", where, key, i, quote_for_error(v[i]),
+             is_std ? "[1e-6, 1e6] (pixels are divided by it)" : "[-1e6, 1e6]");
+      (is_std ? c.std : c.mean)[i] = float(x);
+    }
+  }
+  return c;
+}
+
+void check_against_model(const PreprocessConfig& p, const std::string& p_where, const qwen3vl::VisionConfig& m) {
+  auto same = [&](int pv, const char* pkey, int mv, const char* mkey) {
+    if (pv != mv)
+      fail("{}: {} is {}, but the model ({}) has vision_config.{} {}: the two must agree", p_where, pkey, pv, m.name,
+           mkey, mv);
+  };
+  same(p.patch, "patch_size", m.patch, "patch_size");
+  same(p.merge, "merge_size", m.merge, "spatial_merge_size");
+  same(p.temporal, "temporal_patch_size", m.temporal_patch, "temporal_patch_size");
+  if (m.in_channels != 3)
+    fail("model {}: vision_config.in_channels is {}; image preprocessing produces RGB (3)", m.name, m.in_channels);
 }
 
 namespace {
 
-// The model's own preprocessing (its folder's preprocessor_config.json, or the shipped defaults).
-PreprocessConfig model_preprocess_config(const std::string& model) {
+// The model's own preprocessing (its folder's preprocessor_config.json, or the shipped defaults),
+// checked against the model's config when it can be read. `where` is set to where it came from.
+PreprocessConfig model_preprocess_config(const std::string& model, std::string& where) {
+  namespace fs = std::filesystem;
   PreprocessConfig c;
+  where = "the shipped Qwen3-VL preprocessing defaults";
   std::error_code ec;
-  if (!std::filesystem::is_directory(model, ec)) return c;  // synthetic:<preset>: the shipped defaults
-  const std::string path = (std::filesystem::path(model) / "preprocessor_config.json").string();
-  if (!std::filesystem::exists(path, ec)) return c;  // the shipped defaults
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(read_file(path, "preprocessor config"));
-    if (j.contains("size") && j["size"].is_object()) {
-      c.min_pixels = j["size"].value("shortest_edge", c.min_pixels);
-      c.max_pixels = j["size"].value("longest_edge", c.max_pixels);
+  std::optional<qwen3vl::VisionConfig> mc;
+  if (fs::is_directory(model, ec)) {
+    const std::string path = (fs::path(model) / "preprocessor_config.json").string();
+    if (fs::exists(path, ec)) {
+      c = parse_preprocess_config(read_file(path, "preprocessor config", qwen3vl::config_json_limits().max_bytes), path);
+      where = path;
     }
-    c.min_pixels = j.value("min_pixels", c.min_pixels);
-    c.max_pixels = j.value("max_pixels", c.max_pixels);
-    c.patch = j.value("patch_size", c.patch);
-    c.merge = j.value("merge_size", c.merge);
-    c.temporal = j.value("temporal_patch_size", c.temporal);
-    for (const char* key : {"image_mean", "image_std"})
-      if (j.contains(key)) {
-        const auto v = j[key].get<std::vector<float>>();
-        if (v.size() != 3) fail("{}: {} must have 3 values", path, key);
-        for (int i = 0; i < 3; ++i) (std::string(key) == "image_mean" ? c.mean : c.std)[i] = v[size_t(i)];
-      }
-  } catch (const nlohmann::json::exception& e) {
-    fail("{}: {}", path, e.what());
+    // config.json: the same reader load_model uses; without one load_model fails, naming it.
+    const std::string cp = (fs::path(model) / "config.json").string();
+    if (fs::exists(cp, ec))
+      mc = qwen3vl::parse_config(read_file(cp, "model config", qwen3vl::config_json_limits().max_bytes), cp);
+  } else {
+    mc = qwen3vl::synthetic_config(model);  // unknown names: load_model reports them
   }
-  if (c.patch <= 0 || c.merge <= 0 || c.temporal <= 0 || c.min_pixels <= 0 || c.max_pixels < c.min_pixels)
-    fail("{}: invalid sizes (patch {}, merge {}, temporal {}, min_pixels {}, max_pixels {})", path, c.patch, c.merge,
-         c.temporal, c.min_pixels, c.max_pixels);
+  if (mc) check_against_model(c, where, *mc);
   return c;
 }
 
 }  // namespace
 
 PreprocessConfig load_preprocess_config(const std::string& model, const PreprocessOverrides& o) {
-  PreprocessConfig c = model_preprocess_config(model);
+  std::string where;
+  PreprocessConfig c = model_preprocess_config(model, where);
+  if (o.min_pixels > kMaxPixelBudget) fail("--min-pixels {} is over the limit of {}", o.min_pixels, kMaxPixelBudget);
+  if (o.max_pixels > kMaxPixelBudget) fail("--max-pixels {} is over the limit of {}", o.max_pixels, kMaxPixelBudget);
   if (o.min_pixels > 0) c.min_pixels = o.min_pixels;
   if (o.max_pixels > 0) c.max_pixels = o.max_pixels;
   if (c.max_pixels < c.min_pixels) fail("--max-pixels {} is below --min-pixels {}", c.max_pixels, c.min_pixels);
-  if (o.max_image_pixels < 1) fail("--max-image-pixels must be at least 1, not {}", o.max_image_pixels);
+  if (o.max_image_pixels < 0)
+    fail("--max-image-pixels must be 0 (auto: 4 x max(--max-pixels, 4096^2)) or a number of pixels, not {}",
+         o.max_image_pixels);
   c.max_image_pixels = o.max_image_pixels;
   return c;
 }

@@ -15,12 +15,16 @@
 #include <cstring>
 #include <filesystem>
 #include <limits>
+#include <set>
+#include <string_view>
 
 #include <nlohmann/json.hpp>
 
 #include "fovea/bf16.h"
+#include "fovea/checked.h"
 #include "fovea/error.h"
 #include "fovea/io.h"
+#include "fovea/json.h"
 
 namespace fovea {
 
@@ -29,7 +33,35 @@ using json = nlohmann::json;
 
 namespace {
 
+// Limits (documented in safetensors.h). A real vision checkpoint's header is ~100 KB with ~600
+// tensors; an 8B model's whole-LM shard ~50k tensors at most.
 constexpr uint64_t kMaxHeader = 100'000'000;  // the safetensors reference rejects larger headers too
+constexpr size_t kMaxTensorsPerFile = size_t(1) << 18;
+constexpr size_t kMaxRank = 16;
+constexpr size_t kMaxIndexBytes = size_t(64) << 20;
+constexpr size_t kMaxIndexTensors = size_t(1) << 18;
+constexpr size_t kMaxShards = 4096;
+constexpr size_t kMaxShardName = 255;  // one path component (NAME_MAX)
+
+JsonLimits header_limits() {
+  JsonLimits l;
+  l.max_bytes = size_t(kMaxHeader);
+  l.max_depth = 4;  // {name: {"shape": [..]}} is depth 3
+  l.max_object_keys = kMaxTensorsPerFile + 1;  // the tensors and __metadata__
+  l.max_elements = 8 * (kMaxTensorsPerFile + 1) + 4 * kMaxRank;  // entry, dtype, shape, offsets pair
+  l.max_string_bytes = size_t(1) << 20;  // __metadata__ values may hold a small JSON document
+  return l;
+}
+
+JsonLimits index_limits() {
+  JsonLimits l;
+  l.max_bytes = kMaxIndexBytes;
+  l.max_depth = 8;
+  l.max_object_keys = kMaxIndexTensors;
+  l.max_elements = kMaxIndexTensors + 4096;  // the weight_map, plus metadata
+  l.max_string_bytes = 4096;
+  return l;
+}
 
 size_t elem_size(DType d) { return d == DType::F32 ? 4 : 2; }
 
@@ -46,8 +78,8 @@ float f16_to_float(uint16_t h) {
 
 std::string shape_str(const std::vector<int64_t>& shape) { return json(shape).dump(); }
 
-// Product of the dims, or -1 when it overflows int64 (then no file can hold it anyway).
-int64_t checked_numel(const std::vector<int64_t>& shape) {
+// Product of the dims (each >= 0), or -1 when it overflows int64 (then no file can hold it anyway).
+int64_t numel_or_overflow(const std::vector<int64_t>& shape) {
   int64_t n = 1;
   for (int64_t d : shape)
     if (__builtin_mul_overflow(n, d, &n)) return -1;
@@ -86,11 +118,7 @@ const char* dtype_str(DType d) {
   return "?";
 }
 
-int64_t TensorInfo::numel() const {
-  int64_t n = 1;
-  for (int64_t d : shape) n *= d;
-  return n;
-}
+int64_t TensorInfo::numel() const { return checked_numel(shape, "tensor size"); }
 
 std::vector<float> TensorInfo::to_float() const {
   const size_t n = size_t(numel());
@@ -109,6 +137,92 @@ std::vector<float> TensorInfo::to_float() const {
   return out;
 }
 
+std::vector<TensorInfo> parse_safetensors(const uint8_t* bytes, size_t size, const std::string& path) {
+  if (size < 8)
+    fail("safetensors file '{}': only {} bytes, shorter than the 8-byte header length: not a safetensors file", path,
+         size);
+  uint64_t n = 0;
+  for (int i = 7; i >= 0; --i) n = (n << 8) | bytes[i];  // little-endian regardless of host
+  if (n > kMaxHeader)
+    fail("safetensors file '{}': header length {} is absurd (over {} bytes): corrupt or not a safetensors file",
+         path, n, kMaxHeader);
+  if (8 + n > size)
+    fail("safetensors file '{}': truncated: the header needs bytes up to {}, the file has {}", path, 8 + n, size);
+  const std::string_view text(reinterpret_cast<const char*>(bytes + 8), size_t(n));
+  const json header = parse_json_bounded(text, header_limits(), fmt::format("safetensors file '{}': header", path));
+  if (!header.is_object()) fail("safetensors file '{}': header is not a JSON object", path);
+
+  const uint8_t* data = bytes + 8 + n;
+  const uint64_t data_size = size - 8 - n;
+  std::vector<TensorInfo> tensors;
+  struct Span {
+    uint64_t begin, end;
+    size_t tensor;  // index into tensors
+  };
+  std::vector<Span> spans;
+  for (const auto& [name, e] : header.items()) {
+    if (name == "__metadata__") {  // optional string -> string map; fovea does not use it
+      if (!e.is_object()) fail("safetensors file '{}': __metadata__ is not a JSON object", path);
+      continue;
+    }
+    const std::string shown = escape_for_error(name, 200);
+    auto bad = [&](const char* what) { fail("safetensors file '{}': tensor '{}': {}", path, shown, what); };
+    if (!e.is_object()) bad("entry is not a JSON object");
+    if (!e.contains("dtype") || !e.contains("shape") || !e.contains("data_offsets"))
+      bad("entry lacks one of dtype, shape, data_offsets");
+    if (!e["dtype"].is_string()) bad("dtype is not a string");
+    const DType dtype = parse_dtype(escape_for_error(e["dtype"].get<std::string>(), 32), path, shown);
+
+    if (!e["shape"].is_array()) bad("shape is not an array of integers");
+    if (e["shape"].size() > kMaxRank)
+      fail("safetensors file '{}': tensor '{}': shape has {} dimensions, more than the limit of {}", path, shown,
+           e["shape"].size(), kMaxRank);
+    std::vector<int64_t> shape;
+    for (const json& d : e["shape"]) {
+      int64_t v = 0;
+      if (!json_int(d, v)) bad("shape is not an array of integers");
+      if (v < 0)
+        fail("safetensors file '{}': tensor '{}': negative dimension in shape {}", path, shown, e["shape"].dump());
+      shape.push_back(v);
+    }
+
+    const json& off = e["data_offsets"];
+    int64_t begin = 0, end = 0;
+    if (!off.is_array() || off.size() != 2 || !json_int(off[0], begin) || !json_int(off[1], end) || begin < 0)
+      bad("data_offsets is not [begin, end] of two non-negative integers");
+    if (end < begin)
+      fail("safetensors file '{}': tensor '{}': data_offsets [{}, {}] end before begin", path, shown, begin, end);
+    const int64_t numel = numel_or_overflow(shape);
+    const int64_t elsz = int64_t(elem_size(dtype));
+    const bool too_big = numel < 0 || numel > std::numeric_limits<int64_t>::max() / elsz;
+    if (too_big || end - begin != numel * elsz)
+      fail("safetensors file '{}': tensor '{}': data_offsets [{}, {}] span {} bytes, but shape {} of {} needs {}",
+           path, shown, begin, end, end - begin, shape_str(shape), dtype_str(dtype),
+           too_big ? std::string("more than 2^63") : std::to_string(numel * elsz));
+    if (uint64_t(end) > data_size)
+      fail("safetensors file '{}': truncated: tensor '{}' needs bytes up to {}, the file has {}", path, shown,
+           8 + n + uint64_t(end), size);
+    tensors.push_back(TensorInfo{name, dtype, std::move(shape), data + begin, size_t(end - begin), path});
+    spans.push_back({uint64_t(begin), uint64_t(end), tensors.size() - 1});
+  }
+  // No two tensors share a byte: sorted by begin, each non-empty span starts at or after the end of
+  // every span before it (an aliasing header would let writes through one tensor change another,
+  // and is what a crafted file uses to pass a size check with less data).
+  std::sort(spans.begin(), spans.end(), [](const Span& a, const Span& b) {
+    return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
+  });
+  const Span* last = nullptr;  // the non-empty span reaching furthest so far
+  for (const Span& sp : spans) {
+    if (sp.begin == sp.end) continue;
+    if (last && sp.begin < last->end)
+      fail("safetensors file '{}': tensors '{}' [{}, {}] and '{}' [{}, {}] overlap in the data", path,
+           escape_for_error(tensors[last->tensor].name, 200), last->begin, last->end,
+           escape_for_error(tensors[sp.tensor].name, 200), sp.begin, sp.end);
+    if (!last || sp.end > last->end) last = &sp;
+  }
+  return tensors;
+}
+
 // One read-only mapping of a safetensors file, with its validated tensor table.
 class SafetensorsFile {
  public:
@@ -116,13 +230,9 @@ class SafetensorsFile {
   std::vector<TensorInfo> tensors;
 
   explicit SafetensorsFile(const std::string& p) : path(p) {
-    const int fd = ::open(p.c_str(), O_RDONLY | O_CLOEXEC);
-    if (fd < 0) fail("safetensors file '{}': cannot open: {}", p, std::strerror(errno));
+    // Regular files only, opened without blocking (a FIFO named as a shard fails here at once).
     struct stat st {};
-    if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
-      ::close(fd);
-      fail("safetensors file '{}': not a regular file", p);
-    }
+    const int fd = open_regular_file(p, "safetensors file", &st);
     size_ = size_t(st.st_size);
     if (size_ < 8) {  // mmap of an empty file fails, and there is no header length to read anyway
       ::close(fd);
@@ -135,7 +245,7 @@ class SafetensorsFile {
     if (m == MAP_FAILED) fail("safetensors file '{}': cannot map {} bytes: {}", p, size_, std::strerror(err));
     base_ = static_cast<const uint8_t*>(m);
     try {
-      parse();
+      tensors = parse_safetensors(base_, size_, path);
     } catch (...) {
       ::munmap(const_cast<uint8_t*>(base_), size_);
       throw;
@@ -148,65 +258,6 @@ class SafetensorsFile {
  private:
   const uint8_t* base_ = nullptr;
   size_t size_ = 0;
-
-  void parse() {
-    uint64_t n = 0;
-    for (int i = 7; i >= 0; --i) n = (n << 8) | base_[i];  // little-endian regardless of host
-    if (n > kMaxHeader)
-      fail("safetensors file '{}': header length {} is absurd (over {} bytes): corrupt or not a safetensors file",
-           path, n, kMaxHeader);
-    if (8 + n > size_)
-      fail("safetensors file '{}': truncated: the header needs bytes up to {}, the file has {}", path, 8 + n, size_);
-    const char* text = reinterpret_cast<const char*>(base_ + 8);
-    json header;
-    try {
-      header = json::parse(text, text + n);
-    } catch (const json::exception& e) {  // parse_error, or out_of_range for a number like 1e999
-      fail("safetensors file '{}': header is not valid JSON: {}", path, e.what());
-    }
-    if (!header.is_object()) fail("safetensors file '{}': header is not a JSON object", path);
-
-    const uint8_t* data = base_ + 8 + n;
-    const uint64_t data_size = size_ - 8 - n;
-    for (const auto& [name, e] : header.items()) {
-      if (name == "__metadata__") {  // optional string -> string map; fovea does not use it
-        if (!e.is_object()) fail("safetensors file '{}': __metadata__ is not a JSON object", path);
-        continue;
-      }
-      auto bad = [&](const char* what) { fail("safetensors file '{}': tensor '{}': {}", path, name, what); };
-      if (!e.is_object()) bad("entry is not a JSON object");
-      if (!e.contains("dtype") || !e.contains("shape") || !e.contains("data_offsets"))
-        bad("entry lacks one of dtype, shape, data_offsets");
-      if (!e["dtype"].is_string()) bad("dtype is not a string");
-      const DType dtype = parse_dtype(e["dtype"].get<std::string>(), path, name);
-
-      if (!e["shape"].is_array()) bad("shape is not an array of integers");
-      std::vector<int64_t> shape;
-      for (const json& d : e["shape"]) {
-        int64_t v = 0;
-        if (!json_int(d, v)) bad("shape is not an array of integers");
-        if (v < 0) fail("safetensors file '{}': tensor '{}': negative dimension in shape {}", path, name, e["shape"].dump());
-        shape.push_back(v);
-      }
-
-      const json& off = e["data_offsets"];
-      int64_t begin = 0, end = 0;
-      if (!off.is_array() || off.size() != 2 || !json_int(off[0], begin) || !json_int(off[1], end) || begin < 0)
-        bad("data_offsets is not [begin, end] of two non-negative integers");
-      if (end < begin)
-        fail("safetensors file '{}': tensor '{}': data_offsets [{}, {}] end before begin", path, name, begin, end);
-      const int64_t numel = checked_numel(shape);
-      const int64_t elsz = int64_t(elem_size(dtype));
-      if (numel < 0 || numel > std::numeric_limits<int64_t>::max() / elsz || end - begin != numel * elsz)
-        fail("safetensors file '{}': tensor '{}': data_offsets [{}, {}] span {} bytes, but shape {} of {} needs {}",
-             path, name, begin, end, end - begin, shape_str(shape), dtype_str(dtype),
-             numel < 0 ? std::string("more than 2^63") : std::to_string(numel * elsz));
-      if (uint64_t(end) > data_size)
-        fail("safetensors file '{}': truncated: tensor '{}' needs bytes up to {}, the file has {}", path, name,
-             8 + n + uint64_t(end), size_);
-      tensors.push_back(TensorInfo{name, dtype, std::move(shape), data + begin, size_t(end - begin), path});
-    }
-  }
 };
 
 Checkpoint::~Checkpoint() = default;
@@ -252,35 +303,49 @@ Checkpoint Checkpoint::open(const std::string& path) {
 
   // Sharded: the index maps tensor names to shard files beside it.
   const std::string ip = index.string();
-  json j;
-  try {
-    j = json::parse(read_file(ip, "checkpoint index"));
-  } catch (const json::exception& e) {  // parse_error, or out_of_range for a number like 1e999
-    fail("checkpoint index '{}': not valid JSON: {}", ip, e.what());
-  }
-  if (!j.is_object() || !j.contains("weight_map") || !j["weight_map"].is_object() || j["weight_map"].empty())
-    fail("checkpoint index '{}': no \"weight_map\" object of tensor name -> shard file", ip);
-  const json& wm = j["weight_map"];
+  const std::map<std::string, std::string> wm = parse_checkpoint_index(read_file(ip, "checkpoint index", kMaxIndexBytes), ip);
   std::map<std::string, std::string> shard_path;  // shard name -> its path, each loaded once
-  for (const auto& [name, shard] : wm.items()) {
-    if (!shard.is_string()) fail("checkpoint index '{}': weight_map['{}'] is not a file name", ip, name);
-    const std::string s = shard.get<std::string>();
+  for (const auto& [name, s] : wm) {
     if (shard_path.count(s)) continue;
     const fs::path p = index.parent_path() / s;
     if (!fs::exists(p, ec))
-      fail("checkpoint index '{}': shard '{}' (holding tensor '{}') is missing: {} does not exist", ip, s, name,
-           p.string());
+      fail("checkpoint index '{}': shard '{}' (holding tensor '{}') is missing: {} does not exist", ip, s,
+           escape_for_error(name, 200), p.string());
     shard_path[s] = p.string();
     load(p.string());
   }
-  for (const auto& [name, shard] : wm.items()) {
-    const std::string& want = shard_path.at(shard.get<std::string>());
+  for (const auto& [name, s] : wm) {
+    const std::string& want = shard_path.at(s);
     const TensorInfo* t = ck.find(name);
     if (!t || t->file != want)
-      fail("checkpoint index '{}': tensor '{}' is listed in shard '{}' but absent from it", ip, name,
-           shard.get<std::string>());
+      fail("checkpoint index '{}': tensor '{}' is listed in shard '{}' but absent from it", ip,
+           escape_for_error(name, 200), s);
   }
   return ck;
+}
+
+std::map<std::string, std::string> parse_checkpoint_index(std::string_view text, const std::string& ip) {
+  const json j = parse_json_bounded(text, index_limits(), fmt::format("checkpoint index '{}'", ip));
+  if (!j.is_object() || !j.contains("weight_map") || !j["weight_map"].is_object() || j["weight_map"].empty())
+    fail("checkpoint index '{}': no \"weight_map\" object of tensor name -> shard file", ip);
+  std::map<std::string, std::string> out;
+  std::set<std::string> shards;
+  for (const auto& [name, shard] : j["weight_map"].items()) {
+    const std::string shown = escape_for_error(name, 200);
+    if (!shard.is_string()) fail("checkpoint index '{}': weight_map['{}'] is not a file name", ip, shown);
+    const std::string& s = shard.get_ref<const std::string&>();
+    // A shard is a file beside the index: one plain path component, so an index cannot point at
+    // /dev/zero, ../../secret or a folder.
+    if (s.empty() || s == "." || s == ".." || s.size() > kMaxShardName || s.find('/') != std::string::npos ||
+        s.find('\0') != std::string::npos)
+      fail("checkpoint index '{}': weight_map['{}'] = {} is not a file name beside the index (one path component, "
+           "at most {} bytes)",
+           ip, shown, quote_for_error(s), kMaxShardName);
+    if (shards.insert(s).second && shards.size() > kMaxShards)
+      fail("checkpoint index '{}': more than {} shard files (the limit)", ip, kMaxShards);
+    out.emplace(name, s);
+  }
+  return out;
 }
 
 std::string safetensors_bytes(const std::string& path, const std::vector<TensorToWrite>& tensors,
@@ -291,7 +356,7 @@ std::string safetensors_bytes(const std::string& path, const std::vector<TensorT
   for (const TensorToWrite& t : tensors) {
     if (t.name.empty() || t.name == "__metadata__" || header.contains(t.name))
       fail("safetensors file '{}': tensor name '{}' is empty, reserved or repeated", path, t.name);
-    const int64_t numel = checked_numel(t.shape);
+    const int64_t numel = numel_or_overflow(t.shape);
     if (std::any_of(t.shape.begin(), t.shape.end(), [](int64_t d) { return d < 0; }) || numel < 0 ||
         numel > std::numeric_limits<int64_t>::max() / 4)
       fail("safetensors file '{}': tensor '{}': invalid shape {}", path, t.name, shape_str(t.shape));

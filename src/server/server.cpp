@@ -1,33 +1,31 @@
-// `fovea serve`: routes, request parsing and replies, and the server's lifecycle (see server.h).
-// A request is handled on one of httplib's threads: read the body (bounded), parse the JSON, decode
-// and preprocess its images (in parallel), queue them for the batching worker, wait (bounded), reply.
+// `fovea serve`: routes, replies, and the server's lifecycle (see server.h). The HTTP layer
+// (http.h) reads a request; its body is handled on a worker thread: parse the JSON (request.h),
+// decode and preprocess its images (in parallel, within the decode-memory budget), queue them for
+// the batching worker, wait (bounded), reply.
 #include "server/server.h"
 
-#include <fcntl.h>
 #include <signal.h>
-#include <sys/socket.h>
-#include <unistd.h>
 
-#include <atomic>
-#include <map>
-#include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <ctime>
+#include <map>
 #include <optional>
-#include <thread>
 
 #include <fmt/format.h>
-#include <httplib.h>
 #include <nlohmann/json.hpp>
 
 #include "cli/run-encoder.h"
 #include "fovea/bf16.h"
 #include "fovea/error.h"
 #include "fovea/image.h"
+#include "fovea/json.h"
 #include "fovea/safetensors.h"
 #include "fovea/threads.h"
 #include "server/base64.h"
+#include "server/budget.h"
+#include "server/http.h"
+#include "server/request.h"
 #include "server/batcher.h"
 #include "server/metrics.h"
 
@@ -42,117 +40,11 @@ double ms_since(Clock::time_point t) { return std::chrono::duration<double, std:
 // JSON text; invalid UTF-8 (from a client's bytes echoed in a message) becomes U+FFFD, never a throw.
 std::string dump(const json& j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); }
 
-// ---- errors ---------------------------------------------------------------------------------------
-
-// A request's failure, as the reply it becomes: {"error": {"message", "type", "code"}}.
-struct ApiError {
-  int status = 500;
-  std::string code, message;
-};
-
-[[noreturn]] void reject(int status, std::string code, std::string message) {
-  throw ApiError{status, std::move(code), std::move(message)};
-}
-
 const char* error_type(int status) {
   if (status == 503) return "overloaded_error";
   if (status == 504) return "timeout_error";
   if (status >= 500) return "server_error";
   return "invalid_request_error";
-}
-
-void send_error(httplib::Response& res, const ApiError& e) {
-  res.status = e.status;
-  const json body = {{"error", {{"message", e.message}, {"type", error_type(e.status)}, {"code", e.code}}}};
-  res.set_content(dump(body), "application/json");
-}
-
-// ---- the request ----------------------------------------------------------------------------------
-
-struct EncodeRequest {
-  std::vector<std::string_view> payloads;  // each image's base64 text, pointing into the parsed JSON
-  bool as_base64 = true;                   // "encoding": "base64" (bf16 bytes) or "float"
-  bool deepstack = false;                  // "return_deepstack"
-};
-
-// images[i] as its base64 text: a data URL (data:image/png;base64,...) or plain base64, bare or in
-// an OpenAI content part {"type": "image_url", "image_url": {"url": ...}}.
-std::string_view image_payload(const json& item, size_t i) {
-  const std::string where = fmt::format("images[{}]", i);
-  const json* url = &item;
-  if (item.is_object()) {
-    const auto type = item.find("type");
-    const auto part = item.find("image_url");
-    if (type == item.end() || *type != "image_url" || part == item.end())
-      reject(400, "invalid_image",
-             where + ": an object must be a content part {\"type\": \"image_url\", \"image_url\": {\"url\": ...}}");
-    url = part->is_object() && part->contains("url") ? &part->at("url") : &*part;
-  }
-  if (!url->is_string())
-    reject(400, "invalid_image", fmt::format("{}: expected a data URL or base64 string, got {}", where, url->type_name()));
-  const std::string_view s = url->get_ref<const std::string&>();
-  if (s.starts_with("data:")) {
-    const size_t comma = s.find(',');
-    if (comma == std::string_view::npos) reject(400, "invalid_image", where + ": data URL without ','");
-    if (!s.substr(0, comma).ends_with(";base64"))
-      reject(400, "invalid_image", where + ": only base64 data URLs are accepted (data:image/png;base64,...)");
-    return s.substr(comma + 1);
-  }
-  if (s.starts_with("http://") || s.starts_with("https://"))
-    reject(400, "invalid_image", where + ": image URLs are not fetched; send the image inline as a data URL or base64");
-  if (s.empty()) reject(400, "invalid_image", where + ": empty string");
-  return s;
-}
-
-EncodeRequest parse_encode_request(const json& doc, size_t max_images, const std::string& model) {
-  if (!doc.is_object()) reject(400, "invalid_request", "the body must be a JSON object with an \"images\" array");
-  EncodeRequest r;
-  for (const auto& [key, value] : doc.items()) {
-    if (key == "images") continue;
-    if (key == "encoding") {
-      if (value != "base64" && value != "float")
-        reject(400, "invalid_request", fmt::format("\"encoding\" must be \"base64\" or \"float\", not {}", dump(value)));
-      r.as_base64 = value == "base64";
-    } else if (key == "return_deepstack") {
-      if (!value.is_boolean()) reject(400, "invalid_request", "\"return_deepstack\" must be true or false");
-      r.deepstack = value.get<bool>();
-    } else if (key == "model") {
-      if (value != model)
-        reject(404, "model_not_found",
-               fmt::format("model {} is not served here; this server serves \"{}\"", dump(value), model));
-    } else {
-      reject(400, "invalid_request",
-             fmt::format("unknown field \"{}\" (accepted: images, encoding, return_deepstack, model)", key));
-    }
-  }
-  const auto images = doc.find("images");
-  if (images == doc.end() || !images->is_array() || images->empty())
-    reject(400, "invalid_request",
-           "\"images\" must be a non-empty array of data URLs, base64 strings or image_url content parts");
-  if (images->size() > max_images)
-    reject(400, "too_many_images",
-           fmt::format("{} images in one request; the limit is {} (--max-images-per-request)", images->size(), max_images));
-  for (size_t i = 0; i < images->size(); ++i) r.payloads.push_back(image_payload((*images)[i], i));
-  return r;
-}
-
-// The body, at most max bytes (any transfer encoding). A Content-Length over the limit is refused by
-// httplib itself (payload_max_length, status 413), which reads and discards the body.
-std::string read_body(const httplib::Request& req, httplib::Response& res, const httplib::ContentReader& reader,
-                      size_t max) {
-  if (req.is_multipart_form_data())
-    reject(415, "unsupported_media_type", "multipart bodies are not accepted: POST the JSON object (application/json)");
-  std::string body;
-  size_t seen = 0;
-  const bool ok = reader([&](const char* data, size_t n) {
-    seen += n;
-    if (seen <= max) body.append(data, n);
-    return seen - std::min(seen, max) <= max;  // past the limit, drain up to max more so the client reads the 413
-  });
-  if (seen > max || res.status == 413)
-    reject(413, "body_too_large", fmt::format("the request body exceeds {} bytes (--max-body-bytes)", max));
-  if (!ok) reject(400, "invalid_body", "the request body could not be read (truncated?)");
-  return body;
 }
 
 // ---- decoding -------------------------------------------------------------------------------------
@@ -163,8 +55,10 @@ struct Decoded {
 };
 
 // Base64 -> image -> patches for every image, in parallel; the first failing image (by index) is the
-// request's error, naming it.
-Decoded decode_images(const EncodeRequest& r, const image::PreprocessConfig& pcfg) {
+// request's error, naming it. Each image reserves the memory it will take to decode and preprocess
+// (from its header) before a pixel is decoded, waiting for room until the request's deadline.
+Decoded decode_images(EncodeRequest& r, const image::PreprocessConfig& pcfg, ByteBudget& budget,
+                      Clock::time_point deadline) {
   const size_t n = r.payloads.size();
   Decoded d{std::vector<ImageInput>(n), std::vector<double>(n), std::vector<double>(n)};
   std::vector<std::optional<ApiError>> errors(n);
@@ -174,23 +68,43 @@ Decoded decode_images(const EncodeRequest& r, const image::PreprocessConfig& pcf
     std::vector<uint8_t> bytes;
     try {
       bytes = base64_decode(r.payloads[i], name);
+      std::string().swap(r.payloads[i]);
     } catch (const Error& e) {
       errors[i] = ApiError{400, "invalid_base64", e.what()};
       return;
     }
+    int64_t held = 0;
     try {
-      auto t = Clock::now();
+      const auto t = Clock::now();
+      const image::ImageInfo info = image::probe(bytes, name, pcfg);
+      const int64_t need = image::decode_peak_bytes(info, pcfg);
+      if (need > budget.capacity()) {
+        errors[i] = ApiError{400, "invalid_image",
+                             fmt::format("image '{}': {}x{} needs {} bytes to decode, more than the server's {} "
+                                         "(--max-decode-bytes)", name, info.width, info.height, need, budget.capacity())};
+        return;
+      }
+      if (!budget.acquire(need, deadline)) {
+        errors[i] = ApiError{503, "server_busy",
+                             fmt::format("image '{}': no room to decode it before the request's deadline (the "
+                                         "server's images being decoded hold {} of {} bytes, --max-decode-bytes)",
+                                         name, budget.used(), budget.capacity())};
+        return;
+      }
+      held = need;
       const image::Rgb8 img = image::decode_memory(bytes, name, pcfg);
+      std::vector<uint8_t>().swap(bytes);
       d.decode_ms[i] = ms_since(t);
-      t = Clock::now();
+      const auto t2 = Clock::now();
       image::Patches p = image::preprocess(img, pcfg);
       d.images[i] = {std::move(p.pixels), p.grid};
-      d.preprocess_ms[i] = ms_since(t);
+      d.preprocess_ms[i] = ms_since(t2);
     } catch (const Error& e) {
       const std::string what = e.what();  // decode errors name the image, preprocess errors do not
       const bool named = what.find(name) != std::string::npos;
       errors[i] = ApiError{400, "invalid_image", named ? what : fmt::format("image '{}': {}", name, what)};
     }
+    if (held) budget.release(held);
   });
   for (const auto& e : errors)
     if (e) throw *e;
@@ -218,14 +132,15 @@ json timings(const Decoded& d, const ImageOutput& o, size_t i) {
 // What the handlers share. The batcher, model and engine outlive the HTTP server.
 struct Context {
   Context(const ServeOptions& o, const qwen3vl::Model& m, const EngineConfig& e, image::PreprocessConfig p, Batcher& b)
-      : opt(o), model(m), engine(e), pcfg(p), batcher(b) {}
+      : opt(o), model(m), engine(e), pcfg(p), batcher(b), decode_budget(o.max_decode_bytes) {}
   const ServeOptions& opt;
   const qwen3vl::Model& model;
   const EngineConfig& engine;
   image::PreprocessConfig pcfg;
   Batcher& batcher;
+  ByteBudget decode_budget;
   Metrics metrics;
-  std::atomic<int64_t> in_flight{0};
+  const http::Server* http = nullptr;
   int64_t started_unix = std::time(nullptr);
 };
 
@@ -278,27 +193,28 @@ std::string safetensors_reply(const Context& c, const EncodeRequest& r, const De
 
 // ---- handlers -------------------------------------------------------------------------------------
 
-// POST /v1/encode; every failure throws ApiError (handle_encode turns it into the reply).
-void encode(Context& c, const httplib::Request& req, httplib::Response& res, const httplib::ContentReader& reader,
-            Clock::time_point t0) {
-  const std::string body = read_body(req, res, reader, c.opt.max_body_bytes);
-  json doc;
-  try {
-    doc = json::parse(body);
-  } catch (const json::parse_error& e) {
-    reject(400, "invalid_json", fmt::format("the body is not valid JSON: {}", e.what()));
-  }
-  const EncodeRequest r = parse_encode_request(doc, c.opt.max_images_per_request, c.opt.model);
-  Decoded d = decode_images(r, c.pcfg);
+http::Response json_response(int status, const json& body) {
+  return {status, "application/json", dump(body), {}};
+}
+
+http::Response error_response(const ApiError& e) {
+  return json_response(e.status, {{"error", {{"message", e.message}, {"type", error_type(e.status)}, {"code", e.code}}}});
+}
+
+// POST /v1/encode with its body; every failure throws ApiError.
+http::Response encode(Context& c, http::Request& req) {
+  const Clock::time_point t0 = req.received;
+  const auto deadline = t0 + std::chrono::duration_cast<Clock::duration>(
+                                 std::chrono::duration<double>(c.opt.request_timeout_s));
+  if (Clock::now() > deadline)
+    reject(504, "timeout", fmt::format("not started within {} s (--request-timeout)", c.opt.request_timeout_s));
+  EncodeRequest r = parse_encode_request(req.body, c.opt.max_images_per_request, c.opt.model);
+  std::string().swap(req.body);
+  Decoded d = decode_images(r, c.pcfg, c.decode_budget, deadline);
 
   std::string refused;
   const std::shared_ptr<Job> job = c.batcher.submit(std::move(d.images), r.deepstack, refused);
-  if (!job) {
-    res.set_header("Retry-After", "1");  // kept on the error reply send_error() writes
-    reject(503, "queue_full", refused + "; retry later");
-  }
-  const auto deadline = t0 + std::chrono::duration_cast<Clock::duration>(
-                                 std::chrono::duration<double>(c.opt.request_timeout_s));
+  if (!job) reject(503, "queue_full", refused + "; retry later");
   std::string error;
   switch (c.batcher.wait(*job, deadline, error)) {
     case Batcher::Wait::TIMED_OUT:
@@ -308,145 +224,78 @@ void encode(Context& c, const httplib::Request& req, httplib::Response& res, con
     case Batcher::Wait::DONE:
       break;
   }
-  res.status = 200;
-  if (req.get_header_value("Accept").find("application/octet-stream") != std::string::npos)
-    res.set_content(safetensors_reply(c, r, d, *job), "application/octet-stream");
-  else
-    res.set_content(json_reply(c, r, d, *job, ms_since(t0)), "application/json");
+  if (req.header("accept").find("application/octet-stream") != std::string_view::npos)
+    return {200, "application/octet-stream", safetensors_reply(c, r, d, *job), {}};
+  return {200, "application/json", json_reply(c, r, d, *job, ms_since(t0)), {}};
 }
 
-void handle_encode(Context& c, const httplib::Request& req, httplib::Response& res,
-                   const httplib::ContentReader& reader) {
-  const Clock::time_point t0 = Clock::now();
-  c.in_flight += 1;
-  try {
-    encode(c, req, res, reader, t0);
-  } catch (const ApiError& e) {
-    send_error(res, e);
-  } catch (const std::exception& e) {
-    send_error(res, {500, "internal_error", e.what()});
-  } catch (...) {
-    send_error(res, {500, "internal_error", "unknown exception"});
-  }
-  c.in_flight -= 1;
-  c.metrics.observe_encode_seconds(ms_since(t0) / 1000);
-}
-
-void add_routes(httplib::Server& svr, Context& c) {
-  svr.Post("/v1/encode", [&c](const httplib::Request& req, httplib::Response& res, const httplib::ContentReader& reader) {
-    handle_encode(c, req, res, reader);
-  });
-  svr.Get("/health", [](const httplib::Request&, httplib::Response& res) {
-    res.set_content(R"({"status": "ok"})", "application/json");
-  });
-  svr.Get("/v1/models", [&c](const httplib::Request&, httplib::Response& res) {
-    const json model = {{"id", c.opt.model}, {"object", "model"}, {"created", c.started_unix}, {"owned_by", "fovea"}};
-    const json models = {{"object", "list"}, {"data", json::array({model})}};
-    res.set_content(dump(models), "application/json");
-  });
-  svr.Get("/metrics", [&c](const httplib::Request&, httplib::Response& res) {
-    res.set_content(c.metrics.render(c.opt.model, c.engine, c.batcher, c.in_flight),
-                    "text/plain; version=0.0.4; charset=utf-8");
-  });
-  // Replies httplib makes itself (unknown path, malformed HTTP, a Content-Length over the limit on
-  // another path) get the same JSON error body.
-  svr.set_error_handler(httplib::Server::HandlerWithResponse([&c](const httplib::Request& req, httplib::Response& res) {
-    if (!res.body.empty()) return httplib::Server::HandlerResponse::Unhandled;
-    static const std::map<std::string, std::string> kAllowed = {
-        {"/v1/encode", "POST"}, {"/health", "GET"}, {"/v1/models", "GET"}, {"/metrics", "GET"}};
-    const auto known = kAllowed.find(req.path);
-    if (res.status == 404 && known != kAllowed.end()) {  // a known path, another method
-      res.set_header("Allow", known->second);
-      send_error(res, {405, "method_not_allowed",
-                       fmt::format("{} {}: this endpoint takes {}", req.method, req.path, known->second)});
-    } else if (res.status == 404)
-      send_error(res, {404, "not_found", fmt::format("no endpoint {} {} (endpoints: POST /v1/encode, GET /health, "
-                                                     "GET /v1/models, GET /metrics)", req.method, req.path)});
-    else if (res.status == 413)
-      send_error(res, {413, "body_too_large",
-                       fmt::format("the request body exceeds {} bytes (--max-body-bytes)", c.opt.max_body_bytes)});
-    else if (res.status == 400)
-      send_error(res, {400, "bad_request", "malformed HTTP request"});
-    else
-      send_error(res, {res.status, "http_error", fmt::format("HTTP status {}", res.status)});
-    return httplib::Server::HandlerResponse::Handled;
-  }));
-  svr.set_exception_handler([](const httplib::Request&, httplib::Response& res, std::exception_ptr ep) {
-    std::string what = "unknown exception";
-    try {
-      std::rethrow_exception(ep);
-    } catch (const std::exception& e) {
-      what = e.what();
-    } catch (...) {
-    }
-    send_error(res, {500, "internal_error", what});
-  });
-  // Counted just before a reply is written (every reply passes here, httplib's own included), so a
-  // client that has its reply sees it counted in /metrics.
-  svr.set_post_routing_handler([&c](const httplib::Request& req, httplib::Response& res) {
-    c.metrics.count_response(req.path, res.status);
-  });
-}
-
-// ---- lifecycle ------------------------------------------------------------------------------------
-
-// SIGINT / SIGTERM write their number down a pipe that a watcher thread reads: write() is
-// async-signal-safe, httplib::Server::stop() is not. wake() sends 0, which means "no signal".
-class StopSignals {
+// The endpoints, on top of the HTTP layer (http.h).
+class Service final : public http::Handler {
  public:
-  StopSignals() {
-    if (pipe2(fds_, O_CLOEXEC) != 0) fail("serve: cannot create a pipe for signal handling: {}", std::strerror(errno));
-    fcntl(fds_[1], F_SETFL, O_NONBLOCK);  // a signal handler must never block
-    write_fd_ = fds_[1];
-    struct sigaction sa {};
-    sa.sa_handler = on_signal;
-    sigemptyset(&sa.sa_mask);
-    sa.sa_flags = SA_RESTART;
-    sigaction(SIGINT, &sa, &old_int_);
-    sigaction(SIGTERM, &sa, &old_term_);
-    struct sigaction ignore {};
-    ignore.sa_handler = SIG_IGN;
-    sigaction(SIGPIPE, &ignore, &old_pipe_);  // a client hanging up must not kill the server
-  }
-  ~StopSignals() {
-    sigaction(SIGINT, &old_int_, nullptr);
-    sigaction(SIGTERM, &old_term_, nullptr);
-    sigaction(SIGPIPE, &old_pipe_, nullptr);
-    write_fd_ = -1;
-    close(fds_[0]);
-    close(fds_[1]);
-  }
-  StopSignals(const StopSignals&) = delete;
-  StopSignals& operator=(const StopSignals&) = delete;
+  explicit Service(Context& c) : c_(c) {}
 
-  // Blocks until a signal (its number) or wake() (0).
-  int next() {
-    unsigned char c = 0;
-    for (;;) {
-      const ssize_t n = read(fds_[0], &c, 1);
-      if (n == 1) return c;
-      if (n < 0 && errno == EINTR) continue;
-      return 0;
+  std::optional<http::Response> route(const http::Request& req) override {
+    static const std::map<std::string, std::string> kAllowed = {
+        {"/v1/encode", "POST"}, {"/health", "GET"}, {"/ready", "GET"}, {"/v1/models", "GET"}, {"/metrics", "GET"}};
+    const auto known = kAllowed.find(req.path);
+    if (known == kAllowed.end())
+      return error_response({404, "not_found", fmt::format("no endpoint {} {} (endpoints: POST /v1/encode, GET /health, "
+                                                           "GET /ready, GET /v1/models, GET /metrics)",
+                                                           req.method, quote_for_error(req.path))});
+    if (req.method != known->second) {
+      http::Response r = error_response({405, "method_not_allowed",
+                                         fmt::format("{} {}: this endpoint takes {}", req.method.substr(0, 32),
+                                                     req.path, known->second)});
+      r.headers.push_back({"Allow", known->second});
+      return r;
     }
+    if (req.path == "/health") return json_response(200, {{"status", "ok"}});
+    if (req.path == "/ready") {
+      // Ready: taking requests (not shutting down, the encoder queue not full).
+      const size_t depth = c_.batcher.queue_depth();
+      if (depth >= c_.opt.max_queue)
+        return json_response(503, {{"status", "busy"}, {"reason", fmt::format("the encoder queue is full ({} requests)", depth)}});
+      return json_response(200, {{"status", "ready"}});
+    }
+    if (req.path == "/v1/models") {
+      const json model = {{"id", c_.opt.model}, {"object", "model"}, {"created", c_.started_unix}, {"owned_by", "fovea"}};
+      return json_response(200, {{"object", "list"}, {"data", json::array({model})}});
+    }
+    if (req.path == "/metrics")
+      return http::Response{200, "text/plain; version=0.0.4; charset=utf-8",
+                            c_.metrics.render(c_.opt.model, c_.engine, c_.batcher, int64_t(c_.http->in_flight())), {}};
+    if (req.header("content-type").starts_with("multipart/"))
+      return error_response({415, "unsupported_media_type",
+                             "multipart bodies are not accepted: POST the JSON object (application/json)"});
+    return std::nullopt;  // POST /v1/encode: read the body, then handle()
   }
-  void wake() {
-    const unsigned char c = 0;
-    [[maybe_unused]] const ssize_t n = write(fds_[1], &c, 1);
+
+  http::Response handle(http::Request& req) override {
+    const Clock::time_point t0 = req.received;
+    http::Response res;
+    try {
+      res = encode(c_, req);
+    } catch (const ApiError& e) {
+      res = error_response(e);
+      if (e.status == 503) res.headers.push_back({"Retry-After", "1"});
+    } catch (const std::exception& e) {
+      res = error_response({500, "internal_error", e.what()});
+    }
+    c_.metrics.observe_encode_seconds(ms_since(t0) / 1000);
+    return res;
   }
+
+  http::Response error(int status, const std::string& code, const std::string& message) override {
+    return error_response({status, code, message});
+  }
+
+  void replied(const std::string& path, int status) override { c_.metrics.count_response(path, status); }
 
  private:
-  static inline volatile sig_atomic_t write_fd_ = -1;
-  static void on_signal(int sig) {
-    const int saved = errno;
-    const unsigned char c = static_cast<unsigned char>(sig);
-    if (write_fd_ >= 0) {
-      [[maybe_unused]] const ssize_t n = write(write_fd_, &c, 1);
-    }
-    errno = saved;
-  }
-  int fds_[2] = {-1, -1};
-  struct sigaction old_int_ {}, old_term_ {}, old_pipe_ {};
+  Context& c_;
 };
+
+// ---- lifecycle ------------------------------------------------------------------------------------
 
 void check_options(const ServeOptions& o) {
   if (o.port < 0 || o.port > 65535) fail("--port {} is not a port number (0 picks a free one)", o.port);
@@ -457,6 +306,18 @@ void check_options(const ServeOptions& o) {
   if (o.max_images_per_request < 1) fail("--max-images-per-request must be at least 1");
   if (!(o.request_timeout_s > 0)) fail("--request-timeout must be > 0 seconds, not {}", o.request_timeout_s);
   if (o.threads < 1 || o.threads > 4096) fail("--threads must be in [1, 4096], not {}", o.threads);
+  // Deadlines: positive and finite, at most a day (a timer of 1e300 s would overflow).
+  for (const auto& [flag, v] : {std::pair{"--header-timeout", o.header_timeout_s}, {"--body-timeout", o.body_timeout_s},
+                                {"--keep-alive-timeout", o.keep_alive_timeout_s}, {"--request-timeout", o.request_timeout_s}})
+    if (!(v > 0 && v <= 86400)) fail("{} must be in (0, 86400] seconds, not {}", flag, v);
+  if (o.max_header_bytes < 256 || o.max_header_bytes > (size_t(1) << 20))
+    fail("--max-header-bytes must be in [256, 1048576], not {}", o.max_header_bytes);
+  if (o.max_connections < 1 || o.max_connections > 1000000)
+    fail("--max-connections must be in [1, 1000000], not {}", o.max_connections);
+  if (o.max_body_bytes_in_flight < o.max_body_bytes)
+    fail("--max-body-bytes-in-flight ({}) must be at least --max-body-bytes ({})", o.max_body_bytes_in_flight,
+         o.max_body_bytes);
+  if (o.max_decode_bytes < 1) fail("--max-decode-bytes must be at least 1");
 }
 
 }  // namespace
@@ -464,31 +325,30 @@ void check_options(const ServeOptions& o) {
 int serve(const ServeOptions& o) {
   check_options(o);
   const EngineConfig engine = resolve_engine(o.engine, query_system());
-  const image::PreprocessConfig pcfg =
-      image::load_preprocess_config(o.model, o.preprocess);
+  const image::PreprocessConfig pcfg = image::load_preprocess_config(o.model, o.preprocess);
   const qwen3vl::Model model = qwen3vl::load_model(o.model);
   Batcher batcher(model, engine, o.max_queue, o.max_queue_tokens, o.max_batch_tokens);
   Context c(o, model, engine, pcfg, batcher);
+  Service service(c);
 
-  httplib::Server svr;
-  add_routes(svr, c);
-  svr.set_payload_max_length(o.max_body_bytes);
-  svr.new_task_queue = [n = size_t(o.threads)] { return new httplib::ThreadPool(n); };
-  // httplib 0.11 binds with SO_REUSEPORT, which lets a second server share the port silently, and
-  // listens with a backlog of 5, which a burst of connects overflows (16 clients at once: the kernel
-  // dropped some, and their reads failed). So SO_REUSEADDR only, and once bound the backlog is
-  // raised to SOMAXCONN (listen() on a listening socket only changes its backlog).
-  int listen_fd = -1;
-  svr.set_socket_options([&listen_fd](int sock) {
-    const int yes = 1;
-    setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
-    listen_fd = sock;
-  });
-  const int port = o.port == 0 ? svr.bind_to_any_port(o.host) : (svr.bind_to_port(o.host, o.port) ? o.port : -1);
-  if (port <= 0) fail("cannot listen on {}:{} (address in use, or not allowed?)", o.host, o.port);
-  if (::listen(listen_fd, SOMAXCONN) != 0) fail("cannot listen on {}:{}: {}", o.host, port, std::strerror(errno));
+  struct sigaction ignore {};
+  ignore.sa_handler = SIG_IGN;
+  sigaction(SIGPIPE, &ignore, nullptr);  // a client hanging up must not kill the server
+  http::Options ho;
+  ho.host = o.host;
+  ho.port = o.port;
+  ho.threads = o.threads;
+  ho.limits.max_header_bytes = o.max_header_bytes;
+  ho.limits.max_body_bytes = o.max_body_bytes;
+  ho.limits.max_body_bytes_in_flight = o.max_body_bytes_in_flight;
+  ho.limits.header_timeout_s = o.header_timeout_s;
+  ho.limits.body_timeout_s = o.body_timeout_s;
+  ho.limits.keep_alive_timeout_s = o.keep_alive_timeout_s;
+  ho.limits.write_timeout_s = o.body_timeout_s;
+  ho.limits.max_connections = o.max_connections;
+  http::Server server(ho, service);
+  c.http = &server;
 
-  StopSignals signals;  // from here on a signal is kept in the pipe until the watcher reads it
   const auto& cfg = model.config;
   fmt::print("fovea serve: model {} ({} blocks, out_hidden {}), {} attention{} on {} ({} backend); "
              "batches of up to {} tokens, queue of {} requests\n",
@@ -496,32 +356,15 @@ int serve(const ServeOptions& o) {
              engine.scale_mode ? fmt::format(" ({} scales)", scale_mode_name(*engine.scale_mode)) : "",
              device_name(engine.device), backend_name(engine.backend), o.max_batch_tokens, o.max_queue);
   const bool v6 = o.host.find(':') != std::string::npos;
-  fmt::print("fovea serve: listening on http://{}{}{}:{}\n", v6 ? "[" : "", o.host, v6 ? "]" : "", port);
+  fmt::print("fovea serve: listening on http://{}{}{}:{}\n", v6 ? "[" : "", o.host, v6 ? "]" : "", server.port());
   std::fflush(stdout);
 
-  std::atomic<bool> listening_ended{false};
-  std::atomic<int> stop_signal{0};
-  std::thread watcher([&] {  // nothing in here throws: std::printf, not fmt
-    const int sig = signals.next();
-    if (sig == 0) return;  // serve() woke us: listening ended on its own
-    stop_signal = sig;
-    std::printf("fovea serve: %s: not accepting new connections; finishing %lld request(s) in flight\n", strsignal(sig),
-                static_cast<long long>(c.in_flight.load()));
+  server.run([](int sig, size_t in_flight) {  // on the network thread; std::printf, nothing that throws
+    std::printf("fovea serve: %s: not accepting new connections; finishing %zu request(s) in flight\n",
+                strsignal(sig), in_flight);
     std::fflush(stdout);
-    while (!svr.is_running() && !listening_ended) std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    svr.stop();  // listen_after_bind() returns once every accepted connection has been answered
-    if (signals.next() != 0) {
-      std::fprintf(stderr, "fovea serve: second signal: exiting without finishing\n");
-      std::_Exit(1);
-    }
   });
-
-  svr.listen_after_bind();
-  listening_ended = true;
-  batcher.stop();  // every handler has returned; nothing is left queued, but finish it if so
-  signals.wake();
-  watcher.join();
-  if (stop_signal == 0) fail("the listening socket on {}:{} failed", o.host, port);
+  batcher.stop();  // every reply is written; nothing is left queued, but finish it if so
   fmt::print("fovea serve: stopped ({} images encoded)\n", batcher.images_encoded());
   std::fflush(stdout);
   return 0;

@@ -1,11 +1,11 @@
-// `fovea serve`: the HTTP front end (cpp-httplib) over the batching worker (batcher.h).
+// `fovea serve`: the HTTP front end (http.h: Boost.Asio + Beast) over the batching worker (batcher.h).
 //   POST /v1/encode   images (data URLs, base64, or OpenAI image_url content parts) -> visual tokens
 //                     as JSON (bf16 base64 or float lists) or, with Accept: application/octet-stream,
 //                     the safetensors file `fovea encode -o` would write
-//   GET  /health, GET /v1/models, GET /metrics (Prometheus)
+//   GET  /health (live), GET /ready (taking requests), GET /v1/models, GET /metrics (Prometheus)
 // Every failure of a request is answered with {"error": {"message", "type", "code"}} and an HTTP
-// status; the server itself survives any request. SIGINT / SIGTERM: stop accepting, finish the
-// requests in flight, return 0.
+// status; the server itself survives any request. SIGINT / SIGTERM: stop accepting, answer every
+// request whose body was read, 503 to those still arriving, return 0.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -27,8 +27,16 @@ struct ServeOptions {
   size_t max_body_bytes = size_t(64) << 20;  // more gets 413
   size_t max_images_per_request = 16;
   image::PreprocessOverrides preprocess;        // resize budget (0: the checkpoint's), bomb guard
-  double request_timeout_s = 120;               // body read to reply; later gets 504
-  int threads = 32;                             // HTTP threads (each decodes its own requests' images)
+  double request_timeout_s = 120;               // head read to reply; later gets 504
+  int threads = 32;                             // worker threads (each handles one request's body)
+  // The HTTP layer's bounds (http::Limits):
+  double header_timeout_s = 10;                 // first byte of a request to the end of its head; 408
+  double body_timeout_s = 60;                   // end of the head to the end of the body; 408
+  double keep_alive_timeout_s = 5;              // idle connection between requests, then closed
+  size_t max_header_bytes = 16 << 10;           // request line and header fields; more gets 431
+  size_t max_connections = 1024;                // open connections; more get 503
+  size_t max_body_bytes_in_flight = size_t(1) << 30;  // bodies being read or handled; more get 503
+  int64_t max_decode_bytes = int64_t(2) << 30;  // images being decoded and preprocessed; more wait
   EngineOptions engine;
 };
 

@@ -7,9 +7,10 @@ cmake --build build
 rm -rf .device-bin && mkdir -p .device-bin
 cp build/fovea build/tests/test-attention-gpu build/tests/test-encoder-gpu build/tests/test-fp8-device \
    build/tests/test-processor-golden .device-bin/
-# Shared libraries from Debian packages the GPU machine does not have (env.sh puts lib/ on the path).
+# Libraries from Debian packages are linked statically (image decoders) or header-only (Boost), so
+# the binaries need nothing the GPU machine lacks; lib/ stays for anything that ever does (env.sh
+# puts it on the path).
 mkdir -p .device-bin/lib
-ldd build/fovea | awk '/libcpp-httplib|libbrotli/ {print $3}' | xargs -r cp -L -t .device-bin/lib
 # The photographs the GPU scripts use (carry "data/photos-device"; under 64 MiB with .device-bin):
 # a fixed subset of tools/fetch-photos.sh's mate-backgrounds, never committed.
 if [ -d data/photos ]; then

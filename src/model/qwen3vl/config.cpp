@@ -5,6 +5,7 @@
 #include <nlohmann/json.hpp>
 
 #include "fovea/error.h"
+#include "fovea/json.h"
 #include "fovea/model.h"
 
 namespace fovea::qwen3vl {
@@ -13,54 +14,69 @@ using json = nlohmann::json;
 
 int VisionConfig::pos_side() const { return int(std::lround(std::sqrt(double(num_pos_embeddings)))); }
 
+// The ranges are documented with VisionConfig (model.h).
 void VisionConfig::validate() const {
-  auto positive = [&](int v, const char* field) {
-    if (v <= 0) fail("{}: vision_config.{} must be > 0, got {}", name, field, v);
+  auto in_range = [&](int64_t v, const char* field, int64_t lo, int64_t hi) {
+    if (v < lo || v > hi)
+      fail("{}: vision_config.{} is {}, outside the supported range {}..{}", name, field, v, lo, hi);
   };
-  positive(depth, "depth");
-  positive(hidden, "hidden_size");
-  positive(intermediate, "intermediate_size");
-  positive(heads, "num_heads");
-  positive(in_channels, "in_channels");
-  positive(patch, "patch_size");
-  positive(temporal_patch, "temporal_patch_size");
-  positive(merge, "spatial_merge_size");
-  positive(out_hidden, "out_hidden_size");
-  positive(num_pos_embeddings, "num_position_embeddings");
+  in_range(depth, "depth", 1, kMaxDepth);
+  in_range(hidden, "hidden_size", 1, kMaxHidden);
+  in_range(intermediate, "intermediate_size", 1, kMaxIntermediate);
+  in_range(heads, "num_heads", 1, kMaxHeads);
+  in_range(in_channels, "in_channels", 1, kMaxInChannels);
+  in_range(patch, "patch_size", 1, kMaxPatch);
+  in_range(temporal_patch, "temporal_patch_size", 1, kMaxTemporalPatch);
+  in_range(merge, "spatial_merge_size", 1, kMaxMerge);
+  in_range(out_hidden, "out_hidden_size", 1, kMaxOutHidden);
+  in_range(num_pos_embeddings, "num_position_embeddings", 1, kMaxPosEmbeddings);
   if (hidden % heads != 0) fail("{}: hidden_size {} is not divisible by num_heads {}", name, hidden, heads);
-  if (head_dim() % 4 != 0) fail("{}: head_dim {} must be a multiple of 4 (2D RoPE)", name, head_dim());
+  if (head_dim() % 4 != 0 || head_dim() > kMaxHeadDim)
+    fail("{}: head_dim (hidden_size / num_heads) is {}; it must be a multiple of 4 (2D RoPE) and at most {}", name,
+         head_dim(), kMaxHeadDim);
   if (pos_side() * pos_side() != num_pos_embeddings)
     fail("{}: num_position_embeddings {} is not a square grid", name, num_pos_embeddings);
   if (merge != 2) fail("{}: spatial_merge_size {} is not supported (2)", name, merge);
+  if (deepstack.size() > size_t(depth))
+    fail("{}: deepstack_visual_indexes has {} entries, more than the {} blocks", name, deepstack.size(), depth);
   for (size_t i = 0; i < deepstack.size(); ++i) {
     const int d = deepstack[i];
     if (d < 0 || d >= depth) fail("{}: deepstack_visual_indexes has {}, outside blocks 0..{}", name, d, depth - 1);
-    if (i > 0 && d <= deepstack[i - 1]) fail("{}: deepstack_visual_indexes must increase, got {} after {}", name, d, deepstack[i - 1]);
+    if (i > 0 && d <= deepstack[i - 1])
+      fail("{}: deepstack_visual_indexes must increase (each block once), got {} after {}", name, d, deepstack[i - 1]);
   }
   if (hidden_act != "gelu_pytorch_tanh")
-    fail("{}: hidden_act '{}' is not supported (gelu_pytorch_tanh)", name, hidden_act);
+    fail("{}: hidden_act '{}' is not supported (gelu_pytorch_tanh)", name, escape_for_error(hidden_act));
 }
 
-VisionConfig parse_config(const std::string& text, const std::string& where) {
-  json doc;
-  try {
-    doc = json::parse(text);
-  } catch (const json::exception& e) {
-    fail("{}: invalid JSON: {}", where, e.what());
-  }
+JsonLimits config_json_limits() {
+  // A Qwen3-VL config.json is ~5 KB of depth 3; preprocessor_config.json ~1 KB.
+  JsonLimits l;
+  l.max_bytes = size_t(1) << 20;
+  l.max_depth = 16;
+  l.max_elements = size_t(1) << 16;
+  l.max_object_keys = 4096;
+  l.max_string_bytes = size_t(64) << 10;
+  return l;
+}
+
+VisionConfig parse_config(std::string_view text, const std::string& where) {
+  const json doc = parse_json_bounded(text, config_json_limits(), where);
   if (!doc.is_object()) fail("{}: not a JSON object", where);
   const json& v = doc.contains("vision_config") ? doc.at("vision_config") : doc;
   if (!v.is_object()) fail("{}: vision_config is not an object", where);
   VisionConfig c;
   c.name = where;
-  // A JSON integer that fits an int (no silent truncation of 2^32 + 27, no 8.5 -> 8).
+  // A JSON integer that fits an int (no silent truncation of 2^32 + 27, no 8.5 -> 8); the ranges
+  // are checked by validate().
   auto fits_int = [](const json& j) {
     if (j.is_number_unsigned()) return j.get<uint64_t>() <= uint64_t(INT_MAX);
     return j.is_number_integer() && j.get<int64_t>() >= INT_MIN && j.get<int64_t>() <= INT_MAX;
   };
   auto get = [&](const char* key, int& dst) {
     if (!v.contains(key)) return;  // class defaults (spec §1.1) apply
-    if (!fits_int(v.at(key))) fail("{}: vision_config.{} is {}, not an integer", where, key, v.at(key).dump());
+    if (!fits_int(v.at(key)))
+      fail("{}: vision_config.{} is {}, not an integer in the supported range", where, key, quote_for_error(v.at(key)));
     dst = v.at(key).get<int>();
   };
   get("depth", c.depth);
@@ -75,7 +91,7 @@ VisionConfig parse_config(const std::string& text, const std::string& where) {
   get("num_position_embeddings", c.num_pos_embeddings);
   if (v.contains("hidden_act")) {
     if (!v.at("hidden_act").is_string())
-      fail("{}: vision_config.hidden_act is {}, not a string", where, v.at("hidden_act").dump());
+      fail("{}: vision_config.hidden_act is {}, not a string", where, quote_for_error(v.at("hidden_act")));
     c.hidden_act = v.at("hidden_act").get<std::string>();
   }
   // Qwen3.5 has no deepstack: the key is absent (or null / empty).
@@ -83,8 +99,12 @@ VisionConfig parse_config(const std::string& text, const std::string& where) {
   if (v.contains("deepstack_visual_indexes") && !v.at("deepstack_visual_indexes").is_null()) {
     const json& d = v.at("deepstack_visual_indexes");
     if (!d.is_array()) fail("{}: vision_config.deepstack_visual_indexes is not a list", where);
+    if (d.size() > size_t(kMaxDepth))
+      fail("{}: vision_config.deepstack_visual_indexes has {} entries, more than the limit of {}", where, d.size(),
+           kMaxDepth);
     for (const auto& x : d) {
-      if (!fits_int(x)) fail("{}: vision_config.deepstack_visual_indexes has {}, not an integer", where, x.dump());
+      if (!fits_int(x))
+        fail("{}: vision_config.deepstack_visual_indexes has {}, not an integer", where, quote_for_error(x));
       c.deepstack.push_back(x.get<int>());
     }
   } else if (!v.contains("deepstack_visual_indexes")) {

@@ -4,6 +4,7 @@
 // static scales run end to end on a machine without a GPU.
 #include <cmath>
 
+#include "fovea/checked.h"
 #include "fovea/error.h"
 #include "fovea/model.h"
 #include "fovea/rope.h"
@@ -148,11 +149,13 @@ ForwardResult forward_cpu(const Model& m, const std::vector<float>& pixels, cons
   for (const auto& g : grids) {
     if (g[0] < 1 || g[1] < 2 || g[2] < 2 || g[1] % 2 || g[2] % 2)
       fail("forward: grid_thw ({}, {}, {}) must have t >= 1 and even h, w >= 2", g[0], g[1], g[2]);
-    for (int f = 0; f < g[0]; ++f) seqlens.push_back(g[1] * g[2]);  // one attention segment per frame
-    N += int64_t(g[0]) * g[1] * g[2];
+    // Grids may come from files (check-golden): every product checked.
+    const int hw = checked_mul(g[1], g[2], "forward: grid_thw h x w");
+    for (int f = 0; f < g[0]; ++f) seqlens.push_back(hw);  // one attention segment per frame
+    N = checked_add(N, checked_mul<int64_t>(g[0], hw, "forward: grid_thw t x h x w"), "forward: total patches");
   }
   if (grids.empty()) fail("forward: no images");
-  if (int64_t(pixels.size()) != N * c.patch_dim())
+  if (int64_t(pixels.size()) != checked_mul<int64_t>(N, c.patch_dim(), "forward: pixel values"))
     fail("forward: pixel_values has {} values, expected N x {} = {} for the given grids", pixels.size(), c.patch_dim(),
          N * c.patch_dim());
   if (opt.attention == cpu::RefMode::FP8 && (!opt.scales || opt.scales->num_layers() != c.depth))

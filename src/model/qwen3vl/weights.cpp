@@ -8,9 +8,11 @@
 #include <nlohmann/json.hpp>
 
 #include "fovea/bf16.h"
+#include "fovea/checked.h"
 #include "fovea/encoder.h"
 #include "fovea/error.h"
 #include "fovea/io.h"
+#include "fovea/json.h"
 #include "fovea/model.h"
 #include "fovea/safetensors.h"
 
@@ -76,8 +78,7 @@ uint64_t splitmix64(uint64_t x) {
 std::vector<float> synthetic_tensor(const std::string& name, const Shape& shape) {
   uint64_t h = 1469598103934665603ull;  // FNV-1a of the name
   for (unsigned char ch : name) h = (h ^ ch) * 1099511628211ull;
-  int64_t n = 1;
-  for (int64_t d : shape) n *= d;
+  const int64_t n = checked_numel(shape, "synthetic tensor size");
   const bool bias = name.size() > 5 && name.compare(name.size() - 5, 5, ".bias") == 0;
   const bool is_norm = name.find("norm") != std::string::npos;
   const int64_t fan_in = shape.size() >= 2 ? n / shape[0] : 1;
@@ -114,7 +115,7 @@ Model load_model(const std::string& spec) {
   std::error_code ec;
   if (!fs::is_directory(spec, ec)) fail("model '{}': not a folder (and not a synthetic:<name> model)", spec);
   const std::string config_path = (fs::path(spec) / "config.json").string();
-  m.config = parse_config(read_file(config_path, "model config"), config_path);
+  m.config = parse_config(read_file(config_path, "model config", config_json_limits().max_bytes), config_path);
   m.config.name = spec;
   const Checkpoint ck = Checkpoint::open(spec);
 

@@ -1,0 +1,32 @@
+// Fuzzes scale-file parsing (fovea::parse_scale_file, what read_scale_file runs): any text gives at
+// most kMaxScaleLayers layers of finite positive scales, or a fovea::Error naming the file.
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <string>
+#include <string_view>
+
+#include "fovea/error.h"
+#include "fovea/scales.h"
+
+namespace {
+void ignore_warning(const std::string&) {}
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  fovea::set_warning_sink(ignore_warning);  // unknown fields warn; not what is fuzzed
+  const std::string_view text(reinterpret_cast<const char*>(data), size);
+  try {
+    const fovea::ScaleFile f = fovea::parse_scale_file(text, "fuzz");
+    if (f.layers.empty() || f.layers.size() > size_t(fovea::kMaxScaleLayers)) std::abort();
+    for (const auto& [i, s] : f.layers) {
+      if (i < 0 || i >= fovea::kMaxScaleLayers) std::abort();
+      for (int t = 0; t < 3; ++t)
+        if (!std::isfinite(s[t]) || !(s[t] > 0)) std::abort();
+    }
+    (void)fovea::scales_for_model(f, int(f.layers.size()));  // throws when there are gaps
+  } catch (const fovea::Error& e) {
+    if (std::string_view(e.what()).find("'fuzz'") == std::string_view::npos) std::abort();
+  }
+  return 0;
+}

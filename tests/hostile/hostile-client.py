@@ -1,0 +1,999 @@
+#!/usr/bin/env python3
+"""The hostile-client suite of `fovea serve` (issue 10, point 6): Python standard library only,
+loopback only, bounded in connections (at most ~520 at once) and in time (every case has a bound;
+the whole suite takes about a minute against a conforming server, under 3 minutes otherwise).
+
+    python3 tests/hostile/hostile-client.py --fovea build/fovea
+    python3 tests/hostile/hostile-client.py --fovea build/fovea --only sigterm,pipelined --json out.json
+    python3 tests/hostile/hostile-client.py --legacy      # a server without the new HTTP flags
+
+It starts `fovea serve synthetic:tiny --device cpu --port 0` (four instances: the main one, one with
+short deadlines, two for shutdown), reads the "listening on http://HOST:PORT" line, runs every case
+and prints `case | expected | observed | ok`. The exit code is 1 if any case fails: the server died
+(crash), a case ran past its time bound (hang), a request got no reply (lost reply), a reply had the
+wrong status, or the main server's peak RSS (VmHWM in /proc/PID/status, read at the end) exceeded
+
+    bound = RSS after startup + 2 x --max-body-bytes + --max-decode-bytes + 256 MiB
+
+(a body and one decoded copy of it, the decoded pixels the server admits in flight, and a fixed
+allowance for threads, allocator slack and the tiny encoder's activations). 2 is for a problem of
+the harness itself (the server did not start, e.g. it rejected one of the flags below).
+
+The server flags (--server-args replaces the limits; the per-instance flags are added to them):
+--max-body-bytes, --max-decode-bytes, --max-header-bytes, --max-connections, --max-queue,
+--header-timeout, --body-timeout, --keep-alive-timeout (seconds), --min-pixels/--max-pixels.
+--legacy leaves out those the pre-issue-10 server does not have.
+"""
+import argparse
+import base64
+import json
+import os
+import random
+import re
+import resource
+import shlex
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import zlib
+
+HOST = "127.0.0.1"
+MiB = 1 << 20
+
+# The limits the suite runs the server with (its spec). The RSS bound is computed from them.
+DEFAULT_SERVER_ARGS = ("--max-body-bytes 67108864 --max-decode-bytes 134217728 --max-header-bytes 16384 "
+                       "--max-connections 1024 --max-queue 256 --header-timeout 30 --body-timeout 30 "
+                       "--keep-alive-timeout 30 --min-pixels 1024 --max-pixels 65536")
+NEW_FLAGS = {"--max-decode-bytes", "--max-header-bytes", "--max-connections", "--header-timeout",
+             "--body-timeout", "--keep-alive-timeout"}
+# Per instance, on top of the limits: short deadlines for the deadline cases (the main instance keeps
+# its slow clients open for the whole load case), few threads and small forwards for shutdown.
+INSTANCE_ARGS = {
+    "main": "",
+    "deadlines": "--header-timeout 1 --body-timeout 1 --keep-alive-timeout 1",
+    "sigterm": "--threads 4 --max-batch-tokens 64",
+    "second-signal": "--threads 4 --max-batch-tokens 64",
+}
+
+
+# ---- images -----------------------------------------------------------------------------------------
+
+def png_chunk(kind, data):
+    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+
+def png(width, height, idat_zlib):
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)  # 8-bit RGB
+    return (b"\x89PNG\r\n\x1a\n" + png_chunk(b"IHDR", ihdr) + png_chunk(b"IDAT", idat_zlib) +
+            png_chunk(b"IEND", b""))
+
+
+def noise_png(width, height, seed):
+    rng = random.Random(seed)
+    rows = bytearray()
+    for y in range(height):
+        rows.append(0)
+        rows.extend((x * 3 + y + c * 80 + rng.randrange(48)) % 256 for x in range(width) for c in range(3))
+    return png(width, height, zlib.compress(bytes(rows), 6))
+
+
+def zeros_zlib(n):
+    """A zlib stream of n zero bytes, built from one repeated deflate block (compressing 805 MB of
+    zeros takes 8 s; this takes milliseconds). Each 1 MiB block ends in a full flush, so it is
+    byte-aligned and independent of the ones before; adler32 of zeros is (n mod 65521) << 16 | 1."""
+    step = MiB
+    c = zlib.compressobj(9, zlib.DEFLATED, -15)
+    block = c.compress(bytes(step)) + c.flush(zlib.Z_FULL_FLUSH)
+    assert block == c.compress(bytes(step)) + c.flush(zlib.Z_FULL_FLUSH)
+    tail = c.compress(bytes(n % step)) + c.flush(zlib.Z_FINISH)
+    return b"\x78\xda" + block * (n // step) + tail + struct.pack(">I", ((n % 65521) << 16) | 1)
+
+
+def bomb_png(side=16384):
+    """A 16384x16384 RGB PNG of zeros: ~780 KB that decodes to 805 MB."""
+    return png(side, side, zeros_zlib(side * (1 + 3 * side)))
+
+
+def jpeg_oversized_dht():
+    """A baseline 8x8 grey JPEG whose DC Huffman table declares 265 codes (10 of 15 bits, 255 of
+    16: a valid prefix code, but more codes than there are 8-bit symbols). stb_image 2.27 writes past
+    its 256-entry arrays on it; a hardened decoder rejects the table."""
+    def seg(marker, payload):
+        return bytes([0xFF, marker]) + struct.pack(">H", len(payload) + 2) + payload
+    counts = [0] * 16
+    counts[14], counts[15] = 10, 255
+    dc = seg(0xC4, b"\x00" + bytes(counts) + bytes(i % 256 for i in range(sum(counts))))
+    ac_counts = [1] + [0] * 15
+    ac = seg(0xC4, b"\x10" + bytes(ac_counts) + b"\x00")
+    return (b"\xff\xd8" + seg(0xDB, b"\x00" + bytes([1] * 64)) +
+            seg(0xC0, b"\x08" + struct.pack(">HH", 8, 8) + b"\x01" + b"\x01\x11\x00") + dc + ac +
+            seg(0xDA, b"\x01\x01\x00\x00\x3f\x00") + bytes(16) + b"\xff\xd9")
+
+
+def data_url(image, mime="image/png"):
+    return "data:%s;base64,%s" % (mime, base64.b64encode(image).decode())
+
+
+# ---- raw HTTP ----------------------------------------------------------------------------------------
+
+class NoReply(Exception):
+    pass
+
+
+class Reply:
+    def __init__(self, status, headers, body):
+        self.status, self.headers, self.body = status, headers, body
+
+    def header(self, name):
+        return next((v for k, v in self.headers if k == name.lower()), None)
+
+    def error_code(self):
+        try:
+            return json.loads(self.body)["error"]["code"]
+        except Exception:
+            return None
+
+    def describe(self):
+        code = self.error_code()
+        return "%d %s" % (self.status, code) if code else str(self.status)
+
+
+class Conn:
+    """One client connection with a read buffer; every read is bounded by a deadline."""
+
+    def __init__(self, port, timeout=5.0):
+        self.sock = socket.create_connection((HOST, port), timeout=timeout)
+        self.buf = b""
+        self.eof = False
+
+    def close(self):
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+    def send(self, data):
+        self.sock.sendall(data)
+
+    def _fill(self, deadline):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise NoReply("no reply within the deadline")
+        self.sock.settimeout(left)
+        try:
+            data = self.sock.recv(1 << 16)
+        except socket.timeout:
+            raise NoReply("no reply within the deadline")
+        except ConnectionResetError:
+            raise NoReply("connection reset")
+        if not data:
+            self.eof = True
+            raise NoReply("connection closed")
+        self.buf += data
+
+    def _until(self, sep, deadline, limit=1 << 20):
+        while sep not in self.buf:
+            if len(self.buf) > limit:
+                raise NoReply("reply head over %d bytes" % limit)
+            self._fill(deadline)
+        head, self.buf = self.buf.split(sep, 1)
+        return head
+
+    def _exact(self, n, deadline):
+        while len(self.buf) < n:
+            self._fill(deadline)
+        data, self.buf = self.buf[:n], self.buf[n:]
+        return data
+
+    def read_reply(self, deadline):
+        while True:
+            head = self._until(b"\r\n\r\n", deadline)
+            lines = head.split(b"\r\n")
+            m = re.match(rb"HTTP/1\.[01] (\d{3})", lines[0])
+            if not m:
+                raise NoReply("not an HTTP reply: %r" % lines[0][:60])
+            status = int(m.group(1))
+            headers = []
+            for line in lines[1:]:
+                k, _, v = line.partition(b":")
+                headers.append((k.strip().lower().decode("latin-1"), v.strip().decode("latin-1")))
+            if 100 <= status < 200:
+                continue
+            r = Reply(status, headers, b"")
+            if (r.header("transfer-encoding") or "").lower() == "chunked":
+                body = b""
+                while True:
+                    size = int(self._until(b"\r\n", deadline).split(b";")[0], 16)
+                    if size == 0:
+                        self._until(b"\r\n", deadline)
+                        break
+                    body += self._exact(size, deadline)
+                    self._exact(2, deadline)
+                r.body = body
+            elif r.header("content-length") is not None:
+                r.body = self._exact(int(r.header("content-length")), deadline)
+            elif status not in (204, 304):
+                try:
+                    while True:
+                        self._fill(deadline)
+                except NoReply:
+                    pass
+                r.body, self.buf = self.buf, b""
+            return r
+
+    def closed_within(self, seconds):
+        """True if the server closes (EOF or reset) within the time, discarding what it sends."""
+        deadline = time.monotonic() + seconds
+        while True:
+            try:
+                self._fill(deadline)
+            except NoReply as e:
+                return str(e) != "no reply within the deadline"
+            self.buf = b""
+
+
+def request(method, path, body=b"", headers=(), close=True):
+    lines = ["%s %s HTTP/1.1" % (method, path), "Host: %s" % HOST]
+    if body or method == "POST":
+        lines += ["Content-Type: application/json", "Content-Length: %d" % len(body)]
+    if close:
+        lines.append("Connection: close")
+    lines += list(headers)
+    return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
+
+
+def exchange(port, data, seconds, stream=None):
+    """Sends data (while reading: a server may answer before the upload ends) and reads one reply.
+    stream: an iterator of further chunks sent after data, until the reply arrives."""
+    c = Conn(port)
+    deadline = time.monotonic() + seconds
+    stop = threading.Event()
+    sent = [0]
+
+    def sender():
+        try:
+            c.send(data)
+            sent[0] += len(data)
+            for chunk in stream or ():
+                if stop.is_set():
+                    break
+                c.send(chunk)
+                sent[0] += len(chunk)
+        except OSError:
+            pass  # the server closed its side; its reply may be waiting
+
+    t = threading.Thread(target=sender, daemon=True)
+    t.start()
+    try:
+        return c.read_reply(deadline), sent[0]
+    finally:
+        stop.set()
+        c.close()
+        t.join(1)
+
+
+def get(port, path, seconds=5.0):
+    return exchange(port, request("GET", path), seconds)[0]
+
+
+def encode_body(images, **extra):
+    return json.dumps(dict(images=images, **extra)).encode()
+
+
+# ---- the server ----------------------------------------------------------------------------------------
+
+def parse_flags(text):
+    out, tokens = {}, shlex.split(text)
+    i = 0
+    while i < len(tokens):
+        if i + 1 < len(tokens) and not tokens[i + 1].startswith("--"):
+            out[tokens[i]] = tokens[i + 1]
+            i += 2
+        else:
+            out[tokens[i]] = None
+            i += 1
+    return out
+
+
+def rss_kib(pid, field):
+    try:
+        with open("/proc/%d/status" % pid) as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+class Server:
+    def __init__(self, opts, instance):
+        self.opts = opts
+        self.flags = dict(parse_flags(opts.server_args))
+        self.flags.update(parse_flags(INSTANCE_ARGS[instance]))
+        if opts.legacy:
+            self.flags = {k: v for k, v in self.flags.items() if k not in NEW_FLAGS}
+        self.instance = instance
+        self.proc = None
+        self.port = 0
+        self.out = []
+        self.start()
+
+    def flag(self, name, default):
+        v = self.flags.get(name)
+        return float(v) if v is not None else default
+
+    def args(self):
+        a = [self.opts.fovea, "serve", self.opts.model, "--device", "cpu", "--host", HOST, "--port", "0"]
+        for k, v in self.flags.items():
+            a += [k] if v is None else [k, v]
+        return a
+
+    def start(self):
+        self.err = tempfile.TemporaryFile()
+        self.out = []
+        self.port = 0
+        self.proc = subprocess.Popen(self.args(), stdout=subprocess.PIPE, stderr=self.err, stdin=subprocess.DEVNULL)
+        got = threading.Event()
+
+        def reader():
+            for line in self.proc.stdout:
+                line = line.decode(errors="replace")
+                self.out.append(line)
+                m = re.search(r"listening on http://(\S+):(\d+)", line)
+                if m and not self.port:
+                    self.port = int(m.group(2))
+                    got.set()
+            got.set()
+
+        threading.Thread(target=reader, daemon=True).start()
+        got.wait(60)
+        if not self.port:
+            self.proc.kill()
+            self.proc.wait()
+            self.err.seek(0)
+            err = self.err.read().decode(errors="replace").strip()
+            bad = [f for f in self.flags if f in err]
+            hint = ""
+            if bad:
+                hint = ("\n  It names %s: this fovea does not take that flag (the suite is written for the issue-10 "
+                        "server; --legacy leaves out its new flags, --server-args sets them)." % ", ".join(bad))
+            print("hostile-client: the %s server did not start (exit %s): %s\n  command: %s%s" % (
+                self.instance, self.proc.returncode, err or "(no stderr)", shlex.join(self.args()), hint),
+                file=sys.stderr)
+            raise SystemExit(2)
+        r = get(self.port, "/health", 10)
+        self.start_rss_kib = rss_kib(self.proc.pid, "VmRSS")
+        if r.status != 200:
+            print("hostile-client: /health answered %d right after startup" % r.status, file=sys.stderr)
+            raise SystemExit(2)
+
+    def died(self):
+        rc = self.proc.poll()
+        if rc is None:
+            return None
+        return "killed by %s" % signal.Signals(-rc).name if rc < 0 else "exited %d" % rc
+
+    def stop(self, timeout=30):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def rss_bound_kib(self):
+        extra = 2 * self.flag("--max-body-bytes", 64 * MiB) + self.flag("--max-decode-bytes", 0) + 256 * MiB
+        return self.start_rss_kib + int(extra) // 1024
+
+
+# ---- cases ----------------------------------------------------------------------------------------------
+# A case is f(ctx) -> (observed, ok). ctx.srv is the server instance, ctx.t the time-scale factor.
+
+CASES = []
+
+
+def case(name, instance, expected, bound_s):
+    def wrap(f):
+        CASES.append((name, instance, expected, bound_s, f))
+        return f
+    return wrap
+
+
+class Ctx:
+    pass
+
+
+def expect_status(r, statuses, code=None):
+    ok = r.status in statuses and (code is None or r.error_code() == code)
+    return r.describe(), ok
+
+
+def bad_request(name, body, status, code, expected=None):
+    @case(name, "main", expected or "%d %s" % (status, code), 10)
+    def run(ctx):
+        r, _ = exchange(ctx.srv.port, request("POST", "/v1/encode", body() if callable(body) else body), 10 * ctx.t)
+        return expect_status(r, {status}, code)
+
+
+GOOD = None  # a small valid PNG (set in main)
+
+
+def good():
+    return data_url(GOOD)
+
+
+@case("ready", "main", "GET /ready 200", 5)
+def c_ready(ctx):
+    return expect_status(get(ctx.srv.port, "/ready"), {200})
+
+
+# The bad-request cases of tests/test-serve.cpp.
+bad_request("malformed JSON", b'{"images": [', 400, "invalid_json")
+bad_request("unknown field", lambda: encode_body([good()], return_deepstacks=True), 400, "invalid_request")
+bad_request("bad base64", lambda: encode_body(["data:image/png;base64,iVBOR@@@"]), 400, "invalid_base64")
+bad_request("not an image", lambda: encode_body([base64.b64encode(b"this is text, not an image").decode()]), 400,
+            "invalid_image")
+bad_request("too many images (17 > 16)", lambda: encode_body([good()] * 17), 400, "too_many_images")
+bad_request("wrong model", lambda: encode_body([good()], model="gpt-4o"), 404, "model_not_found")
+
+
+@case("405 with Allow", "main", "405 method_not_allowed, Allow: POST", 5)
+def c_405(ctx):
+    r = get(ctx.srv.port, "/v1/encode")
+    return "%s, Allow: %s" % (r.describe(), r.header("allow")), r.status == 405 and r.header("allow") == "POST"
+
+
+@case("body too large (Content-Length)", "main", "413 body_too_large", 15)
+def c_413(ctx):
+    n = int(ctx.srv.flag("--max-body-bytes", 64 * MiB)) + 1
+    head = request("POST", "/v1/encode", b"")
+    head = head.replace(b"Content-Length: 0", b"Content-Length: %d" % n)
+    chunk = b"A" * MiB
+    stream = (chunk if i < n // MiB else b"A" * (n % MiB) for i in range(n // MiB + 1))
+    r, sent = exchange(ctx.srv.port, head, 15 * ctx.t, stream)
+    obs, ok = expect_status(r, {413}, "body_too_large")
+    return "%s after %d MiB sent" % (obs, sent // MiB), ok
+
+
+@case("body too large (chunked)", "main", "413 body_too_large", 15)
+def c_413_chunked(ctx):
+    n = int(ctx.srv.flag("--max-body-bytes", 64 * MiB)) + MiB
+    head = ("POST /v1/encode HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
+            "Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n" % HOST).encode()
+    chunk = b"%x\r\n" % MiB + b"A" * MiB + b"\r\n"
+    stream = [chunk] * (n // MiB) + [b"0\r\n\r\n"]
+    r, sent = exchange(ctx.srv.port, head, 15 * ctx.t, iter(stream))
+    obs, ok = expect_status(r, {413}, "body_too_large")
+    return "%s after %d MiB sent" % (obs, sent // MiB), ok
+
+
+def nested_case(name, make_body):
+    @case(name, "main", "400, server alive", 5)
+    def run(ctx):
+        r, _ = exchange(ctx.srv.port, request("POST", "/v1/encode", make_body(good().encode())), 5 * ctx.t)
+        return expect_status(r, {400})
+
+
+# Depth 10^5 (~200 KB), then another key: the value is copied when the object grows, and the error
+# message about "model" quotes it.
+D = 100000
+ARRAYS, OBJECTS = b"[" * D + b"]" * D, b'{"a":' * D + b"1" + b"}" * D
+nested_case("nested arrays, depth 10^5, as \"model\", then a key",
+            lambda img: b'{"model": ' + ARRAYS + b', "images": ["' + img + b'"]}')
+nested_case("nested arrays, depth 10^5, unknown key, then a key",
+            lambda img: b'{"images": ["' + img + b'"], "x": ' + ARRAYS + b', "y": 1}')
+nested_case("nested objects, depth 10^5, unknown key, then a key",
+            lambda img: b'{"x": ' + OBJECTS + b', "images": ["' + img + b'"]}')
+
+
+@case("object with 100k keys (1.2 MB)", "main", "400 in < 2 s", 2)
+def c_many_keys(ctx):
+    body = b"{" + b",".join(b'"k%06d":0' % i for i in range(100000)) + b', "images": ["%s"]}' % good().encode()
+    t0 = time.monotonic()
+    r, _ = exchange(ctx.srv.port, request("POST", "/v1/encode", body), 5 * ctx.t)
+    dt = time.monotonic() - t0
+    obs, ok = expect_status(r, {400})
+    return "%s in %.2f s (%d KB)" % (obs, dt, len(body) // 1000), ok and dt < 2 * ctx.t
+
+
+@case("JPEG DHT with 265 codes", "main", "400 invalid_image", 5)
+def c_jpeg_dht(ctx):
+    body = encode_body([data_url(jpeg_oversized_dht(), "image/jpeg")])
+    r, _ = exchange(ctx.srv.port, request("POST", "/v1/encode", body), 5 * ctx.t)
+    return expect_status(r, {400}, "invalid_image")
+
+
+BOMB = None
+
+
+def bomb_body():
+    global BOMB
+    if BOMB is None:
+        BOMB = encode_body([data_url(bomb_png())])
+    return BOMB
+
+
+@case("PNG 16384x16384 (780 KB of zeros)", "main", "400 invalid_image", 10)
+def c_bomb(ctx):
+    r, _ = exchange(ctx.srv.port, request("POST", "/v1/encode", bomb_body()), 10 * ctx.t)
+    obs, ok = expect_status(r, {400}, "invalid_image")
+    return "%s, VmHWM %d MiB" % (obs, rss_kib(ctx.srv.proc.pid, "VmHWM") // 1024), ok
+
+
+@case("4 concurrent PNG 16384x16384", "main", "400 invalid_image x4", 20)
+def c_bomb4(ctx):
+    body = bomb_body()
+    results = [None] * 4
+
+    def one(i):
+        try:
+            results[i] = exchange(ctx.srv.port, request("POST", "/v1/encode", body), 20 * ctx.t)[0].describe()
+        except (NoReply, OSError) as e:
+            results[i] = "no reply (%s)" % e
+    ts = [threading.Thread(target=one, args=(i,)) for i in range(4)]
+    [t.start() for t in ts]
+    [t.join() for t in ts]
+    ok = all(r == "400 invalid_image" for r in results)
+    return "%s, VmHWM %d MiB" % (", ".join(results), rss_kib(ctx.srv.proc.pid, "VmHWM") // 1024), ok
+
+
+@case("64 MiB JSON array of numbers", "main", "400 or 413", 20)
+def c_big_array(ctx):
+    limit = int(ctx.srv.flag("--max-body-bytes", 64 * MiB))
+    n = (min(limit, 64 * MiB) - len('{"images": [0]}')) // 2
+    body = b'{"images": [' + b"0," * n + b'0]}'
+    r, _ = exchange(ctx.srv.port, request("POST", "/v1/encode", body), 20 * ctx.t)
+    obs, ok = expect_status(r, {400, 413})
+    return "%s, %.1f MiB body, VmHWM %d MiB" % (obs, len(body) / MiB, rss_kib(ctx.srv.proc.pid, "VmHWM") // 1024), ok
+
+
+@case("header line of 1 MB", "main", "431 (or 400)", 5)
+def c_long_header(ctx):
+    data = b"GET /health HTTP/1.1\r\nHost: x\r\nX-Long: " + b"a" * 1000000 + b"\r\nConnection: close\r\n\r\n"
+    r, _ = exchange(ctx.srv.port, data, 5 * ctx.t)
+    return expect_status(r, {431, 400})
+
+
+@case("endless header line (up to 64 MiB)", "main", "431 (or 400) before 64 MiB sent", 10)
+def c_endless_header(ctx):
+    total = 64
+    stream = (b"a" * MiB for _ in range(total))
+    r, sent = exchange(ctx.srv.port, b"GET /health HTTP/1.1\r\nHost: x\r\nX-Long: ", 10 * ctx.t, stream)
+    obs, ok = expect_status(r, {431, 400})
+    return "%s after %d MiB sent" % (obs, sent // MiB), ok and sent < total * MiB
+
+
+@case("10k header fields", "main", "431 (or 400)", 5)
+def c_many_headers(ctx):
+    data = b"GET /health HTTP/1.1\r\nHost: x\r\n" + b"".join(b"X-%d: v\r\n" % i for i in range(10000)) + b"\r\n"
+    r, _ = exchange(ctx.srv.port, data, 5 * ctx.t)
+    return expect_status(r, {431, 400})
+
+
+def smuggle(name, head_lines, framed=None):
+    """A valid encode request whose framing is ambiguous: a lenient server answers it 200."""
+    @case(name, "main", "400", 5)
+    def run(ctx):
+        body = encode_body([good()])
+        data = ("POST /v1/encode HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n" % HOST).encode()
+        data += b"".join(h.replace(b"LEN", b"%d" % len(body)) + b"\r\n" for h in head_lines) + b"\r\n"
+        data += framed(body) if framed else body
+        r, _ = exchange(ctx.srv.port, data, 5 * ctx.t)
+        return expect_status(r, {400})
+
+
+smuggle("duplicate Content-Length", [b"Content-Length: LEN", b"Content-Length: 5"])
+smuggle("Content-Length + chunked", [b"Content-Length: 5", b"Transfer-Encoding: chunked"],
+        lambda body: b"%x\r\n" % len(body) + body + b"\r\n0\r\n\r\n")
+smuggle("NUL in a header value", [b"Content-Length: LEN", b"X-Note: a\x00b"])
+smuggle("obs-fold header line", [b"Content-Length: LEN", b"X-Note: a", b" folded"])
+
+
+@case("pipelined: 2 x GET /health + POST", "main", "200 health, 200 health, 200 encode, in order", 10)
+def c_pipelined(ctx):
+    c = Conn(ctx.srv.port)
+    deadline = time.monotonic() + 10 * ctx.t
+    try:
+        c.send(request("GET", "/health", close=False) * 2 +
+               request("POST", "/v1/encode", encode_body([good()]), close=False))
+        got = []
+        for _ in range(3):
+            try:
+                r = c.read_reply(deadline)
+            except NoReply as e:
+                got.append("no reply (%s)" % e)
+                break
+            kind = b'"data"' in r.body and "encode" or b'"status"' in r.body and "health" or "?"
+            got.append("%d %s" % (r.status, kind))
+    finally:
+        c.close()
+    return ", ".join(got), got == ["200 health", "200 health", "200 encode"]
+
+
+@case("half-close after a complete request", "main", "200 encode", 10)
+def c_half_close(ctx):
+    c = Conn(ctx.srv.port)
+    try:
+        c.send(request("POST", "/v1/encode", encode_body([good()]), close=False))
+        c.sock.shutdown(socket.SHUT_WR)
+        r = c.read_reply(time.monotonic() + 10 * ctx.t)
+    finally:
+        c.close()
+    return r.describe(), r.status == 200 and b'"data"' in r.body
+
+
+def probe_main(port, count, interval_ms, timeout_ms):
+    """--probe: GET /health on a new connection every interval_ms, count times; prints the latencies
+    (ms; null for no 200 within timeout_ms) as JSON. A process of its own: the load's threads in the
+    suite's process do not delay its clock."""
+    lat = [None] * count
+
+    def one(i):
+        t0 = time.monotonic()
+        try:
+            c = Conn(port, timeout_ms / 1000)
+            c.send(request("GET", "/health"))
+            r = c.read_reply(t0 + timeout_ms / 1000)
+            c.close()
+            if r.status == 200:
+                lat[i] = (time.monotonic() - t0) * 1000
+        except (NoReply, OSError):
+            pass
+    start = time.monotonic()
+    ts = []
+    for i in range(count):
+        time.sleep(max(0, start + i * interval_ms / 1000 - time.monotonic()))
+        t = threading.Thread(target=one, args=(i,))
+        t.start()
+        ts.append(t)
+    [t.join() for t in ts]
+    print(json.dumps(lat))
+
+
+@case("load: 200 idle + 64 slow-header + 50 slow-body + 200 encodes", "main",
+      "/health p99 <= 100 ms (100 samples), every encode 200, then 200", 40)
+def c_load(ctx):
+    port, t = ctx.srv.port, ctx.t
+    socks, failed_connect = [], 0
+
+    def connect():
+        nonlocal failed_connect
+        try:
+            s = socket.create_connection((HOST, port), timeout=2)
+            socks.append(s)
+            return s
+        except OSError:
+            failed_connect += 1
+            return None
+    for _ in range(200):
+        connect()
+    slow = []
+    for i in range(64):
+        s = connect()
+        if s:
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+            slow.append(s)
+    for i in range(50):
+        s = connect()
+        if s:
+            s.sendall(request("POST", "/v1/encode", b" " * 100000, close=False)[:-100000])
+            slow.append(s)
+    stop = threading.Event()
+
+    def trickle():  # one byte per second to each slow client
+        while not stop.wait(1.0):
+            for s in slow:
+                try:
+                    s.setblocking(False)
+                    s.send(b"a")
+                except OSError:
+                    pass
+    threading.Thread(target=trickle, daemon=True).start()
+
+    # 200 clients, each sending one encode after another (a new connection each) until the probe ends.
+    images = [data_url(noise_png(64, 64, i)) for i in range(8)]
+    done, bad, lock = [0], [], threading.Lock()
+    go, stop_encodes = threading.Barrier(201), threading.Event()
+
+    def encode(i):
+        go.wait()
+        while True:
+            try:
+                status = exchange(port, request("POST", "/v1/encode", encode_body([images[i % 8]])), 20 * t)[0].status
+            except (NoReply, OSError) as e:
+                status = str(e)
+            with lock:
+                done[0] += status == 200
+                if status != 200:
+                    bad.append(status)
+            if stop_encodes.is_set():
+                return
+    enc = [threading.Thread(target=encode, args=(i,), daemon=True) for i in range(200)]
+    [e.start() for e in enc]
+    probe = subprocess.Popen([sys.executable, __file__, "--probe", str(port), "100", "80", str(int(1000 * t))],
+                             stdout=subprocess.PIPE)
+    go.wait()
+    lat = json.loads(probe.communicate(timeout=30 * t)[0])
+    stop_encodes.set()
+    deadline = time.monotonic() + 20 * t
+    for e in enc:
+        e.join(max(0, deadline - time.monotonic()))
+    try:
+        after = exchange(port, request("POST", "/v1/encode", encode_body([good()])), 5 * t)[0].status
+    except (NoReply, OSError) as e:
+        after = str(e)
+    stop.set()
+    for s in socks:
+        s.close()
+    ok_lat = sorted(x for x in lat if x is not None)
+    answered = len(ok_lat)
+    if ok_lat:
+        p50, p99, mx = ok_lat[len(ok_lat) // 2], ok_lat[min(len(ok_lat) - 1, int(0.99 * len(ok_lat)))], ok_lat[-1]
+    else:
+        p50 = p99 = mx = float("inf")
+    unfinished = sum(e.is_alive() for e in enc)
+    obs = "/health %d/100 answered, p50 %.0f p99 %.0f max %.0f ms; encodes %d x 200, %d not (%s)%s%s; then %s" % (
+        answered, p50, p99, mx, done[0], len(bad), bad[0] if bad else "-",
+        "; %d clients unfinished" % unfinished if unfinished else "",
+        "; %d connects failed" % failed_connect if failed_connect else "", after)
+    return obs, (answered == 100 and p99 <= 100 * t and done[0] >= 200 and not bad and not unfinished and
+                 after == 200 and not failed_connect)
+
+
+# ---- deadlines (server with --header-timeout 1 --body-timeout 1 --keep-alive-timeout 1) ----
+
+def trickle_case(ctx, head, flag):
+    limit = ctx.srv.flag(flag, 1.0)
+    c = Conn(ctx.srv.port)
+    stop = threading.Event()
+
+    def sender():
+        try:
+            c.send(head)
+            while not stop.wait(0.2):
+                c.send(b"a")
+        except OSError:
+            pass
+    threading.Thread(target=sender, daemon=True).start()
+    t0 = time.monotonic()
+    try:
+        r = c.read_reply(t0 + limit + 4 * ctx.t)
+        dt = time.monotonic() - t0
+        closed = c.closed_within(1.0 * ctx.t)
+        obs = "%s after %.1f s, %s" % (r.describe(), dt, "closed" if closed else "left open")
+        ok = r.status == 408 and dt <= limit + 1.5 * ctx.t and closed
+    except NoReply as e:
+        obs, ok = "no reply: %s after %.1f s" % (e, time.monotonic() - t0), False
+    finally:
+        stop.set()
+        c.close()
+    return obs, ok
+
+
+@case("slow header past --header-timeout", "deadlines", "408 within header-timeout + 1.5 s, closed", 8)
+def c_header_deadline(ctx):
+    return trickle_case(ctx, b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: ", "--header-timeout")
+
+
+@case("slow body past --body-timeout", "deadlines", "408 within body-timeout + 1.5 s, closed", 8)
+def c_body_deadline(ctx):
+    return trickle_case(ctx, request("POST", "/v1/encode", b" " * 100000, close=False)[:-100000], "--body-timeout")
+
+
+@case("idle keep-alive past --keep-alive-timeout", "deadlines", "closed within keep-alive-timeout + 1.5 s", 8)
+def c_keep_alive(ctx):
+    limit = ctx.srv.flag("--keep-alive-timeout", 1.0)
+    c = Conn(ctx.srv.port)
+    try:
+        c.send(request("GET", "/health", close=False))
+        r = c.read_reply(time.monotonic() + 5 * ctx.t)
+        t0 = time.monotonic()
+        closed = c.closed_within(limit + 1.5 * ctx.t)
+        dt = time.monotonic() - t0
+    finally:
+        c.close()
+    return "%s, then %s after %.1f s idle" % (r.describe(), "closed" if closed else "still open", dt), \
+        r.status == 200 and closed
+
+
+# ---- shutdown ----
+
+def encode_request(images):
+    return request("POST", "/v1/encode", encode_body(images), close=False)
+
+
+@case("SIGTERM with 40 sent requests (--threads 4) + 1 mid-body", "sigterm",
+      "40 replies (200; 503 if unread), mid-body 503 or 200, /ready 503 or closed, exit 0", 60)
+def c_sigterm(ctx):
+    srv, t = ctx.srv, ctx.t
+    img = [data_url(noise_png(256, 256, i)) for i in range(4)]
+    keep = Conn(srv.port)
+    keep.send(request("GET", "/health", close=False))
+    keep.read_reply(time.monotonic() + 5 * t)
+    conns = [Conn(srv.port) for _ in range(40)]
+    replies = [None] * 40
+    deadline = time.monotonic() + 50 * t
+
+    def read(i):
+        try:
+            replies[i] = conns[i].read_reply(deadline).describe()
+        except NoReply as e:
+            replies[i] = "no reply (%s)" % e
+    readers = []
+    for i, c in enumerate(conns):
+        c.send(encode_request([img[i % 4]]))
+        readers.append(threading.Thread(target=read, args=(i,), daemon=True))
+        readers[-1].start()
+    body = encode_request([img[0]])
+    mid = Conn(srv.port)
+    mid.send(body[:len(body) // 2])
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    srv.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.2)  # the signal is handled asynchronously: a request sent in the same instant may still be served
+    try:  # readiness during shutdown, on a connection opened before
+        keep.send(request("GET", "/ready", close=False))
+        ready = keep.read_reply(time.monotonic() + 2 * t).describe()
+    except NoReply as e:
+        ready = "closed" if str(e) in ("connection closed", "connection reset") else "no reply (%s)" % e
+    except OSError:
+        ready = "closed"
+    try:
+        mid_reply = mid.read_reply(time.monotonic() + 1.0).describe()
+    except NoReply as e:
+        mid_reply = None if "deadline" in str(e) else "no reply (%s)" % e
+    if mid_reply is None:
+        try:
+            mid.send(body[len(body) // 2:])
+            mid_reply = mid.read_reply(deadline).describe()
+        except (NoReply, OSError) as e:
+            mid_reply = "no reply (%s)" % e
+    for r in readers:
+        r.join(max(0, deadline - time.monotonic()))
+    try:
+        code = srv.proc.wait(max(1, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        code = "still running"
+    dt = time.monotonic() - t0
+    for c in conns + [keep, mid]:
+        c.close()
+    n200 = replies.count("200")
+    n503 = sum(1 for r in replies if r and r.startswith("503"))
+    lost = [r for r in replies if not (r == "200" or (r and r.startswith("503")))]
+    obs = "%d x 200, %d x 503, %d lost%s; mid-body: %s; /ready: %s; exit %s after %.1f s" % (
+        n200, n503, len(lost), " (%s)" % lost[0] if lost else "", mid_reply, ready, code, dt)
+    ok = (not lost and (mid_reply in ("200",) or mid_reply.startswith("503")) and
+          (ready == "closed" or ready.startswith("503")) and code == 0)
+    return obs, ok
+
+
+@case("second signal exits at once", "second-signal", "exit 1 within 2 s of the second SIGTERM", 15)
+def c_second_signal(ctx):
+    srv, t = ctx.srv, ctx.t
+    img = [data_url(noise_png(256, 256, i)) for i in range(16)]
+    c = Conn(srv.port)
+    c.send(encode_request(img))
+    time.sleep(0.5)
+    srv.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.2)
+    if srv.proc.poll() is not None:
+        c.close()
+        return "exited %s before the second signal (nothing in flight?)" % srv.proc.returncode, False
+    t0 = time.monotonic()
+    srv.proc.send_signal(signal.SIGTERM)
+    try:
+        code = srv.proc.wait(2 * t)
+    except subprocess.TimeoutExpired:
+        code = "still running"
+    c.close()
+    return "exit %s after %.2f s" % (code, time.monotonic() - t0), code == 1
+
+
+# ---- driver ---------------------------------------------------------------------------------------------
+
+def run_case(ctx, name, bound, f):
+    out = {}
+
+    def body():
+        try:
+            out["r"] = f(ctx)
+        except (NoReply, OSError) as e:
+            out["r"] = ("no reply (%s)" % e, False)
+        except Exception as e:  # a bug of the suite shows as a failed case, not a traceback
+            out["r"] = ("suite error: %r" % e, False)
+    t0 = time.monotonic()
+    th = threading.Thread(target=body, daemon=True)
+    th.start()
+    th.join(bound * ctx.t + 10)
+    dt = time.monotonic() - t0
+    if "r" not in out:
+        return "hang: no result after %.0f s" % dt, False, dt
+    obs, ok = out["r"]
+    if dt > bound * ctx.t:
+        obs, ok = "%s (took %.1f s > %.0f s)" % (obs, dt, bound * ctx.t), False
+    return obs, ok, dt
+
+
+def main():
+    global GOOD
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    here = os.path.dirname(os.path.abspath(__file__))
+    ap.add_argument("--fovea", default=os.path.join(here, "..", "..", "build", "fovea"), help="the fovea binary")
+    ap.add_argument("--model", default="synthetic:tiny")
+    ap.add_argument("--server-args", default=DEFAULT_SERVER_ARGS, help="the server's limits (see above)")
+    ap.add_argument("--legacy", action="store_true", help="leave out the flags the pre-issue-10 server lacks")
+    ap.add_argument("--only", default="", help="comma-separated substrings of case names")
+    ap.add_argument("--time-scale", type=float, default=1.0, help="factor on every time bound (sanitizer builds)")
+    ap.add_argument("--json", help="write the rows here")
+    ap.add_argument("--probe", nargs=4, type=int, help=argparse.SUPPRESS)
+    opts = ap.parse_args()
+    if opts.probe:
+        probe_main(*opts.probe)
+        return 0
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 8192), hard))  # the server inherits it too
+    GOOD = noise_png(64, 64, 7)
+    only = [s.strip().lower() for s in opts.only.split(",") if s.strip()]
+    cases = [c for c in CASES if not only or any(s in c[0].lower() for s in only)]
+    rows, started = [], time.monotonic()
+    for instance in INSTANCE_ARGS:
+        mine = [c for c in cases if c[1] == instance]
+        if not mine:
+            continue
+        ctx = Ctx()
+        ctx.t = opts.time_scale
+        ctx.srv = Server(opts, instance)
+        print("# %s server: %s" % (instance, shlex.join(ctx.srv.args())), flush=True)
+        for name, _, expected, bound, f in mine:
+            obs, ok, dt = run_case(ctx, name, bound, f)
+            died = ctx.srv.died()
+            if died and instance in ("main", "deadlines"):
+                obs, ok = "%s; server %s (crash)" % (obs, died), False
+                ctx.srv.err.seek(0)
+                tail = ctx.srv.err.read().decode(errors="replace").strip().splitlines()[-3:]
+                print("#   server stderr: %s" % " / ".join(tail), flush=True)
+                ctx.srv.start()
+            elif not died:
+                try:
+                    if get(ctx.srv.port, "/health", 5 * ctx.t).status != 200:
+                        raise NoReply("not 200")
+                except (NoReply, OSError) as e:
+                    obs, ok = "%s; /health afterwards: %s" % (obs, e), False
+            rows.append(dict(case=name, expected=expected, observed=obs, ok=ok, seconds=round(dt, 2)))
+            print("%-62s | %s | %s" % (name, "ok" if ok else "FAIL", obs), flush=True)
+        if instance == "main" and not only:
+            hwm, bound = rss_kib(ctx.srv.proc.pid, "VmHWM"), ctx.srv.rss_bound_kib()
+            rows.append(dict(case="peak RSS of the main server (VmHWM)",
+                             expected="<= %d MiB (%d at start + 2 x body + decode + 256)" % (
+                                 bound // 1024, ctx.srv.start_rss_kib // 1024),
+                             observed="%d MiB" % (hwm // 1024), ok=0 < hwm <= bound, seconds=0))
+        ctx.srv.stop()
+    total = time.monotonic() - started
+
+    w = [max(len(r[k]) for r in rows + [dict(case="case", expected="expected", observed="observed")])
+         for k in ("case", "expected", "observed")]
+    print("\n| %-*s | %-*s | %-*s | ok |" % (w[0], "case", w[1], "expected", w[2], "observed"))
+    print("|%s|%s|%s|----|" % ("-" * (w[0] + 2), "-" * (w[1] + 2), "-" * (w[2] + 2)))
+    for r in rows:
+        print("| %-*s | %-*s | %-*s | %s |" % (w[0], r["case"], w[1], r["expected"], w[2], r["observed"],
+                                              "ok" if r["ok"] else "FAIL"))
+    failed = [r["case"] for r in rows if not r["ok"]]
+    print("\n%d/%d ok in %.0f s%s" % (len(rows) - len(failed), len(rows), total,
+                                       "; failed: " + "; ".join(failed) if failed else ""))
+    if opts.json:
+        with open(opts.json, "w") as f:
+            json.dump(dict(rows=rows, seconds=round(total, 1), server_args=opts.server_args,
+                           legacy=opts.legacy), f, indent=1)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
