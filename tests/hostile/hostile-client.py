@@ -735,7 +735,8 @@ def c_load(ctx):
     ok_lat = sorted(x for x in lat if x is not None)
     answered = len(ok_lat)
     if ok_lat:
-        p50, p99, mx = ok_lat[len(ok_lat) // 2], ok_lat[min(len(ok_lat) - 1, int(0.99 * len(ok_lat)))], ok_lat[-1]
+        rank = lambda q: ok_lat[max(0, -(-len(ok_lat) * q // 100) - 1)]  # nearest rank
+        p50, p99, mx = rank(50), rank(99), ok_lat[-1]
     else:
         p50 = p99 = mx = float("inf")
     unfinished = sum(e.is_alive() for e in enc)
