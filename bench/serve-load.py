@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Load test for `fovea serve`: POST /v1/encode at several concurrencies, report throughput and latency.
 
-Python standard library only. Images come from a folder (--images DIR: .jpg/.jpeg/.png/.bmp/.gif) or
+Python standard library only. Images come from a folder (--images DIR: .jpg/.jpeg/.png/.webp/.bmp/.gif) or
 are generated as PNGs (--generate N --size WxH). For each concurrency, that many client threads send
 --requests requests in total (each with --images-per-request images, in rotation) and the script
 prints one line:
@@ -54,7 +54,7 @@ def png_bytes(width, height, seed):
             + chunk(b"IEND", b""))
 
 
-MIME = {".jpg": "image/jpeg", ".jpeg": "image/jpeg", ".png": "image/png", ".bmp": "image/bmp", ".gif": "image/gif"}
+MIME = {".jpg": "image/jpeg", ".jpeg": "image/jpeg", ".png": "image/png", ".bmp": "image/bmp", ".gif": "image/gif", ".webp": "image/webp"}
 
 
 def load_images(args):
@@ -62,7 +62,7 @@ def load_images(args):
     if args.images:
         files = sorted(f for f in os.listdir(args.images) if os.path.splitext(f)[1].lower() in MIME)
         if not files:
-            sys.exit(f"serve-load: no .jpg/.jpeg/.png/.bmp/.gif files in {args.images}")
+            sys.exit(f"serve-load: no .jpg/.jpeg/.png/.webp/.bmp/.gif files in {args.images}")
         out = []
         for f in files:
             with open(os.path.join(args.images, f), "rb") as fh:

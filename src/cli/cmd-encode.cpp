@@ -118,7 +118,7 @@ void add_encode(CLI::App& app, Runner& runner) {
   auto* cmd = app.add_subcommand("encode", "image files to visual tokens (and deepstack features)");
   auto a = std::make_shared<Args>();
   cmd->add_option("MODEL", a->model, "checkpoint folder or synthetic:<preset>")->required();
-  cmd->add_option("IMAGE", a->images, "JPEG, PNG, BMP or GIF files")->required();
+  cmd->add_option("IMAGE", a->images, "JPEG, PNG, WebP, BMP or GIF files")->required();
   cmd->add_option("-o,--output", a->out, "write tokens, deepstack features and grid_thw to this safetensors file");
   add_preprocess_flags(cmd, a->preprocess);
   add_engine_flags(cmd, a->engine);

@@ -21,7 +21,8 @@ void add_engine_flags(CLI::App* cmd, EngineOptions& o) {
 
 // Validation lives in image::load_preprocess_config.
 void add_preprocess_flags(CLI::App* cmd, image::PreprocessOverrides& o) {
-  cmd->add_option("--max-image-pixels", o.max_image_pixels, "refuse images whose header claims more pixels")
+  cmd->add_option("--max-image-pixels", o.max_image_pixels, "refuse, from the header and before decoding, images with more pixels; 0: auto, "
+                  "4 x max(--max-pixels, 4096^2) (67 MP at the shipped budget)")
       ->capture_default_str();
   cmd->add_option("--min-pixels", o.min_pixels, "resize budget: at least this many pixels (default: the checkpoint's)");
   cmd->add_option("--max-pixels", o.max_pixels, "resize budget: at most this many pixels (default: the checkpoint's, 4096^2)");
