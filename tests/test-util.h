@@ -20,7 +20,7 @@
 namespace fovea::test {
 
 // The factor on every timing window of a test (a deadline provoked on purpose, a bound on polling):
-// 1, and 4 in sanitizer builds (FOVEA_SANITIZE, set by CMake), whose code runs some 2-5x slower.
+// 1, and 8 in sanitizer builds (FOVEA_SANITIZE, set by CMake), whose code runs 7-16x slower.
 constexpr int kTimeScale = FOVEA_TEST_TIME_SCALE;
 // A duration in seconds for a command-line flag (--request-timeout), times kTimeScale: "0.5" or "2".
 inline std::string scaled_seconds(double s) {
