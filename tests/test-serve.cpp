@@ -511,7 +511,7 @@ TEST_F(Serve, BadRequestsGetTheRight4xxAndTheServerKeepsServing) {
   ASSERT_TRUE(models && models->status == 200);
   EXPECT_EQ(json::parse(models->body).at("data").at(0).at("id"), "synthetic:tiny");
   // Still serving: a valid request matches encode.
-  const auto r = cli->Post("/v1/encode", with({good}), "application/json");
+  const auto r = cli->Post("/v1/encode", with(json::array({good})), "application/json");  // {good} alone: clang copies
   EXPECT_LE(check_reply(r, {&image(1)}, false, false, dir_ / "reply.safetensors"), kBf16Ulp);
 
   const std::string m = get_metrics(server.port());
