@@ -549,7 +549,7 @@ TEST_F(Serve, FullQueueIs503AndSlowRequestIs504) {
     if (!queued) std::this_thread::sleep_for(std::chrono::milliseconds(2));
   }
   EXPECT_TRUE(queued);
-  const json one = {{"images", {image_item(image(0), 0)}}};
+  const json one = {{"images", json::array({image_item(image(0), 0)})}};  // explicit: clang reads {x} as a copy
   const auto busy = client(server.port())->Post("/v1/encode", one.dump(), "application/json");
   const ErrorReply e = error_of(busy);
   EXPECT_EQ(e.status, 503);
@@ -591,7 +591,7 @@ TEST_F(Serve, QueueTokenLimitIs503) {
     if (!queued) std::this_thread::sleep_for(std::chrono::milliseconds(2));
   }
   EXPECT_TRUE(queued);
-  const json one = {{"images", {image_item(image(0), 0)}}};
+  const json one = {{"images", json::array({image_item(image(0), 0)})}};  // explicit: clang reads {x} as a copy
   const ErrorReply e = error_of(client(server.port())->Post("/v1/encode", one.dump(), "application/json"));
   EXPECT_EQ(e.status, 503);
   EXPECT_EQ(e.code, "queue_full");
