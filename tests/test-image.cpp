@@ -460,7 +460,11 @@ TEST(Decode, TruncatedAndCorruptFilesAreNamed) {
       {"x-lossy.webp", encode_webp_lossy(64, 48, t.data, 80), "WebP"},
       {"x.bmp", encode_bmp_rgb(64, 48, t.data), "BMP"},
   };
-  for (const auto& [name, bytes, format] : files) {
+  for (const auto& file : files) {
+    // Plain references, not structured bindings: clang 14 cannot capture bindings in the lambdas.
+    const std::string& name = std::get<0>(file);
+    const auto& bytes = std::get<1>(file);
+    const auto& format = std::get<2>(file);
     ASSERT_NO_THROW(decode_memory(bytes, name)) << name;
     for (size_t keep : {bytes.size() / 2, bytes.size() / 4}) {
       const std::string e = error_of([&] { decode_memory(first(bytes, keep), name); });
