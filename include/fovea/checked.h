@@ -10,14 +10,18 @@
 
 namespace fovea {
 
+namespace detail {
+[[noreturn]] inline void overflow(const char* what, auto a, const char* op, auto b, size_t bits, bool is_signed) {
+  fail_cat(what, ": ", +a, op, +b, " overflows a ", bits, "-bit ", is_signed ? "signed" : "unsigned", " integer");
+}
+}  // namespace detail
+
 // a * b, or fovea::Error "<what>: a x b overflows <type>".
 template <class T>
 T checked_mul(T a, T b, const char* what) {
   static_assert(std::is_integral_v<T>, "checked_mul is for integers");
   T r;
-  if (__builtin_mul_overflow(a, b, &r))
-    fail_cat(what, ": ", +a, " x ", +b, " overflows a ", sizeof(T) * 8, "-bit ",
-             std::is_signed_v<T> ? "signed" : "unsigned", " integer");
+  if (__builtin_mul_overflow(a, b, &r)) detail::overflow(what, a, " x ", b, sizeof(T) * 8, std::is_signed_v<T>);
   return r;
 }
 
@@ -26,9 +30,7 @@ template <class T>
 T checked_add(T a, T b, const char* what) {
   static_assert(std::is_integral_v<T>, "checked_add is for integers");
   T r;
-  if (__builtin_add_overflow(a, b, &r))
-    fail_cat(what, ": ", +a, " + ", +b, " overflows a ", sizeof(T) * 8, "-bit ",
-             std::is_signed_v<T> ? "signed" : "unsigned", " integer");
+  if (__builtin_add_overflow(a, b, &r)) detail::overflow(what, a, " + ", b, sizeof(T) * 8, std::is_signed_v<T>);
   return r;
 }
 

@@ -20,7 +20,7 @@ void add_serve(CLI::App& app, Runner& runner) {
                   "visual tokens waiting for the encoder (their pixels stay in memory, ~24 KB each); a request that "
                   "would pass it is answered 503 unless the queue is empty")
       ->capture_default_str();
-  cmd->add_option("--max-body-bytes", o->max_body_bytes, "largest request body; larger is answered 413")
+  cmd->add_option("--max-body-bytes", o->http.max_body_bytes, "largest request body; larger is answered 413")
       ->capture_default_str();
   cmd->add_option("--max-images-per-request", o->max_images_per_request, "more images in one request are answered 400")
       ->capture_default_str();
@@ -31,20 +31,20 @@ void add_serve(CLI::App& app, Runner& runner) {
                   "worker threads: each handles one request's body (parse, decode, wait for the encoder); "
                   "connections take no thread")
       ->capture_default_str();
-  cmd->add_option("--header-timeout", o->header_timeout_s,
+  cmd->add_option("--header-timeout", o->http.header_timeout_s,
                   "seconds from a request's first byte to the end of its head; later is answered 408")
       ->capture_default_str();
-  cmd->add_option("--body-timeout", o->body_timeout_s,
+  cmd->add_option("--body-timeout", o->http.body_timeout_s,
                   "seconds from the end of a request's head to the end of its body; later is answered 408")
       ->capture_default_str();
-  cmd->add_option("--keep-alive-timeout", o->keep_alive_timeout_s, "seconds an idle connection is kept open")
+  cmd->add_option("--keep-alive-timeout", o->http.keep_alive_timeout_s, "seconds an idle connection is kept open")
       ->capture_default_str();
-  cmd->add_option("--max-header-bytes", o->max_header_bytes,
+  cmd->add_option("--max-header-bytes", o->http.max_header_bytes,
                   "largest request head (request line and fields); larger is answered 431")
       ->capture_default_str();
-  cmd->add_option("--max-connections", o->max_connections, "open connections; more are answered 503")
+  cmd->add_option("--max-connections", o->http.max_connections, "open connections; more are answered 503")
       ->capture_default_str();
-  cmd->add_option("--max-body-bytes-in-flight", o->max_body_bytes_in_flight,
+  cmd->add_option("--max-body-bytes-in-flight", o->http.max_body_bytes_in_flight,
                   "request bodies being received or handled, all connections together; a request that would "
                   "pass it is answered 503 (a lone request always fits)")
       ->capture_default_str();

@@ -76,6 +76,17 @@ const char* reason(int status) {
   }
 }
 
+// The bytes of a reply: status line, fields, body.
+std::string serialize(const Response& r, bool keep_alive) {
+  std::string out = fmt::format("HTTP/1.1 {} {}\r\nContent-Type: {}\r\nContent-Length: {}\r\nConnection: {}\r\n",
+                                r.status, reason(r.status), r.content_type, r.body.size(),
+                                keep_alive ? "keep-alive" : "close");
+  for (const auto& h : r.headers) out += fmt::format("{}: {}\r\n", h.name, h.value);
+  out += "\r\n";
+  out += r.body;
+  return out;
+}
+
 }  // namespace
 
 std::string_view Request::header(std::string_view name) const {
@@ -410,12 +421,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
     parser_.reset();
     unreserve();
     if (s_.draining) keep_alive_ = false;
-    std::string out = fmt::format("HTTP/1.1 {} {}\r\nContent-Type: {}\r\nContent-Length: {}\r\nConnection: {}\r\n",
-                                  r.status, reason(r.status), r.content_type, r.body.size(),
-                                  keep_alive_ ? "keep-alive" : "close");
-    for (const auto& h : r.headers) out += fmt::format("{}: {}\r\n", h.name, h.value);
-    out += "\r\n";
-    out += r.body;
+    std::string out = serialize(r, keep_alive_);
     state_ = State::WRITE;
     status_ = r.status;
     arm(s_.lim.write_timeout_s);
@@ -548,11 +554,10 @@ class Connection : public std::enable_shared_from_this<Connection> {
 void Server::Impl::start(tcp::socket s) {
   if (conns.size() >= lim.max_connections) {
     // Best effort, never blocking: a fresh socket's send buffer takes this short reply.
-    const Response r = handler.error(503, "too_many_connections",
-                                     fmt::format("the server has {} open connections (its limit); retry later", conns.size()));
-    const std::string out = fmt::format(
-        "HTTP/1.1 503 Service Unavailable\r\nContent-Type: {}\r\nContent-Length: {}\r\nConnection: close\r\n"
-        "Retry-After: 1\r\n\r\n{}", r.content_type, r.body.size(), r.body);
+    Response r = handler.error(503, "too_many_connections",
+                               fmt::format("the server has {} open connections (its limit); retry later", conns.size()));
+    r.headers.push_back({"Retry-After", "1"});
+    const std::string out = serialize(r, false);
     boost::system::error_code ec;
     s.non_blocking(true, ec);
     asio::write(s, asio::buffer(out), ec);

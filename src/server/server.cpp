@@ -302,21 +302,20 @@ void check_options(const ServeOptions& o) {
   if (o.max_batch_tokens < 1) fail("--max-batch-tokens must be at least 1, not {}", o.max_batch_tokens);
   if (o.max_queue < 1) fail("--max-queue must be at least 1");
   if (o.max_queue_tokens < 1) fail("--max-queue-tokens must be at least 1");
-  if (o.max_body_bytes < 1) fail("--max-body-bytes must be at least 1");
+  if (o.http.max_body_bytes < 1) fail("--max-body-bytes must be at least 1");
   if (o.max_images_per_request < 1) fail("--max-images-per-request must be at least 1");
-  if (!(o.request_timeout_s > 0)) fail("--request-timeout must be > 0 seconds, not {}", o.request_timeout_s);
   if (o.threads < 1 || o.threads > 4096) fail("--threads must be in [1, 4096], not {}", o.threads);
   // Deadlines: positive and finite, at most a day (a timer of 1e300 s would overflow).
-  for (const auto& [flag, v] : {std::pair{"--header-timeout", o.header_timeout_s}, {"--body-timeout", o.body_timeout_s},
-                                {"--keep-alive-timeout", o.keep_alive_timeout_s}, {"--request-timeout", o.request_timeout_s}})
+  for (const auto& [flag, v] : {std::pair{"--header-timeout", o.http.header_timeout_s}, {"--body-timeout", o.http.body_timeout_s},
+                                {"--keep-alive-timeout", o.http.keep_alive_timeout_s}, {"--request-timeout", o.request_timeout_s}})
     if (!(v > 0 && v <= 86400)) fail("{} must be in (0, 86400] seconds, not {}", flag, v);
-  if (o.max_header_bytes < 256 || o.max_header_bytes > (size_t(1) << 20))
-    fail("--max-header-bytes must be in [256, 1048576], not {}", o.max_header_bytes);
-  if (o.max_connections < 1 || o.max_connections > 1000000)
-    fail("--max-connections must be in [1, 1000000], not {}", o.max_connections);
-  if (o.max_body_bytes_in_flight < o.max_body_bytes)
-    fail("--max-body-bytes-in-flight ({}) must be at least --max-body-bytes ({})", o.max_body_bytes_in_flight,
-         o.max_body_bytes);
+  if (o.http.max_header_bytes < 256 || o.http.max_header_bytes > (size_t(1) << 20))
+    fail("--max-header-bytes must be in [256, 1048576], not {}", o.http.max_header_bytes);
+  if (o.http.max_connections < 1 || o.http.max_connections > 1000000)
+    fail("--max-connections must be in [1, 1000000], not {}", o.http.max_connections);
+  if (o.http.max_body_bytes_in_flight < o.http.max_body_bytes)
+    fail("--max-body-bytes-in-flight ({}) must be at least --max-body-bytes ({})", o.http.max_body_bytes_in_flight,
+         o.http.max_body_bytes);
   if (o.max_decode_bytes < 1) fail("--max-decode-bytes must be at least 1");
 }
 
@@ -338,14 +337,8 @@ int serve(const ServeOptions& o) {
   ho.host = o.host;
   ho.port = o.port;
   ho.threads = o.threads;
-  ho.limits.max_header_bytes = o.max_header_bytes;
-  ho.limits.max_body_bytes = o.max_body_bytes;
-  ho.limits.max_body_bytes_in_flight = o.max_body_bytes_in_flight;
-  ho.limits.header_timeout_s = o.header_timeout_s;
-  ho.limits.body_timeout_s = o.body_timeout_s;
-  ho.limits.keep_alive_timeout_s = o.keep_alive_timeout_s;
-  ho.limits.write_timeout_s = o.body_timeout_s;
-  ho.limits.max_connections = o.max_connections;
+  ho.limits = o.http;
+  ho.limits.write_timeout_s = o.http.body_timeout_s;
   http::Server server(ho, service);
   c.http = &server;
 

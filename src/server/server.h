@@ -13,6 +13,7 @@
 
 #include "fovea/engine.h"
 #include "fovea/image.h"
+#include "server/http.h"
 
 namespace fovea::server {
 
@@ -24,18 +25,11 @@ struct ServeOptions {
   size_t max_queue = 64;                     // requests waiting; more get 503
   int64_t max_queue_tokens = 65536;          // visual tokens waiting (their pixels are held: ~24 KB
                                              // each); more get 503, but an idle queue takes any request
-  size_t max_body_bytes = size_t(64) << 20;  // more gets 413
   size_t max_images_per_request = 16;
   image::PreprocessOverrides preprocess;        // resize budget (0: the checkpoint's), bomb guard
   double request_timeout_s = 120;               // head read to reply; later gets 504
   int threads = 32;                             // worker threads (each handles one request's body)
-  // The HTTP layer's bounds (http::Limits):
-  double header_timeout_s = 10;                 // first byte of a request to the end of its head; 408
-  double body_timeout_s = 60;                   // end of the head to the end of the body; 408
-  double keep_alive_timeout_s = 5;              // idle connection between requests, then closed
-  size_t max_header_bytes = 16 << 10;           // request line and header fields; more gets 431
-  size_t max_connections = 1024;                // open connections; more get 503
-  size_t max_body_bytes_in_flight = size_t(1) << 30;  // bodies being read or handled; more get 503
+  http::Limits http;                            // the HTTP layer's bounds (--max-body-bytes, deadlines, ...)
   int64_t max_decode_bytes = int64_t(2) << 30;  // images being decoded and preprocessed; more wait
   EngineOptions engine;
 };
