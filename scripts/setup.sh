@@ -4,7 +4,9 @@
 # and builds the CPU-only parts when it is not.
 set -euo pipefail
 pkgs=(cmake ninja-build g++ pkg-config
-      nlohmann-json3-dev libcli11-dev libfmt-dev libcpp-httplib-dev libgtest-dev
+      nlohmann-json3-dev libcli11-dev libfmt-dev libgtest-dev
+      libboost-dev         # Boost.Asio + Beast (header-only): the HTTP layer of fovea serve
+      libcpp-httplib-dev   # the HTTP client of the serve tests (test-only)
       libjpeg62-turbo-dev libpng-dev libgif-dev libwebp-dev zlib1g-dev  # image decoders (static archives)
       clang libclang-rt-14-dev llvm-14 python3)  # the sanitizer/fuzz build, its symbolizer, the hostile suite
 missing=()
