@@ -16,12 +16,18 @@
 #ifndef FOVEA_TEST_TIME_SCALE
 #define FOVEA_TEST_TIME_SCALE 1
 #endif
+#ifndef FOVEA_TEST_SANITIZED
+#define FOVEA_TEST_SANITIZED 0
+#endif
 
 namespace fovea::test {
 
 // The factor on every timing window of a test (a deadline provoked on purpose, a bound on polling):
 // 1, and 8 in sanitizer builds (FOVEA_SANITIZE, set by CMake), whose code runs 7-16x slower.
 constexpr int kTimeScale = FOVEA_TEST_TIME_SCALE;
+// True in the ASan + UBSan build, whose allocator adds redzones and holds freed blocks in quarantine:
+// there a process's peak RSS says nothing about the program's own buffers.
+constexpr bool kSanitized = FOVEA_TEST_SANITIZED;
 // A duration in seconds for a command-line flag (--request-timeout), times kTimeScale: "0.5" or "2".
 inline std::string scaled_seconds(double s) {
   std::ostringstream out;
