@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Installs the Debian packages fovea builds against (design.md §6). Run as root or with sudo.
+# Installs the Debian packages fovea builds against (docs/architecture.md §Dependencies). Run as root or with sudo.
 # The CUDA toolkit (nvcc, cuBLASLt, cuDNN) is not a Debian package here; CMake finds it when present
 # and builds the CPU-only parts when it is not.
 set -euo pipefail

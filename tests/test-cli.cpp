@@ -1,5 +1,5 @@
-// Tests of the fovea command (design.md §5): scales inspect, info with the engine flags and their
-// option errors (design.md §2), and bench attention on the CPU. Runs the built binary (FOVEA_BIN).
+// Tests of the fovea command (docs/architecture.md §Engine configuration): scales inspect, info with the engine flags and their
+// option errors (docs/fp8.md §Engine options), and bench attention on the CPU. Runs the built binary (FOVEA_BIN).
 #include <sys/wait.h>
 
 #include <algorithm>

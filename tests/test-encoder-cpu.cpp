@@ -94,7 +94,7 @@ TEST(EncoderLoad, SyntheticPresetsAreDeterministicAndReal) {
     for (auto d : shape) n *= size_t(d);
     params += n;
   }
-  EXPECT_EQ(params, 576388336u) << "spec §4: 8B ViT with final and 3 deepstack mergers is 576.4M";
+  EXPECT_EQ(params, 576388336u) << "docs/encoder.md §Checkpoints: 8B ViT with final and 3 deepstack mergers is 576.4M";
   EXPECT_NE(error_of([] { load_model("synthetic:nope"); }).find("synthetic:tiny"), std::string::npos);
 }
 

@@ -1,5 +1,5 @@
-// Tests of engine flag resolution (design.md §2 option errors, §3 backends, §5 flags) with hand-built
-// SystemInfo values: no GPU is needed or used.
+// Tests of engine flag resolution (docs/architecture.md §Engine configuration, docs/fp8.md §Engine
+// options) with hand-built SystemInfo values: no GPU is needed or used.
 #include <algorithm>
 #include <cmath>
 #include <filesystem>

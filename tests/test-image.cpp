@@ -1,4 +1,4 @@
-// Image decoding and preprocessing (spec §2): smart_resize's rounding, the patch layout, the
+// Image decoding and preprocessing (docs/encoder.md §Decoding to §Patchify): smart_resize's rounding, the patch layout, the
 // antialiased bicubic resize, RGB conversion as Pillow's convert("RGB") gives it for every format and
 // layout fovea reads, the pixel guard and the memory bound read from the header, and every bad input
 // named in its error. Test images are written with the libraries fovea decodes with
@@ -82,7 +82,7 @@ int pillow_cmyk_channel(int stored_c, int stored_k) {
 }  // namespace
 
 TEST(SmartResize, MatchesTransformersOnTheSpecTable) {
-  // Spec §5 (shipped defaults: factor 32, min 65536, max 16777216): half-to-even rounding matters.
+  // docs/encoder.md §smart_resize (shipped defaults: factor 32, min 65536, max 16777216): half-to-even rounding matters.
   EXPECT_EQ(smart_resize(720, 1280, 32, 65536, 16777216), std::make_pair(704, 1280));   // 22.5 -> 22
   EXPECT_EQ(smart_resize(1080, 1920, 32, 65536, 16777216), std::make_pair(1088, 1920));
   EXPECT_EQ(smart_resize(1440, 2560, 32, 65536, 16777216), std::make_pair(1440, 2560));
@@ -107,14 +107,14 @@ TEST(Patchify, RowsAndColumnsFollowTheSpecLayout) {
     for (int bw : {0, 2})
       for (int mh : {0, 1})
         for (int mw : {0, 1}) {
-          const int r = ((bh * Bw + bw) * 2 + mh) * 2 + mw;  // spec §2.5
+          const int r = ((bh * Bw + bw) * 2 + mh) * 2 + mw;  // docs/encoder.md §Merge-window order
           for (int ch : {0, 2})
             for (int t : {0, 1})
               for (int py : {0, 7, 15})
                 for (int px : {0, 9, 15}) {
                   const int c = ch * 512 + t * 256 + py * 16 + px;
                   const int y = (2 * bh + mh) * 16 + py, x = (2 * bw + mw) * 16 + px;
-                  const float want = (float(img.data[(size_t(y) * 96 + x) * 3 + ch]) - 127.5f) / 127.5f;  // §2.3
+                  const float want = (float(img.data[(size_t(y) * 96 + x) * 3 + ch]) - 127.5f) / 127.5f;  // docs/encoder.md §Normalization
                   ASSERT_EQ(p.pixels[size_t(r) * 1536 + c], want) << r << "," << c;
                 }
         }
@@ -687,7 +687,7 @@ TEST(ListImages, TakesEveryDecodedExtension) {
 
 TEST(Preprocess, HdPhotoSizedInputGivesTheTransformersGrid) {
   const Patches p = preprocess(gradient(1280, 720), {});
-  EXPECT_EQ(p.grid, (qwen3vl::GridThw{1, 44, 80}));  // 704 x 1280 (spec §5)
+  EXPECT_EQ(p.grid, (qwen3vl::GridThw{1, 44, 80}));  // 704 x 1280 (docs/encoder.md §smart_resize)
   ASSERT_EQ(p.pixels.size(), size_t(3520) * 1536);
   for (float v : p.pixels) ASSERT_TRUE(v >= -1.f && v <= 1.f);
 }

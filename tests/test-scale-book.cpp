@@ -1,4 +1,4 @@
-// Tests of the FP8 scale book (design.md §2): the amax ring of dynamic scaling, static scales, and
+// Tests of the FP8 scale book (docs/fp8.md §Scale book, §Dynamic scaling, §Calibration): the amax ring of dynamic scaling, static scales, and
 // calibration (16 complete forwards, then s x margin written atomically).
 #include <algorithm>
 #include <array>

@@ -1,4 +1,4 @@
-// Tests of scale files (design.md §2, "Scale file"): the accepted formats, a bit-exact atomic write,
+// Tests of scale files (docs/fp8.md §Scale file): the accepted formats, a bit-exact atomic write,
 // and every bad input as an error naming the file, the layer and the problem.
 #include <sys/resource.h>
 

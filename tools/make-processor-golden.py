@@ -15,7 +15,7 @@ committed; CI compares fovea against them.
 tools/fetch-photos.sh; never committed), each at a budget of 200704 pixels, and one 4K photograph
 at the shipped budget (min 65536, max 16777216) in OUT/full/.
 
-The processor is built as the hub's preprocessor_config.json describes it (spec §2.1: patch 16,
+The processor is built as the hub's preprocessor_config.json describes it (docs/encoder.md §Preprocessing config: patch 16,
 merge 2, temporal 2, mean = std = 0.5, size {shortest_edge, longest_edge}); the class is
 transformers' default (torchvision backend) and is printed. Images go in as PIL images opened from
 the files, as a user's code passes them. pixel_values are stored as the uint8 levels they come from

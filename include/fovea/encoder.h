@@ -36,7 +36,7 @@ class Encoder {
   Encoder& operator=(const Encoder&) = delete;
 
   void plan(const std::vector<GridThw>& grids);
-  // pixels [N, 1536] (fp32 on the host, rounded to bf16 as transformers does; spec §3.1).
+  // pixels [N, 1536] (fp32 on the host, rounded to bf16 as transformers does; docs/encoder.md §Patch embedding).
   void upload_pixels(const std::vector<float>& pixels, cudaStream_t stream);
   void forward(cudaStream_t stream);
   // Host-side bookkeeping after a forward (calibration: sync, copy rings, maybe write the file).

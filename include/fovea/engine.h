@@ -1,5 +1,6 @@
-// fovea/engine.h: the engine flags every model-running subcommand shares (design.md §5), their
-// validation (design.md §2's option errors), and what the machine offers.
+// fovea/engine.h: the engine flags every model-running subcommand shares (vLLM's names), their
+// validation and resolution against the machine (fovea/system.h) into an EngineConfig, and the scale
+// book an FP8 engine runs with. Errors name the offending flag.
 #pragma once
 #include <optional>
 #include <string>
@@ -7,6 +8,7 @@
 
 #include "fovea/attention.h"
 #include "fovea/scales.h"
+#include "fovea/system.h"
 
 namespace fovea {
 
@@ -19,26 +21,6 @@ struct EngineOptions {
   double scale_save_margin = kDefaultScaleMargin;
   std::string device;  // cuda, cpu; empty: cuda when a GPU is visible, else cpu
 };
-
-struct GpuInfo {
-  int index = 0;
-  std::string name;
-  int cc_major = 0, cc_minor = 0;
-  int sms = 0;
-  size_t memory_bytes = 0;
-};
-
-struct SystemInfo {
-  bool cuda_built = false, cudnn_built = false;
-  // The CUDNN attention backend itself (design.md §3) is not written yet: query_system() reports
-  // false, so asking for it is an error that lists where the dtype runs, never a silent fallback.
-  bool cudnn_backend = false;
-  int cuda_runtime_version = 0, cuda_driver_version = 0;  // 13000 = 13.0; 0 = unknown / none
-  size_t cudnn_version = 0;                               // 91400 = 9.14.0; 0 = not built / not loadable
-  std::vector<GpuInfo> gpus;
-  std::string gpu_error;  // why no GPU is visible, when none is
-};
-SystemInfo query_system();  // src/core/cuda-device.cu, or src/core/no-cuda-device.cpp
 
 enum class Device { CUDA, CPU };
 const char* device_name(Device d);

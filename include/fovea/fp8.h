@@ -1,4 +1,4 @@
-// fovea/fp8.h: the OCP FP8 E4M3 ("e4m3fn") codec, host and device (design.md §2).
+// fovea/fp8.h: the OCP FP8 E4M3 ("e4m3fn") codec, host and device (docs/fp8.md §E4M3 codec).
 //
 // E4M3: 1 sign, 4 exponent (bias 7), 3 mantissa bits. Max finite 448 (0x7E), no infinities,
 // NaN = 0x7F / 0xFF. Smallest normal 2^-6, smallest subnormal 2^-9.
@@ -52,7 +52,7 @@ FOVEA_HD float e4m3_to_float(uint8_t c) {
   return bits_float(sign | ((exp + 127u - 7u) << 23) | (mant << 20));
 }
 
-// Quantize with a per-tensor dequantization scale s (design.md §2): x8 = sat(rne(x / s)).
+// Quantize with a per-tensor dequantization scale s (docs/fp8.md §Quantization): x8 = sat(rne(x / s)).
 // Division, not multiplication by a reciprocal, so the result is the correctly rounded x / s.
 FOVEA_HD uint8_t e4m3_quantize(float x, float s) { return e4m3_from_float(x / s); }
 

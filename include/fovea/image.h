@@ -1,5 +1,5 @@
 // fovea/image.h: image files to the encoder's pixel rows, as transformers' Qwen3-VL image processor
-// (torchvision backend) does it (spec §2): decode (JPEG: libjpeg-turbo, PNG: libpng, GIF first frame:
+// (torchvision backend) does it (docs/encoder.md §Decoding to §Patchify): decode (JPEG: libjpeg-turbo, PNG: libpng, GIF first frame:
 // giflib, WebP first frame: libwebp, BMP: fovea's own; src/image/decode*.cpp), RGB conversion,
 // smart_resize, antialiased bicubic resize on uint8, rescale + normalize, patchify in merge-window
 // order. Every bad input is a fovea::Error naming the file.
@@ -23,7 +23,7 @@ struct Rgb8 {
 
 struct PreprocessConfig {
   int patch = 16, merge = 2, temporal = 2;
-  int64_t min_pixels = 65536, max_pixels = 16777216;  // hub preprocessor_config.json (spec §2.1)
+  int64_t min_pixels = 65536, max_pixels = 16777216;  // hub preprocessor_config.json (docs/encoder.md §Preprocessing config)
   float mean[3] = {0.5f, 0.5f, 0.5f};
   float std[3] = {0.5f, 0.5f, 0.5f};
   // Decompression-bomb guard: an image whose header claims more pixels is refused before any pixel
@@ -111,7 +111,7 @@ int64_t decode_peak_bytes(const ImageInfo& info, const PreprocessConfig& cfg);
 Rgb8 decode_file(const std::string& path, const PreprocessConfig& cfg = {});
 Rgb8 decode_memory(std::span<const uint8_t> bytes, const std::string& name, const PreprocessConfig& cfg = {});
 
-// Spec §2.2 (Python's round-half-to-even included). Throws for aspect ratios above 200.
+// docs/encoder.md §smart_resize (Python's round-half-to-even included). Throws for aspect ratios above 200.
 std::pair<int, int> smart_resize(int height, int width, int factor, int64_t min_pixels, int64_t max_pixels);
 
 // Antialiased bicubic resize of a uint8 image to (out_h, out_w): separable (horizontal pass, then
@@ -120,7 +120,7 @@ std::pair<int, int> smart_resize(int height, int width, int factor, int64_t min_
 Rgb8 resize_bicubic(const Rgb8& in, int out_h, int out_w);
 
 struct Patches {
-  std::vector<float> pixels;  // [t*h*w, 3*temporal*patch*patch], merge-window row order (spec §2.5)
+  std::vector<float> pixels;  // [t*h*w, 3*temporal*patch*patch], merge-window row order (docs/encoder.md §Merge-window order)
   qwen3vl::GridThw grid;
 };
 

@@ -1,6 +1,6 @@
 // fovea/model.h: the Qwen3-VL / Qwen3.5 vision encoder: configuration, weights (from a Hugging Face
 // checkpoint or a built-in synthetic model), and the fp32 CPU reference forward that is the oracle
-// for the GPU forward. Spec: shared/docs/qwen3-vl-vision-spec.md (section numbers below refer to it).
+// for the GPU forward. Facts: docs/encoder.md (sections named below).
 #pragma once
 #include <array>
 #include <map>
@@ -60,7 +60,7 @@ JsonLimits config_json_limits();
 std::optional<VisionConfig> synthetic_config(const std::string& spec);
 std::vector<std::string> synthetic_names();
 
-// Every tensor the encoder needs, relative to the vision prefix, with its shape (spec §4).
+// Every tensor the encoder needs, relative to the vision prefix, with its shape (docs/encoder.md §Checkpoints).
 std::vector<std::pair<std::string, std::vector<int64_t>>> expected_tensors(const VisionConfig& c);
 
 // fp32 weights for the CPU forward (PyTorch layouts: Linear [out, in]).
@@ -119,7 +119,7 @@ struct ForwardResult {
   std::map<std::string, std::vector<float>> intermediates;  // "embed" [N, D], "block0" [N, D], "last_hidden" [N, D]
 };
 
-// The fp32 CPU reference forward (spec §3.11). pixels: [N, 1536] in merge-window order (§2.5).
+// The fp32 CPU reference forward (docs/encoder.md §CPU forward). pixels: [N, 1536] in merge-window order (docs/encoder.md §Merge-window order).
 ForwardResult forward_cpu(const Model& m, const std::vector<float>& pixels, const std::vector<GridThw>& grids,
                           const ForwardOptions& opt = {});
 
@@ -130,11 +130,19 @@ struct EmbeddingError {
 };
 EmbeddingError embedding_error(const std::vector<float>& out, const std::vector<float>& ref, int width);
 
-// Per-token (row, col) patch positions in merge-window order, repeated per frame (§3.4), and the
-// vision RoPE tables [N, hd/2] built from them (fp32, as transformers computes them).
+// ---- grid tables (src/model/qwen3vl/grid.cpp), shared by both forwards ----
+// The packed batch a set of grids makes: N patches, one attention segment of h*w per frame. Throws,
+// naming `what`, unless every grid has t >= 1 and even h, w >= 2, or if a product overflows.
+struct GridShape {
+  int64_t patches = 0;
+  std::vector<int> seqlens;
+};
+GridShape check_grids(const std::vector<GridThw>& grids, const std::string& what);
+// Per-token (row, col) patch positions in merge-window order, repeated per frame, and the vision
+// RoPE tables [N, hd/2] built from them (fp32, as transformers computes them; docs/encoder.md, RoPE).
 std::vector<std::array<int, 2>> patch_positions(const std::vector<GridThw>& grids);
 // The learned position table resampled bilinearly to each grid, merge-window order, repeated per
-// frame (§3.3): [N, hidden].
+// frame: [N, hidden] (docs/encoder.md §Position embedding).
 std::vector<float> position_embedding(const VisionConfig& c, const std::vector<float>& table,
                                       const std::vector<GridThw>& grids);
 void vision_rope_tables(const std::vector<GridThw>& grids, int head_dim, std::vector<float>& cos,

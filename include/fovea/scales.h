@@ -1,4 +1,4 @@
-// fovea/scales.h: FP8 scaling state for attention (design.md §2, normative).
+// fovea/scales.h: FP8 scaling state for attention (docs/fp8.md).
 //
 // One dequantization scale s per tensor (Q, K, V) per attention layer: x8 = sat(rne(x / s)).
 //   dynamic   - a ring of the last 16 amax values (max |x|) per tensor; every forward records its

@@ -9,10 +9,10 @@
 #include <nlohmann/json.hpp>
 
 #include "cli/commands.h"
-#include "cli/run-encoder.h"
 #include "fovea/error.h"
 #include "fovea/image.h"
 #include "fovea/io.h"
+#include "fovea/pipeline.h"
 
 namespace fovea::cli {
 
@@ -34,10 +34,10 @@ int run(const Args& a) {
   const SystemInfo sys = query_system();
   const qwen3vl::Model model = qwen3vl::load_model(a.model);
   const image::PreprocessConfig pcfg = image::load_preprocess_config(a.model, {0, a.max_pixels});
-  auto load = [&](const std::string& f, std::vector<float>& px, std::vector<qwen3vl::GridThw>& g) {
-    auto p = image::preprocess(image::decode_file(f, pcfg), pcfg);
-    px.insert(px.end(), p.pixels.begin(), p.pixels.end());
-    g.push_back(p.grid);
+  auto load = [&](const std::string& f) {
+    Batch b;
+    b.add(image::preprocess(image::decode_file(f, pcfg), pcfg));
+    return b;
   };
   auto config = [&](const std::string& dtype, const std::string& scale, const std::string& save) {
     EngineOptions o = a.engine;
@@ -52,10 +52,7 @@ int run(const Args& a) {
     const EngineConfig cfg = config("fp8", "", a.scale_path);
     EncoderRunner runner(model, cfg);
     for (int i = 0; !runner.book()->calibration_written(); ++i) {
-      std::vector<float> px;
-      std::vector<qwen3vl::GridThw> g;
-      load(files[size_t(i % a.calibration_images)], px, g);
-      runner.run(px, g);
+      runner.run(load(files[size_t(i % a.calibration_images)]));
       if (i > 10 * kAmaxHistoryLen) fail("calibration did not complete");  // cannot happen: 16 forwards write
     }
   }
@@ -71,12 +68,10 @@ int run(const Args& a) {
   double sums[4] = {0, 0, 0, 0};
   int count = 0;
   for (size_t i = size_t(a.calibration_images); i < files.size(); ++i) {
-    std::vector<float> px;
-    std::vector<qwen3vl::GridThw> g;
-    load(files[i], px, g);
-    const auto ref = r_bf.run(px, g).merged;
-    const auto dyn_err = qwen3vl::embedding_error(r_dyn.run(px, g).merged, ref, O);
-    const auto st_err = qwen3vl::embedding_error(r_st.run(px, g).merged, ref, O);
+    const Batch b = load(files[i]);
+    const auto ref = r_bf.run(b).merged;
+    const auto dyn_err = qwen3vl::embedding_error(r_dyn.run(b).merged, ref, O);
+    const auto st_err = qwen3vl::embedding_error(r_st.run(b).merged, ref, O);
     const double cd = dyn_err.mean_cosine, ed = dyn_err.rel_l2, cs = st_err.mean_cosine, es = st_err.rel_l2;
     fmt::print("{:<40} | {:>7} | {:>12.6f} | {:>12.3e} | {:>12.6f} | {:>12.3e}\n", files[i], ref.size() / size_t(O), cd, ed, cs, es);
     rows.push_back({{"image", files[i]}, {"dynamic_cosine", cd}, {"dynamic_rel_l2", ed}, {"static_cosine", cs}, {"static_rel_l2", es}});

@@ -14,11 +14,10 @@
 #include <nlohmann/json.hpp>
 
 #include "cli/commands.h"
-#include "cli/run-encoder.h"
 #include "fovea/error.h"
 #include "fovea/image.h"
 #include "fovea/io.h"
-#include "fovea/threads.h"
+#include "fovea/pipeline.h"
 
 namespace fovea::cli {
 
@@ -98,34 +97,29 @@ int run(const Args& a) {
   size_t next_file = 0;
   for (int req = 0; req < total; ++req) {
     const auto t0 = clock_type::now();
-    std::vector<image::Rgb8> imgs(size_t(a.images));
     std::vector<std::string> names(size_t(a.images));
     for (auto& n : names) n = files.empty() ? "random" : files[next_file++ % files.size()];
-    std::vector<double> dec(size_t(a.images), 0.0);
-    parallel_for(a.images, [&](int64_t i) {
-      const auto t = clock_type::now();
-      if (files.empty()) {
-        std::mt19937 r(unsigned(rng() + unsigned(i)));
-        imgs[size_t(i)] = {rw, rh, std::vector<uint8_t>(size_t(rw) * rh * 3), "random-mm"};
-        for (auto& v : imgs[size_t(i)].data) v = uint8_t(r() & 255);
-      } else {
-        imgs[size_t(i)] = image::decode_file(names[size_t(i)], pcfg);
-        dec[size_t(i)] = ms_since(t);
-      }
-    });
-    const double decode_ms = ms_since(t0);
-    const auto t1 = clock_type::now();
-    std::vector<image::Patches> pt(size_t(a.images));
-    parallel_for(a.images, [&](int64_t i) { pt[size_t(i)] = image::preprocess(imgs[size_t(i)], pcfg); });
-    std::vector<float> pixels;
-    std::vector<qwen3vl::GridThw> grids;
-    for (auto& p : pt) {
-      pixels.insert(pixels.end(), p.pixels.begin(), p.pixels.end());
-      grids.push_back(p.grid);
+    const unsigned seed = unsigned(rng());
+    // decode + preprocess as encode and serve do it (prepare_images: one task per image, in
+    // parallel); the stages are each the slowest image's. random-mm has no decoding: its noise
+    // images are made in the decode step and that stage reports 0.
+    std::vector<PreparedImage> prepared = prepare_images(size_t(a.images), [&](size_t i) {
+      if (!files.empty()) return image::decode_file(names[i], pcfg);
+      std::mt19937 r(seed + unsigned(i));
+      image::Rgb8 img{rw, rh, std::vector<uint8_t>(size_t(rw) * rh * 3), "random-mm"};
+      for (auto& v : img.data) v = uint8_t(r() & 255);
+      return img;
+    }, pcfg);
+    double decode_ms = 0, pre_ms = 0;
+    Batch batch;
+    for (auto& p : prepared) {
+      if (p.error) std::rethrow_exception(p.error);
+      decode_ms = std::max(decode_ms, p.decode_ms);
+      pre_ms = std::max(pre_ms, p.preprocess_ms);
+      batch.add(std::move(p.patches));
     }
-    const double pre_ms = ms_since(t1);
     const auto t2 = clock_type::now();
-    runner.run(pixels, grids);
+    runner.run(batch);
     const double fwd_ms = ms_since(t2);
     if (req >= a.warmups) {
       const auto& rt = runner.last_timings();

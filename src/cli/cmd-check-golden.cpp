@@ -7,12 +7,10 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
-#include "cli/bench-cuda.h"
 #include "cli/commands.h"
-#include "cli/run-encoder.h"
-#include "fovea/encoder.h"
 #include "fovea/error.h"
 #include "fovea/io.h"
+#include "fovea/pipeline.h"
 #include "fovea/safetensors.h"
 
 namespace fovea::cli {
@@ -37,9 +35,10 @@ int run(const Args& a) {
     if (!t) fail("check-golden: '{}' has no tensor '{}'", a.golden, name);
     return t->to_float();
   };
-  const std::vector<float> pixels = need("pixel_values");
+  Batch batch;
+  batch.pixels = need("pixel_values");
   const std::vector<float> grid = need("grid_thw");
-  std::vector<qwen3vl::GridThw> grids;
+  std::vector<qwen3vl::GridThw>& grids = batch.grids;
   if (grid.empty() || grid.size() % 3)
     fail("check-golden: '{}': grid_thw has {} values, not (t, h, w) triples", a.golden, grid.size());
   for (size_t i = 0; i < grid.size(); ++i)  // float -> int of a value out of range would be UB
@@ -48,7 +47,7 @@ int run(const Args& a) {
   for (size_t i = 0; i + 2 < grid.size(); i += 3) grids.push_back({int(grid[i]), int(grid[i + 1]), int(grid[i + 2])});
 
   EncoderRunner runner(m, cfg);
-  auto [merged, deepstack] = runner.run(pixels, grids);
+  auto [merged, deepstack] = runner.run(batch);
   const ScaleBook* book = runner.book();
   fmt::print("fovea check-golden | {} | {} | device {} | {} attention{}\n", a.model, a.golden, device_name(cfg.device),
              dtype_name(cfg.dtype), book ? fmt::format(" ({} scales)", scale_mode_name(book->mode())) : "");

@@ -1,22 +1,18 @@
 // fovea encode MODEL IMAGE... [-o out.safetensors]: image files to visual tokens. Decodes and
-// preprocesses the images on several threads (spec §2), encodes every readable image in one packed
+// preprocesses the images on several threads (docs/encoder.md), encodes every readable image in one packed
 // forward (CPU or GPU, engine flags), writes each image's tokens, deepstack features and grid, and
 // prints tokens and per-stage times. Unreadable images are reported and skipped; the exit code says
 // whether any failed.
 #include <chrono>
-#include <filesystem>
-#include <mutex>
+#include <map>
 
 #include <fmt/format.h>
 
-#include "cli/bench-cuda.h"
 #include "cli/commands.h"
-#include "cli/run-encoder.h"
-#include "fovea/encoder.h"
 #include "fovea/error.h"
 #include "fovea/image.h"
+#include "fovea/pipeline.h"
 #include "fovea/safetensors.h"
-#include "fovea/threads.h"
 
 namespace fovea::cli {
 
@@ -45,62 +41,40 @@ int run(const Args& a) {
 
   // Decode + preprocess every image in parallel; failures are kept per image.
   const size_t n = a.images.size();
-  std::vector<image::Patches> patches(n);
-  std::vector<std::string> errors(n);
-  std::vector<double> decode_ms(n), prep_ms(n);
-  parallel_for(int64_t(n), [&](int64_t i) {
-    try {
-      const auto t = clock_type::now();
-      const image::Rgb8 img = image::decode_file(a.images[size_t(i)], pcfg);
-      decode_ms[size_t(i)] = ms_since(t);
-      const auto t2 = clock_type::now();
-      patches[size_t(i)] = image::preprocess(img, pcfg);
-      prep_ms[size_t(i)] = ms_since(t2);
-    } catch (const std::exception& e) {
-      errors[size_t(i)] = e.what();
-    }
-  });
+  std::vector<PreparedImage> prepared =
+      prepare_images(n, [&](size_t i) { return image::decode_file(a.images[i], pcfg); }, pcfg);
   std::vector<size_t> ok;
-  std::vector<qwen3vl::GridThw> grids;
-  std::vector<float> pixels;
+  Batch batch;
   for (size_t i = 0; i < n; ++i) {
-    if (!errors[i].empty()) {
-      fmt::print(stderr, "fovea: error: {}\n", errors[i]);
+    if (prepared[i].error) {
+      fmt::print(stderr, "fovea: error: {}\n", prepared[i].error_message());
       continue;
     }
     ok.push_back(i);
-    grids.push_back(patches[i].grid);
-    pixels.insert(pixels.end(), patches[i].pixels.begin(), patches[i].pixels.end());
-    patches[i].pixels.clear();
+    batch.add(std::move(prepared[i].patches));
   }
   if (ok.empty()) fail("encode: none of the {} image(s) could be read", n);
 
   const auto tf = clock_type::now();
-  auto [merged, deepstack] = EncoderRunner(model, cfg).run(pixels, grids);
+  const std::vector<ImageTensors> out = split_images(EncoderRunner(model, cfg).run(batch), batch.grids, model.config);
   const double forward_ms = ms_since(tf);
 
   // Per image: its rows of the merged tokens and of each deepstack output.
-  const int64_t O = model.config.out_hidden;
   std::vector<TensorToWrite> tensors;
   std::map<std::string, std::string> meta = {{"model", a.model}, {"dtype", dtype_name(cfg.dtype)},
                                              {"device", device_name(cfg.device)}};
   fmt::print("{:<5} {:<40} {:>14} {:>8} {:>10} {:>12}\n", "image", "file", "grid_thw", "tokens", "decode ms",
              "preprocess ms");
-  int64_t row = 0;
   for (size_t j = 0; j < ok.size(); ++j) {
     const size_t i = ok[j];
-    const auto& g = grids[j];
-    const int64_t tokens = image_tokens(model.config, g);
-    std::vector<const float*> ds;
-    for (const auto& d : deepstack) ds.push_back(d.data() + row * O);
-    append_image_tensors(tensors, j, g, tokens, int(O), merged.data() + row * O, ds);
+    const auto& g = batch.grids[j];
+    append_image_tensors(tensors, j, g, model.config, out[j]);
     meta["image." + std::to_string(j) + ".file"] = a.images[i];
     fmt::print("{:<5} {:<40} {:>14} {:>8} {:>10.1f} {:>12.1f}\n", j, a.images[i], fmt::format("({}, {}, {})", g[0], g[1], g[2]),
-               tokens, decode_ms[i], prep_ms[i]);
-    row += tokens;
+               image_tokens(model.config, g), prepared[i].decode_ms, prepared[i].preprocess_ms);
   }
   fmt::print("model load {:.1f} ms | encoder forward ({} images, {} patches, {} on {}) {:.1f} ms\n", load_ms, ok.size(),
-             pixels.size() / size_t(model.config.patch_dim()), dtype_name(cfg.dtype), device_name(cfg.device), forward_ms);
+             batch.pixels.size() / size_t(model.config.patch_dim()), dtype_name(cfg.dtype), device_name(cfg.device), forward_ms);
   if (!a.out.empty()) {
     write_safetensors(a.out, tensors, meta);
     fmt::print("wrote {}\n", a.out);

@@ -4,7 +4,7 @@
 
 #include "cli/commands.h"
 #include "fovea/error.h"
-#include "fovea/model.h"
+#include "fovea/scales.h"
 
 namespace fovea::cli {
 
@@ -32,27 +32,6 @@ void add_scales(CLI::App& app, Runner& run) {
         fmt::print("{:>5}  {:<28} {:>12.6g} {:>12.6g} {:>12.6g}   {:>10.4g} {:>10.4g} {:>10.4g}\n", i,
                    f.names.at(i), s.q, s.k, s.v, s.q * kE4M3Max, s.k * kE4M3Max, s.v * kE4M3Max);
       fmt::print("(amax = scale x 448: the largest |x| each scale represents without saturating)\n");
-      return 0;
-    };
-  });
-}
-
-// fovea export-model MODEL DIR: write a model (e.g. a synthetic preset) as a checkpoint folder, so
-// transformers or another fovea can load exactly the same weights.
-void add_export_model(CLI::App& app, Runner& run) {
-  auto* cmd = app.add_subcommand("export-model", "write a model (e.g. synthetic:qwen3-vl-8b) as a Hugging Face-style checkpoint folder");
-  struct Args {
-    std::string model, folder;
-  };
-  auto a = std::make_shared<Args>();
-  cmd->add_option("MODEL", a->model, "checkpoint folder or synthetic:<preset>")->required();
-  cmd->add_option("DIR", a->folder, "existing folder to write config.json and model.safetensors into")->required();
-  cmd->callback([&run, a] {
-    run = [a] {
-      const qwen3vl::Model m = qwen3vl::load_model(a->model);
-      qwen3vl::save_model(m, a->folder);
-      fmt::print("wrote {} ({} blocks, hidden {}) to {}/config.json and {}/model.safetensors\n", a->model, m.config.depth,
-                 m.config.hidden, a->folder, a->folder);
       return 0;
     };
   });

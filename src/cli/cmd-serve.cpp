@@ -1,7 +1,7 @@
 // fovea serve MODEL [--host 127.0.0.1] [--port 8000] [limits] [engine flags]: the HTTP encoder
 // service (src/server/). Runs until SIGINT or SIGTERM, then finishes the requests in flight.
 #include "cli/commands.h"
-#include "server/server.h"
+#include "fovea/serve.h"
 
 namespace fovea::cli {
 

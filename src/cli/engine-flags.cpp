@@ -1,4 +1,4 @@
-// The engine flags (design.md §5), registered the same way on every subcommand that runs a model
+// The engine flags (docs/architecture.md §Engine configuration), registered the same way on every subcommand that runs a model
 // (validation lives in fovea::resolve_engine, not here), and the preprocessing budget flags.
 #include "cli/commands.h"
 

@@ -4,7 +4,7 @@
 #include <cudnn.h>
 #endif
 
-#include "fovea/engine.h"
+#include "fovea/system.h"
 
 namespace fovea {
 

@@ -1,5 +1,5 @@
 // What the machine offers, in a build without CUDA: no GPUs.
-#include "fovea/engine.h"
+#include "fovea/system.h"
 
 namespace fovea {
 

@@ -1,4 +1,4 @@
-// The scale book: dynamic, static and calibrating FP8 scales for every attention layer (design.md §2).
+// The scale book: dynamic, static and calibrating FP8 scales for every attention layer (docs/fp8.md §Scale book).
 #include <algorithm>
 #include <cmath>
 

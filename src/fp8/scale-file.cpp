@@ -1,4 +1,4 @@
-// Scale files: read, validate and write the per-layer FP8 Q/K/V scales (design.md §2).
+// Scale files: read, validate and write the per-layer FP8 Q/K/V scales (docs/fp8.md §Scale file).
 // The format is vLLM's: a flat object of layer prefixes, or the same under "layers"; values are
 // dequantization scales. Every error names the file, the layer and the problem.
 #include <algorithm>

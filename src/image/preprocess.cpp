@@ -1,4 +1,4 @@
-// smart_resize, the antialiased bicubic resize, normalization and patchify (spec §2.2-§2.5).
+// smart_resize, the antialiased bicubic resize, normalization and patchify (docs/encoder.md §smart_resize to §Patchify).
 #include <algorithm>
 #include <cctype>
 #include <cmath>
@@ -278,7 +278,7 @@ Patches patchify(const Rgb8& img, const PreprocessConfig& cfg) {
               for (int py = 0; py < P; ++py)
                 for (int px = 0; px < P; ++px) {
                   // transformers fuses rescale into normalize: (x - mean*255) / (std*255) in float32
-                  // ((x - 127.5) / 127.5 for the shipped values; spec §2.3).
+                  // ((x - 127.5) / 127.5 for the shipped values; docs/encoder.md §Normalization).
                   const float v = img.data[(size_t(y0 + py) * img.width + x0 + px) * 3 + c];
                   dst[((c * T + t) * P + py) * P + px] = (v - cfg.mean[c] * 255.0f) / (cfg.std[c] * 255.0f);
                 }

@@ -5,7 +5,6 @@
 
 #include <fmt/format.h>
 
-#include "cli/run-encoder.h"
 
 namespace fovea::server {
 
@@ -32,14 +31,14 @@ Batcher::Batcher(const qwen3vl::Model& model, const EngineConfig& cfg, size_t ma
 
 Batcher::~Batcher() { stop(); }
 
-std::shared_ptr<Job> Batcher::submit(std::vector<ImageInput> images, bool deepstack, std::string& refused) {
+std::shared_ptr<Job> Batcher::submit(std::vector<image::Patches> images, bool deepstack, std::string& refused) {
   auto job = std::make_shared<Job>();
   job->deepstack = deepstack;
   job->outputs.resize(images.size());
   job->images = std::move(images);
   job->submitted = Clock::now();
   int64_t tokens = 0;
-  for (const auto& im : job->images) tokens += cli::image_tokens(model_.config, im.grid);
+  for (const auto& im : job->images) tokens += image_tokens(model_.config, im.grid);
   {
     std::lock_guard lk(mu_);
     if (stopping_) {
@@ -93,7 +92,7 @@ int64_t Batcher::queued_tokens() const {
   int64_t tokens = 0;
   for (const auto& job : queue_)
     if (!job->abandoned && job->error.empty())
-      for (size_t i = job->next; i < job->images.size(); ++i) tokens += cli::image_tokens(model_.config, job->images[i].grid);
+      for (size_t i = job->next; i < job->images.size(); ++i) tokens += image_tokens(model_.config, job->images[i].grid);
   return tokens;
 }
 
@@ -106,7 +105,7 @@ std::vector<Batcher::Slot> Batcher::take_batch() {
       queue_.pop_front();
       continue;
     }
-    const int64_t t = cli::image_tokens(model_.config, job->images[job->next].grid);
+    const int64_t t = image_tokens(model_.config, job->images[job->next].grid);
     if (!batch.empty() && tokens + t > max_batch_tokens_) break;
     batch.push_back({job, job->next++});
     tokens += t;
@@ -116,7 +115,7 @@ std::vector<Batcher::Slot> Batcher::take_batch() {
 }
 
 void Batcher::worker(std::promise<void>& ready) {
-  std::optional<cli::EncoderRunner> runner;
+  std::optional<EncoderRunner> runner;
   try {
     runner.emplace(model_, cfg_);
   } catch (...) {
@@ -136,30 +135,24 @@ void Batcher::worker(std::promise<void>& ready) {
   }
 }
 
-void Batcher::run_batch(cli::EncoderRunner& runner, const std::vector<Slot>& batch) {
+void Batcher::run_batch(EncoderRunner& runner, const std::vector<Slot>& batch) {
   // The worker alone reads images and writes outputs of the slots it took; waiters read outputs
   // only after seeing `done` reach the image count under the mutex.
-  std::vector<float> pixels;
-  std::vector<qwen3vl::GridThw> grids;
+  Batch packed;
   size_t floats = 0;
   bool deepstack = false;
   for (const Slot& s : batch) {
     floats += s.job->images[s.index].pixels.size();
     deepstack = deepstack || s.job->deepstack;
   }
-  pixels.reserve(floats);
-  for (const Slot& s : batch) {
-    ImageInput& in = s.job->images[s.index];
-    pixels.insert(pixels.end(), in.pixels.begin(), in.pixels.end());
-    grids.push_back(in.grid);
-    in.pixels = {};  // the request keeps no second copy
-  }
+  packed.pixels.reserve(floats);
+  for (const Slot& s : batch) packed.add(std::move(s.job->images[s.index]));  // the request keeps no second copy
 
   const Clock::time_point start = Clock::now();
   std::string error;
-  cli::EncoderOutputs out;
+  std::vector<ImageTensors> out;
   try {
-    out = runner.run(pixels, grids, deepstack);
+    out = split_images(runner.run(packed, deepstack), packed.grids, model_.config);
     nonfinite_ = runner.nonfinite_amax();
   } catch (const std::exception& e) {
     error = e.what();
@@ -168,25 +161,16 @@ void Batcher::run_batch(cli::EncoderRunner& runner, const std::vector<Slot>& bat
   }
   const double forward_ms = ms_between(start, Clock::now());
 
-  int64_t batch_tokens = 0;
-  for (const auto& g : grids) batch_tokens += cli::image_tokens(model_.config, g);
+  const int64_t batch_tokens = packed.tokens(model_.config);
   if (error.empty()) {
-    const size_t O = size_t(model_.config.out_hidden);
-    size_t row = 0;
     for (size_t i = 0; i < batch.size(); ++i) {
-      const size_t tokens = size_t(cli::image_tokens(model_.config, grids[i]));
       ImageOutput& o = batch[i].job->outputs[batch[i].index];
-      const auto rows = [&](const std::vector<float>& v) {
-        return std::vector<float>(v.begin() + long(row * O), v.begin() + long((row + tokens) * O));
-      };
-      o.merged = rows(out.merged);
-      if (batch[i].job->deepstack)
-        for (const auto& d : out.deepstack) o.deepstack.push_back(rows(d));
+      o.tensors = std::move(out[i]);
+      if (!batch[i].job->deepstack) o.tensors.deepstack.clear();
       o.queue_ms = ms_between(batch[i].job->submitted, start);
       o.forward_ms = forward_ms;
       o.batch_images = int(batch.size());
       o.batch_tokens = batch_tokens;
-      row += tokens;
     }
     forwards_ += 1;
     images_ += batch.size();

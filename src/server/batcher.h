@@ -1,5 +1,5 @@
 // The batching worker of `fovea serve`: a bounded queue of requests and one thread that owns the
-// encoder (EncoderRunner: created on that thread, used by it alone) and packs the images of queued
+// encoder (fovea/pipeline.h's EncoderRunner: created on that thread, used by it alone) and packs the images of queued
 // requests, first come first served, into one varlen forward of at most max_batch_tokens visual
 // tokens. An image is never split; one larger than the limit runs alone. A request's images may
 // spread over several forwards. A forward that throws fails only the requests in it.
@@ -17,24 +17,16 @@
 #include <vector>
 
 #include "fovea/engine.h"
+#include "fovea/image.h"
 #include "fovea/model.h"
-
-namespace fovea::cli {
-class EncoderRunner;
-}
+#include "fovea/pipeline.h"
 
 namespace fovea::server {
 
 using Clock = std::chrono::steady_clock;
 
-struct ImageInput {
-  std::vector<float> pixels;  // [t*h*w, patch_dim], as image::preprocess gives them
-  qwen3vl::GridThw grid{};
-};
-
 struct ImageOutput {
-  std::vector<float> merged;                  // [tokens, out_hidden]
-  std::vector<std::vector<float>> deepstack;  // each [tokens, out_hidden]
+  ImageTensors tensors;                       // deepstack only if the job asked for it
   double queue_ms = 0;                        // submit -> start of its forward
   double forward_ms = 0;                      // the whole forward it was part of
   int batch_images = 0;                       // images in that forward
@@ -43,7 +35,7 @@ struct ImageOutput {
 
 // One request in the queue. The worker writes outputs; the waiting thread reads them once done.
 struct Job {
-  std::vector<ImageInput> images;
+  std::vector<image::Patches> images;  // as image::preprocess gives them; emptied into the forward
   std::vector<ImageOutput> outputs;
   Clock::time_point submitted;
   bool deepstack = false;  // the client asked for the deepstack features
@@ -65,7 +57,7 @@ class Batcher {
   // waiting, if its visual tokens would take the queue past max_queue_tokens (an empty queue takes
   // any request), or if the worker stopped. The deepstack features are copied back from the device
   // only for forwards with a job that asked for them (each is as large as the visual tokens).
-  std::shared_ptr<Job> submit(std::vector<ImageInput> images, bool deepstack, std::string& refused);
+  std::shared_ptr<Job> submit(std::vector<image::Patches> images, bool deepstack, std::string& refused);
 
   enum class Wait { DONE, FAILED, TIMED_OUT };
   // Blocks until the job is done, failed (`error` says why), or the deadline passed (the job is
@@ -92,7 +84,7 @@ class Batcher {
   void worker(std::promise<void>& ready);
   std::vector<Slot> take_batch();  // with mu_ held
   int64_t queued_tokens() const;   // with mu_ held: visual tokens of the images not yet taken
-  void run_batch(cli::EncoderRunner& runner, const std::vector<Slot>& batch);
+  void run_batch(EncoderRunner& runner, const std::vector<Slot>& batch);
 
   const qwen3vl::Model& model_;
   const EngineConfig cfg_;

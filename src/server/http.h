@@ -31,22 +31,14 @@
 #include <string_view>
 #include <vector>
 
+#include "fovea/serve.h"
+
 namespace fovea::server::http {
 
 using Clock = std::chrono::steady_clock;
 
-struct Limits {
-  size_t max_header_bytes = 16 << 10;          // request line + header fields + CRLFs
-  size_t max_header_fields = 100;
-  size_t max_body_bytes = size_t(64) << 20;    // one request's body, any transfer encoding
-  size_t max_body_bytes_in_flight = size_t(1) << 30;  // bodies being read or handled, all connections
-  double header_timeout_s = 10;                // first byte of a request -> end of its head
-  double body_timeout_s = 60;                  // end of the head -> end of the body
-  double keep_alive_timeout_s = 5;             // idle between requests, then closed
-  double write_timeout_s = 60;                 // writing one reply
-  double shutdown_grace_s = 1;                 // on shutdown: how long requests still arriving get 503
-  size_t max_connections = 1024;               // more are answered 503 and closed
-};
+using Limits = HttpLimits;  // fovea/serve.h: they are serve's flags
+
 
 struct Header {
   std::string name, value;

@@ -91,7 +91,7 @@ std::string Metrics::render(const std::string& model, const EngineConfig& engine
   out += fmt::format("fovea_fp8_scale_mode{{mode=\"{}\"}} 1\n",
                      engine.scale_mode ? scale_mode_name(*engine.scale_mode) : "none");
   sample(out, "fovea_fp8_nonfinite_amax_total", "counter",
-         "Non-finite amax values the FP8 scale book ignored, all layers (design.md 2).",
+         "Non-finite amax values the FP8 scale book ignored, all layers (docs/fp8.md §Dynamic scaling).",
          batcher.nonfinite_amax());
   return out;
 }

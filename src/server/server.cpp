@@ -2,7 +2,7 @@
 // (http.h) reads a request; its body is handled on a worker thread: parse the JSON (request.h),
 // decode and preprocess its images (in parallel, within the decode-memory budget), queue them for
 // the batching worker, wait (bounded), reply.
-#include "server/server.h"
+#include "fovea/serve.h"
 
 #include <signal.h>
 
@@ -15,11 +15,11 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
-#include "cli/run-encoder.h"
 #include "fovea/bf16.h"
 #include "fovea/error.h"
 #include "fovea/image.h"
 #include "fovea/json.h"
+#include "fovea/pipeline.h"
 #include "fovea/safetensors.h"
 #include "fovea/threads.h"
 #include "server/base64.h"
@@ -50,64 +50,64 @@ const char* error_type(int status) {
 // ---- decoding -------------------------------------------------------------------------------------
 
 struct Decoded {
-  std::vector<ImageInput> images;
+  std::vector<image::Patches> images;
   std::vector<double> decode_ms, preprocess_ms;
 };
 
-// Base64 -> image -> patches for every image, in parallel; the first failing image (by index) is the
-// request's error, naming it. Each image reserves the memory it will take to decode and preprocess
-// (from its header) before a pixel is decoded, waiting for room until the request's deadline.
+// Base64 -> image -> patches for every image, in parallel (prepare_images); the first failing image
+// (by index) is the request's error, naming it. Each image reserves the memory it will take to
+// decode and preprocess (from its header) before a pixel is decoded, waiting for room until the
+// request's deadline, and gives it back once preprocessed.
 Decoded decode_images(EncodeRequest& r, const image::PreprocessConfig& pcfg, ByteBudget& budget,
                       Clock::time_point deadline) {
   const size_t n = r.payloads.size();
-  Decoded d{std::vector<ImageInput>(n), std::vector<double>(n), std::vector<double>(n)};
-  std::vector<std::optional<ApiError>> errors(n);
-  parallel_for(int64_t(n), [&](int64_t k) {
-    const size_t i = size_t(k);
-    const std::string name = fmt::format("images[{}]", i);
+  std::vector<int64_t> held(n, 0);
+  const auto name_of = [](size_t i) { return fmt::format("images[{}]", i); };
+  const auto decode = [&](size_t i) {
+    const std::string name = name_of(i);
     std::vector<uint8_t> bytes;
     try {
       bytes = base64_decode(r.payloads[i], name);
       std::string().swap(r.payloads[i]);
     } catch (const Error& e) {
-      errors[i] = ApiError{400, "invalid_base64", e.what()};
-      return;
+      throw ApiError{400, "invalid_base64", e.what()};
     }
-    int64_t held = 0;
-    try {
-      const auto t = Clock::now();
-      const image::ImageInfo info = image::probe(bytes, name, pcfg);
-      const int64_t need = image::decode_peak_bytes(info, pcfg);
-      if (need > budget.capacity()) {
-        errors[i] = ApiError{400, "invalid_image",
-                             fmt::format("image '{}': {}x{} needs {} bytes to decode, more than the server's {} "
-                                         "(--max-decode-bytes)", name, info.width, info.height, need, budget.capacity())};
-        return;
+    const image::ImageInfo info = image::probe(bytes, name, pcfg);
+    const int64_t need = image::decode_peak_bytes(info, pcfg);
+    if (need > budget.capacity())
+      throw ApiError{400, "invalid_image",
+                     fmt::format("image '{}': {}x{} needs {} bytes to decode, more than the server's {} "
+                                 "(--max-decode-bytes)", name, info.width, info.height, need, budget.capacity())};
+    if (!budget.acquire(need, deadline))
+      throw ApiError{503, "server_busy",
+                     fmt::format("image '{}': no room to decode it before the request's deadline (the "
+                                 "server's images being decoded hold {} of {} bytes, --max-decode-bytes)",
+                                 name, budget.used(), budget.capacity())};
+    held[i] = need;
+    return image::decode_memory(bytes, name, pcfg);
+  };
+  const auto release = [&](size_t i) {
+    if (held[i]) budget.release(held[i]);
+  };
+  std::vector<PreparedImage> prepared = prepare_images(n, decode, pcfg, release);
+  Decoded d;
+  for (size_t i = 0; i < n; ++i) {
+    PreparedImage& p = prepared[i];
+    if (p.error) {
+      try {
+        std::rethrow_exception(p.error);
+      } catch (const ApiError&) {
+        throw;
+      } catch (const Error& e) {
+        const std::string what = e.what();  // decode errors name the image, preprocess errors do not
+        const std::string name = name_of(i);
+        throw ApiError{400, "invalid_image", what.find(name) != std::string::npos ? what : fmt::format("image '{}': {}", name, what)};
       }
-      if (!budget.acquire(need, deadline)) {
-        errors[i] = ApiError{503, "server_busy",
-                             fmt::format("image '{}': no room to decode it before the request's deadline (the "
-                                         "server's images being decoded hold {} of {} bytes, --max-decode-bytes)",
-                                         name, budget.used(), budget.capacity())};
-        return;
-      }
-      held = need;
-      const image::Rgb8 img = image::decode_memory(bytes, name, pcfg);
-      std::vector<uint8_t>().swap(bytes);
-      d.decode_ms[i] = ms_since(t);
-      const auto t2 = Clock::now();
-      image::Patches p = image::preprocess(img, pcfg);
-      d.images[i] = {std::move(p.pixels), p.grid};
-      d.preprocess_ms[i] = ms_since(t2);
-    } catch (const Error& e) {
-      const std::string what = e.what();  // decode errors name the image, preprocess errors do not
-      const bool named = what.find(name) != std::string::npos;
-      errors[i] = ApiError{400, "invalid_image", named ? what : fmt::format("image '{}': {}", name, what)};
     }
-    if (held) budget.release(held);
-  });
-  for (const auto& e : errors)
-    if (e) throw *e;
+    d.images.push_back(std::move(p.patches));
+    d.decode_ms.push_back(p.decode_ms);
+    d.preprocess_ms.push_back(p.preprocess_ms);
+  }
   return d;
 }
 
@@ -152,12 +152,12 @@ std::string json_reply(const Context& c, const EncodeRequest& r, const Decoded& 
     const qwen3vl::GridThw& g = job.images[i].grid;
     json item = {{"index", i},
                  {"grid_thw", g},
-                 {"num_tokens", cli::image_tokens(c.model.config, g)},
+                 {"num_tokens", image_tokens(c.model.config, g)},
                  {"hidden_size", O},
-                 {"embeddings", values(o.merged, r.as_base64)}};
+                 {"embeddings", values(o.tensors.merged, r.as_base64)}};
     if (r.deepstack) {
       item["deepstack"] = json::array();
-      for (const auto& ds : o.deepstack) item["deepstack"].push_back(values(ds, r.as_base64));
+      for (const auto& ds : o.tensors.deepstack) item["deepstack"].push_back(values(ds, r.as_base64));
     }
     item["timings_ms"] = timings(d, o, i);
     item["batch"] = {{"images", o.batch_images}, {"tokens", o.batch_tokens}};
@@ -174,18 +174,13 @@ std::string json_reply(const Context& c, const EncodeRequest& r, const Decoded& 
 
 // The safetensors file `fovea encode -o` writes for these images (fp32 tensors; deepstack only if
 // asked for), with the per-image timings in the metadata.
-std::string safetensors_reply(const Context& c, const EncodeRequest& r, const Decoded& d, const Job& job) {
+std::string safetensors_reply(const Context& c, const Decoded& d, const Job& job) {
   std::vector<TensorToWrite> tensors;
   std::map<std::string, std::string> meta = {
       {"model", c.opt.model}, {"dtype", dtype_name(c.engine.dtype)}, {"device", device_name(c.engine.device)}};
   for (size_t i = 0; i < job.outputs.size(); ++i) {
     const ImageOutput& o = job.outputs[i];
-    std::vector<const float*> ds;
-    if (r.deepstack)
-      for (const auto& v : o.deepstack) ds.push_back(v.data());
-    const qwen3vl::GridThw& g = job.images[i].grid;
-    cli::append_image_tensors(tensors, i, g, cli::image_tokens(c.model.config, g), c.model.config.out_hidden,
-                              o.merged.data(), ds);
+    append_image_tensors(tensors, i, job.images[i].grid, c.model.config, o.tensors);
     meta[fmt::format("image.{}.timings_ms", i)] = dump(timings(d, o, i));
   }
   return safetensors_bytes("reply", tensors, meta);
@@ -225,7 +220,7 @@ http::Response encode(Context& c, http::Request& req) {
       break;
   }
   if (req.header("accept").find("application/octet-stream") != std::string_view::npos)
-    return {200, "application/octet-stream", safetensors_reply(c, r, d, *job), {}};
+    return {200, "application/octet-stream", safetensors_reply(c, d, *job), {}};
   return {200, "application/json", json_reply(c, r, d, *job, ms_since(t0)), {}};
 }
 

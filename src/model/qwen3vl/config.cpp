@@ -74,7 +74,7 @@ VisionConfig parse_config(std::string_view text, const std::string& where) {
     return j.is_number_integer() && j.get<int64_t>() >= INT_MIN && j.get<int64_t>() <= INT_MAX;
   };
   auto get = [&](const char* key, int& dst) {
-    if (!v.contains(key)) return;  // class defaults (spec §1.1) apply
+    if (!v.contains(key)) return;  // class defaults (docs/encoder.md §Vision config) apply
     if (!fits_int(v.at(key)))
       fail("{}: vision_config.{} is {}, not an integer in the supported range", where, key, quote_for_error(v.at(key)));
     dst = v.at(key).get<int>();

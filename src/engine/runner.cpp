@@ -1,14 +1,14 @@
-// EncoderRunner: the CPU or GPU encoder forward the engine configuration selects.
-#include "cli/run-encoder.h"
-
+// EncoderRunner (fovea/pipeline.h): the CPU or GPU encoder forward the engine configuration selects.
 #include <chrono>
-#include <cstring>
 
-#include "cli/bench-cuda.h"
 #include "fovea/encoder.h"
 #include "fovea/error.h"
+#include "fovea/pipeline.h"
+#if FOVEA_HAVE_CUDA
+#include "fovea/cuda-support.h"
+#endif
 
-namespace fovea::cli {
+namespace fovea {
 
 struct EncoderRunner::Gpu {
 #if FOVEA_HAVE_CUDA
@@ -30,8 +30,9 @@ EncoderRunner::EncoderRunner(const qwen3vl::Model& m, const EngineConfig& cfg) :
 
 EncoderRunner::~EncoderRunner() = default;
 
-EncoderOutputs EncoderRunner::run(const std::vector<float>& pixels, const std::vector<qwen3vl::GridThw>& grids,
-                                  bool with_deepstack) {
+EncoderOutputs EncoderRunner::run(const Batch& batch, bool with_deepstack) {
+  const std::vector<float>& pixels = batch.pixels;
+  const std::vector<qwen3vl::GridThw>& grids = batch.grids;
   EncoderOutputs out;
   using clock = std::chrono::steady_clock;
   auto t = clock::now();
@@ -55,14 +56,14 @@ EncoderOutputs EncoderRunner::run(const std::vector<float>& pixels, const std::v
 #if FOVEA_HAVE_CUDA
   auto& enc = gpu_->enc;
   enc.plan(grids);
-  BENCH_CUDA(cudaDeviceSynchronize());
+  FOVEA_CUDA_CHECK(cudaDeviceSynchronize());
   timings_.plan = lap();
   enc.upload_pixels(pixels, nullptr);
-  BENCH_CUDA(cudaDeviceSynchronize());
+  FOVEA_CUDA_CHECK(cudaDeviceSynchronize());
   timings_.upload = lap();
   enc.forward(nullptr);
   enc.after_forward(nullptr);
-  BENCH_CUDA(cudaDeviceSynchronize());
+  FOVEA_CUDA_CHECK(cudaDeviceSynchronize());
   timings_.forward = lap();
   out.merged = enc.merged(nullptr);
   if (with_deepstack) out.deepstack = enc.deepstack(nullptr);
@@ -81,27 +82,4 @@ uint64_t EncoderRunner::nonfinite_amax() {
   return n;
 }
 
-int64_t image_tokens(const qwen3vl::VisionConfig& c, const qwen3vl::GridThw& g) {
-  return int64_t(g[0]) * g[1] * g[2] / (int64_t(c.merge) * c.merge);
-}
-
-namespace {
-TensorToWrite f32_tensor(const std::string& name, std::vector<int64_t> shape, const float* data, size_t n) {
-  TensorToWrite t{name, DType::F32, std::move(shape), std::vector<uint8_t>(n * 4)};
-  std::memcpy(t.bytes.data(), data, n * 4);
-  return t;
-}
-}  // namespace
-
-void append_image_tensors(std::vector<TensorToWrite>& out, size_t j, const qwen3vl::GridThw& g, int64_t tokens,
-                          int out_hidden, const float* merged, const std::vector<const float*>& deepstack) {
-  const std::string p = "image." + std::to_string(j);
-  const size_t n = size_t(tokens) * size_t(out_hidden);
-  out.push_back(f32_tensor(p + ".embeddings", {tokens, out_hidden}, merged, n));
-  for (size_t k = 0; k < deepstack.size(); ++k)
-    out.push_back(f32_tensor(p + ".deepstack." + std::to_string(k), {tokens, out_hidden}, deepstack[k], n));
-  const float gf[3] = {float(g[0]), float(g[1]), float(g[2])};
-  out.push_back(f32_tensor(p + ".grid_thw", {3}, gf, 3));
-}
-
-}  // namespace fovea::cli
+}  // namespace fovea

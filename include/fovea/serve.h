@@ -1,4 +1,5 @@
-// `fovea serve`: the HTTP front end (http.h: Boost.Asio + Beast) over the batching worker (batcher.h).
+// fovea/serve.h: `fovea serve`, an HTTP front end (src/server/http.h: Boost.Asio + Beast) over a
+// batching worker that owns the encoder (src/server/batcher.h).
 //   POST /v1/encode   images (data URLs, base64, or OpenAI image_url content parts) -> visual tokens
 //                     as JSON (bf16 base64 or float lists) or, with Accept: application/octet-stream,
 //                     the safetensors file `fovea encode -o` would write
@@ -13,9 +14,22 @@
 
 #include "fovea/engine.h"
 #include "fovea/image.h"
-#include "server/http.h"
 
 namespace fovea::server {
+
+// The HTTP layer's bounds (--max-header-bytes, --max-body-bytes, the deadlines, ...).
+struct HttpLimits {
+  size_t max_header_bytes = 16 << 10;          // request line + header fields + CRLFs
+  size_t max_header_fields = 100;
+  size_t max_body_bytes = size_t(64) << 20;    // one request's body, any transfer encoding
+  size_t max_body_bytes_in_flight = size_t(1) << 30;  // bodies being read or handled, all connections
+  double header_timeout_s = 10;                // first byte of a request -> end of its head
+  double body_timeout_s = 60;                  // end of the head -> end of the body
+  double keep_alive_timeout_s = 5;             // idle between requests, then closed
+  double write_timeout_s = 60;                 // writing one reply
+  double shutdown_grace_s = 1;                 // on shutdown: how long requests still arriving get 503
+  size_t max_connections = 1024;               // more are answered 503 and closed
+};
 
 struct ServeOptions {
   std::string model;  // checkpoint folder or synthetic:<preset>
@@ -29,7 +43,7 @@ struct ServeOptions {
   image::PreprocessOverrides preprocess;        // resize budget (0: the checkpoint's), bomb guard
   double request_timeout_s = 120;               // head read to reply; later gets 504
   int threads = 32;                             // worker threads (each handles one request's body)
-  http::Limits http;                            // the HTTP layer's bounds (--max-body-bytes, deadlines, ...)
+  HttpLimits http;                              // the HTTP layer's bounds (--max-body-bytes, deadlines, ...)
   int64_t max_decode_bytes = int64_t(2) << 30;  // images being decoded and preprocessed; more wait
   EngineOptions engine;
 };

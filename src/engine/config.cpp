@@ -75,7 +75,7 @@ EngineConfig resolve_engine(const EngineOptions& opt, const SystemInfo& sys) {
     cfg.dtype_note = "auto: bf16 (FP8 is chosen only with --mm-encoder-attn-dtype fp8)";
   }
 
-  // FP8 scale options (design.md §2 option errors).
+  // FP8 scale options (docs/fp8.md §Engine options).
   // Checked as the float the scale book keeps (1e-50 or 1e300 pass as a double, not as a float).
   if (!(opt.scale_save_margin > 0) || !(opt.scale_save_margin <= FLT_MAX) || !(float(opt.scale_save_margin) > 0))
     fail("--mm-encoder-fp8-scale-save-margin must be a number > 0, got {}", opt.scale_save_margin);

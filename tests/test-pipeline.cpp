@@ -1,0 +1,156 @@
+// Tests of the pipeline every command and the server share (fovea/pipeline.h): parallel decode +
+// preprocess with errors kept per image, packing, splitting, the per-image tensors, and the CPU
+// encoder run on a packed batch against the same images run one by one.
+#include <atomic>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "fovea/error.h"
+#include "fovea/pipeline.h"
+#include "test-util.h"
+
+using namespace fovea;
+using namespace fovea::test;
+
+namespace {
+
+image::Rgb8 noise_image(int w, int h, unsigned seed) {
+  std::mt19937 r(seed);
+  image::Rgb8 img{w, h, std::vector<uint8_t>(size_t(w) * h * 3), "noise-" + std::to_string(seed)};
+  for (auto& v : img.data) v = uint8_t(r() & 255);
+  return img;
+}
+
+// Sizes that resize to different grids under synthetic:tiny's preprocessing (one per image).
+const std::vector<std::pair<int, int>> kSizes = {{320, 240}, {97, 411}, {256, 256}, {640, 64}, {333, 222}};
+
+}  // namespace
+
+TEST(Pipeline, PrepareImagesKeepsEachImagesErrorAndMatchesPreprocess) {
+  const image::PreprocessConfig cfg = image::load_preprocess_config("synthetic:tiny");
+  std::vector<std::atomic<int>> done(kSizes.size());
+  const auto decode = [&](size_t i) {
+    if (i == 1) fail("image one is corrupt");
+    if (i == 3) return image::Rgb8{0, 0, {}, "empty"};  // preprocess refuses it
+    return noise_image(kSizes[i].first, kSizes[i].second, unsigned(i));
+  };
+  const std::vector<PreparedImage> p = prepare_images(kSizes.size(), decode, cfg, [&](size_t i) { done[i]++; });
+  ASSERT_EQ(p.size(), kSizes.size());
+  for (size_t i = 0; i < kSizes.size(); ++i) {
+    SCOPED_TRACE(i);
+    EXPECT_EQ(done[i].load(), 1);  // exactly once, failed or not
+    if (i == 1 || i == 3) {
+      EXPECT_TRUE(p[i].error);
+      EXPECT_TRUE(p[i].patches.pixels.empty());
+      continue;
+    }
+    ASSERT_FALSE(p[i].error) << p[i].error_message();
+    EXPECT_EQ(p[i].error_message(), "");
+    const image::Patches ref = image::preprocess(noise_image(kSizes[i].first, kSizes[i].second, unsigned(i)), cfg);
+    EXPECT_EQ(p[i].patches.grid, ref.grid);
+    EXPECT_EQ(p[i].patches.pixels, ref.pixels);
+    EXPECT_GE(p[i].decode_ms, 0);
+    EXPECT_GE(p[i].preprocess_ms, 0);
+  }
+  EXPECT_EQ(p[1].error_message(), "image one is corrupt");
+  EXPECT_NE(p[3].error_message(), "");
+}
+
+TEST(Pipeline, BatchPacksAndSplitImagesCutsBackEveryRow) {
+  qwen3vl::VisionConfig c;
+  c.out_hidden = 3;
+  const std::vector<qwen3vl::GridThw> grids = {{1, 2, 4}, {2, 2, 2}, {1, 4, 6}};  // 2, 2, 6 tokens
+  Batch b;
+  std::vector<float> expect;
+  for (size_t i = 0; i < grids.size(); ++i) {
+    image::Patches p{std::vector<float>(size_t(grids[i][0] * grids[i][1] * grids[i][2]) * 5, float(i + 1)), grids[i]};
+    expect.insert(expect.end(), p.pixels.begin(), p.pixels.end());
+    b.add(std::move(p));
+    EXPECT_TRUE(p.pixels.empty());  // moved, no second copy
+  }
+  EXPECT_EQ(b.pixels, expect);
+  EXPECT_EQ(b.grids, grids);
+  EXPECT_EQ(b.tokens(c), 10);
+
+  // Rows numbered 0..9, deepstack k = row + 100 k: every image must get exactly its rows.
+  auto make = [&] {
+    EncoderOutputs o;
+    for (int r = 0; r < 10; ++r)
+      for (int j = 0; j < 3; ++j) o.merged.push_back(float(r));
+    o.deepstack = {o.merged, o.merged};
+    for (auto& v : o.deepstack[1]) v += 100;
+    return o;
+  };
+  const std::vector<ImageTensors> parts = split_images(make(), grids, c);
+  ASSERT_EQ(parts.size(), 3u);
+  const int first[3] = {0, 2, 4}, count[3] = {2, 2, 6};
+  for (int i = 0; i < 3; ++i) {
+    ASSERT_EQ(parts[size_t(i)].merged.size(), size_t(count[i] * 3));
+    ASSERT_EQ(parts[size_t(i)].deepstack.size(), 2u);
+    for (int r = 0; r < count[i]; ++r) {
+      EXPECT_EQ(parts[size_t(i)].merged[size_t(r * 3)], float(first[i] + r));
+      EXPECT_EQ(parts[size_t(i)].deepstack[1][size_t(r * 3 + 2)], float(first[i] + r + 100));
+    }
+  }
+  EncoderOutputs short_by_one = make();
+  short_by_one.merged.resize(27);
+  EXPECT_HAS(error_of([&] { split_images(std::move(short_by_one), grids, c); }), "27 values for 3 images of 10 visual tokens");
+  EncoderOutputs bad_deepstack = make();
+  bad_deepstack.deepstack[0].pop_back();
+  EXPECT_HAS(error_of([&] { split_images(std::move(bad_deepstack), grids, c); }), "deepstack output has 29 values");
+
+  std::vector<TensorToWrite> t;
+  append_image_tensors(t, 2, grids[2], c, parts[2]);
+  ASSERT_EQ(t.size(), 4u);  // embeddings, 2 deepstack, grid
+  EXPECT_EQ(t[0].name, "image.2.embeddings");
+  EXPECT_EQ(t[0].shape, (std::vector<int64_t>{6, 3}));
+  EXPECT_EQ(t[2].name, "image.2.deepstack.1");
+  EXPECT_EQ(t[3].name, "image.2.grid_thw");
+  float g[3];
+  std::memcpy(g, t[3].bytes.data(), sizeof g);
+  EXPECT_EQ(g[0], 1.f);
+  EXPECT_EQ(g[1], 4.f);
+  EXPECT_EQ(g[2], 6.f);
+  EXPECT_HAS(error_of([&] { append_image_tensors(t, 0, grids[0], c, parts[2]); }), "18 embedding values, not 2 x 3");
+}
+
+// Packed attention never crosses images: three images encoded in one batch give, row for row, what
+// each gives alone: exactly in BF16; in FP8 with dynamic scaling, whose scales follow the amax
+// history of earlier batches, closely.
+TEST(Pipeline, PackedBatchMatchesImagesRunAlone) {
+  const qwen3vl::Model model = qwen3vl::load_model("synthetic:tiny");
+  const image::PreprocessConfig cfg = image::load_preprocess_config("synthetic:tiny");
+  const std::vector<PreparedImage> p =
+      prepare_images(3, [](size_t i) { return noise_image(kSizes[i].first, kSizes[i].second, unsigned(40 + i)); }, cfg);
+  for (const char* dtype : {"bf16", "fp8"}) {
+    SCOPED_TRACE(dtype);
+    EngineOptions o;
+    o.device = "cpu";
+    o.dtype = dtype;
+    const EngineConfig e = resolve_engine(o, query_system());
+    EncoderRunner runner(model, e);
+    Batch all;
+    for (const auto& im : p) all.add(image::Patches(im.patches));
+    const std::vector<ImageTensors> packed = split_images(runner.run(all), all.grids, model.config);
+    for (size_t i = 0; i < p.size(); ++i) {
+      Batch one;
+      one.add(image::Patches(p[i].patches));
+      const EncoderOutputs alone = runner.run(one);
+      ASSERT_EQ(alone.merged.size(), size_t(image_tokens(model.config, p[i].patches.grid) * model.config.out_hidden));
+      ASSERT_EQ(packed[i].merged.size(), alone.merged.size());
+      ASSERT_EQ(packed[i].deepstack.size(), alone.deepstack.size());
+      if (std::string(dtype) == "bf16") {
+        EXPECT_EQ(packed[i].merged, alone.merged) << "image " << i;
+      } else {  // dynamic scales follow the batch's amax history: close, not equal
+        const auto err = qwen3vl::embedding_error(packed[i].merged, alone.merged, model.config.out_hidden);
+        EXPECT_LT(err.rel_l2, 0.05) << "image " << i;
+      }
+    }
+    const EncoderOutputs no_ds = runner.run(all, false);
+    EXPECT_TRUE(no_ds.deepstack.empty());
+  }
+}
