@@ -8,7 +8,6 @@
 #include <chrono>
 #include <cstdint>
 #include <filesystem>
-#include <limits>
 #include <string>
 #include <vector>
 
@@ -16,7 +15,6 @@
 #include <nlohmann/json.hpp>
 
 #include "fovea/checked.h"
-#include "fovea/error.h"
 #include "fovea/image.h"
 #include "fovea/io.h"
 #include "fovea/json.h"

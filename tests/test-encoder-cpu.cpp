@@ -6,9 +6,6 @@
 #include <cmath>
 #include <filesystem>
 #include <cstring>
-#include <fstream>
-
-#include "fovea/error.h"
 #include "fovea/model.h"
 #include "fovea/safetensors.h"
 #include "test-util.h"

@@ -1,9 +1,6 @@
 // Tests of engine flag resolution (docs/architecture.md §Engine configuration, docs/fp8.md §Engine
 // options) with hand-built SystemInfo values: no GPU is needed or used.
-#include <algorithm>
-#include <cmath>
 #include <filesystem>
-#include <fstream>
 #include <limits>
 #include <string>
 #include <vector>
@@ -11,7 +8,6 @@
 #include <gtest/gtest.h>
 
 #include "fovea/engine.h"
-#include "fovea/error.h"
 #include "test-util.h"
 
 // EngineOptions are written with designated initializers naming only the flags a test sets; the

@@ -6,7 +6,6 @@
 
 #include <atomic>
 #include <cmath>
-#include <thread>
 #include <vector>
 
 #include "fovea/bf16.h"

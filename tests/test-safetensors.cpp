@@ -12,7 +12,6 @@
 #include <nlohmann/json.hpp>
 
 #include "fovea/bf16.h"
-#include "fovea/error.h"
 #include "fovea/io.h"
 #include "fovea/safetensors.h"
 #include "test-util.h"

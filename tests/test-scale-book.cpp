@@ -12,8 +12,6 @@
 #include <vector>
 
 #include <gtest/gtest.h>
-
-#include "fovea/error.h"
 #include "test-util.h"
 #include "fovea/io.h"
 #include "fovea/scales.h"

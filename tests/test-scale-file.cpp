@@ -6,9 +6,7 @@
 #include <csignal>
 #include <cfloat>
 #include <cmath>
-#include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <limits>
 #include <random>
 #include <string>

@@ -1,5 +1,5 @@
 // fovea/attention.h: packed varlen ("THD") attention for vision encoders: the backend enum, the batch
-// description, and the CPU reference that is the oracle for every other backend (design.md §3, §7).
+// description, and the CPU reference that is the oracle for every other backend (docs/architecture.md §Engine configuration; docs/fp8.md §Correctness).
 //
 // Layout: q, k, v are [total_tokens, heads, head_dim] views (token and head strides in elements, the
 // last dimension contiguous), so they can be read straight out of a fused qkv [N, 3, H, hd] tensor.
@@ -7,6 +7,7 @@
 // non-causal within each segment and never crosses segments.
 #pragma once
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -64,7 +65,7 @@ enum class RefMode { EXACT, BF16, FP8 };
 const char* ref_mode_name(RefMode m);
 
 // The P (softmax probabilities) quantization scheme of the FP8 kernel, emulated here.
-// Choice (from FlashAttention-3's FP8 path, and the pitfalls in design.md §2):
+// Choice (from FlashAttention-3's FP8 path; docs/fp8.md §P scheme):
 //   - P is computed per KV block relative to the running row max, so p = exp(s - m) is in (0, 1];
 //     it is multiplied by p_scale = 256 before the E4M3 cast (E4M3's top binade is [256, 448), so
 //     p = 1 lands exactly on 256 and small p keep 3 mantissa bits down to 2^-6/256 = 2^-14 before
@@ -137,11 +138,18 @@ class FlashAttention {
   struct Impl;
 
  private:
-  Impl* impl_;
+  std::unique_ptr<Impl> impl_;
 };
 
-// Head dims the FOVEA kernels are built for.
-bool flash_supports_head_dim(int head_dim);
+// Head dims the FOVEA kernels are built for: the one list the kernel dispatch
+// (src/attention/cuda/head-dims.cuh), the tests and the benches iterate.
+inline constexpr int kFlashHeadDims[] = {64, 72, 80, 128};
+
+constexpr bool flash_supports_head_dim(int head_dim) {
+  for (int d : kFlashHeadDims)
+    if (d == head_dim) return true;
+  return false;
+}
 
 }  // namespace cuda
 

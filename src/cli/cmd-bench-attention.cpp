@@ -14,7 +14,9 @@
 #include "fovea/random.h"
 #include "fovea/rope.h"
 
-#include "cli/bench-cuda.h"
+#if FOVEA_HAVE_CUDA
+#include "fovea/cuda-support.h"
+#endif
 
 namespace fovea::cli {
 
@@ -144,36 +146,6 @@ int run_bench(const Args& a) {
 
 #if FOVEA_HAVE_CUDA
 
-// A device buffer that frees itself.
-struct DevBuf {
-  void* p = nullptr;
-  explicit DevBuf(size_t bytes) { BENCH_CUDA(cudaMalloc(&p, bytes)); }
-  ~DevBuf() { cudaFree(p); }
-};
-
-// Median time of fn() over reps launches, after warmup, with CUDA events around each.
-template <class F>
-double median_ms(F&& fn, int warmup, int reps) {
-  for (int i = 0; i < warmup; ++i) fn();
-  cudaEvent_t e0, e1;
-  BENCH_CUDA(cudaEventCreate(&e0));
-  BENCH_CUDA(cudaEventCreate(&e1));
-  std::vector<float> t;
-  for (int i = 0; i < reps; ++i) {
-    BENCH_CUDA(cudaEventRecord(e0));
-    fn();
-    BENCH_CUDA(cudaEventRecord(e1));
-    BENCH_CUDA(cudaEventSynchronize(e1));
-    float ms = 0;
-    BENCH_CUDA(cudaEventElapsedTime(&ms, e0, e1));
-    t.push_back(ms);
-  }
-  cudaEventDestroy(e0);
-  cudaEventDestroy(e1);
-  std::sort(t.begin(), t.end());
-  return t[t.size() / 2];
-}
-
 int run_bench_cuda(const Args& a, const VarlenShape& shape, const std::vector<int>& seqlens,
                    const std::vector<AttnDtype>& dtypes, const std::vector<float>& qkv) {
   const auto backend = parse_backend(a.backend);
@@ -189,10 +161,11 @@ int run_bench_cuda(const Args& a, const VarlenShape& shape, const std::vector<in
   rope_tables_grid(shape, cos, sin);
   std::vector<uint16_t> qkv16(qkv.size());
   for (size_t i = 0; i < qkv.size(); ++i) qkv16[i] = bf16_from_float(qkv[i]);
-  DevBuf d_qkv(qkv16.size() * 2), d_cos(cos.size() * 4), d_sin(sin.size() * 4), d_out(size_t(N * H * hd) * 2);
-  BENCH_CUDA(cudaMemcpy(d_qkv.p, qkv16.data(), qkv16.size() * 2, cudaMemcpyHostToDevice));
-  BENCH_CUDA(cudaMemcpy(d_cos.p, cos.data(), cos.size() * 4, cudaMemcpyHostToDevice));
-  BENCH_CUDA(cudaMemcpy(d_sin.p, sin.data(), sin.size() * 4, cudaMemcpyHostToDevice));
+  cuda::DeviceBuffer<uint16_t> d_qkv(qkv16.size()), d_out(size_t(N * H * hd));
+  cuda::DeviceBuffer<float> d_cos(cos.size()), d_sin(sin.size());
+  FOVEA_CUDA_CHECK(cudaMemcpy(d_qkv.data(), qkv16.data(), d_qkv.bytes(), cudaMemcpyHostToDevice));
+  FOVEA_CUDA_CHECK(cudaMemcpy(d_cos.data(), cos.data(), d_cos.bytes(), cudaMemcpyHostToDevice));
+  FOVEA_CUDA_CHECK(cudaMemcpy(d_sin.data(), sin.data(), d_sin.bytes(), cudaMemcpyHostToDevice));
   std::vector<float> rot = qkv;
   apply_rope_qk(shape, cos, sin, rot);
 
@@ -211,12 +184,13 @@ int run_bench_cuda(const Args& a, const VarlenShape& shape, const std::vector<in
   // Static scales for the benchmark: current scaling of these inputs over all heads (what calibration
   // with margin 1 would give).
   const QkvScales st_all = ScaleBook::dynamic(1).record(0, amax(shape, all(0)), amax(shape, all(1)), amax(shape, all(2)));
-  DevBuf d_fixed(3 * sizeof(float)), d_amax(sizeof(LayerAmax));
+  cuda::DeviceBuffer<float> d_fixed(3);
+  cuda::DeviceBuffer<LayerAmax> d_amax(1);
   const float fixed[3] = {st_all.q, st_all.k, st_all.v};
-  BENCH_CUDA(cudaMemcpy(d_fixed.p, fixed, sizeof fixed, cudaMemcpyHostToDevice));
+  FOVEA_CUDA_CHECK(cudaMemcpy(d_fixed.data(), fixed, sizeof fixed, cudaMemcpyHostToDevice));
   LayerAmax fresh;
   for (auto& t : fresh.t) amax_history_reset(t);
-  BENCH_CUDA(cudaMemcpy(d_amax.p, &fresh, sizeof fresh, cudaMemcpyHostToDevice));
+  FOVEA_CUDA_CHECK(cudaMemcpy(d_amax.data(), &fresh, sizeof fresh, cudaMemcpyHostToDevice));
 
   const GpuInfo& gpu = sys.gpus.at(0);
   fmt::print("fovea bench attention | device cuda ({}) | backend FOVEA | seqlens {} ({} segments, {} tokens) | heads {} | "
@@ -230,22 +204,22 @@ int run_bench_cuda(const Args& a, const VarlenShape& shape, const std::vector<in
     cuda::FlashAttention attn(d, int(H), int(hd));
     attn.plan(shape.cu_seqlens);
     cuda::DeviceScales st_scales, dyn_scales;
-    st_scales.fixed = static_cast<const float*>(d_fixed.p);
-    dyn_scales.dynamic = static_cast<LayerAmax*>(d_amax.p);
-    auto prep = [&](const cuda::DeviceScales& sc) { attn.prepare(d_qkv.p, 3 * H * hd, static_cast<const float*>(d_cos.p), static_cast<const float*>(d_sin.p), sc, nullptr); };
-    const double prep_ms = median_ms([&] { prep(st_scales); }, a.warmup, a.reps);
-    const double prep_dyn_ms = fp8 ? median_ms([&] { prep(dyn_scales); }, a.warmup, a.reps) : prep_ms;
+    st_scales.fixed = d_fixed.data();
+    dyn_scales.dynamic = d_amax.data();
+    auto prep = [&](const cuda::DeviceScales& sc) { attn.prepare(d_qkv.data(), 3 * H * hd, d_cos.data(), d_sin.data(), sc, nullptr); };
+    const double prep_ms = cuda::median_ms([&] { prep(st_scales); }, a.warmup, a.reps);
+    const double prep_dyn_ms = fp8 ? cuda::median_ms([&] { prep(dyn_scales); }, a.warmup, a.reps) : prep_ms;
     prep(st_scales);
-    const double attn_ms = median_ms([&] { attn.attend(d_out.p, nullptr); }, a.warmup, a.reps);
+    const double attn_ms = cuda::median_ms([&] { attn.attend(d_out.data(), nullptr); }, a.warmup, a.reps);
     // Correctness on the static-scale path: poison, run once, compare head 0.
-    BENCH_CUDA(cudaMemset(d_out.p, 0xFF, size_t(N * H * hd) * 2));
+    FOVEA_CUDA_CHECK(cudaMemset(d_out.data(), 0xFF, d_out.bytes()));
     prep(st_scales);
-    attn.attend(d_out.p, nullptr);
-    BENCH_CUDA(cudaDeviceSynchronize());
+    attn.attend(d_out.data(), nullptr);
+    FOVEA_CUDA_CHECK(cudaDeviceSynchronize());
     ErrorStats e{};
     if (check) {
       std::vector<uint16_t> out16(size_t(N * H * hd));
-      BENCH_CUDA(cudaMemcpy(out16.data(), d_out.p, out16.size() * 2, cudaMemcpyDeviceToHost));
+      FOVEA_CUDA_CHECK(cudaMemcpy(out16.data(), d_out.data(), out16.size() * 2, cudaMemcpyDeviceToHost));
       std::vector<double> out(size_t(N * hd));
       for (int64_t t = 0; t < N; ++t)
         for (int64_t i = 0; i < hd; ++i) out[size_t(t * hd + i)] = bf16_to_float(out16[size_t(t * H * hd + i)]);

@@ -2,8 +2,6 @@
 // dynamic scaling on the first images of a folder (16 forwards), then encodes the other images with
 // BF16, FP8-dynamic and FP8-static (the calibrated file) and reports, per image and overall, each
 // FP8 mode's final embeddings against BF16: mean per-token cosine and relative L2 error.
-#include <cmath>
-#include <filesystem>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>

@@ -13,7 +13,9 @@
 #include "fovea/io.h"
 #include "fovea/random.h"
 
-#include "cli/bench-cuda.h"
+#if FOVEA_HAVE_CUDA
+#include "fovea/cuda-support.h"
+#endif
 
 namespace fovea::cli {
 
@@ -29,7 +31,7 @@ struct Args {
   std::string json_path;
 };
 
-// Spec §5: the grids transformers' processor gives these inputs with the shipped defaults.
+// docs/encoder.md §smart_resize: the grids transformers' processor gives these inputs with the shipped defaults.
 const std::vector<std::tuple<std::string, std::string, qwen3vl::GridThw>> kResolutions = {
     {"HD", "720x1280 -> 704x1280", {1, 44, 80}},
     {"FullHD", "1080x1920 -> 1088x1920", {1, 68, 120}},
@@ -71,7 +73,7 @@ int run(const Args& a) {
              std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   fmt::print("{:<7} | {:>7} | {:<12} | {:>10} | {:>8}\n", "res", "tokens", "mode", "median ms", "x bf16");
   cudaStream_t s;
-  BENCH_CUDA(cudaStreamCreate(&s));
+  FOVEA_CUDA_CHECK(cudaStreamCreate(&s));
   nlohmann::ordered_json rows = nlohmann::ordered_json::array();
   for (const auto& [name, desc, grid] : res) {
     const std::vector<qwen3vl::GridThw> grids(size_t(a.images), grid);
@@ -104,26 +106,11 @@ int run(const Args& a) {
       enc.forward(s);  // eager once: cuBLASLt picks algorithms outside the capture
       cudaGraph_t g;
       cudaGraphExec_t exec;
-      BENCH_CUDA(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+      FOVEA_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
       enc.forward(s);
-      BENCH_CUDA(cudaStreamEndCapture(s, &g));
-      BENCH_CUDA(cudaGraphInstantiate(&exec, g, 0));
-      for (int i = 0; i < a.warmup; ++i) BENCH_CUDA(cudaGraphLaunch(exec, s));
-      cudaEvent_t e0, e1;
-      BENCH_CUDA(cudaEventCreate(&e0));
-      BENCH_CUDA(cudaEventCreate(&e1));
-      std::vector<float> times;
-      for (int i = 0; i < a.reps; ++i) {
-        BENCH_CUDA(cudaEventRecord(e0, s));
-        BENCH_CUDA(cudaGraphLaunch(exec, s));
-        BENCH_CUDA(cudaEventRecord(e1, s));
-        BENCH_CUDA(cudaEventSynchronize(e1));
-        float ms = 0;
-        BENCH_CUDA(cudaEventElapsedTime(&ms, e0, e1));
-        times.push_back(ms);
-      }
-      std::sort(times.begin(), times.end());
-      const double med = times[times.size() / 2];
+      FOVEA_CUDA_CHECK(cudaStreamEndCapture(s, &g));
+      FOVEA_CUDA_CHECK(cudaGraphInstantiate(&exec, g, 0));
+      const double med = cuda::median_ms([&] { FOVEA_CUDA_CHECK(cudaGraphLaunch(exec, s)); }, a.warmup, a.reps, s);
       if (mode == "bf16") bf16_ms = med;
       if (mode == "fp8-dynamic") {
         enc.sync_scales(s);
@@ -133,8 +120,6 @@ int run(const Args& a) {
       fmt::print("{:<7} | {:>7} | {:<12} | {:>10.2f} | {:>8}\n", name, n, mode, med, speedup);
       std::fflush(stdout);
       rows.push_back({{"resolution", name}, {"input", desc}, {"images", a.images}, {"tokens", n}, {"mode", mode}, {"median_ms", med}});
-      cudaEventDestroy(e0);
-      cudaEventDestroy(e1);
       cudaGraphExecDestroy(exec);
       cudaGraphDestroy(g);
     }

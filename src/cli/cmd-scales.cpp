@@ -3,7 +3,6 @@
 #include <fmt/format.h>
 
 #include "cli/commands.h"
-#include "fovea/error.h"
 #include "fovea/scales.h"
 
 namespace fovea::cli {

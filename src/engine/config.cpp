@@ -3,7 +3,6 @@
 
 #include <cctype>
 #include <cfloat>
-#include <cmath>
 #include <filesystem>
 
 #include "fovea/error.h"

@@ -15,8 +15,6 @@
 #include <vector>
 
 #include <gif_lib.h>
-
-#include "fovea/checked.h"
 #include "image/decoders.h"
 
 namespace fovea::image::detail {

@@ -21,7 +21,6 @@
 #include "fovea/json.h"
 #include "fovea/pipeline.h"
 #include "fovea/safetensors.h"
-#include "fovea/threads.h"
 #include "server/base64.h"
 #include "server/budget.h"
 #include "server/http.h"

@@ -1,6 +1,6 @@
 // GPU tests of the FOVEA backend (prepare step + Hopper flash attention) against the CPU reference:
-// every head_dim x dtype, ragged packed batches, fresh random inputs, poisoned outputs, the design.md
-// §7 tolerance rule; dynamic FP8 scaling replayed from a CUDA graph against the CPU scale book.
+// every head_dim x dtype, ragged packed batches, fresh random inputs, poisoned outputs, the tolerance
+// rule of docs/fp8.md §Correctness; dynamic FP8 scaling replayed from a CUDA graph against the CPU scale book.
 // Label `gpu`: runs on the GPU machine.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
@@ -11,17 +11,12 @@
 
 #include "fovea/attention.h"
 #include "fovea/bf16.h"
+#include "fovea/cuda-support.h"
 #include "fovea/random.h"
 #include "fovea/rope.h"
 #include "fovea/scales.h"
 
 using namespace fovea;
-
-#define CUDA_OK(x)                                                                 \
-  do {                                                                             \
-    const cudaError_t e_ = (x);                                                    \
-    ASSERT_EQ(e_, cudaSuccess) << #x << ": " << cudaGetErrorString(e_);            \
-  } while (0)
 
 namespace {
 
@@ -31,21 +26,18 @@ uint64_t fresh_seed() {
   return s;
 }
 
+using cuda::DeviceBuffer;
+
 template <class T>
-struct DeviceBuf {
-  T* p = nullptr;
-  size_t n = 0;
-  explicit DeviceBuf(size_t count) : n(count) {
-    if (cudaMalloc(&p, count * sizeof(T)) != cudaSuccess) throw std::runtime_error("cudaMalloc failed");
-  }
-  ~DeviceBuf() { cudaFree(p); }
-  void upload(const std::vector<T>& h) { cudaMemcpy(p, h.data(), n * sizeof(T), cudaMemcpyHostToDevice); }
-  std::vector<T> download() const {
-    std::vector<T> h(n);
-    cudaMemcpy(h.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost);
-    return h;
-  }
-};
+void upload(DeviceBuffer<T>& d, const std::vector<T>& h) {
+  FOVEA_CUDA_CHECK(cudaMemcpy(d.data(), h.data(), d.bytes(), cudaMemcpyHostToDevice));
+}
+template <class T>
+std::vector<T> download(const DeviceBuffer<T>& d) {
+  std::vector<T> h(d.count());
+  FOVEA_CUDA_CHECK(cudaMemcpy(h.data(), d.data(), d.bytes(), cudaMemcpyDeviceToHost));
+  return h;
+}
 
 // One random problem: fused qkv (bf16 values), RoPE tables of a 2D grid, and the rotated q, k in fp32
 // exactly as prepare() computes them (unfused multiply and add).
@@ -82,17 +74,17 @@ struct Problem {
 
 // Device copies of a problem's inputs and an output buffer.
 struct DeviceProblem {
-  DeviceBuf<uint16_t> qkv;
-  DeviceBuf<float> cos, sin;
-  DeviceBuf<uint16_t> out;
+  DeviceBuffer<uint16_t> qkv;
+  DeviceBuffer<float> cos, sin;
+  DeviceBuffer<uint16_t> out;
   explicit DeviceProblem(const Problem& p)
       : qkv(p.qkv.size()), cos(p.cos.size()), sin(p.sin.size()), out(size_t(p.shape.total_tokens()) * p.shape.heads * p.shape.head_dim) {
-    qkv.upload(p.qkv_bf16());
-    cos.upload(p.cos);
-    sin.upload(p.sin);
+    upload(qkv, p.qkv_bf16());
+    upload(cos, p.cos);
+    upload(sin, p.sin);
   }
   std::vector<double> output() const {
-    const auto h = out.download();
+    const auto h = download(out);
     std::vector<double> d(h.size());
     for (size_t i = 0; i < h.size(); ++i) d[i] = bf16_to_float(h[i]);
     return d;
@@ -106,18 +98,18 @@ std::string fmt_name(int hd, AttnDtype d, const char* what) {
 
 // One layer's dynamic-scaling state in device memory, starting from an empty ring.
 struct DynamicScales {
-  DeviceBuf<LayerAmax> buf{1};
+  DeviceBuffer<LayerAmax> buf{1};
   DynamicScales() {
     LayerAmax fresh;
     for (auto& t : fresh.t) amax_history_reset(t);
-    buf.upload({fresh});
+    upload(buf, {fresh});
   }
   cuda::DeviceScales scales() const {
     cuda::DeviceScales s;
-    s.dynamic = buf.p;
+    s.dynamic = buf.data();
     return s;
   }
-  LayerAmax download() const { return buf.download()[0]; }
+  LayerAmax download() const { return ::download(buf)[0]; }
 };
 
 struct Checked {
@@ -132,10 +124,10 @@ Checked run_and_check(const Problem& p, AttnDtype dtype) {
   attn.plan(p.shape.cu_seqlens);
   DynamicScales amax;
   const cuda::DeviceScales scales = amax.scales();
-  cudaMemset(d.out.p, 0xFF, d.out.n * 2);  // poison: bf16 NaN
-  attn.prepare(d.qkv.p, 3 * H * hd, d.cos.p, d.sin.p, scales, nullptr);
-  attn.attend(d.out.p, nullptr);
-  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  FOVEA_CUDA_CHECK(cudaMemset(d.out.data(), 0xFF, d.out.bytes()));  // poison: bf16 NaN
+  attn.prepare(d.qkv.data(), 3 * H * hd, d.cos.data(), d.sin.data(), scales, nullptr);
+  attn.attend(d.out.data(), nullptr);
+  FOVEA_CUDA_CHECK(cudaDeviceSynchronize());
   const auto out = d.output();
 
   cpu::RefOptions o;
@@ -156,7 +148,7 @@ Checked run_and_check(const Problem& p, AttnDtype dtype) {
 
 float amax_of(const Problem& p, int w) { return amax(p.shape, p.view(w)); }
 
-// design.md §7: a fast path's error against fp64 is at most 2x the same-precision CPU emulation's,
+// docs/fp8.md §Correctness: a fast path's error against fp64 is at most 2x the same-precision CPU emulation's,
 // plus a small atol; NaN never passes (compare() makes rel_l2 NaN, and NaN <= x is false).
 void expect_within_rule(const Checked& c, const std::string& what) {
   std::printf("%-28s gpu rel %.3e max %.3e | emu rel %.3e max %.3e | gpu-vs-emu rel %.3e\n", what.c_str(),
@@ -198,7 +190,7 @@ TEST_P(FlashAttentionGpu, LongSegmentsMatchReference) {
 }
 
 INSTANTIATE_TEST_SUITE_P(All, FlashAttentionGpu,
-                         ::testing::Combine(::testing::Values(64, 72, 80, 128),
+                         ::testing::Combine(::testing::ValuesIn(cuda::kFlashHeadDims),
                                             ::testing::Values(AttnDtype::BF16, AttnDtype::FP8)),
                          [](const auto& info) {
                            return "hd" + std::to_string(std::get<0>(info.param)) + "_" +
@@ -237,16 +229,16 @@ TEST(FlashAttentionGpuStatic, UsesTheGivenScales) {
   const int64_t H = 2, hd = 72;
   DeviceProblem d(p);
   const QkvScales s = {amax_of(p, 0) / 300.0f, amax_of(p, 1) / 448.0f * 1.5f, amax_of(p, 2) / 200.0f};
-  DeviceBuf<float> fixed(3);
-  fixed.upload({s.q, s.k, s.v});
+  DeviceBuffer<float> fixed(3);
+  upload(fixed, {s.q, s.k, s.v});
   cuda::FlashAttention attn(AttnDtype::FP8, int(H), int(hd));
   attn.plan(p.shape.cu_seqlens);
   cuda::DeviceScales scales;
-  scales.fixed = fixed.p;
-  cudaMemset(d.out.p, 0xFF, d.out.n * 2);
-  attn.prepare(d.qkv.p, 3 * H * hd, d.cos.p, d.sin.p, scales, nullptr);
-  attn.attend(d.out.p, nullptr);
-  CUDA_OK(cudaDeviceSynchronize());
+  scales.fixed = fixed.data();
+  FOVEA_CUDA_CHECK(cudaMemset(d.out.data(), 0xFF, d.out.bytes()));
+  attn.prepare(d.qkv.data(), 3 * H * hd, d.cos.data(), d.sin.data(), scales, nullptr);
+  attn.attend(d.out.data(), nullptr);
+  FOVEA_CUDA_CHECK(cudaDeviceSynchronize());
   expect_within_rule(check_fp8(p, d.output(), s), "static hd72");
 }
 
@@ -263,24 +255,24 @@ TEST(FlashAttentionGpuGraph, DynamicScalingReplays) {
   cuda::FlashAttention attn(AttnDtype::FP8, H, hd);
   attn.plan(p.shape.cu_seqlens);
   cudaStream_t stream;
-  CUDA_OK(cudaStreamCreate(&stream));
+  FOVEA_CUDA_CHECK(cudaStreamCreate(&stream));
   cudaGraph_t graph;
   cudaGraphExec_t exec;
-  CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-  attn.prepare(d.qkv.p, 3 * H * hd, d.cos.p, d.sin.p, scales, stream);
-  attn.attend(d.out.p, stream);
-  CUDA_OK(cudaStreamEndCapture(stream, &graph));
-  CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+  FOVEA_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  attn.prepare(d.qkv.data(), 3 * H * hd, d.cos.data(), d.sin.data(), scales, stream);
+  attn.attend(d.out.data(), stream);
+  FOVEA_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  FOVEA_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
 
   ScaleBook book = ScaleBook::dynamic(1);
   std::mt19937 rng{unsigned(fresh_seed())};
   std::uniform_real_distribution<float> mag(0.25f, 8.0f);
   for (int replay = 0; replay < 20; ++replay) {
     p = Problem(lens, H, hd, rng(), mag(rng));
-    d.qkv.upload(p.qkv_bf16());
-    cudaMemset(d.out.p, 0xFF, d.out.n * 2);
-    CUDA_OK(cudaGraphLaunch(exec, stream));
-    CUDA_OK(cudaStreamSynchronize(stream));
+    upload(d.qkv, p.qkv_bf16());
+    FOVEA_CUDA_CHECK(cudaMemset(d.out.data(), 0xFF, d.out.bytes()));
+    FOVEA_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    FOVEA_CUDA_CHECK(cudaStreamSynchronize(stream));
     const QkvScales s = book.record(0, amax_of(p, 0), amax_of(p, 1), amax_of(p, 2));
     const LayerAmax g = amax.download();
     const LayerAmax& want = book.amax_state()[0];
@@ -303,4 +295,29 @@ TEST(FlashAttentionGpuSmall, SanitizerCase) {
   const Problem p({1, 130, 64}, 2, 72, fresh_seed());
   expect_within_rule(run_and_check(p, AttnDtype::FP8), "small fp8");
   expect_within_rule(run_and_check(p, AttnDtype::BF16), "small bf16");
+}
+
+// fovea/cuda-support.h: a pinned -> device -> pinned round trip on a stream through a moved buffer,
+// a failed allocation that leaves the buffer empty, and the check macro on CUDA and cuBLAS statuses.
+TEST(CudaSupport, BuffersAndChecks) {
+  cuda::PinnedBuffer<int> host(1000), back(1000);
+  for (size_t i = 0; i < host.count(); ++i) host.data()[i] = int(i * 7);
+  DeviceBuffer<int> dev(host.count());
+  cudaStream_t s;
+  FOVEA_CUDA_CHECK(cudaStreamCreate(&s));
+  FOVEA_CUDA_CHECK(cudaMemcpyAsync(dev.data(), host.data(), host.bytes(), cudaMemcpyHostToDevice, s));
+  DeviceBuffer<int> moved = std::move(dev);
+  EXPECT_TRUE(dev.empty());
+  EXPECT_EQ(dev.data(), nullptr);
+  FOVEA_CUDA_CHECK(cudaMemcpyAsync(back.data(), moved.data(), moved.bytes(), cudaMemcpyDeviceToHost, s));
+  FOVEA_CUDA_CHECK(cudaStreamSynchronize(s));
+  cudaStreamDestroy(s);
+  EXPECT_EQ(std::memcmp(host.data(), back.data(), host.bytes()), 0);
+
+  EXPECT_THROW(moved.reset(size_t(1) << 60), Error);
+  EXPECT_TRUE(moved.empty());
+  EXPECT_EQ(moved.data(), nullptr);
+  cudaGetLastError();  // the failed cudaMalloc is the last error: clear it for the tests that follow
+  EXPECT_THROW(FOVEA_CUDA_CHECK(cudaErrorInvalidValue), Error);
+  EXPECT_THROW(FOVEA_CUDA_CHECK(CUBLAS_STATUS_NOT_INITIALIZED), Error);
 }

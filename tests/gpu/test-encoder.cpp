@@ -7,6 +7,7 @@
 #include <cmath>
 #include <random>
 
+#include "fovea/cuda-support.h"
 #include "fovea/encoder.h"
 #include "fovea/random.h"
 
@@ -53,7 +54,7 @@ TEST(EncoderGpu, Bf16AndFp8MatchTheCpuReference) {
     enc.upload_pixels(px, nullptr);
     enc.forward(nullptr);
     enc.after_forward(nullptr);
-    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    FOVEA_CUDA_CHECK(cudaDeviceSynchronize());
     const auto merged = enc.merged(nullptr);
     const auto ds = enc.deepstack(nullptr);
     ASSERT_EQ(ds.size(), ref.deepstack.size());
@@ -88,18 +89,18 @@ TEST(EncoderGpu, GraphReplayEqualsEagerForward) {
     qwen3vl::cuda::Encoder enc(m, o);
     enc.plan(kGrids);
     cudaStream_t s;
-    ASSERT_EQ(cudaStreamCreate(&s), cudaSuccess);
+    FOVEA_CUDA_CHECK(cudaStreamCreate(&s));
     enc.upload_pixels(px, s);
     enc.forward(s);
     const auto eager = enc.merged(s);
     cudaGraph_t g;
     cudaGraphExec_t exec;
-    ASSERT_EQ(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal), cudaSuccess);
+    FOVEA_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
     enc.forward(s);
-    ASSERT_EQ(cudaStreamEndCapture(s, &g), cudaSuccess);
-    ASSERT_EQ(cudaGraphInstantiate(&exec, g, 0), cudaSuccess);
-    for (int r = 0; r < 3; ++r) ASSERT_EQ(cudaGraphLaunch(exec, s), cudaSuccess);
-    ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+    FOVEA_CUDA_CHECK(cudaStreamEndCapture(s, &g));
+    FOVEA_CUDA_CHECK(cudaGraphInstantiate(&exec, g, 0));
+    for (int r = 0; r < 3; ++r) FOVEA_CUDA_CHECK(cudaGraphLaunch(exec, s));
+    FOVEA_CUDA_CHECK(cudaStreamSynchronize(s));
     EXPECT_EQ(enc.merged(s), eager) << dtype_name(dt);
     cudaGraphExecDestroy(exec);
     cudaGraphDestroy(g);

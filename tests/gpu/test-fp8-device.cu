@@ -4,9 +4,10 @@
 #include <cuda_fp8.h>
 #include <gtest/gtest.h>
 
+#include "fovea/cuda-support.h"
 #include "fovea/fp8.h"
 
-#define CUDA_OK(x) ASSERT_EQ((x), cudaSuccess) << #x << ": " << cudaGetErrorString(x)
+using fovea::cuda::DeviceBuffer;
 
 namespace {
 
@@ -24,35 +25,29 @@ __global__ void decode_kernel(float* out) { out[threadIdx.x] = fovea::e4m3_to_fl
 }  // namespace
 
 TEST(Fp8Device, EncodeMatchesHardwareOnEveryFloat) {
-  unsigned long long* bad;
-  unsigned int* first;
-  CUDA_OK(cudaMalloc(&bad, sizeof *bad));
-  CUDA_OK(cudaMalloc(&first, sizeof *first));
-  CUDA_OK(cudaMemset(bad, 0, sizeof *bad));
-  compare_kernel<<<1024, 256>>>(bad, first);
-  CUDA_OK(cudaGetLastError());
-  CUDA_OK(cudaDeviceSynchronize());
+  DeviceBuffer<unsigned long long> bad(1);
+  DeviceBuffer<unsigned int> first(1);
+  FOVEA_CUDA_CHECK(cudaMemset(bad.data(), 0, bad.bytes()));
+  compare_kernel<<<1024, 256>>>(bad.data(), first.data());
+  FOVEA_CUDA_CHECK(cudaGetLastError());
+  FOVEA_CUDA_CHECK(cudaDeviceSynchronize());
   unsigned long long h_bad = 1;
   unsigned int h_first = 0;
-  CUDA_OK(cudaMemcpy(&h_bad, bad, sizeof h_bad, cudaMemcpyDeviceToHost));
-  CUDA_OK(cudaMemcpy(&h_first, first, sizeof h_first, cudaMemcpyDeviceToHost));
+  FOVEA_CUDA_CHECK(cudaMemcpy(&h_bad, bad.data(), sizeof h_bad, cudaMemcpyDeviceToHost));
+  FOVEA_CUDA_CHECK(cudaMemcpy(&h_first, first.data(), sizeof h_first, cudaMemcpyDeviceToHost));
   EXPECT_EQ(h_bad, 0ull) << "first mismatch: float bits 0x" << std::hex << h_first;
-  cudaFree(bad);
-  cudaFree(first);
 }
 
 TEST(Fp8Device, DecodeMatchesHost) {
-  float* d;
-  CUDA_OK(cudaMalloc(&d, 256 * sizeof(float)));
-  CUDA_OK(cudaMemset(d, 0xFF, 256 * sizeof(float)));  // poison
-  decode_kernel<<<1, 256>>>(d);
-  CUDA_OK(cudaGetLastError());
+  DeviceBuffer<float> d(256);
+  FOVEA_CUDA_CHECK(cudaMemset(d.data(), 0xFF, d.bytes()));  // poison
+  decode_kernel<<<1, 256>>>(d.data());
+  FOVEA_CUDA_CHECK(cudaGetLastError());
   float h[256];
-  CUDA_OK(cudaMemcpy(h, d, sizeof h, cudaMemcpyDeviceToHost));
+  FOVEA_CUDA_CHECK(cudaMemcpy(h, d.data(), sizeof h, cudaMemcpyDeviceToHost));
   for (int c = 0; c < 256; ++c) {
     const float ref = fovea::e4m3_to_float(uint8_t(c));
     if (ref != ref) EXPECT_NE(h[c], h[c]) << c;
     else EXPECT_EQ(h[c], ref) << "code " << c;
   }
-  cudaFree(d);
 }

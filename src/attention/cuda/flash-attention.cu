@@ -6,13 +6,12 @@
 #include <cmath>
 #include <mutex>
 
+#include "attention/cuda/head-dims.cuh"
 #include "attention/cuda/kernels.cuh"
 #include "attention/cuda/layout.cuh"
 #include "fovea/attention.h"
 
 namespace fovea::cuda {
-
-bool flash_supports_head_dim(int hd) { return hd == 64 || hd == 72 || hd == 80 || hd == 128; }
 
 namespace {
 
@@ -47,16 +46,11 @@ CUtensorMap tensor_map(void* base, bool fp8, uint64_t d0, uint64_t d1, uint64_t 
   return m;
 }
 
+// Grows dst (it never shrinks) to hold src, then copies src in.
 template <class T>
-void upload(T*& dst, size_t& cap, const std::vector<T>& src) {
-  if (src.size() > cap) {
-    if (dst) cudaFree(dst);
-    dst = nullptr;
-    cap = 0;  // a failed cudaMalloc must not leave a capacity behind for a null pointer
-    FOVEA_CUDA_CHECK(cudaMalloc(&dst, src.size() * sizeof(T)));
-    cap = src.size();
-  }
-  FOVEA_CUDA_CHECK(cudaMemcpy(dst, src.data(), src.size() * sizeof(T), cudaMemcpyHostToDevice));
+void upload(DeviceBuffer<T>& dst, const std::vector<T>& src) {
+  if (src.size() > dst.count()) dst.reset(src.size());
+  FOVEA_CUDA_CHECK(cudaMemcpy(dst.data(), src.data(), src.size() * sizeof(T), cudaMemcpyHostToDevice));
 }
 
 }  // namespace
@@ -68,47 +62,36 @@ struct FlashAttention::Impl {
   int hd_pad = 0;
   int64_t n_pad = 0;
   int num_tiles = 0;
-  int32_t* d_cu = nullptr;
-  int32_t* d_cu_pad = nullptr;
-  int2* d_tiles = nullptr;
-  size_t cap_cu = 0, cap_cu_pad = 0, cap_tiles = 0;
-  void* buf = nullptr;  // q, k and v^t, one allocation
-  size_t cap_buf = 0;
-  unsigned int* d_scratch = nullptr;  // amax scratch [3] + CTA counter
+  DeviceBuffer<int32_t> d_cu, d_cu_pad;
+  DeviceBuffer<int2> d_tiles;
+  DeviceBuffer<uint8_t> buf;  // q, k and v^t, one allocation
+  DeviceBuffer<unsigned int> d_scratch;  // amax scratch [3] + CTA counter
   FlashMaps maps{};
   const float* scale_ptr[3] = {nullptr, nullptr, nullptr};
   bool planned = false, prepared = false;
 
-  void* q() const { return buf; }
-  void* k() const { return static_cast<uint8_t*>(buf) + qk_bytes(); }
-  void* vt() const { return static_cast<uint8_t*>(buf) + 2 * qk_bytes(); }
+  void* q() const { return buf.data(); }
+  void* k() const { return buf.data() + qk_bytes(); }
+  void* vt() const { return buf.data() + 2 * qk_bytes(); }
   size_t es() const { return fp8 ? 1 : 2; }
   size_t qk_bytes() const { return size_t(shape.heads) * n_pad * hd_pad * es(); }
   size_t v_bytes() const { return size_t(shape.heads) * shape.head_dim * n_pad * es(); }
 };
 
-FlashAttention::FlashAttention(AttnDtype dtype, int heads, int head_dim) : impl_(new Impl) {
+FlashAttention::FlashAttention(AttnDtype dtype, int heads, int head_dim) : impl_(std::make_unique<Impl>()) {
   if (dtype != AttnDtype::BF16 && dtype != AttnDtype::FP8) fail_cat("FOVEA attention: dtype must be bf16 or fp8");
-  if (!flash_supports_head_dim(head_dim))
-    fail_cat("FOVEA attention: head_dim ", head_dim, " is not supported (64, 72, 80, 128)");
+  if (!flash_supports_head_dim(head_dim)) fail_head_dim(head_dim);
   if (heads <= 0) fail_cat("FOVEA attention: heads must be > 0, got ", heads);
   impl_->dtype = dtype;
   impl_->fp8 = dtype == AttnDtype::FP8;
   impl_->shape.heads = heads;
   impl_->shape.head_dim = head_dim;
   impl_->hd_pad = layout::head_dim_pad(head_dim, impl_->fp8);
-  FOVEA_CUDA_CHECK(cudaMalloc(&impl_->d_scratch, 4 * sizeof(unsigned int)));
-  FOVEA_CUDA_CHECK(cudaMemset(impl_->d_scratch, 0, 4 * sizeof(unsigned int)));
+  impl_->d_scratch.reset(4);
+  FOVEA_CUDA_CHECK(cudaMemset(impl_->d_scratch.data(), 0, impl_->d_scratch.bytes()));
 }
 
-FlashAttention::~FlashAttention() {
-  cudaFree(impl_->d_cu);
-  cudaFree(impl_->d_cu_pad);
-  cudaFree(impl_->d_tiles);
-  cudaFree(impl_->buf);
-  cudaFree(impl_->d_scratch);
-  delete impl_;
-}
+FlashAttention::~FlashAttention() = default;
 
 const VarlenShape& FlashAttention::shape() const { return impl_->shape; }
 AttnDtype FlashAttention::dtype() const { return impl_->dtype; }
@@ -136,17 +119,11 @@ void FlashAttention::plan(const std::vector<int32_t>& cu_seqlens) {
   m.shape = sh;
   m.n_pad = cu_pad.back();
   m.num_tiles = int(tiles.size());
-  upload(m.d_cu, m.cap_cu, cu_seqlens);
-  upload(m.d_cu_pad, m.cap_cu_pad, cu_pad);
-  upload(m.d_tiles, m.cap_tiles, tiles);
+  upload(m.d_cu, cu_seqlens);
+  upload(m.d_cu_pad, cu_pad);
+  upload(m.d_tiles, tiles);
   const size_t need = 2 * m.qk_bytes() + m.v_bytes();
-  if (need > m.cap_buf) {
-    cudaFree(m.buf);
-    m.buf = nullptr;
-    m.cap_buf = 0;
-    FOVEA_CUDA_CHECK(cudaMalloc(&m.buf, need));
-    m.cap_buf = need;
-  }
+  if (need > m.buf.count()) m.buf.reset(need);
   const int H = sh.heads, hd = sh.head_dim;
   const uint32_t kstep = uint32_t(layout::kstep(m.fp8));
   m.maps.q = tensor_map(m.q(), m.fp8, uint64_t(m.hd_pad), uint64_t(m.n_pad), uint64_t(H), kstep,
@@ -176,8 +153,8 @@ void FlashAttention::prepare(const void* qkv, int64_t qkv_token_stride, const fl
   a.qkv_token_stride = qkv_token_stride;
   a.rope_cos = rope_cos;
   a.rope_sin = rope_sin;
-  a.cu_seqlens = m.d_cu;
-  a.cu_padded = m.d_cu_pad;
+  a.cu_seqlens = m.d_cu.data();
+  a.cu_padded = m.d_cu_pad.data();
   a.num_segments = m.shape.num_segments();
   a.heads = m.shape.heads;
   a.total_tokens = m.shape.total_tokens();
@@ -187,8 +164,8 @@ void FlashAttention::prepare(const void* qkv, int64_t qkv_token_stride, const fl
   a.vt = m.vt();
   a.fixed = scales.dynamic ? nullptr : scales.fixed;
   a.dynamic = scales.dynamic;
-  a.amax_scratch = m.d_scratch;
-  a.amax_done = m.d_scratch + 3;
+  a.amax_scratch = m.d_scratch.data();
+  a.amax_done = m.d_scratch.data() + 3;
   launch_prepare(a, m.fp8, m.shape.head_dim, stream);
   if (m.fp8) {
     for (int i = 0; i < 3; ++i) m.scale_ptr[i] = scales.dynamic ? &scales.dynamic->t[i].scale : scales.fixed + i;
@@ -201,9 +178,9 @@ void FlashAttention::attend(void* out, cudaStream_t stream) {
   if (!m.prepared) fail_cat("FOVEA attention: attend() before prepare()");
   if (!out) fail_cat("FOVEA attention: out is null");
   FlashParams p;
-  p.tiles = m.d_tiles;
-  p.cu_seqlens = m.d_cu;
-  p.cu_padded = m.d_cu_pad;
+  p.tiles = m.d_tiles.data();
+  p.cu_seqlens = m.d_cu.data();
+  p.cu_padded = m.d_cu_pad.data();
   p.out = static_cast<__nv_bfloat16*>(out);
   p.heads = m.shape.heads;
   p.q_scale = m.scale_ptr[0];

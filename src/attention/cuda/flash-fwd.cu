@@ -41,9 +41,8 @@
 // What limits it now: FP8 hd 72 is bound by softmax issue (MUFU + FMA pipes), not the tensor cores;
 // with 192-row tiles S 8192 makes 688 CTAs = 5.2 waves on 132 SMs (a 13% tail). Not done yet: a
 // persistent scheduler that splits the tail, a TMA-store epilogue, FP8 ex2 on packed f16x2.
-#include <algorithm>
-#include <cmath>
 
+#include "attention/cuda/head-dims.cuh"
 #include "attention/cuda/kernels.cuh"
 #include "attention/cuda/layout.cuh"
 #include "attention/cuda/ptx.cuh"
@@ -363,24 +362,15 @@ void launch(const FlashParams& p, const FlashMaps& m, int num_tiles, cudaStream_
   FOVEA_CUDA_CHECK(cudaGetLastError());
 }
 
-template <bool kFp8>
-void launch_dtype(const FlashParams& p, const FlashMaps& m, int num_tiles, int head_dim, cudaStream_t stream) {
-  switch (head_dim) {
-    case 64: return launch<kFp8, 64>(p, m, num_tiles, stream);
-    case 72: return launch<kFp8, 72>(p, m, num_tiles, stream);
-    case 80: return launch<kFp8, 80>(p, m, num_tiles, stream);
-    case 128: return launch<kFp8, 128>(p, m, num_tiles, stream);
-  }
-  fail_cat("FOVEA attention: head_dim ", head_dim, " is not built (64, 72, 80, 128)");
-}
-
 }  // namespace
 
 void launch_flash(const FlashParams& p, const FlashMaps& maps, int num_tiles, bool fp8, int head_dim,
                   cudaStream_t stream) {
   if (num_tiles == 0) return;
-  if (fp8) launch_dtype<true>(p, maps, num_tiles, head_dim, stream);
-  else launch_dtype<false>(p, maps, num_tiles, head_dim, stream);
+  dispatch_head_dim(head_dim, [&](auto hd) {
+    if (fp8) launch<true, decltype(hd)::value>(p, maps, num_tiles, stream);
+    else launch<false, decltype(hd)::value>(p, maps, num_tiles, stream);
+  });
 }
 
 }  // namespace fovea::cuda

@@ -6,17 +6,8 @@
 
 #include <cstdint>
 
-#include "fovea/error.h"
+#include "fovea/cuda-support.h"
 #include "fovea/scales.h"
-
-// Checks a CUDA runtime call; throws fovea::Error naming the call, file and line.
-#define FOVEA_CUDA_CHECK(call)                                                                         \
-  do {                                                                                                 \
-    const cudaError_t err_ = (call);                                                                   \
-    if (err_ != cudaSuccess)                                                                           \
-      ::fovea::fail_cat(#call, " failed: ", cudaGetErrorString(err_), " (", cudaGetErrorName(err_), ") at ", \
-                        __FILE__, ":", __LINE__);                                                      \
-  } while (0)
 
 namespace fovea::cuda {
 

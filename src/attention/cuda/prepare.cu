@@ -7,6 +7,7 @@
 // need no host work and replay correctly inside a CUDA graph.
 #include <cuda_bf16.h>
 
+#include "attention/cuda/head-dims.cuh"
 #include "attention/cuda/kernels.cuh"
 #include "attention/cuda/layout.cuh"
 #include "attention/cuda/ptx.cuh"
@@ -225,13 +226,7 @@ void launch_for_head_dim(const PrepareArgs& a, bool fp8, cudaStream_t stream) {
 }  // namespace
 
 void launch_prepare(const PrepareArgs& a, bool fp8, int head_dim, cudaStream_t stream) {
-  switch (head_dim) {
-    case 64: return launch_for_head_dim<64>(a, fp8, stream);
-    case 72: return launch_for_head_dim<72>(a, fp8, stream);
-    case 80: return launch_for_head_dim<80>(a, fp8, stream);
-    case 128: return launch_for_head_dim<128>(a, fp8, stream);
-  }
-  fail_cat("prepare: head_dim ", head_dim, " is not built (64, 72, 80, 128)");
+  dispatch_head_dim(head_dim, [&](auto hd) { launch_for_head_dim<decltype(hd)::value>(a, fp8, stream); });
 }
 
 }  // namespace fovea::cuda

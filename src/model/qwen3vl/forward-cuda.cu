@@ -4,36 +4,32 @@
 #include <cublasLt.h>
 #include <cuda_bf16.h>
 
+#include <limits>
 #include <map>
 #include <tuple>
 
 #include "attention/cuda/kernels.cuh"
 #include "fovea/bf16.h"
+#include "fovea/cuda-support.h"
 #include "fovea/encoder.h"
 #include "fovea/threads.h"
-
-#define FOVEA_CUBLAS_CHECK(call)                                                                   \
-  do {                                                                                             \
-    const cublasStatus_t st_ = (call);                                                             \
-    if (st_ != CUBLAS_STATUS_SUCCESS)                                                              \
-      ::fovea::fail_cat(#call, " failed: cuBLAS status ", int(st_), " at ", __FILE__, ":", __LINE__); \
-  } while (0)
 
 namespace fovea::qwen3vl::cuda {
 
 namespace {
 
 using bf16 = __nv_bfloat16;
+using fovea::cuda::DeviceBuffer;
 
+// Device allocations freed together with the list (the weights, or one plan's buffers): every
+// allocation enters its owner before anything is copied, so nothing leaks when a later step throws.
+using Owner = std::vector<DeviceBuffer<uint8_t>>;
 template <class T>
-T* dev_alloc(size_t count) {
-  T* p = nullptr;
-  FOVEA_CUDA_CHECK(cudaMalloc(&p, count * sizeof(T)));
-  return p;
+T* alloc_in(Owner& owner, size_t count) {
+  owner.emplace_back(count * sizeof(T));
+  return reinterpret_cast<T*>(owner.back().data());
 }
 
-// Uploads record their allocation in `owner` before copying, so nothing leaks when a later step
-// throws: the owner list is freed by whoever holds it.
 // Host conversions of whole activations (tens of millions of values per image batch) run on every
 // core in chunks; on one core they cost more than the forward itself (bench mm-processor's
 // "upload" and "download" stages).
@@ -46,16 +42,14 @@ std::vector<uint16_t> to_bf16(const std::vector<float>& v) {
   return h;
 }
 
-bf16* upload_bf16(const std::vector<float>& v, std::vector<void*>& owner) {
+bf16* upload_bf16(const std::vector<float>& v, Owner& owner) {
   const std::vector<uint16_t> h = to_bf16(v);
-  bf16* d = dev_alloc<bf16>(v.size());
-  owner.push_back(d);
+  bf16* d = alloc_in<bf16>(owner, v.size());
   FOVEA_CUDA_CHECK(cudaMemcpy(d, h.data(), h.size() * 2, cudaMemcpyHostToDevice));
   return d;
 }
-float* upload_f32(const std::vector<float>& v, std::vector<void*>& owner) {
-  float* d = dev_alloc<float>(v.size());
-  owner.push_back(d);
+float* upload_f32(const std::vector<float>& v, Owner& owner) {
+  float* d = alloc_in<float>(owner, v.size());
   FOVEA_CUDA_CHECK(cudaMemcpy(d, v.data(), v.size() * 4, cudaMemcpyHostToDevice));
   return d;
 }
@@ -109,47 +103,41 @@ __global__ void gelu_erf_kernel(bf16* x, int64_t n) {
 // cuBLASLt's column-major terms: D^T (N x M) = W^T... i.e. op(W) = T on the K x N view of W.
 class Gemm {
  public:
-  Gemm() {
-    FOVEA_CUBLAS_CHECK(cublasLtCreate(&handle_));
-    workspace_ = dev_alloc<uint8_t>(kWorkspace);
-  }
-  ~Gemm() {
-    cudaFree(workspace_);
-    cublasLtDestroy(handle_);
-  }
+  Gemm() : workspace_(kWorkspace) { FOVEA_CUDA_CHECK(cublasLtCreate(&handle_)); }
+  ~Gemm() { cublasLtDestroy(handle_); }
   void run(const bf16* a, const DevLinear& w, bf16* d, int64_t m, const bf16* c, bool gelu, cudaStream_t stream) {
     cublasLtMatmulDesc_t op;
-    FOVEA_CUBLAS_CHECK(cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+    FOVEA_CUDA_CHECK(cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
     const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
-    FOVEA_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta));
-    FOVEA_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb));
+    FOVEA_CUDA_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta));
+    FOVEA_CUDA_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb));
     const cublasLtEpilogue_t epi = gelu ? CUBLASLT_EPILOGUE_GELU_BIAS : CUBLASLT_EPILOGUE_BIAS;
-    FOVEA_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof epi));
+    FOVEA_CUDA_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof epi));
     const void* bias = w.b;
-    FOVEA_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof bias));
+    FOVEA_CUDA_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof bias));
     const cudaDataType_t bias_type = CUDA_R_16BF;
-    FOVEA_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bias_type, sizeof bias_type));
+    FOVEA_CUDA_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bias_type, sizeof bias_type));
     cublasLtMatrixLayout_t la, lb, lc;
-    FOVEA_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&la, CUDA_R_16BF, w.in, w.out, w.in));  // W: K x N
-    FOVEA_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&lb, CUDA_R_16BF, w.in, m, w.in));      // A: K x M
-    FOVEA_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&lc, CUDA_R_16BF, w.out, m, w.out));    // C, D: N x M
+    FOVEA_CUDA_CHECK(cublasLtMatrixLayoutCreate(&la, CUDA_R_16BF, w.in, w.out, w.in));  // W: K x N
+    FOVEA_CUDA_CHECK(cublasLtMatrixLayoutCreate(&lb, CUDA_R_16BF, w.in, m, w.in));      // A: K x M
+    FOVEA_CUDA_CHECK(cublasLtMatrixLayoutCreate(&lc, CUDA_R_16BF, w.out, m, w.out));    // C, D: N x M
     const float alpha = 1.f, beta = c ? 1.f : 0.f;
     const auto key = std::make_tuple(m, w.out, w.in, gelu, c != nullptr);
     auto it = algos_.find(key);
     if (it == algos_.end()) {
       cublasLtMatmulPreference_t pref;
-      FOVEA_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+      FOVEA_CUDA_CHECK(cublasLtMatmulPreferenceCreate(&pref));
       const size_t ws = kWorkspace;
-      FOVEA_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws));
+      FOVEA_CUDA_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws));
       cublasLtMatmulHeuristicResult_t result{};
       int found = 0;
-      FOVEA_CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(handle_, op, la, lb, lc, lc, pref, 1, &result, &found));
+      FOVEA_CUDA_CHECK(cublasLtMatmulAlgoGetHeuristic(handle_, op, la, lb, lc, lc, pref, 1, &result, &found));
       cublasLtMatmulPreferenceDestroy(pref);
       if (found == 0) fail_cat("cuBLASLt has no algorithm for [", m, " x ", w.in, "] x [", w.in, " x ", w.out, "]");
       it = algos_.emplace(key, result.algo).first;
     }
-    FOVEA_CUBLAS_CHECK(cublasLtMatmul(handle_, op, &alpha, w.w, la, a, lb, &beta, c ? c : d, lc, d, lc, &it->second,
-                                      workspace_, kWorkspace, stream));
+    FOVEA_CUDA_CHECK(cublasLtMatmul(handle_, op, &alpha, w.w, la, a, lb, &beta, c ? c : d, lc, d, lc, &it->second,
+                                    workspace_.data(), kWorkspace, stream));
     cublasLtMatrixLayoutDestroy(la);
     cublasLtMatrixLayoutDestroy(lb);
     cublasLtMatrixLayoutDestroy(lc);
@@ -159,14 +147,14 @@ class Gemm {
  private:
   static constexpr size_t kWorkspace = size_t(32) << 20;
   cublasLtHandle_t handle_ = nullptr;
-  uint8_t* workspace_ = nullptr;
+  DeviceBuffer<uint8_t> workspace_;
   std::map<std::tuple<int64_t, int, int, bool, bool>, cublasLtMatmulAlgo_t> algos_;
 };
 
-DevLinear upload(const Linear& l, std::vector<void*>& owner) {
+DevLinear upload(const Linear& l, Owner& owner) {
   return {upload_bf16(l.w, owner), upload_bf16(l.b, owner), l.out, l.in};
 }
-DevNorm upload(const Norm& n, std::vector<void*>& owner) {
+DevNorm upload(const Norm& n, Owner& owner) {
   return {upload_f32(n.w, owner), upload_f32(n.b, owner), int(n.w.size())};
 }
 
@@ -185,7 +173,7 @@ struct Encoder::Impl {
   VisionConfig cfg;
   EncoderOptions opt;
   Gemm gemm;
-  std::vector<void*> owned;  // weights and scale state: every allocation, freed by ~Impl
+  Owner owned;  // weights and scale state
   DevLinear patch;
   std::vector<float> pos_table;  // host: resampled per plan()
   std::vector<DevBlock> blocks;
@@ -201,22 +189,10 @@ struct Encoder::Impl {
   bf16 *m1 = nullptr, *m2 = nullptr, *merged = nullptr;
   std::vector<bf16*> ds;
   float *cos = nullptr, *sin = nullptr;
-  std::vector<void*> per_plan;
+  Owner per_plan;
 
-  ~Impl() {
-    free_plan();
-    for (void* p : owned) cudaFree(p);
-  }
   template <class T>
-  T* plan_alloc(size_t count) {
-    T* p = dev_alloc<T>(count);
-    per_plan.push_back(p);
-    return p;
-  }
-  void free_plan() {
-    for (void* p : per_plan) cudaFree(p);
-    per_plan.clear();
-  }
+  T* plan_alloc(size_t count) { return alloc_in<T>(per_plan, count); }
   void layernorm(const bf16* in, bf16* out, const DevNorm& nrm, int64_t rows, cudaStream_t s) {
     layernorm_kernel<<<unsigned(rows), 128, 0, s>>>(in, out, nrm.w, nrm.b, nrm.width);
     FOVEA_CUDA_CHECK(cudaGetLastError());
@@ -245,8 +221,7 @@ Encoder::Encoder(const Model& model, const EncoderOptions& options) : impl_(new 
         for (int t = 0; t < 3; ++t) f.push_back(options.scales->scales(l)[t]);
       m.fixed = upload_f32(f, m.owned);
     } else {
-      m.amax = dev_alloc<LayerAmax>(size_t(m.cfg.depth));
-      m.owned.push_back(m.amax);
+      m.amax = alloc_in<LayerAmax>(m.owned, size_t(m.cfg.depth));
       FOVEA_CUDA_CHECK(cudaMemcpy(m.amax, options.scales->amax_state().data(), sizeof(LayerAmax) * size_t(m.cfg.depth),
                                   cudaMemcpyHostToDevice));
     }
@@ -282,17 +257,14 @@ int64_t Encoder::tokens() const { return impl_->n; }
 
 void Encoder::plan(const std::vector<GridThw>& grids) {
   Impl& m = *impl_;
+  const GridShape shape = check_grids(grids, "encoder");
+  if (shape.patches > std::numeric_limits<int32_t>::max())
+    fail_cat("encoder: ", shape.patches, " patches in one batch; cu_seqlens are int32");
   std::vector<int32_t> cu = {0};
-  int64_t n = 0;
-  for (const auto& g : grids) {
-    if (g[0] < 1 || g[1] < 2 || g[2] < 2 || g[1] % 2 || g[2] % 2)
-      fail_cat("encoder: grid_thw (", g[0], ", ", g[1], ", ", g[2], ") must have t >= 1 and even h, w >= 2");
-    for (int f = 0; f < g[0]; ++f) cu.push_back(cu.back() + g[1] * g[2]);
-    n += int64_t(g[0]) * g[1] * g[2];
-  }
-  if (grids.empty()) fail_cat("encoder: no images");
+  for (const int len : shape.seqlens) cu.push_back(cu.back() + len);
+  const int64_t n = shape.patches;
   if (m.n > 0 && m.grids == grids) return;  // the same batch shape: buffers and tables stand
-  m.free_plan();
+  m.per_plan.clear();
   m.n = 0;  // forward() refuses to run until this plan is complete (a throw below leaves no dangling plan)
   m.grids = grids;
   const int64_t D = m.cfg.hidden, I = m.cfg.intermediate, M4 = m.cfg.merged_dim(), O = m.cfg.out_hidden;

@@ -1,0 +1,127 @@
+// fovea/cuda-support.h: CUDA plumbing shared by the library, the tests and the benches (CUDA builds
+// only): one status check macro, owning device and pinned host buffers, and the benches' event timer.
+#pragma once
+#include <cublasLt.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "fovea/error.h"
+
+namespace fovea::cuda {
+
+// The status types FOVEA_CUDA_CHECK accepts: CUDA runtime, cuBLAS(Lt) and, where cudnn.h was included
+// before this header, cuDNN.
+inline bool status_ok(cudaError_t e) { return e == cudaSuccess; }
+inline std::string status_text(cudaError_t e) {
+  return std::string(cudaGetErrorString(e)) + " (" + cudaGetErrorName(e) + ")";
+}
+inline bool status_ok(cublasStatus_t s) { return s == CUBLAS_STATUS_SUCCESS; }
+inline std::string status_text(cublasStatus_t s) {
+  return std::string(cublasLtGetStatusString(s)) + " (cuBLAS status " + std::to_string(int(s)) + ")";
+}
+#if FOVEA_HAVE_CUDNN && defined(CUDNN_MAJOR)
+inline bool status_ok(cudnnStatus_t s) { return s == CUDNN_STATUS_SUCCESS; }
+inline std::string status_text(cudnnStatus_t s) { return cudnnGetErrorString(s); }
+#endif
+
+}  // namespace fovea::cuda
+
+// Checks a CUDA runtime, cuBLAS(Lt) or cuDNN call; throws fovea::Error naming the call, file and line.
+#define FOVEA_CUDA_CHECK(call)                                                                     \
+  do {                                                                                             \
+    const auto st_ = (call);                                                                       \
+    if (!::fovea::cuda::status_ok(st_))                                                            \
+      ::fovea::fail_cat(#call, " failed: ", ::fovea::cuda::status_text(st_), " at ", __FILE__, ":", \
+                        __LINE__);                                                                 \
+  } while (0)
+
+namespace fovea::cuda {
+
+// An owning buffer of count() T's from Alloc/Free (below); move-only, empty when default-constructed,
+// moved from or when the allocation threw.
+template <class T, cudaError_t (*Alloc)(void**, size_t), cudaError_t (*Free)(void*)>
+class OwnedBuffer {
+ public:
+  OwnedBuffer() = default;
+  explicit OwnedBuffer(size_t count) { reset(count); }
+  ~OwnedBuffer() { release(); }
+  OwnedBuffer(OwnedBuffer&& o) noexcept
+      : data_(std::exchange(o.data_, nullptr)), count_(std::exchange(o.count_, 0)) {}
+  OwnedBuffer& operator=(OwnedBuffer&& o) noexcept {
+    if (this != &o) {
+      release();
+      data_ = std::exchange(o.data_, nullptr);
+      count_ = std::exchange(o.count_, 0);
+    }
+    return *this;
+  }
+  OwnedBuffer(const OwnedBuffer&) = delete;
+  OwnedBuffer& operator=(const OwnedBuffer&) = delete;
+
+  // Frees the old buffer first (no peak of both); contents are not kept.
+  void reset(size_t count) {
+    release();
+    if (count == 0) return;
+    void* p = nullptr;
+    FOVEA_CUDA_CHECK(Alloc(&p, count * sizeof(T)));
+    data_ = static_cast<T*>(p);
+    count_ = count;
+  }
+
+  T* data() const { return data_; }
+  size_t count() const { return count_; }
+  size_t bytes() const { return count_ * sizeof(T); }
+  bool empty() const { return count_ == 0; }
+
+ private:
+  void release() {
+    if (data_) Free(data_);  // a free that fails (a dead context) has nothing left to release
+    data_ = nullptr;
+    count_ = 0;
+  }
+  T* data_ = nullptr;
+  size_t count_ = 0;
+};
+
+namespace detail {
+inline cudaError_t device_alloc(void** p, size_t bytes) { return cudaMalloc(p, bytes); }
+inline cudaError_t pinned_alloc(void** p, size_t bytes) { return cudaMallocHost(p, bytes); }
+}  // namespace detail
+
+// Device memory (cudaMalloc / cudaFree).
+template <class T>
+using DeviceBuffer = OwnedBuffer<T, detail::device_alloc, cudaFree>;
+// Page-locked host memory (cudaMallocHost / cudaFreeHost), the source of asynchronous uploads.
+template <class T>
+using PinnedBuffer = OwnedBuffer<T, detail::pinned_alloc, cudaFreeHost>;
+
+// Median time of fn() over reps runs after warmup runs, with CUDA events recorded on stream around
+// each run (fn enqueues its work on the same stream).
+template <class F>
+double median_ms(F&& fn, int warmup, int reps, cudaStream_t stream = nullptr) {
+  for (int i = 0; i < warmup; ++i) fn();
+  cudaEvent_t e0, e1;
+  FOVEA_CUDA_CHECK(cudaEventCreate(&e0));
+  FOVEA_CUDA_CHECK(cudaEventCreate(&e1));
+  std::vector<float> t;
+  for (int i = 0; i < reps; ++i) {
+    FOVEA_CUDA_CHECK(cudaEventRecord(e0, stream));
+    fn();
+    FOVEA_CUDA_CHECK(cudaEventRecord(e1, stream));
+    FOVEA_CUDA_CHECK(cudaEventSynchronize(e1));
+    float ms = 0;
+    FOVEA_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+    t.push_back(ms);
+  }
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  std::sort(t.begin(), t.end());
+  return t[t.size() / 2];
+}
+
+}  // namespace fovea::cuda
