@@ -6,7 +6,7 @@ are generated as PNGs (--generate N --size WxH). For each concurrency, that many
 --requests requests in total (each with --images-per-request images, in rotation) and the script
 prints one line:
 
-    serve-load | concurrency C | requests R | errors E | images/s | tokens/s | p50 ms | p99 ms | images/forward
+    serve-load | concurrency C | requests R | errors E | images/s | tokens/s | p50 ms | p99 ms | images/forward | forward busy
 
 images/s counts images answered with 200; tokens/s and images/forward come from the server's /metrics
 (counter deltas over the level, so run it against a server nobody else is using). BF16 vs FP8 is two
@@ -27,6 +27,7 @@ import http.client
 import json
 import os
 import random
+import re
 import struct
 import sys
 import threading
@@ -109,6 +110,10 @@ def percentile(sorted_values, p):
     return sorted_values[rank - 1]
 
 
+# {"decode": ..., "preprocess": ..., "queue": ..., "forward": ...} of one image in a JSON reply.
+PER_IMAGE_TIMINGS = re.compile(rb'"timings_ms":(\{"decode":[^{}]*\})')
+
+
 def run_level(server, bodies, headers, concurrency, total, images_per_request):
     """Sends `total` requests from `concurrency` threads; returns the level's statistics."""
     lock = threading.Lock()
@@ -130,7 +135,12 @@ def run_level(server, bodies, headers, concurrency, total, images_per_request):
             ms = (time.perf_counter() - t0) * 1000
             per_image = []  # the server's own per-image stage times (JSON replies)
             if status == 200 and body[:1] == b"{":
-                per_image = [d.get("timings_ms", {}) for d in json.loads(body).get("data", [])]
+                # Only the small timing objects are parsed: json.loads of a whole reply (megabytes of
+                # base64 per image) holds the GIL for tens of ms, and the clients' threads would then
+                # measure Python, not the server. A reply without its images' timings is an error.
+                per_image = [json.loads(m.group(1)) for m in PER_IMAGE_TIMINGS.finditer(body)]
+                if len(per_image) != images_per_request:
+                    status = f"reply with {len(per_image)} image timings, not {images_per_request}"
             with lock:
                 for t in per_image:
                     for stage, v in t.items():
@@ -152,7 +162,8 @@ def run_level(server, bodies, headers, concurrency, total, images_per_request):
     wall = time.perf_counter() - start
     after = server.metrics()
     delta = {k: after.get(k, 0) - before.get(k, 0) for k in
-             ("fovea_tokens_encoded_total", "fovea_images_encoded_total", "fovea_encoder_forwards_total")}
+             ("fovea_tokens_encoded_total", "fovea_images_encoded_total", "fovea_encoder_forwards_total",
+              "fovea_encoder_forward_seconds_total")}
     latencies.sort()
     images = len(latencies) * images_per_request
     return {
@@ -166,6 +177,8 @@ def run_level(server, bodies, headers, concurrency, total, images_per_request):
         "p99_ms": percentile(latencies, 99),
         "images_per_forward": (delta["fovea_images_encoded_total"] / delta["fovea_encoder_forwards_total"]
                                if delta["fovea_encoder_forwards_total"] else float("nan")),
+        # The encoder worker's share of the wall time in forwards (upload, forward, download).
+        "forward_busy": delta["fovea_encoder_forward_seconds_total"] / wall,
         "server_stage_mean_ms": {k: sum(v) / len(v) for k, v in stages.items()},
     }
 
@@ -209,13 +222,13 @@ def main():
 
     print(f"serve-load | {args.url} | model {model} | {len(images)} images, {k} per request | "
           f"{'safetensors' if args.octet_stream else args.encoding} replies")
-    print("serve-load | concurrency | requests | errors | images/s | tokens/s | p50 ms | p99 ms | images/forward")
+    print("serve-load | concurrency | requests | errors | images/s | tokens/s | p50 ms | p99 ms | images/forward | forward busy")
     results = []
     for c in levels:
         r = run_level(server, bodies, headers, c, args.requests, k)
         results.append(r)
         print(f"serve-load | {c:>11} | {r['requests']:>8} | {sum(r['errors'].values()):>6} | {r['images_per_s']:>8.1f} | "
-              f"{r['tokens_per_s']:>8.0f} | {r['p50_ms']:>6.1f} | {r['p99_ms']:>6.1f} | {r['images_per_forward']:>14.2f}",
+              f"{r['tokens_per_s']:>8.0f} | {r['p50_ms']:>6.1f} | {r['p99_ms']:>6.1f} | {r['images_per_forward']:>14.2f} | {100 * r['forward_busy']:>11.0f}%",
               flush=True)
         if r["server_stage_mean_ms"]:
             print("serve-load |   server, mean ms per image: " +

@@ -9,6 +9,7 @@
 
 #include <gtest/gtest.h>
 
+#include "fovea/bf16.h"
 #include "fovea/error.h"
 #include "fovea/pipeline.h"
 #include "test-util.h"
@@ -152,5 +153,15 @@ TEST(Pipeline, PackedBatchMatchesImagesRunAlone) {
     }
     const EncoderOutputs no_ds = runner.run(all, false);
     EXPECT_TRUE(no_ds.deepstack.empty());
+    if (std::string(dtype) == "bf16") {  // run_bf16: the same outputs, rounded to bf16 once
+      const EncoderOutputs f = runner.run(all);
+      const EncoderOutputsBf16 b = runner.run_bf16(all);
+      ASSERT_EQ(b.merged.size(), f.merged.size());
+      ASSERT_EQ(b.deepstack.size(), f.deepstack.size());
+      for (size_t i = 0; i < f.merged.size(); ++i) ASSERT_EQ(b.merged[i], bf16_from_float(f.merged[i])) << i;
+      for (size_t k = 0; k < f.deepstack.size(); ++k)
+        for (size_t i = 0; i < f.deepstack[k].size(); ++i) ASSERT_EQ(b.deepstack[k][i], bf16_from_float(f.deepstack[k][i]));
+      EXPECT_TRUE(runner.run_bf16(all, false).deepstack.empty());
+    }
   }
 }

@@ -55,6 +55,13 @@ struct EncoderOutputs {
   std::vector<std::vector<float>> deepstack;  // each [tokens, out_hidden]; empty if not asked for
 };
 
+// The same as bf16 bits (little-endian uint16): what the GPU computes and what an LLM consumes. The
+// GPU path copies them back as they are (no fp32 copy); the CPU forward's fp32 is rounded to nearest.
+struct EncoderOutputsBf16 {
+  std::vector<uint16_t> merged;
+  std::vector<std::vector<uint16_t>> deepstack;
+};
+
 // One image's rows of EncoderOutputs.
 struct ImageTensors {
   std::vector<float> merged;                  // [tokens, out_hidden]
@@ -74,8 +81,15 @@ class EncoderRunner {
   // run() advances calibration.
   EncoderRunner(const qwen3vl::Model& m, const EngineConfig& cfg);
   ~EncoderRunner();
+  // GPU: sizes the device buffers for batches of up to `visual_tokens` once, so later batches of any
+  // shape within it allocate nothing (a larger one still runs, growing them). No-op on the CPU.
+  void reserve(int64_t visual_tokens);
   // with_deepstack = false leaves `deepstack` empty (on the GPU they are then not copied back).
   EncoderOutputs run(const Batch& batch, bool with_deepstack = true);
+  EncoderOutputsBf16 run_bf16(const Batch& batch, bool with_deepstack = true);
+  // The same into `out`, whose vectors are reused where large enough (warm memory, no page faults:
+  // the server recycles them from forward to forward).
+  void run_bf16(const Batch& batch, bool with_deepstack, EncoderOutputsBf16& out);
   ScaleBook* book() { return book_ ? &*book_ : nullptr; }  // null for BF16
   // Where the last run() spent its time (host wall clock, ms): planning the batch shape, pixel
   // conversion + upload, the forward on the device (synchronized), outputs back + conversion. On
@@ -89,6 +103,8 @@ class EncoderRunner {
   uint64_t nonfinite_amax();
 
  private:
+  // Runs the forward; the CPU's outputs are returned, the GPU's stay on the device.
+  std::optional<qwen3vl::ForwardResult> forward(const Batch& batch);
   struct Gpu;
   const qwen3vl::Model& model_;
   EngineConfig cfg_;

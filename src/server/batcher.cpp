@@ -118,6 +118,7 @@ void Batcher::worker(std::promise<void>& ready) {
   std::optional<EncoderRunner> runner;
   try {
     runner.emplace(model_, cfg_);
+    runner->reserve(max_batch_tokens_);  // a forward of any shape within the limit allocates nothing
   } catch (...) {
     ready.set_exception(std::current_exception());
     return;
@@ -135,6 +136,16 @@ void Batcher::worker(std::promise<void>& ready) {
   }
 }
 
+std::shared_ptr<EncoderOutputsBf16> Batcher::recycled_outputs() {
+  // A buffer whose images have all been replied to is held by the pool alone (the count cannot rise
+  // meanwhile: only this thread hands buffers out).
+  for (const auto& o : pool_)
+    if (o.use_count() == 1) return o;
+  auto fresh = std::make_shared<EncoderOutputsBf16>();
+  if (pool_.size() < kPooledOutputs) pool_.push_back(fresh);
+  return fresh;
+}
+
 void Batcher::run_batch(EncoderRunner& runner, const std::vector<Slot>& batch) {
   // The worker alone reads images and writes outputs of the slots it took; waiters read outputs
   // only after seeing `done` reach the image count under the mutex.
@@ -150,9 +161,12 @@ void Batcher::run_batch(EncoderRunner& runner, const std::vector<Slot>& batch) {
 
   const Clock::time_point start = Clock::now();
   std::string error;
-  std::vector<ImageTensors> out;
+  std::shared_ptr<EncoderOutputsBf16> out;
   try {
-    out = split_images(runner.run(packed, deepstack), packed.grids, model_.config);
+    out = recycled_outputs();
+    runner.run_bf16(packed, deepstack, *out);
+    const size_t rows = size_t(packed.tokens(model_.config)), O = size_t(model_.config.out_hidden);
+    if (out->merged.size() != rows * O) error = fmt::format("the encoder gave {} values for {} rows", out->merged.size(), rows);
     nonfinite_ = runner.nonfinite_amax();
   } catch (const std::exception& e) {
     error = e.what();
@@ -163,10 +177,13 @@ void Batcher::run_batch(EncoderRunner& runner, const std::vector<Slot>& batch) {
 
   const int64_t batch_tokens = packed.tokens(model_.config);
   if (error.empty()) {
+    size_t row = 0;
     for (size_t i = 0; i < batch.size(); ++i) {
       ImageOutput& o = batch[i].job->outputs[batch[i].index];
-      o.tensors = std::move(out[i]);
-      if (!batch[i].job->deepstack) o.tensors.deepstack.clear();
+      o.forward = out;
+      o.first_row = row;
+      o.tokens = image_tokens(model_.config, packed.grids[i]);
+      row += size_t(o.tokens);
       o.queue_ms = ms_between(batch[i].job->submitted, start);
       o.forward_ms = forward_ms;
       o.batch_images = int(batch.size());

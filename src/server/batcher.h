@@ -12,6 +12,7 @@
 #include <future>
 #include <memory>
 #include <mutex>
+#include <span>
 #include <string>
 #include <thread>
 #include <vector>
@@ -25,8 +26,17 @@ namespace fovea::server {
 
 using Clock = std::chrono::steady_clock;
 
+// One image's outputs: its rows of the forward it was in. The forward's bf16 outputs are shared by
+// the images in it (no copy per image); deepstack is there if any job in that forward asked for it.
 struct ImageOutput {
-  ImageTensors tensors;                       // deepstack only if the job asked for it
+  std::shared_ptr<const EncoderOutputsBf16> forward;
+  size_t first_row = 0;                       // this image's first row in them
+  int64_t tokens = 0;                         // its rows
+  std::span<const uint16_t> merged(int out_hidden) const { return rows(forward->merged, out_hidden); }
+  std::span<const uint16_t> deepstack(size_t k, int out_hidden) const { return rows(forward->deepstack[k], out_hidden); }
+  std::span<const uint16_t> rows(const std::vector<uint16_t>& v, int out_hidden) const {
+    return {v.data() + first_row * size_t(out_hidden), size_t(tokens) * size_t(out_hidden)};
+  }
   double queue_ms = 0;                        // submit -> start of its forward
   double forward_ms = 0;                      // the whole forward it was part of
   int batch_images = 0;                       // images in that forward
@@ -85,6 +95,11 @@ class Batcher {
   std::vector<Slot> take_batch();  // with mu_ held
   int64_t queued_tokens() const;   // with mu_ held: visual tokens of the images not yet taken
   void run_batch(EncoderRunner& runner, const std::vector<Slot>& batch);
+  // Output buffers reused from forward to forward (warm memory: a fresh 100 MB buffer costs tens of
+  // ms of page faults); at most kPooledOutputs are kept, more forwards in flight get fresh ones.
+  std::shared_ptr<EncoderOutputsBf16> recycled_outputs();
+  static constexpr size_t kPooledOutputs = 4;
+  std::vector<std::shared_ptr<EncoderOutputsBf16>> pool_;  // the worker's alone
 
   const qwen3vl::Model& model_;
   const EngineConfig cfg_;

@@ -6,6 +6,9 @@
 
 #include <signal.h>
 
+#include <bit>
+#include <span>
+
 #include <cstdio>
 #include <cstring>
 #include <ctime>
@@ -112,16 +115,18 @@ Decoded decode_images(EncodeRequest& r, const image::PreprocessConfig& pcfg, Byt
 
 // ---- replies --------------------------------------------------------------------------------------
 
-// Rows as bf16 little-endian bytes in base64, or as a list of floats.
-json values(const std::vector<float>& v, bool as_base64) {
-  if (!as_base64) return v;
-  std::vector<uint8_t> bytes(v.size() * 2);
-  for (size_t i = 0; i < v.size(); ++i) {
-    const uint16_t b = bf16_from_float(v[i]);
-    bytes[2 * i] = uint8_t(b & 0xFF);
-    bytes[2 * i + 1] = uint8_t(b >> 8);
-  }
-  return base64_encode(bytes.data(), bytes.size());
+// Rows as bf16 little-endian bytes in base64 (straight from the forward's bf16 outputs), or as a
+// list of floats (the bf16 values widened).
+static_assert(std::endian::native == std::endian::little, "bf16 rows are sent as they lie in memory");
+std::vector<float> widen(std::span<const uint16_t> v) {
+  std::vector<float> f(v.size());
+  for (size_t i = 0; i < v.size(); ++i) f[i] = bf16_to_float(v[i]);
+  return f;
+}
+
+json values(std::span<const uint16_t> v, bool as_base64) {
+  if (as_base64) return base64_encode(reinterpret_cast<const uint8_t*>(v.data()), v.size() * 2);
+  return widen(v);
 }
 
 json timings(const Decoded& d, const ImageOutput& o, size_t i) {
@@ -153,10 +158,10 @@ std::string json_reply(const Context& c, const EncodeRequest& r, const Decoded& 
                  {"grid_thw", g},
                  {"num_tokens", image_tokens(c.model.config, g)},
                  {"hidden_size", O},
-                 {"embeddings", values(o.tensors.merged, r.as_base64)}};
+                 {"embeddings", values(o.merged(O), r.as_base64)}};
     if (r.deepstack) {
       item["deepstack"] = json::array();
-      for (const auto& ds : o.tensors.deepstack) item["deepstack"].push_back(values(ds, r.as_base64));
+      for (size_t k = 0; k < o.forward->deepstack.size(); ++k) item["deepstack"].push_back(values(o.deepstack(k, O), r.as_base64));
     }
     item["timings_ms"] = timings(d, o, i);
     item["batch"] = {{"images", o.batch_images}, {"tokens", o.batch_tokens}};
@@ -179,7 +184,11 @@ std::string safetensors_reply(const Context& c, const Decoded& d, const Job& job
       {"model", c.opt.model}, {"dtype", dtype_name(c.engine.dtype)}, {"device", device_name(c.engine.device)}};
   for (size_t i = 0; i < job.outputs.size(); ++i) {
     const ImageOutput& o = job.outputs[i];
-    append_image_tensors(tensors, i, job.images[i].grid, c.model.config, o.tensors);
+    const int O = c.model.config.out_hidden;
+    ImageTensors t{widen(o.merged(O)), {}};
+    if (job.deepstack)
+      for (size_t k = 0; k < o.forward->deepstack.size(); ++k) t.deepstack.push_back(widen(o.deepstack(k, O)));
+    append_image_tensors(tensors, i, job.images[i].grid, c.model.config, t);
     meta[fmt::format("image.{}.timings_ms", i)] = dump(timings(d, o, i));
   }
   return safetensors_bytes("reply", tensors, meta);

@@ -107,3 +107,39 @@ TEST(EncoderGpu, GraphReplayEqualsEagerForward) {
     cudaStreamDestroy(s);
   }
 }
+
+// The arena: buffers are slices of one allocation reused across batch shapes. A batch encoded after
+// a larger one and a smaller one (so its slices start elsewhere and hold stale data) gives exactly
+// what it gave first, outputs and deepstack alike; so does an encoder that reserved room up front.
+TEST(EncoderGpu, ArenaReuseAcrossShapesChangesNothing) {
+  const Model m = two_block_8b();
+  const std::vector<GridThw> big = {{1, 40, 40}, {1, 24, 32}}, small = {{1, 4, 6}};
+  auto patches = [](const std::vector<GridThw>& gs) {
+    int64_t n = 0;
+    for (auto& g : gs) n += int64_t(g[0]) * g[1] * g[2];
+    return n;
+  };
+  const std::vector<float> px = random_pixels(patches(kGrids)), px_big = random_pixels(patches(big)),
+                           px_small = random_pixels(patches(small));
+  ScaleBook book = ScaleBook::fixed(std::vector<QkvScales>(size_t(m.config.depth), QkvScales{0.02f, 0.02f, 0.01f}));
+  qwen3vl::cuda::EncoderOptions o{AttnDtype::FP8, &book};
+  auto run = [&](qwen3vl::cuda::Encoder& enc, const std::vector<GridThw>& gs, const std::vector<float>& p) {
+    enc.plan(gs);
+    enc.upload_pixels(p, nullptr);
+    enc.forward(nullptr);
+    std::vector<std::vector<float>> out = enc.deepstack(nullptr);
+    out.push_back(enc.merged(nullptr));
+    return out;
+  };
+  qwen3vl::cuda::Encoder enc(m, o);
+  const auto first = run(enc, kGrids, px);
+  run(enc, big, px_big);
+  run(enc, small, px_small);
+  EXPECT_EQ(run(enc, kGrids, px), first);
+  qwen3vl::cuda::Encoder reserved(m, o);
+  reserved.reserve(patches(big) * 2);
+  run(reserved, small, px_small);
+  EXPECT_EQ(run(reserved, kGrids, px), first);
+  for (const auto& v : first)
+    for (float x : v) ASSERT_TRUE(std::isfinite(x));
+}

@@ -4,9 +4,11 @@
 #include <cublasLt.h>
 #include <cuda_bf16.h>
 
+#include <cstring>
 #include <limits>
 #include <map>
 #include <tuple>
+#include <type_traits>
 
 #include "attention/cuda/kernels.cuh"
 #include "fovea/bf16.h"
@@ -34,16 +36,15 @@ T* alloc_in(Owner& owner, size_t count) {
 // core in chunks; on one core they cost more than the forward itself (bench mm-processor's
 // "upload" and "download" stages).
 constexpr int64_t kConvertGrain = 1 << 16;
-std::vector<uint16_t> to_bf16(const std::vector<float>& v) {
-  std::vector<uint16_t> h(v.size());
-  parallel_ranges(int64_t(v.size()), kConvertGrain, [&](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i) h[size_t(i)] = bf16_from_float(v[size_t(i)]);
+void to_bf16(const float* v, size_t count, uint16_t* out) {
+  parallel_ranges(int64_t(count), kConvertGrain, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) out[i] = bf16_from_float(v[i]);
   });
-  return h;
 }
 
 bf16* upload_bf16(const std::vector<float>& v, Owner& owner) {
-  const std::vector<uint16_t> h = to_bf16(v);
+  std::vector<uint16_t> h(v.size());
+  to_bf16(v.data(), v.size(), h.data());
   bf16* d = alloc_in<bf16>(owner, v.size());
   FOVEA_CUDA_CHECK(cudaMemcpy(d, h.data(), h.size() * 2, cudaMemcpyHostToDevice));
   return d;
@@ -189,10 +190,18 @@ struct Encoder::Impl {
   bf16 *m1 = nullptr, *m2 = nullptr, *merged = nullptr;
   std::vector<bf16*> ds;
   float *cos = nullptr, *sin = nullptr;
-  Owner per_plan;
+  // Every per-batch device buffer is a slice of one arena, grown (never shrunk) when a batch needs
+  // more than it holds, so a new set of grids allocates nothing unless it is the largest yet; host
+  // staging is pinned and grown the same way, so copies run at full PCIe speed.
+  DeviceBuffer<uint8_t> arena;
+  fovea::cuda::PinnedBuffer<uint16_t> staging;
 
-  template <class T>
-  T* plan_alloc(size_t count) { return alloc_in<T>(per_plan, count); }
+  void layout_arena(int64_t n);  // points every buffer above into the arena, growing it if needed
+  const uint16_t* download(const std::vector<const bf16*>& from, cudaStream_t stream);
+  uint16_t* stage(size_t count) {
+    if (staging.count() < count) staging.reset(count + count / 4);
+    return staging.data();
+  }
   void layernorm(const bf16* in, bf16* out, const DevNorm& nrm, int64_t rows, cudaStream_t s) {
     layernorm_kernel<<<unsigned(rows), 128, 0, s>>>(in, out, nrm.w, nrm.b, nrm.width);
     FOVEA_CUDA_CHECK(cudaGetLastError());
@@ -255,6 +264,36 @@ Encoder::~Encoder() = default;  // Impl frees every device allocation
 
 int64_t Encoder::tokens() const { return impl_->n; }
 
+void Encoder::Impl::layout_arena(int64_t n) {
+  const int64_t D = cfg.hidden, I = cfg.intermediate, M4 = cfg.merged_dim(), O = cfg.out_hidden;
+  struct Slice {
+    void** ptr;
+    size_t bytes;
+  };
+  ds.assign(deepstack.size(), nullptr);
+  std::vector<Slice> slices = {
+      {(void**)&pixels, size_t(n) * cfg.patch_dim() * 2}, {(void**)&x, size_t(n * D) * 2},
+      {(void**)&ln, size_t(n * D) * 2},  {(void**)&qkv, size_t(n * 3 * D) * 2},
+      {(void**)&att, size_t(n * D) * 2}, {(void**)&h, size_t(n * I) * 2},
+      {(void**)&m1, size_t(n / 4 * M4) * 2}, {(void**)&m2, size_t(n / 4 * M4) * 2},
+      {(void**)&merged, size_t(n / 4 * O) * 2}, {(void**)&pe, size_t(n * D) * 2},
+      {(void**)&cos, size_t(n) * cfg.head_dim() / 2 * 4}, {(void**)&sin, size_t(n) * cfg.head_dim() / 2 * 4}};
+  for (auto& d : ds) slices.push_back({(void**)&d, size_t(n / 4 * O) * 2});
+  constexpr size_t kAlign = 256;  // cuBLASLt and TMA want 16-byte aligned rows; 256 keeps every slice apart
+  size_t total = 0;
+  for (const Slice& sl : slices) total += (sl.bytes + kAlign - 1) / kAlign * kAlign;
+  if (arena.count() < total) arena.reset(total);
+  size_t at = 0;
+  for (const Slice& sl : slices) {
+    *sl.ptr = arena.data() + at;
+    at += (sl.bytes + kAlign - 1) / kAlign * kAlign;
+  }
+}
+
+void Encoder::reserve(int64_t patches) {
+  if (patches > 0) impl_->layout_arena(patches);
+}
+
 void Encoder::plan(const std::vector<GridThw>& grids) {
   Impl& m = *impl_;
   const GridShape shape = check_grids(grids, "encoder");
@@ -264,29 +303,22 @@ void Encoder::plan(const std::vector<GridThw>& grids) {
   for (const int len : shape.seqlens) cu.push_back(cu.back() + len);
   const int64_t n = shape.patches;
   if (m.n > 0 && m.grids == grids) return;  // the same batch shape: buffers and tables stand
-  m.per_plan.clear();
   m.n = 0;  // forward() refuses to run until this plan is complete (a throw below leaves no dangling plan)
   m.grids = grids;
-  const int64_t D = m.cfg.hidden, I = m.cfg.intermediate, M4 = m.cfg.merged_dim(), O = m.cfg.out_hidden;
-  m.pixels = m.plan_alloc<bf16>(size_t(n) * m.cfg.patch_dim());
-  m.x = m.plan_alloc<bf16>(size_t(n * D));
-  m.ln = m.plan_alloc<bf16>(size_t(n * D));
-  m.qkv = m.plan_alloc<bf16>(size_t(n * 3 * D));
-  m.att = m.plan_alloc<bf16>(size_t(n * D));
-  m.h = m.plan_alloc<bf16>(size_t(n * I));
-  m.m1 = m.plan_alloc<bf16>(size_t(n / 4 * M4));
-  m.m2 = m.plan_alloc<bf16>(size_t(n / 4 * M4));
-  m.merged = m.plan_alloc<bf16>(size_t(n / 4 * O));
-  m.ds.clear();
-  for (size_t k = 0; k < m.deepstack.size(); ++k) m.ds.push_back(m.plan_alloc<bf16>(size_t(n / 4 * O)));
+  m.layout_arena(n);
   // Tables that depend only on the grids: position embedding (bf16, added in the patch GEMM's
-  // epilogue) and the RoPE cos / sin.
+  // epilogue) and the RoPE cos / sin, staged through pinned memory (one synchronization).
   const std::vector<float> pe = position_embedding(m.cfg, m.pos_table, grids);
-  m.pe = upload_bf16(pe, m.per_plan);
   std::vector<float> cos, sin;
   vision_rope_tables(grids, m.cfg.head_dim(), cos, sin);
-  m.cos = upload_f32(cos, m.per_plan);
-  m.sin = upload_f32(sin, m.per_plan);
+  uint16_t* h = m.stage(pe.size() + 2 * (cos.size() + sin.size()));
+  to_bf16(pe.data(), pe.size(), h);
+  std::memcpy(h + pe.size(), cos.data(), cos.size() * 4);
+  std::memcpy(h + pe.size() + 2 * cos.size(), sin.data(), sin.size() * 4);
+  FOVEA_CUDA_CHECK(cudaMemcpyAsync(m.pe, h, pe.size() * 2, cudaMemcpyHostToDevice, nullptr));
+  FOVEA_CUDA_CHECK(cudaMemcpyAsync(m.cos, h + pe.size(), cos.size() * 4, cudaMemcpyHostToDevice, nullptr));
+  FOVEA_CUDA_CHECK(cudaMemcpyAsync(m.sin, h + pe.size() + 2 * cos.size(), sin.size() * 4, cudaMemcpyHostToDevice, nullptr));
+  FOVEA_CUDA_CHECK(cudaStreamSynchronize(nullptr));  // the staging buffer is reused next
   m.attn->plan(cu);
   m.n = n;
 }
@@ -295,9 +327,10 @@ void Encoder::upload_pixels(const std::vector<float>& pixels, cudaStream_t strea
   Impl& m = *impl_;
   if (int64_t(pixels.size()) != m.n * m.cfg.patch_dim())
     fail_cat("encoder: pixel_values has ", pixels.size(), " values, the plan expects ", m.n * m.cfg.patch_dim());
-  const std::vector<uint16_t> h = to_bf16(pixels);
-  FOVEA_CUDA_CHECK(cudaMemcpyAsync(m.pixels, h.data(), h.size() * 2, cudaMemcpyHostToDevice, stream));
-  FOVEA_CUDA_CHECK(cudaStreamSynchronize(stream));  // h is a local
+  uint16_t* h = m.stage(pixels.size());
+  to_bf16(pixels.data(), pixels.size(), h);
+  FOVEA_CUDA_CHECK(cudaMemcpyAsync(m.pixels, h, pixels.size() * 2, cudaMemcpyHostToDevice, stream));
+  FOVEA_CUDA_CHECK(cudaStreamSynchronize(stream));  // the staging buffer is reused next
 }
 
 void Encoder::forward(cudaStream_t s) {
@@ -346,27 +379,53 @@ void Encoder::after_forward(cudaStream_t stream) {
   m.opt.scales->after_forward();
 }
 
-namespace {
-std::vector<float> download(const bf16* d, size_t count, cudaStream_t stream) {
-  std::vector<uint16_t> h(count);
-  FOVEA_CUDA_CHECK(cudaMemcpyAsync(h.data(), d, count * 2, cudaMemcpyDeviceToHost, stream));
+// Device bf16 -> pinned staging, one copy each and one synchronization; output k is at k * count.
+const uint16_t* Encoder::Impl::download(const std::vector<const bf16*>& from, cudaStream_t stream) {
+  const size_t count = size_t(n / 4 * cfg.out_hidden);
+  uint16_t* h = stage(count * from.size());
+  for (size_t k = 0; k < from.size(); ++k)
+    FOVEA_CUDA_CHECK(cudaMemcpyAsync(h + k * count, from[k], count * 2, cudaMemcpyDeviceToHost, stream));
   FOVEA_CUDA_CHECK(cudaStreamSynchronize(stream));
-  std::vector<float> f(count);
-  parallel_ranges(int64_t(count), kConvertGrain, [&](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i) f[size_t(i)] = bf16_to_float(h[size_t(i)]);
-  });
-  return f;
+  return h;
+}
+
+namespace {
+// The staged outputs into one vector each, filled on every core: bf16 bits as they are, or widened to
+// fp32. Vectors that already hold enough keep their (warm) memory: no page faults on reuse.
+template <class T>
+void unstage(const uint16_t* h, size_t count, std::vector<std::vector<T>>& out) {
+  for (size_t k = 0; k < out.size(); ++k) {
+    out[k].resize(count);
+    const uint16_t* src = h + k * count;
+    T* dst = out[k].data();
+    parallel_ranges(int64_t(count), kConvertGrain, [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i) {
+        if constexpr (std::is_same_v<T, float>) dst[i] = bf16_to_float(src[i]);
+        else dst[i] = src[i];
+      }
+    });
+  }
 }
 }  // namespace
 
+void Encoder::outputs_bf16(bool with_deepstack, std::vector<std::vector<uint16_t>>& out, cudaStream_t stream) const {
+  std::vector<const bf16*> from = {impl_->merged};
+  if (with_deepstack) from.insert(from.end(), impl_->ds.begin(), impl_->ds.end());
+  out.resize(from.size());
+  unstage(impl_->download(from, stream), size_t(impl_->n / 4 * impl_->cfg.out_hidden), out);
+}
+
 std::vector<float> Encoder::merged(cudaStream_t stream) const {
-  return download(impl_->merged, size_t(impl_->n / 4 * impl_->cfg.out_hidden), stream);
+  std::vector<std::vector<float>> out(1);
+  unstage(impl_->download({impl_->merged}, stream), size_t(impl_->n / 4 * impl_->cfg.out_hidden), out);
+  return std::move(out[0]);
 }
 
 std::vector<std::vector<float>> Encoder::deepstack(cudaStream_t stream) const {
-  std::vector<std::vector<float>> r;
-  for (bf16* d : impl_->ds) r.push_back(download(d, size_t(impl_->n / 4 * impl_->cfg.out_hidden), stream));
-  return r;
+  const std::vector<const bf16*> from(impl_->ds.begin(), impl_->ds.end());
+  std::vector<std::vector<float>> out(from.size());
+  unstage(impl_->download(from, stream), size_t(impl_->n / 4 * impl_->cfg.out_hidden), out);
+  return out;
 }
 
 }  // namespace fovea::qwen3vl::cuda
