@@ -115,18 +115,12 @@ Decoded decode_images(EncodeRequest& r, const image::PreprocessConfig& pcfg, Byt
 
 // ---- replies --------------------------------------------------------------------------------------
 
-// Rows as bf16 little-endian bytes in base64 (straight from the forward's bf16 outputs), or as a
-// list of floats (the bf16 values widened).
+// bf16 rows are sent as the bytes they are in memory (little-endian), or widened to floats.
 static_assert(std::endian::native == std::endian::little, "bf16 rows are sent as they lie in memory");
 std::vector<float> widen(std::span<const uint16_t> v) {
   std::vector<float> f(v.size());
   for (size_t i = 0; i < v.size(); ++i) f[i] = bf16_to_float(v[i]);
   return f;
-}
-
-json values(std::span<const uint16_t> v, bool as_base64) {
-  if (as_base64) return base64_encode(reinterpret_cast<const uint8_t*>(v.data()), v.size() * 2);
-  return widen(v);
 }
 
 json timings(const Decoded& d, const ImageOutput& o, size_t i) {
@@ -148,32 +142,50 @@ struct Context {
   int64_t started_unix = std::time(nullptr);
 };
 
+// The JSON reply, written out member by member: the embeddings (megabytes of base64 per image) are
+// appended as they are, never passed through the JSON writer's per-character escaping; everything
+// else is dumped by nlohmann.
 std::string json_reply(const Context& c, const EncodeRequest& r, const Decoded& d, const Job& job, double total_ms) {
   const int O = c.model.config.out_hidden;
-  json data = json::array();
+  const auto open_object = [](const json& j) {  // the object's text without its closing brace
+    std::string t = dump(j);
+    t.pop_back();
+    return t;
+  };
+  const auto append_value = [&](std::string& out, std::span<const uint16_t> v) {
+    if (!r.as_base64) {
+      out += dump(json(widen(v)));
+      return;
+    }
+    out += '"';
+    out += base64_encode(reinterpret_cast<const uint8_t*>(v.data()), v.size() * 2);  // [A-Za-z0-9+/=]: no escaping
+    out += '"';
+  };
+  std::string out = open_object({{"object", "list"},
+                                 {"model", c.opt.model},
+                                 {"encoding", r.as_base64 ? "base64" : "float"},
+                                 {"dtype", r.as_base64 ? "bf16" : "float32"}});
+  out += ",\"data\":[";
   for (size_t i = 0; i < job.outputs.size(); ++i) {
     const ImageOutput& o = job.outputs[i];
     const qwen3vl::GridThw& g = job.images[i].grid;
-    json item = {{"index", i},
-                 {"grid_thw", g},
-                 {"num_tokens", image_tokens(c.model.config, g)},
-                 {"hidden_size", O},
-                 {"embeddings", values(o.merged(O), r.as_base64)}};
+    if (i) out += ',';
+    out += open_object({{"index", i}, {"grid_thw", g}, {"num_tokens", image_tokens(c.model.config, g)}, {"hidden_size", O}});
+    out += ",\"embeddings\":";
+    append_value(out, o.merged(O));
     if (r.deepstack) {
-      item["deepstack"] = json::array();
-      for (size_t k = 0; k < o.forward->deepstack.size(); ++k) item["deepstack"].push_back(values(o.deepstack(k, O), r.as_base64));
+      out += ",\"deepstack\":[";
+      for (size_t k = 0; k < o.forward->deepstack.size(); ++k) {
+        if (k) out += ',';
+        append_value(out, o.deepstack(k, O));
+      }
+      out += ']';
     }
-    item["timings_ms"] = timings(d, o, i);
-    item["batch"] = {{"images", o.batch_images}, {"tokens", o.batch_tokens}};
-    data.push_back(std::move(item));
+    out += ",\"timings_ms\":" + dump(timings(d, o, i));
+    out += ",\"batch\":" + dump(json{{"images", o.batch_images}, {"tokens", o.batch_tokens}}) + "}";
   }
-  const json reply = {{"object", "list"},
-                      {"model", c.opt.model},
-                      {"encoding", r.as_base64 ? "base64" : "float"},
-                      {"dtype", r.as_base64 ? "bf16" : "float32"},
-                      {"data", std::move(data)},
-                      {"timings_ms", {{"total", total_ms}}}};
-  return dump(reply);
+  out += "],\"timings_ms\":" + dump(json{{"total", total_ms}}) + "}";
+  return out;
 }
 
 // The safetensors file `fovea encode -o` writes for these images (fp32 tensors; deepstack only if
