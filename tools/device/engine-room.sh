@@ -22,16 +22,8 @@ imgs=$(ls data/photos-device/*.jpg 2>/dev/null | head -4)
 timeout 120 "$B/fovea" encode synthetic:qwen3-vl-8b $imgs data/photos-device/missing.png --mm-encoder-attn-dtype fp8 \
   -o "$OUT/encode.safetensors" > "$OUT/encode.txt" 2>&1; echo "exit $? (1 expected: one file is missing)"; tail -8 "$OUT/encode.txt"
 echo "== fovea serve (8B, FP8), short load"
-"$B/fovea" serve synthetic:qwen3-vl-8b --port 0 --mm-encoder-attn-dtype fp8 --max-pixels 2073600 > "$OUT/serve.log" 2>&1 &
-pid=$!
-url=""
-for _ in $(seq 240); do
-  url=$(grep -oE "http://[0-9.]+:[0-9]+" "$OUT/serve.log" | head -1); [ -n "$url" ] && break; sleep 0.25
-done
-if [ -n "$url" ]; then
+if start_server "$OUT/serve.log" synthetic:qwen3-vl-8b --mm-encoder-attn-dtype fp8 --max-pixels 2073600; then
   timeout 120 python3 bench/serve-load.py --url $url --generate 8 --size 1920x1080 --concurrency 1,4,16 --requests 32 --warmup 4 \
     --json "$OUT/serve.json" 2>&1 | tail -6
   kill -TERM $pid; wait $pid; echo "server exit code $?"
-else
-  echo "server did not start:"; cat "$OUT/serve.log"; kill $pid
 fi

@@ -11,13 +11,7 @@ echo "== test-encoder-gpu"
 timeout 240 "$B/test-encoder-gpu" 2>&1 | tee "$OUT/test-encoder-gpu.txt" | grep -E "^\[  (PASSED|FAILED)|rel|cos|Failure" | head -20
 for dt in ${DTYPES:-bf16 fp8}; do
   echo "== fovea serve synthetic:qwen3-vl-8b --mm-encoder-attn-dtype $dt --max-pixels 2073600"
-  "$B/fovea" serve synthetic:qwen3-vl-8b --port 0 --mm-encoder-attn-dtype $dt --max-pixels 2073600 > "$OUT/serve-$dt.log" 2>&1 &
-  pid=$!
-  url=""
-  for _ in $(seq 240); do
-    url=$(grep -oE "http://[0-9.]+:[0-9]+" "$OUT/serve-$dt.log" | head -1); [ -n "$url" ] && break; sleep 0.25
-  done
-  [ -z "$url" ] && { echo "server did not start:"; cat "$OUT/serve-$dt.log"; kill $pid; continue; }
+  start_server "$OUT/serve-$dt.log" synthetic:qwen3-vl-8b --mm-encoder-attn-dtype $dt --max-pixels 2073600 || continue
   ( for _ in $(seq 400); do curl -s -o /dev/null -w "%{time_total}\n" $url/health; sleep 0.05; done ) > "$OUT/health-$dt.txt" &
   hp=$!
   python3 bench/serve-load.py --url $url --generate 8 --size 1920x1080 --concurrency 1,4,16 --requests 48 --warmup 6 \

@@ -22,13 +22,7 @@ timeout 120 "$B/fovea" encode $M data/photos-device/Aqua.jpg data/photos-device/
   --mm-encoder-attn-dtype fp8 --max-pixels 2073600 -o /tmp/enc.safetensors 2>&1 | tail -5
 for dt in bf16 fp8; do
   echo "== fovea serve $M --mm-encoder-attn-dtype $dt --max-pixels 2073600"
-  "$B/fovea" serve $M --port 0 --mm-encoder-attn-dtype $dt --max-pixels 2073600 > "$OUT/serve-$dt.log" 2>&1 &
-  pid=$!
-  url=""
-  for _ in $(seq 240); do
-    url=$(grep -oE "http://[0-9.]+:[0-9]+" "$OUT/serve-$dt.log" | head -1); [ -n "$url" ] && break; sleep 0.25
-  done
-  [ -z "$url" ] && { echo "server did not start:"; cat "$OUT/serve-$dt.log"; kill $pid; continue; }
+  start_server "$OUT/serve-$dt.log" $M --mm-encoder-attn-dtype $dt --max-pixels 2073600 || continue
   timeout 300 python3 bench/serve-load.py --url $url --generate 8 --size 1920x1080 --concurrency 1,4,16,64 --requests 48 \
     --warmup 4 --json "$OUT/serve-$dt.json" 2>&1 | grep -E "^serve-load \| +[0-9]|mean ms per image"
   grep -E "VmHWM" /proc/$pid/status

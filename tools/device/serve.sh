@@ -10,15 +10,7 @@ M=${MODEL:-synthetic:qwen3-vl-8b}
 BUDGET=${BUDGET:-2073600}   # resize budget (pixels): a FullHD-sized image -> ~2000 tokens
 for dt in ${DTYPES:-bf16 fp8}; do
   echo "== fovea serve $M --mm-encoder-attn-dtype $dt --max-pixels $BUDGET"
-  "$B/fovea" serve $M --port 0 --mm-encoder-attn-dtype $dt --max-pixels $BUDGET > /tmp/serve-$dt.log 2>&1 &
-  pid=$!
-  url=""
-  for _ in $(seq 120); do
-    url=$(grep -oE "http://[0-9.]+:[0-9]+" /tmp/serve-$dt.log | head -1)
-    [ -n "$url" ] && break
-    sleep 0.5
-  done
-  [ -z "$url" ] && { echo "server did not start:"; cat /tmp/serve-$dt.log; kill $pid; continue; }
+  start_server /tmp/serve-$dt.log $M --mm-encoder-attn-dtype $dt --max-pixels $BUDGET || continue
   python3 bench/serve-load.py --url $url --images $P --concurrency ${LEVELS:-1,4,16} --requests ${REQUESTS:-48} --warmup 6 \
     --json "$OUT/serve-$dt.json" 2>&1 | tail -8
   curl -s $url/metrics | grep -E "^fovea_(forward|images|tokens|fp8|nonfinite)" | head -12
