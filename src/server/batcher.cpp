@@ -5,7 +5,6 @@
 
 #include <fmt/format.h>
 
-
 namespace fovea::server {
 
 namespace {
@@ -159,14 +158,16 @@ void Batcher::run_batch(EncoderRunner& runner, const std::vector<Slot>& batch) {
   packed.pixels.reserve(floats);
   for (const Slot& s : batch) packed.add(std::move(s.job->images[s.index]));  // the request keeps no second copy
 
+  const int64_t batch_tokens = packed.tokens(model_.config);
   const Clock::time_point start = Clock::now();
   std::string error;
   std::shared_ptr<EncoderOutputsBf16> out;
   try {
     out = recycled_outputs();
     runner.run_bf16(packed, deepstack, *out);
-    const size_t rows = size_t(packed.tokens(model_.config)), O = size_t(model_.config.out_hidden);
-    if (out->merged.size() != rows * O) error = fmt::format("the encoder gave {} values for {} rows", out->merged.size(), rows);
+    const size_t values = size_t(batch_tokens) * size_t(model_.config.out_hidden);
+    if (out->merged.size() != values)
+      error = fmt::format("the encoder gave {} values for {} rows", out->merged.size(), batch_tokens);
     nonfinite_ = runner.nonfinite_amax();
   } catch (const std::exception& e) {
     error = e.what();
@@ -175,7 +176,6 @@ void Batcher::run_batch(EncoderRunner& runner, const std::vector<Slot>& batch) {
   }
   const double forward_ms = ms_between(start, Clock::now());
 
-  const int64_t batch_tokens = packed.tokens(model_.config);
   if (error.empty()) {
     size_t row = 0;
     for (size_t i = 0; i < batch.size(); ++i) {
