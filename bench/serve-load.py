@@ -194,7 +194,8 @@ def main():
     ap.add_argument("--warmup", type=int, default=4, help="requests sent first, not measured")
     ap.add_argument("--images-per-request", type=int, default=1)
     ap.add_argument("--encoding", choices=("base64", "float"), default="base64")
-    ap.add_argument("--octet-stream", action="store_true", help="ask for safetensors replies")
+    ap.add_argument("--octet-stream", action="store_true",
+                    help="ask for safetensors replies (BF16 tensors; F32 with --encoding float)")
     ap.add_argument("--timeout", type=float, default=600, help="client socket timeout, seconds")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
@@ -220,8 +221,8 @@ def main():
         if status != 200:
             sys.exit(f"serve-load: warm-up request answered {status}: {body[:300].decode(errors='replace')}")
 
-    print(f"serve-load | {args.url} | model {model} | {len(images)} images, {k} per request | "
-          f"{'safetensors' if args.octet_stream else args.encoding} replies")
+    replies = f"safetensors {'f32' if args.encoding == 'float' else 'bf16'}" if args.octet_stream else args.encoding
+    print(f"serve-load | {args.url} | model {model} | {len(images)} images, {k} per request | {replies} replies")
     print("serve-load | concurrency | requests | errors | images/s | tokens/s | p50 ms | p99 ms | images/forward | forward busy")
     results = []
     for c in levels:

@@ -2,6 +2,8 @@
 // /v1/encode body parser, on the request-smuggling and hostile-JSON classes they must refuse.
 #include <gtest/gtest.h>
 
+#include <random>
+
 #include <chrono>
 #include <string>
 
@@ -78,6 +80,38 @@ TEST(EncodeRequest, ParsesEveryImageForm) {
   EXPECT_EQ(r.payloads[3], "SktM");
   EXPECT_FALSE(r.as_base64);
   EXPECT_TRUE(r.deepstack);
+}
+
+// Long strings are lifted out of the body before the JSON parse; the payloads are exactly what a
+// plain parse gives, in every image form, next to short and escaped strings; a body holding the
+// placeholder's escape \u0000 is parsed whole, so a client's "\u00000" is never taken for image 0;
+// invalid JSON around lifted strings is still refused.
+TEST(EncodeRequest, LongPayloadsLiftedOutParseAsAPlainParse) {
+  std::mt19937 rng(std::random_device{}());
+  const auto b64 = [&](size_t n) {
+    static const char* abc = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    std::string t(n, 'A');
+    for (auto& c : t) c = abc[rng() % 64];
+    return t;
+  };
+  const std::string a = b64(5000), b = b64(300000), c = b64(4096), short_one = b64(12);
+  const auto r = parse_encode_request("{\"images\": [\"data:image/png;base64," + a + "\", \"" + b +
+                                          "\", {\"type\": \"image_url\", \"image_url\": {\"url\": \"" + c + "\"}}, \"" +
+                                          short_one + "\", \"data:image/png;base64,QUJ\\/\"], \"model\": \"synthetic:tiny\"}",
+                                      16, "synthetic:tiny");
+  ASSERT_EQ(r.payloads.size(), 5u);
+  EXPECT_EQ(r.payloads[0], a);
+  EXPECT_EQ(r.payloads[1], b);
+  EXPECT_EQ(r.payloads[2], c);
+  EXPECT_EQ(r.payloads[3], short_one);
+  EXPECT_EQ(r.payloads[4], "QUJ/");
+  const auto nul = parse_encode_request("{\"images\": [\"\\u00000\", \"" + b + "\"]}", 16, "synthetic:tiny");
+  ASSERT_EQ(nul.payloads.size(), 2u);
+  EXPECT_EQ(nul.payloads[0], std::string("\0" "0", 2));
+  EXPECT_EQ(nul.payloads[1], b);
+  EXPECT_EQ(error_of("{\"images\": [\"" + b + "\"] \"x\"}").code, "invalid_json");
+  EXPECT_EQ(error_of("{\"images\": [\"" + b).code, "invalid_json");
+  EXPECT_EQ(error_of("{\"images\": [\"" + b + "\"], \"model\": \"" + b + "\"}").code, "model_not_found");
 }
 
 TEST(EncodeRequest, RefusesHostileJsonFastWithShortMessages) {

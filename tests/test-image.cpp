@@ -19,6 +19,7 @@
 #include <fstream>
 #include <random>
 
+#include "fovea/bf16.h"
 #include "fovea/image.h"
 #include "fovea/safetensors.h"
 #include "fovea/scales.h"
@@ -119,6 +120,34 @@ TEST(Patchify, RowsAndColumnsFollowTheSpecLayout) {
                 }
         }
   EXPECT_HAS(error_of([&] { patchify(gradient(90, 64), {}); }), "multiple of 32");
+}
+
+// The compact form: patchify_raw keeps the uint8 samples (an eighth of the bytes), and
+// normalize_raw makes patchify's exact values from them, for non-default mean / std, T = 1 and 2,
+// random pixels; a non-raw Patches is refused.
+TEST(Patchify, RawPatchesNormalizeToPatchifyBitForBit) {
+  std::mt19937 rng(std::random_device{}());
+  for (int T : {1, 2}) {
+    Rgb8 img{160, 96, std::vector<uint8_t>(size_t(160) * 96 * 3), "random"};
+    for (auto& v : img.data) v = uint8_t(rng() & 255);
+    PreprocessConfig cfg;
+    cfg.temporal = T;
+    cfg.mean[0] = 0.48145466f, cfg.mean[1] = 0.4578275f, cfg.mean[2] = 0.40821073f;
+    cfg.std[0] = 0.26862954f, cfg.std[1] = 0.26130258f, cfg.std[2] = 0.27577711f;
+    const Patches want = patchify(img, cfg);
+    Patches raw = patchify_raw(img, cfg);
+    EXPECT_TRUE(raw.pixels.empty());
+    ASSERT_EQ(raw.grid, want.grid);
+    ASSERT_EQ(raw.raw.size() * T, want.pixels.size());
+    normalize_raw(raw);
+    ASSERT_EQ(raw.pixels.size(), want.pixels.size());
+    EXPECT_EQ(std::memcmp(raw.pixels.data(), want.pixels.data(), want.pixels.size() * 4), 0) << "T = " << T;
+    Patches via = preprocess(img, cfg, /*raw=*/true);  // resized first (up to min_pixels)
+    normalize_raw(via);
+    EXPECT_EQ(via.pixels, preprocess(img, cfg).pixels);
+  }
+  Patches not_raw = patchify(gradient(64, 64), {});
+  EXPECT_HAS(error_of([&] { normalize_raw(not_raw); }), "not raw patches");
 }
 
 TEST(Resize, ConstantStaysConstantAndIdentityIsExact) {
@@ -693,7 +722,9 @@ TEST(Preprocess, HdPhotoSizedInputGivesTheTransformersGrid) {
 }
 
 // fovea encode on the CPU: good images are encoded together, a bad one is reported by name and
-// makes the exit code non-zero; the written tokens equal the library forward on the same pixels.
+// makes the exit code non-zero; the written tokens equal the library forward on the same pixels:
+// by default as BF16, its fp32 rounded to nearest even; with --output-dtype f32 as they are. A bad
+// --output-dtype is an error naming the flag.
 TEST(EncodeCli, EncodesTheGoodImagesAndReportsTheBadOne) {
   TempDir dir;
   const auto a = encode_png_rgb(300, 200, gradient(300, 200).data);
@@ -724,9 +755,41 @@ TEST(EncodeCli, EncodesTheGoodImagesAndReportsTheBadOne) {
   qwen3vl::ForwardOptions o;
   o.attention = cpu::RefMode::BF16;
   const auto r = qwen3vl::forward_cpu(m, px, {p0.grid, p1.grid}, o);
-  const auto e0 = ck.find("image.0.embeddings")->to_float();
-  ASSERT_EQ(e0.size(), size_t(70 * 48));
-  EXPECT_TRUE(std::equal(e0.begin(), e0.end(), r.merged.begin()));
+  const size_t n0 = 70 * 48, n1 = 78 * 48;  // image 0's values, image 1's
+  ASSERT_EQ(r.merged.size(), n0 + n1);
+  // The tensor's values against ref[first, first + n): its bf16 bits against ref rounded, or exactly.
+  const auto same = [](const Checkpoint& c, const std::string& name, DType dtype, const std::vector<float>& ref,
+                       size_t first, size_t n) {
+    const TensorInfo* t = c.find(name);
+    if (!t || t->dtype != dtype || size_t(t->numel()) != n) return false;
+    if (dtype == DType::F32) return t->to_float() == std::vector<float>(ref.begin() + long(first), ref.begin() + long(first + n));
+    for (size_t i = 0; i < n; ++i)
+      if (uint16_t(t->data[2 * i] | t->data[2 * i + 1] << 8) != bf16_from_float(ref[first + i])) return false;
+    return true;
+  };
+  EXPECT_EQ(ck.find("image.0.grid_thw")->dtype, DType::F32);
+  EXPECT_TRUE(same(ck, "image.0.embeddings", DType::BF16, r.merged, 0, n0));
+  EXPECT_TRUE(same(ck, "image.1.embeddings", DType::BF16, r.merged, n0, n1));
+  EXPECT_TRUE(same(ck, "image.1.deepstack.1", DType::BF16, r.deepstack[1], n0, n1));
+
+  const std::string out32 = dir.file("out32.safetensors");
+  ASSERT_EQ(std::system((std::string("'") + FOVEA_BIN + "' encode synthetic:tiny '" + pa + "' '" + pb +
+                         "' --device cpu --output-dtype f32 -o '" + out32 + "' >/dev/null").c_str()), 0);
+  const Checkpoint ck32 = Checkpoint::open(out32);
+  EXPECT_EQ(ck32.find("image.1.grid_thw")->to_float(), (std::vector<float>{1, 52, 6}));
+  EXPECT_EQ(ck32.find("image.1.grid_thw")->dtype, DType::F32);
+  EXPECT_TRUE(same(ck32, "image.0.embeddings", DType::F32, r.merged, 0, n0));
+  EXPECT_TRUE(same(ck32, "image.1.embeddings", DType::F32, r.merged, n0, n1));
+  EXPECT_TRUE(same(ck32, "image.1.deepstack.1", DType::F32, r.deepstack[1], n0, n1));
+
+  const int bad_dtype = std::system((std::string("'") + FOVEA_BIN + "' encode synthetic:tiny '" + pa +
+                                     "' --device cpu --output-dtype fp16 -o '" + dir.file("never.safetensors") +
+                                     "' >/dev/null 2>'" + err + "'").c_str());
+  EXPECT_TRUE(WIFEXITED(bad_dtype) && WEXITSTATUS(bad_dtype) == 1) << bad_dtype;
+  std::ifstream ef2(err);
+  EXPECT_HAS(std::string((std::istreambuf_iterator<char>(ef2)), std::istreambuf_iterator<char>()),
+             "fovea: error: encode: --output-dtype: 'fp16' is not one of bf16, f32");
+  EXPECT_FALSE(fs::exists(dir.file("never.safetensors")));
 }
 
 // bench calibration on the CPU: calibrates on two images, holds two out; static and dynamic FP8

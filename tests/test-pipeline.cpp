@@ -2,6 +2,10 @@
 // preprocess with errors kept per image, packing, splitting, the per-image tensors, and the CPU
 // encoder run on a packed batch against the same images run one by one.
 #include <atomic>
+#include <chrono>
+#include <mutex>
+#include <set>
+#include <thread>
 #include <cstring>
 #include <random>
 #include <string>
@@ -12,6 +16,7 @@
 #include "fovea/bf16.h"
 #include "fovea/error.h"
 #include "fovea/pipeline.h"
+#include "fovea/threads.h"
 #include "test-util.h"
 
 using namespace fovea;
@@ -108,15 +113,76 @@ TEST(Pipeline, BatchPacksAndSplitImagesCutsBackEveryRow) {
   append_image_tensors(t, 2, grids[2], c, parts[2]);
   ASSERT_EQ(t.size(), 4u);  // embeddings, 2 deepstack, grid
   EXPECT_EQ(t[0].name, "image.2.embeddings");
+  EXPECT_EQ(t[0].dtype, DType::F32);
   EXPECT_EQ(t[0].shape, (std::vector<int64_t>{6, 3}));
   EXPECT_EQ(t[2].name, "image.2.deepstack.1");
   EXPECT_EQ(t[3].name, "image.2.grid_thw");
+  EXPECT_EQ(t[3].dtype, DType::F32);
   float g[3];
   std::memcpy(g, t[3].bytes.data(), sizeof g);
   EXPECT_EQ(g[0], 1.f);
   EXPECT_EQ(g[1], 4.f);
   EXPECT_EQ(g[2], 6.f);
   EXPECT_HAS(error_of([&] { append_image_tensors(t, 0, grids[0], c, parts[2]); }), "18 embedding values, not 2 x 3");
+}
+
+// The bf16 split cuts the same rows as the fp32 one, as views into the outputs (no copy), and checks
+// the counts the same way; append_image_tensors writes its rows as BF16 tensors, the bits as they are.
+TEST(Pipeline, Bf16SplitViewsEveryRowAndAppendWritesTheBits) {
+  qwen3vl::VisionConfig c;
+  c.out_hidden = 3;
+  const std::vector<qwen3vl::GridThw> grids = {{1, 2, 4}, {2, 2, 2}, {1, 4, 6}};  // 2, 2, 6 tokens
+  EncoderOutputsBf16 o;  // rows numbered 0..9 as bf16; deepstack k: row + 100 k
+  for (int r = 0; r < 10; ++r)
+    for (int j = 0; j < 3; ++j) o.merged.push_back(bf16_from_float(float(r)));
+  o.deepstack = {o.merged, o.merged};
+  for (auto& v : o.deepstack[1]) v = bf16_from_float(bf16_to_float(v) + 100);
+  const std::vector<ImageTensorsBf16> parts = split_images(o, grids, c);
+  ASSERT_EQ(parts.size(), 3u);
+  const int first[3] = {0, 2, 4}, count[3] = {2, 2, 6};
+  for (int i = 0; i < 3; ++i) {
+    const ImageTensorsBf16& p = parts[size_t(i)];
+    EXPECT_EQ(p.merged.data(), o.merged.data() + first[i] * 3);  // a view, not a copy
+    ASSERT_EQ(p.merged.size(), size_t(count[i] * 3));
+    ASSERT_EQ(p.deepstack.size(), 2u);
+    EXPECT_EQ(p.deepstack[1].data(), o.deepstack[1].data() + first[i] * 3);
+    ASSERT_EQ(p.deepstack[1].size(), size_t(count[i] * 3));
+    for (int r = 0; r < count[i]; ++r) {
+      EXPECT_EQ(bf16_to_float(p.merged[size_t(r * 3)]), float(first[i] + r));
+      EXPECT_EQ(bf16_to_float(p.deepstack[1][size_t(r * 3 + 2)]), float(first[i] + r + 100));
+    }
+  }
+  EncoderOutputsBf16 short_by_one = o;
+  short_by_one.merged.resize(27);
+  EXPECT_HAS(error_of([&] { split_images(short_by_one, grids, c); }), "27 values for 3 images of 10 visual tokens");
+  EncoderOutputsBf16 bad_deepstack = o;
+  bad_deepstack.deepstack[0].pop_back();
+  EXPECT_HAS(error_of([&] { split_images(bad_deepstack, grids, c); }), "deepstack output has 29 values");
+
+  std::vector<TensorToWrite> t;
+  append_image_tensors(t, 2, grids[2], c, parts[2]);
+  ASSERT_EQ(t.size(), 4u);  // embeddings, 2 deepstack, grid
+  EXPECT_EQ(t[0].name, "image.2.embeddings");
+  EXPECT_EQ(t[0].dtype, DType::BF16);
+  EXPECT_EQ(t[0].shape, (std::vector<int64_t>{6, 3}));
+  ASSERT_EQ(t[0].bytes.size(), 6u * 3 * 2);
+  EXPECT_EQ(std::memcmp(t[0].bytes.data(), parts[2].merged.data(), t[0].bytes.size()), 0);
+  EXPECT_EQ(t[2].name, "image.2.deepstack.1");
+  EXPECT_EQ(t[2].dtype, DType::BF16);
+  ASSERT_EQ(t[2].bytes.size(), 6u * 3 * 2);
+  EXPECT_EQ(std::memcmp(t[2].bytes.data(), parts[2].deepstack[1].data(), t[2].bytes.size()), 0);
+  EXPECT_EQ(t[3].name, "image.2.grid_thw");
+  EXPECT_EQ(t[3].dtype, DType::F32);
+  float g[3];
+  ASSERT_EQ(t[3].bytes.size(), sizeof g);
+  std::memcpy(g, t[3].bytes.data(), sizeof g);
+  EXPECT_EQ(g[0], 1.f);
+  EXPECT_EQ(g[1], 4.f);
+  EXPECT_EQ(g[2], 6.f);
+  EXPECT_HAS(error_of([&] { append_image_tensors(t, 0, grids[0], c, parts[2]); }), "18 embedding values, not 2 x 3");
+  ImageTensorsBf16 short_deepstack = parts[0];
+  short_deepstack.deepstack[1] = short_deepstack.deepstack[1].first(5);
+  EXPECT_HAS(error_of([&] { append_image_tensors(t, 0, grids[0], c, short_deepstack); }), "deepstack 1 has 5 values, not 6");
 }
 
 // Packed attention never crosses images: three images encoded in one batch give, row for row, what
@@ -164,4 +230,75 @@ TEST(Pipeline, PackedBatchMatchesImagesRunAlone) {
       EXPECT_TRUE(runner.run_bf16(all, false).deepstack.empty());
     }
   }
+}
+
+// start() / finish(): two batches in flight, raw and normalized patches, give what run() gives,
+// oldest first; a third start, a finish with nothing in flight, run() with batches in flight and
+// a batch mixing raw and normalized patches are refused.
+TEST(Pipeline, StartAndFinishPipelineBatchesInOrder) {
+  const qwen3vl::Model model = qwen3vl::load_model("synthetic:tiny");
+  const image::PreprocessConfig cfg = image::load_preprocess_config("synthetic:tiny");
+  const auto make = [&](bool raw) {
+    return prepare_images(4, [](size_t i) { return noise_image(kSizes[i].first, kSizes[i].second, unsigned(70 + i)); },
+                          cfg, {}, raw);
+  };
+  const std::vector<PreparedImage> raw = make(true), norm = make(false);
+  EngineOptions o;
+  o.device = "cpu";
+  const EngineConfig e = resolve_engine(o, query_system());
+  EncoderRunner runner(model, e);
+  Batch first, second;  // images 0-1 and 2-3
+  for (size_t i = 0; i < 4; ++i) (i < 2 ? first : second).add(image::Patches(norm[i].patches));
+  const EncoderOutputsBf16 want0 = runner.run_bf16(first), want1 = runner.run_bf16(second);
+
+  runner.start({&raw[0].patches, &raw[1].patches}, true);
+  runner.start({&norm[2].patches, &norm[3].patches}, true);
+  EXPECT_EQ(runner.in_flight(), 2u);
+  EXPECT_HAS(error_of([&] { runner.start({&raw[0].patches}, true); }), "2 batches started and not finished");
+  EXPECT_HAS(error_of([&] { runner.run(first); }), "batches started and not finished");
+  EncoderOutputsBf16 got;
+  runner.finish(got);
+  EXPECT_EQ(got.merged, want0.merged);
+  EXPECT_EQ(got.deepstack, want0.deepstack);
+  runner.finish(got);
+  EXPECT_EQ(got.merged, want1.merged);
+  EXPECT_EQ(got.deepstack, want1.deepstack);
+  EXPECT_HAS(error_of([&] { runner.finish(got); }), "no batch started");
+  EXPECT_HAS(error_of([&] { runner.start({&raw[0].patches, &norm[1].patches}, false); }), "mixes raw and normalized");
+  EXPECT_EQ(runner.in_flight(), 0u);
+}
+
+// ThreadCap bounds the threads parallel_for uses from this thread, and nested loops share it.
+TEST(Threads, CapBoundsThreadsAndNestedLoopsShareIt) {
+  const auto threads_used = [](int64_t n, const std::function<void(int64_t)>& inner) {
+    std::mutex mu;
+    std::set<std::thread::id> ids;
+    parallel_for(n, [&](int64_t i) {
+      {
+        std::lock_guard lk(mu);
+        ids.insert(std::this_thread::get_id());
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+      if (inner) inner(i);
+    });
+    return ids.size();
+  };
+  {
+    ThreadCap cap(3);
+    EXPECT_EQ(ThreadCap::current(), 3);
+    EXPECT_LE(threads_used(64, {}), 3u);
+    ThreadCap one(0);  // at least one
+    EXPECT_EQ(ThreadCap::current(), 1);
+    EXPECT_EQ(threads_used(16, {}), 1u);
+  }
+  EXPECT_EQ(ThreadCap::current(), hardware_threads());
+  ThreadCap cap(8);
+  std::atomic<size_t> most_inner{0};
+  const size_t outer = threads_used(2, [&](int64_t) {
+    const size_t used = threads_used(32, {});  // each of the 2 outer threads may start 4
+    size_t m = most_inner.load();
+    while (used > m && !most_inner.compare_exchange_weak(m, used)) {}
+  });
+  EXPECT_LE(outer, 2u);
+  EXPECT_LE(most_inner.load(), 4u);
 }

@@ -112,7 +112,9 @@ struct DeviceScales {
 };
 
 // Fused RoPE + quantize + layout step and the Hopper flash-attention kernel for one attention shape.
-//   plan()    once per batch shape (not capturable: allocates, uploads cu_seqlens, encodes TMA maps);
+//   plan()    once per batch shape (not capturable: may allocate, encodes TMA maps); its uploads of
+//             cu_seqlens and the tile list are enqueued on `stream` from pinned memory, without
+//             waiting, so the host plans the next batch while the GPU runs the last one;
 //   prepare() reads the fused qkv [N, 3, H, hd] bf16 output, applies 2D RoPE to q and k and writes
 //             Q, K and V^T in the kernel's layouts (bf16, or E4M3 with the layer's scales; with dynamic
 //             scaling one extra launch first reduces amax and updates the ring, all on the device);
@@ -125,7 +127,7 @@ class FlashAttention {
   FlashAttention(const FlashAttention&) = delete;
   FlashAttention& operator=(const FlashAttention&) = delete;
 
-  void plan(const std::vector<int32_t>& cu_seqlens);
+  void plan(const std::vector<int32_t>& cu_seqlens, cudaStream_t stream = nullptr);
   // qkv: device bf16, token stride qkv_token_stride elements (3*H*hd when packed); rope_cos/sin:
   // device fp32 [N, hd/2] (angle of dims d and d + hd/2), or both null for no RoPE.
   void prepare(const void* qkv, int64_t qkv_token_stride, const float* rope_cos, const float* rope_sin,

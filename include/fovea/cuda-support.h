@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstddef>
 #include <string>
 #include <utility>
@@ -99,6 +100,38 @@ using DeviceBuffer = OwnedBuffer<T, detail::device_alloc, cudaFree>;
 // Page-locked host memory (cudaMallocHost / cudaFreeHost), the source of asynchronous uploads.
 template <class T>
 using PinnedBuffer = OwnedBuffer<T, detail::pinned_alloc, cudaFreeHost>;
+
+// Pinned host memory that asynchronous copies read or write, reused from batch to batch: take()
+// first waits for the event release() recorded after the last use's copies were enqueued, so the
+// host never overwrites (or reads) what the GPU has not finished with.
+class StagingSlot {
+ public:
+  StagingSlot() { FOVEA_CUDA_CHECK(cudaEventCreateWithFlags(&done_, cudaEventDisableTiming)); }
+  ~StagingSlot() { cudaEventDestroy(done_); }
+  StagingSlot(const StagingSlot&) = delete;
+  StagingSlot& operator=(const StagingSlot&) = delete;
+  // At least `bytes` bytes (grown by a quarter more when too small; the contents are not kept).
+  uint8_t* take(size_t bytes) {
+    wait();
+    if (mem_.count() < bytes) mem_.reset(bytes + bytes / 4);
+    return mem_.data();
+  }
+  void release(cudaStream_t stream) {
+    FOVEA_CUDA_CHECK(cudaEventRecord(done_, stream));
+    pending_ = true;
+  }
+  void wait() {
+    if (!pending_) return;
+    FOVEA_CUDA_CHECK(cudaEventSynchronize(done_));
+    pending_ = false;
+  }
+  uint8_t* data() const { return mem_.data(); }
+
+ private:
+  PinnedBuffer<uint8_t> mem_;
+  cudaEvent_t done_ = nullptr;
+  bool pending_ = false;
+};
 
 // Median time of fn() over reps runs after warmup runs, with CUDA events recorded on stream around
 // each run (fn enqueues its work on the same stream).

@@ -2,11 +2,15 @@
 // bias / GELU / residual fused into their epilogues, FOVEA attention in BF16 or FP8).
 //   plan(grids)  once per set of image grids: lays every activation buffer out in one device
 //                arena (allocating only when the batch is the largest yet; nothing is allocated in
-//                the layer loop), builds RoPE and position-embedding tables and the attention plan.
-//                Not capturable. Host staging is pinned and reused.
+//                the layer loop); the position-embedding and RoPE tables are computed on the GPU
+//                and the attention plan's uploads are enqueued, all without waiting. Not capturable.
 //   forward()    the whole encoder from the device pixel buffer; no host synchronization, so it can
 //                be captured in a CUDA graph and replayed (dynamic FP8 scaling included).
+// Pipelining: everything up to download() only enqueues work on the stream, from pinned staging
+// that is double-buffered, so the host plans and stages batch n+1 while the GPU runs batch n;
+// collect() is the one wait, for that batch's outputs.
 #pragma once
+#include <cstdint>
 #include <memory>
 #include <vector>
 
@@ -39,20 +43,38 @@ class Encoder {
   // Sizes the device arena every per-batch buffer lives in for batches of up to `patches` patches
   // (plan() grows it when a batch needs more, and never shrinks it).
   void reserve(int64_t patches);
-  void plan(const std::vector<GridThw>& grids);
-  // pixels [N, 1536] (fp32 on the host, rounded to bf16 as transformers does; docs/encoder.md §Patch embedding).
+  void plan(const std::vector<GridThw>& grids, cudaStream_t stream = nullptr);
+  // The current plan's tables as the GPU computed them, copied back (synchronous; for checks):
+  // position embedding bf16 bits [N, hidden], RoPE cos and sin [N, hd/2].
+  void grid_tables(std::vector<uint16_t>& pe, std::vector<float>& cos, std::vector<float>& sin) const;
+  // Pinned host memory for this plan's pixels, bf16 bits [N, patch_dim] (docs/encoder.md §Patch
+  // embedding: rounded from fp32 as transformers does); fill it, then upload_staged() enqueues the
+  // copy. Two stagings alternate: the one before last must have been uploaded (it waits for that).
+  uint16_t* pixel_staging();
+  void upload_staged(cudaStream_t stream);
+  // The compact form: pinned memory for this plan's raw uint8 patches [N, 3*patch*patch]
+  // (image::Patches::raw); upload_raw() enqueues their copy and, on the device, the rescale /
+  // normalize / temporal copies image::patchify does on the host, with the same float32 arithmetic.
+  uint8_t* raw_staging();
+  void upload_raw(const float mean[3], const float std[3], cudaStream_t stream);
+  // pixels [N, patch_dim] fp32, rounded to bf16 into the staging and uploaded (enqueued).
   void upload_pixels(const std::vector<float>& pixels, cudaStream_t stream);
   void forward(cudaStream_t stream);
   // Host-side bookkeeping after a forward (calibration: sync, copy rings, maybe write the file).
   void after_forward(cudaStream_t stream);
   // Copies the device rings and scales into the scale book (dynamic and calibrate modes; syncs).
   void sync_scales(cudaStream_t stream);
-  // The outputs as bf16 bits, as computed, into `out` (resized; vectors large enough are reused
-  // without reallocation): merged first, then (with_deepstack) each deepstack output, each
-  // [N/4, out_hidden]; through pinned staging, one synchronization.
-  void outputs_bf16(bool with_deepstack, std::vector<std::vector<uint16_t>>& out, cudaStream_t stream) const;
-  std::vector<float> merged(cudaStream_t stream) const;                  // [N/4, out_hidden]
-  std::vector<std::vector<float>> deepstack(cudaStream_t stream) const;  // each [N/4, out_hidden]
+  // Enqueues the copy of the outputs (merged, then each deepstack output if asked for, each
+  // [N/4, out_hidden] bf16) and of the FP8 rings into pinned memory, and returns its ticket; two
+  // downloads may wait to be collected at once.
+  int64_t download(bool with_deepstack, cudaStream_t stream);
+  // Waits for download `ticket` and gives its outputs as bf16 bits into `out` (resized; vectors
+  // large enough are reused without reallocation); the rings go to the scale book.
+  void collect(int64_t ticket, std::vector<std::vector<uint16_t>>& out);
+  // download() and collect() at once: bf16 bits, or widened to fp32.
+  void outputs_bf16(bool with_deepstack, std::vector<std::vector<uint16_t>>& out, cudaStream_t stream);
+  std::vector<float> merged(cudaStream_t stream);                  // [N/4, out_hidden]
+  std::vector<std::vector<float>> deepstack(cudaStream_t stream);  // each [N/4, out_hidden]
   int64_t tokens() const;
 
   struct Impl;

@@ -122,13 +122,27 @@ Rgb8 resize_bicubic(const Rgb8& in, int out_h, int out_w);
 struct Patches {
   std::vector<float> pixels;  // [t*h*w, 3*temporal*patch*patch], merge-window row order (docs/encoder.md §Merge-window order)
   qwen3vl::GridThw grid;
+  // The compact form patchify_raw() gives instead of `pixels`: the uint8 samples [t*h*w, 3*patch*patch]
+  // (columns c, py, px of the one frame), same row order; rescale, normalize and the temporal
+  // copies are left to whoever uploads them (the GPU encoder does them on the device, normalize_raw()
+  // on the host), with the same float32 arithmetic as patchify.
+  std::vector<uint8_t> raw;
+  struct Normalization {  // raw only: what patchify would have applied
+    float mean[3] = {}, std[3] = {};
+    int temporal = 0;
+  } norm;
 };
 
 // Rescale (1/255), normalize, duplicate the frame temporally, patchify. The image must already be
 // a multiple of patch * merge on each side.
 Patches patchify(const Rgb8& img, const PreprocessConfig& cfg);
 
-// smart_resize -> resize -> patchify; errors name img.name when it is set.
-Patches preprocess(const Rgb8& img, const PreprocessConfig& cfg);
+// The same rows as patchify, as uint8 samples in Patches::raw (an eighth of the bytes).
+Patches patchify_raw(const Rgb8& img, const PreprocessConfig& cfg);
+// patchify's values from patchify_raw's: `pixels` filled bit for bit as patchify would, `raw` kept.
+void normalize_raw(Patches& p);
+
+// smart_resize -> resize -> patchify (raw = true: patchify_raw); errors name img.name when it is set.
+Patches preprocess(const Rgb8& img, const PreprocessConfig& cfg, bool raw = false);
 
 }  // namespace fovea::image

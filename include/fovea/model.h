@@ -145,6 +145,9 @@ std::vector<std::array<int, 2>> patch_positions(const std::vector<GridThw>& grid
 // frame: [N, hidden] (docs/encoder.md §Position embedding).
 std::vector<float> position_embedding(const VisionConfig& c, const std::vector<float>& table,
                                       const std::vector<GridThw>& grids);
+// cos / sin of position p times each of the hd/4 RoPE frequencies, [positions][hd/4]: every value
+// vision_rope_tables writes is one of these (the GPU encoder gathers from them).
+void rope_frequency_table(int positions, int head_dim, std::vector<float>& cos, std::vector<float>& sin);
 void vision_rope_tables(const std::vector<GridThw>& grids, int head_dim, std::vector<float>& cos,
                         std::vector<float>& sin);
 

@@ -3,13 +3,15 @@
 //   prepare_images  decode + preprocess a set of images in parallel, errors kept per image;
 //   Batch           their patches and grids packed into one varlen batch;
 //   EncoderRunner   the encoder forward the engine configuration selects (CPU or GPU, BF16 or FP8);
-//   split_images    the packed outputs cut back into each image's rows;
+//   split_images    the packed outputs cut back into each image's rows (fp32, or bf16 views);
 //   append_image_tensors  one image's tensors as `encode -o` writes them and `serve` returns them.
 #pragma once
+#include <deque>
 #include <exception>
 #include <functional>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -35,10 +37,11 @@ struct PreparedImage {
 // Images 0..n-1, in parallel (fovea::parallel_for): decode(i) gives image i's pixels, then
 // image::preprocess makes its patches. Whatever either throws is kept as that image's error; the
 // others go on. done(i), if given, runs after image i is preprocessed or has failed (the server
-// releases its decode-memory reservation there).
+// releases its decode-memory reservation there). raw = true gives the compact uint8 patches
+// (Patches::raw; what EncoderRunner::start uploads, normalized on the GPU).
 std::vector<PreparedImage> prepare_images(size_t n, const std::function<image::Rgb8(size_t)>& decode,
                                           const image::PreprocessConfig& cfg,
-                                          const std::function<void(size_t)>& done = {});
+                                          const std::function<void(size_t)>& done = {}, bool raw = false);
 
 // ---- one varlen batch -------------------------------------------------------------------------------
 
@@ -73,51 +76,87 @@ struct ImageTensors {
 std::vector<ImageTensors> split_images(EncoderOutputs&& out, const std::vector<qwen3vl::GridThw>& grids,
                                        const qwen3vl::VisionConfig& c);
 
+// One image's rows of EncoderOutputsBf16, as views into them (no copy): valid while they live.
+struct ImageTensorsBf16 {
+  std::span<const uint16_t> merged;                  // [tokens, out_hidden]
+  std::vector<std::span<const uint16_t>> deepstack;  // each [tokens, out_hidden]
+};
+
+// The same cut for bf16 outputs, never through fp32: each image's views into `out` (which must
+// outlive them, hence no temporaries). Throws as above.
+std::vector<ImageTensorsBf16> split_images(const EncoderOutputsBf16& out, const std::vector<qwen3vl::GridThw>& grids,
+                                           const qwen3vl::VisionConfig& c);
+std::vector<ImageTensorsBf16> split_images(EncoderOutputsBf16&&, const std::vector<qwen3vl::GridThw>&,
+                                           const qwen3vl::VisionConfig&) = delete;
+
 // ---- the encoder forward ----------------------------------------------------------------------------
 
 class EncoderRunner {
  public:
   // FP8 engines get the scale book make_scale_book() gives (dynamic, static or calibrating); every
-  // run() advances calibration.
+  // forward advances calibration.
   EncoderRunner(const qwen3vl::Model& m, const EngineConfig& cfg);
   ~EncoderRunner();
   // GPU: sizes the device buffers for batches of up to `visual_tokens` once, so later batches of any
   // shape within it allocate nothing (a larger one still runs, growing them). No-op on the CPU.
   void reserve(int64_t visual_tokens);
-  // with_deepstack = false leaves `deepstack` empty (on the GPU they are then not copied back).
+
+  // Pipelined use (serve, encode): start() packs the images' pixels straight into pinned memory
+  // (raw uint8 patches as they are, normalized on the GPU; fp32 ones rounded to bf16; a batch is all
+  // one or the other) and enqueues the plan, upload, forward and the outputs' copy back, without waiting for
+  // the GPU; finish() waits for the oldest started batch and gives its outputs. Up to kInFlight
+  // batches may be started and not finished, so the host prepares batch n+1 (and unpacks n-1)
+  // while the GPU runs batch n. On the CPU, start() runs the whole forward.
+  static constexpr size_t kInFlight = 2;
+  void start(const std::vector<const image::Patches*>& images, bool with_deepstack);
+  void start(const Batch& batch, bool with_deepstack);
+  void finish(EncoderOutputsBf16& out);  // throws if nothing is in flight
+  size_t in_flight() const;
+
+  // start() + finish(). with_deepstack = false leaves `deepstack` empty (on the GPU they are then
+  // not copied back). run() gives fp32: the GPU's bf16 widened, the CPU's fp32 as computed.
   EncoderOutputs run(const Batch& batch, bool with_deepstack = true);
   EncoderOutputsBf16 run_bf16(const Batch& batch, bool with_deepstack = true);
-  // The same into `out`, whose vectors are reused where large enough (warm memory, no page faults:
-  // the server recycles them from forward to forward).
+  // The same into `out`, whose vectors are reused where large enough (warm memory, no page faults).
   void run_bf16(const Batch& batch, bool with_deepstack, EncoderOutputsBf16& out);
   ScaleBook* book() { return book_ ? &*book_ : nullptr; }  // null for BF16
-  // Where the last run() spent its time (host wall clock, ms): planning the batch shape, pixel
-  // conversion + upload, the forward on the device (synchronized), outputs back + conversion. On
-  // the CPU all of it is `forward`.
+
+  // Where the last finished batch spent its time, ms: `plan` (host: the batch shape), `upload`
+  // (host: pixels packed into pinned bf16; plus the GPU's copy), `forward` (GPU), `download` (the
+  // GPU's copy back; plus host: unpacking into the output vectors), and `gpu`, the GPU's time from
+  // the upload's start to the copy back's end (what "GPU busy" sums). On the CPU all of it is
+  // `forward` and `gpu`.
   struct Timings {
-    double plan = 0, upload = 0, forward = 0, download = 0;
+    double plan = 0, upload = 0, forward = 0, download = 0, gpu = 0;
   };
   const Timings& last_timings() const { return timings_; }
-  // Non-finite amax values the scale book has ignored so far, all layers (0 for BF16 and static
-  // scales). On the GPU this copies the device rings into the book first (one small sync).
-  uint64_t nonfinite_amax();
+  // Non-finite amax values the scale book has ignored so far, all layers, as of the last finished
+  // batch (0 for BF16 and static scales). No synchronization: the rings come back with the outputs.
+  uint64_t nonfinite_amax() const;
 
  private:
-  // Runs the forward; the CPU's outputs are returned, the GPU's stay on the device.
-  std::optional<qwen3vl::ForwardResult> forward(const Batch& batch);
   struct Gpu;
+  struct Flight;
+  void start_cpu(const Batch& batch, bool with_deepstack);
+  // pack(dst) writes the batch's pixels into dst: raw uint8 samples, or bf16.
+  void start_gpu(const std::vector<qwen3vl::GridThw>& grids, bool with_deepstack, bool raw,
+                 const std::function<void(void*)>& pack, const image::Patches::Normalization* norm);
   const qwen3vl::Model& model_;
   EngineConfig cfg_;
   std::optional<ScaleBook> book_;
   std::unique_ptr<Gpu> gpu_;
+  std::deque<std::unique_ptr<Flight>> flights_;
   Timings timings_;
 };
 
 // ---- outputs ----------------------------------------------------------------------------------------
 
-// One image's tensors, appended to `out`, all fp32: "image.<j>.embeddings" [tokens, out_hidden],
-// "image.<j>.deepstack.<k>" for each of t.deepstack, and "image.<j>.grid_thw" [3].
+// One image's tensors, appended to `out`: "image.<j>.embeddings" [tokens, out_hidden],
+// "image.<j>.deepstack.<k>" for each of t.deepstack (F32 from ImageTensors, BF16 from
+// ImageTensorsBf16, the bits as they are), and "image.<j>.grid_thw" [3] (always F32).
 void append_image_tensors(std::vector<TensorToWrite>& out, size_t j, const qwen3vl::GridThw& g,
                           const qwen3vl::VisionConfig& c, const ImageTensors& t);
+void append_image_tensors(std::vector<TensorToWrite>& out, size_t j, const qwen3vl::GridThw& g,
+                          const qwen3vl::VisionConfig& c, const ImageTensorsBf16& t);
 
 }  // namespace fovea

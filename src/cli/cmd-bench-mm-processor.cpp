@@ -94,6 +94,7 @@ int run(const Args& a) {
   std::mt19937 rng(1234);
   const int total = a.warmups + a.prompts;
   size_t next_file = 0;
+  EncoderOutputsBf16 outputs;
   for (int req = 0; req < total; ++req) {
     const auto t0 = clock_type::now();
     std::vector<std::string> names(size_t(a.images));
@@ -108,17 +109,20 @@ int run(const Args& a) {
       image::Rgb8 img{rw, rh, std::vector<uint8_t>(size_t(rw) * rh * 3), "random-mm"};
       for (auto& v : img.data) v = uint8_t(r() & 255);
       return img;
-    }, pcfg);
+    }, pcfg, {}, /*raw=*/true);
     double decode_ms = 0, pre_ms = 0;
-    Batch batch;
+    std::vector<const image::Patches*> batch;
     for (auto& p : prepared) {
       if (p.error) std::rethrow_exception(p.error);
       decode_ms = std::max(decode_ms, p.decode_ms);
       pre_ms = std::max(pre_ms, p.preprocess_ms);
-      batch.add(std::move(p.patches));
+      batch.push_back(&p.patches);
     }
+    // As serve runs it: raw uint8 patches normalized on the GPU, bf16 outputs (deepstack included)
+    // into reused vectors.
     const auto t2 = clock_type::now();
-    runner.run(batch);
+    runner.start(batch, true);
+    runner.finish(outputs);
     const double fwd_ms = ms_since(t2);
     if (req >= a.warmups) {
       const auto& rt = runner.last_timings();

@@ -1,8 +1,8 @@
 // fovea encode MODEL IMAGE... [-o out.safetensors]: image files to visual tokens. Decodes and
 // preprocesses the images on several threads (docs/encoder.md), encodes every readable image in one packed
-// forward (CPU or GPU, engine flags), writes each image's tokens, deepstack features and grid, and
-// prints tokens and per-stage times. Unreadable images are reported and skipped; the exit code says
-// whether any failed.
+// forward (CPU or GPU, engine flags), writes each image's tokens, deepstack features and grid (bf16
+// as the encoder computes them, or fp32 with --output-dtype f32), and prints tokens and per-stage
+// times. Unreadable images are reported and skipped; the exit code says whether any failed.
 #include <chrono>
 #include <map>
 
@@ -22,6 +22,7 @@ struct Args {
   std::string model;
   std::vector<std::string> images;
   std::string out;
+  std::string output_dtype = "bf16";
   image::PreprocessOverrides preprocess;  // 0: the checkpoint's preprocessor_config.json
   EngineOptions engine;
 };
@@ -32,6 +33,9 @@ double ms_since(clock_type::time_point t) { return std::chrono::duration<double,
 int run(const Args& a) {
   const SystemInfo sys = query_system();
   const EngineConfig cfg = resolve_engine(a.engine, sys);
+  if (a.output_dtype != "bf16" && a.output_dtype != "f32")
+    fail("encode: --output-dtype: '{}' is not one of bf16, f32", a.output_dtype);
+  const bool bf16 = a.output_dtype == "bf16";
   if (a.images.empty()) fail("encode: no images given");
   auto t0 = clock_type::now();
   const qwen3vl::Model model = qwen3vl::load_model(a.model);
@@ -56,7 +60,16 @@ int run(const Args& a) {
   if (ok.empty()) fail("encode: none of the {} image(s) could be read", n);
 
   const auto tf = clock_type::now();
-  const std::vector<ImageTensors> out = split_images(EncoderRunner(model, cfg).run(batch), batch.grids, model.config);
+  EncoderRunner runner(model, cfg);
+  EncoderOutputsBf16 bf16_out;  // bf16: the encoder's bits as they are (the CPU's fp32 rounded to nearest)
+  std::vector<ImageTensorsBf16> bf16_rows;  // views into bf16_out
+  std::vector<ImageTensors> f32_rows;
+  if (bf16) {
+    bf16_out = runner.run_bf16(batch);
+    bf16_rows = split_images(bf16_out, batch.grids, model.config);
+  } else {
+    f32_rows = split_images(runner.run(batch), batch.grids, model.config);
+  }
   const double forward_ms = ms_since(tf);
 
   // Per image: its rows of the merged tokens and of each deepstack output.
@@ -68,7 +81,10 @@ int run(const Args& a) {
   for (size_t j = 0; j < ok.size(); ++j) {
     const size_t i = ok[j];
     const auto& g = batch.grids[j];
-    append_image_tensors(tensors, j, g, model.config, out[j]);
+    if (bf16)
+      append_image_tensors(tensors, j, g, model.config, bf16_rows[j]);
+    else
+      append_image_tensors(tensors, j, g, model.config, f32_rows[j]);
     meta["image." + std::to_string(j) + ".file"] = a.images[i];
     fmt::print("{:<5} {:<40} {:>14} {:>8} {:>10.1f} {:>12.1f}\n", j, a.images[i], fmt::format("({}, {}, {})", g[0], g[1], g[2]),
                image_tokens(model.config, g), prepared[i].decode_ms, prepared[i].preprocess_ms);
@@ -94,6 +110,10 @@ void add_encode(CLI::App& app, Runner& runner) {
   cmd->add_option("MODEL", a->model, "checkpoint folder or synthetic:<preset>")->required();
   cmd->add_option("IMAGE", a->images, "JPEG, PNG, WebP, BMP or GIF files")->required();
   cmd->add_option("-o,--output", a->out, "write tokens, deepstack features and grid_thw to this safetensors file");
+  cmd->add_option("--output-dtype", a->output_dtype,
+                  "dtype of the written tokens and deepstack features: bf16 (what the encoder computes and an LLM "
+                  "consumes) or f32")
+      ->capture_default_str();
   add_preprocess_flags(cmd, a->preprocess);
   add_engine_flags(cmd, a->engine);
   cmd->callback([&runner, a] { runner = [a] { return run(*a); }; });

@@ -12,16 +12,27 @@ namespace fovea {
 
 int hardware_threads() { return std::max(1u, std::thread::hardware_concurrency()); }
 
+namespace {
+thread_local int tl_cap = 0;  // 0: none
+}  // namespace
+
+ThreadCap::ThreadCap(int threads) : previous_(tl_cap) { tl_cap = std::max(1, threads); }
+ThreadCap::~ThreadCap() { tl_cap = previous_; }
+int ThreadCap::current() { return tl_cap > 0 ? tl_cap : hardware_threads(); }
+
 void parallel_for(int64_t n, const std::function<void(int64_t)>& fn, int threads, int64_t grain) {
   if (n <= 0) return;
   grain = std::max<int64_t>(1, grain);
   const int64_t chunks = (n + grain - 1) / grain;
-  const int t = int(std::min<int64_t>(threads > 0 ? threads : hardware_threads(), chunks));
+  const int cap = ThreadCap::current();
+  const int t = int(std::min<int64_t>(threads > 0 ? std::min(threads, cap) : cap, chunks));
+  const int share = std::max(1, cap / std::max(1, t));  // what each thread may start in turn
   std::atomic<int64_t> next{0};
   std::atomic<bool> stop{false};
   std::exception_ptr error;
   std::mutex error_mutex;
   auto work = [&] {
+    ThreadCap nested(share);
     for (;;) {
       const int64_t c = next.fetch_add(1);
       if (c >= chunks || stop.load(std::memory_order_relaxed)) return;

@@ -1,5 +1,6 @@
 // The image-batch steps of fovea/pipeline.h: decode + preprocess in parallel, pack, split, and the
 // per-image output tensors.
+#include <bit>
 #include <chrono>
 #include <cstring>
 
@@ -25,7 +26,8 @@ std::string PreparedImage::error_message() const {
 }
 
 std::vector<PreparedImage> prepare_images(size_t n, const std::function<image::Rgb8(size_t)>& decode,
-                                          const image::PreprocessConfig& cfg, const std::function<void(size_t)>& done) {
+                                          const image::PreprocessConfig& cfg, const std::function<void(size_t)>& done,
+                                          bool raw) {
   using clock = std::chrono::steady_clock;
   const auto ms_since = [](clock::time_point t) {
     return std::chrono::duration<double, std::milli>(clock::now() - t).count();
@@ -38,7 +40,7 @@ std::vector<PreparedImage> prepare_images(size_t n, const std::function<image::R
       const image::Rgb8 img = decode(size_t(k));
       p.decode_ms = ms_since(t);
       const auto t2 = clock::now();
-      p.patches = image::preprocess(img, cfg);
+      p.patches = image::preprocess(img, cfg, raw);
       p.preprocess_ms = ms_since(t2);
     } catch (...) {
       p.patches = {};
@@ -61,8 +63,11 @@ int64_t Batch::tokens(const qwen3vl::VisionConfig& c) const {
   return t;
 }
 
-std::vector<ImageTensors> split_images(EncoderOutputs&& out, const std::vector<qwen3vl::GridThw>& grids,
-                                       const qwen3vl::VisionConfig& c) {
+namespace {
+// Throws unless every output in `out` (EncoderOutputs or EncoderOutputsBf16) holds exactly the rows
+// of the images (grids as in the batch).
+template <class Outputs>
+void check_rows(const Outputs& out, const std::vector<qwen3vl::GridThw>& grids, const qwen3vl::VisionConfig& c) {
   const size_t O = size_t(c.out_hidden);
   size_t rows = 0;
   for (const auto& g : grids) rows += size_t(image_tokens(c, g));
@@ -71,6 +76,13 @@ std::vector<ImageTensors> split_images(EncoderOutputs&& out, const std::vector<q
          grids.size(), rows, O);
   for (const auto& d : out.deepstack)
     if (d.size() != rows * O) fail("split_images: a deepstack output has {} values, not {}", d.size(), rows * O);
+}
+}  // namespace
+
+std::vector<ImageTensors> split_images(EncoderOutputs&& out, const std::vector<qwen3vl::GridThw>& grids,
+                                       const qwen3vl::VisionConfig& c) {
+  check_rows(out, grids, c);
+  const size_t O = size_t(c.out_hidden);
   std::vector<ImageTensors> images(grids.size());
   size_t row = 0;
   for (size_t i = 0; i < grids.size(); ++i) {
@@ -86,27 +98,59 @@ std::vector<ImageTensors> split_images(EncoderOutputs&& out, const std::vector<q
   return images;
 }
 
+std::vector<ImageTensorsBf16> split_images(const EncoderOutputsBf16& out, const std::vector<qwen3vl::GridThw>& grids,
+                                           const qwen3vl::VisionConfig& c) {
+  check_rows(out, grids, c);
+  const size_t O = size_t(c.out_hidden);
+  std::vector<ImageTensorsBf16> images(grids.size());
+  size_t row = 0;
+  for (size_t i = 0; i < grids.size(); ++i) {
+    const size_t tokens = size_t(image_tokens(c, grids[i]));
+    const auto rows_of = [&](const std::vector<uint16_t>& v) { return std::span(v).subspan(row * O, tokens * O); };
+    images[i].merged = rows_of(out.merged);
+    for (const auto& d : out.deepstack) images[i].deepstack.push_back(rows_of(d));
+    row += tokens;
+  }
+  return images;
+}
+
 namespace {
-TensorToWrite f32_tensor(const std::string& name, std::vector<int64_t> shape, const float* data, size_t n) {
-  TensorToWrite t{name, DType::F32, std::move(shape), std::vector<uint8_t>(n * 4)};
-  std::memcpy(t.bytes.data(), data, n * 4);
+static_assert(std::endian::native == std::endian::little, "tensors are written as they lie in memory");
+
+template <class T>
+TensorToWrite tensor_of(const std::string& name, DType dtype, std::vector<int64_t> shape, std::span<const T> v) {
+  TensorToWrite t{name, dtype, std::move(shape), std::vector<uint8_t>(v.size_bytes())};
+  std::memcpy(t.bytes.data(), v.data(), v.size_bytes());
   return t;
+}
+
+// T: float (F32) or bf16 bits (BF16).
+template <class T>
+void append_tensors(std::vector<TensorToWrite>& out, size_t j, const qwen3vl::GridThw& g, const qwen3vl::VisionConfig& c,
+                    DType dtype, std::span<const T> merged, const std::vector<std::span<const T>>& deepstack) {
+  const std::string p = "image." + std::to_string(j);
+  const int64_t tokens = image_tokens(c, g);
+  const size_t n = size_t(tokens) * size_t(c.out_hidden);
+  if (merged.size() != n) fail("image {}: {} embedding values, not {} x {}", j, merged.size(), tokens, c.out_hidden);
+  out.push_back(tensor_of(p + ".embeddings", dtype, {tokens, c.out_hidden}, merged));
+  for (size_t k = 0; k < deepstack.size(); ++k) {
+    if (deepstack[k].size() != n) fail("image {}: deepstack {} has {} values, not {}", j, k, deepstack[k].size(), n);
+    out.push_back(tensor_of(p + ".deepstack." + std::to_string(k), dtype, {tokens, c.out_hidden}, deepstack[k]));
+  }
+  const float gf[3] = {float(g[0]), float(g[1]), float(g[2])};
+  out.push_back(tensor_of(p + ".grid_thw", DType::F32, {3}, std::span<const float>(gf)));
 }
 }  // namespace
 
 void append_image_tensors(std::vector<TensorToWrite>& out, size_t j, const qwen3vl::GridThw& g,
                           const qwen3vl::VisionConfig& c, const ImageTensors& t) {
-  const std::string p = "image." + std::to_string(j);
-  const int64_t tokens = image_tokens(c, g);
-  const size_t n = size_t(tokens) * size_t(c.out_hidden);
-  if (t.merged.size() != n) fail("image {}: {} embedding values, not {} x {}", j, t.merged.size(), tokens, c.out_hidden);
-  out.push_back(f32_tensor(p + ".embeddings", {tokens, c.out_hidden}, t.merged.data(), n));
-  for (size_t k = 0; k < t.deepstack.size(); ++k) {
-    if (t.deepstack[k].size() != n) fail("image {}: deepstack {} has {} values, not {}", j, k, t.deepstack[k].size(), n);
-    out.push_back(f32_tensor(p + ".deepstack." + std::to_string(k), {tokens, c.out_hidden}, t.deepstack[k].data(), n));
-  }
-  const float gf[3] = {float(g[0]), float(g[1]), float(g[2])};
-  out.push_back(f32_tensor(p + ".grid_thw", {3}, gf, 3));
+  const std::vector<std::span<const float>> deepstack(t.deepstack.begin(), t.deepstack.end());
+  append_tensors<float>(out, j, g, c, DType::F32, t.merged, deepstack);
+}
+
+void append_image_tensors(std::vector<TensorToWrite>& out, size_t j, const qwen3vl::GridThw& g,
+                          const qwen3vl::VisionConfig& c, const ImageTensorsBf16& t) {
+  append_tensors<uint16_t>(out, j, g, c, DType::BF16, t.merged, t.deepstack);
 }
 
 }  // namespace fovea

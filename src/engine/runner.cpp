@@ -1,5 +1,7 @@
-// EncoderRunner (fovea/pipeline.h): the CPU or GPU encoder forward the engine configuration selects.
+// EncoderRunner (fovea/pipeline.h): the CPU or GPU encoder forward the engine configuration selects,
+// pipelined on the GPU (start() enqueues, finish() waits for the oldest batch).
 #include <chrono>
+#include <cstring>
 
 #include "fovea/bf16.h"
 #include "fovea/encoder.h"
@@ -12,10 +14,63 @@
 
 namespace fovea {
 
+namespace {
+using clock_type = std::chrono::steady_clock;
+// Milliseconds since t; t moves to now.
+double lap(clock_type::time_point& t) {
+  const auto now = clock_type::now();
+  const double ms = std::chrono::duration<double, std::milli>(now - t).count();
+  t = now;
+  return ms;
+}
+
+constexpr int64_t kConvertGrain = 1 << 16;
+void to_bf16(const float* v, size_t count, uint16_t* out) {
+  parallel_ranges(int64_t(count), kConvertGrain, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) out[i] = bf16_from_float(v[i]);
+  });
+}
+std::vector<uint16_t> narrow(const std::vector<float>& v) {
+  std::vector<uint16_t> b(v.size());
+  to_bf16(v.data(), v.size(), b.data());
+  return b;
+}
+std::vector<float> widen(const std::vector<uint16_t>& v) {
+  std::vector<float> f(v.size());
+  parallel_ranges(int64_t(v.size()), kConvertGrain, [&](int64_t lo, int64_t hi) {
+    for (int64_t i = lo; i < hi; ++i) f[size_t(i)] = bf16_to_float(v[size_t(i)]);
+  });
+  return f;
+}
+}  // namespace
+
 struct EncoderRunner::Gpu {
 #if FOVEA_HAVE_CUDA
   qwen3vl::cuda::Encoder enc;
   Gpu(const qwen3vl::Model& m, const qwen3vl::cuda::EncoderOptions& o) : enc(m, o) {}
+#endif
+};
+
+// One started batch: the CPU's outputs, or the GPU download's ticket and the events that time it.
+struct EncoderRunner::Flight {
+  bool with_deepstack = false;
+  Timings host;  // plan and upload: host time of start()
+  std::optional<qwen3vl::ForwardResult> cpu;
+#if FOVEA_HAVE_CUDA
+  int64_t ticket = -1;
+  cudaEvent_t ev[4] = {};  // GPU only: before the upload, after it, after the forward, after the copy back
+  void make_events() {
+    for (auto& e : ev) FOVEA_CUDA_CHECK(cudaEventCreate(&e));
+  }
+  ~Flight() {
+    for (auto& e : ev)
+      if (e) cudaEventDestroy(e);
+  }
+  double between(int a, int b) const {
+    float ms = 0;
+    FOVEA_CUDA_CHECK(cudaEventElapsedTime(&ms, ev[a], ev[b]));
+    return ms;
+  }
 #endif
 };
 
@@ -40,91 +95,145 @@ void EncoderRunner::reserve(int64_t visual_tokens) {
 #endif
 }
 
-namespace {
-using clock_type = std::chrono::steady_clock;
-// Milliseconds since t; t moves to now.
-double lap(clock_type::time_point& t) {
-  const auto now = clock_type::now();
-  const double ms = std::chrono::duration<double, std::milli>(now - t).count();
-  t = now;
-  return ms;
-}
-}  // namespace
+size_t EncoderRunner::in_flight() const { return flights_.size(); }
 
-std::optional<qwen3vl::ForwardResult> EncoderRunner::forward(const Batch& batch) {
-  timings_ = {};
+void EncoderRunner::start_cpu(const Batch& batch, bool with_deepstack) {
+  if (flights_.size() >= kInFlight) fail("encoder: {} batches started and not finished", flights_.size());
+  auto f = std::make_unique<Flight>();
+  f->with_deepstack = with_deepstack;
   auto t = clock_type::now();
-  if (!gpu_) {
-    qwen3vl::ForwardOptions o;
-    o.attention = cfg_.dtype == AttnDtype::FP8 ? cpu::RefMode::FP8 : cpu::RefMode::BF16;
-    o.scales = book();
-    auto r = qwen3vl::forward_cpu(model_, batch.pixels, batch.grids, o);
-    timings_.forward = lap(t);
-    return r;
-  }
+  qwen3vl::ForwardOptions o;
+  o.attention = cfg_.dtype == AttnDtype::FP8 ? cpu::RefMode::FP8 : cpu::RefMode::BF16;
+  o.scales = book();
+  f->cpu = qwen3vl::forward_cpu(model_, batch.pixels, batch.grids, o);
+  f->host.forward = f->host.gpu = lap(t);
+  flights_.push_back(std::move(f));
+}
+
+void EncoderRunner::start_gpu(const std::vector<qwen3vl::GridThw>& grids, bool with_deepstack, bool raw,
+                              const std::function<void(void*)>& pack, const image::Patches::Normalization* norm) {
 #if FOVEA_HAVE_CUDA
+  if (flights_.size() >= kInFlight) fail("encoder: {} batches started and not finished", flights_.size());
+  auto f = std::make_unique<Flight>();
+  f->with_deepstack = with_deepstack;
+  f->make_events();
   auto& enc = gpu_->enc;
-  enc.plan(batch.grids);
-  FOVEA_CUDA_CHECK(cudaDeviceSynchronize());
-  timings_.plan = lap(t);
-  enc.upload_pixels(batch.pixels, nullptr);
-  FOVEA_CUDA_CHECK(cudaDeviceSynchronize());
-  timings_.upload = lap(t);
-  enc.forward(nullptr);
-  enc.after_forward(nullptr);
-  FOVEA_CUDA_CHECK(cudaDeviceSynchronize());
-  timings_.forward = lap(t);
-#endif
-  return std::nullopt;
-}
-
-EncoderOutputs EncoderRunner::run(const Batch& batch, bool with_deepstack) {
-  EncoderOutputs out;
-  std::optional<qwen3vl::ForwardResult> cpu = forward(batch);
-  if (cpu) {
-    out.merged = std::move(cpu->merged);
-    if (with_deepstack) out.deepstack = std::move(cpu->deepstack);
-    return out;
-  }
-#if FOVEA_HAVE_CUDA
+  cudaStream_t s = nullptr;
   auto t = clock_type::now();
-  out.merged = gpu_->enc.merged(nullptr);
-  if (with_deepstack) out.deepstack = gpu_->enc.deepstack(nullptr);
-  timings_.download = lap(t);
+  enc.plan(grids, s);
+  f->host.plan = lap(t);
+  pack(raw ? static_cast<void*>(enc.raw_staging()) : enc.pixel_staging());
+  f->host.upload = lap(t);
+  FOVEA_CUDA_CHECK(cudaEventRecord(f->ev[0], s));
+  if (raw) enc.upload_raw(norm->mean, norm->std, s);
+  else enc.upload_staged(s);
+  FOVEA_CUDA_CHECK(cudaEventRecord(f->ev[1], s));
+  enc.forward(s);
+  FOVEA_CUDA_CHECK(cudaEventRecord(f->ev[2], s));
+  f->ticket = enc.download(with_deepstack, s);
+  FOVEA_CUDA_CHECK(cudaEventRecord(f->ev[3], s));
+  flights_.push_back(std::move(f));
+#else
+  (void)grids, (void)with_deepstack, (void)raw, (void)pack, (void)norm;
 #endif
-  return out;
 }
 
-namespace {
-std::vector<uint16_t> narrow(const std::vector<float>& v) {
-  std::vector<uint16_t> b(v.size());
-  parallel_ranges(int64_t(v.size()), 1 << 16, [&](int64_t lo, int64_t hi) {
-    for (int64_t i = lo; i < hi; ++i) b[size_t(i)] = bf16_from_float(v[size_t(i)]);
-  });
-  return b;
+void EncoderRunner::start(const Batch& batch, bool with_deepstack) {
+  if (!gpu_) return start_cpu(batch, with_deepstack);
+  start_gpu(batch.grids, with_deepstack, false,
+            [&](void* dst) { to_bf16(batch.pixels.data(), batch.pixels.size(), static_cast<uint16_t*>(dst)); }, nullptr);
 }
-}  // namespace
 
-void EncoderRunner::run_bf16(const Batch& batch, bool with_deepstack, EncoderOutputsBf16& out) {
-  std::optional<qwen3vl::ForwardResult> cpu = forward(batch);
-  if (cpu) {
-    out.merged = narrow(cpu->merged);
+void EncoderRunner::start(const std::vector<const image::Patches*>& images, bool with_deepstack) {
+  if (images.empty()) fail("encoder: a batch of no images");
+  const bool raw = !images[0]->raw.empty();
+  std::vector<qwen3vl::GridThw> grids;
+  for (const image::Patches* p : images) {
+    if (p->raw.empty() == raw) fail("encoder: a batch mixes raw and normalized patches");
+    if (raw && std::memcmp(&p->norm, &images[0]->norm, sizeof p->norm) != 0)
+      fail("encoder: a batch mixes images normalized differently");
+    grids.push_back(p->grid);
+  }
+  if (!gpu_) {
+    Batch b;
+    for (const image::Patches* p : images) {
+      image::Patches normalized;
+      if (raw) {
+        normalized = *p;
+        image::normalize_raw(normalized);
+      }
+      const std::vector<float>& px = raw ? normalized.pixels : p->pixels;
+      b.pixels.insert(b.pixels.end(), px.begin(), px.end());
+      b.grids.push_back(p->grid);
+    }
+    return start_cpu(b, with_deepstack);
+  }
+  start_gpu(grids, with_deepstack, raw, [&](void* dst) {
+    auto* at = static_cast<uint8_t*>(dst);
+    for (const image::Patches* p : images) {  // straight into place: raw bytes copied, fp32 rounded on every core
+      if (raw) {
+        std::memcpy(at, p->raw.data(), p->raw.size());
+        at += p->raw.size();
+      } else {
+        to_bf16(p->pixels.data(), p->pixels.size(), reinterpret_cast<uint16_t*>(at));
+        at += p->pixels.size() * 2;
+      }
+    }
+  }, raw ? &images[0]->norm : nullptr);
+}
+
+void EncoderRunner::finish(EncoderOutputsBf16& out) {
+  if (flights_.empty()) fail("encoder: finish() with no batch started");
+  std::unique_ptr<Flight> f = std::move(flights_.front());
+  flights_.pop_front();
+  timings_ = f->host;
+  if (f->cpu) {
+    out.merged = narrow(f->cpu->merged);
     out.deepstack.clear();
-    if (with_deepstack)
-      for (const auto& d : cpu->deepstack) out.deepstack.push_back(narrow(d));
+    if (f->with_deepstack)
+      for (const auto& d : f->cpu->deepstack) out.deepstack.push_back(narrow(d));
     return;
   }
 #if FOVEA_HAVE_CUDA
-  auto t = clock_type::now();
   std::vector<std::vector<uint16_t>> v;
   v.push_back(std::move(out.merged));
   for (auto& d : out.deepstack) v.push_back(std::move(d));
-  gpu_->enc.outputs_bf16(with_deepstack, v, nullptr);
+  auto t = clock_type::now();
+  gpu_->enc.collect(f->ticket, v);  // waits for the copy back
+  const double unpack = lap(t);
   out.merged = std::move(v[0]);
   out.deepstack.clear();
   for (size_t k = 1; k < v.size(); ++k) out.deepstack.push_back(std::move(v[k]));
-  timings_.download = lap(t);
+  if (book_ && book_->mode() == ScaleMode::CALIBRATE) book_->after_forward();  // the rings came back with the outputs
+  timings_.upload += f->between(0, 1);
+  timings_.forward = f->between(1, 2);
+  timings_.download = f->between(2, 3) + unpack;
+  timings_.gpu = f->between(0, 3);
 #endif
+}
+
+EncoderOutputs EncoderRunner::run(const Batch& batch, bool with_deepstack) {
+  if (!flights_.empty()) fail("encoder: run() with {} batches started and not finished", flights_.size());
+  EncoderOutputs out;
+  if (!gpu_) {  // the CPU's fp32 as computed
+    start_cpu(batch, with_deepstack);
+    std::unique_ptr<Flight> f = std::move(flights_.back());
+    flights_.pop_back();
+    timings_ = f->host;
+    out.merged = std::move(f->cpu->merged);
+    if (with_deepstack) out.deepstack = std::move(f->cpu->deepstack);
+    return out;
+  }
+  EncoderOutputsBf16 b = run_bf16(batch, with_deepstack);
+  out.merged = widen(b.merged);
+  for (const auto& d : b.deepstack) out.deepstack.push_back(widen(d));
+  return out;
+}
+
+void EncoderRunner::run_bf16(const Batch& batch, bool with_deepstack, EncoderOutputsBf16& out) {
+  if (!flights_.empty()) fail("encoder: run() with {} batches started and not finished", flights_.size());
+  start(batch, with_deepstack);
+  finish(out);
 }
 
 EncoderOutputsBf16 EncoderRunner::run_bf16(const Batch& batch, bool with_deepstack) {
@@ -133,11 +242,8 @@ EncoderOutputsBf16 EncoderRunner::run_bf16(const Batch& batch, bool with_deepsta
   return out;
 }
 
-uint64_t EncoderRunner::nonfinite_amax() {
+uint64_t EncoderRunner::nonfinite_amax() const {
   if (!book_ || book_->mode() == ScaleMode::STATIC) return 0;
-#if FOVEA_HAVE_CUDA
-  if (gpu_) gpu_->enc.sync_scales(nullptr);
-#endif
   uint64_t n = 0;
   for (int l = 0; l < book_->num_layers(); ++l) n += book_->nonfinite_count(l);
   return n;

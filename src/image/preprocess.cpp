@@ -256,40 +256,85 @@ Rgb8 resize_bicubic(const Rgb8& in, int out_h, int out_w) {
   return out;
 }
 
-Patches patchify(const Rgb8& img, const PreprocessConfig& cfg) {
-  const int P = cfg.patch, M = cfg.merge, T = cfg.temporal;
+namespace {
+// Calls put(row, y0, x0) for each patch in merge-window order: (bh, bw, mh, mw), its top-left pixel.
+template <class F>
+void for_each_patch(const Rgb8& img, const PreprocessConfig& cfg, Patches& out, F&& put) {
+  const int P = cfg.patch, M = cfg.merge;
   if (img.height % (P * M) || img.width % (P * M))
     fail("patchify: image {}x{} is not a multiple of {} on each side", img.width, img.height, P * M);
   const int gh = img.height / P, gw = img.width / P;
-  const int row = 3 * T * P * P;
-  Patches out;
   out.grid = {1, gh, gw};
-  out.pixels.resize(size_t(gh) * gw * row);
   size_t r = 0;
-  // Rows in (bh, bw, mh, mw) order; columns (c, t, py, px); the still frame is repeated T times.
   for (int bh = 0; bh < gh / M; ++bh)
     for (int bw = 0; bw < gw / M; ++bw)
       for (int mh = 0; mh < M; ++mh)
-        for (int mw = 0; mw < M; ++mw, ++r) {
-          const int y0 = (bh * M + mh) * P, x0 = (bw * M + mw) * P;
-          float* dst = out.pixels.data() + r * size_t(row);
-          for (int c = 0; c < 3; ++c)
-            for (int t = 0; t < T; ++t)
-              for (int py = 0; py < P; ++py)
-                for (int px = 0; px < P; ++px) {
-                  // transformers fuses rescale into normalize: (x - mean*255) / (std*255) in float32
-                  // ((x - 127.5) / 127.5 for the shipped values; docs/encoder.md §Normalization).
-                  const float v = img.data[(size_t(y0 + py) * img.width + x0 + px) * 3 + c];
-                  dst[((c * T + t) * P + py) * P + px] = (v - cfg.mean[c] * 255.0f) / (cfg.std[c] * 255.0f);
-                }
-        }
+        for (int mw = 0; mw < M; ++mw, ++r) put(r, (bh * M + mh) * P, (bw * M + mw) * P);
+}
+
+// transformers fuses rescale into normalize: (x - mean*255) / (std*255) in float32 ((x - 127.5) /
+// 127.5 for the shipped values; docs/encoder.md §Normalization). The GPU encoder's copy of this is
+// normalize_kernel in forward-cuda.cu.
+float normalize(uint8_t x, const float* mean, const float* std, int c) {
+  return (float(x) - mean[c] * 255.0f) / (std[c] * 255.0f);
+}
+}  // namespace
+
+Patches patchify(const Rgb8& img, const PreprocessConfig& cfg) {
+  const int P = cfg.patch, T = cfg.temporal;
+  const size_t row = size_t(3) * T * P * P;
+  Patches out;
+  out.pixels.resize(size_t(img.height / P) * (img.width / P) * row);
+  // Columns (c, t, py, px); the still frame is repeated T times.
+  for_each_patch(img, cfg, out, [&](size_t r, int y0, int x0) {
+    float* dst = out.pixels.data() + r * row;
+    for (int c = 0; c < 3; ++c)
+      for (int t = 0; t < T; ++t)
+        for (int py = 0; py < P; ++py)
+          for (int px = 0; px < P; ++px)
+            dst[((c * T + t) * P + py) * P + px] = normalize(img.data[(size_t(y0 + py) * img.width + x0 + px) * 3 + c], cfg.mean, cfg.std, c);
+  });
   return out;
 }
 
-Patches preprocess(const Rgb8& img, const PreprocessConfig& cfg) {
+Patches patchify_raw(const Rgb8& img, const PreprocessConfig& cfg) {
+  const int P = cfg.patch;
+  const size_t row = size_t(3) * P * P;
+  Patches out;
+  out.raw.resize(size_t(img.height / P) * (img.width / P) * row);
+  for (int c = 0; c < 3; ++c) {
+    out.norm.mean[c] = cfg.mean[c];
+    out.norm.std[c] = cfg.std[c];
+  }
+  out.norm.temporal = cfg.temporal;
+  for_each_patch(img, cfg, out, [&](size_t r, int y0, int x0) {  // columns (c, py, px)
+    uint8_t* dst = out.raw.data() + r * row;
+    for (int c = 0; c < 3; ++c)
+      for (int py = 0; py < P; ++py)
+        for (int px = 0; px < P; ++px) dst[(c * P + py) * P + px] = img.data[(size_t(y0 + py) * img.width + x0 + px) * 3 + c];
+  });
+  return out;
+}
+
+void normalize_raw(Patches& p) {
+  const int T = p.norm.temporal;
+  const size_t rows = size_t(p.grid[0]) * p.grid[1] * p.grid[2], in_row = rows ? p.raw.size() / rows : 0, plane = in_row / 3;
+  if (p.raw.empty() || T < 1 || rows * in_row != p.raw.size() || plane * 3 != in_row) fail("normalize_raw: these are not raw patches");
+  p.pixels.resize(rows * in_row * size_t(T));
+  float* dst = p.pixels.data();
+  for (size_t r = 0; r < rows; ++r)
+    for (int c = 0; c < 3; ++c)
+      for (int t = 0; t < T; ++t)
+        for (size_t k = 0; k < plane; ++k) *dst++ = normalize(p.raw[r * in_row + c * plane + k], p.norm.mean, p.norm.std, c);
+}
+
+Patches preprocess(const Rgb8& img, const PreprocessConfig& cfg, bool raw) {
   try {
     const auto [h, w] = smart_resize(img.height, img.width, cfg.patch * cfg.merge, cfg.min_pixels, cfg.max_pixels);
-    return patchify(h == img.height && w == img.width ? img : resize_bicubic(img, h, w), cfg);
+    const bool as_is = h == img.height && w == img.width;
+    const Rgb8 resized = as_is ? Rgb8{} : resize_bicubic(img, h, w);
+    const Rgb8& sized = as_is ? img : resized;
+    return raw ? patchify_raw(sized, cfg) : patchify(sized, cfg);
   } catch (const Error& e) {
     if (img.name.empty()) throw;
     fail("image '{}': {}", img.name, e.what());

@@ -8,7 +8,10 @@
 
 namespace fovea::server {
 
-std::string base64_encode(const uint8_t* data, size_t n);
+// Inputs of at least `parallel_from` bytes are encoded on all cores (fovea::parallel_ranges), to
+// the same text; tests lower it to compare the two paths.
+constexpr size_t kBase64ParallelBytes = size_t(1) << 20;
+std::string base64_encode(const uint8_t* data, size_t n, size_t parallel_from = kBase64ParallelBytes);
 
 // Strict decoding: the standard alphabet, '=' padding optional, ASCII whitespace (line breaks of
 // wrapped base64) skipped. Throws fovea::Error naming `what`, the offending character and its offset.

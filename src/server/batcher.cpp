@@ -1,8 +1,6 @@
 // The batching worker of `fovea serve` (see batcher.h).
 #include "server/batcher.h"
 
-#include <optional>
-
 #include <fmt/format.h>
 
 namespace fovea::server {
@@ -123,15 +121,20 @@ void Batcher::worker(std::promise<void>& ready) {
     return;
   }
   ready.set_value();
+  std::optional<Started> running;  // the forward on the GPU now
   for (;;) {
-    std::vector<Slot> batch;
+    std::vector<Slot> next;
     {
       std::unique_lock lk(mu_);
-      queued_.wait(lk, [&] { return stopping_ || !queue_.empty(); });
-      batch = take_batch();
-      if (batch.empty() && stopping_) return;  // stopping and everything queued is done
+      // With a forward running, take what is queued without waiting: it is started behind it.
+      if (!running) queued_.wait(lk, [&] { return stopping_ || !queue_.empty(); });
+      next = take_batch();
+      if (next.empty() && !running && stopping_) return;  // stopping and everything queued is done
     }
-    if (!batch.empty()) run_batch(*runner, batch);
+    std::optional<Started> started;
+    if (!next.empty()) started = start_batch(*runner, std::move(next));
+    if (running) finish_batch(*runner, *running);
+    running = std::move(started);
   }
 }
 
@@ -145,26 +148,53 @@ std::shared_ptr<EncoderOutputsBf16> Batcher::recycled_outputs() {
   return fresh;
 }
 
-void Batcher::run_batch(EncoderRunner& runner, const std::vector<Slot>& batch) {
+void Batcher::fail_slots(const std::vector<Slot>& slots, const std::string& error) {
+  failed_forwards_ += 1;
+  {
+    std::lock_guard lk(mu_);
+    for (const Slot& s : slots)
+      if (s.job->error.empty()) s.job->error = "encoder forward failed: " + error;
+  }
+  done_.notify_all();
+}
+
+std::optional<Batcher::Started> Batcher::start_batch(EncoderRunner& runner, std::vector<Slot> slots) {
   // The worker alone reads images and writes outputs of the slots it took; waiters read outputs
   // only after seeing `done` reach the image count under the mutex.
-  Batch packed;
-  size_t floats = 0;
-  bool deepstack = false;
-  for (const Slot& s : batch) {
-    floats += s.job->images[s.index].pixels.size();
-    deepstack = deepstack || s.job->deepstack;
+  Started b;
+  b.start = Clock::now();
+  std::vector<const image::Patches*> images;
+  for (const Slot& s : slots) {
+    const image::Patches& p = s.job->images[s.index];
+    images.push_back(&p);
+    b.grids.push_back(p.grid);
+    b.deepstack = b.deepstack || s.job->deepstack;
   }
-  packed.pixels.reserve(floats);
-  for (const Slot& s : batch) packed.add(std::move(s.job->images[s.index]));  // the request keeps no second copy
+  try {
+    runner.start(images, b.deepstack);
+  } catch (const std::exception& e) {
+    fail_slots(slots, e.what());
+    return std::nullopt;
+  } catch (...) {
+    fail_slots(slots, "unknown exception in the encoder forward");
+    return std::nullopt;
+  }
+  for (const Slot& s : slots) {  // packed: the request keeps no copy
+    std::vector<float>().swap(s.job->images[s.index].pixels);
+    std::vector<uint8_t>().swap(s.job->images[s.index].raw);
+  }
+  b.slots = std::move(slots);
+  return b;
+}
 
-  const int64_t batch_tokens = packed.tokens(model_.config);
-  const Clock::time_point start = Clock::now();
+void Batcher::finish_batch(EncoderRunner& runner, Started& b) {
+  int64_t batch_tokens = 0;
+  for (const auto& g : b.grids) batch_tokens += image_tokens(model_.config, g);
   std::string error;
   std::shared_ptr<EncoderOutputsBf16> out;
   try {
     out = recycled_outputs();
-    runner.run_bf16(packed, deepstack, *out);
+    runner.finish(*out);
     const size_t values = size_t(batch_tokens) * size_t(model_.config.out_hidden);
     if (out->merged.size() != values)
       error = fmt::format("the encoder gave {} values for {} rows", out->merged.size(), batch_tokens);
@@ -174,37 +204,27 @@ void Batcher::run_batch(EncoderRunner& runner, const std::vector<Slot>& batch) {
   } catch (...) {
     error = "unknown exception in the encoder forward";
   }
-  const double forward_ms = ms_between(start, Clock::now());
-
-  if (error.empty()) {
-    size_t row = 0;
-    for (size_t i = 0; i < batch.size(); ++i) {
-      ImageOutput& o = batch[i].job->outputs[batch[i].index];
-      o.forward = out;
-      o.first_row = row;
-      o.tokens = image_tokens(model_.config, packed.grids[i]);
-      row += size_t(o.tokens);
-      o.queue_ms = ms_between(batch[i].job->submitted, start);
-      o.forward_ms = forward_ms;
-      o.batch_images = int(batch.size());
-      o.batch_tokens = batch_tokens;
-    }
-    forwards_ += 1;
-    images_ += batch.size();
-    tokens_ += uint64_t(batch_tokens);
-    forward_us_ += uint64_t(forward_ms * 1000);
-  } else {
-    failed_forwards_ += 1;
+  if (!error.empty()) return fail_slots(b.slots, error);
+  const double forward_ms = runner.last_timings().gpu;
+  size_t row = 0;
+  for (size_t i = 0; i < b.slots.size(); ++i) {
+    ImageOutput& o = b.slots[i].job->outputs[b.slots[i].index];
+    o.forward = out;
+    o.first_row = row;
+    o.tokens = image_tokens(model_.config, b.grids[i]);
+    row += size_t(o.tokens);
+    o.queue_ms = ms_between(b.slots[i].job->submitted, b.start);
+    o.forward_ms = forward_ms;
+    o.batch_images = int(b.slots.size());
+    o.batch_tokens = batch_tokens;
   }
+  forwards_ += 1;
+  images_ += b.slots.size();
+  tokens_ += uint64_t(batch_tokens);
+  forward_us_ += uint64_t(forward_ms * 1000);
   {
     std::lock_guard lk(mu_);
-    for (const Slot& s : batch) {
-      if (!error.empty()) {
-        if (s.job->error.empty()) s.job->error = "encoder forward failed: " + error;
-      } else {
-        s.job->done += 1;
-      }
-    }
+    for (const Slot& s : b.slots) s.job->done += 1;
   }
   done_.notify_all();
 }

@@ -3,6 +3,9 @@
 // requests, first come first served, into one varlen forward of at most max_batch_tokens visual
 // tokens. An image is never split; one larger than the limit runs alone. A request's images may
 // spread over several forwards. A forward that throws fails only the requests in it.
+// The worker is a two-deep pipeline (EncoderRunner::start / finish): it starts forward n+1 (packing
+// its pixels into pinned memory, enqueueing it behind forward n) before it waits for forward n and
+// hands out its outputs, so the GPU runs back to back while requests keep coming.
 #pragma once
 #include <atomic>
 #include <chrono>
@@ -12,6 +15,7 @@
 #include <future>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <span>
 #include <string>
 #include <thread>
@@ -38,7 +42,7 @@ struct ImageOutput {
     return {v.data() + first_row * size_t(out_hidden), size_t(tokens) * size_t(out_hidden)};
   }
   double queue_ms = 0;                        // submit -> start of its forward
-  double forward_ms = 0;                      // the whole forward it was part of
+  double forward_ms = 0;                      // the GPU time of the forward it was part of
   int batch_images = 0;                       // images in that forward
   int64_t batch_tokens = 0;                   // visual tokens in that forward
 };
@@ -82,7 +86,7 @@ class Batcher {
   uint64_t forwards() const { return forwards_; }
   uint64_t images_encoded() const { return images_; }
   uint64_t tokens_encoded() const { return tokens_; }
-  double forward_seconds() const { return forward_us_ / 1e6; }
+  double forward_seconds() const { return forward_us_ / 1e6; }  // GPU time of the forwards (upload to copy back)
   uint64_t failed_forwards() const { return failed_forwards_; }
   uint64_t nonfinite_amax() const { return nonfinite_; }
 
@@ -94,7 +98,18 @@ class Batcher {
   void worker(std::promise<void>& ready);
   std::vector<Slot> take_batch();  // with mu_ held
   int64_t queued_tokens() const;   // with mu_ held: visual tokens of the images not yet taken
-  void run_batch(EncoderRunner& runner, const std::vector<Slot>& batch);
+  struct Started {  // a forward in flight
+    std::vector<Slot> slots;
+    std::vector<qwen3vl::GridThw> grids;
+    bool deepstack = false;
+    Clock::time_point start;
+  };
+  // Starts the forward of `slots` (their pixels are freed once packed); nullopt if that threw, the
+  // slots' jobs failed.
+  std::optional<Started> start_batch(EncoderRunner& runner, std::vector<Slot> slots);
+  // Waits for it and hands its outputs to its jobs (or fails them).
+  void finish_batch(EncoderRunner& runner, Started& b);
+  void fail_slots(const std::vector<Slot>& slots, const std::string& error);
   // Output buffers reused from forward to forward (warm memory: a fresh 100 MB buffer costs tens of
   // ms of page faults); at most kPooledOutputs are kept, more forwards in flight get fresh ones.
   std::shared_ptr<EncoderOutputsBf16> recycled_outputs();

@@ -18,7 +18,11 @@ struct ApiError {
 
 struct EncodeRequest {
   std::vector<std::string> payloads;  // each image's base64 text (a data URL's prefix removed)
-  bool as_base64 = true;              // "encoding": "base64" (bf16 bytes) or "float"
+  // "encoding": "base64" (the default: bf16 bytes in JSON, BF16 tensors in a safetensors reply) or
+  // "float" (fp32: float lists in JSON, F32 tensors in safetensors). One field for both replies rather
+  // than a separate "dtype": the JSON reply already pairs "float" with "dtype": "float32", and a body
+  // then means the same values whichever Accept header asks for it.
+  bool as_base64 = true;
   bool deepstack = false;             // "return_deepstack"
 };
 

@@ -4,6 +4,7 @@
 // the batching worker, wait (bounded), reply.
 #include "fovea/serve.h"
 
+
 #include <signal.h>
 
 #include <bit>
@@ -23,6 +24,7 @@
 #include "fovea/image.h"
 #include "fovea/json.h"
 #include "fovea/pipeline.h"
+#include "fovea/threads.h"
 #include "fovea/safetensors.h"
 #include "server/base64.h"
 #include "server/budget.h"
@@ -63,6 +65,14 @@ struct Decoded {
 Decoded decode_images(EncodeRequest& r, const image::PreprocessConfig& pcfg, ByteBudget& budget,
                       Clock::time_point deadline) {
   const size_t n = r.payloads.size();
+  // Requests decoding at once share the cores: each gets cores / requests threads (at least one),
+  // not all of them each (thread oversubscription slowed preprocessing 2x at concurrency 16).
+  static std::atomic<int> decoding{0};
+  struct Count {
+    Count() { ++decoding; }
+    ~Count() { --decoding; }
+  } counted;
+  ThreadCap cap(hardware_threads() / std::max(1, decoding.load()));
   std::vector<int64_t> held(n, 0);
   const auto name_of = [](size_t i) { return fmt::format("images[{}]", i); };
   const auto decode = [&](size_t i) {
@@ -91,7 +101,8 @@ Decoded decode_images(EncodeRequest& r, const image::PreprocessConfig& pcfg, Byt
   const auto release = [&](size_t i) {
     if (held[i]) budget.release(held[i]);
   };
-  std::vector<PreparedImage> prepared = prepare_images(n, decode, pcfg, release);
+  // Raw uint8 patches: an eighth of the fp32 bytes to queue and upload; the GPU normalizes them.
+  std::vector<PreparedImage> prepared = prepare_images(n, decode, pcfg, release, /*raw=*/true);
   Decoded d;
   for (size_t i = 0; i < n; ++i) {
     PreparedImage& p = prepared[i];
@@ -188,19 +199,26 @@ std::string json_reply(const Context& c, const EncodeRequest& r, const Decoded& 
   return out;
 }
 
-// The safetensors file `fovea encode -o` writes for these images (fp32 tensors; deepstack only if
-// asked for), with the per-image timings in the metadata.
-std::string safetensors_reply(const Context& c, const Decoded& d, const Job& job) {
+// The safetensors file `fovea encode -o` writes for these images: BF16 tensors straight from the
+// bf16 rows, or, with "encoding": "float", F32 ones (those values widened, as in the float JSON
+// reply; see request.h); deepstack only if asked for; the per-image timings in the metadata.
+std::string safetensors_reply(const Context& c, const EncodeRequest& r, const Decoded& d, const Job& job) {
   std::vector<TensorToWrite> tensors;
   std::map<std::string, std::string> meta = {
       {"model", c.opt.model}, {"dtype", dtype_name(c.engine.dtype)}, {"device", device_name(c.engine.device)}};
+  const int O = c.model.config.out_hidden;
   for (size_t i = 0; i < job.outputs.size(); ++i) {
     const ImageOutput& o = job.outputs[i];
-    const int O = c.model.config.out_hidden;
-    ImageTensors t{widen(o.merged(O)), {}};
+    ImageTensorsBf16 t{o.merged(O), {}};
     if (job.deepstack)
-      for (size_t k = 0; k < o.forward->deepstack.size(); ++k) t.deepstack.push_back(widen(o.deepstack(k, O)));
-    append_image_tensors(tensors, i, job.images[i].grid, c.model.config, t);
+      for (size_t k = 0; k < o.forward->deepstack.size(); ++k) t.deepstack.push_back(o.deepstack(k, O));
+    if (r.as_base64) {
+      append_image_tensors(tensors, i, job.images[i].grid, c.model.config, t);
+    } else {
+      ImageTensors f{widen(t.merged), {}};
+      for (const auto& v : t.deepstack) f.deepstack.push_back(widen(v));
+      append_image_tensors(tensors, i, job.images[i].grid, c.model.config, f);
+    }
     meta[fmt::format("image.{}.timings_ms", i)] = dump(timings(d, o, i));
   }
   return safetensors_bytes("reply", tensors, meta);
@@ -240,7 +258,7 @@ http::Response encode(Context& c, http::Request& req) {
       break;
   }
   if (req.header("accept").find("application/octet-stream") != std::string_view::npos)
-    return {200, "application/octet-stream", safetensors_reply(c, d, *job), {}};
+    return {200, "application/octet-stream", safetensors_reply(c, r, d, *job), {}};
   return {200, "application/json", json_reply(c, r, d, *job, ms_since(t0)), {}};
 }
 

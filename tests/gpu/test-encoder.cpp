@@ -5,10 +5,13 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <random>
 
+#include "fovea/bf16.h"
 #include "fovea/cuda-support.h"
 #include "fovea/encoder.h"
+#include "fovea/image.h"
 #include "fovea/random.h"
 
 using namespace fovea;
@@ -142,4 +145,107 @@ TEST(EncoderGpu, ArenaReuseAcrossShapesChangesNothing) {
   EXPECT_EQ(run(reserved, kGrids, px), first);
   for (const auto& v : first)
     for (float x : v) ASSERT_TRUE(std::isfinite(x));
+}
+
+// plan() computes the position-embedding and RoPE tables on the GPU; they are the CPU reference's
+// bits exactly (position_embedding() rounded to bf16, vision_rope_tables()), for odd window counts,
+// several frames, grids beyond the 48x48 learned table and planned in an order that grows the RoPE
+// frequency table twice.
+TEST(EncoderGpu, GridTablesAreBitIdenticalToTheCpu) {
+  const Model m = two_block_8b();
+  const std::vector<std::vector<GridThw>> sets = {
+      {{1, 2, 2}},
+      {{1, 6, 10}, {2, 14, 22}, {1, 2, 50}},
+      {{1, 98, 60}, {3, 8, 8}, {1, 4, 130}, {2, 46, 34}},
+      {{1, 300, 2}, {1, 50, 48}},
+  };
+  qwen3vl::cuda::Encoder enc(m, {AttnDtype::BF16, nullptr});
+  for (const auto& grids : sets) {
+    enc.plan(grids);
+    std::vector<uint16_t> pe;
+    std::vector<float> cos, sin;
+    enc.grid_tables(pe, cos, sin);
+    const std::vector<float> pe_ref = position_embedding(m.config, m.weights.pos, grids);
+    std::vector<float> cos_ref, sin_ref;
+    vision_rope_tables(grids, m.config.head_dim(), cos_ref, sin_ref);
+    ASSERT_EQ(pe.size(), pe_ref.size());
+    size_t pe_diff = 0;
+    for (size_t i = 0; i < pe.size(); ++i) pe_diff += pe[i] != bf16_from_float(pe_ref[i]);
+    EXPECT_EQ(pe_diff, 0u) << pe.size() << " values, grids starting " << grids[0][1] << "x" << grids[0][2];
+    ASSERT_EQ(cos.size(), cos_ref.size());
+    EXPECT_EQ(std::memcmp(cos.data(), cos_ref.data(), cos.size() * 4), 0);
+    EXPECT_EQ(std::memcmp(sin.data(), sin_ref.data(), sin.size() * 4), 0);
+  }
+}
+
+// Two batches in flight at once (plan, stage, forward and download of the next enqueued before the
+// last one is collected) give exactly what each gives alone, through three shapes.
+TEST(EncoderGpu, PipelinedBatchesEqualOneAtATime) {
+  const Model m = two_block_8b();
+  const std::vector<std::vector<GridThw>> sets = {kGrids, {{1, 24, 32}}, {{2, 4, 6}, {1, 10, 10}}};
+  auto patches = [](const std::vector<GridThw>& gs) {
+    int64_t n = 0;
+    for (auto& g : gs) n += int64_t(g[0]) * g[1] * g[2];
+    return n;
+  };
+  std::vector<std::vector<float>> px;
+  for (const auto& gs : sets) px.push_back(random_pixels(patches(gs)));
+  ScaleBook book = ScaleBook::fixed(std::vector<QkvScales>(size_t(m.config.depth), QkvScales{0.02f, 0.02f, 0.01f}));
+  for (AttnDtype dt : {AttnDtype::BF16, AttnDtype::FP8}) {
+    qwen3vl::cuda::EncoderOptions o{dt, dt == AttnDtype::FP8 ? &book : nullptr};
+    std::vector<std::vector<std::vector<uint16_t>>> alone(sets.size()), piped(sets.size());
+    for (size_t k = 0; k < sets.size(); ++k) {
+      qwen3vl::cuda::Encoder fresh(m, o);
+      fresh.plan(sets[k]);
+      fresh.upload_pixels(px[k], nullptr);
+      fresh.forward(nullptr);
+      fresh.outputs_bf16(true, alone[k], nullptr);
+    }
+    qwen3vl::cuda::Encoder enc(m, o);
+    std::vector<int64_t> tickets;
+    auto launch = [&](size_t k) {
+      enc.plan(sets[k]);
+      enc.upload_pixels(px[k], nullptr);
+      enc.forward(nullptr);
+      tickets.push_back(enc.download(true, nullptr));
+    };
+    launch(0);
+    launch(1);
+    enc.collect(tickets[0], piped[0]);
+    launch(2);
+    EXPECT_THROW(enc.download(true, nullptr), Error);  // a third uncollected download is refused
+    enc.collect(tickets[1], piped[1]);
+    enc.collect(tickets[2], piped[2]);
+    for (size_t k = 0; k < sets.size(); ++k) {
+      ASSERT_EQ(piped[k].size(), 1 + m.config.deepstack.size());
+      EXPECT_EQ(piped[k], alone[k]) << dtype_name(dt) << " batch " << k;
+    }
+  }
+}
+
+// Raw uint8 patches normalized on the device give the same pixels, bit for bit, as the host's
+// patchify arithmetic rounded to bf16: so the same outputs, for CLIP's mean / std (which make the
+// division round) and random samples.
+TEST(EncoderGpu, RawPatchesNormalizedOnTheGpuEqualHostNormalized) {
+  const Model m = two_block_8b();
+  int64_t n = 0;
+  for (auto& g : kGrids) n += int64_t(g[0]) * g[1] * g[2];
+  image::Patches p;
+  p.grid = {1, int(n / 2), 2};  // one row per patch; normalize_raw only needs the row count
+  p.raw.resize(size_t(n) * 768);
+  std::mt19937 rng(std::random_device{}());
+  for (auto& v : p.raw) v = uint8_t(rng() & 255);
+  p.norm = {{0.48145466f, 0.4578275f, 0.40821073f}, {0.26862954f, 0.26130258f, 0.27577711f}, 2};
+  image::normalize_raw(p);
+  qwen3vl::cuda::Encoder enc(m, {AttnDtype::BF16, nullptr});
+  enc.plan(kGrids);
+  enc.upload_pixels(p.pixels, nullptr);
+  enc.forward(nullptr);
+  std::vector<std::vector<uint16_t>> host, device;
+  enc.outputs_bf16(true, host, nullptr);
+  std::memcpy(enc.raw_staging(), p.raw.data(), p.raw.size());
+  enc.upload_raw(p.norm.mean, p.norm.std, nullptr);
+  enc.forward(nullptr);
+  enc.outputs_bf16(true, device, nullptr);
+  EXPECT_EQ(device, host);
 }

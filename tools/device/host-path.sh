@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
-# On the GPU machine (issue 12, first step: one device arena and pinned staging): test-encoder-gpu
-# (the arena test included), bench mm-processor's stage split for 1 and 3 FullHD-sized images
+# On the GPU machine (issue 12: the host path): the GPU tests (encoder, attention, FP8 device), bench mm-processor's stage split for 1 and 3 FullHD-sized images
 # (random-mm 1080x1920 at the FullHD budget, FP8 dynamic), `fovea encode` of three
 # photographs, and fovea serve under load (generated FullHD PNGs, concurrency 1/4/16/64, BF16 and
 # FP8; the load client reports the encoder worker's forward time over the wall time). Carry [".device-bin", "data/photos-device"].
 set -uo pipefail
 source "$(dirname "$0")/env.sh"
 M=synthetic:qwen3-vl-8b
-echo "== test-encoder-gpu"
-timeout 300 "$B/test-encoder-gpu" > "$OUT/test-encoder-gpu.txt" 2>&1; echo "exit $?: $(grep -E '^\[  (PASSED|FAILED)' "$OUT/test-encoder-gpu.txt" | tr '\n' ' ')"
-grep -E "^\[  FAILED|Failure" "$OUT/test-encoder-gpu.txt" | head
+for t in test-encoder-gpu test-attention-gpu test-fp8-device; do
+  echo "== $t"
+  timeout 300 "$B/$t" > "$OUT/$t.txt" 2>&1; echo "exit $?: $(grep -E '^\[  (PASSED|FAILED)' "$OUT/$t.txt" | tr '\n' ' ')"
+  grep -E "^\[  FAILED|Failure" -A3 "$OUT/$t.txt" | head -20
+done
 for dt in fp8; do
   for k in 1 3; do
     echo "== bench mm-processor: $k x 1080x1920, $dt"

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <mutex>
 
 #include "attention/cuda/head-dims.cuh"
@@ -46,11 +47,14 @@ CUtensorMap tensor_map(void* base, bool fp8, uint64_t d0, uint64_t d1, uint64_t 
   return m;
 }
 
-// Grows dst (it never shrinks) to hold src, then copies src in.
+// Grows dst (it never shrinks; a free waits for the GPU) to hold src, copies src into pinned memory
+// at *h and enqueues its upload from there; *h moves past it (16-byte aligned).
 template <class T>
-void upload(DeviceBuffer<T>& dst, const std::vector<T>& src) {
+void upload(DeviceBuffer<T>& dst, const std::vector<T>& src, uint8_t*& h, cudaStream_t stream) {
   if (src.size() > dst.count()) dst.reset(src.size());
-  FOVEA_CUDA_CHECK(cudaMemcpy(dst.data(), src.data(), src.size() * sizeof(T), cudaMemcpyHostToDevice));
+  std::memcpy(h, src.data(), src.size() * sizeof(T));
+  FOVEA_CUDA_CHECK(cudaMemcpyAsync(dst.data(), h, src.size() * sizeof(T), cudaMemcpyHostToDevice, stream));
+  h += (src.size() * sizeof(T) + 15) / 16 * 16;
 }
 
 }  // namespace
@@ -66,6 +70,8 @@ struct FlashAttention::Impl {
   DeviceBuffer<int2> d_tiles;
   DeviceBuffer<uint8_t> buf;  // q, k and v^t, one allocation
   DeviceBuffer<unsigned int> d_scratch;  // amax scratch [3] + CTA counter
+  StagingSlot staging[2];                // the plan uploads' pinned sources, alternately
+  int next_staging = 0;
   FlashMaps maps{};
   const float* scale_ptr[3] = {nullptr, nullptr, nullptr};
   bool planned = false, prepared = false;
@@ -96,7 +102,7 @@ FlashAttention::~FlashAttention() = default;
 const VarlenShape& FlashAttention::shape() const { return impl_->shape; }
 AttnDtype FlashAttention::dtype() const { return impl_->dtype; }
 
-void FlashAttention::plan(const std::vector<int32_t>& cu_seqlens) {
+void FlashAttention::plan(const std::vector<int32_t>& cu_seqlens, cudaStream_t stream) {
   Impl& m = *impl_;
   m.planned = m.prepared = false;  // until this plan is complete (a throw below leaves no stale plan)
   VarlenShape sh = m.shape;
@@ -119,9 +125,13 @@ void FlashAttention::plan(const std::vector<int32_t>& cu_seqlens) {
   m.shape = sh;
   m.n_pad = cu_pad.back();
   m.num_tiles = int(tiles.size());
-  upload(m.d_cu, cu_seqlens);
-  upload(m.d_cu_pad, cu_pad);
-  upload(m.d_tiles, tiles);
+  StagingSlot& st = m.staging[m.next_staging];
+  m.next_staging ^= 1;
+  uint8_t* h = st.take((cu_seqlens.size() + cu_pad.size()) * 4 + tiles.size() * sizeof(int2) + 48);
+  upload(m.d_cu, cu_seqlens, h, stream);
+  upload(m.d_cu_pad, cu_pad, h, stream);
+  upload(m.d_tiles, tiles, h, stream);
+  st.release(stream);
   const size_t need = 2 * m.qk_bytes() + m.v_bytes();
   if (need > m.buf.count()) m.buf.reset(need);
   const int H = sh.heads, hd = sh.head_dim;

@@ -4,6 +4,7 @@
 #include <cublasLt.h>
 #include <cuda_bf16.h>
 
+#include <algorithm>
 #include <cstring>
 #include <limits>
 #include <map>
@@ -93,6 +94,72 @@ __global__ void layernorm_kernel(const bf16* __restrict__ x, bf16* __restrict__ 
     yr[i] = __float2bfloat16_rn((__bfloat162float(xr[i]) - mean) * inv * w[i] + b[i]);
 }
 
+// One image of a batch for grid_tables_kernel: its first row and its grid.
+struct ImageDesc {
+  int64_t base;
+  int32_t t, h, w, pad;
+};
+
+// The tables that depend only on the grids, one block per patch row of the batch: the learned
+// position table resampled bilinearly to the patch's image (bf16, added in the patch GEMM's epilogue)
+// and its RoPE cos / sin rows, gathered from the [side][hd/4] frequency tables. Every float
+// operation is the one position_embedding() does on the host, in its order and rounded alike (no
+// fused multiply-adds), so both give the same bits.
+__global__ void grid_tables_kernel(const ImageDesc* __restrict__ images, int num_images, const float* __restrict__ table,
+                                   int G, int D, const float* __restrict__ freq_cos, const float* __restrict__ freq_sin,
+                                   int quarter, bf16* __restrict__ pe, float* __restrict__ cos, float* __restrict__ sin) {
+  const int64_t i = blockIdx.x;
+  int lo = 0, hi = num_images - 1;  // the last image whose first row is <= i
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (images[mid].base <= i) lo = mid;
+    else hi = mid - 1;
+  }
+  const ImageDesc im = images[lo];
+  const int64_t q = (i - im.base) % (int64_t(im.h) * im.w);  // index in its frame, merge-window order
+  const int64_t window = q / 4;
+  const int r = int(window / (im.w / 2)) * 2 + int(q % 4) / 2, c = int(window % (im.w / 2)) * 2 + int(q % 2);
+  const float sr = im.h == 1 ? 0.f : __fmul_rn(float(r), __fdiv_rn(float(G - 1), float(im.h - 1)));
+  const float sc = im.w == 1 ? 0.f : __fmul_rn(float(c), __fdiv_rn(float(G - 1), float(im.w - 1)));
+  const int r0 = int(floorf(sr)), c0 = int(floorf(sc));
+  const int r1 = min(r0 + 1, G - 1), c1 = min(c0 + 1, G - 1);
+  const float fr = __fsub_rn(sr, float(r0)), fc = __fsub_rn(sc, float(c0));
+  const float w00 = __fmul_rn(__fsub_rn(1.f, fr), __fsub_rn(1.f, fc)), w01 = __fmul_rn(__fsub_rn(1.f, fr), fc);
+  const float w10 = __fmul_rn(fr, __fsub_rn(1.f, fc)), w11 = __fmul_rn(fr, fc);
+  const float* e00 = table + int64_t(r0 * G + c0) * D;
+  const float* e01 = table + int64_t(r0 * G + c1) * D;
+  const float* e10 = table + int64_t(r1 * G + c0) * D;
+  const float* e11 = table + int64_t(r1 * G + c1) * D;
+  for (int d = threadIdx.x; d < D; d += blockDim.x) {
+    float v = __fadd_rn(__fmul_rn(w00, e00[d]), __fmul_rn(w01, e01[d]));
+    v = __fadd_rn(__fadd_rn(v, __fmul_rn(w10, e10[d])), __fmul_rn(w11, e11[d]));
+    pe[i * D + d] = __float2bfloat16_rn(v);
+  }
+  const int half = 2 * quarter;
+  for (int d = threadIdx.x; d < half; d += blockDim.x) {  // dims [0, hd/4) by the row, the rest by the column
+    const int at = (d < quarter ? r : c) * quarter + d % quarter;
+    cos[i * half + d] = freq_cos[at];
+    sin[i * half + d] = freq_sin[at];
+  }
+}
+
+// Raw uint8 patches [rows, 3, plane] to the encoder's bf16 pixels [rows, 3, T, plane]: rescale and
+// normalize as image::patchify does on the host, (x - mean*255) / (std*255) in float32, correctly
+// rounded (no contraction), then rounded to bf16 as the host's upload does; every frame the same.
+struct Normalize {
+  float mean255[3], std255[3];
+};
+__global__ void normalize_kernel(const uint8_t* __restrict__ raw, bf16* __restrict__ px, int64_t rows, int plane, int T,
+                                 Normalize nm) {
+  const int64_t row = 3 * int64_t(T) * plane, total = rows * row;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = i / row;
+    const int col = int(i % row), c = col / (T * plane), k = col % plane;
+    const float v = float(raw[r * 3 * plane + int64_t(c) * plane + k]);
+    px[i] = __float2bfloat16_rn(__fdiv_rn(__fsub_rn(v, nm.mean255[c]), nm.std255[c]));
+  }
+}
+
 __global__ void gelu_erf_kernel(bf16* x, int64_t n) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
     const float v = __bfloat162float(x[i]);
@@ -176,7 +243,7 @@ struct Encoder::Impl {
   Gemm gemm;
   Owner owned;  // weights and scale state
   DevLinear patch;
-  std::vector<float> pos_table;  // host: resampled per plan()
+  float* pos_table = nullptr;  // device [G*G, hidden], resampled to the grids per plan()
   std::vector<DevBlock> blocks;
   DevMerger merger;
   std::vector<DevMerger> deepstack;
@@ -186,22 +253,39 @@ struct Encoder::Impl {
   // Per plan():
   std::vector<GridThw> grids;
   int64_t n = 0;
+  uint8_t* raw = nullptr;  // raw uint8 patches, when uploaded in that form
   bf16 *pixels = nullptr, *pe = nullptr, *x = nullptr, *ln = nullptr, *qkv = nullptr, *att = nullptr, *h = nullptr;
   bf16 *m1 = nullptr, *m2 = nullptr, *merged = nullptr;
   std::vector<bf16*> ds;
   float *cos = nullptr, *sin = nullptr;
   // Every per-batch device buffer is a slice of one arena, grown (never shrunk) when a batch needs
-  // more than it holds, so a new set of grids allocates nothing unless it is the largest yet; host
-  // staging is pinned and grown the same way, so copies run at full PCIe speed.
+  // more than it holds, so a new set of grids allocates nothing unless it is the largest yet.
   DeviceBuffer<uint8_t> arena;
-  fovea::cuda::PinnedBuffer<uint16_t> staging;
+  // The RoPE frequency tables (cos, then sin: [side][hd/4] each) for positions up to rope_side, and
+  // the batch's image descriptors for grid_tables_kernel.
+  DeviceBuffer<float> rope_freq;
+  int rope_side = 0;
+  DeviceBuffer<ImageDesc> images;
+  // Host staging: pinned, reused, two of each so the host fills one batch's while the GPU copies the
+  // last one's (each waits for its previous copy's event before it is written again).
+  fovea::cuda::StagingSlot plan_in[2], pixels_in[2];
+  int next_plan = 0, next_pixels = 0;
+  void* staged = nullptr;  // the slot pixel_staging() or raw_staging() gave, until it is uploaded
+  int staged_slot = -1;
+  void* take_staging(size_t bytes);
+  void upload_from_staging(void* to, size_t bytes, cudaStream_t stream);
+  struct OutSlot {
+    fovea::cuda::StagingSlot mem;
+    size_t count = 0, outputs = 0;  // values per output, outputs copied
+    bool amax = false;               // the FP8 rings follow the outputs
+    int64_t ticket = -1;             // the download it holds until collected; -1: free
+  } out[2];
+  int64_t next_ticket = 0;
 
   void layout_arena(int64_t n);  // points every buffer above into the arena, growing it if needed
-  const uint16_t* download(const std::vector<const bf16*>& from, cudaStream_t stream);
-  uint16_t* stage(size_t count) {
-    if (staging.count() < count) staging.reset(count + count / 4);
-    return staging.data();
-  }
+  void grid_tables(const std::vector<GridThw>& grids, cudaStream_t stream);
+  template <class T>
+  void collect(int64_t ticket, std::vector<std::vector<T>>& out);
   void layernorm(const bf16* in, bf16* out, const DevNorm& nrm, int64_t rows, cudaStream_t s) {
     layernorm_kernel<<<unsigned(rows), 128, 0, s>>>(in, out, nrm.w, nrm.b, nrm.width);
     FOVEA_CUDA_CHECK(cudaGetLastError());
@@ -237,7 +321,7 @@ Encoder::Encoder(const Model& model, const EncoderOptions& options) : impl_(new 
   }
   auto& o = m.owned;
   m.patch = upload(W.patch_embed, o);
-  m.pos_table = W.pos;
+  m.pos_table = upload_f32(W.pos, o);
   for (const auto& b : W.blocks) {
     DevBlock d;  // one upload per statement: the order of allocations is the order of the owner list
     d.norm1 = upload(b.norm1, o);
@@ -272,6 +356,7 @@ void Encoder::Impl::layout_arena(int64_t n) {
   };
   ds.assign(deepstack.size(), nullptr);
   std::vector<Slice> slices = {
+      {(void**)&raw, size_t(n) * cfg.patch_dim() / cfg.temporal_patch},
       {(void**)&pixels, size_t(n) * cfg.patch_dim() * 2}, {(void**)&x, size_t(n * D) * 2},
       {(void**)&ln, size_t(n * D) * 2},  {(void**)&qkv, size_t(n * 3 * D) * 2},
       {(void**)&att, size_t(n * D) * 2}, {(void**)&h, size_t(n * I) * 2},
@@ -294,43 +379,109 @@ void Encoder::reserve(int64_t patches) {
   if (patches > 0) impl_->layout_arena(patches);
 }
 
-void Encoder::plan(const std::vector<GridThw>& grids) {
+void Encoder::Impl::grid_tables(const std::vector<GridThw>& grids, cudaStream_t stream) {
+  const int quarter = cfg.head_dim() / 4;
+  int side = 0;
+  for (const auto& g : grids) side = std::max({side, g[1], g[2]});
+  if (side > rope_side) {  // grown rarely (a larger image side than any yet): a synchronous upload
+    std::vector<float> c, s;
+    rope_side = std::max(side, 2 * rope_side);
+    rope_frequency_table(rope_side, cfg.head_dim(), c, s);
+    c.insert(c.end(), s.begin(), s.end());
+    rope_freq.reset(c.size());
+    FOVEA_CUDA_CHECK(cudaMemcpy(rope_freq.data(), c.data(), c.size() * 4, cudaMemcpyHostToDevice));
+  }
+  if (images.count() < grids.size()) images.reset(std::max(grids.size(), size_t(64)));
+  fovea::cuda::StagingSlot& st = plan_in[next_plan];
+  next_plan ^= 1;
+  auto* desc = reinterpret_cast<ImageDesc*>(st.take(grids.size() * sizeof(ImageDesc)));
+  int64_t base = 0;
+  for (size_t k = 0; k < grids.size(); ++k) {
+    desc[k] = {base, grids[k][0], grids[k][1], grids[k][2], 0};
+    base += int64_t(grids[k][0]) * grids[k][1] * grids[k][2];
+  }
+  FOVEA_CUDA_CHECK(cudaMemcpyAsync(images.data(), desc, grids.size() * sizeof(ImageDesc), cudaMemcpyHostToDevice, stream));
+  st.release(stream);
+  grid_tables_kernel<<<unsigned(base), 128, 0, stream>>>(images.data(), int(grids.size()), pos_table, cfg.pos_side(),
+                                                        cfg.hidden, rope_freq.data(), rope_freq.data() + size_t(rope_side) * quarter,
+                                                        quarter, pe, cos, sin);
+  FOVEA_CUDA_CHECK(cudaGetLastError());
+}
+
+void Encoder::plan(const std::vector<GridThw>& grids, cudaStream_t stream) {
   Impl& m = *impl_;
   const GridShape shape = check_grids(grids, "encoder");
   if (shape.patches > std::numeric_limits<int32_t>::max())
     fail_cat("encoder: ", shape.patches, " patches in one batch; cu_seqlens are int32");
+  if (m.n > 0 && m.grids == grids) return;  // the same batch shape: buffers and tables stand
   std::vector<int32_t> cu = {0};
   for (const int len : shape.seqlens) cu.push_back(cu.back() + len);
-  const int64_t n = shape.patches;
-  if (m.n > 0 && m.grids == grids) return;  // the same batch shape: buffers and tables stand
   m.n = 0;  // forward() refuses to run until this plan is complete (a throw below leaves no dangling plan)
   m.grids = grids;
-  m.layout_arena(n);
-  // Tables that depend only on the grids: position embedding (bf16, added in the patch GEMM's
-  // epilogue) and the RoPE cos / sin, staged through pinned memory (one synchronization).
-  const std::vector<float> pe = position_embedding(m.cfg, m.pos_table, grids);
-  std::vector<float> cos, sin;
-  vision_rope_tables(grids, m.cfg.head_dim(), cos, sin);
-  uint16_t* h = m.stage(pe.size() + 2 * (cos.size() + sin.size()));
-  to_bf16(pe.data(), pe.size(), h);
-  std::memcpy(h + pe.size(), cos.data(), cos.size() * 4);
-  std::memcpy(h + pe.size() + 2 * cos.size(), sin.data(), sin.size() * 4);
-  FOVEA_CUDA_CHECK(cudaMemcpyAsync(m.pe, h, pe.size() * 2, cudaMemcpyHostToDevice, nullptr));
-  FOVEA_CUDA_CHECK(cudaMemcpyAsync(m.cos, h + pe.size(), cos.size() * 4, cudaMemcpyHostToDevice, nullptr));
-  FOVEA_CUDA_CHECK(cudaMemcpyAsync(m.sin, h + pe.size() + 2 * cos.size(), sin.size() * 4, cudaMemcpyHostToDevice, nullptr));
-  FOVEA_CUDA_CHECK(cudaStreamSynchronize(nullptr));  // the staging buffer is reused next
-  m.attn->plan(cu);
-  m.n = n;
+  m.layout_arena(shape.patches);
+  m.grid_tables(grids, stream);
+  m.attn->plan(cu, stream);
+  m.n = shape.patches;
+}
+
+void Encoder::grid_tables(std::vector<uint16_t>& pe, std::vector<float>& cos, std::vector<float>& sin) const {
+  const Impl& m = *impl_;
+  if (m.n == 0) fail_cat("encoder: grid_tables() before plan()");
+  pe.resize(size_t(m.n) * m.cfg.hidden);
+  cos.resize(size_t(m.n) * (m.cfg.head_dim() / 2));
+  sin.resize(cos.size());
+  FOVEA_CUDA_CHECK(cudaMemcpy(pe.data(), m.pe, pe.size() * 2, cudaMemcpyDeviceToHost));
+  FOVEA_CUDA_CHECK(cudaMemcpy(cos.data(), m.cos, cos.size() * 4, cudaMemcpyDeviceToHost));
+  FOVEA_CUDA_CHECK(cudaMemcpy(sin.data(), m.sin, sin.size() * 4, cudaMemcpyDeviceToHost));
+}
+
+void* Encoder::Impl::take_staging(size_t bytes) {
+  if (n == 0) fail_cat("encoder: pixel staging before plan()");
+  staged_slot = next_pixels;
+  next_pixels ^= 1;
+  staged = pixels_in[staged_slot].take(bytes);
+  return staged;
+}
+
+void Encoder::Impl::upload_from_staging(void* to, size_t bytes, cudaStream_t stream) {
+  if (!staged) fail_cat("encoder: upload without pixel staging");
+  FOVEA_CUDA_CHECK(cudaMemcpyAsync(to, staged, bytes, cudaMemcpyHostToDevice, stream));
+  pixels_in[staged_slot].release(stream);
+  staged = nullptr;
+}
+
+uint16_t* Encoder::pixel_staging() {
+  return static_cast<uint16_t*>(impl_->take_staging(size_t(impl_->n) * impl_->cfg.patch_dim() * 2));
+}
+
+void Encoder::upload_staged(cudaStream_t stream) {
+  Impl& m = *impl_;
+  m.upload_from_staging(m.pixels, size_t(m.n) * m.cfg.patch_dim() * 2, stream);
+}
+
+uint8_t* Encoder::raw_staging() {
+  return static_cast<uint8_t*>(impl_->take_staging(size_t(impl_->n) * impl_->cfg.patch_dim() / impl_->cfg.temporal_patch));
+}
+
+void Encoder::upload_raw(const float mean[3], const float std[3], cudaStream_t stream) {
+  Impl& m = *impl_;
+  const int T = m.cfg.temporal_patch, plane = m.cfg.patch * m.cfg.patch;
+  m.upload_from_staging(m.raw, size_t(m.n) * m.cfg.patch_dim() / T, stream);
+  Normalize nm;
+  for (int c = 0; c < 3; ++c) {  // the host's float products, as patchify computes them
+    nm.mean255[c] = mean[c] * 255.0f;
+    nm.std255[c] = std[c] * 255.0f;
+  }
+  normalize_kernel<<<1024, 256, 0, stream>>>(m.raw, m.pixels, m.n, plane, T, nm);
+  FOVEA_CUDA_CHECK(cudaGetLastError());
 }
 
 void Encoder::upload_pixels(const std::vector<float>& pixels, cudaStream_t stream) {
   Impl& m = *impl_;
   if (int64_t(pixels.size()) != m.n * m.cfg.patch_dim())
     fail_cat("encoder: pixel_values has ", pixels.size(), " values, the plan expects ", m.n * m.cfg.patch_dim());
-  uint16_t* h = m.stage(pixels.size());
-  to_bf16(pixels.data(), pixels.size(), h);
-  FOVEA_CUDA_CHECK(cudaMemcpyAsync(m.pixels, h, pixels.size() * 2, cudaMemcpyHostToDevice, stream));
-  FOVEA_CUDA_CHECK(cudaStreamSynchronize(stream));  // the staging buffer is reused next
+  to_bf16(pixels.data(), pixels.size(), pixel_staging());
+  upload_staged(stream);
 }
 
 void Encoder::forward(cudaStream_t s) {
@@ -379,52 +530,73 @@ void Encoder::after_forward(cudaStream_t stream) {
   m.opt.scales->after_forward();
 }
 
-// Device bf16 -> pinned staging, one copy each and one synchronization; output k is at k * count.
-const uint16_t* Encoder::Impl::download(const std::vector<const bf16*>& from, cudaStream_t stream) {
-  const size_t count = size_t(n / 4 * cfg.out_hidden);
-  uint16_t* h = stage(count * from.size());
+int64_t Encoder::download(bool with_deepstack, cudaStream_t stream) {
+  Impl& m = *impl_;
+  if (m.n == 0) fail_cat("encoder: download() before plan()");
+  const int64_t ticket = m.next_ticket;
+  Impl::OutSlot& o = m.out[ticket % 2];
+  if (o.ticket >= 0) fail_cat("encoder: the outputs of download ", o.ticket, " were never collected");
+  std::vector<const bf16*> from = {m.merged};
+  if (with_deepstack) from.insert(from.end(), m.ds.begin(), m.ds.end());
+  o.count = size_t(m.n / 4 * m.cfg.out_hidden);
+  o.outputs = from.size();
+  o.amax = m.amax != nullptr;
+  const size_t rings = o.amax ? sizeof(LayerAmax) * size_t(m.cfg.depth) : 0;
+  uint8_t* h = o.mem.take(o.count * 2 * o.outputs + rings);
   for (size_t k = 0; k < from.size(); ++k)
-    FOVEA_CUDA_CHECK(cudaMemcpyAsync(h + k * count, from[k], count * 2, cudaMemcpyDeviceToHost, stream));
-  FOVEA_CUDA_CHECK(cudaStreamSynchronize(stream));
-  return h;
+    FOVEA_CUDA_CHECK(cudaMemcpyAsync(h + k * o.count * 2, from[k], o.count * 2, cudaMemcpyDeviceToHost, stream));
+  if (rings) FOVEA_CUDA_CHECK(cudaMemcpyAsync(h + o.count * 2 * o.outputs, m.amax, rings, cudaMemcpyDeviceToHost, stream));
+  o.mem.release(stream);
+  o.ticket = ticket;
+  m.next_ticket += 1;
+  return ticket;
 }
 
-namespace {
-// The staged outputs into one vector each, filled on every core: bf16 bits as they are, or widened to
-// fp32. Vectors that already hold enough keep their (warm) memory: no page faults on reuse.
+// Waits for download `ticket`, then fills one vector per output on every core: bf16 bits as they
+// are, or widened to fp32. Vectors that already hold enough keep their (warm) memory: no page faults
+// on reuse. The FP8 rings copied with the outputs go to the scale book.
 template <class T>
-void unstage(const uint16_t* h, size_t count, std::vector<std::vector<T>>& out) {
-  for (size_t k = 0; k < out.size(); ++k) {
-    out[k].resize(count);
-    const uint16_t* src = h + k * count;
-    T* dst = out[k].data();
-    parallel_ranges(int64_t(count), kConvertGrain, [&](int64_t b, int64_t e) {
-      for (int64_t i = b; i < e; ++i) {
-        if constexpr (std::is_same_v<T, float>) dst[i] = bf16_to_float(src[i]);
-        else dst[i] = src[i];
+void Encoder::Impl::collect(int64_t ticket, std::vector<std::vector<T>>& dst) {
+  OutSlot& o = out[ticket % 2];
+  if (ticket < 0 || o.ticket != ticket) fail_cat("encoder: download ", ticket, " is not waiting to be collected");
+  o.mem.wait();
+  o.ticket = -1;
+  const auto* h = reinterpret_cast<const uint16_t*>(o.mem.data());
+  dst.resize(o.outputs);
+  for (size_t k = 0; k < o.outputs; ++k) {
+    dst[k].resize(o.count);
+    const uint16_t* src = h + k * o.count;
+    T* to = dst[k].data();
+    parallel_ranges(int64_t(o.count), kConvertGrain, [&](int64_t b, int64_t e) {
+      if constexpr (std::is_same_v<T, float>) {
+        for (int64_t i = b; i < e; ++i) to[i] = bf16_to_float(src[i]);
+      } else {
+        std::memcpy(to + b, src + b, size_t(e - b) * 2);
       }
     });
   }
-}
-}  // namespace
-
-void Encoder::outputs_bf16(bool with_deepstack, std::vector<std::vector<uint16_t>>& out, cudaStream_t stream) const {
-  std::vector<const bf16*> from = {impl_->merged};
-  if (with_deepstack) from.insert(from.end(), impl_->ds.begin(), impl_->ds.end());
-  out.resize(from.size());
-  unstage(impl_->download(from, stream), size_t(impl_->n / 4 * impl_->cfg.out_hidden), out);
+  if (o.amax) {
+    auto& state = opt.scales->amax_state();
+    std::memcpy(state.data(), h + o.count * o.outputs, sizeof(LayerAmax) * state.size());
+  }
 }
 
-std::vector<float> Encoder::merged(cudaStream_t stream) const {
-  std::vector<std::vector<float>> out(1);
-  unstage(impl_->download({impl_->merged}, stream), size_t(impl_->n / 4 * impl_->cfg.out_hidden), out);
+void Encoder::collect(int64_t ticket, std::vector<std::vector<uint16_t>>& out) { impl_->collect(ticket, out); }
+
+void Encoder::outputs_bf16(bool with_deepstack, std::vector<std::vector<uint16_t>>& out, cudaStream_t stream) {
+  collect(download(with_deepstack, stream), out);
+}
+
+std::vector<float> Encoder::merged(cudaStream_t stream) {
+  std::vector<std::vector<float>> out;
+  impl_->collect(download(false, stream), out);
   return std::move(out[0]);
 }
 
-std::vector<std::vector<float>> Encoder::deepstack(cudaStream_t stream) const {
-  const std::vector<const bf16*> from(impl_->ds.begin(), impl_->ds.end());
-  std::vector<std::vector<float>> out(from.size());
-  unstage(impl_->download(from, stream), size_t(impl_->n / 4 * impl_->cfg.out_hidden), out);
+std::vector<std::vector<float>> Encoder::deepstack(cudaStream_t stream) {
+  std::vector<std::vector<float>> out;
+  impl_->collect(download(true, stream), out);
+  out.erase(out.begin());  // the merged output comes first
   return out;
 }
 

@@ -73,18 +73,34 @@ std::vector<float> position_embedding(const VisionConfig& c, const std::vector<f
   return out;
 }
 
+void rope_frequency_table(int positions, int head_dim, std::vector<float>& cos, std::vector<float>& sin) {
+  const int half = head_dim / 2, quarter = head_dim / 4;
+  cos.assign(size_t(positions) * size_t(quarter), 0.f);
+  sin.assign(cos.size(), 0.f);
+  for (int j = 0; j < quarter; ++j) {
+    const float inv_freq = 1.0f / std::pow(10000.0f, float(2 * j) / float(half));
+    for (int p = 0; p < positions; ++p) {
+      const float angle = float(p) * inv_freq;
+      cos[size_t(p) * quarter + size_t(j)] = std::cos(angle);
+      sin[size_t(p) * quarter + size_t(j)] = std::sin(angle);
+    }
+  }
+}
+
 void vision_rope_tables(const std::vector<GridThw>& grids, int head_dim, std::vector<float>& cos, std::vector<float>& sin) {
   const int half = head_dim / 2, quarter = head_dim / 4;
-  std::vector<float> inv_freq(static_cast<size_t>(quarter));
-  for (int j = 0; j < quarter; ++j) inv_freq[size_t(j)] = 1.0f / std::pow(10000.0f, float(2 * j) / float(half));
+  int side = 0;
+  for (const auto& g : grids) side = std::max({side, g[1], g[2]});
+  std::vector<float> tc, ts;
+  rope_frequency_table(side, head_dim, tc, ts);
   const auto pos = patch_positions(grids);
   cos.assign(pos.size() * size_t(half), 0.f);
   sin.assign(cos.size(), 0.f);
   for (size_t t = 0; t < pos.size(); ++t)
-    for (int d = 0; d < half; ++d) {
-      const float angle = float(pos[t][d < quarter ? 0 : 1]) * inv_freq[size_t(d % quarter)];
-      cos[t * half + size_t(d)] = std::cos(angle);
-      sin[t * half + size_t(d)] = std::sin(angle);
+    for (int d = 0; d < half; ++d) {  // dims [0, hd/4) rotate by the row, [hd/4, hd/2) by the column
+      const size_t at = size_t(pos[t][d < quarter ? 0 : 1]) * quarter + size_t(d % quarter);
+      cos[t * half + size_t(d)] = tc[at];
+      sin[t * half + size_t(d)] = ts[at];
     }
 }
 
