@@ -89,6 +89,9 @@ std::vector<ImageTensorsBf16> split_images(const EncoderOutputsBf16& out, const 
 std::vector<ImageTensorsBf16> split_images(EncoderOutputsBf16&&, const std::vector<qwen3vl::GridThw>&,
                                            const qwen3vl::VisionConfig&) = delete;
 
+// bf16 bits widened to fp32, exactly, on every core.
+std::vector<float> widen_bf16(std::span<const uint16_t> v);
+
 // ---- the encoder forward ----------------------------------------------------------------------------
 
 class EncoderRunner {

@@ -4,11 +4,14 @@
 // as the encoder computes them, or fp32 with --output-dtype f32), and prints tokens and per-stage
 // times. Unreadable images are reported and skipped; the exit code says whether any failed.
 #include <chrono>
+#include <future>
 #include <map>
+#include <optional>
 
 #include <fmt/format.h>
 
 #include "cli/commands.h"
+#include "fovea/bf16.h"
 #include "fovea/error.h"
 #include "fovea/image.h"
 #include "fovea/pipeline.h"
@@ -37,40 +40,75 @@ int run(const Args& a) {
     fail("encode: --output-dtype: '{}' is not one of bf16, f32", a.output_dtype);
   const bool bf16 = a.output_dtype == "bf16";
   if (a.images.empty()) fail("encode: no images given");
-  auto t0 = clock_type::now();
-  const qwen3vl::Model model = qwen3vl::load_model(a.model);
-  const double load_ms = ms_since(t0);
-  const image::PreprocessConfig pcfg =
-      image::load_preprocess_config(a.model, a.preprocess);
-
-  // Decode + preprocess every image in parallel; failures are kept per image.
+  // Decoding and preprocessing run while the model loads and the encoder starts (weights to the
+  // GPU). The GPU takes raw uint8 patches and normalizes them itself; the CPU's fp32 output
+  // (--output-dtype f32 on the CPU) comes from fp32 patches, unrounded.
+  const bool exact_f32 = !bf16 && cfg.device == Device::CPU;
+  const image::PreprocessConfig pcfg = image::load_preprocess_config(a.model, a.preprocess);
   const size_t n = a.images.size();
-  std::vector<PreparedImage> prepared =
-      prepare_images(n, [&](size_t i) { return image::decode_file(a.images[i], pcfg); }, pcfg);
+  auto preparing = std::async(std::launch::async, [&] {
+    return prepare_images(n, [&](size_t i) { return image::decode_file(a.images[i], pcfg); }, pcfg, {}, !exact_f32);
+  });
+  auto t0 = clock_type::now();
+  std::optional<qwen3vl::Model> model_storage;
+  std::optional<EncoderRunner> runner_storage;
+  try {
+    model_storage.emplace(qwen3vl::load_model(a.model));
+  } catch (...) {
+    preparing.wait();  // its threads use a.images and pcfg
+    throw;
+  }
+  const qwen3vl::Model& model = *model_storage;
+  const double load_ms = ms_since(t0);
+  t0 = clock_type::now();
+  try {
+    runner_storage.emplace(model, cfg);
+  } catch (...) {
+    preparing.wait();
+    throw;
+  }
+  EncoderRunner& runner = *runner_storage;
+  const double setup_ms = ms_since(t0);
+  std::vector<PreparedImage> prepared = preparing.get();
+
   std::vector<size_t> ok;
-  Batch batch;
+  std::vector<const image::Patches*> images;
+  std::vector<qwen3vl::GridThw> grids;
   for (size_t i = 0; i < n; ++i) {
     if (prepared[i].error) {
       fmt::print(stderr, "fovea: error: {}\n", prepared[i].error_message());
       continue;
     }
     ok.push_back(i);
-    batch.add(std::move(prepared[i].patches));
+    images.push_back(&prepared[i].patches);
+    grids.push_back(prepared[i].patches.grid);
   }
   if (ok.empty()) fail("encode: none of the {} image(s) could be read", n);
 
   const auto tf = clock_type::now();
-  EncoderRunner runner(model, cfg);
-  EncoderOutputsBf16 bf16_out;  // bf16: the encoder's bits as they are (the CPU's fp32 rounded to nearest)
+  EncoderOutputsBf16 bf16_out;  // the encoder's bits as they are (the CPU's fp32 rounded to nearest)
   std::vector<ImageTensorsBf16> bf16_rows;  // views into bf16_out
   std::vector<ImageTensors> f32_rows;
-  if (bf16) {
-    bf16_out = runner.run_bf16(batch);
-    bf16_rows = split_images(bf16_out, batch.grids, model.config);
+  if (exact_f32) {
+    Batch batch;
+    for (size_t i : ok) batch.add(std::move(prepared[i].patches));
+    f32_rows = split_images(runner.run(batch), grids, model.config);
   } else {
-    f32_rows = split_images(runner.run(batch), batch.grids, model.config);
+    runner.start(images, true);
+    runner.finish(bf16_out);
+    if (bf16) {
+      bf16_rows = split_images(bf16_out, grids, model.config);
+    } else {  // fp32 asked for: the bf16 values widened, exactly
+      EncoderOutputs wide;
+      wide.merged = widen_bf16(bf16_out.merged);
+      for (const auto& d : bf16_out.deepstack) wide.deepstack.push_back(widen_bf16(d));
+      f32_rows = split_images(std::move(wide), grids, model.config);
+    }
   }
   const double forward_ms = ms_since(tf);
+  const EncoderRunner::Timings& rt = runner.last_timings();
+  int64_t patches = 0;
+  for (const auto& g : grids) patches += int64_t(g[0]) * g[1] * g[2];
 
   // Per image: its rows of the merged tokens and of each deepstack output.
   std::vector<TensorToWrite> tensors;
@@ -80,7 +118,7 @@ int run(const Args& a) {
              "preprocess ms");
   for (size_t j = 0; j < ok.size(); ++j) {
     const size_t i = ok[j];
-    const auto& g = batch.grids[j];
+    const auto& g = grids[j];
     if (bf16)
       append_image_tensors(tensors, j, g, model.config, bf16_rows[j]);
     else
@@ -89,8 +127,10 @@ int run(const Args& a) {
     fmt::print("{:<5} {:<40} {:>14} {:>8} {:>10.1f} {:>12.1f}\n", j, a.images[i], fmt::format("({}, {}, {})", g[0], g[1], g[2]),
                image_tokens(model.config, g), prepared[i].decode_ms, prepared[i].preprocess_ms);
   }
-  fmt::print("model load {:.1f} ms | encoder forward ({} images, {} patches, {} on {}) {:.1f} ms\n", load_ms, ok.size(),
-             batch.pixels.size() / size_t(model.config.patch_dim()), dtype_name(cfg.dtype), device_name(cfg.device), forward_ms);
+  fmt::print("model load {:.1f} ms | encoder setup {:.1f} ms | encoder forward ({} images, {} patches, {} on {}) {:.1f} ms: "
+             "plan {:.1f}, upload {:.1f}, forward {:.1f}, download {:.1f}\n",
+             load_ms, setup_ms, ok.size(), patches, dtype_name(cfg.dtype), device_name(cfg.device), forward_ms, rt.plan,
+             rt.upload, rt.forward, rt.download);
   if (!a.out.empty()) {
     write_safetensors(a.out, tensors, meta);
     fmt::print("wrote {}\n", a.out);

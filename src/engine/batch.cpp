@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cstring>
 
+#include "fovea/bf16.h"
 #include "fovea/error.h"
 #include "fovea/pipeline.h"
 #include "fovea/threads.h"
@@ -151,6 +152,14 @@ void append_image_tensors(std::vector<TensorToWrite>& out, size_t j, const qwen3
 void append_image_tensors(std::vector<TensorToWrite>& out, size_t j, const qwen3vl::GridThw& g,
                           const qwen3vl::VisionConfig& c, const ImageTensorsBf16& t) {
   append_tensors<uint16_t>(out, j, g, c, DType::BF16, t.merged, t.deepstack);
+}
+
+std::vector<float> widen_bf16(std::span<const uint16_t> v) {
+  std::vector<float> f(v.size());
+  parallel_ranges(int64_t(v.size()), 1 << 16, [&](int64_t lo, int64_t hi) {
+    for (int64_t i = lo; i < hi; ++i) f[size_t(i)] = bf16_to_float(v[size_t(i)]);
+  });
+  return f;
 }
 
 }  // namespace fovea

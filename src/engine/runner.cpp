@@ -35,13 +35,6 @@ std::vector<uint16_t> narrow(const std::vector<float>& v) {
   to_bf16(v.data(), v.size(), b.data());
   return b;
 }
-std::vector<float> widen(const std::vector<uint16_t>& v) {
-  std::vector<float> f(v.size());
-  parallel_ranges(int64_t(v.size()), kConvertGrain, [&](int64_t lo, int64_t hi) {
-    for (int64_t i = lo; i < hi; ++i) f[size_t(i)] = bf16_to_float(v[size_t(i)]);
-  });
-  return f;
-}
 }  // namespace
 
 struct EncoderRunner::Gpu {
@@ -198,8 +191,9 @@ void EncoderRunner::finish(EncoderOutputsBf16& out) {
   std::vector<std::vector<uint16_t>> v;
   v.push_back(std::move(out.merged));
   for (auto& d : out.deepstack) v.push_back(std::move(d));
+  FOVEA_CUDA_CHECK(cudaEventSynchronize(f->ev[3]));  // the batch is done on the GPU
   auto t = clock_type::now();
-  gpu_->enc.collect(f->ticket, v);  // waits for the copy back
+  gpu_->enc.collect(f->ticket, v);
   const double unpack = lap(t);
   out.merged = std::move(v[0]);
   out.deepstack.clear();
@@ -225,8 +219,8 @@ EncoderOutputs EncoderRunner::run(const Batch& batch, bool with_deepstack) {
     return out;
   }
   EncoderOutputsBf16 b = run_bf16(batch, with_deepstack);
-  out.merged = widen(b.merged);
-  for (const auto& d : b.deepstack) out.deepstack.push_back(widen(d));
+  out.merged = widen_bf16(b.merged);
+  for (const auto& d : b.deepstack) out.deepstack.push_back(widen_bf16(d));
   return out;
 }
 

@@ -128,11 +128,6 @@ Decoded decode_images(EncodeRequest& r, const image::PreprocessConfig& pcfg, Byt
 
 // bf16 rows are sent as the bytes they are in memory (little-endian), or widened to floats.
 static_assert(std::endian::native == std::endian::little, "bf16 rows are sent as they lie in memory");
-std::vector<float> widen(std::span<const uint16_t> v) {
-  std::vector<float> f(v.size());
-  for (size_t i = 0; i < v.size(); ++i) f[i] = bf16_to_float(v[i]);
-  return f;
-}
 
 json timings(const Decoded& d, const ImageOutput& o, size_t i) {
   return {{"decode", d.decode_ms[i]}, {"preprocess", d.preprocess_ms[i]}, {"queue", o.queue_ms}, {"forward", o.forward_ms}};
@@ -165,7 +160,7 @@ std::string json_reply(const Context& c, const EncodeRequest& r, const Decoded& 
   };
   const auto append_value = [&](std::string& out, std::span<const uint16_t> v) {
     if (!r.as_base64) {
-      out += dump(json(widen(v)));
+      out += dump(json(widen_bf16(v)));
       return;
     }
     out += '"';
@@ -215,8 +210,8 @@ std::string safetensors_reply(const Context& c, const EncodeRequest& r, const De
     if (r.as_base64) {
       append_image_tensors(tensors, i, job.images[i].grid, c.model.config, t);
     } else {
-      ImageTensors f{widen(t.merged), {}};
-      for (const auto& v : t.deepstack) f.deepstack.push_back(widen(v));
+      ImageTensors f{widen_bf16(t.merged), {}};
+      for (const auto& v : t.deepstack) f.deepstack.push_back(widen_bf16(v));
       append_image_tensors(tensors, i, job.images[i].grid, c.model.config, f);
     }
     meta[fmt::format("image.{}.timings_ms", i)] = dump(timings(d, o, i));
