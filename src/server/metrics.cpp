@@ -82,7 +82,7 @@ std::string Metrics::render(const std::string& model, const EngineConfig& engine
   sample(out, "fovea_encoder_forwards_total", "counter", "Encoder forwards (batches) run.", batcher.forwards());
   sample(out, "fovea_encoder_failed_forwards_total", "counter", "Encoder forwards that threw.",
          batcher.failed_forwards());
-  sample(out, "fovea_encoder_forward_seconds_total", "counter", "Time spent in encoder forwards.",
+  sample(out, "fovea_encoder_forward_seconds_total", "counter", "GPU time of the encoder forwards (pixel upload to outputs copied back, from CUDA events; wall time on the CPU).",
          batcher.forward_seconds());
   header(out, "fovea_engine_info", "gauge", "The engine this server runs (value 1).");
   out += fmt::format("fovea_engine_info{{model=\"{}\",device=\"{}\",backend=\"{}\",dtype=\"{}\"}} 1\n", label(model),

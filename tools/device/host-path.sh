@@ -21,7 +21,7 @@ done
 echo "== fovea encode: 3 photographs, fp8"
 timeout 120 "$B/fovea" encode $M data/photos-device/Aqua.jpg data/photos-device/Blinds.jpg data/photos-device/Dune.jpg \
   --mm-encoder-attn-dtype fp8 --max-pixels 2073600 -o /tmp/enc.safetensors 2>&1 | tail -5
-for dt in bf16 fp8; do
+for dt in ${SERVE_DTYPES-bf16 fp8}; do
   echo "== fovea serve $M --mm-encoder-attn-dtype $dt --max-pixels 2073600"
   start_server "$OUT/serve-$dt.log" $M --mm-encoder-attn-dtype $dt --max-pixels 2073600 || continue
   timeout 300 python3 bench/serve-load.py --url $url --generate 8 --size 1920x1080 --concurrency 1,4,16,64 --requests 48 \
