@@ -73,7 +73,9 @@ TEST(Pipeline, BatchPacksAndSplitImagesCutsBackEveryRow) {
   Batch b;
   std::vector<float> expect;
   for (size_t i = 0; i < grids.size(); ++i) {
-    image::Patches p{std::vector<float>(size_t(grids[i][0] * grids[i][1] * grids[i][2]) * 5, float(i + 1)), grids[i]};
+    image::Patches p;
+    p.pixels.assign(size_t(grids[i][0] * grids[i][1] * grids[i][2]) * 5, float(i + 1));
+    p.grid = grids[i];
     expect.insert(expect.end(), p.pixels.begin(), p.pixels.end());
     b.add(std::move(p));
     EXPECT_TRUE(p.pixels.empty());  // moved, no second copy
