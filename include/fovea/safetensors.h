@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -65,7 +66,10 @@ struct TensorToWrite {
   std::string name;
   DType dtype = DType::F32;
   std::vector<int64_t> shape;
-  std::vector<uint8_t> bytes;  // little-endian, numel * element size
+  std::vector<uint8_t> bytes;      // little-endian, numel * element size
+  std::span<const uint8_t> view;   // used instead when `bytes` is empty: the caller's memory, which
+                                   // must outlive the write (no copy of large outputs)
+  std::span<const uint8_t> data() const { return bytes.empty() ? view : std::span<const uint8_t>(bytes); }
 };
 void write_safetensors(const std::string& path, const std::vector<TensorToWrite>& tensors,
                        const std::map<std::string, std::string>& metadata = {});

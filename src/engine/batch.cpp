@@ -119,39 +119,45 @@ namespace {
 static_assert(std::endian::native == std::endian::little, "tensors are written as they lie in memory");
 
 template <class T>
-TensorToWrite tensor_of(const std::string& name, DType dtype, std::vector<int64_t> shape, std::span<const T> v) {
-  TensorToWrite t{name, dtype, std::move(shape), std::vector<uint8_t>(v.size_bytes())};
-  std::memcpy(t.bytes.data(), v.data(), v.size_bytes());
+TensorToWrite tensor_of(const std::string& name, DType dtype, std::vector<int64_t> shape, std::span<const T> v,
+                        bool copy) {
+  TensorToWrite t{name, dtype, std::move(shape), {}, {}};
+  if (copy) {
+    t.bytes.resize(v.size_bytes());
+    std::memcpy(t.bytes.data(), v.data(), v.size_bytes());
+  } else {
+    t.view = std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(v.data()), v.size_bytes());
+  }
   return t;
 }
 
-// T: float (F32) or bf16 bits (BF16).
+// T: float (F32) or bf16 bits (BF16); copy = false writes views of merged and deepstack.
 template <class T>
 void append_tensors(std::vector<TensorToWrite>& out, size_t j, const qwen3vl::GridThw& g, const qwen3vl::VisionConfig& c,
-                    DType dtype, std::span<const T> merged, const std::vector<std::span<const T>>& deepstack) {
+                    DType dtype, std::span<const T> merged, const std::vector<std::span<const T>>& deepstack, bool copy) {
   const std::string p = "image." + std::to_string(j);
   const int64_t tokens = image_tokens(c, g);
   const size_t n = size_t(tokens) * size_t(c.out_hidden);
   if (merged.size() != n) fail("image {}: {} embedding values, not {} x {}", j, merged.size(), tokens, c.out_hidden);
-  out.push_back(tensor_of(p + ".embeddings", dtype, {tokens, c.out_hidden}, merged));
+  out.push_back(tensor_of(p + ".embeddings", dtype, {tokens, c.out_hidden}, merged, copy));
   for (size_t k = 0; k < deepstack.size(); ++k) {
     if (deepstack[k].size() != n) fail("image {}: deepstack {} has {} values, not {}", j, k, deepstack[k].size(), n);
-    out.push_back(tensor_of(p + ".deepstack." + std::to_string(k), dtype, {tokens, c.out_hidden}, deepstack[k]));
+    out.push_back(tensor_of(p + ".deepstack." + std::to_string(k), dtype, {tokens, c.out_hidden}, deepstack[k], copy));
   }
   const float gf[3] = {float(g[0]), float(g[1]), float(g[2])};
-  out.push_back(tensor_of(p + ".grid_thw", DType::F32, {3}, std::span<const float>(gf)));
+  out.push_back(tensor_of(p + ".grid_thw", DType::F32, {3}, std::span<const float>(gf), true));
 }
 }  // namespace
 
 void append_image_tensors(std::vector<TensorToWrite>& out, size_t j, const qwen3vl::GridThw& g,
                           const qwen3vl::VisionConfig& c, const ImageTensors& t) {
   const std::vector<std::span<const float>> deepstack(t.deepstack.begin(), t.deepstack.end());
-  append_tensors<float>(out, j, g, c, DType::F32, t.merged, deepstack);
+  append_tensors<float>(out, j, g, c, DType::F32, t.merged, deepstack, true);
 }
 
 void append_image_tensors(std::vector<TensorToWrite>& out, size_t j, const qwen3vl::GridThw& g,
                           const qwen3vl::VisionConfig& c, const ImageTensorsBf16& t) {
-  append_tensors<uint16_t>(out, j, g, c, DType::BF16, t.merged, t.deepstack);
+  append_tensors<uint16_t>(out, j, g, c, DType::BF16, t.merged, t.deepstack, false);  // views: no copy
 }
 
 std::vector<float> widen_bf16(std::span<const uint16_t> v) {

@@ -361,9 +361,9 @@ std::string safetensors_bytes(const std::string& path, const std::vector<TensorT
         numel > std::numeric_limits<int64_t>::max() / 4)
       fail("safetensors file '{}': tensor '{}': invalid shape {}", path, t.name, shape_str(t.shape));
     const size_t want = size_t(numel) * elem_size(t.dtype);
-    if (t.bytes.size() != want)
+    if (t.data().size() != want)
       fail("safetensors file '{}': tensor '{}' has {} bytes, but shape {} of {} needs {}", path, t.name,
-           t.bytes.size(), shape_str(t.shape), dtype_str(t.dtype), want);
+           t.data().size(), shape_str(t.shape), dtype_str(t.dtype), want);
     header[t.name] = {{"dtype", dtype_str(t.dtype)}, {"shape", t.shape}, {"data_offsets", {offset, offset + want}}};
     offset += want;
   }
@@ -373,7 +373,7 @@ std::string safetensors_bytes(const std::string& path, const std::vector<TensorT
   for (int i = 0; i < 8; ++i) out[i] = char((uint64_t(text.size()) >> (8 * i)) & 0xFF);
   out.reserve(8 + text.size() + offset);
   out += text;
-  for (const TensorToWrite& t : tensors) out.append(reinterpret_cast<const char*>(t.bytes.data()), t.bytes.size());
+  for (const TensorToWrite& t : tensors) out.append(reinterpret_cast<const char*>(t.data().data()), t.data().size());
   return out;
 }
 
