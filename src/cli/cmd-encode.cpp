@@ -11,7 +11,6 @@
 #include <fmt/format.h>
 
 #include "cli/commands.h"
-#include "fovea/bf16.h"
 #include "fovea/error.h"
 #include "fovea/image.h"
 #include "fovea/pipeline.h"
@@ -49,26 +48,22 @@ int run(const Args& a) {
   auto preparing = std::async(std::launch::async, [&] {
     return prepare_images(n, [&](size_t i) { return image::decode_file(a.images[i], pcfg); }, pcfg, {}, !exact_f32);
   });
-  auto t0 = clock_type::now();
   std::optional<qwen3vl::Model> model_storage;
   std::optional<EncoderRunner> runner_storage;
+  double load_ms = 0, setup_ms = 0;
   try {
+    auto t0 = clock_type::now();
     model_storage.emplace(qwen3vl::load_model(a.model));
+    load_ms = ms_since(t0);
+    t0 = clock_type::now();
+    runner_storage.emplace(*model_storage, cfg);
+    setup_ms = ms_since(t0);
   } catch (...) {
     preparing.wait();  // its threads use a.images and pcfg
     throw;
   }
   const qwen3vl::Model& model = *model_storage;
-  const double load_ms = ms_since(t0);
-  t0 = clock_type::now();
-  try {
-    runner_storage.emplace(model, cfg);
-  } catch (...) {
-    preparing.wait();
-    throw;
-  }
   EncoderRunner& runner = *runner_storage;
-  const double setup_ms = ms_since(t0);
   std::vector<PreparedImage> prepared = preparing.get();
 
   std::vector<size_t> ok;

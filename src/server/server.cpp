@@ -66,7 +66,7 @@ Decoded decode_images(EncodeRequest& r, const image::PreprocessConfig& pcfg, Byt
                       Clock::time_point deadline) {
   const size_t n = r.payloads.size();
   // Requests decoding at once share the cores: each gets cores / requests threads (at least one),
-  // not all of them each (thread oversubscription slowed preprocessing 2x at concurrency 16).
+  // not all of them each (each resize pass of each request used to start a thread per core).
   static std::atomic<int> decoding{0};
   struct Count {
     Count() { ++decoding; }
