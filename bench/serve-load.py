@@ -8,6 +8,12 @@ prints one line:
 
     serve-load | concurrency C | requests R | errors E | images/s | tokens/s | p50 ms | p99 ms | images/forward | forward busy
 
+The client threads of a level are spread over processes (--processes; by default one per 4 threads),
+so that one GIL-bound Python process reading megabytes of reply is not what is measured. Below each
+line: the server's mean ms per image (decode, preprocess, queue, forward), per request by phase (from
+/metrics: read, wait, parse, decode, encoder, reply, write), and the client's mean latency, time to
+the reply's head and time reading its body.
+
 images/s counts images answered with 200; tokens/s and images/forward come from the server's /metrics
 (counter deltas over the level, so run it against a server nobody else is using). BF16 vs FP8 is two
 server runs, e.g. on a GPU machine:
@@ -25,9 +31,9 @@ import argparse
 import base64
 import http.client
 import json
+import multiprocessing
 import os
 import random
-import re
 import struct
 import sys
 import threading
@@ -110,66 +116,123 @@ def percentile(sorted_values, p):
     return sorted_values[rank - 1]
 
 
-# {"decode": ..., "preprocess": ..., "queue": ..., "forward": ...} of one image in a JSON reply.
-PER_IMAGE_TIMINGS = re.compile(rb'"timings_ms":(\{"decode":[^{}]*\})')
+# The per-image stage times in a JSON reply: {"decode": ..., "preprocess": ..., "queue": ..., "forward": ...}.
+TIMINGS_KEY = b'"timings_ms":{"decode":'
 
 
-def run_level(server, bodies, headers, concurrency, total, images_per_request):
-    """Sends `total` requests from `concurrency` threads; returns the level's statistics."""
+def per_image_timings(body):
+    """Only the small timing objects are parsed: json.loads of a whole reply (megabytes of base64 per
+    image) holds the GIL for tens of ms, and the clients' threads would then measure Python, not the
+    server. bytes.find skips the base64 at memory speed (a regex scan of it is several times slower)."""
+    out, i = [], body.find(TIMINGS_KEY)
+    while i >= 0:
+        j = body.index(b"}", i)
+        out.append(json.loads(body[i + len(b'"timings_ms":'):j + 1]))
+        i = body.find(TIMINGS_KEY, j)
+    return out
+
+
+def request_timed(server, body, headers):
+    """(status, reply body, ms to the reply's head, ms reading its body) on a new connection."""
+    conn = http.client.HTTPConnection(server.host, server.port, timeout=server.timeout)
+    try:
+        t0 = time.perf_counter()
+        conn.request("POST", "/v1/encode", body=body, headers=headers)
+        r = conn.getresponse()
+        t1 = time.perf_counter()
+        data = r.read()
+        return r.status, data, (t1 - t0) * 1000, (time.perf_counter() - t1) * 1000
+    finally:
+        conn.close()
+
+
+# What the clients of one process share; set in the parent before the client processes are forked.
+_LEVEL = {}
+
+
+def clients(indices, concurrency):
+    """Sends the requests `indices` (into the bodies) from `concurrency` threads; their raw results."""
+    server, bodies, headers, per_request = (_LEVEL[k] for k in ("server", "bodies", "headers", "images_per_request"))
     lock = threading.Lock()
-    next_request = [0]
-    latencies, errors, stages = [], {}, {}
+    todo = list(reversed(indices))
+    out = {"latencies": [], "head_ms": [], "read_ms": [], "errors": {}, "stages": {}, "first_error": None}
 
     def client():
         while True:
             with lock:
-                i = next_request[0]
-                if i >= total:
+                if not todo:
                     return
-                next_request[0] += 1
+                i = todo.pop()
             t0 = time.perf_counter()
+            head_ms = read_ms = 0.0
             try:
-                status, body = server.request("POST", "/v1/encode", bodies[i % len(bodies)], headers)
+                status, body, head_ms, read_ms = request_timed(server, bodies[i % len(bodies)], headers)
             except (OSError, http.client.HTTPException) as e:
                 status, body = type(e).__name__, b""
             ms = (time.perf_counter() - t0) * 1000
             per_image = []  # the server's own per-image stage times (JSON replies)
             if status == 200 and body[:1] == b"{":
-                # Only the small timing objects are parsed: json.loads of a whole reply (megabytes of
-                # base64 per image) holds the GIL for tens of ms, and the clients' threads would then
-                # measure Python, not the server. A reply without its images' timings is an error.
-                per_image = [json.loads(m.group(1)) for m in PER_IMAGE_TIMINGS.finditer(body)]
-                if len(per_image) != images_per_request:
-                    status = f"reply with {len(per_image)} image timings, not {images_per_request}"
+                per_image = per_image_timings(body)
+                if len(per_image) != per_request:  # a reply without its images' timings is an error
+                    status = f"reply with {len(per_image)} image timings, not {per_request}"
             with lock:
                 for t in per_image:
                     for stage, v in t.items():
-                        stages.setdefault(stage, []).append(v)
+                        out["stages"].setdefault(stage, []).append(v)
                 if status == 200:
-                    latencies.append(ms)
+                    out["latencies"].append(ms)
+                    out["head_ms"].append(head_ms)
+                    out["read_ms"].append(read_ms)
                 else:
-                    errors[str(status)] = errors.get(str(status), 0) + 1
-                    if sum(errors.values()) == 1:  # show the first error's reply once
-                        print(f"serve-load: first error: {status} {body[:300].decode(errors='replace')}", file=sys.stderr)
+                    out["errors"][str(status)] = out["errors"].get(str(status), 0) + 1
+                    if out["first_error"] is None:
+                        out["first_error"] = f"{status} {body[:300].decode(errors='replace')}"
 
-    before = server.metrics()
-    start = time.perf_counter()
     threads = [threading.Thread(target=client) for _ in range(concurrency)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    return out
+
+
+PHASES = ("read", "wait", "parse", "decode", "encoder", "reply", "write")
+
+
+def run_level(server, pool, processes, concurrency, total, images_per_request):
+    """Sends `total` requests from `concurrency` threads spread over up to `processes` processes
+    (the pool's); returns the level's statistics."""
+    p = max(1, min(processes, concurrency))
+    shares = [(list(range(k, total, p)), concurrency // p + (1 if k < concurrency % p else 0)) for k in range(p)]
+    before = server.metrics()
+    start = time.perf_counter()
+    parts = pool.starmap(clients, shares) if pool and p > 1 else [clients(*shares[0])]
     wall = time.perf_counter() - start
     after = server.metrics()
-    delta = {k: after.get(k, 0) - before.get(k, 0) for k in
-             ("fovea_tokens_encoded_total", "fovea_images_encoded_total", "fovea_encoder_forwards_total",
-              "fovea_encoder_forward_seconds_total")}
-    latencies.sort()
+    merged = {"latencies": [], "head_ms": [], "read_ms": [], "errors": {}, "stages": {}}
+    for part in parts:
+        for k in ("latencies", "head_ms", "read_ms"):
+            merged[k] += part[k]
+        for k, n in part["errors"].items():
+            merged["errors"][k] = merged["errors"].get(k, 0) + n
+        for k, v in part["stages"].items():
+            merged["stages"].setdefault(k, []).extend(v)
+    first_error = next((part["first_error"] for part in parts if part["first_error"]), None)
+    if first_error:  # show one error's reply
+        print(f"serve-load: first error: {first_error}", file=sys.stderr)
+    names = ["fovea_tokens_encoded_total", "fovea_images_encoded_total", "fovea_encoder_forwards_total",
+             "fovea_encoder_forward_seconds_total", "fovea_request_duration_seconds_count"]
+    names += [f'fovea_encode_phase_seconds_total{{phase="{ph}"}}' for ph in PHASES]
+    delta = {k: after.get(k, 0) - before.get(k, 0) for k in names}
+    latencies = sorted(merged["latencies"])
     images = len(latencies) * images_per_request
+    handled = delta["fovea_request_duration_seconds_count"]
+    mean = lambda v: sum(v) / len(v) if v else float("nan")
     return {
         "concurrency": concurrency,
+        "client_processes": p,
         "requests": total,
-        "errors": errors,
+        "errors": merged["errors"],
         "wall_s": wall,
         "images_per_s": images / wall,
         "tokens_per_s": delta["fovea_tokens_encoded_total"] / wall,
@@ -179,7 +242,13 @@ def run_level(server, bodies, headers, concurrency, total, images_per_request):
                                if delta["fovea_encoder_forwards_total"] else float("nan")),
         # The encoder worker's share of the wall time in forwards (upload, forward, download).
         "forward_busy": delta["fovea_encoder_forward_seconds_total"] / wall,
-        "server_stage_mean_ms": {k: sum(v) / len(v) for k, v in stages.items()},
+        "server_stage_mean_ms": {k: mean(v) for k, v in merged["stages"].items()},
+        # Where a request's time went, mean ms: the server's phases (from /metrics; empty from a server
+        # without them), and the client's view: request sent to reply head, reply body read.
+        "server_phase_mean_ms": ({ph: 1000 * delta[f'fovea_encode_phase_seconds_total{{phase="{ph}"}}'] / handled
+                                  for ph in PHASES} if handled else {}),
+        "client_mean_ms": {"latency": mean(merged["latencies"]), "to_head": mean(merged["head_ms"]),
+                           "read_body": mean(merged["read_ms"])},
     }
 
 
@@ -197,11 +266,14 @@ def main():
     ap.add_argument("--octet-stream", action="store_true",
                     help="ask for safetensors replies (BF16 tensors; F32 with --encoding float)")
     ap.add_argument("--timeout", type=float, default=600, help="client socket timeout, seconds")
+    ap.add_argument("--processes", type=int, default=0,
+                    help="client processes the threads of a level are spread over (0: one per 4 threads, at most "
+                         "8): one Python process reading many megabyte replies is GIL-bound and would measure itself")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
-    if min(levels) < 1 or args.requests < 1 or args.images_per_request < 1:
-        sys.exit("serve-load: --concurrency, --requests and --images-per-request must be >= 1")
+    if min(levels) < 1 or args.requests < 1 or args.images_per_request < 1 or args.processes < 0:
+        sys.exit("serve-load: --concurrency, --requests and --images-per-request must be >= 1, --processes >= 0")
 
     server = Server(args.url, args.timeout)
     status, models = server.request("GET", "/v1/models")
@@ -221,12 +293,17 @@ def main():
         if status != 200:
             sys.exit(f"serve-load: warm-up request answered {status}: {body[:300].decode(errors='replace')}")
 
+    _LEVEL.update(server=server, bodies=bodies, headers=headers, images_per_request=k)
+    processes = args.processes or min(8, (max(levels) + 3) // 4)
+    # Forked now, after the bodies are made: the client processes share them and wait for work.
+    pool = multiprocessing.get_context("fork").Pool(processes) if processes > 1 else None
+
     replies = f"safetensors {'f32' if args.encoding == 'float' else 'bf16'}" if args.octet_stream else args.encoding
     print(f"serve-load | {args.url} | model {model} | {len(images)} images, {k} per request | {replies} replies")
     print("serve-load | concurrency | requests | errors | images/s | tokens/s | p50 ms | p99 ms | images/forward | forward busy")
     results = []
     for c in levels:
-        r = run_level(server, bodies, headers, c, args.requests, k)
+        r = run_level(server, pool, args.processes or min(8, (c + 3) // 4), c, args.requests, k)
         results.append(r)
         print(f"serve-load | {c:>11} | {r['requests']:>8} | {sum(r['errors'].values()):>6} | {r['images_per_s']:>8.1f} | "
               f"{r['tokens_per_s']:>8.0f} | {r['p50_ms']:>6.1f} | {r['p99_ms']:>6.1f} | {r['images_per_forward']:>14.2f} | {100 * r['forward_busy']:>11.0f}%",
@@ -234,10 +311,18 @@ def main():
         if r["server_stage_mean_ms"]:
             print("serve-load |   server, mean ms per image: " +
                   ", ".join(f"{k} {v:.1f}" for k, v in r["server_stage_mean_ms"].items()), flush=True)
+        if r["server_phase_mean_ms"]:
+            print("serve-load |   server, mean ms per request: " +
+                  ", ".join(f"{k} {v:.1f}" for k, v in r["server_phase_mean_ms"].items()), flush=True)
+        print(f"serve-load |   client ({r['client_processes']} processes), mean ms: " +
+              ", ".join(f"{k} {v:.1f}" for k, v in r["client_mean_ms"].items()), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"url": args.url, "model": model, "images": len(images), "images_per_request": k,
                        "encoding": args.encoding, "octet_stream": args.octet_stream, "results": results}, f, indent=2)
+    if pool:
+        pool.close()
+        pool.join()
     return 1 if any(r["errors"] for r in results) else 0
 
 

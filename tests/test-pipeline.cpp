@@ -268,6 +268,16 @@ TEST(Pipeline, StartAndFinishPipelineBatchesInOrder) {
   EXPECT_EQ(got.merged, want1.merged);
   EXPECT_EQ(got.deepstack, want1.deepstack);
   EXPECT_HAS(error_of([&] { runner.finish(got); }), "no batch started");
+  // finish_views: the same bits, as views; with deepstack not asked for, none.
+  for (const bool ds : {true, false}) {
+    runner.start({&raw[2].patches, &raw[3].patches}, ds);
+    const EncoderOutputsView v = runner.finish_views();
+    EXPECT_TRUE(std::equal(v.merged.begin(), v.merged.end(), want1.merged.begin(), want1.merged.end()));
+    ASSERT_EQ(v.deepstack.size(), ds ? want1.deepstack.size() : 0u);
+    for (size_t k = 0; k < v.deepstack.size(); ++k)
+      EXPECT_TRUE(std::equal(v.deepstack[k].begin(), v.deepstack[k].end(), want1.deepstack[k].begin(), want1.deepstack[k].end()));
+  }
+  EXPECT_HAS(error_of([&] { runner.finish_views(); }), "no batch started");
   EXPECT_HAS(error_of([&] { runner.start({&raw[0].patches, &norm[1].patches}, false); }), "mixes raw and normalized");
   EXPECT_EQ(runner.in_flight(), 0u);
 }

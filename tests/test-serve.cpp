@@ -392,6 +392,11 @@ TEST(Base64, ParallelEncodeIsTheSerialOne) {
     EXPECT_TRUE(base64_encode(data.data(), n) == serial);  // the default: parallel from kThreshold
     EXPECT_TRUE(base64_encode(data.data(), n, 0) == serial);
     EXPECT_TRUE(base64_decode(serial, "v") == std::vector<uint8_t>(data.begin(), data.begin() + long(n)));
+    for (const size_t from : {size_t(0), kSerial}) {  // appended after text already there, both paths
+      std::string out = "\"prefix:";
+      fovea::server::base64_append(out, data.data(), n, from);
+      EXPECT_TRUE(out == "\"prefix:" + serial) << from;
+    }
   }
   for (size_t n = 0; n < 10; ++n) EXPECT_EQ(base64_encode(data.data(), n, 0), base64_encode(data.data(), n, kSerial)) << n;
 }
@@ -496,6 +501,17 @@ TEST_F(Serve, ConcurrentClientsMatchEncode) {
   EXPECT_EQ(metric(m, "fovea_queue_depth"), 0);
   EXPECT_EQ(metric(m, "fovea_fp8_scale_mode{mode=\"none\"}"), 1);
   EXPECT_EQ(metric(m, "fovea_fp8_nonfinite_amax_total"), 0);
+  // The phases tile each request's time from its head to its reply: all of them were seen, and the
+  // ones before the reply was written add up to the latency the histogram summed.
+  double phases = 0;
+  for (const char* p : {"read", "wait", "parse", "decode", "encoder", "reply", "write"}) {
+    const double s = metric(m, std::string("fovea_encode_phase_seconds_total{phase=\"") + p + "\"}");
+    EXPECT_GT(s, 0) << p;
+    if (std::string_view(p) != "write") phases += s;
+  }
+  const double latency = metric(m, "fovea_request_duration_seconds_sum");
+  EXPECT_GT(phases, 0.95 * latency);
+  EXPECT_LT(phases, 1.0001 * latency + 1e-3);
   EXPECT_EQ(server.stop(SIGTERM), 0) << server.err();
 }
 

@@ -116,6 +116,12 @@ class StagingSlot {
     if (mem_.count() < bytes) mem_.reset(bytes + bytes / 4);
     return mem_.data();
   }
+  // Grows to at least `bytes` now (pinned and faulted in; the contents are not kept), so that a
+  // take() of that many later allocates nothing.
+  void reserve(size_t bytes) {
+    wait();
+    if (mem_.count() < bytes) mem_.reset(bytes);
+  }
   void release(cudaStream_t stream) {
     FOVEA_CUDA_CHECK(cudaEventRecord(done_, stream));
     pending_ = true;

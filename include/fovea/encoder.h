@@ -12,6 +12,7 @@
 #pragma once
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <vector>
 
 #include "fovea/attention.h"
@@ -41,8 +42,10 @@ class Encoder {
   Encoder& operator=(const Encoder&) = delete;
 
   // Sizes the device arena every per-batch buffer lives in for batches of up to `patches` patches
-  // (plan() grows it when a batch needs more, and never shrinks it).
-  void reserve(int64_t patches);
+  // (plan() grows it when a batch needs more, and never shrinks it), and the pinned staging of the
+  // next `batches` (1 or 2) such batches: raw pixels in, outputs back (deepstack included if asked
+  // for). The first batches then allocate and fault in nothing. Call it between batches.
+  void reserve(int64_t patches, bool with_deepstack = false, int batches = 2);
   void plan(const std::vector<GridThw>& grids, cudaStream_t stream = nullptr);
   // The current plan's tables as the GPU computed them, copied back (synchronous; for checks):
   // position embedding bf16 bits [N, hidden], RoPE cos and sin [N, hd/2].
@@ -71,6 +74,9 @@ class Encoder {
   // Waits for download `ticket` and gives its outputs as bf16 bits into `out` (resized; vectors
   // large enough are reused without reallocation); the rings go to the scale book.
   void collect(int64_t ticket, std::vector<std::vector<uint16_t>>& out);
+  // The same without a copy: views of the outputs where they landed in pinned memory (merged
+  // first), valid until the download after next (ticket + 2) reuses that memory.
+  std::vector<std::span<const uint16_t>> collect_views(int64_t ticket);
   // download() and collect() at once: bf16 bits, or widened to fp32.
   void outputs_bf16(bool with_deepstack, std::vector<std::vector<uint16_t>>& out, cudaStream_t stream);
   std::vector<float> merged(cudaStream_t stream);                  // [N/4, out_hidden]

@@ -81,6 +81,8 @@ struct ImageTensorsBf16 {
   std::span<const uint16_t> merged;                  // [tokens, out_hidden]
   std::vector<std::span<const uint16_t>> deepstack;  // each [tokens, out_hidden]
 };
+// A whole batch's bf16 outputs as views, the same shape (EncoderRunner::finish_views).
+using EncoderOutputsView = ImageTensorsBf16;
 
 // The same cut for bf16 outputs, never through fp32: each image's views into `out` (which must
 // outlive them, hence no temporaries). Throws as above.
@@ -88,6 +90,8 @@ std::vector<ImageTensorsBf16> split_images(const EncoderOutputsBf16& out, const 
                                            const qwen3vl::VisionConfig& c);
 std::vector<ImageTensorsBf16> split_images(EncoderOutputsBf16&&, const std::vector<qwen3vl::GridThw>&,
                                            const qwen3vl::VisionConfig&) = delete;
+std::vector<ImageTensorsBf16> split_images(const EncoderOutputsView& out, const std::vector<qwen3vl::GridThw>& grids,
+                                           const qwen3vl::VisionConfig& c);
 
 // bf16 bits widened to fp32, exactly, on every core.
 std::vector<float> widen_bf16(std::span<const uint16_t> v);
@@ -96,13 +100,15 @@ std::vector<float> widen_bf16(std::span<const uint16_t> v);
 
 class EncoderRunner {
  public:
+  static constexpr size_t kInFlight = 2;  // batches started and not finished, at most (see start())
   // FP8 engines get the scale book make_scale_book() gives (dynamic, static or calibrating); every
   // forward advances calibration.
   EncoderRunner(const qwen3vl::Model& m, const EngineConfig& cfg);
   ~EncoderRunner();
-  // GPU: sizes the device buffers for batches of up to `visual_tokens` once, so later batches of any
-  // shape within it allocate nothing (a larger one still runs, growing them). No-op on the CPU.
-  void reserve(int64_t visual_tokens);
+  // GPU: sizes the device buffers for batches of up to `visual_tokens` once, and the pinned staging
+  // of the next `batches` of them (their outputs with deepstack if asked for), so later batches of
+  // any shape within it allocate nothing (a larger one still runs, growing them). No-op on the CPU.
+  void reserve(int64_t visual_tokens, bool with_deepstack = false, int batches = int(kInFlight));
 
   // Pipelined use (serve, encode): start() packs the images' pixels straight into pinned memory
   // (raw uint8 patches as they are, normalized on the GPU; fp32 ones rounded to bf16; a batch is all
@@ -110,10 +116,12 @@ class EncoderRunner {
   // the GPU; finish() waits for the oldest started batch and gives its outputs. Up to kInFlight
   // batches may be started and not finished, so the host prepares batch n+1 (and unpacks n-1)
   // while the GPU runs batch n. On the CPU, start() runs the whole forward.
-  static constexpr size_t kInFlight = 2;
   void start(const std::vector<const image::Patches*>& images, bool with_deepstack);
   void start(const Batch& batch, bool with_deepstack);
   void finish(EncoderOutputsBf16& out);  // throws if nothing is in flight
+  // finish() without the copy: views of the outputs where they landed (the GPU's pinned staging; on
+  // the CPU, the runner's own rounded copy), valid until the next start().
+  EncoderOutputsView finish_views();
   size_t in_flight() const;
 
   // start() + finish(). with_deepstack = false leaves `deepstack` empty (on the GPU they are then
@@ -141,6 +149,10 @@ class EncoderRunner {
   struct Gpu;
   struct Flight;
   void start_cpu(const Batch& batch, bool with_deepstack);
+  // Pops the oldest batch, waits for it and times it: `cpu` takes the CPU forward's result (and
+  // whether deepstack was asked for), `gpu` collects the GPU download's ticket (timed as download).
+  void finish_oldest(const std::function<void(qwen3vl::ForwardResult&, bool)>& cpu,
+                     const std::function<void(int64_t)>& gpu);
   // pack(dst) writes the batch's pixels into dst: raw uint8 samples, or bf16.
   void start_gpu(const std::vector<qwen3vl::GridThw>& grids, bool with_deepstack, bool raw,
                  const std::function<void(void*)>& pack, const image::Patches::Normalization* norm);
@@ -149,6 +161,7 @@ class EncoderRunner {
   std::optional<ScaleBook> book_;
   std::unique_ptr<Gpu> gpu_;
   std::deque<std::unique_ptr<Flight>> flights_;
+  EncoderOutputsBf16 cpu_views_;  // what finish_views() points into on the CPU
   Timings timings_;
 };
 

@@ -67,7 +67,7 @@ struct TensorToWrite {
   DType dtype = DType::F32;
   std::vector<int64_t> shape;
   std::vector<uint8_t> bytes;      // little-endian, numel * element size
-  std::span<const uint8_t> view;   // used instead when `bytes` is empty: the caller's memory, which
+  std::span<const uint8_t> view{};  // used instead when `bytes` is empty: the caller's memory, which
                                    // must outlive the write (no copy of large outputs)
   std::span<const uint8_t> data() const { return bytes.empty() ? view : std::span<const uint8_t>(bytes); }
 };

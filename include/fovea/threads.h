@@ -8,6 +8,9 @@ namespace fovea {
 // Number of worker threads to use when a caller asks for 0 ("all").
 int hardware_threads();
 
+// Names the calling thread (at most 15 characters are kept), as top -H and /proc/PID/task show it.
+void name_this_thread(const char* name);
+
 // Calls fn(i) for every i in [0, n) on up to `threads` threads (0: all), handing out chunks of
 // `grain` indices dynamically so uneven work balances. The first exception thrown by fn is
 // rethrown in the caller after all threads stop. It never uses more threads than the calling

@@ -13,6 +13,7 @@
 #include "cli/commands.h"
 #include "fovea/error.h"
 #include "fovea/image.h"
+#include "fovea/io.h"
 #include "fovea/pipeline.h"
 #include "fovea/safetensors.h"
 
@@ -45,8 +46,32 @@ int run(const Args& a) {
   const bool exact_f32 = !bf16 && cfg.device == Device::CPU;
   const image::PreprocessConfig pcfg = image::load_preprocess_config(a.model, a.preprocess);
   const size_t n = a.images.size();
+  // Each file is read and its header probed first (milliseconds), so the encoder's device and
+  // pinned buffers are sized for these images while they decode; a file that cannot be read or
+  // probed is reported by its decode below.
+  std::vector<std::string> files(n);
+  int64_t expected_tokens = 0;
+  for (size_t i = 0; i < n; ++i) {
+    try {
+      files[i] = read_file(a.images[i], "image", image::kMaxEncodedImageBytes);
+      const image::ImageInfo info =
+          image::probe({reinterpret_cast<const uint8_t*>(files[i].data()), files[i].size()}, a.images[i], pcfg);
+      const auto [h, w] = image::smart_resize(info.height, info.width, pcfg.patch * pcfg.merge, pcfg.min_pixels,
+                                              pcfg.max_pixels);
+      expected_tokens += int64_t(h / (pcfg.patch * pcfg.merge)) * (w / (pcfg.patch * pcfg.merge));
+    } catch (const Error&) {
+      std::string().swap(files[i]);
+    }
+  }
   auto preparing = std::async(std::launch::async, [&] {
-    return prepare_images(n, [&](size_t i) { return image::decode_file(a.images[i], pcfg); }, pcfg, {}, !exact_f32);
+    const auto decode = [&](size_t i) {
+      if (files[i].empty()) return image::decode_file(a.images[i], pcfg);  // its error, as decoding words it
+      image::Rgb8 img = image::decode_memory({reinterpret_cast<const uint8_t*>(files[i].data()), files[i].size()},
+                                             a.images[i], pcfg);
+      std::string().swap(files[i]);
+      return img;
+    };
+    return prepare_images(n, decode, pcfg, {}, !exact_f32);
   });
   std::optional<qwen3vl::Model> model_storage;
   std::optional<EncoderRunner> runner_storage;
@@ -57,6 +82,7 @@ int run(const Args& a) {
     load_ms = ms_since(t0);
     t0 = clock_type::now();
     runner_storage.emplace(*model_storage, cfg);
+    runner_storage->reserve(expected_tokens, /*with_deepstack=*/true, /*batches=*/1);
     setup_ms = ms_since(t0);
   } catch (...) {
     preparing.wait();  // its threads use a.images and pcfg
@@ -81,8 +107,9 @@ int run(const Args& a) {
   if (ok.empty()) fail("encode: none of the {} image(s) could be read", n);
 
   const auto tf = clock_type::now();
-  EncoderOutputsBf16 bf16_out;  // the encoder's bits as they are (the CPU's fp32 rounded to nearest)
-  std::vector<ImageTensorsBf16> bf16_rows;  // views into bf16_out
+  // The encoder's bits as they are (the CPU's fp32 rounded to nearest), as views of where they
+  // landed (pinned memory on the GPU: no copy); written from there.
+  std::vector<ImageTensorsBf16> bf16_rows;
   std::vector<ImageTensors> f32_rows;
   if (exact_f32) {
     Batch batch;
@@ -90,13 +117,13 @@ int run(const Args& a) {
     f32_rows = split_images(runner.run(batch), grids, model.config);
   } else {
     runner.start(images, true);
-    runner.finish(bf16_out);
+    const EncoderOutputsView out = runner.finish_views();
     if (bf16) {
-      bf16_rows = split_images(bf16_out, grids, model.config);
+      bf16_rows = split_images(out, grids, model.config);
     } else {  // fp32 asked for: the bf16 values widened, exactly
       EncoderOutputs wide;
-      wide.merged = widen_bf16(bf16_out.merged);
-      for (const auto& d : bf16_out.deepstack) wide.deepstack.push_back(widen_bf16(d));
+      wide.merged = widen_bf16(out.merged);
+      for (const auto& d : out.deepstack) wide.deepstack.push_back(widen_bf16(d));
       f32_rows = split_images(std::move(wide), grids, model.config);
     }
   }
@@ -127,8 +154,11 @@ int run(const Args& a) {
              load_ms, setup_ms, ok.size(), patches, dtype_name(cfg.dtype), device_name(cfg.device), forward_ms, rt.plan,
              rt.upload, rt.forward, rt.download);
   if (!a.out.empty()) {
+    const auto tw = clock_type::now();
     write_safetensors(a.out, tensors, meta);
-    fmt::print("wrote {}\n", a.out);
+    size_t bytes = 0;
+    for (const TensorToWrite& t : tensors) bytes += t.data().size();
+    fmt::print("wrote {} ({:.1f} MB of tensors in {:.1f} ms)\n", a.out, double(bytes) / 1e6, ms_since(tw));
   }
   if (ok.size() < n) {
     fmt::print(stderr, "fovea: {} of {} image(s) failed\n", n - ok.size(), n);

@@ -1,6 +1,8 @@
 // parallel_for: dynamic chunking over std::thread; exceptions cross back to the caller.
 #include "fovea/threads.h"
 
+#include <pthread.h>
+
 #include <algorithm>
 #include <atomic>
 #include <exception>
@@ -11,6 +13,12 @@
 namespace fovea {
 
 int hardware_threads() { return std::max(1u, std::thread::hardware_concurrency()); }
+
+void name_this_thread(const char* name) {
+  char n[16] = {};
+  for (size_t i = 0; i < sizeof n - 1 && name[i]; ++i) n[i] = name[i];
+  pthread_setname_np(pthread_self(), n);
+}
 
 namespace {
 thread_local int tl_cap = 0;  // 0: none
@@ -29,10 +37,12 @@ void parallel_for(int64_t n, const std::function<void(int64_t)>& fn, int threads
   const int share = std::max(1, cap / std::max(1, t));  // what each thread may start in turn
   std::atomic<int64_t> next{0};
   std::atomic<bool> stop{false};
+  const std::thread::id caller = std::this_thread::get_id();
   std::exception_ptr error;
   std::mutex error_mutex;
   auto work = [&] {
     ThreadCap nested(share);
+    if (std::this_thread::get_id() != caller) name_this_thread("fovea-parallel");
     for (;;) {
       const int64_t c = next.fetch_add(1);
       if (c >= chunks || stop.load(std::memory_order_relaxed)) return;

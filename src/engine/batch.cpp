@@ -65,7 +65,7 @@ int64_t Batch::tokens(const qwen3vl::VisionConfig& c) const {
 }
 
 namespace {
-// Throws unless every output in `out` (EncoderOutputs or EncoderOutputsBf16) holds exactly the rows
+// Throws unless every output in `out` (EncoderOutputs or EncoderOutputsView) holds exactly the rows
 // of the images (grids as in the batch).
 template <class Outputs>
 void check_rows(const Outputs& out, const std::vector<qwen3vl::GridThw>& grids, const qwen3vl::VisionConfig& c) {
@@ -101,13 +101,20 @@ std::vector<ImageTensors> split_images(EncoderOutputs&& out, const std::vector<q
 
 std::vector<ImageTensorsBf16> split_images(const EncoderOutputsBf16& out, const std::vector<qwen3vl::GridThw>& grids,
                                            const qwen3vl::VisionConfig& c) {
+  EncoderOutputsView v{out.merged, {}};
+  for (const auto& d : out.deepstack) v.deepstack.emplace_back(d);
+  return split_images(v, grids, c);
+}
+
+std::vector<ImageTensorsBf16> split_images(const EncoderOutputsView& out, const std::vector<qwen3vl::GridThw>& grids,
+                                           const qwen3vl::VisionConfig& c) {
   check_rows(out, grids, c);
   const size_t O = size_t(c.out_hidden);
   std::vector<ImageTensorsBf16> images(grids.size());
   size_t row = 0;
   for (size_t i = 0; i < grids.size(); ++i) {
     const size_t tokens = size_t(image_tokens(c, grids[i]));
-    const auto rows_of = [&](const std::vector<uint16_t>& v) { return std::span(v).subspan(row * O, tokens * O); };
+    const auto rows_of = [&](std::span<const uint16_t> v) { return v.subspan(row * O, tokens * O); };
     images[i].merged = rows_of(out.merged);
     for (const auto& d : out.deepstack) images[i].deepstack.push_back(rows_of(d));
     row += tokens;

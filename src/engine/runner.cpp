@@ -80,11 +80,11 @@ EncoderRunner::EncoderRunner(const qwen3vl::Model& m, const EngineConfig& cfg) :
 
 EncoderRunner::~EncoderRunner() = default;
 
-void EncoderRunner::reserve(int64_t visual_tokens) {
+void EncoderRunner::reserve(int64_t visual_tokens, bool with_deepstack, int batches) {
 #if FOVEA_HAVE_CUDA
-  if (gpu_) gpu_->enc.reserve(visual_tokens * model_.config.merge * model_.config.merge);
+  if (gpu_) gpu_->enc.reserve(visual_tokens * model_.config.merge * model_.config.merge, with_deepstack, batches);
 #else
-  (void)visual_tokens;
+  (void)visual_tokens, (void)with_deepstack, (void)batches;
 #endif
 }
 
@@ -175,35 +175,72 @@ void EncoderRunner::start(const std::vector<const image::Patches*>& images, bool
   }, raw ? &images[0]->norm : nullptr);
 }
 
-void EncoderRunner::finish(EncoderOutputsBf16& out) {
+void EncoderRunner::finish_oldest(const std::function<void(qwen3vl::ForwardResult&, bool)>& cpu,
+                                  const std::function<void(int64_t)>& gpu) {
   if (flights_.empty()) fail("encoder: finish() with no batch started");
   std::unique_ptr<Flight> f = std::move(flights_.front());
   flights_.pop_front();
   timings_ = f->host;
-  if (f->cpu) {
-    out.merged = narrow(f->cpu->merged);
-    out.deepstack.clear();
-    if (f->with_deepstack)
-      for (const auto& d : f->cpu->deepstack) out.deepstack.push_back(narrow(d));
-    return;
-  }
+  if (f->cpu) return cpu(*f->cpu, f->with_deepstack);
 #if FOVEA_HAVE_CUDA
-  std::vector<std::vector<uint16_t>> v;
-  v.push_back(std::move(out.merged));
-  for (auto& d : out.deepstack) v.push_back(std::move(d));
   FOVEA_CUDA_CHECK(cudaEventSynchronize(f->ev[3]));  // the batch is done on the GPU
   auto t = clock_type::now();
-  gpu_->enc.collect(f->ticket, v);
+  gpu(f->ticket);
   const double unpack = lap(t);
-  out.merged = std::move(v[0]);
-  out.deepstack.clear();
-  for (size_t k = 1; k < v.size(); ++k) out.deepstack.push_back(std::move(v[k]));
   if (book_ && book_->mode() == ScaleMode::CALIBRATE) book_->after_forward();  // the rings came back with the outputs
   timings_.upload += f->between(0, 1);
   timings_.forward = f->between(1, 2);
   timings_.download = f->between(2, 3) + unpack;
   timings_.gpu = f->between(0, 3);
+#else
+  (void)gpu;
 #endif
+}
+
+namespace {
+void narrow_into(EncoderOutputsBf16& out, const qwen3vl::ForwardResult& r, bool with_deepstack) {
+  out.merged = narrow(r.merged);
+  out.deepstack.clear();
+  if (with_deepstack)
+    for (const auto& d : r.deepstack) out.deepstack.push_back(narrow(d));
+}
+}  // namespace
+
+void EncoderRunner::finish(EncoderOutputsBf16& out) {
+  finish_oldest([&](qwen3vl::ForwardResult& r, bool ds) { narrow_into(out, r, ds); },
+                [&](int64_t ticket) {
+#if FOVEA_HAVE_CUDA
+                  std::vector<std::vector<uint16_t>> v;  // out's vectors, reused
+                  v.push_back(std::move(out.merged));
+                  for (auto& d : out.deepstack) v.push_back(std::move(d));
+                  gpu_->enc.collect(ticket, v);
+                  out.merged = std::move(v[0]);
+                  out.deepstack.clear();
+                  for (size_t k = 1; k < v.size(); ++k) out.deepstack.push_back(std::move(v[k]));
+#else
+                  (void)ticket;
+#endif
+                });
+}
+
+EncoderOutputsView EncoderRunner::finish_views() {
+  EncoderOutputsView view;
+  finish_oldest(
+      [&](qwen3vl::ForwardResult& r, bool ds) {
+        narrow_into(cpu_views_, r, ds);
+        view.merged = cpu_views_.merged;
+        for (const auto& d : cpu_views_.deepstack) view.deepstack.emplace_back(d);
+      },
+      [&](int64_t ticket) {
+#if FOVEA_HAVE_CUDA
+        const std::vector<std::span<const uint16_t>> v = gpu_->enc.collect_views(ticket);
+        view.merged = v[0];
+        view.deepstack.assign(v.begin() + 1, v.end());
+#else
+        (void)ticket;
+#endif
+      });
+  return view;
 }
 
 EncoderOutputs EncoderRunner::run(const Batch& batch, bool with_deepstack) {

@@ -66,18 +66,22 @@ size_t decode_quanta(const char* s, size_t n, uint8_t* out) {
 
 }  // namespace
 
-std::string base64_encode(const uint8_t* data, size_t n, size_t parallel_from) {
-  std::string out((n + 2) / 3 * 4, '\0');
-  if (n < parallel_from) {
-    encode_into(data, n, out.data());
-    return out;
-  }
+void base64_append(std::string& out, const uint8_t* data, size_t n, size_t parallel_from) {
+  const size_t at = out.size();
+  out.resize(at + base64_size(n));
+  char* dst = out.data() + at;
+  if (n < parallel_from) return encode_into(data, n, dst);
   // Ranges of whole 3-byte groups each fill their own 4-character groups: only the last range can
   // end in padding, so the text is the serial encoder's, byte for byte.
   constexpr int64_t kChunk = 3 << 16;
   parallel_ranges(int64_t(n), kChunk, [&](int64_t lo, int64_t hi) {
-    encode_into(data + lo, size_t(hi - lo), out.data() + size_t(lo) / 3 * 4);
+    encode_into(data + lo, size_t(hi - lo), dst + size_t(lo) / 3 * 4);
   });
+}
+
+std::string base64_encode(const uint8_t* data, size_t n, size_t parallel_from) {
+  std::string out;
+  base64_append(out, data, n, parallel_from);
   return out;
 }
 

@@ -3,6 +3,8 @@
 
 #include <fmt/format.h>
 
+#include "fovea/threads.h"
+
 namespace fovea::server {
 
 namespace {
@@ -112,6 +114,7 @@ std::vector<Batcher::Slot> Batcher::take_batch() {
 }
 
 void Batcher::worker(std::promise<void>& ready) {
+  name_this_thread("fovea-encoder");
   std::optional<EncoderRunner> runner;
   try {
     runner.emplace(model_, cfg_);

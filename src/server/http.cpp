@@ -26,6 +26,7 @@
 #include <fmt/format.h>
 
 #include "fovea/error.h"
+#include "fovea/threads.h"
 
 namespace fovea::server::http {
 
@@ -77,13 +78,13 @@ const char* reason(int status) {
 }
 
 // The bytes of a reply: status line, fields, body.
-std::string serialize(const Response& r, bool keep_alive) {
+// The status line and fields; the body is written after them from the response itself (no copy).
+std::string serialize_head(const Response& r, bool keep_alive) {
   std::string out = fmt::format("HTTP/1.1 {} {}\r\nContent-Type: {}\r\nContent-Length: {}\r\nConnection: {}\r\n",
                                 r.status, reason(r.status), r.content_type, r.body.size(),
                                 keep_alive ? "keep-alive" : "close");
   for (const auto& h : r.headers) out += fmt::format("{}: {}\r\n", h.name, h.value);
   out += "\r\n";
-  out += r.body;
   return out;
 }
 
@@ -338,7 +339,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
     }
     if (!reserve(parser_->content_length().value_or(has_body ? std::min<size_t>(s_.lim.max_body_bytes, 1 << 20) : 0)))
       return false;
-    if (has_body && iequals(req_.header("expect"), "100-continue")) send("HTTP/1.1 100 Continue\r\n\r\n", false);
+    if (has_body && iequals(req_.header("expect"), "100-continue")) send("HTTP/1.1 100 Continue\r\n\r\n", {}, false);
     state_ = State::BODY;
     arm(s_.lim.body_timeout_s);
     return true;
@@ -387,6 +388,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
       return false;
     }
     req_.body = std::move(parser_->get().body());
+    req_.body_read = Clock::now();
     parser_.reset();
     state_ = State::WORK;
     s_.in_flight += 1;  // a request is in flight from its complete body to its reply
@@ -394,6 +396,9 @@ class Connection : public std::enable_shared_from_this<Connection> {
     disarm();
     asio::post(s_.pool, [self = shared_from_this(), this] {
       Response r;
+      static thread_local const bool named = (name_this_thread("fovea-worker"), true);
+      (void)named;
+      req_.handling = Clock::now();
       try {
         r = s_.handler.handle(req_);
       } catch (const std::exception& e) {
@@ -421,20 +426,22 @@ class Connection : public std::enable_shared_from_this<Connection> {
     parser_.reset();
     unreserve();
     if (s_.draining) keep_alive_ = false;
-    std::string out = serialize(r, keep_alive_);
+    std::string head = serialize_head(r, keep_alive_);
     state_ = State::WRITE;
     status_ = r.status;
+    req_.ready = Clock::now();
     arm(s_.lim.write_timeout_s);
-    send(std::move(out), true);
+    send(std::move(head), std::move(r.body), true);
   }
 
   // Writes are queued (a 100 Continue may still be going out when the reply is ready).
-  void send(std::string bytes, bool is_reply) {
-    outq_.push_back({std::move(bytes), is_reply});
+  void send(std::string head, std::string body, bool is_reply) {
+    outq_.push_back({std::move(head), std::move(body), is_reply});
     if (outq_.size() == 1) write_next();
   }
   void write_next() {
-    asio::async_write(sock_, asio::buffer(outq_.front().bytes),
+    const Out& o = outq_.front();
+    asio::async_write(sock_, std::array<asio::const_buffer, 2>{asio::buffer(o.head), asio::buffer(o.body)},
                       [self = shared_from_this()](boost::system::error_code ec, size_t) { self->on_written(ec); });
   }
   void on_written(boost::system::error_code ec) {
@@ -450,7 +457,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
       return;
     }
     if (!was_reply) return;  // the 100 Continue
-    s_.handler.replied(req_.path, status_);
+    s_.handler.replied(req_, status_);
     if (counted_) {
       s_.in_flight -= 1;
       counted_ = false;
@@ -529,7 +536,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
   }
 
   struct Out {
-    std::string bytes;
+    std::string head, body;
     bool is_reply;
   };
 
@@ -557,13 +564,13 @@ void Server::Impl::start(tcp::socket s) {
     Response r = handler.error(503, "too_many_connections",
                                fmt::format("the server has {} open connections (its limit); retry later", conns.size()));
     r.headers.push_back({"Retry-After", "1"});
-    const std::string out = serialize(r, false);
+    const std::string head = serialize_head(r, false);
     boost::system::error_code ec;
     s.non_blocking(true, ec);
-    asio::write(s, asio::buffer(out), ec);
+    asio::write(s, std::array<asio::const_buffer, 2>{asio::buffer(head), asio::buffer(r.body)}, ec);
     s.shutdown(tcp::socket::shutdown_send, ec);
     s.close(ec);
-    handler.replied("", 503);
+    handler.replied(Request{}, 503);
     return;
   }
   auto c = std::make_shared<Connection>(*this, std::move(s));

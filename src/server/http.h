@@ -50,7 +50,9 @@ struct Request {
   int version = 11;            // 10 or 11
   std::vector<Header> headers;
   std::string body;
-  Clock::time_point received;  // when its head was read
+  // When its head was read, its body was read, handle() began, and its reply was ready to write
+  // (the last three stay unset for a request answered from its head).
+  Clock::time_point received, body_read, handling, ready;
   // The first field of that name (case-insensitive), or "".
   std::string_view header(std::string_view name) const;
 };
@@ -85,8 +87,8 @@ class Handler {
   virtual Response handle(Request& request) = 0;
   // The reply the layer sends for its own errors (400, 408, 413, 431, 503, 500).
   virtual Response error(int status, const std::string& code, const std::string& message) = 0;
-  // After each reply was written (path "" when the request line never parsed).
-  virtual void replied(const std::string& path, int status) = 0;
+  // After each reply was written (the request's path is "" when its request line never parsed).
+  virtual void replied(const Request& request, int status) = 0;
 };
 
 struct Options {

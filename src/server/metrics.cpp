@@ -55,6 +55,11 @@ void Metrics::observe_encode_seconds(double s) {
   latency_count_ += 1;
 }
 
+void Metrics::add_phase(Phase p, double seconds) {
+  std::lock_guard lk(mu_);
+  phase_seconds_[size_t(p)] += seconds;
+}
+
 std::string Metrics::render(const std::string& model, const EngineConfig& engine, const Batcher& batcher,
                             int64_t in_flight) const {
   std::string out;
@@ -63,7 +68,7 @@ std::string Metrics::render(const std::string& model, const EngineConfig& engine
     header(out, "fovea_requests_total", "counter", "HTTP responses by path and status code.");
     for (const auto& [key, n] : responses_)
       out += fmt::format("fovea_requests_total{{path=\"{}\",code=\"{}\"}} {}\n", key.first, key.second, n);
-    header(out, "fovea_request_duration_seconds", "histogram", "POST /v1/encode latency, body read to reply ready.");
+    header(out, "fovea_request_duration_seconds", "histogram", "POST /v1/encode latency, head read to reply ready.");
     uint64_t cumulative = 0;
     for (size_t b = 0; b < kBuckets.size(); ++b) {
       cumulative += bucket_counts_[b];
@@ -72,6 +77,12 @@ std::string Metrics::render(const std::string& model, const EngineConfig& engine
     out += fmt::format("fovea_request_duration_seconds_bucket{{le=\"+Inf\"}} {}\n", latency_count_);
     out += fmt::format("fovea_request_duration_seconds_sum {}\n", latency_sum_);
     out += fmt::format("fovea_request_duration_seconds_count {}\n", latency_count_);
+    header(out, "fovea_encode_phase_seconds_total", "counter",
+           "POST /v1/encode time by phase, summed over requests: read (head to body read), wait (for a worker), "
+           "parse (JSON), decode (base64, decoding, preprocessing), encoder (queued and encoded), reply (building "
+           "it), write (sending it).");
+    for (size_t p = 0; p < kPhaseNames.size(); ++p)
+      out += fmt::format("fovea_encode_phase_seconds_total{{phase=\"{}\"}} {}\n", kPhaseNames[p], phase_seconds_[p]);
   }
   sample(out, "fovea_requests_in_flight", "gauge", "POST /v1/encode requests being handled.", in_flight);
   sample(out, "fovea_queue_depth", "gauge", "Requests waiting for the encoder (partly encoded ones included).",

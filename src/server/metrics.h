@@ -14,10 +14,18 @@
 
 namespace fovea::server {
 
+// Where a POST /v1/encode request's time goes, in order: read (head read to body read), wait (for
+// a worker thread), parse (the JSON body), decode (base64, image decoding and preprocessing, waiting
+// for decode memory included), encoder (queued and encoded), reply (building the reply body), write
+// (handing it to the client). Summed over requests: a load test reads the mean of each.
+enum class Phase { READ, WAIT, PARSE, DECODE, ENCODER, REPLY, WRITE };
+inline constexpr std::array<const char*, 7> kPhaseNames = {"read", "wait", "parse", "decode", "encoder", "reply", "write"};
+
 class Metrics {
  public:
   void count_response(const std::string& path, int status);  // every response, any path
   void observe_encode_seconds(double s);                     // every /v1/encode response
+  void add_phase(Phase p, double seconds);
 
   std::string render(const std::string& model, const EngineConfig& engine, const Batcher& batcher,
                      int64_t in_flight) const;
@@ -30,6 +38,7 @@ class Metrics {
   mutable std::mutex mu_;
   std::map<std::pair<std::string, int>, uint64_t> responses_;
   std::array<uint64_t, kBuckets.size() + 1> bucket_counts_{};  // per bucket, not cumulative; last: +Inf
+  std::array<double, kPhaseNames.size()> phase_seconds_{};
   double latency_sum_ = 0;
   uint64_t latency_count_ = 0;
 };

@@ -164,10 +164,17 @@ std::string json_reply(const Context& c, const EncodeRequest& r, const Decoded& 
       return;
     }
     out += '"';
-    out += base64_encode(reinterpret_cast<const uint8_t*>(v.data()), v.size() * 2);  // [A-Za-z0-9+/=]: no escaping
+    base64_append(out, reinterpret_cast<const uint8_t*>(v.data()), v.size() * 2);  // [A-Za-z0-9+/=]: no escaping
     out += '"';
   };
-  std::string out = open_object({{"object", "list"},
+  std::string out;
+  if (r.as_base64) {  // one allocation: the base64 text plus room for each image's few fields
+    size_t bytes = 0;
+    for (const ImageOutput& o : job.outputs)
+      bytes += (1 + (r.deepstack ? o.forward->deepstack.size() : 0)) * base64_size(size_t(o.tokens) * size_t(O) * 2) + 1024;
+    out.reserve(bytes + 1024);
+  }
+  out += open_object({{"object", "list"},
                                  {"model", c.opt.model},
                                  {"encoding", r.as_base64 ? "base64" : "float"},
                                  {"dtype", r.as_base64 ? "bf16" : "float32"}});
@@ -229,16 +236,27 @@ http::Response error_response(const ApiError& e) {
   return json_response(e.status, {{"error", {{"message", e.message}, {"type", error_type(e.status)}, {"code", e.code}}}});
 }
 
-// POST /v1/encode with its body; every failure throws ApiError.
+double seconds_between(Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); }
+
+// POST /v1/encode with its body; every failure throws ApiError. Adds the time of each of its phases
+// to the metrics as it ends.
 http::Response encode(Context& c, http::Request& req) {
   const Clock::time_point t0 = req.received;
+  Clock::time_point mark = Clock::now();
+  const auto phase_ended = [&](Phase p) {
+    const Clock::time_point now = Clock::now();
+    c.metrics.add_phase(p, seconds_between(mark, now));
+    mark = now;
+  };
   const auto deadline = t0 + std::chrono::duration_cast<Clock::duration>(
                                  std::chrono::duration<double>(c.opt.request_timeout_s));
   if (Clock::now() > deadline)
     reject(504, "timeout", fmt::format("not started within {} s (--request-timeout)", c.opt.request_timeout_s));
   EncodeRequest r = parse_encode_request(req.body, c.opt.max_images_per_request, c.opt.model);
   std::string().swap(req.body);
+  phase_ended(Phase::PARSE);
   Decoded d = decode_images(r, c.pcfg, c.decode_budget, deadline);
+  phase_ended(Phase::DECODE);
 
   std::string refused;
   const std::shared_ptr<Job> job = c.batcher.submit(std::move(d.images), r.deepstack, refused);
@@ -252,9 +270,14 @@ http::Response encode(Context& c, http::Request& req) {
     case Batcher::Wait::DONE:
       break;
   }
+  phase_ended(Phase::ENCODER);
+  http::Response res;
   if (req.header("accept").find("application/octet-stream") != std::string_view::npos)
-    return {200, "application/octet-stream", safetensors_reply(c, r, d, *job), {}};
-  return {200, "application/json", json_reply(c, r, d, *job, ms_since(t0)), {}};
+    res = {200, "application/octet-stream", safetensors_reply(c, r, d, *job), {}};
+  else
+    res = {200, "application/json", json_reply(c, r, d, *job, ms_since(t0)), {}};
+  phase_ended(Phase::REPLY);
+  return res;
 }
 
 // The endpoints, on top of the HTTP layer (http.h).
@@ -317,7 +340,13 @@ class Service final : public http::Handler {
     return error_response({status, code, message});
   }
 
-  void replied(const std::string& path, int status) override { c_.metrics.count_response(path, status); }
+  void replied(const http::Request& req, int status) override {
+    c_.metrics.count_response(req.path, status);
+    if (req.handling == Clock::time_point{}) return;  // answered from its head, or by the layer
+    c_.metrics.add_phase(Phase::READ, seconds_between(req.received, req.body_read));
+    c_.metrics.add_phase(Phase::WAIT, seconds_between(req.body_read, req.handling));
+    c_.metrics.add_phase(Phase::WRITE, seconds_between(req.ready, Clock::now()));
+  }
 
  private:
   Context& c_;

@@ -179,7 +179,8 @@ TEST(EncoderGpu, GridTablesAreBitIdenticalToTheCpu) {
 }
 
 // Two batches in flight at once (plan, stage, forward and download of the next enqueued before the
-// last one is collected) give exactly what each gives alone, through three shapes.
+// last one is collected) give exactly what each gives alone, through three shapes, with staging
+// reserved for the first and grown by the second; collect_views gives the same bits without a copy.
 TEST(EncoderGpu, PipelinedBatchesEqualOneAtATime) {
   const Model m = two_block_8b();
   const std::vector<std::vector<GridThw>> sets = {kGrids, {{1, 24, 32}}, {{2, 4, 6}, {1, 10, 10}}};
@@ -202,6 +203,7 @@ TEST(EncoderGpu, PipelinedBatchesEqualOneAtATime) {
       fresh.outputs_bf16(true, alone[k], nullptr);
     }
     qwen3vl::cuda::Encoder enc(m, o);
+    enc.reserve(patches(sets[0]), true, 2);  // staging for the first set; the larger second one grows it
     std::vector<int64_t> tickets;
     auto launch = [&](size_t k) {
       enc.plan(sets[k]);
@@ -214,12 +216,16 @@ TEST(EncoderGpu, PipelinedBatchesEqualOneAtATime) {
     enc.collect(tickets[0], piped[0]);
     launch(2);
     EXPECT_THROW(enc.download(true, nullptr), Error);  // a third uncollected download is refused
-    enc.collect(tickets[1], piped[1]);
+    const std::vector<std::span<const uint16_t>> views = enc.collect_views(tickets[1]);  // no copy
+    for (const auto& v : views) piped[1].emplace_back(v.begin(), v.end());
     enc.collect(tickets[2], piped[2]);
+    EXPECT_THROW(enc.collect_views(tickets[1]), Error);  // collected already
     for (size_t k = 0; k < sets.size(); ++k) {
       ASSERT_EQ(piped[k].size(), 1 + m.config.deepstack.size());
       EXPECT_EQ(piped[k], alone[k]) << dtype_name(dt) << " batch " << k;
     }
+    for (size_t j = 0; j < views.size(); ++j)  // still valid: only the download after next reuses them
+      EXPECT_TRUE(std::equal(views[j].begin(), views[j].end(), alone[1][j].begin(), alone[1][j].end())) << j;
   }
 }
 

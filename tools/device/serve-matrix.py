@@ -180,6 +180,15 @@ def cmd_summary(a):
             print(f"| {r.get('budget')} | {r.get('server')} | {r.get('dtype')} | {r.get('tokens_per_image')} | "
                   f"{lv['concurrency']} | {lv['requests']} | {err} | {fmt(lv['images_per_s'])} | {fmt(lv['p50_ms'], '.0f')} | "
                   f"{fmt(lv['p99_ms'], '.0f')} | {fmt(lv['images_per_forward'], '.2f')} | {fmt(100 * lv['forward_busy'], '.0f')}% |")
+    phased = [(r, lv) for r in runs for lv in r["levels"] if lv.get("server_phase_mean_ms")]
+    if phased:
+        print("\n| budget | server | dtype | c | client procs | server ms per request: read / wait / parse / decode / encoder / reply / write | client ms: latency / to head / body |")
+        print("|---|---|---|---|---|---|---|")
+        for r, lv in phased:
+            ph, cl = lv["server_phase_mean_ms"], lv.get("client_mean_ms", {})
+            print(f"| {r.get('budget')} | {r.get('server')} | {r.get('dtype')} | {lv['concurrency']} | {lv.get('client_processes', 1)} | "
+                  + " / ".join(fmt(ph.get(k)) for k in ("read", "wait", "parse", "decode", "encoder", "reply", "write")) + " | "
+                  + " / ".join(fmt(cl.get(k)) for k in ("latency", "to_head", "read_body")) + " |")
     print("\n| budget | server | dtype | ready s | peak RSS GB | GPU MiB (process) | GPU MiB (device, over baseline) | SIGTERM exit | levels done |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in runs:

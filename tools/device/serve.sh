@@ -87,11 +87,11 @@ load_test() {
     cut=$(( $(left) - 15 ))  # leave time to stop the server and print the summary
     if [ $cut -lt 10 ]; then echo "   SKIPPED concurrency $c and above: $(left) s left before DEADLINE=$DEADLINE"; break; fi
     t=$SECONDS
-    # Where the CPU goes 4 s into the level: the server's busiest threads, then every process.
-    (sleep 4; top -b -n 1 -H -p $pid | sed -n 7,18p; echo; top -b -n 1 -w 160 | sed -n 1,20p) > "$OUT/top-$name-c$c.txt" 2>&1 &
+    # Where the CPU goes 3 to 6 s into the level: the server's threads by name, the machine, the clients.
+    $PY tools/device/thread-sample.py --pid $pid --delay 3 --window 3 --also serve-load.py > "$OUT/threads-$name-c$c.txt" 2>&1 &
     timeout $cut $PY bench/serve-load.py --url "$url" --images "$IMG_DIR" --concurrency $c --requests $REQ \
       --warmup $([ $first = 1 ] && echo $WARMUP || echo 0) --json "$OUT/load-$name-c$c.json" 2>&1 |
-      grep -E "^serve-load \| +[0-9]|mean ms per image|first error|answered|Error"
+      grep -E "^serve-load \| +[0-9]|mean ms|first error|answered|Error"
     [ -f "$OUT/load-$name-c$c.json" ] && loads+=(--load "$OUT/load-$name-c$c.json") || echo "   concurrency $c: no result (cut at $cut s?)"
     echo "   [$(elapsed) s] concurrency $c took $((SECONDS - t)) s"
     first=0

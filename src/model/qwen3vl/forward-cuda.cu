@@ -286,6 +286,7 @@ struct Encoder::Impl {
   void grid_tables(const std::vector<GridThw>& grids, cudaStream_t stream);
   template <class T>
   void collect(int64_t ticket, std::vector<std::vector<T>>& out);
+  std::vector<std::span<const uint16_t>> collect_views(int64_t ticket);
   void layernorm(const bf16* in, bf16* out, const DevNorm& nrm, int64_t rows, cudaStream_t s) {
     layernorm_kernel<<<unsigned(rows), 128, 0, s>>>(in, out, nrm.w, nrm.b, nrm.width);
     FOVEA_CUDA_CHECK(cudaGetLastError());
@@ -375,8 +376,20 @@ void Encoder::Impl::layout_arena(int64_t n) {
   }
 }
 
-void Encoder::reserve(int64_t patches) {
-  if (patches > 0) impl_->layout_arena(patches);
+void Encoder::reserve(int64_t patches, bool with_deepstack, int batches) {
+  if (patches <= 0) return;
+  Impl& m = *impl_;
+  m.layout_arena(patches);
+  const size_t raw = size_t(patches) * m.cfg.patch_dim() / m.cfg.temporal_patch;
+  const size_t outputs = 1 + (with_deepstack ? m.cfg.deepstack.size() : 0);
+  const size_t rings = m.amax ? sizeof(LayerAmax) * size_t(m.cfg.depth) : 0;
+  const size_t out_bytes = size_t(patches / 4) * m.cfg.out_hidden * 2 * outputs + rings;
+  for (int k = 0; k < std::clamp(batches, 0, 2); ++k) {  // the slots the next batches take, in order
+    const int px = (m.next_pixels + k) % 2;
+    if (!(m.staged && m.staged_slot == px)) m.pixels_in[px].reserve(raw);
+    Impl::OutSlot& o = m.out[(m.next_ticket + k) % 2];
+    if (o.ticket < 0) o.mem.reserve(out_bytes);  // never under a download waiting to be collected
+  }
 }
 
 void Encoder::Impl::grid_tables(const std::vector<GridThw>& grids, cudaStream_t stream) {
@@ -552,22 +565,34 @@ int64_t Encoder::download(bool with_deepstack, cudaStream_t stream) {
   return ticket;
 }
 
-// Waits for download `ticket`, then fills one vector per output on every core: bf16 bits as they
-// are, or widened to fp32. Vectors that already hold enough keep their (warm) memory: no page faults
-// on reuse. The FP8 rings copied with the outputs go to the scale book.
-template <class T>
-void Encoder::Impl::collect(int64_t ticket, std::vector<std::vector<T>>& dst) {
+// Waits for download `ticket`; its outputs' views in the pinned slot. The FP8 rings copied with the
+// outputs go to the scale book.
+std::vector<std::span<const uint16_t>> Encoder::Impl::collect_views(int64_t ticket) {
   OutSlot& o = out[ticket % 2];
   if (ticket < 0 || o.ticket != ticket) fail_cat("encoder: download ", ticket, " is not waiting to be collected");
   o.mem.wait();
   o.ticket = -1;
   const auto* h = reinterpret_cast<const uint16_t*>(o.mem.data());
-  dst.resize(o.outputs);
-  for (size_t k = 0; k < o.outputs; ++k) {
-    dst[k].resize(o.count);
-    const uint16_t* src = h + k * o.count;
+  std::vector<std::span<const uint16_t>> views;
+  for (size_t k = 0; k < o.outputs; ++k) views.emplace_back(h + k * o.count, o.count);
+  if (o.amax) {
+    auto& state = opt.scales->amax_state();
+    std::memcpy(state.data(), h + o.count * o.outputs, sizeof(LayerAmax) * state.size());
+  }
+  return views;
+}
+
+// collect_views(), then one vector per output filled on every core: bf16 bits as they are, or
+// widened to fp32. Vectors that already hold enough keep their (warm) memory: no page faults on reuse.
+template <class T>
+void Encoder::Impl::collect(int64_t ticket, std::vector<std::vector<T>>& dst) {
+  const std::vector<std::span<const uint16_t>> views = collect_views(ticket);
+  dst.resize(views.size());
+  for (size_t k = 0; k < views.size(); ++k) {
+    dst[k].resize(views[k].size());
+    const uint16_t* src = views[k].data();
     T* to = dst[k].data();
-    parallel_ranges(int64_t(o.count), kConvertGrain, [&](int64_t b, int64_t e) {
+    parallel_ranges(int64_t(views[k].size()), kConvertGrain, [&](int64_t b, int64_t e) {
       if constexpr (std::is_same_v<T, float>) {
         for (int64_t i = b; i < e; ++i) to[i] = bf16_to_float(src[i]);
       } else {
@@ -575,13 +600,10 @@ void Encoder::Impl::collect(int64_t ticket, std::vector<std::vector<T>>& dst) {
       }
     });
   }
-  if (o.amax) {
-    auto& state = opt.scales->amax_state();
-    std::memcpy(state.data(), h + o.count * o.outputs, sizeof(LayerAmax) * state.size());
-  }
 }
 
 void Encoder::collect(int64_t ticket, std::vector<std::vector<uint16_t>>& out) { impl_->collect(ticket, out); }
+std::vector<std::span<const uint16_t>> Encoder::collect_views(int64_t ticket) { return impl_->collect_views(ticket); }
 
 void Encoder::outputs_bf16(bool with_deepstack, std::vector<std::vector<uint16_t>>& out, cudaStream_t stream) {
   collect(download(with_deepstack, stream), out);

@@ -212,7 +212,7 @@ void save_model(const Model& m, const std::string& folder) {
   for (const auto& [name, shape] : expected_tensors(c)) {
     const auto it = by_name.find(name);
     if (it == by_name.end()) fail("save model: no weights for {}", name);
-    TensorToWrite t{"model.visual." + name, DType::BF16, shape, {}};
+    TensorToWrite t{"model.visual." + name, DType::BF16, shape, {}, {}};
     t.bytes.resize(it->second->size() * 2);
     for (size_t i = 0; i < it->second->size(); ++i) {
       const uint16_t b = bf16_from_float((*it->second)[i]);
