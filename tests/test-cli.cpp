@@ -2,6 +2,8 @@
 // option errors (docs/fp8.md §Engine options), and bench attention on the CPU. Runs the built binary (FOVEA_BIN).
 #include <sys/wait.h>
 
+#include "image-encode.h"
+
 #include <algorithm>
 #include <array>
 #include <cmath>
@@ -14,6 +16,8 @@
 
 #include <gtest/gtest.h>
 
+#include "fovea/safetensors.h"
+#include "fovea/sha256.h"
 #include "test-util.h"
 #include <nlohmann/json.hpp>
 
@@ -372,3 +376,71 @@ TEST_F(Cli, BenchMmProcessorCalibrates) {
   EXPECT_NE(bad.code, 0);
   EXPECT_NE(bad.err.find("/nonexistent"), std::string::npos) << bad.err;
 }
+
+namespace {
+
+// `fovea encode --ec-storage-path`: one file per image under its key (the sha256 of the file's bytes,
+// or its file name), whose one tensor "ec_cache" is BF16 [tokens, out_hidden * (1 + deepstack)]:
+// columns [0, O) the bits `encode -o` writes as image.0.embeddings, then image.0.deepstack.k, row for
+// row; a second run finds them all and encodes nothing; an unreadable image fails alone; the flags'
+// errors are clear.
+TEST_F(Cli, EncodeFillsVllmsEncoderCache) {
+  std::vector<std::string> images;
+  for (int i = 0; i < 3; ++i) {
+    std::vector<uint8_t> rgb(size_t(96 + 32 * i) * 80 * 3);
+    for (size_t k = 0; k < rgb.size(); ++k) rgb[k] = uint8_t((k * 7 + size_t(i) * 13) % 251);
+    const std::vector<uint8_t> png = fovea::test::encode_png_rgb(96 + 32 * i, 80, rgb);
+    images.push_back(write("img" + std::to_string(i) + ".png", std::string(png.begin(), png.end())));
+  }
+  write("broken.png", "not an image");
+  const std::string cache = file("cache");
+  std::string list;
+  for (const auto& p : images) list += " " + q(p);
+  Result r = run("encode synthetic:tiny --device cpu" + list + " " + q(file("broken.png")) + " --ec-storage-path " + q(cache) +
+                 " --max-batch-tokens 40");
+  EXPECT_EQ(r.code, 1) << r.err;  // the broken image
+  EXPECT_HAS(r.err, "image '" + file("broken.png") + "'");
+  EXPECT_HAS(r.out, "3 written, 0 already there, 0 repeated, 1 failed");
+  for (const auto& img : images) {
+    const std::string bytes = slurp(img);
+    const std::string key = fovea::sha256_hex({reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size()});
+    const fs::path path = fs::path(cache) / key / "encoder_cache.safetensors";
+    ASSERT_TRUE(fs::exists(path)) << path;
+    ASSERT_EQ(run("encode synthetic:tiny --device cpu " + q(img) + " -o " + q(file("one.safetensors"))).code, 0);
+    const auto one = fovea::Checkpoint::open(file("one.safetensors"));
+    const auto ec = fovea::Checkpoint::open(path.string());
+    ASSERT_EQ(ec.tensors().size(), 1u);
+    const fovea::TensorInfo* t = ec.find("ec_cache");
+    ASSERT_NE(t, nullptr);
+    const fovea::TensorInfo* merged = one.find("image.0.embeddings");
+    ASSERT_NE(merged, nullptr);
+    std::vector<const fovea::TensorInfo*> parts = {merged};
+    for (int k = 0; const fovea::TensorInfo* d = one.find("image.0.deepstack." + std::to_string(k)); ++k) parts.push_back(d);
+    const int64_t tokens = merged->shape[0], O = merged->shape[1];
+    EXPECT_EQ(t->dtype, fovea::DType::BF16);
+    EXPECT_EQ(t->shape, (std::vector<int64_t>{tokens, O * int64_t(parts.size())}));
+    ASSERT_GT(parts.size(), 1u) << "synthetic:tiny has deepstack outputs";
+    const auto* v = reinterpret_cast<const uint16_t*>(t->data);
+    int64_t wrong = 0;
+    for (int64_t row = 0; row < tokens; ++row)
+      for (size_t p = 0; p < parts.size(); ++p) {
+        const auto* src = reinterpret_cast<const uint16_t*>(parts[p]->data) + row * O;
+        wrong += std::memcmp(v + row * O * int64_t(parts.size()) + int64_t(p) * O, src, size_t(O) * 2) != 0;
+      }
+    EXPECT_EQ(wrong, 0) << img;
+  }
+  r = run("encode synthetic:tiny --device cpu" + list + " --ec-storage-path " + q(cache));
+  EXPECT_EQ(r.code, 0) << r.err;
+  EXPECT_HAS(r.out, "0 written, 3 already there");
+  r = run("encode synthetic:tiny --device cpu" + list + " " + q(images[0]) + " --ec-storage-path " + q(cache) +
+          " --uuid-from filename");
+  EXPECT_EQ(r.code, 0) << r.err;
+  EXPECT_HAS(r.out, "3 written, 0 already there, 1 repeated");
+  EXPECT_TRUE(fs::exists(fs::path(cache) / "img1.png" / "encoder_cache.safetensors"));
+  expect_one_line_error(run("encode synthetic:tiny --device cpu" + list + " --ec-storage-path " + q(cache) + " --uuid-from md5"),
+                        "--uuid-from: 'md5' is not one of sha256, filename");
+  expect_one_line_error(run("encode synthetic:tiny --device cpu" + list + " --ec-storage-path " + q(cache) + " -o x.safetensors"),
+                        "two different outputs");
+}
+
+}  // namespace

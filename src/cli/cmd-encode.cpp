@@ -4,6 +4,7 @@
 // as the encoder computes them, or fp32 with --output-dtype f32), and prints tokens and per-stage
 // times. Unreadable images are reported and skipped; the exit code says whether any failed.
 #include <chrono>
+#include <filesystem>
 #include <future>
 #include <map>
 #include <optional>
@@ -11,11 +12,13 @@
 #include <fmt/format.h>
 
 #include "cli/commands.h"
+#include "fovea/ec-cache.h"
 #include "fovea/error.h"
 #include "fovea/image.h"
 #include "fovea/io.h"
 #include "fovea/pipeline.h"
 #include "fovea/safetensors.h"
+#include "fovea/sha256.h"
 
 namespace fovea::cli {
 
@@ -26,6 +29,10 @@ struct Args {
   std::vector<std::string> images;
   std::string out;
   std::string output_dtype = "bf16";
+  std::string ec_path;              // --ec-storage-path: fill vLLM's encoder cache instead of -o
+  int64_t ec_max_bytes = 0;         // --ec-storage-max-bytes (0: no bound)
+  std::string uuid_from = "sha256";  // --uuid-from: sha256 (of the file's bytes) or filename
+  int64_t max_batch_tokens = 16384;  // visual tokens per forward when filling the cache
   image::PreprocessOverrides preprocess;  // 0: the checkpoint's preprocessor_config.json
   EngineOptions engine;
 };
@@ -33,9 +40,124 @@ struct Args {
 using clock_type = std::chrono::steady_clock;
 double ms_since(clock_type::time_point t) { return std::chrono::duration<double, std::milli>(clock_type::now() - t).count(); }
 
+// --ec-storage-path: every image's encoder outputs as vLLM's consumer reads them (fovea/ec-cache.h),
+// keyed by the sha256 of the file's bytes or by its file name. Images already there are skipped;
+// the rest are decoded a group at a time (the next group while the current one runs), packed into
+// forwards of at most --max-batch-tokens and written as each forward ends, with a progress line per
+// forward on stderr.
+int fill_ec_cache(const Args& a, const EngineConfig& cfg, const image::PreprocessConfig& pcfg) {
+  if (a.uuid_from != "sha256" && a.uuid_from != "filename")
+    fail("encode: --uuid-from: '{}' is not one of sha256, filename", a.uuid_from);
+  if (!a.out.empty()) fail("encode: -o and --ec-storage-path are two different outputs; give one of them");
+  if (a.max_batch_tokens < 1) fail("encode: --max-batch-tokens must be at least 1, not {}", a.max_batch_tokens);
+  const auto t0 = clock_type::now();
+  EcCache cache(a.ec_path, a.ec_max_bytes);
+  const size_t n = a.images.size();
+  std::vector<std::string> keys(n);
+  std::vector<size_t> todo;
+  std::map<std::string, size_t> first;  // key -> the first image with it
+  size_t cached = 0, repeated = 0, failed = 0, written = 0;
+  const auto report_failure = [&](const std::string& why) {
+    fmt::print(stderr, "fovea: error: {}\n", why);
+    ++failed;
+  };
+  for (size_t i = 0; i < n; ++i) {
+    try {
+      keys[i] = a.uuid_from == "filename"
+                    ? std::filesystem::path(a.images[i]).filename().string()
+                    : [&] {
+                        const std::string bytes = read_file(a.images[i], "image", image::kMaxEncodedImageBytes);
+                        return sha256_hex({reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size()});
+                      }();
+    } catch (const Error& e) {
+      report_failure(e.what());
+      continue;
+    }
+    if (const std::string why = ec_key_problem(keys[i]); !why.empty()) {
+      report_failure(fmt::format("image '{}': its file name cannot be a cache key: {}", a.images[i], why));
+      continue;
+    }
+    if (const auto [at, fresh] = first.emplace(keys[i], i); !fresh) {
+      if (a.uuid_from == "filename")
+        fmt::print(stderr, "fovea: warning: image '{}' has the same file name as '{}': only the first is cached under '{}'\n",
+                   a.images[i], a.images[at->second], keys[i]);
+      ++repeated;
+      continue;
+    }
+    if (cache.lookup(keys[i])) {
+      ++cached;
+      continue;
+    }
+    todo.push_back(i);
+  }
+  fmt::print(stderr, "encoder cache {}: {} images, {} already there, {} repeated, {} to encode\n", a.ec_path, n, cached,
+             repeated, todo.size());
+  std::optional<qwen3vl::Model> model;
+  std::optional<EncoderRunner> runner;
+  if (!todo.empty()) {
+    model.emplace(qwen3vl::load_model(a.model));
+    runner.emplace(*model, cfg);
+    runner->reserve(a.max_batch_tokens, /*with_deepstack=*/true);
+  }
+  constexpr size_t kGroup = 32;  // images decoded at once
+  const auto prepare = [&](size_t from) {
+    const size_t count = std::min(kGroup, todo.size() - from);
+    return prepare_images(count, [&](size_t j) { return image::decode_file(a.images[todo[from + j]], pcfg); }, pcfg, {}, true);
+  };
+  const auto started = clock_type::now();
+  size_t encoded = 0;
+  std::future<std::vector<PreparedImage>> next;
+  if (!todo.empty()) next = std::async(std::launch::async, prepare, 0);
+  for (size_t from = 0; from < todo.size(); from += kGroup) {
+    std::vector<PreparedImage> group = next.get();
+    if (from + kGroup < todo.size()) next = std::async(std::launch::async, prepare, from + kGroup);
+    std::vector<size_t> ok;  // indices into group
+    for (size_t j = 0; j < group.size(); ++j) {
+      if (group[j].error) report_failure(group[j].error_message());
+      else ok.push_back(j);
+    }
+    for (size_t b = 0; b < ok.size();) {  // forwards of at most max_batch_tokens (an image larger runs alone)
+      std::vector<const image::Patches*> images;
+      std::vector<qwen3vl::GridThw> grids;
+      int64_t tokens = 0;
+      size_t e = b;
+      for (; e < ok.size(); ++e) {
+        const image::Patches& p = group[ok[e]].patches;
+        const int64_t t = image_tokens(model->config, p.grid);
+        if (!images.empty() && tokens + t > a.max_batch_tokens) break;
+        images.push_back(&p);
+        grids.push_back(p.grid);
+        tokens += t;
+      }
+      runner->start(images, true);
+      const std::vector<ImageTensorsBf16> rows = split_images(runner->finish_views(), grids, model->config);
+      for (size_t j = b; j < e; ++j) {
+        cache.store(keys[todo[from + ok[j]]], rows[j - b], grids[j - b], model->config);
+        ++written;
+      }
+      encoded += e - b;
+      b = e;
+      const double s = std::chrono::duration<double>(clock_type::now() - started).count();
+      fmt::print(stderr, "encoder cache: {}/{} encoded, {} written, {} failed, {:.1f} images/s\n", encoded,
+                 todo.size(), written, failed, s > 0 ? double(encoded) / s : 0.0);
+    }
+    for (PreparedImage& p : group) p = {};
+  }
+  const EcCache::Stats st = cache.stats();
+  fmt::print("encoder cache {}: {} images: {} written, {} already there, {} repeated, {} failed; fovea's files {} "
+             "({:.1f} MB), {} evicted, {} of other writers; {:.1f} s\n",
+             a.ec_path, n, written, cached, repeated, failed, st.files, double(st.bytes) / 1e6, st.evictions, st.foreign_files,
+             std::chrono::duration<double>(clock_type::now() - t0).count());
+  return failed ? 1 : 0;
+}
+
 int run(const Args& a) {
   const SystemInfo sys = query_system();
   const EngineConfig cfg = resolve_engine(a.engine, sys);
+  if (!a.ec_path.empty()) {
+    if (a.images.empty()) fail("encode: no images given");
+    return fill_ec_cache(a, cfg, image::load_preprocess_config(a.model, a.preprocess));
+  }
   if (a.output_dtype != "bf16" && a.output_dtype != "f32")
     fail("encode: --output-dtype: '{}' is not one of bf16, f32", a.output_dtype);
   const bool bf16 = a.output_dtype == "bf16";
@@ -178,6 +300,17 @@ void add_encode(CLI::App& app, Runner& runner) {
   cmd->add_option("--output-dtype", a->output_dtype,
                   "dtype of the written tokens and deepstack features: bf16 (what the encoder computes and an LLM "
                   "consumes) or f32")
+      ->capture_default_str();
+  cmd->add_option("--ec-storage-path", a->ec_path,
+                  "fill vLLM's encoder cache in this folder (its ECExampleConnector's shared_storage_path): "
+                  "DIR/<key>/encoder_cache.safetensors per image, skipping images already there");
+  cmd->add_option("--ec-storage-max-bytes", a->ec_max_bytes,
+                  "bound the bytes of the cache files fovea wrote there, least recently used first (0: none)")
+      ->capture_default_str();
+  cmd->add_option("--uuid-from", a->uuid_from,
+                  "each image's key (the uuid a client sends to vLLM): sha256 (hex, of the file's bytes) or filename")
+      ->capture_default_str();
+  cmd->add_option("--max-batch-tokens", a->max_batch_tokens, "visual tokens per forward when filling the cache")
       ->capture_default_str();
   add_preprocess_flags(cmd, a->preprocess);
   add_engine_flags(cmd, a->engine);
