@@ -33,6 +33,7 @@
 
 #include "fovea/bf16.h"
 #include "fovea/safetensors.h"
+#include "fovea/sha256.h"
 #include "server/base64.h"
 #include "test-util.h"
 
@@ -513,6 +514,114 @@ TEST_F(Serve, ConcurrentClientsMatchEncode) {
   EXPECT_GT(phases, 0.95 * latency);
   EXPECT_LT(phases, 1.0001 * latency + 1e-3);
   EXPECT_EQ(server.stop(SIGTERM), 0) << server.err();
+}
+
+// --ec-storage-path: each image's file in vLLM's layout under its uuid, or under the sha256 of its URL
+// string as sent; the file's columns are the reply's embeddings and deepstack bits; a second request
+// is answered from the cache (nothing encoded; its embeddings, when asked for, the same bits); a bad
+// uuid is a 400 naming the image; the byte budget evicts least recently used files; a restarted
+// server finds what the first one wrote.
+TEST_F(Serve, EncoderCacheForVllm) {
+  const fs::path cache = dir_ / "ec-cache";
+  fs::remove_all(cache);
+  const auto request = [&](const std::vector<std::pair<const TestImage*, std::string>>& items, bool embeddings) {
+    json body = {{"images", json::array()}, {"return_deepstack", true}, {"return_embeddings", embeddings}};
+    for (const auto& [im, uuid] : items) {
+      json part = image_item(*im, 2);
+      if (!uuid.empty()) part["uuid"] = uuid;
+      body["images"].push_back(part);
+    }
+    return body.dump();
+  };
+  // The file's rows: [tokens, 48 * 3], merged then deepstack 0 and 1.
+  const auto file_columns = [&](const std::string& key, int64_t tokens) {
+    const auto ck = fovea::Checkpoint::open((cache / key / "encoder_cache.safetensors").string());
+    EXPECT_EQ(ck.tensors().size(), 1u);
+    const fovea::TensorInfo* t = ck.find("ec_cache");
+    EXPECT_NE(t, nullptr);
+    std::vector<std::vector<float>> parts(3);
+    if (!t) return parts;
+    EXPECT_EQ(t->dtype, fovea::DType::BF16);
+    EXPECT_EQ(t->shape, (std::vector<int64_t>{tokens, 48 * 3}));
+    const std::vector<float> all = t->to_float();
+    for (int64_t r = 0; r < tokens; ++r)
+      for (int p = 0; p < 3; ++p)
+        parts[size_t(p)].insert(parts[size_t(p)].end(), all.begin() + (r * 3 + p) * 48, all.begin() + (r * 3 + p + 1) * 48);
+    return parts;
+  };
+  const TestImage &a = image(0), &b = image(1), &c = image(2);
+  const std::string url_b = "data:" + b.mime + ";base64," + b64(b.bytes);
+  const std::string key_b = fovea::sha256_hex({reinterpret_cast<const uint8_t*>(url_b.data()), url_b.size()});
+  {
+    ServerProcess server(dir_, {"--ec-storage-path", cache.string()});
+    ASSERT_GT(server.port(), 0);
+    auto cli = client(server.port());
+    auto r = cli->Post("/v1/encode", request({{&a, "uuid-a"}, {&b, ""}}, true), "application/json");
+    ASSERT_TRUE(r && r->status == 200) << (r ? r->body : "no reply");
+    json doc = json::parse(r->body);
+    EXPECT_EQ(doc["data"][0]["uuid"], "uuid-a");
+    EXPECT_EQ(doc["data"][1]["uuid"], key_b);  // vLLM's EPD proxy's key for the same URL
+    for (size_t i = 0; i < 2; ++i) {
+      const TestImage& im = i == 0 ? a : b;
+      const json& d = doc["data"][i];
+      EXPECT_EQ(d["cached"], false);
+      const auto cols = file_columns(d["uuid"], im.tokens);
+      EXPECT_EQ(cols[0], bf16_values(d["embeddings"]));
+      EXPECT_EQ(cols[1], bf16_values(d["deepstack"][0]));
+      EXPECT_EQ(cols[2], bf16_values(d["deepstack"][1]));
+      EXPECT_LE(max_rel_error(cols[0], im.embeddings), kBf16Ulp);
+    }
+    const double encoded = metric(get_metrics(server.port()), "fovea_images_encoded_total");
+    EXPECT_EQ(encoded, 2);
+    // Again: both from the cache, nothing encoded; without embeddings by default; with them, the same bits.
+    r = cli->Post("/v1/encode", request({{&a, "uuid-a"}, {&b, ""}}, false), "application/json");
+    ASSERT_TRUE(r && r->status == 200);
+    doc = json::parse(r->body);
+    for (const auto& d : doc["data"]) {
+      EXPECT_EQ(d["cached"], true);
+      EXPECT_FALSE(d.contains("embeddings"));
+    }
+    EXPECT_EQ(doc["data"][0]["grid_thw"], json(a.grid));
+    r = cli->Post("/v1/encode", request({{&a, "uuid-a"}}, true), "application/json");
+    ASSERT_TRUE(r && r->status == 200);
+    doc = json::parse(r->body);
+    EXPECT_EQ(doc["data"][0]["cached"], true);
+    EXPECT_EQ(bf16_values(doc["data"][0]["deepstack"][1]), file_columns("uuid-a", a.tokens)[2]);
+    const std::string m = get_metrics(server.port());
+    EXPECT_EQ(metric(m, "fovea_images_encoded_total"), encoded);
+    EXPECT_EQ(metric(m, "fovea_ec_cache_hits_total"), 3);
+    EXPECT_EQ(metric(m, "fovea_ec_cache_misses_total"), 2);
+    EXPECT_EQ(metric(m, "fovea_ec_cache_files"), 2);
+    EXPECT_GT(metric(m, "fovea_ec_cache_bytes"), 0);
+    // uuids that cannot be one folder name are refused, naming the image.
+    for (const std::string& bad : std::vector<std::string>{"../up", "a/b", "..", std::string(256, 'u')}) {
+      const auto e = error_of(cli->Post("/v1/encode", request({{&c, "fine"}, {&a, bad}}, false), "application/json"));
+      EXPECT_EQ(e.status, 400) << bad;
+      EXPECT_EQ(e.code, "invalid_uuid");
+      EXPECT_HAS(e.message, "images[1]: uuid");
+    }
+    EXPECT_FALSE(fs::exists(cache / "fine"));  // a refused request writes nothing
+    EXPECT_EQ(server.stop(SIGTERM), 0);
+  }
+  {  // restarted with a budget of exactly the two files: it finds both, then evicts the least recently used
+    const int64_t budget = int64_t(fs::file_size(cache / "uuid-a" / "encoder_cache.safetensors") +
+                                   fs::file_size(cache / key_b / "encoder_cache.safetensors"));
+    ServerProcess server(dir_, {"--ec-storage-path", cache.string(), "--ec-storage-max-bytes", std::to_string(budget)});
+    ASSERT_GT(server.port(), 0);
+    EXPECT_EQ(metric(get_metrics(server.port()), "fovea_ec_cache_files"), 2);
+    auto cli = client(server.port());
+    auto r = cli->Post("/v1/encode", request({{&a, "uuid-a"}}, false), "application/json");  // a: now the most recent
+    ASSERT_TRUE(r && r->status == 200);
+    EXPECT_EQ(json::parse(r->body)["data"][0]["cached"], true);
+    r = cli->Post("/v1/encode", request({{&c, "uuid-c"}, {&image(3), "uuid-d"}}, false), "application/json");
+    ASSERT_TRUE(r && r->status == 200) << (r ? r->body : "");
+    const std::string m = get_metrics(server.port());
+    EXPECT_GE(metric(m, "fovea_ec_cache_evictions_total"), 1);
+    EXPECT_LE(metric(m, "fovea_ec_cache_bytes"), budget);
+    EXPECT_FALSE(fs::exists(cache / key_b)) << "the least recently used entry stays";
+    EXPECT_TRUE(fs::exists(cache / "uuid-d" / "encoder_cache.safetensors"));
+    EXPECT_EQ(server.stop(SIGTERM), 0);
+  }
 }
 
 // The safetensors reply is BF16 by default, the very bits of the base64 JSON reply and of `fovea

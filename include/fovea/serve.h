@@ -45,6 +45,8 @@ struct ServeOptions {
   int threads = 32;                             // worker threads (each handles one request's body)
   HttpLimits http;                              // the HTTP layer's bounds (--max-body-bytes, deadlines, ...)
   int64_t max_decode_bytes = int64_t(2) << 30;  // images being decoded and preprocessed; more wait
+  std::string ec_storage_path;                  // vLLM's encoder cache folder (fovea/ec-cache.h); "" = none
+  int64_t ec_storage_max_bytes = 0;             // bound on fovea's files there (0: none)
   EngineOptions engine;
 };
 

@@ -24,6 +24,12 @@ void add_serve(CLI::App& app, Runner& runner) {
       ->capture_default_str();
   cmd->add_option("--max-images-per-request", o->max_images_per_request, "more images in one request are answered 400")
       ->capture_default_str();
+  cmd->add_option("--ec-storage-path", o->ec_storage_path,
+                  "write each image's encoder outputs to vLLM's encoder cache in this folder (its ECExampleConnector's "
+                  "shared_storage_path): DIR/<uuid>/encoder_cache.safetensors; images already there are not encoded");
+  cmd->add_option("--ec-storage-max-bytes", o->ec_storage_max_bytes,
+                  "bound the bytes of the cache files fovea wrote there, least recently written or read first (0: none)")
+      ->capture_default_str();
   add_preprocess_flags(cmd, o->preprocess);
   cmd->add_option("--request-timeout", o->request_timeout_s, "seconds from request to reply; later is answered 504")
       ->capture_default_str();

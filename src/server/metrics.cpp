@@ -61,7 +61,7 @@ void Metrics::add_phase(Phase p, double seconds) {
 }
 
 std::string Metrics::render(const std::string& model, const EngineConfig& engine, const Batcher& batcher,
-                            int64_t in_flight) const {
+                            int64_t in_flight, const EcCache* cache) const {
   std::string out;
   {
     std::lock_guard lk(mu_);
@@ -101,6 +101,18 @@ std::string Metrics::render(const std::string& model, const EngineConfig& engine
   header(out, "fovea_fp8_scale_mode", "gauge", "FP8 attention scale mode (value 1); \"none\" for BF16 attention.");
   out += fmt::format("fovea_fp8_scale_mode{{mode=\"{}\"}} 1\n",
                      engine.scale_mode ? scale_mode_name(*engine.scale_mode) : "none");
+  if (cache) {
+    const EcCache::Stats s = cache->stats();
+    sample(out, "fovea_ec_cache_bytes", "gauge", "Bytes of the encoder cache files fovea wrote (--ec-storage-path).", s.bytes);
+    sample(out, "fovea_ec_cache_files", "gauge", "Encoder cache files fovea wrote and holds.", s.files);
+    sample(out, "fovea_ec_cache_foreign_files", "gauge", "Encoder cache files of other writers (never deleted).",
+           s.foreign_files);
+    sample(out, "fovea_ec_cache_hits_total", "counter", "Images found in the encoder cache (not encoded).", s.hits);
+    sample(out, "fovea_ec_cache_misses_total", "counter", "Images not in the encoder cache (encoded and written).", s.misses);
+    sample(out, "fovea_ec_cache_writes_total", "counter", "Encoder cache files written.", s.writes);
+    sample(out, "fovea_ec_cache_evictions_total", "counter",
+           "Encoder cache files fovea deleted to stay within --ec-storage-max-bytes.", s.evictions);
+  }
   sample(out, "fovea_fp8_nonfinite_amax_total", "counter",
          "Non-finite amax values the FP8 scale book ignored, all layers (docs/fp8.md §Dynamic scaling).",
          batcher.nonfinite_amax());

@@ -9,6 +9,7 @@
 #include <string>
 #include <utility>
 
+#include "fovea/ec-cache.h"
 #include "fovea/engine.h"
 #include "server/batcher.h"
 
@@ -27,8 +28,9 @@ class Metrics {
   void observe_encode_seconds(double s);                     // every /v1/encode response
   void add_phase(Phase p, double seconds);
 
+  // `cache` (null without --ec-storage-path) adds the encoder cache's series.
   std::string render(const std::string& model, const EngineConfig& engine, const Batcher& batcher,
-                     int64_t in_flight) const;
+                     int64_t in_flight, const EcCache* cache = nullptr) const;
 
  private:
   // Upper bounds of the latency buckets, seconds (+Inf implied): a tiny CPU model answers in

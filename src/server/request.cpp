@@ -5,6 +5,7 @@
 
 #include <fmt/format.h>
 
+#include "fovea/ec-cache.h"
 #include "fovea/error.h"
 #include "fovea/json.h"
 
@@ -74,18 +75,9 @@ const std::string_view* lifted_part(const std::string& v, const Lifted& l) {
   return k < l.parts.size() ? &l.parts[k] : nullptr;
 }
 
-// images[i] as its base64 text, moved out of the document.
-std::string image_payload(json& item, size_t i, const Lifted& lifted) {
-  const std::string where = fmt::format("images[{}]", i);
-  json* url = &item;
-  if (item.is_object()) {
-    const auto type = item.find("type");
-    const auto part = item.find("image_url");
-    if (type == item.end() || *type != "image_url" || part == item.end() || item.size() != 2)
-      reject(400, "invalid_image",
-             where + ": an object must be a content part {\"type\": \"image_url\", \"image_url\": {\"url\": ...}}");
-    url = part->is_object() && part->contains("url") ? &part->at("url") : &*part;
-  }
+// An image's URL string as its base64 text; `prefix` gets what was cut (a data URL's head).
+std::string image_payload(json& url_value, const std::string& where, const Lifted& lifted, std::string& prefix) {
+  json* url = &url_value;
   if (!url->is_string())
     reject(400, "invalid_image", fmt::format("{}: expected a data URL or base64 string, got {}", where, url->type_name()));
   std::string s = std::move(url->get_ref<std::string&>());
@@ -95,6 +87,7 @@ std::string image_payload(json& item, size_t i, const Lifted& lifted) {
     if (comma == std::string::npos) reject(400, "invalid_image", where + ": data URL without ','");
     if (!std::string_view(s).substr(0, comma).ends_with(";base64"))
       reject(400, "invalid_image", where + ": only base64 data URLs are accepted (data:image/png;base64,...)");
+    prefix = s.substr(0, comma + 1);
     s.erase(0, comma + 1);
     return s;
   }
@@ -102,6 +95,35 @@ std::string image_payload(json& item, size_t i, const Lifted& lifted) {
     reject(400, "invalid_image", where + ": image URLs are not fetched; send the image inline as a data URL or base64");
   if (s.empty()) reject(400, "invalid_image", where + ": empty string");
   return s;
+}
+
+
+// images[i] into r: its base64 text (moved out of the document), its uuid and its URL's prefix.
+void add_image(EncodeRequest& r, json& item, size_t i, const Lifted& lifted) {
+  const std::string where = fmt::format("images[{}]", i);
+  json* url = &item;
+  std::string uuid;
+  if (item.is_object()) {
+    const auto type = item.find("type");
+    const auto part = item.find("image_url");
+    const auto id = item.find("uuid");
+    if (type == item.end() || *type != "image_url" || part == item.end() || item.size() != size_t(id != item.end() ? 3 : 2))
+      reject(400, "invalid_image",
+             where + ": an object must be a content part {\"type\": \"image_url\", \"image_url\": {\"url\": ...}}, "
+                     "with a \"uuid\" or without");
+    url = part->is_object() && part->contains("url") ? &part->at("url") : &*part;
+    if (id != item.end()) {
+      if (!id->is_string()) reject(400, "invalid_uuid", fmt::format("{}: \"uuid\" must be a string, not {}", where, id->type_name()));
+      uuid = id->get<std::string>();
+      if (const std::string_view* long_one = lifted_part(uuid, lifted)) uuid.assign(*long_one);
+      if (const std::string why = ec_key_problem(uuid); !why.empty())
+        reject(400, "invalid_uuid",
+               fmt::format("{}: uuid {} cannot name an encoder cache entry: {}", where, quote_for_error(uuid), why));
+    }
+  }
+  r.uuids.push_back(std::move(uuid));
+  r.url_prefixes.emplace_back();
+  r.payloads.push_back(image_payload(*url, where, lifted, r.url_prefixes.back()));
 }
 
 }  // namespace
@@ -134,13 +156,16 @@ EncodeRequest parse_encode_request(std::string_view body, size_t max_images, con
     } else if (key == "return_deepstack") {
       if (!value.is_boolean()) reject(400, "invalid_request", "\"return_deepstack\" must be true or false");
       r.deepstack = value.get<bool>();
+    } else if (key == "return_embeddings") {
+      if (!value.is_boolean()) reject(400, "invalid_request", "\"return_embeddings\" must be true or false");
+      r.return_embeddings = value.get<bool>() ? 1 : 0;
     } else if (key == "model") {
       if (value != model)
         reject(404, "model_not_found",
                fmt::format("model {} is not served here; this server serves \"{}\"", quote_for_error(value), model));
     } else {
       reject(400, "invalid_request",
-             fmt::format("unknown field {} (accepted: images, encoding, return_deepstack, model)",
+             fmt::format("unknown field {} (accepted: images, encoding, return_deepstack, return_embeddings, model)",
                          quote_for_error(std::string_view(key))));
     }
   }
@@ -151,7 +176,7 @@ EncodeRequest parse_encode_request(std::string_view body, size_t max_images, con
   if (images->size() > max_images)
     reject(400, "too_many_images",
            fmt::format("{} images in one request; the limit is {} (--max-images-per-request)", images->size(), max_images));
-  for (size_t i = 0; i < images->size(); ++i) r.payloads.push_back(image_payload((*images)[i], i, lifted));
+  for (size_t i = 0; i < images->size(); ++i) add_image(r, (*images)[i], i, lifted);
   return r;
 }
 

@@ -24,12 +24,18 @@ struct EncodeRequest {
   // then means the same values whichever Accept header asks for it.
   bool as_base64 = true;
   bool deepstack = false;             // "return_deepstack"
+  // Per image: its "uuid" ("" when it has none: the encoder cache then keys it by the sha256 of its
+  // URL string as sent, as vLLM's EPD proxy does), and its data URL's prefix through the ','
+  // ("" for bare base64), so that string can be hashed after the prefix is cut.
+  std::vector<std::string> uuids, url_prefixes;
+  int return_embeddings = -1;  // "return_embeddings": 1 or 0; -1 when absent (then: not with the encoder cache)
 };
 
-// {"images": [...], "encoding"?, "return_deepstack"?, "model"?}. Images are data URLs
-// (data:image/png;base64,...) or plain base64, bare or in an OpenAI content part
-// {"type": "image_url", "image_url": {"url": ...}} (or "image_url": "..."). Throws ApiError: 400
-// invalid_json / invalid_request / invalid_image / too_many_images, 404 model_not_found.
+// {"images": [...], "encoding"?, "return_deepstack"?, "return_embeddings"?, "model"?}. Images are
+// data URLs (data:image/png;base64,...) or plain base64, bare or in an OpenAI content part
+// {"type": "image_url", "image_url": {"url": ...}, "uuid"?} (or "image_url": "..."); a uuid must be
+// one safe folder name (fovea/ec-cache.h). Throws ApiError: 400 invalid_json / invalid_request /
+// invalid_image / invalid_uuid / too_many_images, 404 model_not_found.
 EncodeRequest parse_encode_request(std::string_view body, size_t max_images, const std::string& model);
 
 }  // namespace fovea::server

@@ -20,12 +20,14 @@
 #include <nlohmann/json.hpp>
 
 #include "fovea/bf16.h"
+#include "fovea/ec-cache.h"
 #include "fovea/error.h"
 #include "fovea/image.h"
 #include "fovea/json.h"
 #include "fovea/pipeline.h"
 #include "fovea/threads.h"
 #include "fovea/safetensors.h"
+#include "fovea/sha256.h"
 #include "server/base64.h"
 #include "server/budget.h"
 #include "server/http.h"
@@ -58,13 +60,23 @@ struct Decoded {
   std::vector<double> decode_ms, preprocess_ms;
 };
 
-// Base64 -> image -> patches for every image, in parallel (prepare_images); the first failing image
-// (by index) is the request's error, naming it. Each image reserves the memory it will take to
-// decode and preprocess (from its header) before a pixel is decoded, waiting for room until the
-// request's deadline, and gives it back once preprocessed.
-Decoded decode_images(EncodeRequest& r, const image::PreprocessConfig& pcfg, ByteBudget& budget,
-                      Clock::time_point deadline) {
-  const size_t n = r.payloads.size();
+std::vector<uint8_t> image_bytes(EncodeRequest& r, size_t i) {
+  try {
+    std::vector<uint8_t> bytes = base64_decode(r.payloads[i], fmt::format("images[{}]", i));
+    std::string().swap(r.payloads[i]);
+    return bytes;
+  } catch (const Error& e) {
+    throw ApiError{400, "invalid_base64", e.what()};
+  }
+}
+
+// Base64 -> image -> patches for the images `which` (indices into the request), in parallel
+// (prepare_images); the first failing image (by index) is the request's error, naming it. Each
+// image reserves the memory it will take to decode and preprocess (from its header) before a pixel
+// is decoded, waiting for room until the request's deadline, and gives it back once preprocessed.
+Decoded decode_images(EncodeRequest& r, const std::vector<size_t>& which, const image::PreprocessConfig& pcfg,
+                      ByteBudget& budget, Clock::time_point deadline) {
+  const size_t n = which.size();
   // Requests decoding at once share the cores: each gets cores / requests threads (at least one),
   // not all of them each (each resize pass of each request used to start a thread per core).
   static std::atomic<int> decoding{0};
@@ -74,16 +86,11 @@ Decoded decode_images(EncodeRequest& r, const image::PreprocessConfig& pcfg, Byt
   } counted;
   ThreadCap cap(hardware_threads() / std::max(1, decoding.load()));
   std::vector<int64_t> held(n, 0);
-  const auto name_of = [](size_t i) { return fmt::format("images[{}]", i); };
-  const auto decode = [&](size_t i) {
-    const std::string name = name_of(i);
-    std::vector<uint8_t> bytes;
-    try {
-      bytes = base64_decode(r.payloads[i], name);
-      std::string().swap(r.payloads[i]);
-    } catch (const Error& e) {
-      throw ApiError{400, "invalid_base64", e.what()};
-    }
+  const auto name_of = [&](size_t j) { return fmt::format("images[{}]", which[j]); };
+  const auto decode = [&](size_t j) {
+    const size_t i = which[j];
+    const std::string name = name_of(j);
+    const std::vector<uint8_t> bytes = image_bytes(r, i);
     const image::ImageInfo info = image::probe(bytes, name, pcfg);
     const int64_t need = image::decode_peak_bytes(info, pcfg);
     if (need > budget.capacity())
@@ -95,11 +102,11 @@ Decoded decode_images(EncodeRequest& r, const image::PreprocessConfig& pcfg, Byt
                      fmt::format("image '{}': no room to decode it before the request's deadline (the "
                                  "server's images being decoded hold {} of {} bytes, --max-decode-bytes)",
                                  name, budget.used(), budget.capacity())};
-    held[i] = need;
+    held[j] = need;
     return image::decode_memory(bytes, name, pcfg);
   };
-  const auto release = [&](size_t i) {
-    if (held[i]) budget.release(held[i]);
+  const auto release = [&](size_t j) {
+    if (held[j]) budget.release(held[j]);
   };
   // Raw uint8 patches: an eighth of the fp32 bytes to queue and upload; the GPU normalizes them.
   std::vector<PreparedImage> prepared = prepare_images(n, decode, pcfg, release, /*raw=*/true);
@@ -113,7 +120,7 @@ Decoded decode_images(EncodeRequest& r, const image::PreprocessConfig& pcfg, Byt
         throw;
       } catch (const Error& e) {
         const std::string what = e.what();  // decode errors name the image, preprocess errors do not
-        const std::string name = name_of(i);
+        const std::string name = name_of(i);  // i: this image's place among `which`
         throw ApiError{400, "invalid_image", what.find(name) != std::string::npos ? what : fmt::format("image '{}': {}", name, what)};
       }
     }
@@ -129,10 +136,6 @@ Decoded decode_images(EncodeRequest& r, const image::PreprocessConfig& pcfg, Byt
 // bf16 rows are sent as the bytes they are in memory (little-endian), or widened to floats.
 static_assert(std::endian::native == std::endian::little, "bf16 rows are sent as they lie in memory");
 
-json timings(const Decoded& d, const ImageOutput& o, size_t i) {
-  return {{"decode", d.decode_ms[i]}, {"preprocess", d.preprocess_ms[i]}, {"queue", o.queue_ms}, {"forward", o.forward_ms}};
-}
-
 // What the handlers share. The batcher, model and engine outlive the HTTP server.
 struct Context {
   Context(const ServeOptions& o, const qwen3vl::Model& m, const EngineConfig& e, image::PreprocessConfig p, Batcher& b)
@@ -145,13 +148,42 @@ struct Context {
   ByteBudget decode_budget;
   Metrics metrics;
   const http::Server* http = nullptr;
+  EcCache* cache = nullptr;  // --ec-storage-path
   int64_t started_unix = std::time(nullptr);
 };
 
+// One image of a reply: its grid, its cache key and whether it was found there, its rows (views
+// into the forward's outputs, or into `loaded`: a cached entry read back) and its timings.
+struct ReplyImage {
+  qwen3vl::GridThw grid{};
+  std::string key;      // "" without the encoder cache
+  bool cached = false;  // found in the cache: not encoded
+  ImageTensorsBf16 rows;
+  std::vector<uint16_t> loaded;  // a cache entry's [tokens, out_hidden * (1 + k)], when rows point into it
+  json timings = json::object(), batch = json::object();
+};
+
+// A cached entry's rows for a reply: read back, cut into the merger output and deepstack columns.
+void load_cached(const Context& c, ReplyImage& im, bool with_deepstack) {
+  const auto& cfg = c.model.config;
+  const int64_t tokens = image_tokens(cfg, im.grid), O = cfg.out_hidden, k = int64_t(cfg.deepstack.size());
+  const std::vector<uint16_t> all = c.cache->load(im.key, tokens, O * (1 + k));
+  const int64_t parts = with_deepstack ? 1 + k : 1;
+  im.loaded.resize(size_t(tokens * O * parts));
+  for (int64_t p = 0; p < parts; ++p)  // part p: [tokens, O], row after row
+    for (int64_t t = 0; t < tokens; ++t)
+      std::memcpy(im.loaded.data() + (p * tokens + t) * O, all.data() + (t * (1 + k) + p) * O, size_t(O) * 2);
+  const std::span<const uint16_t> v(im.loaded);
+  im.rows.merged = v.subspan(0, size_t(tokens * O));
+  im.rows.deepstack.clear();
+  for (int64_t p = 1; p < parts; ++p) im.rows.deepstack.push_back(v.subspan(size_t(p * tokens * O), size_t(tokens * O)));
+}
+
 // The JSON reply, written out member by member: the embeddings (megabytes of base64 per image) are
 // appended as they are, never passed through the JSON writer's per-character escaping; everything
-// else is dumped by nlohmann.
-std::string json_reply(const Context& c, const EncodeRequest& r, const Decoded& d, const Job& job, double total_ms) {
+// else is dumped by nlohmann. With the encoder cache, embeddings only if asked for.
+std::string json_reply(const Context& c, const EncodeRequest& r, const std::vector<ReplyImage>& images, bool embeddings,
+                       double total_ms) {
   const int O = c.model.config.out_hidden;
   const auto open_object = [](const json& j) {  // the object's text without its closing brace
     std::string t = dump(j);
@@ -168,34 +200,40 @@ std::string json_reply(const Context& c, const EncodeRequest& r, const Decoded& 
     out += '"';
   };
   std::string out;
-  if (r.as_base64) {  // one allocation: the base64 text plus room for each image's few fields
+  if (r.as_base64 && embeddings) {  // one allocation: the base64 text plus room for each image's few fields
     size_t bytes = 0;
-    for (const ImageOutput& o : job.outputs)
-      bytes += (1 + (r.deepstack ? o.forward->deepstack.size() : 0)) * base64_size(size_t(o.tokens) * size_t(O) * 2) + 1024;
+    for (const ReplyImage& im : images)
+      bytes += (1 + (r.deepstack ? im.rows.deepstack.size() : 0)) * base64_size(im.rows.merged.size() * 2) + 1024;
     out.reserve(bytes + 1024);
   }
   out += open_object({{"object", "list"},
-                                 {"model", c.opt.model},
-                                 {"encoding", r.as_base64 ? "base64" : "float"},
-                                 {"dtype", r.as_base64 ? "bf16" : "float32"}});
+                      {"model", c.opt.model},
+                      {"encoding", r.as_base64 ? "base64" : "float"},
+                      {"dtype", r.as_base64 ? "bf16" : "float32"}});
   out += ",\"data\":[";
-  for (size_t i = 0; i < job.outputs.size(); ++i) {
-    const ImageOutput& o = job.outputs[i];
-    const qwen3vl::GridThw& g = job.images[i].grid;
+  for (size_t i = 0; i < images.size(); ++i) {
+    const ReplyImage& im = images[i];
     if (i) out += ',';
-    out += open_object({{"index", i}, {"grid_thw", g}, {"num_tokens", image_tokens(c.model.config, g)}, {"hidden_size", O}});
-    out += ",\"embeddings\":";
-    append_value(out, o.merged(O));
-    if (r.deepstack) {
-      out += ",\"deepstack\":[";
-      for (size_t k = 0; k < o.forward->deepstack.size(); ++k) {
-        if (k) out += ',';
-        append_value(out, o.deepstack(k, O));
-      }
-      out += ']';
+    json head = {{"index", i}, {"grid_thw", im.grid}, {"num_tokens", image_tokens(c.model.config, im.grid)}, {"hidden_size", O}};
+    if (c.cache) {
+      head["uuid"] = im.key;
+      head["cached"] = im.cached;
     }
-    out += ",\"timings_ms\":" + dump(timings(d, o, i));
-    out += ",\"batch\":" + dump(json{{"images", o.batch_images}, {"tokens", o.batch_tokens}}) + "}";
+    out += open_object(head);
+    if (embeddings) {
+      out += ",\"embeddings\":";
+      append_value(out, im.rows.merged);
+      if (r.deepstack) {
+        out += ",\"deepstack\":[";
+        for (size_t k = 0; k < im.rows.deepstack.size(); ++k) {
+          if (k) out += ',';
+          append_value(out, im.rows.deepstack[k]);
+        }
+        out += ']';
+      }
+    }
+    out += ",\"timings_ms\":" + dump(im.timings);
+    out += ",\"batch\":" + dump(im.batch) + "}";
   }
   out += "],\"timings_ms\":" + dump(json{{"total", total_ms}}) + "}";
   return out;
@@ -203,25 +241,28 @@ std::string json_reply(const Context& c, const EncodeRequest& r, const Decoded& 
 
 // The safetensors file `fovea encode -o` writes for these images: BF16 tensors straight from the
 // bf16 rows, or, with "encoding": "float", F32 ones (those values widened, as in the float JSON
-// reply; see request.h); deepstack only if asked for; the per-image timings in the metadata.
-std::string safetensors_reply(const Context& c, const EncodeRequest& r, const Decoded& d, const Job& job) {
+// reply; see request.h); deepstack only if asked for; the per-image timings (and cache keys) in the
+// metadata.
+std::string safetensors_reply(const Context& c, const EncodeRequest& r, const std::vector<ReplyImage>& images) {
   std::vector<TensorToWrite> tensors;
   std::map<std::string, std::string> meta = {
       {"model", c.opt.model}, {"dtype", dtype_name(c.engine.dtype)}, {"device", device_name(c.engine.device)}};
-  const int O = c.model.config.out_hidden;
-  for (size_t i = 0; i < job.outputs.size(); ++i) {
-    const ImageOutput& o = job.outputs[i];
-    ImageTensorsBf16 t{o.merged(O), {}};
-    if (job.deepstack)
-      for (size_t k = 0; k < o.forward->deepstack.size(); ++k) t.deepstack.push_back(o.deepstack(k, O));
+  for (size_t i = 0; i < images.size(); ++i) {
+    const ReplyImage& im = images[i];
+    ImageTensorsBf16 t{im.rows.merged, {}};
+    if (r.deepstack) t.deepstack = im.rows.deepstack;
     if (r.as_base64) {
-      append_image_tensors(tensors, i, job.images[i].grid, c.model.config, t);
+      append_image_tensors(tensors, i, im.grid, c.model.config, t);
     } else {
       ImageTensors f{widen_bf16(t.merged), {}};
       for (const auto& v : t.deepstack) f.deepstack.push_back(widen_bf16(v));
-      append_image_tensors(tensors, i, job.images[i].grid, c.model.config, f);
+      append_image_tensors(tensors, i, im.grid, c.model.config, f);
     }
-    meta[fmt::format("image.{}.timings_ms", i)] = dump(timings(d, o, i));
+    meta[fmt::format("image.{}.timings_ms", i)] = dump(im.timings);
+    if (c.cache) {
+      meta[fmt::format("image.{}.uuid", i)] = im.key;
+      meta[fmt::format("image.{}.cached", i)] = im.cached ? "true" : "false";
+    }
   }
   return safetensors_bytes("reply", tensors, meta);
 }
@@ -254,28 +295,93 @@ http::Response encode(Context& c, http::Request& req) {
     reject(504, "timeout", fmt::format("not started within {} s (--request-timeout)", c.opt.request_timeout_s));
   EncodeRequest r = parse_encode_request(req.body, c.opt.max_images_per_request, c.opt.model);
   std::string().swap(req.body);
+  const size_t n = r.payloads.size();
+  std::vector<ReplyImage> images(n);
+  std::vector<size_t> misses;  // the images to encode
+  for (size_t i = 0; i < n; ++i) {
+    if (c.cache) {  // the client's uuid, or the sha256 of the image's URL string as sent (vLLM's EPD proxy's key)
+      ReplyImage& im = images[i];
+      if (!r.uuids[i].empty()) {
+        im.key = r.uuids[i];
+      } else {
+        const std::string url = r.url_prefixes[i] + r.payloads[i];
+        im.key = sha256_hex({reinterpret_cast<const uint8_t*>(url.data()), url.size()});
+      }
+      im.cached = c.cache->lookup(im.key);
+    }
+    if (!images[i].cached) misses.push_back(i);
+  }
+  for (size_t i = 0; i < n; ++i) {  // a cached image: its grid from its header alone
+    ReplyImage& im = images[i];
+    if (!im.cached) continue;
+    const auto t = Clock::now();
+    const std::string name = fmt::format("images[{}]", i);
+    try {
+      const image::ImageInfo info = image::probe(image_bytes(r, i), name, c.pcfg);
+      const int factor = c.pcfg.patch * c.pcfg.merge;
+      const auto [h, w] = image::smart_resize(info.height, info.width, factor, c.pcfg.min_pixels, c.pcfg.max_pixels);
+      im.grid = {1, h / c.pcfg.patch, w / c.pcfg.patch};
+    } catch (const Error& e) {
+      throw ApiError{400, "invalid_image", e.what()};
+    }
+    im.timings = {{"decode", 0.0}, {"preprocess", 0.0}, {"probe", ms_since(t)}, {"queue", 0.0}, {"forward", 0.0}};
+  }
   phase_ended(Phase::PARSE);
-  Decoded d = decode_images(r, c.pcfg, c.decode_budget, deadline);
+  Decoded d = decode_images(r, misses, c.pcfg, c.decode_budget, deadline);
   phase_ended(Phase::DECODE);
 
-  std::string refused;
-  const std::shared_ptr<Job> job = c.batcher.submit(std::move(d.images), r.deepstack, refused);
-  if (!job) reject(503, "queue_full", refused + "; retry later");
-  std::string error;
-  switch (c.batcher.wait(*job, deadline, error)) {
-    case Batcher::Wait::TIMED_OUT:
-      reject(504, "timeout", fmt::format("not encoded within {} s (--request-timeout)", c.opt.request_timeout_s));
-    case Batcher::Wait::FAILED:
-      reject(500, "encoder_error", error);
-    case Batcher::Wait::DONE:
-      break;
+  std::shared_ptr<Job> job;
+  if (!misses.empty()) {
+    // The cache holds every deepstack output, so a request that fills it asks for them.
+    const bool deepstack = r.deepstack || (c.cache && !c.model.config.deepstack.empty());
+    std::string refused;
+    job = c.batcher.submit(std::move(d.images), deepstack, refused);
+    if (!job) reject(503, "queue_full", refused + "; retry later");
+    std::string error;
+    switch (c.batcher.wait(*job, deadline, error)) {
+      case Batcher::Wait::TIMED_OUT:
+        reject(504, "timeout", fmt::format("not encoded within {} s (--request-timeout)", c.opt.request_timeout_s));
+      case Batcher::Wait::FAILED:
+        reject(500, "encoder_error", error);
+      case Batcher::Wait::DONE:
+        break;
+    }
   }
   phase_ended(Phase::ENCODER);
+  const int O = c.model.config.out_hidden;
+  for (size_t j = 0; j < misses.size(); ++j) {
+    ReplyImage& im = images[misses[j]];
+    const ImageOutput& o = job->outputs[j];
+    im.grid = job->images[j].grid;
+    im.rows.merged = o.merged(O);
+    for (size_t k = 0; k < o.forward->deepstack.size(); ++k) im.rows.deepstack.push_back(o.deepstack(k, O));
+    im.timings = {{"decode", d.decode_ms[j]}, {"preprocess", d.preprocess_ms[j]}, {"queue", o.queue_ms}, {"forward", o.forward_ms}};
+    im.batch = {{"images", o.batch_images}, {"tokens", o.batch_tokens}};
+    if (c.cache) {
+      try {
+        c.cache->store(im.key, im.rows, im.grid, c.model.config);
+      } catch (const Error& e) {
+        reject(500, "ec_cache_write_failed", fmt::format("images[{}]: {}", misses[j], e.what()));
+      }
+    }
+  }
+  const bool octet = req.header("accept").find("application/octet-stream") != std::string_view::npos;
+  // Embeddings: always without the cache and in safetensors replies; with the cache, if asked for.
+  const bool embeddings = octet || (c.cache ? r.return_embeddings == 1 : r.return_embeddings != 0);
+  if (embeddings)
+    for (ReplyImage& im : images)
+      if (im.cached) {
+        try {
+          load_cached(c, im, r.deepstack);
+        } catch (const Error& e) {
+          reject(500, "ec_cache_read_failed", e.what());
+        }
+      }
   http::Response res;
-  if (req.header("accept").find("application/octet-stream") != std::string_view::npos)
-    res = {200, "application/octet-stream", safetensors_reply(c, r, d, *job), {}};
+  if (octet)
+    res = {200, "application/octet-stream", safetensors_reply(c, r, images), {}};
   else
-    res = {200, "application/json", json_reply(c, r, d, *job, ms_since(t0)), {}};
+    res = {200, "application/json", json_reply(c, r, images, embeddings, ms_since(t0)), {}};
   phase_ended(Phase::REPLY);
   return res;
 }
@@ -314,7 +420,7 @@ class Service final : public http::Handler {
     }
     if (req.path == "/metrics")
       return http::Response{200, "text/plain; version=0.0.4; charset=utf-8",
-                            c_.metrics.render(c_.opt.model, c_.engine, c_.batcher, int64_t(c_.http->in_flight())), {}};
+                            c_.metrics.render(c_.opt.model, c_.engine, c_.batcher, int64_t(c_.http->in_flight()), c_.cache), {}};
     if (req.header("content-type").starts_with("multipart/"))
       return error_response({415, "unsupported_media_type",
                              "multipart bodies are not accepted: POST the JSON object (application/json)"});
@@ -383,8 +489,11 @@ int serve(const ServeOptions& o) {
   const EngineConfig engine = resolve_engine(o.engine, query_system());
   const image::PreprocessConfig pcfg = image::load_preprocess_config(o.model, o.preprocess);
   const qwen3vl::Model model = qwen3vl::load_model(o.model);
+  std::optional<EcCache> cache;
+  if (!o.ec_storage_path.empty()) cache.emplace(o.ec_storage_path, o.ec_storage_max_bytes);
   Batcher batcher(model, engine, o.max_queue, o.max_queue_tokens, o.max_batch_tokens);
   Context c(o, model, engine, pcfg, batcher);
+  if (cache) c.cache = &*cache;
   Service service(c);
 
   struct sigaction ignore {};
@@ -405,6 +514,14 @@ int serve(const ServeOptions& o) {
              o.model, cfg.depth, cfg.out_hidden, dtype_name(engine.dtype),
              engine.scale_mode ? fmt::format(" ({} scales)", scale_mode_name(*engine.scale_mode)) : "",
              device_name(engine.device), backend_name(engine.backend), o.max_batch_tokens, o.max_queue);
+  if (cache) {
+    const EcCache::Stats s = cache->stats();
+    fmt::print("fovea serve: encoder cache {} (vLLM's ECExampleConnector layout): {} files of fovea's ({:.1f} MB{}), "
+               "{} of other writers\n",
+               o.ec_storage_path, s.files, double(s.bytes) / 1e6,
+               o.ec_storage_max_bytes ? fmt::format(" of at most {:.1f}", double(o.ec_storage_max_bytes) / 1e6) : "",
+               s.foreign_files);
+  }
   const bool v6 = o.host.find(':') != std::string::npos;
   fmt::print("fovea serve: listening on http://{}{}{}:{}\n", v6 ? "[" : "", o.host, v6 ? "]" : "", server.port());
   std::fflush(stdout);
