@@ -601,6 +601,35 @@ TEST_F(Serve, EncoderCacheForVllm) {
       EXPECT_HAS(e.message, "images[1]: uuid");
     }
     EXPECT_FALSE(fs::exists(cache / "fine"));  // a refused request writes nothing
+    // A reader polling the folder while the server writes entries never opens a partial file.
+    std::atomic<bool> writing{true};
+    std::atomic<int> opened{0}, partial{0};
+    std::thread reader([&] {
+      while (writing) {
+        std::error_code ec;
+        for (const auto& e : fs::directory_iterator(cache, ec)) {
+          const fs::path f = e.path() / "encoder_cache.safetensors";
+          if (e.path().filename().string().rfind("poll-", 0) != 0 || !fs::exists(f, ec)) continue;
+          const std::string bytes = slurp(f);
+          opened += 1;
+          try {
+            const auto ts = fovea::parse_safetensors(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size(), f.string());
+            if (ts.size() != 1 || ts[0].shape.size() != 2 || ts[0].shape[1] != 48 * 3) partial += 1;
+          } catch (const fovea::Error&) {
+            partial += 1;
+          }
+        }
+      }
+    });
+    for (int i = 0; i < 12; ++i) {
+      r = cli->Post("/v1/encode", request({{&image(size_t(i)), "poll-" + std::to_string(i)}}, false), "application/json");
+      EXPECT_TRUE(r && r->status == 200);
+    }
+    writing = false;
+    reader.join();
+    EXPECT_GT(opened, 0);
+    EXPECT_EQ(partial, 0);
+    for (int i = 0; i < 12; ++i) fs::remove_all(cache / ("poll-" + std::to_string(i)));
     EXPECT_EQ(server.stop(SIGTERM), 0);
   }
   {  // restarted with a budget of exactly the two files: it finds both, then evicts the least recently used
