@@ -115,13 +115,17 @@ EcCache::EcCache(std::string dir, int64_t max_bytes) : dir_(std::move(dir)), max
         fs::remove(f->path(), ec);
     }
     ec.clear();
+    // A file that vanishes while the folder is read (another process evicting) is skipped.
+    std::error_code gone;
     const std::string path = path_of(key);
-    if (!fs::is_regular_file(path, ec)) continue;
+    if (!fs::is_regular_file(path, gone)) continue;
     if (!written_by_fovea(path)) {
       foreign_[key] = true;
       continue;
     }
-    found.push_back({key, int64_t(fs::file_size(path, ec)), fs::last_write_time(path, ec)});
+    const auto bytes = fs::file_size(path, gone);
+    const auto mtime = fs::last_write_time(path, gone);
+    if (!gone) found.push_back({key, int64_t(bytes), mtime});
   }
   if (ec) fail("encoder cache '{}': cannot read the folder: {}", dir_, ec.message());
   std::sort(found.begin(), found.end(), [](const Found& a, const Found& b) { return a.mtime < b.mtime; });
