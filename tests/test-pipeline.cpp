@@ -58,6 +58,8 @@ TEST(Pipeline, PrepareImagesKeepsEachImagesErrorAndMatchesPreprocess) {
     EXPECT_EQ(p[i].error_message(), "");
     const image::Patches ref = image::preprocess(noise_image(kSizes[i].first, kSizes[i].second, unsigned(i)), cfg);
     EXPECT_EQ(p[i].patches.grid, ref.grid);
+    // What the encoder cache and `encode` know from a header alone, before decoding.
+    EXPECT_EQ(image::resized_grid(kSizes[i].second, kSizes[i].first, cfg), ref.grid);
     EXPECT_EQ(p[i].patches.pixels, ref.pixels);
     EXPECT_GE(p[i].decode_ms, 0);
     EXPECT_GE(p[i].preprocess_ms, 0);

@@ -113,6 +113,11 @@ Rgb8 decode_memory(std::span<const uint8_t> bytes, const std::string& name, cons
 
 // docs/encoder.md §smart_resize (Python's round-half-to-even included). Throws for aspect ratios above 200.
 std::pair<int, int> smart_resize(int height, int width, int factor, int64_t min_pixels, int64_t max_pixels);
+// What preprocess() makes of an image of height x width under `cfg`: the size smart_resize gives it
+// (factor patch * merge, the config's budget), and its patches' grid {1, h / patch, w / patch}, known
+// from a header alone.
+std::pair<int, int> resized_size(int height, int width, const PreprocessConfig& cfg);
+qwen3vl::GridThw resized_grid(int height, int width, const PreprocessConfig& cfg);
 
 // Antialiased bicubic resize of a uint8 image to (out_h, out_w): separable (horizontal pass, then
 // vertical), Keys cubic with a = -0.5, support 2 x scale when shrinking, int16 fixed-point weights and

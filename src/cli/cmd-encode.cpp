@@ -178,9 +178,8 @@ int run(const Args& a) {
       files[i] = read_file(a.images[i], "image", image::kMaxEncodedImageBytes);
       const image::ImageInfo info =
           image::probe({reinterpret_cast<const uint8_t*>(files[i].data()), files[i].size()}, a.images[i], pcfg);
-      const auto [h, w] = image::smart_resize(info.height, info.width, pcfg.patch * pcfg.merge, pcfg.min_pixels,
-                                              pcfg.max_pixels);
-      expected_tokens += int64_t(h / (pcfg.patch * pcfg.merge)) * (w / (pcfg.patch * pcfg.merge));
+      const qwen3vl::GridThw g = image::resized_grid(info.height, info.width, pcfg);
+      expected_tokens += int64_t(g[1]) * g[2] / (pcfg.merge * pcfg.merge);
     } catch (const Error&) {
       std::string().swap(files[i]);
     }

@@ -95,7 +95,7 @@ int64_t decode_peak_bytes(const ImageInfo& info, const PreprocessConfig& cfg) {
   const int64_t decode_phase = rgb + info.decoder_bytes;
   int64_t resize_phase = 0, patch_phase = 0;
   try {
-    const auto [oh, ow] = smart_resize(info.height, info.width, cfg.patch * cfg.merge, cfg.min_pixels, cfg.max_pixels);
+    const auto [oh, ow] = resized_size(info.height, info.width, cfg);
     const int64_t out = 3 * int64_t(oh) * ow;
     const bool resized = oh != h || ow != w;
     if (resized) resize_phase = rgb + 3 * h * ow + (oh != h ? out : 0);

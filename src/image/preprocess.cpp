@@ -328,9 +328,18 @@ void normalize_raw(Patches& p) {
         for (size_t k = 0; k < plane; ++k) *dst++ = normalize(p.raw[r * in_row + c * plane + k], p.norm.mean, p.norm.std, c);
 }
 
+std::pair<int, int> resized_size(int height, int width, const PreprocessConfig& cfg) {
+  return smart_resize(height, width, cfg.patch * cfg.merge, cfg.min_pixels, cfg.max_pixels);
+}
+
+qwen3vl::GridThw resized_grid(int height, int width, const PreprocessConfig& cfg) {
+  const auto [h, w] = resized_size(height, width, cfg);
+  return {1, h / cfg.patch, w / cfg.patch};
+}
+
 Patches preprocess(const Rgb8& img, const PreprocessConfig& cfg, bool raw) {
   try {
-    const auto [h, w] = smart_resize(img.height, img.width, cfg.patch * cfg.merge, cfg.min_pixels, cfg.max_pixels);
+    const auto [h, w] = resized_size(img.height, img.width, cfg);
     const bool as_is = h == img.height && w == img.width;
     const Rgb8 resized = as_is ? Rgb8{} : resize_bicubic(img, h, w);
     const Rgb8& sized = as_is ? img : resized;

@@ -318,9 +318,7 @@ http::Response encode(Context& c, http::Request& req) {
     const std::string name = fmt::format("images[{}]", i);
     try {
       const image::ImageInfo info = image::probe(image_bytes(r, i), name, c.pcfg);
-      const int factor = c.pcfg.patch * c.pcfg.merge;
-      const auto [h, w] = image::smart_resize(info.height, info.width, factor, c.pcfg.min_pixels, c.pcfg.max_pixels);
-      im.grid = {1, h / c.pcfg.patch, w / c.pcfg.patch};
+      im.grid = image::resized_grid(info.height, info.width, c.pcfg);
     } catch (const Error& e) {
       throw ApiError{400, "invalid_image", e.what()};
     }
