@@ -66,6 +66,9 @@ class EcCache {
   void touch(const std::string& key);  // with mu_ held: the most recently used now
   void evict_over_budget(const std::string& keep);  // with mu_ held
   void forget(const std::string& key);  // with mu_ held
+  // With mu_ held: sets the file's modification time to now, strictly later than any time this
+  // cache set before, so the recency order survives a restart even where the clock is coarse.
+  void stamp(const std::string& path);
 
   const std::string dir_;
   const int64_t max_bytes_;
@@ -78,6 +81,7 @@ class EcCache {
   std::map<uint64_t, std::string> by_age_;  // tick -> key, oldest first
   std::unordered_map<std::string, bool> foreign_;
   uint64_t tick_ = 0;
+  int64_t last_stamp_ns_ = 0;  // the latest modification time stamp() set or found
   Stats stats_;
 };
 

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <ctime>
 #include <cstring>
 #include <filesystem>
 #include <vector>
@@ -129,6 +130,10 @@ EcCache::EcCache(std::string dir, int64_t max_bytes) : dir_(std::move(dir)), max
   }
   if (ec) fail("encoder cache '{}': cannot read the folder: {}", dir_, ec.message());
   std::sort(found.begin(), found.end(), [](const Found& a, const Found& b) { return a.mtime < b.mtime; });
+  if (!found.empty()) {
+    const auto newest = std::chrono::file_clock::to_sys(found.back().mtime);
+    last_stamp_ns_ = std::chrono::duration_cast<std::chrono::nanoseconds>(newest.time_since_epoch()).count();
+  }
   for (const Found& f : found) {
     own_[f.key] = {f.bytes, ++tick_};
     by_age_[tick_] = f.key;
@@ -145,6 +150,15 @@ void EcCache::touch(const std::string& key) {
   by_age_.erase(e.tick);
   e.tick = ++tick_;
   by_age_[e.tick] = key;
+}
+
+void EcCache::stamp(const std::string& path) {
+  timespec now{};
+  ::clock_gettime(CLOCK_REALTIME, &now);
+  const int64_t ns = std::max(int64_t(now.tv_sec) * 1000000000 + now.tv_nsec, last_stamp_ns_ + 1000);
+  last_stamp_ns_ = ns;
+  const timespec times[2] = {{ns / 1000000000, ns % 1000000000}, {ns / 1000000000, ns % 1000000000}};
+  ::utimensat(AT_FDCWD, path.c_str(), times, 0);  // best effort: only the order after a restart rests on it
 }
 
 void EcCache::forget(const std::string& key) {
@@ -187,7 +201,7 @@ bool EcCache::lookup(const std::string& key) {
   stats_.hits += 1;
   if (own_.count(key)) {
     touch(key);
-    ::utimensat(AT_FDCWD, path.c_str(), nullptr, 0);  // now: the order survives a restart
+    stamp(path);
   } else if (!foreign_.count(key)) {
     foreign_[key] = true;  // another writer's file
     stats_.foreign_files = int64_t(foreign_.size());
@@ -217,6 +231,7 @@ void EcCache::store(const std::string& key, const ImageTensorsBf16& t, const qwe
   foreign_.erase(key);
   own_[key] = {bytes, 0};
   touch(key);
+  stamp(path);
   stats_.bytes += bytes;
   stats_.writes += 1;
   evict_over_budget(key);
