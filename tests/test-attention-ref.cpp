@@ -11,6 +11,7 @@
 #include "fovea/fp8.h"
 #include "fovea/random.h"
 #include "fovea/rope.h"
+#include "attention/cuda/tile-plan.h"
 
 using namespace fovea;
 using cpu::RefMode;
@@ -336,4 +337,58 @@ TEST(Rope, TablesFollowTheSpecAndRotationKeepsPairNorms) {
             ASSERT_EQ(y[i], x[i]);  // position (0, 0): angle 0
           }
         }
+}
+
+// ---- the flash kernel's tile-row choice (src/attention/cuda/tile-plan.h), plain C++ ----------------
+
+namespace {
+
+struct ScopedEnv {
+  explicit ScopedEnv(const char* value) {
+    if (value) setenv("FOVEA_FLASH_WARPGROUPS", value, 1);
+    else unsetenv("FOVEA_FLASH_WARPGROUPS");
+  }
+  ~ScopedEnv() { unsetenv("FOVEA_FLASH_WARPGROUPS"); }
+};
+
+}  // namespace
+
+TEST(TilePlan, SmallBatchesTake128RowTilesLargeOnes192) {
+  using fovea::cuda::choose_consumer_warpgroups;
+  ScopedEnv env(nullptr);
+  // The H200's 132 SMs, 16 heads; each expectation is the faster choice measured on 2026-12-01.
+  EXPECT_EQ(choose_consumer_warpgroups({1024}, 16, 3, 132), 2);  // 96 CTAs of 192 rows leave 36 SMs idle
+  EXPECT_EQ(choose_consumer_warpgroups({8192}, 16, 3, 132), 2);
+  EXPECT_EQ(choose_consumer_warpgroups({3520, 3520, 3520}, 16, 3, 132), 3);
+  EXPECT_EQ(choose_consumer_warpgroups({32640}, 16, 3, 132), 3);
+  EXPECT_EQ(choose_consumer_warpgroups({32640, 32640, 32640}, 16, 3, 132), 3);
+  // Where 192-row tiles are not built (BF16, FP8 at head_dim > 80) the answer is always 2.
+  EXPECT_EQ(choose_consumer_warpgroups({32640}, 16, 2, 132), 2);
+  // Fewer SMs make the same batch "larger".
+  EXPECT_EQ(choose_consumer_warpgroups({1024}, 16, 3, 24), 3);
+}
+
+TEST(TilePlan, PredictedTimeFollowsWavesAndTheEnvironmentForcesAChoice) {
+  using fovea::cuda::choose_consumer_warpgroups;
+  using fovea::cuda::predicted_flash_time;
+  // One wave: the time of one CTA. 128 rows of 8 blocks (+1 overhead) = 9 * 128.
+  EXPECT_DOUBLE_EQ(predicted_flash_time({1024}, 16, 128, 132), 9.0 * 128);
+  // 133 equal CTAs on 132 SMs take two CTA times.
+  EXPECT_DOUBLE_EQ(predicted_flash_time({128}, 133, 128, 132), 2 * 2.0 * 128);
+  // Longest segments first: a long one and many short ones share the SMs.
+  // 2 SMs: five 11-block CTAs each, then the three 2-block ones, two on one SM.
+  EXPECT_DOUBLE_EQ(predicted_flash_time({128, 128, 128, 1280}, 1, 128, 2), 5 * 11.0 * 128 + 2 * 2.0 * 128);
+  {
+    ScopedEnv env("3");
+    EXPECT_EQ(choose_consumer_warpgroups({1024}, 16, 3, 132), 3);
+    EXPECT_EQ(choose_consumer_warpgroups({1024}, 16, 2, 132), 2);  // never more than are built
+  }
+  {
+    ScopedEnv env("2");
+    EXPECT_EQ(choose_consumer_warpgroups({32640}, 16, 3, 132), 2);
+  }
+  {
+    ScopedEnv env("7");  // not a choice: the model decides
+    EXPECT_EQ(choose_consumer_warpgroups({32640}, 16, 3, 132), 3);
+  }
 }

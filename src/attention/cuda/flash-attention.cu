@@ -10,6 +10,7 @@
 #include "attention/cuda/head-dims.cuh"
 #include "attention/cuda/kernels.cuh"
 #include "attention/cuda/layout.cuh"
+#include "attention/cuda/tile-plan.h"
 #include "fovea/attention.h"
 
 namespace fovea::cuda {
@@ -66,6 +67,8 @@ struct FlashAttention::Impl {
   int hd_pad = 0;
   int64_t n_pad = 0;
   int num_tiles = 0;
+  int consumers = 2;  // consumer warpgroups of this plan's CTAs (tile-plan.h)
+  int sms = 0;        // the device's SM count
   DeviceBuffer<int32_t> d_cu, d_cu_pad;
   DeviceBuffer<int2> d_tiles;
   DeviceBuffer<uint8_t> buf;  // q, k and v^t, one allocation
@@ -93,6 +96,9 @@ FlashAttention::FlashAttention(AttnDtype dtype, int heads, int head_dim) : impl_
   impl_->shape.heads = heads;
   impl_->shape.head_dim = head_dim;
   impl_->hd_pad = layout::head_dim_pad(head_dim, impl_->fp8);
+  int dev = 0;
+  FOVEA_CUDA_CHECK(cudaGetDevice(&dev));
+  FOVEA_CUDA_CHECK(cudaDeviceGetAttribute(&impl_->sms, cudaDevAttrMultiProcessorCount, dev));
   impl_->d_scratch.reset(4);
   FOVEA_CUDA_CHECK(cudaMemset(impl_->d_scratch.data(), 0, impl_->d_scratch.bytes()));
 }
@@ -109,6 +115,11 @@ void FlashAttention::plan(const std::vector<int32_t>& cu_seqlens, cudaStream_t s
   sh.cu_seqlens = cu_seqlens;
   sh.validate();
   const int segs = sh.num_segments();
+  std::vector<int> lens(static_cast<size_t>(segs));
+  for (int s = 0; s < segs; ++s) lens[size_t(s)] = cu_seqlens[size_t(s) + 1] - cu_seqlens[size_t(s)];
+  const int consumers =
+      choose_consumer_warpgroups(lens, sh.heads, layout::max_consumer_warpgroups(m.fp8, sh.head_dim), m.sms);
+  const int block_m = 64 * consumers;
   std::vector<int32_t> cu_pad(size_t(segs) + 1, 0);
   std::vector<int2> tiles;
   for (int s = 0; s < segs; ++s) {
@@ -116,7 +127,7 @@ void FlashAttention::plan(const std::vector<int32_t>& cu_seqlens, cudaStream_t s
     const int64_t next = int64_t(cu_pad[size_t(s)]) + layout::round_up_tile(len);
     if (next > INT32_MAX) fail_cat("FOVEA attention: ", next, " padded tokens exceed int32");
     cu_pad[size_t(s) + 1] = int32_t(next);
-    for (int mb = 0; mb * layout::block_m(m.fp8, sh.head_dim) < len; ++mb) tiles.push_back({s, mb});
+    for (int mb = 0; mb * block_m < len; ++mb) tiles.push_back({s, mb});
   }
   // Longest segments first: their CTAs have the most KV blocks, so they start earliest.
   std::stable_sort(tiles.begin(), tiles.end(), [&](int2 a, int2 b) {
@@ -125,6 +136,7 @@ void FlashAttention::plan(const std::vector<int32_t>& cu_seqlens, cudaStream_t s
   m.shape = sh;
   m.n_pad = cu_pad.back();
   m.num_tiles = int(tiles.size());
+  m.consumers = consumers;
   StagingSlot& st = m.staging[m.next_staging];
   m.next_staging ^= 1;
   uint8_t* h = st.take((cu_seqlens.size() + cu_pad.size()) * 4 + tiles.size() * sizeof(int2) + 48);
@@ -137,8 +149,7 @@ void FlashAttention::plan(const std::vector<int32_t>& cu_seqlens, cudaStream_t s
   const int H = sh.heads, hd = sh.head_dim;
   const uint32_t kstep = uint32_t(layout::kstep(m.fp8));
   m.maps.q = tensor_map(m.q(), m.fp8, uint64_t(m.hd_pad), uint64_t(m.n_pad), uint64_t(H), kstep,
-                        uint32_t(layout::block_m(m.fp8, hd)),
-                        CU_TENSOR_MAP_SWIZZLE_32B);
+                        uint32_t(block_m), CU_TENSOR_MAP_SWIZZLE_32B);
   m.maps.k = tensor_map(m.k(), m.fp8, uint64_t(m.hd_pad), uint64_t(m.n_pad), uint64_t(H), kstep, layout::kBlockN,
                         CU_TENSOR_MAP_SWIZZLE_32B);
   m.maps.v = tensor_map(m.vt(), m.fp8, uint64_t(m.n_pad), uint64_t(hd), uint64_t(H), m.fp8 ? 128u : 64u, uint32_t(hd),
@@ -197,7 +208,7 @@ void FlashAttention::attend(void* out, cudaStream_t stream) {
   p.k_scale = m.scale_ptr[1];
   p.v_scale = m.scale_ptr[2];
   p.softmax_scale_log2 = float(M_LOG2E / std::sqrt(double(m.shape.head_dim)));
-  launch_flash(p, m.maps, m.num_tiles, m.fp8, m.shape.head_dim, stream);
+  launch_flash(p, m.maps, m.num_tiles, m.fp8, m.shape.head_dim, m.consumers, stream);
 }
 
 }  // namespace fovea::cuda

@@ -4,43 +4,58 @@
 //   - warpgroup 0 is the producer (24 registers after setmaxnreg): one thread issues TMA bulk tensor
 //     loads, Q once, then K and V^T for each 128-key block into a 3-stage ring; each stage completes
 //     on a "full" mbarrier (transaction bytes) and is handed back on an "empty" mbarrier.
-//   - W = 3 consumer warpgroups (160 registers) for FP8 at head_dim <= 80, else W = 2 (240): 64 query
-//     rows apiece, so tiles are 192 x 128 or 128 x 128 (see layout.cuh: consumer_warpgroups()).
+//   - W consumer warpgroups, 64 query rows apiece: W = 2 (240 registers), or for FP8 at head_dim <= 80
+//     W = 3 (160 registers, 192-row tiles) when the plan predicts it finishes the batch sooner
+//     (tile-plan.h: 192-row tiles do ~17% more per SM but make fewer, longer CTAs, which leave SMs
+//     idle on small batches, e.g. one 1024-token image).
 //       S = Q K^T   wgmma m64n128k{16|32}, A and B K-major in shared memory with a 32-byte swizzle:
 //                   one swizzle row = one wgmma K step, so head_dim 72 is padded only to 80 (bf16) or
 //                   96 (fp8) inside the prepare step's layout, never by a copy.
-//       softmax     online, fp32 registers, exp2 on the MUFU; for FP8 a quarter of the exponentials
-//                   run as a degree-3 polynomial on the FMA pipe (the MUFU's 16 ex2/clk/SM bound FP8
-//                   near head_dim 72). FP8 P = 2^8 * exp2(s - m) cast to E4M3 (attention.h's PScheme:
-//                   p_scale 256; 128-key blocks visited last to first, so the only partial block, the
-//                   segment's last, is masked in the prologue and a leading sink key does not flush
-//                   the other blocks' P); the row sum adds the fp32 P.
+//       softmax     online, fp32 registers, exp2 on the MUFU. FP8 P = 2^8 * exp2(s - m) cast to E4M3
+//                   (attention.h's PScheme: p_scale 256; 128-key blocks visited last to first, so the
+//                   only partial block, the segment's last, is masked in the prologue and a leading
+//                   sink key does not flush the other blocks' P); the row sum adds the fp32 P.
 //       O += P V    wgmma m64n{hd}k{16|32}, P straight from registers (the FP8 k32 A fragment matches
 //                   the accumulator because V^T's keys are permuted by the prepare step: layout.cuh),
 //                   V^T K-major in shared memory with a 128-byte swizzle, N = head_dim exactly.
-//                   FP8 accumulates two-level: each block's PV in a fresh accumulator, added to O
-//                   in fp32 (kTwoLevel below: the FP8 wgmma's own accumulation is not fp32).
+//                   FP8 accumulates two-level: each block's PV in a fresh accumulator, folded into O
+//                   in fp32 with one FFMA per element, O lagging one rescale behind (kTwoLevel below:
+//                   the FP8 wgmma's own accumulation is not fp32).
 //     Overlap: inside a warpgroup, softmax of block i runs while PV of block i-1 is on the tensor
-//     cores (O is rescaled after that PV lands); across warpgroups, GEMM issue is round-robin through
+//     cores (O is folded after that PV lands); across warpgroups, GEMM issue is round-robin through
 //     named barriers (FlashAttention-3's ping-pong), so one warpgroup's softmax hides another's GEMMs.
 //   - epilogue: O / l (times the V descale for FP8) to bf16, stored straight into out [N, H, hd]
 //     rows that belong to the segment.
 // Scales are read from device memory at run time, so a dynamic-scaling forward replays in a graph.
 //
-// Measured (H200, 16 heads, one segment of S tokens, attention only, TFLOP/s = 4 S^2 hd H / t;
-// 2026-11-29, bench/RESULTS.md has the full table and the commands):
-//   version                                  FP8 hd72 S8192  FP8 hd128  BF16 hd72  BF16 hd128
+// Measured (H200, 16 heads, one segment of S tokens unless "3x", attention only, TFLOP/s =
+// 4 S^2 hd H / t; bench/RESULTS.md has the tables and the commands):
+//   2026-11-29                                     FP8 hd72 S8192  FP8 hd128  BF16 hd72  BF16 hd128
 //   first correct: 2 WG, no overlap, 2 stages      507          775        429        588
 //   + in-warpgroup overlap, 3 stages               528          806        435        666
 //   + ping-pong between consumer warpgroups        523          883        484        692
-//   + 25% of FP8 exp2 on the FMA pipe              545          872          -          -
+//   + 25% of FP8 exp2 on the FMA pipe (f32 poly)   545          872          -          -
 //     (0% 525, 37.5% 519, 50% 500 in the same run)
 //   + 3 consumer warpgroups for FP8 hd <= 80       553 (645 at S 32640, 563 at 3 x 3520)
+//   + two-level FP8 accumulation (a fix)           ~525
 //   tried and reverted: tree reductions for the row max/sum plus a vote to skip O rescaling
 //   (FP8 hd72 545 -> 481).
-// What limits it now: FP8 hd 72 is bound by softmax issue (MUFU + FMA pipes), not the tensor cores;
-// with 192-row tiles S 8192 makes 688 CTAs = 5.2 waves on 132 SMs (a 13% tail). Not done yet: a
-// persistent scheduler that splits the tail, a TMA-store epilogue, FP8 ex2 on packed f16x2.
+//   2026-12-01, one call (tools/device/kernel-ab.sh), FP8   S1024  3x3520  S8192  S32640  hd128 S8192  S16384
+//   before (3 WG always at hd <= 80, 25% f32 poly)         207     527     523     592        868      856
+//   + fold as one FFMA, tiles chosen per batch, all MUFU   231     532     538     623        887      929
+//       (forced 2 WG: 240 436 505 541; forced 3 WG: 204 529 537 624)
+//   + packed f16 exp2 for 50% in the 2-WG kernels only     259       -     557       -          -        -
+//       (that instance, in a build where every kernel had the 50% share; the plan then takes 2 WG
+//       at S 1024 and 8192 and 3 WG at 3x3520 and 32640)
+//   rejected, same call: the FMA-pipe share as packed f16x2 (ptx::exp2m14_f16x2, 7 instructions per
+//   2 exponentials) in the 3-WG kernels (25% 316-372, 50% 328-379 at hd 72: the 3-WG kernels fall
+//   35-45% below the MUFU alone, not profiled yet) and at hd 128 (630-775); 25% or 75% in the 2-WG
+//   kernels (below 50% at every shape).
+// What limits it now: FP8 hd 72 issue slots in the softmax (per KV block a thread issues 64 FMNMX,
+// 64 FFMA, 64 MUFU or their polynomial, 64 FADD, 32 F2FP and the 36-FFMA fold), not the tensor
+// cores; the 3-WG FP8 instances at hd 72 / 80 spill 84 / 152 bytes (160 registers hold S,
+// P, O and the in-flight PV accumulator, 152 of them, plus addresses). Not done yet: a persistent
+// scheduler with a TMA-store epilogue, the row sum on the tensor cores, fewer live registers.
 
 #include "attention/cuda/head-dims.cuh"
 #include "attention/cuda/kernels.cuh"
@@ -52,9 +67,26 @@ namespace fovea::cuda {
 
 namespace {
 
-template <bool kFp8, int kHeadDim>
+// Which of the 16 column pairs of a thread's S row take exp2 on the FMA pipe in FP8 (bit j: pair j),
+// packed in f16x2 (ptx::exp2m14_f16x2); the others run on the MUFU in fp32. Measured (header
+// comment): half of them in the 2-warpgroup kernels at head_dim <= 80, where a warp scheduler has two
+// consumer warps and the MUFU bounds them; none in the 3-warpgroup ones, whose third warp keeps the
+// MUFU busy, nor at larger head_dim. Builds may override both for A/B runs (kernel-variants.sh).
+#ifndef FOVEA_FP8_FMA_EXP_MASK_2WG
+#define FOVEA_FP8_FMA_EXP_MASK_2WG 0xAAAA
+#endif
+#ifndef FOVEA_FP8_FMA_EXP_MASK_3WG
+#define FOVEA_FP8_FMA_EXP_MASK_3WG 0
+#endif
+constexpr unsigned fma_exp_mask(bool fp8, int head_dim, int consumers) {
+  if (!fp8 || head_dim > 80) return 0;
+  return consumers == 3 ? FOVEA_FP8_FMA_EXP_MASK_3WG : FOVEA_FP8_FMA_EXP_MASK_2WG;
+}
+
+template <bool kFp8, int kHeadDim, int kConsumerWgs>
 struct FlashCfg {
-  static constexpr int kConsumers = layout::consumer_warpgroups(kFp8, kHeadDim);
+  static constexpr int kConsumers = kConsumerWgs;
+  static constexpr unsigned kFmaExpMask = fma_exp_mask(kFp8, kHeadDim, kConsumerWgs);
   static constexpr int kBlockM = 64 * kConsumers, kBlockN = layout::kBlockN;
   static constexpr int kKStep = layout::kstep(kFp8);
   static constexpr int kHdPad = layout::head_dim_pad(kHeadDim, kFp8);
@@ -80,12 +112,6 @@ struct FlashCfg {
   static_assert(kSmemBytes <= kSmemLimit, "shared memory budget of one H100/H200 CTA exceeded");
 };
 
-// Which of the 16 column pairs of a thread's S row take exp2 on the FMA pipe in FP8 (bit j: pair j).
-#ifndef FOVEA_FP8_FMA_EXP_MASK
-#define FOVEA_FP8_FMA_EXP_MASK 0x8888  // 4 of 16: measured best so far (see the header comment)
-#endif
-constexpr unsigned kFmaExpMask = FOVEA_FP8_FMA_EXP_MASK;
-
 template <bool kFp8>
 __device__ __forceinline__ void mma_qk(float (&d)[64], uint64_t da, uint64_t db, int scale_d) {
   if constexpr (kFp8) wgmma::wgmma_ss_e4m3_n128(d, da, db, scale_d);
@@ -107,11 +133,11 @@ __device__ __forceinline__ void mma_pv(float (&d)[N / 2], const uint32_t (&a)[4]
   }
 }
 
-template <bool kFp8, int kHeadDim>
-__global__ void __launch_bounds__(FlashCfg<kFp8, kHeadDim>::kThreads, 1)
+template <bool kFp8, int kHeadDim, int kConsumerWgs>
+__global__ void __launch_bounds__(FlashCfg<kFp8, kHeadDim, kConsumerWgs>::kThreads, 1)
     flash_fwd_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                      const __grid_constant__ CUtensorMap tm_v, const FlashParams p) {
-  using C = FlashCfg<kFp8, kHeadDim>;
+  using C = FlashCfg<kFp8, kHeadDim, kConsumerWgs>;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   uint8_t* sQ = smem;
@@ -179,13 +205,16 @@ __global__ void __launch_bounds__(FlashCfg<kFp8, kHeadDim>::kThreads, 1)
   constexpr int kPSteps = C::kBlockN / C::kKStep;
   float sacc[64];
   uint32_t pa[kPSteps][4];  // P of the previous block, as wgmma A fragments
-  float corr[2];
+  float corr[2], corr_prev[2];
   // FP8: Hopper's FP8 wgmma does not keep a full fp32 accumulator (SageAttention2 measured about 22
   // bits), so adding every block's small PV share into one large running O loses precision in
   // proportion to the number of blocks: with image-like V (alike neighbours) over 32768 keys the
   // error was 4x the emulation's (tests/gpu: CorrelatedValuesMatchTheEmulation). Each block's PV
   // therefore lands in a fresh accumulator (scale_d = 0 on its first k step) and is added to O in
   // fp32, folded into the rescale: two-level accumulation. BF16 wgmma accumulates in fp32.
+  // The fold is one FFMA per element, o = o * corr_{i-1} + PV_{i-1}: O lags one rescale behind (it
+  // holds blocks < i-1 relative to the row max of block i-2), so PV_{i-1}, made with block i-1's max,
+  // is added exactly when O reaches that max. The epilogue applies the last factor.
   constexpr bool kTwoLevel = kFp8;
   float opv[kHeadDim / 2];
 
@@ -209,7 +238,9 @@ __global__ void __launch_bounds__(FlashCfg<kFp8, kHeadDim>::kThreads, 1)
     ptx::wgmma_commit();
   };
   // Online softmax of sacc in place (P = exp2(s * scale - m), times 256 for FP8); corr[r] is the
-  // factor by which the row's previous O and l shrink.
+  // factor by which the row's previous O and l shrink. FP8: a column pair whose kFmaExpMask bit is
+  // set holds its two P as packed f16 in the bits of its first float (sacc[4j + 2r]), the pair's
+  // exponent argument being shifted by 14 and clamped at 0 on the way to f16 (exp2m14_f16x2).
   auto softmax = [&] {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {  // rows g and g + 8 of this warp's 16
@@ -223,16 +254,24 @@ __global__ void __launch_bounds__(FlashCfg<kFp8, kHeadDim>::kThreads, 1)
       row_max[r] = m_new;
       const float shift = m_new - kPShift;
       float sum = 0.f;
+      uint32_t sum_h = 0;  // f16x2 sum of the FMA-pipe pairs
 #pragma unroll
-      for (int j = 0; j < 16; ++j)
+      for (int j = 0; j < 16; ++j) {
+        float* x = sacc + 4 * j + 2 * r;
+        if (kFp8 && ((C::kFmaExpMask >> j) & 1)) {
+          const uint32_t y = ptx::pack_f16x2_relu(fmaf(x[0], qk_scale, 14.f - shift), fmaf(x[1], qk_scale, 14.f - shift));
+          const uint32_t pv = ptx::exp2m14_f16x2(y);
+          x[0] = __uint_as_float(pv);
+          sum_h = ptx::add_f16x2(sum_h, pv);
+        } else {
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          // FP8 is exp-bound at small head_dim: a quarter of the exponentials go to the FMA pipe.
-          const float arg = fmaf(sacc[4 * j + 2 * r + e], qk_scale, -shift);
-          const float pv = (kFp8 && ((kFmaExpMask >> j) & 1)) ? ptx::exp2_fma(arg) : ptx::exp2_approx(arg);
-          sacc[4 * j + 2 * r + e] = pv;
-          sum += pv;
+          for (int e = 0; e < 2; ++e) {
+            x[e] = ptx::exp2_approx(fmaf(x[e], qk_scale, -shift));
+            sum += x[e];
+          }
         }
+      }
+      if (kFp8 && C::kFmaExpMask) sum += ptx::sum_f16x2(sum_h);
       row_sum[r] = row_sum[r] * corr[r] + sum;
     }
   };
@@ -247,7 +286,7 @@ __global__ void __launch_bounds__(FlashCfg<kFp8, kHeadDim>::kThreads, 1)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           float& x = o[4 * j + 2 * r + e];
-          x = kTwoLevel ? (x + opv[4 * j + 2 * r + e]) * corr[r] : x * corr[r];
+          x = kTwoLevel ? fmaf(x, corr_prev[r], opv[4 * j + 2 * r + e]) : x * corr[r];
         }
   };
   // P as the A operand (see layout.cuh for why FP8 needs no shuffle).
@@ -255,11 +294,16 @@ __global__ void __launch_bounds__(FlashCfg<kFp8, kHeadDim>::kThreads, 1)
 #pragma unroll
     for (int kc = 0; kc < kPSteps; ++kc) {
       if constexpr (kFp8) {
-        const float* q = sacc + 16 * kc;
-        pa[kc][0] = ptx::pack_e4m3x4(q[0], q[1], q[4], q[5]);
-        pa[kc][1] = ptx::pack_e4m3x4(q[2], q[3], q[6], q[7]);
-        pa[kc][2] = ptx::pack_e4m3x4(q[8], q[9], q[12], q[13]);
-        pa[kc][3] = ptx::pack_e4m3x4(q[10], q[11], q[14], q[15]);
+        // Register i of the k32 A fragment: row r = i % 2, column pairs j = 4 kc + 2 (i / 2) and j + 1.
+        auto pair = [&](int j, int r) -> uint32_t {
+          const float* x = sacc + 4 * j + 2 * r;
+          return ((C::kFmaExpMask >> j) & 1) ? ptx::e4m3x2_of_f16x2(__float_as_uint(x[0])) : ptx::e4m3x2_of_f32(x[0], x[1]);
+        };
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int j = 4 * kc + 2 * (i / 2), r = i % 2;
+          pa[kc][i] = pair(j, r) | (pair(j + 1, r) << 16);
+        }
       } else {
         const float* q = sacc + 8 * kc;
         pa[kc][0] = ptx::pack_bf16x2(q[0], q[1]);
@@ -311,6 +355,8 @@ __global__ void __launch_bounds__(FlashCfg<kFp8, kHeadDim>::kThreads, 1)
     pass_turn(false);
     ptx::wgmma_wait<1>();  // S_i is ready; PV_{i-1} may still run
     ptx::fence_regs(sacc);
+    corr_prev[0] = corr[0];
+    corr_prev[1] = corr[1];
     softmax();
     ptx::wgmma_wait<0>();
     ptx::fence_regs(o);
@@ -327,21 +373,25 @@ __global__ void __launch_bounds__(FlashCfg<kFp8, kHeadDim>::kThreads, 1)
   ptx::fence_regs(o);
   if constexpr (kTwoLevel) {
     ptx::fence_regs(opv);
-#pragma unroll
-    for (int i = 0; i < kHeadDim / 2; ++i) o[i] += opv[i];
+    corr_prev[0] = corr[0];
+    corr_prev[1] = corr[1];
+    rescale_o();
   }
 
-  // Epilogue: normalize, convert, store rows that belong to the segment.
+  // Epilogue: normalize, convert, store rows that belong to the segment. The tile's coordinates are
+  // read again (the barriers above order memory), so none of them holds a register through the loop.
   const float v_scale = kFp8 ? *p.v_scale : 1.f;
+  const int2 tile_e = p.tiles[blockIdx.x];
+  const int seg_begin_e = p.cu_seqlens[tile_e.x], seg_len_e = p.cu_seqlens[tile_e.x + 1] - seg_begin_e;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     float sum = row_sum[r];
     sum += __shfl_xor_sync(0xffffffffu, sum, 1);
     sum += __shfl_xor_sync(0xffffffffu, sum, 2);
     const float inv = v_scale / sum;
-    const int row = m_block * C::kBlockM + cw * 64 + warp * 16 + g + 8 * r;
-    if (row < seqlen) {
-      __nv_bfloat16* dst = p.out + (int64_t(seq_begin + row) * p.heads + head) * kHeadDim;
+    const int row = tile_e.y * C::kBlockM + cw * 64 + warp * 16 + g + 8 * r;
+    if (row < seg_len_e) {
+      __nv_bfloat16* dst = p.out + (int64_t(seg_begin_e + row) * p.heads + blockIdx.y) * kHeadDim;
 #pragma unroll
       for (int j = 0; j < kHeadDim / 8; ++j)
         *reinterpret_cast<uint32_t*>(dst + 8 * j + 2 * t) = ptx::pack_bf16x2(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
@@ -349,10 +399,10 @@ __global__ void __launch_bounds__(FlashCfg<kFp8, kHeadDim>::kThreads, 1)
   }
 }
 
-template <bool kFp8, int kHeadDim>
+template <bool kFp8, int kHeadDim, int kConsumerWgs>
 void launch(const FlashParams& p, const FlashMaps& m, int num_tiles, cudaStream_t stream) {
-  using C = FlashCfg<kFp8, kHeadDim>;
-  auto* kernel = flash_fwd_kernel<kFp8, kHeadDim>;
+  using C = FlashCfg<kFp8, kHeadDim, kConsumerWgs>;
+  auto* kernel = flash_fwd_kernel<kFp8, kHeadDim, kConsumerWgs>;
   static bool configured = false;  // one attribute call per instantiation
   if (!configured) {
     FOVEA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes));
@@ -365,11 +415,19 @@ void launch(const FlashParams& p, const FlashMaps& m, int num_tiles, cudaStream_
 }  // namespace
 
 void launch_flash(const FlashParams& p, const FlashMaps& maps, int num_tiles, bool fp8, int head_dim,
-                  cudaStream_t stream) {
+                  int consumers, cudaStream_t stream) {
   if (num_tiles == 0) return;
+  if (consumers < 2 || consumers > layout::max_consumer_warpgroups(fp8, head_dim))
+    fail_cat("FOVEA attention: ", consumers, " consumer warpgroups for ", fp8 ? "fp8" : "bf16", " head_dim ", head_dim);
   dispatch_head_dim(head_dim, [&](auto hd) {
-    if (fp8) launch<true, decltype(hd)::value>(p, maps, num_tiles, stream);
-    else launch<false, decltype(hd)::value>(p, maps, num_tiles, stream);
+    constexpr int D = decltype(hd)::value;
+    if (!fp8) launch<false, D, 2>(p, maps, num_tiles, stream);
+    else if constexpr (layout::max_consumer_warpgroups(true, D) == 3) {
+      if (consumers == 3) launch<true, D, 3>(p, maps, num_tiles, stream);
+      else launch<true, D, 2>(p, maps, num_tiles, stream);
+    } else {
+      launch<true, D, 2>(p, maps, num_tiles, stream);
+    }
   });
 }
 

@@ -49,7 +49,8 @@ struct FlashMaps {
   CUtensorMap q, k, v;
 };
 
+// consumers: 2, or 3 where layout::max_consumer_warpgroups allows (tiles of 64 * consumers rows).
 void launch_flash(const FlashParams& p, const FlashMaps& maps, int num_tiles, bool fp8, int head_dim,
-                  cudaStream_t stream);
+                  int consumers, cudaStream_t stream);
 
 }  // namespace fovea::cuda

@@ -19,18 +19,11 @@ constexpr int kBlockN = 128;   // keys per KV block
 constexpr int kTilePad = 128;  // segment padding granularity: KV tiles never straddle segments
                                // (a Q tile may read past its segment: those rows are not stored)
 
-// Consumer warpgroups per CTA, 64 query rows each: 3 for FP8 at head_dim <= 80, where softmax (the
-// MUFU) rather than the tensor cores bounds the kernel, so a third warpgroup keeps exp2 busy while
-// two others hold the tensor cores (FlashAttention-3 uses 192-row tiles there too); else 2.
-// FP8 at head_dim <= 80 can run 3 consumer warpgroups (192-row tiles, 160 registers each); a build
-// may set FOVEA_FP8_SMALL_HD_WARPGROUPS to 2 to compare (tools/device: A/B runs).
-#ifndef FOVEA_FP8_SMALL_HD_WARPGROUPS
-#define FOVEA_FP8_SMALL_HD_WARPGROUPS 3
-#endif
-__host__ __device__ constexpr int consumer_warpgroups(bool fp8, int head_dim) {
-  return fp8 && head_dim <= 80 ? FOVEA_FP8_SMALL_HD_WARPGROUPS : 2;
-}
-__host__ __device__ constexpr int block_m(bool fp8, int head_dim) { return 64 * consumer_warpgroups(fp8, head_dim); }
+// Consumer warpgroups per CTA, 64 query rows each: 2, or 3 for FP8 at head_dim <= 80, where softmax
+// rather than the tensor cores bounds the kernel, so a third warpgroup keeps the exponent units busy
+// while two others hold the tensor cores (192-row tiles, as FlashAttention-3 uses there). The plan
+// picks 2 or 3 per batch (flash-attention.cu: fewer, longer CTAs can leave SMs idle at the end).
+__host__ __device__ constexpr int max_consumer_warpgroups(bool fp8, int head_dim) { return fp8 && head_dim <= 80 ? 3 : 2; }
 
 __host__ __device__ constexpr int kstep(bool fp8) { return fp8 ? 32 : 16; }
 __host__ __device__ constexpr int head_dim_pad(int head_dim, bool fp8) {

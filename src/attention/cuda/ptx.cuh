@@ -4,6 +4,7 @@
 #pragma once
 #include <cuda.h>
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cstdint>
 
 namespace fovea::cuda::ptx {
@@ -96,17 +97,50 @@ __device__ __forceinline__ float exp2_approx(float x) {
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
 }
-// 2^x on the FMA pipe, for x <= ~127: round x to j with the 1.5 * 2^23 trick, 2^f for f in
-// [-0.5, 0.5] by a degree-3 polynomial (Chebyshev nodes; max relative error 1.0e-4, far below
-// E4M3's 2^-4 rounding step), then add j to the exponent. Inputs below -125 give ~2^-125, which is
-// zero after the E4M3 cast. Used for part of the FP8 softmax so the MUFU is not the only exp unit.
-__device__ __forceinline__ float exp2_fma(float x) {
-  x = fmaxf(x, -125.f);
-  const float t = x + 12582912.f;
-  const int j = __float_as_int(t) - 0x4B400000;
-  const float f = x - (t - 12582912.f);
-  const float p = fmaf(fmaf(fmaf(0.0558382829f, f, 0.242639479f), f, 0.693136734f), f, 0.999924557f);
-  return __int_as_float(__float_as_int(p) + (j << 23));
+// 2^(y - 14) for both halves of a packed f16x2 y in [0, 29.5), two results per instruction on the FMA
+// pipe: j = round(y) by the 1537 magic (f16 values in [1024, 2048) step by 1, so the sum's low
+// mantissa bits are 1 + j), f = y - j in [-0.5, 0.5], 2^f by a degree-2 minimax polynomial (relative
+// error 2^-8.6 evaluated in f16: P's E4M3 cast then rounds as if it were exact, but for about 1% of
+// values at a rounding boundary), times 2^(j - 14) made from those bits: exponent field j + 1.
+// 7 instructions for 2 exponentials (the f32 version above takes 8 for 1). The caller clamps y >= 0
+// (cvt's .relu), so an input of -inf gives 2^-14, which the E4M3 cast of P rounds to zero.
+__device__ __forceinline__ uint32_t exp2m14_f16x2(uint32_t y) {
+  uint32_t t, j, f, p, r;
+  asm("add.rn.f16x2 %0, %1, %2;" : "=r"(t) : "r"(y), "r"(0x66016601u));   // 1537 + j in each half
+  asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(j) : "r"(t), "r"(0x66016601u));   // j, exactly
+  asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(f) : "r"(y), "r"(j));
+  asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(p) : "r"(0x33A133A1u), "r"(f), "r"(0x39A139A1u));  // 0.2384 f + 0.7036
+  asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(p) : "r"(p), "r"(f), "r"(0x3C003C00u));            // (..) f + 1
+  const uint32_t scale = (t << 10) & 0xFC00FC00u;  // each half's low 6 bits (1 + j) into its exponent
+  asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(p), "r"(scale));
+  return r;
+}
+// Two floats to packed f16x2 (lo in the low half), negatives and -inf clamped to 0.
+__device__ __forceinline__ uint32_t pack_f16x2_relu(float lo, float hi) {
+  uint32_t r;
+  asm("cvt.rn.relu.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+// f16x2 to two E4M3 (RNE, saturating) in 16 bits, lo in the low byte.
+__device__ __forceinline__ uint16_t e4m3x2_of_f16x2(uint32_t h) {
+  uint16_t r;
+  asm("cvt.rn.satfinite.e4m3x2.f16x2 %0, %1;" : "=h"(r) : "r"(h));
+  return r;
+}
+// Two floats to two E4M3 (RNE, saturating) in 16 bits, lo in the low byte.
+__device__ __forceinline__ uint16_t e4m3x2_of_f32(float lo, float hi) {
+  uint16_t r;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+// The sum of a packed f16x2's halves, in fp32.
+__device__ __forceinline__ float sum_f16x2(uint32_t h) {
+  return __half2float(__ushort_as_half(uint16_t(h))) + __half2float(__ushort_as_half(uint16_t(h >> 16)));
+}
+__device__ __forceinline__ uint32_t add_f16x2(uint32_t a, uint32_t b) {
+  uint32_t r;
+  asm("add.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  return r;
 }
 
 // Two floats to packed bf16x2, lo in the low half.
