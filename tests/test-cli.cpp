@@ -264,6 +264,31 @@ TEST_F(Cli, BenchAttentionWritesJsonWithSensibleErrors) {
   }
 }
 
+// The FP8 scale schemes of the CPU emulation: one row each, in order, with the scheme named; the
+// robust one beats per-tensor scales on outlier channels; unknown names and GPU runs of a scheme the
+// kernels lack are one-line errors.
+TEST_F(Cli, BenchAttentionComparesFp8Schemes) {
+  const std::string json_path = file("schemes.json");
+  const Result r = run("bench attention --device cpu --seqlens 200,57 --heads 4 --head-dim 72 --dist channels "
+                       "--dtype fp8 --fp8-scheme tensor,robust,robust+rotate --json " + q(json_path));
+  ASSERT_EQ(r.code, 0) << r.err;
+  const nlohmann::json doc = nlohmann::json::parse(slurp(json_path));
+  ASSERT_EQ(doc.at("results").size(), 3u) << doc.dump(2);
+  std::vector<double> rel;
+  for (const auto& res : doc.at("results")) rel.push_back(res.at("rel_l2").get<double>());
+  EXPECT_EQ(doc.at("results")[0].at("fp8_scheme"), "tensor");
+  EXPECT_EQ(doc.at("results")[2].at("fp8_scheme"), "robust+rotate");
+  EXPECT_EQ(doc.at("dist"), "channels");
+  EXPECT_HAS(r.out, "robust+rotate");
+  EXPECT_LT(rel[1], rel[0] / 1.5);
+  EXPECT_LT(rel[2], rel[1]);
+  expect_one_line_error(run("bench attention --device cpu --seqlens 8 --heads 1 --head-dim 8 --fp8-scheme tensor,hadamard"),
+                        "--fp8-scheme");
+  expect_one_line_error(run("bench attention --device cpu --seqlens 8 --heads 1 --head-dim 8 --dist spiky"), "--dist");
+  expect_one_line_error(run("bench attention --device cuda --seqlens 8 --heads 1 --head-dim 72 --fp8-scheme robust"),
+                        "--fp8-scheme");
+}
+
 TEST_F(Cli, BenchAttentionRejectsBadSeqlens) {
   for (const std::string s : {"0", "3,x", "-4", "8,,8"}) {
     SCOPED_TRACE(s);

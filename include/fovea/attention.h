@@ -82,13 +82,44 @@ struct PScheme {
   bool reverse_kv = true;
 };
 
+// FP8 scales finer than one per tensor, and K smoothing (docs/fp8.md §Outlier channels). Each part
+// is optional; an empty vector leaves RefOptions::fp8_scales' per-tensor value in force.
+//   k_mean     [H * hd]: K is quantized as K - k_mean, per head and channel. Any vector shared by all
+//              the keys a query sees moves that query's scores by one constant (q . k_mean), so the
+//              softmax and the output are unchanged: exact, not an approximation.
+//   q_head, k_head [H]: per-head dequantization scales of Q and of (smoothed) K; their product
+//              multiplies the head's scores, so they commute with the kernel.
+//   v_channel  [H * hd]: per-channel dequantization scales of V; scale c multiplies output column c.
+//   rotate_qk  Q and K are multiplied by one orthonormal hd x hd matrix (the DCT-II) before
+//              quantization: q.k is unchanged, and a channel that dominates a head is spread over
+//              all of them (the FlashAttention-3 paper's "incoherent processing").
+struct Fp8Fine {
+  std::vector<float> k_mean, q_head, k_head, v_channel;
+  bool rotate_qk = false;
+  bool empty() const { return k_mean.empty() && q_head.empty() && k_head.empty() && v_channel.empty() && !rotate_qk; }
+};
+
 struct RefOptions {
   RefMode mode = RefMode::EXACT;
   float softmax_scale = 0.0f;  // 0: 1/sqrt(head_dim)
   QkvScales fp8_scales;        // FP8 mode: dequantization scales of Q, K, V
+  Fp8Fine fp8_fine;            // FP8 mode: finer scales and K smoothing, where given
   PScheme p;
   int threads = 0;  // 0: all hardware threads
 };
+
+// Which parts of Fp8Fine a scheme uses.
+struct Fp8FineParts {
+  bool smooth_k = false, per_head_qk = false, per_channel_v = false, rotate_qk = false;
+};
+// The orthonormal DCT-II matrix of order n, row-major: row i is basis vector i.
+std::vector<float> dct_matrix(int n);
+// The fine scales dynamic scaling would use for this batch ("current scaling", like the per-tensor
+// s = amax / 448 of a first forward): k_mean = K's mean over every token of the batch (one vector for
+// all segments: exact, see Fp8Fine), then amax / 448 per head of Q and of K - k_mean, and per channel
+// of V, each floored at kMinScale. Non-finite inputs throw, naming the tensor.
+Fp8Fine current_fine_scales(const VarlenShape& shape, ThdView<const float> q, ThdView<const float> k,
+                            ThdView<const float> v, Fp8FineParts parts);
 
 // out: contiguous [total_tokens, heads, head_dim]. In BF16/FP8 modes every value is a bf16 value.
 void attention(const VarlenShape& shape, ThdView<const float> q, ThdView<const float> k,

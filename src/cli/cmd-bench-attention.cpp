@@ -36,7 +36,39 @@ struct Args {
   uint64_t seed = 0;
   int threads = 0;
   std::string json_path;
+  std::string fp8_schemes = "tensor";
 };
+
+// FP8 scale schemes the CPU bench compares (fovea/attention.h, Fp8Fine): per-tensor (vLLM's), and
+// the parts of the outlier-robust scheme alone and together.
+struct Fp8Scheme {
+  const char* name;
+  cpu::Fp8FineParts parts;
+};
+constexpr Fp8Scheme kFp8Schemes[] = {
+    {"tensor", {}},
+    {"smooth-k", {true, false, false}},
+    {"per-head", {false, true, false}},
+    {"per-channel-v", {false, false, true}},
+    {"robust", {true, true, true}},
+    {"rotate", {false, false, false, true}},
+    {"robust+rotate", {true, true, true, true}},
+};
+
+std::vector<Fp8Scheme> parse_schemes(const std::string& s) {
+  std::vector<Fp8Scheme> out;
+  std::stringstream ss(s);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    const Fp8Scheme* found = nullptr;
+    for (const Fp8Scheme& f : kFp8Schemes)
+      if (item == f.name) found = &f;
+    if (!found) fail("--fp8-scheme: '{}' is not one of tensor, smooth-k, per-head, per-channel-v, robust, rotate, robust+rotate", item);
+    out.push_back(*found);
+  }
+  if (out.empty()) fail("--fp8-scheme: empty list");
+  return out;
+}
 
 std::vector<int> parse_int_list(const std::string& s, const char* flag) {
   std::vector<int> out;
@@ -78,7 +110,8 @@ int run_bench_cuda(const Args& a, const VarlenShape& shape, const std::vector<in
 int run_bench(const Args& a) {
   if (a.device != "cpu" && a.device != "cuda") fail("--device: '{}' is not one of cpu, cuda", a.device);
   const auto dist = parse_dist(a.dist);
-  if (!dist) fail("--dist: '{}' is not one of normal, outliers", a.dist);
+  if (!dist) fail("--dist: '{}' is not one of normal, outliers, channels", a.dist);
+  const std::vector<Fp8Scheme> schemes = parse_schemes(a.fp8_schemes);
   if (a.heads < 1) fail("--heads must be >= 1, got {}", a.heads);
   if (a.head_dim < 1) fail("--head-dim must be >= 1, got {}", a.head_dim);
   const std::vector<AttnDtype> dtypes = parse_dtypes(a.dtypes);
@@ -87,8 +120,13 @@ int run_bench(const Args& a) {
 
   // Q, K, V as one fused [N, 3, H, hd] buffer (how the encoder's qkv GEMM lays them out); bf16 values.
   const int64_t N = shape.total_tokens(), H = a.heads, hd = a.head_dim;
-  const std::vector<float> qkv = random_values(N * 3 * H * hd, *dist, a.seed);
-  if (a.device == "cuda") return run_bench_cuda(a, shape, seqlens, dtypes, qkv);
+  const std::vector<float> qkv = random_qkv(N, int(H), int(hd), *dist, a.seed);
+  if (a.device == "cuda") {
+    if (schemes.size() != 1 || std::string(schemes[0].name) != "tensor")
+      fail("--fp8-scheme {}: the FOVEA kernels use per-tensor scales only so far (--device cpu emulates the others)",
+           a.fp8_schemes);
+    return run_bench_cuda(a, shape, seqlens, dtypes, qkv);
+  }
   auto view = [&](int i) { return ThdView<const float>{qkv.data() + i * H * hd, 3 * H * hd, hd}; };
   const auto q = view(0), k = view(1), v = view(2);
 
@@ -107,25 +145,40 @@ int run_bench(const Args& a) {
   const double ref_ms = timed(exact, ref);
 
   nlohmann::ordered_json results = nlohmann::ordered_json::array();
-  fmt::print("{:<6} | {:<8} | {:>12} | {:>12} | {:>12} | {:>10}\n", "dtype", "backend", "rel_l2", "max_abs",
-             "mean_abs", "ms");
-  fmt::print("{:<6} | {:<8} | {:>12} | {:>12} | {:>12} | {:>10.1f}\n", "fp64", "CPU", "(reference)", "", "", ref_ms);
+  fmt::print("{:<6} | {:<13} | {:<8} | {:>12} | {:>12} | {:>12} | {:>10}\n", "dtype", "fp8 scheme", "backend",
+             "rel_l2", "max_abs", "mean_abs", "ms");
+  fmt::print("{:<6} | {:<13} | {:<8} | {:>12} | {:>12} | {:>12} | {:>10.1f}\n", "fp64", "", "CPU", "(reference)", "", "",
+             ref_ms);
+  struct Run {
+    AttnDtype dtype;
+    const Fp8Scheme* scheme;  // FP8 only
+  };
+  std::vector<Run> runs;
   for (AttnDtype d : dtypes) {
+    if (d != AttnDtype::FP8) runs.push_back({d, nullptr});
+    else
+      for (const Fp8Scheme& sc : schemes) runs.push_back({d, &sc});
+  }
+  for (const Run& run : runs) {
+    const AttnDtype d = run.dtype;
     cpu::RefOptions o;
     o.threads = a.threads;
     o.mode = d == AttnDtype::FP8 ? cpu::RefMode::FP8 : cpu::RefMode::BF16;
     nlohmann::ordered_json entry = {{"dtype", dtype_name(d)}, {"backend", "CPU"}};
     if (d == AttnDtype::FP8) {
-      // Current scaling, as dynamic mode does it on the first forward: s = amax / 448.
+      // Current scaling, as dynamic mode does it on the first forward: s = amax / 448, per tensor,
+      // then the scheme's finer scales where it has them.
       ScaleBook book = ScaleBook::dynamic(1);
       o.fp8_scales = book.record(0, amax(shape, q), amax(shape, k), amax(shape, v));
+      o.fp8_fine = cpu::current_fine_scales(shape, q, k, v, run.scheme->parts);
+      entry["fp8_scheme"] = run.scheme->name;
       entry["scales"] = {{"q", o.fp8_scales.q}, {"k", o.fp8_scales.k}, {"v", o.fp8_scales.v}};
       entry["p_scheme"] = {{"p_scale", o.p.p_scale}, {"block_n", o.p.block_n}, {"reverse_kv", o.p.reverse_kv}};
     }
     const double ms = timed(o, out);
     const ErrorStats e = compare(out.data(), ref.data(), int64_t(ref.size()));
-    fmt::print("{:<6} | {:<8} | {:>12.4e} | {:>12.4e} | {:>12.4e} | {:>10.1f}\n", dtype_name(d), "CPU", e.rel_l2,
-               e.max_abs, e.mean_abs, ms);
+    fmt::print("{:<6} | {:<13} | {:<8} | {:>12.4e} | {:>12.4e} | {:>12.4e} | {:>10.1f}\n", dtype_name(d),
+               run.scheme ? run.scheme->name : "", "CPU", e.rel_l2, e.max_abs, e.mean_abs, ms);
     entry["rel_l2"] = num(e.rel_l2);
     entry["max_abs"] = num(e.max_abs);
     entry["mean_abs"] = num(e.mean_abs);
@@ -266,7 +319,8 @@ void add_bench_attention(CLI::App* bench, Runner& run) {
       ->capture_default_str();
   cmd->add_option("--heads", a->heads, "attention heads")->capture_default_str();
   cmd->add_option("--head-dim", a->head_dim, "head dimension")->capture_default_str();
-  cmd->add_option("--dist", a->dist, "input distribution: normal | outliers (N(0,1) + N(0,100)*Bernoulli(0.001))")
+  cmd->add_option("--dist", a->dist, "input distribution: normal | outliers (N(0,1) + N(0,100)*Bernoulli(0.001)) | "
+                  "channels (outlier channels per head in Q, K and V)")
       ->capture_default_str();
   cmd->add_option("--dtype", a->dtypes, "comma list of dtypes: bf16, fp8")->capture_default_str();
   cmd->add_option("--device", a->device, "cpu (the reference emulations) or cuda (the GPU kernels)")
@@ -279,6 +333,10 @@ void add_bench_attention(CLI::App* bench, Runner& run) {
   cmd->add_option("--seed", a->seed, "random seed")->capture_default_str();
   cmd->add_option("--threads", a->threads, "CPU threads (0: all)")->capture_default_str();
   cmd->add_option("--json", a->json_path, "write the results as JSON to this file");
+  cmd->add_option("--fp8-scheme", a->fp8_schemes,
+                  "CPU: comma list of FP8 scale schemes: tensor (vLLM's), smooth-k, per-head, per-channel-v, robust (all three), "
+                  "rotate (Q and K times an orthonormal DCT), robust+rotate")
+      ->capture_default_str();
   cmd->callback([&run, a] { run = [a] { return run_bench(*a); }; });
 }
 

@@ -4,18 +4,27 @@
 #include <random>
 
 #include "fovea/bf16.h"
+#include "fovea/error.h"
 
 namespace fovea {
 
-const char* dist_name(Dist d) { return d == Dist::NORMAL ? "normal" : "outliers"; }
+const char* dist_name(Dist d) {
+  switch (d) {
+    case Dist::NORMAL: return "normal";
+    case Dist::OUTLIERS: return "outliers";
+    case Dist::CHANNELS: return "channels";
+  }
+  return "?";
+}
 
 std::optional<Dist> parse_dist(const std::string& s) {
-  if (s == "normal") return Dist::NORMAL;
-  if (s == "outliers") return Dist::OUTLIERS;
+  for (Dist d : {Dist::NORMAL, Dist::OUTLIERS, Dist::CHANNELS})
+    if (s == dist_name(d)) return d;
   return std::nullopt;
 }
 
 std::vector<float> random_values(int64_t n, Dist dist, uint64_t seed, bool round_bf16) {
+  if (dist == Dist::CHANNELS) fail("random_values: the channels distribution needs random_qkv's layout");
   std::mt19937_64 rng(seed);
   std::normal_distribution<float> normal(0.0f, 1.0f);
   std::normal_distribution<float> outlier(0.0f, 10.0f);
@@ -26,6 +35,38 @@ std::vector<float> random_values(int64_t n, Dist dist, uint64_t seed, bool round
     if (dist == Dist::OUTLIERS && rare(rng)) x += outlier(rng);
     if (round_bf16) x = bf16_round(x);
   }
+  return out;
+}
+
+std::vector<float> random_qkv(int64_t tokens, int heads, int head_dim, Dist dist, uint64_t seed) {
+  const int64_t row = 3 * int64_t(heads) * head_dim;
+  if (dist != Dist::CHANNELS) return random_values(tokens * row, dist, seed);
+  std::vector<float> out = random_values(tokens * row, Dist::NORMAL, seed, false);
+  std::mt19937_64 rng(seed ^ 0x5eedc4a2u);
+  std::uniform_real_distribution<float> size(20.0f, 50.0f);
+  std::uniform_int_distribution<int> channel(0, head_dim - 1);
+  struct Outlier {
+    int64_t offset;  // in a token's row
+    float q_offset, k_offset, v_factor;
+  };
+  std::vector<Outlier> qk, v;
+  for (int h = 0; h < heads; ++h)
+    for (int i = 0; i < 2; ++i) {
+      const int64_t base = int64_t(h) * head_dim;
+      auto sign = [&] { return rng() & 1 ? 1.0f : -1.0f; };
+      qk.push_back({base + channel(rng), sign() * size(rng), sign() * size(rng), 0.0f});
+      v.push_back({base + channel(rng), 0.0f, 0.0f, size(rng)});
+    }
+  const int64_t hd_all = int64_t(heads) * head_dim;
+  for (int64_t t = 0; t < tokens; ++t) {
+    float* r = out.data() + t * row;
+    for (const Outlier& o : qk) {
+      r[o.offset] += o.q_offset;
+      r[hd_all + o.offset] = r[hd_all + o.offset] * 2.0f + o.k_offset;  // N(0, 4) around the offset
+    }
+    for (const Outlier& o : v) r[2 * hd_all + o.offset] *= o.v_factor;
+  }
+  for (auto& x : out) x = bf16_round(x);
   return out;
 }
 

@@ -22,20 +22,65 @@ const char* ref_mode_name(RefMode m) {
   return "?";
 }
 
+std::vector<float> dct_matrix(int n) {
+  std::vector<float> m(size_t(n) * size_t(n));
+  for (int i = 0; i < n; ++i)
+    for (int j = 0; j < n; ++j)
+      m[size_t(i) * n + j] = float((i == 0 ? std::sqrt(1.0 / n) : std::sqrt(2.0 / n)) * std::cos(M_PI * (j + 0.5) * i / n));
+  return m;
+}
+
 namespace {
 
+// The row FP8 quantizes for Q or K: x - shift, then R (x - shift) when rot is given (fp32, in order).
+void fp8_input_row(const float* x, const float* shift, const float* rot, int hd, float* out) {
+  if (!rot) {
+    for (int d = 0; d < hd; ++d) out[d] = x[d] - shift[d];
+    return;
+  }
+  thread_local std::vector<float> c;
+  c.resize(size_t(hd));
+  for (int d = 0; d < hd; ++d) c[size_t(d)] = x[d] - shift[d];
+  for (int i = 0; i < hd; ++i) {
+    float acc = 0.0f;
+    for (int d = 0; d < hd; ++d) acc = std::fma(rot[size_t(i) * hd + d], c[size_t(d)], acc);
+    out[i] = acc;
+  }
+}
+
 // Inputs as the kernel sees them, dense [tokens, heads, hd] floats: bf16-rounded or E4M3-decoded
-// (without the scale: the descales are applied to S and to the output, as in the kernel).
-std::vector<float> operand(const VarlenShape& sh, ThdView<const float> x, RefMode mode, float scale) {
+// (without the scale: the descales are applied to S and to the output, as in the kernel). FP8:
+// element (h, d) is quantized as x - shift[h * hd + d] with scale[h * hd + d].
+std::vector<float> operand(const VarlenShape& sh, ThdView<const float> x, RefMode mode, const std::vector<float>& scale,
+                           const std::vector<float>& shift, const float* rot) {
   const int64_t n = sh.total_tokens();
-  std::vector<float> out(size_t(n) * sh.heads * sh.head_dim);
+  const int hd = sh.head_dim;
+  std::vector<float> out(size_t(n) * sh.heads * hd), row(static_cast<size_t>(hd));
   for (int64_t t = 0; t < n; ++t)
     for (int h = 0; h < sh.heads; ++h) {
-      const float* r = x.row(t, h);
-      float* o = out.data() + (t * sh.heads + h) * sh.head_dim;
-      for (int d = 0; d < sh.head_dim; ++d)
-        o[d] = mode == RefMode::FP8 ? e4m3_to_float(e4m3_quantize(r[d], scale)) : bf16_round(r[d]);
+      float* o = out.data() + (t * sh.heads + h) * hd;
+      if (mode != RefMode::FP8) {
+        for (int d = 0; d < hd; ++d) o[d] = bf16_round(x.row(t, h)[d]);
+        continue;
+      }
+      fp8_input_row(x.row(t, h), shift.data() + size_t(h) * hd, rot, hd, row.data());
+      const float* s = scale.data() + size_t(h) * hd;
+      for (int d = 0; d < hd; ++d) o[d] = e4m3_to_float(e4m3_quantize(row[size_t(d)], s[d]));
     }
+  return out;
+}
+
+// The per-(head, channel) scale of one tensor: the fine vector where given ([H] or [H * hd]), else
+// the per-tensor value. Throws unless every scale is a finite number > 0.
+std::vector<float> expand_scale(const VarlenShape& sh, float per_tensor, const std::vector<float>& fine, size_t per_head,
+                                const char* name) {
+  const size_t H = size_t(sh.heads), hd = size_t(sh.head_dim);
+  if (!fine.empty() && fine.size() != H * per_head)
+    fail("attention: {} holds {} scales, not {} ({} heads x {})", name, fine.size(), H * per_head, H, per_head);
+  std::vector<float> out(H * hd, per_tensor);
+  for (size_t i = 0; i < out.size() && !fine.empty(); ++i) out[i] = fine[per_head == 1 ? i / hd : i];
+  for (float x : out)
+    if (!(x > 0.0f) || !std::isfinite(x)) fail("attention: FP8 {} scale must be a finite number > 0, got {}", name, x);
   return out;
 }
 
@@ -64,7 +109,7 @@ void row_exact(const float* q, ThdView<const float> k, ThdView<const float> v, i
 // One query row as the flash kernel computes it: online softmax over KV blocks in fp32, P rounded
 // (bf16) or quantized (E4M3 x p_scale) before PV. q, k, v are the dense operand arrays.
 void row_flash(const float* q, const float* k, const float* v, int64_t begin, int64_t end, int h, int heads,
-               int hd, float qk_scale_log2, float out_scale, RefMode mode, const PScheme& ps,
+               int hd, float qk_scale_log2, const float* out_scale, RefMode mode, const PScheme& ps,
                std::vector<float>& t, std::vector<float>& acc, double* out) {
   const int64_t len = end - begin;
   const int64_t nblocks = (len + ps.block_n - 1) / ps.block_n;
@@ -96,8 +141,8 @@ void row_flash(const float* q, const float* k, const float* v, int64_t begin, in
       for (int d = 0; d < hd; ++d) acc[size_t(d)] += pq * vr[d];
     }
   }
-  const float inv = out_scale / (p_scale * l);
-  for (int d = 0; d < hd; ++d) out[d] = bf16_round(acc[size_t(d)] * inv);
+  const float l_scaled = p_scale * l;
+  for (int d = 0; d < hd; ++d) out[d] = bf16_round(acc[size_t(d)] * (out_scale[d] / l_scaled));
 }
 
 }  // namespace
@@ -107,10 +152,6 @@ void attention(const VarlenShape& sh, ThdView<const float> q, ThdView<const floa
   sh.validate();
   if (!q.data || !k.data || !v.data || !out) fail("attention: null input or output pointer");
   if (opt.mode != RefMode::EXACT && opt.p.block_n <= 0) fail("attention: P scheme block_n must be > 0");
-  if (opt.mode == RefMode::FP8)
-    for (int i = 0; i < 3; ++i)
-      if (!(opt.fp8_scales[i] > 0.0f) || !std::isfinite(opt.fp8_scales[i]))
-        fail("attention: FP8 {} scale must be a finite number > 0, got {}", kQkvNames[i], opt.fp8_scales[i]);
   const int H = sh.heads, hd = sh.head_dim;
   const int64_t N = sh.total_tokens();
   const double scale = opt.softmax_scale > 0 ? opt.softmax_scale : 1.0 / std::sqrt(double(hd));
@@ -136,12 +177,32 @@ void attention(const VarlenShape& sh, ThdView<const float> q, ThdView<const floa
   }
 
   const bool fp8 = opt.mode == RefMode::FP8;
-  const std::vector<float> q8 = operand(sh, q, opt.mode, opt.fp8_scales.q);
-  const std::vector<float> k8 = operand(sh, k, opt.mode, opt.fp8_scales.k);
-  const std::vector<float> v8 = operand(sh, v, opt.mode, opt.fp8_scales.v);
-  const float qk_scale_log2 =
-      float(scale * M_LOG2E * (fp8 ? double(opt.fp8_scales.q) * double(opt.fp8_scales.k) : 1.0));
-  const float out_scale = fp8 ? opt.fp8_scales.v : 1.0f;
+  const Fp8Fine& fine = opt.fp8_fine;
+  const std::vector<float> ones(size_t(H) * hd, 1.0f), zeros(size_t(H) * hd, 0.0f);
+  std::vector<float> sq = ones, sk = ones, sv = ones, k_shift = zeros;
+  if (fp8) {
+    sq = expand_scale(sh, opt.fp8_scales.q, fine.q_head, 1, "q");
+    sk = expand_scale(sh, opt.fp8_scales.k, fine.k_head, 1, "k");
+    sv = expand_scale(sh, opt.fp8_scales.v, fine.v_channel, size_t(hd), "v");
+    if (!fine.k_mean.empty()) {
+      if (fine.k_mean.size() != size_t(H) * hd)
+        fail("attention: k_mean holds {} values, not {} ({} heads x {})", fine.k_mean.size(), size_t(H) * hd, H, hd);
+      for (float x : fine.k_mean)
+        if (!std::isfinite(x)) fail("attention: k_mean must be finite, got {}", x);
+      k_shift = fine.k_mean;
+    }
+  } else if (!fine.empty()) {
+    fail("attention: fine FP8 scales given for {} mode", ref_mode_name(opt.mode));
+  }
+  const std::vector<float> rot = fp8 && fine.rotate_qk ? dct_matrix(hd) : std::vector<float>();
+  const float* r = rot.empty() ? nullptr : rot.data();
+  const std::vector<float> q8 = operand(sh, q, opt.mode, sq, zeros, r);
+  const std::vector<float> k8 = operand(sh, k, opt.mode, sk, k_shift, r);
+  const std::vector<float> v8 = operand(sh, v, opt.mode, sv, zeros, nullptr);
+  std::vector<float> qk_scale_log2(static_cast<size_t>(H));  // per head: the Q and K descales fold into the score scale
+  for (int h = 0; h < H; ++h)
+    qk_scale_log2[size_t(h)] =
+        float(scale * M_LOG2E * (fp8 ? double(sq[size_t(h) * hd]) * double(sk[size_t(h) * hd]) : 1.0));
   parallel_for(rows, [&](int64_t r) {
     thread_local std::vector<float> t, acc;
     t.resize(size_t(opt.p.block_n));
@@ -150,8 +211,74 @@ void attention(const VarlenShape& sh, ThdView<const float> q, ThdView<const floa
     const int h = int(r % H);
     const int sg = seg[size_t(tok)];
     row_flash(q8.data() + r * hd, k8.data(), v8.data(), sh.cu_seqlens[size_t(sg)], sh.cu_seqlens[size_t(sg) + 1],
-              h, H, hd, qk_scale_log2, out_scale, opt.mode, opt.p, t, acc, out + r * hd);
+              h, H, hd, qk_scale_log2[size_t(h)], sv.data() + size_t(h) * hd, opt.mode, opt.p, t, acc, out + r * hd);
   }, opt.threads, grain);
+}
+
+Fp8Fine current_fine_scales(const VarlenShape& shape, ThdView<const float> q, ThdView<const float> k,
+                            ThdView<const float> v, Fp8FineParts parts) {
+  shape.validate();
+  const int H = shape.heads, hd = shape.head_dim;
+  const int64_t N = shape.total_tokens();
+  const size_t cells = size_t(H) * hd;
+  auto check = [](float x, const char* name) {
+    if (!std::isfinite(x)) fail("FP8 scales: {} holds a non-finite value ({})", name, x);
+  };
+  auto to_scale = [](float amax) { return std::max(amax / kE4M3Max, kMinScale); };
+  Fp8Fine f;
+  std::vector<float> mean(cells, 0.0f);
+  if (parts.smooth_k) {
+    std::vector<double> sum(cells, 0.0);
+    for (int64_t t = 0; t < N; ++t)
+      for (int h = 0; h < H; ++h) {
+        const float* r = k.row(t, h);
+        for (int d = 0; d < hd; ++d) {
+          check(r[d], "k");
+          sum[size_t(h) * hd + d] += r[d];
+        }
+      }
+    for (size_t i = 0; i < cells; ++i) mean[i] = float(sum[i] / double(N));
+    f.k_mean = mean;
+  }
+  f.rotate_qk = parts.rotate_qk;
+  if (parts.per_head_qk || parts.smooth_k || parts.rotate_qk) {  // Q and K change range: scales of their own
+    const std::vector<float> rot = parts.rotate_qk ? dct_matrix(hd) : std::vector<float>();
+    const std::vector<float> zeros(cells, 0.0f);
+    std::vector<float> qa(size_t(H), 0.0f), ka(size_t(H), 0.0f), row(static_cast<size_t>(hd));
+    for (int64_t t = 0; t < N; ++t)
+      for (int h = 0; h < H; ++h) {
+        for (int d = 0; d < hd; ++d) {
+          check(q.row(t, h)[d], "q");
+          check(k.row(t, h)[d], "k");
+        }
+        fp8_input_row(q.row(t, h), zeros.data() + size_t(h) * hd, rot.empty() ? nullptr : rot.data(), hd, row.data());
+        for (float x : row) qa[size_t(h)] = std::max(qa[size_t(h)], std::fabs(x));
+        fp8_input_row(k.row(t, h), mean.data() + size_t(h) * hd, rot.empty() ? nullptr : rot.data(), hd, row.data());
+        for (float x : row) ka[size_t(h)] = std::max(ka[size_t(h)], std::fabs(x));
+      }
+    if (!parts.per_head_qk) {  // one scale per tensor, of the transformed Q and K
+      std::fill(qa.begin(), qa.end(), *std::max_element(qa.begin(), qa.end()));
+      std::fill(ka.begin(), ka.end(), *std::max_element(ka.begin(), ka.end()));
+    }
+    for (float& a : qa) a = to_scale(a);
+    for (float& a : ka) a = to_scale(a);
+    f.q_head = qa;
+    f.k_head = ka;
+  }
+  if (parts.per_channel_v) {
+    std::vector<float> va(cells, 0.0f);
+    for (int64_t t = 0; t < N; ++t)
+      for (int h = 0; h < H; ++h) {
+        const float* r = v.row(t, h);
+        for (int d = 0; d < hd; ++d) {
+          check(r[d], "v");
+          va[size_t(h) * hd + d] = std::max(va[size_t(h) * hd + d], std::fabs(r[d]));
+        }
+      }
+    for (float& a : va) a = to_scale(a);
+    f.v_channel = va;
+  }
+  return f;
 }
 
 }  // namespace fovea::cpu
