@@ -593,6 +593,20 @@ TEST_F(Serve, EncoderCacheForVllm) {
     EXPECT_EQ(metric(m, "fovea_ec_cache_misses_total"), 2);
     EXPECT_EQ(metric(m, "fovea_ec_cache_files"), 2);
     EXPECT_GT(metric(m, "fovea_ec_cache_bytes"), 0);
+    // A damaged entry (another writer's truncated file): asked for its embeddings, the image is
+    // encoded and written again, not a 500.
+    {
+      const fs::path f = cache / "uuid-a" / "encoder_cache.safetensors";
+      const std::string good = slurp(f);
+      std::ofstream(f, std::ios::binary | std::ios::trunc) << good.substr(0, good.size() / 2);
+      r = cli->Post("/v1/encode", request({{&a, "uuid-a"}}, true), "application/json");
+      ASSERT_TRUE(r && r->status == 200) << (r ? r->body : "no reply");
+      doc = json::parse(r->body);
+      EXPECT_EQ(doc["data"][0]["cached"], false);
+      EXPECT_LE(max_rel_error(bf16_values(doc["data"][0]["embeddings"]), a.embeddings), kBf16Ulp);
+      EXPECT_EQ(file_columns("uuid-a", a.tokens)[0], bf16_values(doc["data"][0]["embeddings"]));  // written again
+      EXPECT_EQ(metric(get_metrics(server.port()), "fovea_images_encoded_total"), encoded + 1);
+    }
     // uuids that cannot be one folder name are refused, naming the image.
     for (const std::string& bad : std::vector<std::string>{"../up", "a/b", "..", std::string(256, 'u')}) {
       const auto e = error_of(cli->Post("/v1/encode", request({{&c, "fine"}, {&a, bad}}, false), "application/json"));

@@ -60,10 +60,11 @@ struct Decoded {
   std::vector<double> decode_ms, preprocess_ms;
 };
 
-std::vector<uint8_t> image_bytes(EncodeRequest& r, size_t i) {
+// The image's bytes; its base64 text is freed unless keep (it may be decoded again).
+std::vector<uint8_t> image_bytes(EncodeRequest& r, size_t i, bool keep = false) {
   try {
     std::vector<uint8_t> bytes = base64_decode(r.payloads[i], fmt::format("images[{}]", i));
-    std::string().swap(r.payloads[i]);
+    if (!keep) std::string().swap(r.payloads[i]);
     return bytes;
   } catch (const Error& e) {
     throw ApiError{400, "invalid_base64", e.what()};
@@ -297,7 +298,9 @@ http::Response encode(Context& c, http::Request& req) {
   std::string().swap(req.body);
   const size_t n = r.payloads.size();
   std::vector<ReplyImage> images(n);
-  std::vector<size_t> misses;  // the images to encode
+  const bool octet = req.header("accept").find("application/octet-stream") != std::string_view::npos;
+  // Embeddings: always without the cache and in safetensors replies; with the cache, if asked for.
+  const bool embeddings = octet || (c.cache ? r.return_embeddings == 1 : r.return_embeddings != 0);
   for (size_t i = 0; i < n; ++i) {
     if (c.cache) {  // the client's uuid, or the sha256 of the image's URL string as sent (vLLM's EPD proxy's key)
       ReplyImage& im = images[i];
@@ -309,21 +312,35 @@ http::Response encode(Context& c, http::Request& req) {
       }
       im.cached = c.cache->lookup(im.key);
     }
-    if (!images[i].cached) misses.push_back(i);
   }
-  for (size_t i = 0; i < n; ++i) {  // a cached image: its grid from its header alone
+  for (size_t i = 0; i < n; ++i) {  // a cached image: its grid from its header alone, its rows read now
     ReplyImage& im = images[i];
     if (!im.cached) continue;
     const auto t = Clock::now();
     const std::string name = fmt::format("images[{}]", i);
     try {
-      const image::ImageInfo info = image::probe(image_bytes(r, i), name, c.pcfg);
+      const image::ImageInfo info = image::probe(image_bytes(r, i, embeddings), name, c.pcfg);
       im.grid = image::resized_grid(info.height, info.width, c.pcfg);
     } catch (const Error& e) {
       throw ApiError{400, "invalid_image", e.what()};
     }
     im.timings = {{"decode", 0.0}, {"preprocess", 0.0}, {"probe", ms_since(t)}, {"queue", 0.0}, {"forward", 0.0}};
+    if (embeddings) {
+      // Read right after the lookup: a file evicted (or damaged) by another writer since is encoded
+      // again, and written again, rather than failing the request.
+      try {
+        load_cached(c, im, r.deepstack);
+        std::string().swap(r.payloads[i]);
+      } catch (const Error&) {
+        ReplyImage again;
+        again.key = im.key;
+        im = std::move(again);
+      }
+    }
   }
+  std::vector<size_t> misses;  // the images to encode
+  for (size_t i = 0; i < n; ++i)
+    if (!images[i].cached) misses.push_back(i);
   phase_ended(Phase::PARSE);
   Decoded d = decode_images(r, misses, c.pcfg, c.decode_budget, deadline);
   phase_ended(Phase::DECODE);
@@ -363,18 +380,6 @@ http::Response encode(Context& c, http::Request& req) {
       }
     }
   }
-  const bool octet = req.header("accept").find("application/octet-stream") != std::string_view::npos;
-  // Embeddings: always without the cache and in safetensors replies; with the cache, if asked for.
-  const bool embeddings = octet || (c.cache ? r.return_embeddings == 1 : r.return_embeddings != 0);
-  if (embeddings)
-    for (ReplyImage& im : images)
-      if (im.cached) {
-        try {
-          load_cached(c, im, r.deepstack);
-        } catch (const Error& e) {
-          reject(500, "ec_cache_read_failed", e.what());
-        }
-      }
   http::Response res;
   if (octet)
     res = {200, "application/octet-stream", safetensors_reply(c, r, images), {}};
