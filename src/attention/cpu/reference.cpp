@@ -221,22 +221,27 @@ Fp8Fine current_fine_scales(const VarlenShape& shape, ThdView<const float> q, Th
   const int H = shape.heads, hd = shape.head_dim;
   const int64_t N = shape.total_tokens();
   const size_t cells = size_t(H) * hd;
-  auto check = [](float x, const char* name) {
-    if (!std::isfinite(x)) fail("FP8 scales: {} holds a non-finite value ({})", name, x);
+  // f(h, row) for every (token, head) row of x, after checking that the row is finite.
+  const auto each_row = [&](ThdView<const float> x, const char* name, auto&& f) {
+    for (int64_t t = 0; t < N; ++t)
+      for (int h = 0; h < H; ++h) {
+        const float* r = x.row(t, h);
+        for (int d = 0; d < hd; ++d)
+          if (!std::isfinite(r[d])) fail("FP8 scales: {} holds a non-finite value ({})", name, r[d]);
+        f(size_t(h), r);
+      }
   };
-  auto to_scale = [](float amax) { return std::max(amax / kE4M3Max, kMinScale); };
+  const auto to_scale = [](std::vector<float> amax) {
+    for (float& a : amax) a = std::max(a / kE4M3Max, kMinScale);
+    return amax;
+  };
   Fp8Fine f;
   std::vector<float> mean(cells, 0.0f);
   if (parts.smooth_k) {
     std::vector<double> sum(cells, 0.0);
-    for (int64_t t = 0; t < N; ++t)
-      for (int h = 0; h < H; ++h) {
-        const float* r = k.row(t, h);
-        for (int d = 0; d < hd; ++d) {
-          check(r[d], "k");
-          sum[size_t(h) * hd + d] += r[d];
-        }
-      }
+    each_row(k, "k", [&](size_t h, const float* r) {
+      for (int d = 0; d < hd; ++d) sum[h * hd + d] += r[d];
+    });
     for (size_t i = 0; i < cells; ++i) mean[i] = float(sum[i] / double(N));
     f.k_mean = mean;
   }
@@ -244,39 +249,26 @@ Fp8Fine current_fine_scales(const VarlenShape& shape, ThdView<const float> q, Th
   if (parts.per_head_qk || parts.smooth_k || parts.rotate_qk) {  // Q and K change range: scales of their own
     const std::vector<float> rot = parts.rotate_qk ? dct_matrix(hd) : std::vector<float>();
     const std::vector<float> zeros(cells, 0.0f);
-    std::vector<float> qa(size_t(H), 0.0f), ka(size_t(H), 0.0f), row(static_cast<size_t>(hd));
-    for (int64_t t = 0; t < N; ++t)
-      for (int h = 0; h < H; ++h) {
-        for (int d = 0; d < hd; ++d) {
-          check(q.row(t, h)[d], "q");
-          check(k.row(t, h)[d], "k");
-        }
-        fp8_input_row(q.row(t, h), zeros.data() + size_t(h) * hd, rot.empty() ? nullptr : rot.data(), hd, row.data());
-        for (float x : row) qa[size_t(h)] = std::max(qa[size_t(h)], std::fabs(x));
-        fp8_input_row(k.row(t, h), mean.data() + size_t(h) * hd, rot.empty() ? nullptr : rot.data(), hd, row.data());
-        for (float x : row) ka[size_t(h)] = std::max(ka[size_t(h)], std::fabs(x));
-      }
-    if (!parts.per_head_qk) {  // one scale per tensor, of the transformed Q and K
-      std::fill(qa.begin(), qa.end(), *std::max_element(qa.begin(), qa.end()));
-      std::fill(ka.begin(), ka.end(), *std::max_element(ka.begin(), ka.end()));
-    }
-    for (float& a : qa) a = to_scale(a);
-    for (float& a : ka) a = to_scale(a);
-    f.q_head = qa;
-    f.k_head = ka;
+    std::vector<float> row(static_cast<size_t>(hd));
+    // The per-head amax of x as quantized: minus shift, rotated where asked.
+    const auto head_amax = [&](ThdView<const float> x, const char* name, const std::vector<float>& shift) {
+      std::vector<float> amax(size_t(H), 0.0f);
+      each_row(x, name, [&](size_t h, const float* r) {
+        fp8_input_row(r, shift.data() + h * hd, rot.empty() ? nullptr : rot.data(), hd, row.data());
+        for (float y : row) amax[h] = std::max(amax[h], std::fabs(y));
+      });
+      if (!parts.per_head_qk) std::fill(amax.begin(), amax.end(), *std::max_element(amax.begin(), amax.end()));
+      return amax;
+    };
+    f.q_head = to_scale(head_amax(q, "q", zeros));
+    f.k_head = to_scale(head_amax(k, "k", mean));
   }
   if (parts.per_channel_v) {
-    std::vector<float> va(cells, 0.0f);
-    for (int64_t t = 0; t < N; ++t)
-      for (int h = 0; h < H; ++h) {
-        const float* r = v.row(t, h);
-        for (int d = 0; d < hd; ++d) {
-          check(r[d], "v");
-          va[size_t(h) * hd + d] = std::max(va[size_t(h) * hd + d], std::fabs(r[d]));
-        }
-      }
-    for (float& a : va) a = to_scale(a);
-    f.v_channel = va;
+    std::vector<float> amax(cells, 0.0f);
+    each_row(v, "v", [&](size_t h, const float* r) {
+      for (int d = 0; d < hd; ++d) amax[h * hd + d] = std::max(amax[h * hd + d], std::fabs(r[d]));
+    });
+    f.v_channel = to_scale(amax);
   }
   return f;
 }
