@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# On the GPU machine, one call (issue 14, round 2): what session 7 could not run. The committed
+# build's GPU tests (attention, encoder) and the kernel's static instruction mix; FP8 TFLOP/s with
+# each tile choice (kernel-sweep.py) and beside torch SDPA; the 8B encoder beside transformers eager
+# and torch.compile (HD and 4K); an Nsight Compute profile of the 3-warpgroup FP8 kernel built with
+# packed-f16 exponentials (the 35-45% drop nobody has profiled), when that variant is staged:
+#   tools/device/stage.sh && tools/device/kernel-variants.sh half3=-DFOVEA_FP8_FMA_EXP_MASK_3WG=0xAAAA
+# Carry [".device-bin"]. Short tables on stdout, logs under $OUT.
+set -uo pipefail
+source "$(dirname "$0")/env.sh"
+echo "== test-attention-gpu, test-encoder-gpu"
+timeout 420 "$B/test-attention-gpu" > "$OUT/test-attention-gpu.txt" 2>&1; grep -E "^\[  (PASSED|FAILED) |^\[  FAILED" "$OUT/test-attention-gpu.txt"
+timeout 300 "$B/test-encoder-gpu" > "$OUT/test-encoder-gpu.txt" 2>&1; grep -E "^\[  (PASSED|FAILED) |^\[  FAILED" "$OUT/test-encoder-gpu.txt"
+echo "== SASS instruction mix"
+cuobjdump --dump-sass "$B/fovea" 2>/dev/null | python3 "$(dirname "$0")/sass-mix.py" | grep -E "kernel|fp8 hd(72|128)"
+echo "== FP8 sweep (committed build)"
+python3 "$(dirname "$0")/kernel-sweep.py" --bins "$B/fovea" --wgs auto,2,3 --json "$OUT/sweep.json" 2>"$OUT/sweep.log"
+echo "== beside torch SDPA"
+PYTHONUNBUFFERED=1 timeout 200 python3 bench/attention-peers.py --fovea "$B/fovea" \
+  --shapes 1024:72,3520+3520+3520:72,8192:72,32640:72,1024:128,8192:128,16384:128 --json "$OUT/peers.json" \
+  2>"$OUT/peers.log" | tail -9
+echo "== 8B encoder beside transformers (eager and torch.compile)"
+PYTHONUNBUFFERED=1 timeout 420 python3 bench/encoder-peers.py --fovea "$B/fovea" --resolutions HD,4K --reps 5 \
+  --json "$OUT/encoder.json" 2>"$OUT/encoder.log" | tail -5
+if [ -f "$B/variants/half3" ]; then
+  echo "== ncu: FP8 hd72 S8192, 3 warpgroups, packed-f16 share 50%"
+  FOVEA_FLASH_WARPGROUPS=3 timeout 200 ncu --clock-control none -k regex:flash --launch-skip 3 --launch-count 1 \
+    --section SchedulerStats --section WarpStateStats --section LaunchStats \
+    --metrics regex:^smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio$ \
+    "$B/variants/half3" bench attention --device cuda --head-dim 72 --seqlens 8192 --dtype fp8 --reps 1 --warmup 3 --check 0 \
+    > "$OUT/ncu-half3.txt" 2>&1
+  grep -E "Registers Per Thread|Issue Slots Busy|No Eligible|Warp Cycles Per Issued|Local Memory" "$OUT/ncu-half3.txt" | head -8
+  grep -E "smsp__average_warps_issue_stalled_" "$OUT/ncu-half3.txt" | awk '{print $NF, $1}' | sort -gr | head -6
+fi
