@@ -151,10 +151,7 @@ __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
 }
 // Four floats to packed E4M3x4 (RNE, saturating), a in the lowest byte.
 __device__ __forceinline__ uint32_t pack_e4m3x4(float a, float b, float c, float d) {
-  uint16_t lo, hi;
-  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(lo) : "f"(b), "f"(a));
-  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(hi) : "f"(d), "f"(c));
-  return uint32_t(lo) | (uint32_t(hi) << 16);
+  return uint32_t(e4m3x2_of_f32(a, b)) | (uint32_t(e4m3x2_of_f32(c, d)) << 16);
 }
 
 }  // namespace fovea::cuda::ptx
