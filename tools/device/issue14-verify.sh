@@ -9,8 +9,8 @@
 set -uo pipefail
 source "$(dirname "$0")/env.sh"
 echo "== test-attention-gpu, test-encoder-gpu"
-timeout 420 "$B/test-attention-gpu" > "$OUT/test-attention-gpu.txt" 2>&1; grep -E "^\[  (PASSED|FAILED) |^\[  FAILED" "$OUT/test-attention-gpu.txt"
-timeout 300 "$B/test-encoder-gpu" > "$OUT/test-encoder-gpu.txt" 2>&1; grep -E "^\[  (PASSED|FAILED) |^\[  FAILED" "$OUT/test-encoder-gpu.txt"
+timeout 240 "$B/test-attention-gpu" > "$OUT/test-attention-gpu.txt" 2>&1; grep -E "^\[  (PASSED|FAILED) |^\[  FAILED" "$OUT/test-attention-gpu.txt"
+timeout 150 "$B/test-encoder-gpu" > "$OUT/test-encoder-gpu.txt" 2>&1; grep -E "^\[  (PASSED|FAILED) |^\[  FAILED" "$OUT/test-encoder-gpu.txt"
 echo "== SASS instruction mix"
 cuobjdump --dump-sass "$B/fovea" 2>/dev/null | python3 "$(dirname "$0")/sass-mix.py" | grep -E "kernel|fp8 hd(72|128)"
 echo "== FP8 sweep (committed build)"
@@ -20,8 +20,24 @@ PYTHONUNBUFFERED=1 timeout 200 python3 bench/attention-peers.py --fovea "$B/fove
   --shapes 1024:72,3520+3520+3520:72,8192:72,32640:72,1024:128,8192:128,16384:128 --json "$OUT/peers.json" \
   2>"$OUT/peers.log" | tail -9
 echo "== 8B encoder beside transformers (eager and torch.compile)"
-PYTHONUNBUFFERED=1 timeout 420 python3 bench/encoder-peers.py --fovea "$B/fovea" --resolutions HD,4K --reps 5 \
+PYTHONUNBUFFERED=1 timeout 300 python3 bench/encoder-peers.py --fovea "$B/fovea" --resolutions HD,4K --reps 5 \
   --json "$OUT/encoder.json" 2>"$OUT/encoder.log" | tail -5
+echo "== prepare and LayerNorm against the copy bandwidth (3 x 4K, FP8 static)"
+python3 - <<'PY' 2>&1 | tail -1
+import torch
+x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda"); y = torch.empty_like(x)
+for _ in range(3): y.copy_(x)
+a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+a.record()
+for _ in range(10): y.copy_(x)
+b.record(); b.synchronize()
+print(f"device copy: {2 * 10 * x.numel() / (a.elapsed_time(b) * 1e-3) / 1e12:.2f} TB/s (read + write bytes)")
+PY
+timeout 120 ncu --clock-control none -k regex:"prepare_kernel|layernorm_kernel|qkv_amax" --launch-skip 6 --launch-count 6 \
+  --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__warps_active.avg.pct_of_peak_sustained_active \
+  "$B/fovea" bench encoder synthetic:qwen3-vl-8b --resolutions 4K --images-per-request 3 --dtype fp8-static --reps 1 --warmup 0 \
+  > "$OUT/ncu-bandwidth.txt" 2>&1
+grep -E "prepare_kernel|layernorm_kernel|qkv_amax|gpu__time|dram__bytes|dram__throughput|warps_active" "$OUT/ncu-bandwidth.txt" | sed 's/  */ /g' | head -40
 if [ -f "$B/variants/half3" ]; then
   echo "== ncu: FP8 hd72 S8192, 3 warpgroups, packed-f16 share 50%"
   FOVEA_FLASH_WARPGROUPS=3 timeout 200 ncu --clock-control none -k regex:flash --launch-skip 3 --launch-count 1 \
