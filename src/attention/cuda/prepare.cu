@@ -11,6 +11,7 @@
 #include "attention/cuda/kernels.cuh"
 #include "attention/cuda/layout.cuh"
 #include "attention/cuda/ptx.cuh"
+#include "fovea/error.h"
 #include "fovea/fp8.h"
 #include "fovea/scales.h"
 
@@ -75,31 +76,72 @@ __device__ __forceinline__ uint32_t quantize4(float a, float b, float c, float d
   return ptx::pack_e4m3x4(__fdiv_rn(a, s), __fdiv_rn(b, s), __fdiv_rn(c, s), __fdiv_rn(d, s));
 }
 
-// Writes one padded row (kHdPad elements, zeros past kHeadDim) as 16-byte stores.
+// One head-row of q, k or v as it sits in the qkv output: kHeadDim / 2 packed bf16 pairs, or zeros
+// for a padding row (token < 0).
+template <int kHeadDim>
+__device__ __forceinline__ void load_packed(const PrepareArgs& a, int token, int head, int which,
+                                            uint32_t (&w)[kHeadDim / 2]) {
+  if (token < 0) {
+#pragma unroll
+    for (int i = 0; i < kHeadDim / 2; ++i) w[i] = 0;
+    return;
+  }
+  const uint4* src = reinterpret_cast<const uint4*>(a.qkv + int64_t(token) * a.qkv_token_stride +
+                                                    (int64_t(which) * a.heads + head) * kHeadDim);
+#pragma unroll
+  for (int i = 0; i < kHeadDim / 8; ++i) {
+    const uint4 v = src[i];
+    w[4 * i] = v.x, w[4 * i + 1] = v.y, w[4 * i + 2] = v.z, w[4 * i + 3] = v.w;
+  }
+}
+
+__device__ __forceinline__ float2 unpack_bf16x2(uint32_t w) {
+  return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w));
+}
+
+// Q or K of one head-row into its padded output row: RoPE'd and rounded four columns of each half at
+// a time, straight from the packed bf16 row, so the row never lives as kHeadDim floats (the FP8
+// hd 72 instance went from 133 registers, 3 CTAs an SM, to fewer; the arithmetic is load_row's).
 template <bool kFp8, int kHeadDim, int kHdPad>
-__device__ __forceinline__ void store_row(void* dst, const float (&x)[kHeadDim], float scale) {
-  auto at = [&](int d) { return d < kHeadDim ? x[d] : 0.f; };
-  uint4* out = static_cast<uint4*>(dst);
-  if constexpr (kFp8) {
+__device__ __forceinline__ void rope_row_out(const PrepareArgs& a, int token, int head, int which, float scale,
+                                             void* dst) {
+  constexpr int kHalf = kHeadDim / 2;
+  constexpr int kOutWords = kHdPad * (kFp8 ? 1 : 2) / 4;
+  uint32_t in[kHeadDim / 2], out[kOutWords];
+  load_packed<kHeadDim>(a, token, head, which, in);
 #pragma unroll
-    for (int i = 0; i < kHdPad / 16; ++i) {
-      uint32_t w[4];
+  for (int i = 0; i < kOutWords; ++i) out[i] = 0;
+  const bool rope = token >= 0 && a.rope_cos;
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const int d = 16 * i + 4 * j;
-        w[j] = quantize4(at(d), at(d + 1), at(d + 2), at(d + 3), scale);
-      }
-      out[i] = make_uint4(w[0], w[1], w[2], w[3]);
+  for (int g = 0; g < kHalf / 4; ++g) {
+    float x1[4], x2[4];
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const float2 p = unpack_bf16x2(in[2 * g + j]), q = unpack_bf16x2(in[kHalf / 2 + 2 * g + j]);
+      x1[2 * j] = p.x, x1[2 * j + 1] = p.y, x2[2 * j] = q.x, x2[2 * j + 1] = q.y;
     }
-  } else {
+    if (rope) {
+      const float4 cv = reinterpret_cast<const float4*>(a.rope_cos + int64_t(token) * kHalf)[g];
+      const float4 sv = reinterpret_cast<const float4*>(a.rope_sin + int64_t(token) * kHalf)[g];
+      const float c[4] = {cv.x, cv.y, cv.z, cv.w}, sn[4] = {sv.x, sv.y, sv.z, sv.w};
 #pragma unroll
-    for (int i = 0; i < kHdPad / 8; ++i) {
-      uint32_t w[4];
-#pragma unroll
-      for (int j = 0; j < 4; ++j) w[j] = ptx::pack_bf16x2(at(8 * i + 2 * j), at(8 * i + 2 * j + 1));
-      out[i] = make_uint4(w[0], w[1], w[2], w[3]);
+      for (int j = 0; j < 4; ++j) {  // as load_row: unfused, rounded like the CPU reference
+        const float y1 = __fsub_rn(__fmul_rn(x1[j], c[j]), __fmul_rn(x2[j], sn[j]));
+        const float y2 = __fadd_rn(__fmul_rn(x2[j], c[j]), __fmul_rn(x1[j], sn[j]));
+        x1[j] = y1, x2[j] = y2;
+      }
+    }
+    if constexpr (kFp8) {
+      out[g] = quantize4(x1[0], x1[1], x1[2], x1[3], scale);
+      out[kHalf / 4 + g] = quantize4(x2[0], x2[1], x2[2], x2[3], scale);
+    } else {
+      out[2 * g] = ptx::pack_bf16x2(x1[0], x1[1]), out[2 * g + 1] = ptx::pack_bf16x2(x1[2], x1[3]);
+      out[kHalf / 2 + 2 * g] = ptx::pack_bf16x2(x2[0], x2[1]), out[kHalf / 2 + 2 * g + 1] = ptx::pack_bf16x2(x2[2], x2[3]);
     }
   }
+  uint4* o = static_cast<uint4*>(dst);
+#pragma unroll
+  for (int i = 0; i < kOutWords / 4; ++i) o[i] = make_uint4(out[4 * i], out[4 * i + 1], out[4 * i + 2], out[4 * i + 3]);
 }
 
 // ---- amax (dynamic FP8 only) ----------------------------------------------------------------------
@@ -155,8 +197,11 @@ __global__ void __launch_bounds__(kThreads) prepare_kernel(PrepareArgs a) {
   using Elem = std::conditional_t<kFp8, uint8_t, __nv_bfloat16>;
   constexpr int kHdPad = layout::head_dim_pad(kHeadDim, kFp8);
   __shared__ __align__(16) Elem sv[kThreads][kHeadDim];
-  const int head = blockIdx.y;
-  const int row = blockIdx.x * kThreads + threadIdx.x;  // padded row
+  // Heads are the fast grid dimension: the CTAs of one row block run side by side, so a token's
+  // RoPE row and the 32-byte sectors two heads' slices share come from DRAM once (with rows fastest,
+  // every head streamed the whole cos / sin table again: 1.36 GB read for 0.7 GB of inputs at 3 x 4K).
+  const int head = blockIdx.x;
+  const int row = blockIdx.y * kThreads + threadIdx.x;  // padded row
   const int token = padded_row_token(a, row);
   float scale[3] = {1.f, 1.f, 1.f};  // FP8 dequantization scales of q, k, v
   if constexpr (kFp8) {
@@ -166,32 +211,30 @@ __global__ void __launch_bounds__(kThreads) prepare_kernel(PrepareArgs a) {
   // Q and K: one row each, RoPE'd, padded to kHdPad with zeros.
 #pragma unroll
   for (int w = 0; w < 2; ++w) {
-    float x[kHeadDim];
-    if (token >= 0) load_row<kHeadDim>(a, token, head, w, true, x);
-    else
-#pragma unroll
-      for (int d = 0; d < kHeadDim; ++d) x[d] = 0.f;
     Elem* dst = (w == 0 ? static_cast<Elem*>(a.q) : static_cast<Elem*>(a.k)) +
                 (int64_t(head) * a.n_pad + row) * kHdPad;
-    store_row<kFp8, kHeadDim, kHdPad>(dst, x, scale[w]);
+    rope_row_out<kFp8, kHeadDim, kHdPad>(a, token, head, w, scale[w], dst);
   }
 
   // V: into shared memory, then out transposed, 128 keys per V^T row.
   {
-    float x[kHeadDim];
-    if (token >= 0) load_row<kHeadDim>(a, token, head, 2, false, x);
-    else
+    uint32_t in[kHeadDim / 2];
+    load_packed<kHeadDim>(a, token, head, 2, in);
 #pragma unroll
-      for (int d = 0; d < kHeadDim; ++d) x[d] = 0.f;
-#pragma unroll
-    for (int d = 0; d < kHeadDim; ++d) {
-      if constexpr (kFp8) sv[threadIdx.x][d] = uint8_t(quantize4(x[d], 0.f, 0.f, 0.f, scale[2]));
-      else sv[threadIdx.x][d] = __float2bfloat16_rn(x[d]);
+    for (int i = 0; i < kHeadDim / 2; ++i) {
+      const float2 f = unpack_bf16x2(in[i]);
+      if constexpr (kFp8) {
+        sv[threadIdx.x][2 * i] = uint8_t(quantize4(f.x, 0.f, 0.f, 0.f, scale[2]));
+        sv[threadIdx.x][2 * i + 1] = uint8_t(quantize4(f.y, 0.f, 0.f, 0.f, scale[2]));
+      } else {
+        sv[threadIdx.x][2 * i] = __float2bfloat16_rn(f.x);
+        sv[threadIdx.x][2 * i + 1] = __float2bfloat16_rn(f.y);
+      }
     }
   }
   __syncthreads();
   const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
-  const int row0 = blockIdx.x * kThreads;
+  const int row0 = blockIdx.y * kThreads;
   for (int d = warp; d < kHeadDim; d += kThreads / 32) {
     Elem* dst = static_cast<Elem*>(a.vt) + (int64_t(head) * kHeadDim + d) * a.n_pad + row0;
     if constexpr (kFp8) {
@@ -217,7 +260,8 @@ void launch_for_head_dim(const PrepareArgs& a, bool fp8, cudaStream_t stream) {
     qkv_amax_kernel<kHeadDim><<<dim3(blocks_x, a.heads), kThreads, 0, stream>>>(a);
     FOVEA_CUDA_CHECK(cudaGetLastError());
   }
-  const dim3 grid(unsigned(a.n_pad / kThreads), unsigned(a.heads));
+  if (a.n_pad / kThreads > 65535) fail_cat("attention: ", a.n_pad, " padded tokens in one batch; the prepare step takes up to ", 65535 * kThreads);
+  const dim3 grid(unsigned(a.heads), unsigned(a.n_pad / kThreads));
   if (fp8) prepare_kernel<true, kHeadDim><<<grid, kThreads, 0, stream>>>(a);
   else prepare_kernel<false, kHeadDim><<<grid, kThreads, 0, stream>>>(a);
   FOVEA_CUDA_CHECK(cudaGetLastError());

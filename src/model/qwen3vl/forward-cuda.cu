@@ -67,31 +67,86 @@ struct DevNorm {
   int width = 0;
 };
 
-// LayerNorm over `width` columns, one 128-thread block per row, fp32 statistics (two passes over
-// the row, which stays in L1), bf16 in and out.
+// LayerNorm over `width` columns (a multiple of 8), one block per row: each thread holds kChunks
+// runs of 8 columns in registers (one 16-byte load and one 16-byte store each), so the row is read
+// from memory once; fp32 statistics in two passes over the registers (mean, then the mean squared
+// deviation), bf16 in and out. Measured before (one 128-thread block per row, 2-byte accesses, three
+// passes through L1): 300 us for 3 x 4K's 97920 rows of 1152, 34% of the copy bandwidth.
+constexpr int kLnMaxThreads = 1024, kLnMaxChunks = 8;  // widths up to 65536
+
+__device__ __forceinline__ float block_sum(float v, float* red) {
+  for (int o = 16; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x / 32] = v;
+  __syncthreads();
+  float s = 0.f;
+  for (int i = 0; i < int(blockDim.x / 32); ++i) s += red[i];
+  __syncthreads();  // red is written again by the next call
+  return s;
+}
+
+template <int kChunks>
 __global__ void layernorm_kernel(const bf16* __restrict__ x, bf16* __restrict__ y, const float* __restrict__ w,
                                  const float* __restrict__ b, int width) {
-  const bf16* xr = x + int64_t(blockIdx.x) * width;
-  bf16* yr = y + int64_t(blockIdx.x) * width;
-  __shared__ float red[4];
-  auto block_sum = [&](float v) {
-    for (int o = 16; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
-    __syncthreads();
-    if ((threadIdx.x & 31) == 0) red[threadIdx.x / 32] = v;
-    __syncthreads();
-    return red[0] + red[1] + red[2] + red[3];
-  };
+  __shared__ float red[kLnMaxThreads / 32];
+  const int runs = width / 8;
+  const uint4* xr = reinterpret_cast<const uint4*>(x + int64_t(blockIdx.x) * width);
+  uint4* yr = reinterpret_cast<uint4*>(y + int64_t(blockIdx.x) * width);
+  float v[kChunks][8];
   float s = 0.f;
-  for (int i = threadIdx.x; i < width; i += blockDim.x) s += __bfloat162float(xr[i]);
-  const float mean = block_sum(s) / float(width);
-  float v = 0.f;
-  for (int i = threadIdx.x; i < width; i += blockDim.x) {
-    const float d = __bfloat162float(xr[i]) - mean;
-    v += d * d;
+#pragma unroll
+  for (int c = 0; c < kChunks; ++c) {
+    const int run = threadIdx.x + c * int(blockDim.x);
+    const uint4 raw = run < runs ? xr[run] : make_uint4(0, 0, 0, 0);
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float2 f = __bfloat1622float2(h[j]);
+      v[c][2 * j] = f.x, v[c][2 * j + 1] = f.y;
+      s += f.x + f.y;
+    }
   }
-  const float inv = rsqrtf(block_sum(v) / float(width) + 1e-6f);
-  for (int i = threadIdx.x; i < width; i += blockDim.x)
-    yr[i] = __float2bfloat16_rn((__bfloat162float(xr[i]) - mean) * inv * w[i] + b[i]);
+  const float mean = block_sum(s, red) / float(width);
+  float q = 0.f;
+#pragma unroll
+  for (int c = 0; c < kChunks; ++c) {
+    if (threadIdx.x + c * int(blockDim.x) >= runs) continue;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) q += (v[c][j] - mean) * (v[c][j] - mean);
+  }
+  const float inv = rsqrtf(block_sum(q, red) / float(width) + 1e-6f);
+#pragma unroll
+  for (int c = 0; c < kChunks; ++c) {
+    const int run = threadIdx.x + c * int(blockDim.x);
+    if (run >= runs) continue;
+    const float4* w4 = reinterpret_cast<const float4*>(w) + 2 * run;
+    const float4* b4 = reinterpret_cast<const float4*>(b) + 2 * run;
+    const float4 wa = w4[0], wb = w4[1], ba = b4[0], bb = b4[1];
+    const float ws[8] = {wa.x, wa.y, wa.z, wa.w, wb.x, wb.y, wb.z, wb.w};
+    const float bs[8] = {ba.x, ba.y, ba.z, ba.w, bb.x, bb.y, bb.z, bb.w};
+    uint4 out;
+    uint32_t* o = reinterpret_cast<uint32_t*>(&out);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const __nv_bfloat162 p = __floats2bfloat162_rn((v[c][2 * j] - mean) * inv * ws[2 * j] + bs[2 * j],
+                                                     (v[c][2 * j + 1] - mean) * inv * ws[2 * j + 1] + bs[2 * j + 1]);
+      o[j] = *reinterpret_cast<const uint32_t*>(&p);
+    }
+    yr[run] = out;
+  }
+}
+
+// The block size and chunk count for a width, or {0, 0} where the kernel cannot take it.
+struct LnShape {
+  int threads = 0, chunks = 0;
+};
+LnShape layernorm_shape(int width) {
+  if (width <= 0 || width % 8 != 0) return {};
+  const int runs = width / 8;
+  for (int chunks = 1; chunks <= kLnMaxChunks; chunks *= 2) {
+    const int threads = ((runs + chunks - 1) / chunks + 31) / 32 * 32;
+    if (threads <= kLnMaxThreads) return {threads, chunks};
+  }
+  return {};
 }
 
 // One image of a batch for grid_tables_kernel: its first row and its grid.
@@ -288,7 +343,15 @@ struct Encoder::Impl {
   void collect(int64_t ticket, std::vector<std::vector<T>>& out);
   std::vector<std::span<const uint16_t>> collect_views(int64_t ticket);
   void layernorm(const bf16* in, bf16* out, const DevNorm& nrm, int64_t rows, cudaStream_t s) {
-    layernorm_kernel<<<unsigned(rows), 128, 0, s>>>(in, out, nrm.w, nrm.b, nrm.width);
+    const LnShape ln = layernorm_shape(nrm.width);  // checked for every norm at construction
+    const auto launch = [&](auto kernel) { kernel<<<unsigned(rows), unsigned(ln.threads), 0, s>>>(in, out, nrm.w, nrm.b, nrm.width); };
+    switch (ln.chunks) {
+      case 1: launch(layernorm_kernel<1>); break;
+      case 2: launch(layernorm_kernel<2>); break;
+      case 4: launch(layernorm_kernel<4>); break;
+      case 8: launch(layernorm_kernel<8>); break;
+      default: fail_cat("encoder: no LayerNorm kernel for width ", nrm.width);
+    }
     FOVEA_CUDA_CHECK(cudaGetLastError());
   }
   void run_merger(const DevMerger& mg, const bf16* in_norm, bf16* out, cudaStream_t s) {
@@ -306,6 +369,10 @@ Encoder::Encoder(const Model& model, const EncoderOptions& options) : impl_(new 
   m.opt = options;
   const auto& W = model.weights;
   if (options.dtype != AttnDtype::BF16 && options.dtype != AttnDtype::FP8) fail_cat("encoder: dtype must be bf16 or fp8");
+  for (const int width : {m.cfg.hidden, m.cfg.merged_dim()})
+    if (layernorm_shape(width).chunks == 0)
+      fail_cat("encoder: the GPU LayerNorm takes widths that are multiples of 8 up to ", 8 * kLnMaxThreads * kLnMaxChunks,
+               "; this model needs ", width);
   if (options.dtype == AttnDtype::FP8) {
     if (!options.scales || options.scales->num_layers() != m.cfg.depth)
       fail_cat("encoder: FP8 attention needs a scale book with ", m.cfg.depth, " layers");
