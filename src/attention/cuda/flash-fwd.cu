@@ -47,11 +47,16 @@
 //   + packed f16 exp2 for 50% in the 2-WG kernels only     259       -     557       -          -        -
 //       (that instance, in a build where every kernel had the 50% share; the plan then takes 2 WG
 //       at S 1024 and 8192 and 3 WG at 3x3520 and 32640)
-//   2026-12-02: the 50% share taken out again: the GPU tests fail on it (comment at fma_exp_mask)
 //   rejected, same call: the FMA-pipe share as packed f16x2 (ptx::exp2m14_f16x2, 7 instructions per
 //   2 exponentials) in the 3-WG kernels (25% 316-372, 50% 328-379 at hd 72: the 3-WG kernels fall
 //   35-45% below the MUFU alone, not profiled yet) and at hd 128 (630-775); 25% or 75% in the 2-WG
 //   kernels (below 50% at every shape).
+//   2026-12-02, one call (tools/device/issue14-verify.sh): the 50% share taken out again, the GPU
+//   tests fail on it (comment at fma_exp_mask); all MUFU, forced 2 WG  227  429  503  539  884  910
+//                                                   forced 3 WG  198  534  539  622  888  924
+//       (the plan's 192-row rate 1.07 -> 1.17, tile-plan.h, so it takes 3 WG at S 8192 again)
+//       With the packed share, ptxas serialized the wgmma of the 2-WG FP8 hd 64 / 72 / 80
+//       instances for want of registers (warning C7511); without it, it does not.
 // What limits it now: FP8 hd 72 issue slots in the softmax (per KV block a thread issues 64 FMNMX,
 // 64 FFMA, 64 MUFU or their polynomial, 64 FADD, 32 F2FP and the 36-FFMA fold), not the tensor
 // cores; the 3-WG FP8 instances at hd 72 / 80 spill 84 / 152 bytes (160 registers hold S,
