@@ -189,6 +189,37 @@ TEST_F(Cli, InfoShowsTheEngine) {
   EXPECT_HAS(cpu.out, "dynamic");
 }
 
+// --fp8-linears (fovea's own flag): shown by info, and encode runs its emulation on the CPU, whose
+// tokens differ from the plain forward's (but not by much).
+TEST_F(Cli, Fp8LinearsFlag) {
+  const Result plain = run("info --device cpu");
+  ASSERT_EQ(plain.code, 0) << plain.err;
+  EXPECT_HAS(plain.out, "linears: bf16");
+  const Result info = run("info --device cpu --fp8-linears");
+  ASSERT_EQ(info.code, 0) << info.err;
+  EXPECT_HAS(info.out, "linears: fp8");
+
+  std::vector<uint8_t> rgb(size_t(64) * 48 * 3);
+  for (size_t k = 0; k < rgb.size(); ++k) rgb[k] = uint8_t((k * 11) % 253);
+  const std::vector<uint8_t> png = fovea::test::encode_png_rgb(64, 48, rgb);
+  const std::string img = write("lin.png", std::string(png.begin(), png.end()));
+  const Result a = run("encode synthetic:tiny --device cpu --output-dtype f32 " + q(img) + " -o " + q(file("a.safetensors")));
+  ASSERT_EQ(a.code, 0) << a.err;
+  const Result b = run("encode synthetic:tiny --device cpu --output-dtype f32 --fp8-linears " + q(img) + " -o " +
+                       q(file("b.safetensors")));
+  ASSERT_EQ(b.code, 0) << b.err;
+  EXPECT_HAS(b.out, "fp8 linears");
+  const auto ca = fovea::Checkpoint::open(file("a.safetensors")), cb = fovea::Checkpoint::open(file("b.safetensors"));
+  ASSERT_NE(ca.find("image.0.embeddings"), nullptr);
+  ASSERT_NE(cb.find("image.0.embeddings"), nullptr);
+  const std::vector<float> ya = ca.find("image.0.embeddings")->to_float(), yb = cb.find("image.0.embeddings")->to_float();
+  ASSERT_EQ(ya.size(), yb.size());
+  double num = 0, den = 0;
+  for (size_t i = 0; i < ya.size(); ++i) num += (ya[i] - yb[i]) * (ya[i] - yb[i]), den += ya[i] * ya[i];
+  EXPECT_GT(std::sqrt(num / den), 1e-4);
+  EXPECT_LT(std::sqrt(num / den), 0.2);
+}
+
 TEST_F(Cli, InfoWithStaticScales) {
   const std::string path = write("s.json", "{\"layers\": {\"" + layer(0) + "\": {\"q\": 1, \"k\": 1, \"v\": 1}, \"" +
                                                layer(1) + "\": {\"q\": 1, \"k\": 1, \"v\": 1}}}");

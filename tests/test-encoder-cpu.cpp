@@ -6,6 +6,10 @@
 #include <cmath>
 #include <filesystem>
 #include <cstring>
+#include <random>
+
+#include "fovea/bf16.h"
+#include "fovea/fp8.h"
 #include "fovea/model.h"
 #include "fovea/safetensors.h"
 #include "test-util.h"
@@ -286,4 +290,119 @@ TEST(EncoderSave, SyntheticRoundTripsThroughACheckpoint) {
   fs::create_directories(cli);
   ASSERT_EQ(std::system((std::string("'") + FOVEA_BIN + "' export-model synthetic:tiny '" + cli.string() + "' >/dev/null").c_str()), 0);
   EXPECT_EQ(load_model(cli.string()).weights.merger.fc2.w, a.weights.merger.fc2.w);
+}
+
+// ---- FP8 linears (docs/fp8.md §FP8 linears) ----
+
+namespace {
+
+// A random linear with bf16-exact weights (as every checkpoint's are) and fresh random inputs.
+Linear random_linear(int out, int in, std::mt19937_64& rng) {
+  std::normal_distribution<float> n(0.f, 1.f / std::sqrt(float(in)));
+  Linear l;
+  l.out = out, l.in = in;
+  for (int i = 0; i < out * in; ++i) l.w.push_back(bf16_round(n(rng)));
+  for (int i = 0; i < out; ++i) l.b.push_back(bf16_round(0.1f * n(rng)));
+  return l;
+}
+
+uint64_t announced_seed() {
+  const uint64_t s = std::random_device{}();
+  std::printf("[seed %llu]\n", (unsigned long long)s);
+  return s;
+}
+
+}  // namespace
+
+TEST(Fp8Linear, IsTheQuantizedProductWithPerRowAndPerChannelScales) {
+  std::mt19937_64 rng(announced_seed());
+  const int out = 24, in = 40, rows = 6;
+  Linear l = random_linear(out, in, rng);
+  l.w[5] = bf16_round(40.f * l.w[5]);  // one large (bf16) weight: only output channel 0's scale grows
+  std::normal_distribution<float> n(0.f, 1.f);
+  std::vector<float> x(size_t(rows) * in);
+  for (auto& v : x) v = n(rng);
+  for (int i = 0; i < in; ++i) x[size_t(in + i)] *= 1000.f;  // row 1 a thousand times larger
+  for (int i = 0; i < in; ++i) x[size_t(2 * in + i)] = 0.f;  // row 2 all zeros
+  const std::vector<float> y = linear_fp8(l, x, rows);
+
+  // The definition, written out independently: scales amax / 448, codes sat(rne(v / s)).
+  auto quantized = [](const float* v, int count, std::vector<double>& q) {
+    float amax = 0.f;
+    for (int i = 0; i < count; ++i) amax = std::max(amax, std::fabs(v[i]));
+    const float s = amax > 0.f ? amax / 448.f : 1.f;
+    q.resize(size_t(count));
+    for (int i = 0; i < count; ++i) q[size_t(i)] = double(e4m3_to_float(e4m3_from_float(v[i] / s)));
+    return double(s);
+  };
+  double worst = 0;
+  for (int r = 0; r < rows; ++r) {
+    std::vector<double> xq, wq;
+    const double xs = quantized(x.data() + r * in, in, xq);
+    for (int o = 0; o < out; ++o) {
+      const double ws = quantized(l.w.data() + o * in, in, wq);
+      double acc = 0, mag = 0;  // mag: the sum of |terms|, what bounds fp32 summation error
+      for (int i = 0; i < in; ++i) acc += xq[size_t(i)] * wq[size_t(i)], mag += std::fabs(xq[size_t(i)] * wq[size_t(i)]);
+      const double want = acc * xs * ws + l.b[size_t(o)];
+      const double got = y[size_t(r * out + o)];
+      worst = std::max(worst, std::fabs(got - want) / (mag * xs * ws + std::fabs(l.b[size_t(o)]) + 1e-30));
+      if (r == 2) EXPECT_EQ(got, l.b[size_t(o)]) << "an all-zero row gives the bias";
+    }
+  }
+  EXPECT_LT(worst, 1e-5);  // fp32 summation of exact products
+
+  // Per-row scales: the large row's relative error is that of an ordinary row.
+  const std::vector<float> ref = linear_fp8(Linear{l.w, std::vector<float>(size_t(out), 0.f), out, in}, x, rows);
+  auto row_rel = [&](int r) {
+    double num = 0, den = 0;
+    for (int o = 0; o < out; ++o) {
+      double exact = 0;
+      for (int i = 0; i < in; ++i) exact += double(x[size_t(r * in + i)]) * l.w[size_t(o * in + i)];
+      num += (ref[size_t(r * out + o)] - exact) * (ref[size_t(r * out + o)] - exact);
+      den += exact * exact;
+    }
+    return std::sqrt(num / den);
+  };
+  for (int r : {0, 1, 3}) {
+    EXPECT_GT(row_rel(r), 1e-4) << "row " << r << ": FP8 rounding really happened";
+    EXPECT_LT(row_rel(r), 0.1) << "row " << r;
+  }
+}
+
+TEST(Fp8Linear, NanStaysInItsRowAndWeightsRoundToBf16First) {
+  std::mt19937_64 rng(announced_seed());
+  const int out = 8, in = 16, rows = 3;
+  Linear l = random_linear(out, in, rng);
+  std::vector<float> x(size_t(rows) * in, 0.5f);
+  x[size_t(in + 3)] = std::nanf("");
+  const std::vector<float> y = linear_fp8(l, x, rows);
+  for (int r = 0; r < rows; ++r)
+    for (int o = 0; o < out; ++o) EXPECT_EQ(std::isnan(y[size_t(r * out + o)]), r == 1) << r << "," << o;
+
+  // Weights that are not bf16 values are rounded to bf16 before they are quantized.
+  Linear fine = l;
+  for (auto& w : fine.w) w = std::nextafter(w, 2.f * w);
+  std::vector<uint8_t> a, b;
+  std::vector<float> sa, sb;
+  quantize_weight_rows(l, a, sa);
+  quantize_weight_rows(fine, b, sb);
+  EXPECT_EQ(a, b);
+  EXPECT_EQ(sa, sb);
+}
+
+TEST(EncoderFp8, Fp8LinearsRunEndToEndCloseToTheFp32Forward) {
+  const Model m = load_model(kTiny);
+  const Golden g = load_golden();
+  const auto exact = forward_cpu(m, g.pixels, g.grids);
+  ForwardOptions o;
+  o.fp8_linears = true;
+  const auto f8 = forward_cpu(m, g.pixels, g.grids, o);
+  const int out = m.config.out_hidden;
+  const double err = rel_l2(f8.merged, exact.merged);
+  std::printf("fp8 linears: rel_l2 %.3e, mean cosine %.6f\n", err, mean_cosine(f8.merged, exact.merged, out));
+  EXPECT_GT(mean_cosine(f8.merged, exact.merged, out), 0.99);
+  EXPECT_LT(err, 0.1);
+  EXPECT_GT(err, 1e-4);  // the linears really ran in FP8
+  ASSERT_EQ(f8.deepstack.size(), exact.deepstack.size());
+  for (size_t k = 0; k < f8.deepstack.size(); ++k) EXPECT_LT(rel_l2(f8.deepstack[k], exact.deepstack[k]), 0.1);
 }

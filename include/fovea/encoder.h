@@ -32,6 +32,9 @@ struct EncoderOptions {
   // FP8 only: the scale book; DYNAMIC and CALIBRATE keep their rings in device memory (copied back
   // to the book after each forward only when calibrating), STATIC uploads its scales once.
   ScaleBook* scales = nullptr;
+  // The blocks' qkv, proj, fc1 and fc2 as FP8 GEMMs (E4M3, per-token activation and per-channel
+  // weight scales, fp32 accumulation; docs/fp8.md §FP8 linears). fovea's own option, off by default.
+  bool fp8_linears = false;
 };
 
 class Encoder {
@@ -88,6 +91,12 @@ class Encoder {
  private:
   std::unique_ptr<Impl> impl_;
 };
+
+// For checks: y = x W^T + b (+ residual) (tanh-GELU) through the encoder's own GEMM path on the
+// GPU, in FP8 as EncoderOptions::fp8_linears runs it (x quantized on the device) or in BF16. x and
+// residual are rounded to bf16 on the way in; y is the bf16 result, widened. Synchronous.
+std::vector<float> linear_on_gpu(const Linear& l, const std::vector<float>& x, int64_t rows, bool fp8,
+                                 const std::vector<float>* residual = nullptr, bool gelu = false);
 
 }  // namespace cuda
 }  // namespace fovea::qwen3vl

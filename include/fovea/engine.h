@@ -20,6 +20,7 @@ struct EngineOptions {
   std::string scale_save_path;   // --mm-encoder-fp8-scale-save-path
   double scale_save_margin = kDefaultScaleMargin;
   std::string device;  // cuda, cpu; empty: cuda when a GPU is visible, else cpu
+  bool fp8_linears = false;  // --fp8-linears (fovea's own): the blocks' linears as FP8 GEMMs
 };
 
 enum class Device { CUDA, CPU };
@@ -35,6 +36,7 @@ struct EngineConfig {
   float scale_save_margin = kDefaultScaleMargin;
   std::optional<ScaleFile> scale_file;   // static mode: the file, read and validated
   std::optional<GpuInfo> gpu;            // device CUDA: the GPU used (device 0)
+  bool fp8_linears = false;              // docs/fp8.md §FP8 linears
 };
 
 // Why a backend cannot run dtype on this device and machine, or nullopt if it can.

@@ -56,4 +56,10 @@ FOVEA_HD float e4m3_to_float(uint8_t c) {
 // Division, not multiplication by a reciprocal, so the result is the correctly rounded x / s.
 FOVEA_HD uint8_t e4m3_quantize(float x, float s) { return e4m3_from_float(x / s); }
 
+// The dequantization scale of one row (a token's activations, or one output channel's weights) in
+// the FP8 linears (docs/fp8.md §FP8 linears): amax / 448, so the row's largest value maps to 448;
+// 1 for an all-zero row. A NaN amax gives 1 (the NaN itself quantizes to NaN and propagates), an
+// infinite one inf (every finite value then quantizes to 0, the infinity to NaN).
+FOVEA_HD float e4m3_row_scale(float amax) { return amax > 0.f ? amax / kE4M3Max : 1.f; }
+
 }  // namespace fovea

@@ -111,7 +111,17 @@ struct ForwardOptions {
   ScaleBook* scales = nullptr;                   // FP8: one layer per block; dynamic, static or calibrating
   bool keep_intermediates = false;
   int threads = 0;
+  // The blocks' qkv, proj, fc1 and fc2 in FP8 (docs/fp8.md §FP8 linears): the emulation of what the
+  // GPU encoder runs with EncoderOptions::fp8_linears.
+  bool fp8_linears = false;
 };
+
+// x [rows, in] @ W^T + b as the FP8 linears compute it (docs/fp8.md §FP8 linears): each row of x and
+// each output channel of W (rounded to bf16 first, the model's dtype) quantized to E4M3 with its
+// own amax / 448 scale, the exact products summed in fp32, then both scales and the bias applied.
+std::vector<float> linear_fp8(const Linear& l, const std::vector<float>& x, int64_t rows, int threads = 0);
+// W's FP8 form as the GPU holds it: E4M3 codes [out, in] and the per-channel scales [out].
+void quantize_weight_rows(const Linear& l, std::vector<uint8_t>& codes, std::vector<float>& scales, int threads = 0);
 
 struct ForwardResult {
   std::vector<float> merged;                  // [N/4, out_hidden]

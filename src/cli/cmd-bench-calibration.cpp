@@ -1,7 +1,8 @@
 // fovea bench calibration: "calibrated on one set, holds on another". Calibrates FP8 scales with
 // dynamic scaling on the first images of a folder (16 forwards), then encodes the other images with
 // BF16, FP8-dynamic and FP8-static (the calibrated file) and reports, per image and overall, each
-// FP8 mode's final embeddings against BF16: mean per-token cosine and relative L2 error.
+// FP8 mode's final embeddings against BF16: mean per-token cosine and relative L2 error. With
+// --fp8-linears the FP8 modes also run the blocks' linears in FP8.
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -42,6 +43,7 @@ int run(const Args& a) {
     o.dtype = dtype;
     o.scale_path = scale;
     o.scale_save_path = save;
+    o.fp8_linears = a.engine.fp8_linears && dtype == "fp8";  // the BF16 reference keeps BF16 linears
     return resolve_engine(o, sys);
   };
 
@@ -100,6 +102,8 @@ void add_bench_calibration(CLI::App* bench, Runner& runner) {
   cmd->add_option("--output-json", a->json_path, "write the per-image results as JSON");
   cmd->add_option("--device", a->engine.device, "cuda or cpu (default: cuda when a GPU is visible)");
   cmd->add_option("--mm-encoder-attn-backend", a->engine.backend, "attention backend")->capture_default_str();
+  cmd->add_flag("--fp8-linears", a->engine.fp8_linears,
+                "the FP8 modes (calibration included) also run the blocks' linears in FP8; the BF16 reference does not");
   cmd->callback([&runner, a] { runner = [a] { return run(*a); }; });
 }
 

@@ -25,7 +25,7 @@ struct Args {
   std::string model;
   std::string resolutions = "HD,FullHD,QHD,4K";
   int images = 3;
-  std::string modes = "bf16,fp8-dynamic,fp8-static";
+  std::string modes = "bf16,fp8-dynamic,fp8-static,fp8-static+fp8-linears";
   int reps = 10;
   int warmup = 2;
   std::string json_path;
@@ -57,9 +57,14 @@ int run(const Args& a) {
   if (a.images < 1) fail("--images-per-request must be >= 1, got {}", a.images);
   if (a.reps < 1) fail("--reps must be >= 1, got {}", a.reps);
   const auto modes = split(a.modes);
+  // A mode is an attention mode, optionally with "+fp8-linears" (the blocks' linears in FP8).
+  constexpr std::string_view kLinears = "+fp8-linears";
+  auto attention_mode = [&](const std::string& m) {
+    return m.ends_with(kLinears) ? m.substr(0, m.size() - kLinears.size()) : m;
+  };
   for (const auto& m : modes)
-    if (m != "bf16" && m != "fp8-dynamic" && m != "fp8-static")
-      fail("--dtype: '{}' is not one of bf16, fp8-dynamic, fp8-static", m);
+    if (const std::string b = attention_mode(m); b != "bf16" && b != "fp8-dynamic" && b != "fp8-static")
+      fail("--dtype: '{}' is not one of bf16, fp8-dynamic, fp8-static, each optionally followed by +fp8-linears", m);
   std::vector<std::tuple<std::string, std::string, qwen3vl::GridThw>> res;
   for (const auto& r : split(a.resolutions)) {
     auto it = std::find_if(kResolutions.begin(), kResolutions.end(), [&](const auto& x) { return std::get<0>(x) == r; });
@@ -71,7 +76,7 @@ int run(const Args& a) {
   fmt::print("fovea bench encoder | {} | {} ({} blocks, hidden {}, head_dim {}) | {} images per request | loaded in {:.1f} s\n",
              sys.gpus.at(0).name, a.model, model.config.depth, model.config.hidden, model.config.head_dim(), a.images,
              std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-  fmt::print("{:<7} | {:>7} | {:<12} | {:>10} | {:>8}\n", "res", "tokens", "mode", "median ms", "x bf16");
+  fmt::print("{:<7} | {:>7} | {:<23} | {:>10} | {:>8}\n", "res", "tokens", "mode", "median ms", "x bf16");
   cudaStream_t s;
   FOVEA_CUDA_CHECK(cudaStreamCreate(&s));
   nlohmann::ordered_json rows = nlohmann::ordered_json::array();
@@ -94,12 +99,14 @@ int run(const Args& a) {
       e.sync_scales(s);
       return b.calibrated(kDefaultScaleMargin);
     };
-    for (const auto& mode : modes) {
+    for (const auto& name_ : modes) {
+      const std::string mode = attention_mode(name_);
       ScaleBook book = mode == "fp8-static" ? ScaleBook::fixed(calibrated ? *calibrated : calibrate())
                                             : ScaleBook::dynamic(model.config.depth);
       qwen3vl::cuda::EncoderOptions o;
       o.dtype = mode == "bf16" ? AttnDtype::BF16 : AttnDtype::FP8;
       o.scales = mode == "bf16" ? nullptr : &book;
+      o.fp8_linears = mode != name_;
       qwen3vl::cuda::Encoder enc(model, o);
       enc.plan(grids);
       enc.upload_pixels(px, s);
@@ -111,15 +118,15 @@ int run(const Args& a) {
       FOVEA_CUDA_CHECK(cudaStreamEndCapture(s, &g));
       FOVEA_CUDA_CHECK(cudaGraphInstantiate(&exec, g, 0));
       const double med = cuda::median_ms([&] { FOVEA_CUDA_CHECK(cudaGraphLaunch(exec, s)); }, a.warmup, a.reps, s);
-      if (mode == "bf16") bf16_ms = med;
-      if (mode == "fp8-dynamic") {
+      if (name_ == "bf16") bf16_ms = med;
+      if (name_ == "fp8-dynamic") {
         enc.sync_scales(s);
         calibrated = book.calibrated(kDefaultScaleMargin);
       }
       const std::string speedup = bf16_ms > 0 ? fmt::format("{:.2f}", bf16_ms / med) : "-";
-      fmt::print("{:<7} | {:>7} | {:<12} | {:>10.2f} | {:>8}\n", name, n, mode, med, speedup);
+      fmt::print("{:<7} | {:>7} | {:<23} | {:>10.2f} | {:>8}\n", name, n, name_, med, speedup);
       std::fflush(stdout);
-      rows.push_back({{"resolution", name}, {"input", desc}, {"images", a.images}, {"tokens", n}, {"mode", mode}, {"median_ms", med}});
+      rows.push_back({{"resolution", name}, {"input", desc}, {"images", a.images}, {"tokens", n}, {"mode", name_}, {"median_ms", med}});
       cudaGraphExecDestroy(exec);
       cudaGraphDestroy(g);
     }
@@ -146,7 +153,8 @@ void add_bench_encoder(CLI::App* bench, Runner& runner) {
   cmd->add_option("MODEL", a->model, "checkpoint folder or synthetic:<preset>")->required();
   cmd->add_option("--resolutions", a->resolutions, "comma list of HD, FullHD, QHD, 4K")->capture_default_str();
   cmd->add_option("--images-per-request", a->images, "images encoded together (one packed batch)")->capture_default_str();
-  cmd->add_option("--dtype", a->modes, "comma list of bf16, fp8-dynamic, fp8-static")->capture_default_str();
+  cmd->add_option("--dtype", a->modes, "comma list of bf16, fp8-dynamic, fp8-static, each optionally with +fp8-linears "
+                  "(the blocks' linears as FP8 GEMMs)")->capture_default_str();
   cmd->add_option("--reps", a->reps, "timed graph replays (median reported)")->capture_default_str();
   cmd->add_option("--warmup", a->warmup, "untimed replays first")->capture_default_str();
   cmd->add_option("--json", a->json_path, "write the results as JSON to this file");

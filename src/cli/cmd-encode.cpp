@@ -270,9 +270,10 @@ int run(const Args& a) {
     fmt::print("{:<5} {:<40} {:>14} {:>8} {:>10.1f} {:>12.1f}\n", j, a.images[i], fmt::format("({}, {}, {})", g[0], g[1], g[2]),
                image_tokens(model.config, g), prepared[i].decode_ms, prepared[i].preprocess_ms);
   }
-  fmt::print("model load {:.1f} ms | encoder setup {:.1f} ms | encoder forward ({} images, {} patches, {} on {}) {:.1f} ms: "
+  fmt::print("model load {:.1f} ms | encoder setup {:.1f} ms | encoder forward ({} images, {} patches, {}{} on {}) {:.1f} ms: "
              "plan {:.1f}, upload {:.1f}, forward {:.1f}, download {:.1f}\n",
-             load_ms, setup_ms, ok.size(), patches, dtype_name(cfg.dtype), device_name(cfg.device), forward_ms, rt.plan,
+             load_ms, setup_ms, ok.size(), patches, dtype_name(cfg.dtype), cfg.fp8_linears ? ", fp8 linears" : "",
+             device_name(cfg.device), forward_ms, rt.plan,
              rt.upload, rt.forward, rt.download);
   if (!a.out.empty()) {
     const auto tw = clock_type::now();

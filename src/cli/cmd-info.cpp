@@ -44,6 +44,7 @@ void add_info(CLI::App& app, Runner& run) {
       } else {
         fmt::print("  scales:  dynamic (per-tensor amax, history of {} forwards)\n", kAmaxHistoryLen);
       }
+      fmt::print("  linears: {}\n", cfg.fp8_linears ? "fp8 (--fp8-linears: E4M3, per-token and per-channel scales)" : "bf16");
       return 0;
     };
   });

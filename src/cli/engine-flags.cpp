@@ -17,6 +17,9 @@ void add_engine_flags(CLI::App* cmd, EngineOptions& o) {
   cmd->add_option("--mm-encoder-fp8-scale-save-margin", o.scale_save_margin,
                   "margin multiplied onto saved scales (> 0)")->capture_default_str()->group("Engine");
   cmd->add_option("--device", o.device, "cuda or cpu (default: cuda when a GPU is visible)")->group("Engine");
+  cmd->add_flag("--fp8-linears", o.fp8_linears,
+                "fovea's own, off by default: the vision blocks' qkv, proj and MLP linears as FP8 GEMMs (E4M3, "
+                "per-token and per-channel scales; on the CPU, their emulation)")->group("Engine");
 }
 
 // Validation lives in image::load_preprocess_config.

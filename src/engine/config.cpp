@@ -79,6 +79,7 @@ EngineConfig resolve_engine(const EngineOptions& opt, const SystemInfo& sys) {
   if (!(opt.scale_save_margin > 0) || !(opt.scale_save_margin <= FLT_MAX) || !(float(opt.scale_save_margin) > 0))
     fail("--mm-encoder-fp8-scale-save-margin must be a number > 0, got {}", opt.scale_save_margin);
   cfg.scale_save_margin = float(opt.scale_save_margin);
+  cfg.fp8_linears = opt.fp8_linears;
   const bool fp8 = cfg.dtype == AttnDtype::FP8;
   if (!opt.scale_path.empty() && !opt.scale_save_path.empty())
     fail("--mm-encoder-fp8-scale-path and --mm-encoder-fp8-scale-save-path are exclusive: static scales are read "

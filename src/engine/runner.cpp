@@ -71,7 +71,7 @@ EncoderRunner::EncoderRunner(const qwen3vl::Model& m, const EngineConfig& cfg) :
   if (cfg.dtype == AttnDtype::FP8) book_ = make_scale_book(cfg, m.config.depth);
   if (cfg.device == Device::CUDA) {
 #if FOVEA_HAVE_CUDA
-    gpu_ = std::make_unique<Gpu>(m, qwen3vl::cuda::EncoderOptions{cfg.dtype, book()});
+    gpu_ = std::make_unique<Gpu>(m, qwen3vl::cuda::EncoderOptions{cfg.dtype, book(), cfg.fp8_linears});
 #else
     fail("--device cuda: this fovea was built without CUDA");
 #endif
@@ -98,6 +98,7 @@ void EncoderRunner::start_cpu(const Batch& batch, bool with_deepstack) {
   qwen3vl::ForwardOptions o;
   o.attention = cfg_.dtype == AttnDtype::FP8 ? cpu::RefMode::FP8 : cpu::RefMode::BF16;
   o.scales = book();
+  o.fp8_linears = cfg_.fp8_linears;
   f->cpu = qwen3vl::forward_cpu(model_, batch.pixels, batch.grids, o);
   f->host.forward = f->host.gpu = lap(t);
   flights_.push_back(std::move(f));

@@ -4,8 +4,10 @@
 // static scales run end to end on a machine without a GPU.
 #include <cmath>
 
+#include "fovea/bf16.h"
 #include "fovea/checked.h"
 #include "fovea/error.h"
+#include "fovea/fp8.h"
 #include "fovea/model.h"
 #include "fovea/rope.h"
 #include "fovea/threads.h"
@@ -30,6 +32,15 @@ std::vector<float> linear(const Linear& l, const std::vector<float>& x, int64_t 
     }
   }, threads, 4);
   return y;
+}
+
+// One row to E4M3 codes with its amax / 448 scale; returns the scale.
+float quantize_row(const float* x, int n, uint8_t* codes) {
+  float amax = 0.f;
+  for (int i = 0; i < n; ++i) amax = std::isnan(x[i]) || std::fabs(x[i]) > amax ? std::fabs(x[i]) : amax;
+  const float s = e4m3_row_scale(amax);
+  for (int i = 0; i < n; ++i) codes[i] = e4m3_quantize(x[i], s);
+  return s;
 }
 
 std::vector<float> layer_norm(const Norm& n, const std::vector<float>& x, int64_t rows, int width) {
@@ -58,6 +69,40 @@ std::vector<float> merger_mlp(const Merger& m, std::vector<float> x, int64_t row
 }
 
 }  // namespace
+
+void quantize_weight_rows(const Linear& l, std::vector<uint8_t>& codes, std::vector<float>& scales, int threads) {
+  codes.resize(size_t(l.out) * size_t(l.in));
+  scales.resize(size_t(l.out));
+  parallel_for(l.out, [&](int64_t o) {
+    std::vector<float> row(size_t(l.in));
+    for (int i = 0; i < l.in; ++i) row[size_t(i)] = bf16_round(l.w[size_t(o * l.in + i)]);
+    scales[size_t(o)] = quantize_row(row.data(), l.in, codes.data() + o * l.in);
+  }, threads, 16);
+}
+
+std::vector<float> linear_fp8(const Linear& l, const std::vector<float>& x, int64_t rows, int threads) {
+  if (int64_t(x.size()) != rows * l.in) fail("linear_fp8: {} values for {} rows of {}", x.size(), rows, l.in);
+  std::vector<uint8_t> wq;
+  std::vector<float> ws;
+  quantize_weight_rows(l, wq, ws, threads);
+  std::vector<float> wf(wq.size());
+  for (size_t i = 0; i < wq.size(); ++i) wf[i] = e4m3_to_float(wq[i]);
+  std::vector<float> y(size_t(rows) * l.out);
+  parallel_for(rows, [&](int64_t r) {
+    std::vector<uint8_t> xq(size_t(l.in));
+    const float xs = quantize_row(x.data() + r * l.in, l.in, xq.data());
+    std::vector<float> xf(size_t(l.in));
+    for (int i = 0; i < l.in; ++i) xf[size_t(i)] = e4m3_to_float(xq[size_t(i)]);
+    float* yr = y.data() + r * l.out;
+    for (int o = 0; o < l.out; ++o) {
+      const float* wr = wf.data() + int64_t(o) * l.in;
+      float acc = 0.f;  // every product of two E4M3 values is exact in fp32
+      for (int i = 0; i < l.in; ++i) acc += xf[size_t(i)] * wr[i];
+      yr[o] = acc * xs * ws[size_t(o)] + l.b[size_t(o)];
+    }
+  }, threads, 4);
+  return y;
+}
 
 EmbeddingError embedding_error(const std::vector<float>& out, const std::vector<float>& ref, int width) {
   if (out.size() != ref.size() || width <= 0 || out.size() % size_t(width) != 0)
@@ -106,7 +151,11 @@ ForwardResult forward_cpu(const Model& m, const std::vector<float>& pixels, cons
   size_t next_tap = 0;
   for (int layer = 0; layer < c.depth; ++layer) {
     const Block& b = W.blocks[size_t(layer)];
-    std::vector<float> qkv = linear(b.qkv, layer_norm(b.norm1, x, N, D), N, opt.threads);  // [N, 3, H, hd]
+    // The blocks' linears, in FP8 when asked (the merger's and the patch embedding stay fp32).
+    auto block_linear = [&](const Linear& l, const std::vector<float>& in) {
+      return opt.fp8_linears ? linear_fp8(l, in, N, opt.threads) : linear(l, in, N, opt.threads);
+    };
+    std::vector<float> qkv = block_linear(b.qkv, layer_norm(b.norm1, x, N, D));  // [N, 3, H, hd]
     apply_rope_qk(shape, cos, sin, qkv);
     cpu::RefOptions ro;
     ro.mode = opt.attention;
@@ -116,11 +165,11 @@ ForwardResult forward_cpu(const Model& m, const std::vector<float>& pixels, cons
     std::vector<double> attn64(size_t(N) * D);
     cpu::attention(shape, view(qkv, 0), view(qkv, 1), view(qkv, 2), ro, attn64.data());
     const std::vector<float> attn(attn64.begin(), attn64.end());
-    const std::vector<float> proj = linear(b.proj, attn, N, opt.threads);
+    const std::vector<float> proj = block_linear(b.proj, attn);
     for (size_t i = 0; i < x.size(); ++i) x[i] += proj[i];
-    std::vector<float> h = linear(b.fc1, layer_norm(b.norm2, x, N, D), N, opt.threads);
+    std::vector<float> h = block_linear(b.fc1, layer_norm(b.norm2, x, N, D));
     for (auto& v : h) v = gelu_tanh(v);
-    const std::vector<float> mlp = linear(b.fc2, h, N, opt.threads);
+    const std::vector<float> mlp = block_linear(b.fc2, h);
     for (size_t i = 0; i < x.size(); ++i) x[i] += mlp[i];
     if (opt.keep_intermediates && layer == 0) res.intermediates["block0"] = x;
     if (next_tap < c.deepstack.size() && c.deepstack[next_tap] == layer) {

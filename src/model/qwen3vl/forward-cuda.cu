@@ -12,9 +12,11 @@
 #include <type_traits>
 
 #include "attention/cuda/kernels.cuh"
+#include "attention/cuda/ptx.cuh"
 #include "fovea/bf16.h"
 #include "fovea/cuda-support.h"
 #include "fovea/encoder.h"
+#include "fovea/fp8.h"
 #include "fovea/threads.h"
 
 namespace fovea::qwen3vl::cuda {
@@ -60,6 +62,8 @@ struct DevLinear {
   bf16* w = nullptr;
   bf16* b = nullptr;
   int out = 0, in = 0;
+  uint8_t* q = nullptr;  // FP8 linears: E4M3 codes [out, in] instead of w, and
+  float* qs = nullptr;   // their per-channel dequantization scales [out]
 };
 struct DevNorm {
   float* w = nullptr;
@@ -84,27 +88,71 @@ __device__ __forceinline__ float block_sum(float v, float* red) {
   return s;
 }
 
+__device__ __forceinline__ unsigned block_max(unsigned v, unsigned* red) {
+  for (int o = 16; o > 0; o /= 2) v = max(v, __shfl_xor_sync(0xffffffffu, v, o));
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x / 32] = v;
+  __syncthreads();
+  unsigned m = 0;
+  for (int i = 0; i < int(blockDim.x / 32); ++i) m = max(m, red[i]);
+  __syncthreads();
+  return m;
+}
+
+// The FP8 linears' activations (docs/fp8.md §FP8 linears): one row, held as kChunks runs of 8 values
+// a thread, to E4M3 codes with the row's amax / 448 scale (fovea::e4m3_row_scale; the amax over
+// |x| as float bits, so a NaN wins and propagates).
 template <int kChunks>
-__global__ void layernorm_kernel(const bf16* __restrict__ x, bf16* __restrict__ y, const float* __restrict__ w,
-                                 const float* __restrict__ b, int width) {
-  __shared__ float red[kLnMaxThreads / 32];
-  const int runs = width / 8;
-  const uint4* xr = reinterpret_cast<const uint4*>(x + int64_t(blockIdx.x) * width);
-  uint4* yr = reinterpret_cast<uint4*>(y + int64_t(blockIdx.x) * width);
-  float v[kChunks][8];
-  float s = 0.f;
+__device__ __forceinline__ void store_row_fp8(const float (&v)[kChunks][8], int runs, uint8_t* codes, float* scale,
+                                              unsigned* red) {
+  unsigned m = 0;
+#pragma unroll
+  for (int c = 0; c < kChunks; ++c)
+    if (threadIdx.x + c * int(blockDim.x) < runs)
+#pragma unroll
+      for (int j = 0; j < 8; ++j) m = max(m, __float_as_uint(fabsf(v[c][j])));
+  const float s = e4m3_row_scale(__uint_as_float(block_max(m, red)));
+  if (threadIdx.x == 0) *scale = s;
 #pragma unroll
   for (int c = 0; c < kChunks; ++c) {
     const int run = threadIdx.x + c * int(blockDim.x);
-    const uint4 raw = run < runs ? xr[run] : make_uint4(0, 0, 0, 0);
+    if (run >= runs) continue;
+    const float* x = v[c];
+    reinterpret_cast<uint2*>(codes)[run] =
+        make_uint2(fovea::cuda::ptx::pack_e4m3x4(__fdiv_rn(x[0], s), __fdiv_rn(x[1], s), __fdiv_rn(x[2], s), __fdiv_rn(x[3], s)),
+                   fovea::cuda::ptx::pack_e4m3x4(__fdiv_rn(x[4], s), __fdiv_rn(x[5], s), __fdiv_rn(x[6], s), __fdiv_rn(x[7], s)));
+  }
+}
+
+// kChunks runs of 8 bf16 a thread of one row into v (zeros past the row).
+template <int kChunks>
+__device__ __forceinline__ void load_row_runs(const bf16* row, int runs, float (&v)[kChunks][8]) {
+#pragma unroll
+  for (int c = 0; c < kChunks; ++c) {
+    const int run = threadIdx.x + c * int(blockDim.x);
+    const uint4 raw = run < runs ? reinterpret_cast<const uint4*>(row)[run] : make_uint4(0, 0, 0, 0);
     const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const float2 f = __bfloat1622float2(h[j]);
       v[c][2 * j] = f.x, v[c][2 * j + 1] = f.y;
-      s += f.x + f.y;
     }
   }
+}
+
+// y: bf16 [rows, width]; or with kFp8Out, the bf16-rounded result as E4M3 codes [rows, width] and
+// one scale per row in y_scale (the qkv and fc1 inputs of the FP8 linears).
+template <int kChunks, bool kFp8Out>
+__global__ void layernorm_kernel(const bf16* __restrict__ x, void* __restrict__ y, float* __restrict__ y_scale,
+                                 const float* __restrict__ w, const float* __restrict__ b, int width) {
+  __shared__ float red[kLnMaxThreads / 32];
+  const int runs = width / 8;
+  float v[kChunks][8];
+  load_row_runs<kChunks>(x + int64_t(blockIdx.x) * width, runs, v);
+  float s = 0.f;
+#pragma unroll
+  for (int c = 0; c < kChunks; ++c)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) s += v[c][2 * j] + v[c][2 * j + 1];  // zeros past the row
   const float mean = block_sum(s, red) / float(width);
   float q = 0.f;
 #pragma unroll
@@ -130,9 +178,27 @@ __global__ void layernorm_kernel(const bf16* __restrict__ x, bf16* __restrict__ 
       const __nv_bfloat162 p = __floats2bfloat162_rn((v[c][2 * j] - mean) * inv * ws[2 * j] + bs[2 * j],
                                                      (v[c][2 * j + 1] - mean) * inv * ws[2 * j + 1] + bs[2 * j + 1]);
       o[j] = *reinterpret_cast<const uint32_t*>(&p);
+      if constexpr (kFp8Out) {
+        const float2 r = __bfloat1622float2(p);
+        v[c][2 * j] = r.x, v[c][2 * j + 1] = r.y;
+      }
     }
-    yr[run] = out;
+    if constexpr (!kFp8Out) reinterpret_cast<uint4*>(static_cast<bf16*>(y) + int64_t(blockIdx.x) * width)[run] = out;
   }
+  if constexpr (kFp8Out)
+    store_row_fp8<kChunks>(v, runs, static_cast<uint8_t*>(y) + int64_t(blockIdx.x) * width, y_scale + blockIdx.x,
+                           reinterpret_cast<unsigned*>(red));
+}
+
+// bf16 activations [rows, width] to E4M3 codes and per-row scales (the proj and fc2 inputs).
+template <int kChunks>
+__global__ void quantize_rows_kernel(const bf16* __restrict__ x, uint8_t* __restrict__ codes, float* __restrict__ scale,
+                                     int width) {
+  __shared__ unsigned red[kLnMaxThreads / 32];
+  const int runs = width / 8;
+  float v[kChunks][8];
+  load_row_runs<kChunks>(x + int64_t(blockIdx.x) * width, runs, v);
+  store_row_fp8<kChunks>(v, runs, codes + int64_t(blockIdx.x) * width, scale + blockIdx.x, red);
 }
 
 // The block size and chunk count for a width, or {0, 0} where the kernel cannot take it.
@@ -147,6 +213,17 @@ LnShape layernorm_shape(int width) {
     if (threads <= kLnMaxThreads) return {threads, chunks};
   }
   return {};
+}
+// Calls f with the chunk count as a compile-time constant (the row kernels' template argument).
+template <class F>
+void with_row_chunks(int chunks, int width, F&& f) {
+  switch (chunks) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 8: f(std::integral_constant<int, 8>{}); break;
+    default: fail_cat("encoder: no row kernel for width ", width);
+  }
 }
 
 // One image of a batch for grid_tables_kernel: its first row and its grid.
@@ -229,6 +306,27 @@ class Gemm {
   Gemm() : workspace_(kWorkspace) { FOVEA_CUDA_CHECK(cublasLtCreate(&handle_)); }
   ~Gemm() { cublasLtDestroy(handle_); }
   void run(const bf16* a, const DevLinear& w, bf16* d, int64_t m, const bf16* c, bool gelu, cudaStream_t stream) {
+    matmul(a, nullptr, w, d, m, c, gelu, stream);
+  }
+  // The FP8 linears (docs/fp8.md §FP8 linears): a is E4M3 [M, K] with one scale per row (a_scale),
+  // w.q E4M3 [N, K] with one per output channel (w.qs); cuBLASLt applies both as outer-vector
+  // scales to the fp32 accumulator (no fast accumulation), then the same epilogue as run().
+  void run_fp8(const uint8_t* a, const float* a_scale, const DevLinear& w, bf16* d, int64_t m, const bf16* c, bool gelu,
+               cudaStream_t stream) {
+    matmul(a, a_scale, w, d, m, c, gelu, stream);
+  }
+  // Fails now, naming the linear, if cuBLASLt has no FP8 algorithm for w's shape and epilogue
+  // (asked for 128 rows; nothing runs), rather than at the first forward.
+  void check_fp8(const DevLinear& w, bool residual, bool gelu) {
+    const float one = 1.f;
+    matmul(nullptr, &one, w, nullptr, 128, residual ? reinterpret_cast<const bf16*>(&one) : nullptr, gelu, nullptr, true);
+  }
+
+ private:
+  void matmul(const void* a, const float* a_scale, const DevLinear& w, bf16* d, int64_t m, const bf16* c, bool gelu,
+              cudaStream_t stream, bool probe_only = false) {
+    const bool fp8 = a_scale != nullptr;
+    const cudaDataType_t in_type = fp8 ? CUDA_R_8F_E4M3 : CUDA_R_16BF;
     cublasLtMatmulDesc_t op;
     FOVEA_CUDA_CHECK(cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
     const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
@@ -240,12 +338,23 @@ class Gemm {
     FOVEA_CUDA_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof bias));
     const cudaDataType_t bias_type = CUDA_R_16BF;
     FOVEA_CUDA_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bias_type, sizeof bias_type));
+    if (fp8) {
+      // cuBLASLt's A is W (its M is the output channels), its B the activations (N: the tokens).
+      const int32_t outer = CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F;
+      const int8_t no_fast_accum = 0;
+      const void* w_scale = w.qs;
+      FOVEA_CUDA_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &outer, sizeof outer));
+      FOVEA_CUDA_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &outer, sizeof outer));
+      FOVEA_CUDA_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &w_scale, sizeof w_scale));
+      FOVEA_CUDA_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &a_scale, sizeof a_scale));
+      FOVEA_CUDA_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &no_fast_accum, sizeof no_fast_accum));
+    }
     cublasLtMatrixLayout_t la, lb, lc;
-    FOVEA_CUDA_CHECK(cublasLtMatrixLayoutCreate(&la, CUDA_R_16BF, w.in, w.out, w.in));  // W: K x N
-    FOVEA_CUDA_CHECK(cublasLtMatrixLayoutCreate(&lb, CUDA_R_16BF, w.in, m, w.in));      // A: K x M
-    FOVEA_CUDA_CHECK(cublasLtMatrixLayoutCreate(&lc, CUDA_R_16BF, w.out, m, w.out));    // C, D: N x M
+    FOVEA_CUDA_CHECK(cublasLtMatrixLayoutCreate(&la, in_type, w.in, w.out, w.in));  // W: K x N
+    FOVEA_CUDA_CHECK(cublasLtMatrixLayoutCreate(&lb, in_type, w.in, m, w.in));      // A: K x M
+    FOVEA_CUDA_CHECK(cublasLtMatrixLayoutCreate(&lc, CUDA_R_16BF, w.out, m, w.out));  // C, D: N x M
     const float alpha = 1.f, beta = c ? 1.f : 0.f;
-    const auto key = std::make_tuple(m, w.out, w.in, gelu, c != nullptr);
+    const auto key = std::make_tuple(m, w.out, w.in, gelu, c != nullptr, fp8);
     auto it = algos_.find(key);
     if (it == algos_.end()) {
       cublasLtMatmulPreference_t pref;
@@ -254,28 +363,46 @@ class Gemm {
       FOVEA_CUDA_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws));
       cublasLtMatmulHeuristicResult_t result{};
       int found = 0;
-      FOVEA_CUDA_CHECK(cublasLtMatmulAlgoGetHeuristic(handle_, op, la, lb, lc, lc, pref, 1, &result, &found));
+      const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(handle_, op, la, lb, lc, lc, pref, 1, &result, &found);
       cublasLtMatmulPreferenceDestroy(pref);
-      if (found == 0) fail_cat("cuBLASLt has no algorithm for [", m, " x ", w.in, "] x [", w.in, " x ", w.out, "]");
+      if (st != CUBLAS_STATUS_SUCCESS || found == 0) {
+        cublasLtMatrixLayoutDestroy(la), cublasLtMatrixLayoutDestroy(lb), cublasLtMatrixLayoutDestroy(lc);
+        cublasLtMatmulDescDestroy(op);
+        fail_cat("cuBLASLt (", cublasLtGetVersion(), ") has no ", fp8 ? "FP8 (E4M3, per-row and per-channel scales) " : "BF16 ",
+                 "algorithm for [", m, " x ", w.in, "] x [", w.in, " x ", w.out, "]",
+                 fp8 ? " on this GPU; run without --fp8-linears" : "");
+      }
       it = algos_.emplace(key, result.algo).first;
     }
-    FOVEA_CUDA_CHECK(cublasLtMatmul(handle_, op, &alpha, w.w, la, a, lb, &beta, c ? c : d, lc, d, lc, &it->second,
-                                    workspace_.data(), kWorkspace, stream));
+    if (!probe_only)
+      FOVEA_CUDA_CHECK(cublasLtMatmul(handle_, op, &alpha, fp8 ? static_cast<const void*>(w.q) : w.w, la, a, lb, &beta,
+                                    c ? c : d, lc, d, lc, &it->second, workspace_.data(), kWorkspace, stream));
     cublasLtMatrixLayoutDestroy(la);
     cublasLtMatrixLayoutDestroy(lb);
     cublasLtMatrixLayoutDestroy(lc);
     cublasLtMatmulDescDestroy(op);
   }
 
- private:
   static constexpr size_t kWorkspace = size_t(32) << 20;
   cublasLtHandle_t handle_ = nullptr;
   DeviceBuffer<uint8_t> workspace_;
-  std::map<std::tuple<int64_t, int, int, bool, bool>, cublasLtMatmulAlgo_t> algos_;
+  std::map<std::tuple<int64_t, int, int, bool, bool, bool>, cublasLtMatmulAlgo_t> algos_;
 };
 
 DevLinear upload(const Linear& l, Owner& owner) {
   return {upload_bf16(l.w, owner), upload_bf16(l.b, owner), l.out, l.in};
+}
+// The FP8 linears' weights: E4M3 per output channel, quantized on the host (quantize_weight_rows,
+// the emulation's own function), and the bf16 bias; no bf16 weight.
+DevLinear upload_fp8(const Linear& l, Owner& owner) {
+  std::vector<uint8_t> codes;
+  std::vector<float> scales;
+  quantize_weight_rows(l, codes, scales);
+  DevLinear d{nullptr, upload_bf16(l.b, owner), l.out, l.in};
+  d.q = alloc_in<uint8_t>(owner, codes.size());
+  FOVEA_CUDA_CHECK(cudaMemcpy(d.q, codes.data(), codes.size(), cudaMemcpyHostToDevice));
+  d.qs = upload_f32(scales, owner);
+  return d;
 }
 DevNorm upload(const Norm& n, Owner& owner) {
   return {upload_f32(n.w, owner), upload_f32(n.b, owner), int(n.w.size())};
@@ -311,6 +438,8 @@ struct Encoder::Impl {
   uint8_t* raw = nullptr;  // raw uint8 patches, when uploaded in that form
   bf16 *pixels = nullptr, *pe = nullptr, *x = nullptr, *ln = nullptr, *qkv = nullptr, *att = nullptr, *h = nullptr;
   bf16 *m1 = nullptr, *m2 = nullptr, *merged = nullptr;
+  uint8_t* act8 = nullptr;     // FP8 linears: the next linear's input as E4M3 codes [N, max(D, I)]
+  float* act_scale = nullptr;  // and its per-row scales [N]
   std::vector<bf16*> ds;
   float *cos = nullptr, *sin = nullptr;
   // Every per-batch device buffer is a slice of one arena, grown (never shrunk) when a batch needs
@@ -342,16 +471,22 @@ struct Encoder::Impl {
   template <class T>
   void collect(int64_t ticket, std::vector<std::vector<T>>& out);
   std::vector<std::span<const uint16_t>> collect_views(int64_t ticket);
-  void layernorm(const bf16* in, bf16* out, const DevNorm& nrm, int64_t rows, cudaStream_t s) {
+  // LayerNorm into bf16 `out`, or with `out_scale` into E4M3 codes and per-row scales (FP8 linears).
+  void layernorm(const bf16* in, void* out, const DevNorm& nrm, int64_t rows, cudaStream_t s, float* out_scale = nullptr) {
     const LnShape ln = layernorm_shape(nrm.width);  // checked for every norm at construction
-    const auto launch = [&](auto kernel) { kernel<<<unsigned(rows), unsigned(ln.threads), 0, s>>>(in, out, nrm.w, nrm.b, nrm.width); };
-    switch (ln.chunks) {
-      case 1: launch(layernorm_kernel<1>); break;
-      case 2: launch(layernorm_kernel<2>); break;
-      case 4: launch(layernorm_kernel<4>); break;
-      case 8: launch(layernorm_kernel<8>); break;
-      default: fail_cat("encoder: no LayerNorm kernel for width ", nrm.width);
-    }
+    const auto launch = [&](auto chunks) {
+      constexpr int c = decltype(chunks)::value;
+      if (out_scale) layernorm_kernel<c, true><<<unsigned(rows), unsigned(ln.threads), 0, s>>>(in, out, out_scale, nrm.w, nrm.b, nrm.width);
+      else layernorm_kernel<c, false><<<unsigned(rows), unsigned(ln.threads), 0, s>>>(in, out, nullptr, nrm.w, nrm.b, nrm.width);
+    };
+    with_row_chunks(ln.chunks, nrm.width, launch);
+    FOVEA_CUDA_CHECK(cudaGetLastError());
+  }
+  void quantize_rows(const bf16* in, int width, int64_t rows, cudaStream_t s) {
+    const LnShape ln = layernorm_shape(width);
+    with_row_chunks(ln.chunks, width, [&](auto chunks) {
+      quantize_rows_kernel<decltype(chunks)::value><<<unsigned(rows), unsigned(ln.threads), 0, s>>>(in, act8, act_scale, width);
+    });
     FOVEA_CUDA_CHECK(cudaGetLastError());
   }
   void run_merger(const DevMerger& mg, const bf16* in_norm, bf16* out, cudaStream_t s) {
@@ -394,11 +529,19 @@ Encoder::Encoder(const Model& model, const EncoderOptions& options) : impl_(new 
     DevBlock d;  // one upload per statement: the order of allocations is the order of the owner list
     d.norm1 = upload(b.norm1, o);
     d.norm2 = upload(b.norm2, o);
-    d.qkv = upload(b.qkv, o);
-    d.proj = upload(b.proj, o);
-    d.fc1 = upload(b.fc1, o);
-    d.fc2 = upload(b.fc2, o);
+    const auto up = options.fp8_linears ? upload_fp8 : static_cast<DevLinear (*)(const Linear&, Owner&)>(upload);
+    d.qkv = up(b.qkv, o);
+    d.proj = up(b.proj, o);
+    d.fc1 = up(b.fc1, o);
+    d.fc2 = up(b.fc2, o);
     m.blocks.push_back(d);
+  }
+  if (options.fp8_linears && !m.blocks.empty()) {  // every block has the same four shapes
+    const DevBlock& b = m.blocks.front();
+    m.gemm.check_fp8(b.qkv, false, false);
+    m.gemm.check_fp8(b.proj, true, false);
+    m.gemm.check_fp8(b.fc1, false, true);
+    m.gemm.check_fp8(b.fc2, true, false);
   }
   auto merger = [&](const Merger& g) {
     DevMerger d;
@@ -430,7 +573,9 @@ void Encoder::Impl::layout_arena(int64_t n) {
       {(void**)&att, size_t(n * D) * 2}, {(void**)&h, size_t(n * I) * 2},
       {(void**)&m1, size_t(n / 4 * M4) * 2}, {(void**)&m2, size_t(n / 4 * M4) * 2},
       {(void**)&merged, size_t(n / 4 * O) * 2}, {(void**)&pe, size_t(n * D) * 2},
-      {(void**)&cos, size_t(n) * cfg.head_dim() / 2 * 4}, {(void**)&sin, size_t(n) * cfg.head_dim() / 2 * 4}};
+      {(void**)&cos, size_t(n) * cfg.head_dim() / 2 * 4}, {(void**)&sin, size_t(n) * cfg.head_dim() / 2 * 4},
+      {(void**)&act8, opt.fp8_linears ? size_t(n) * size_t(std::max(D, I)) : 0},
+      {(void**)&act_scale, opt.fp8_linears ? size_t(n) * 4 : 0}};
   for (auto& d : ds) slices.push_back({(void**)&d, size_t(n / 4 * O) * 2});
   constexpr size_t kAlign = 256;  // cuBLASLt and TMA want 16-byte aligned rows; 256 keeps every slice apart
   size_t total = 0;
@@ -573,17 +718,27 @@ void Encoder::forward(cudaStream_t s) {
   size_t tap = 0;
   for (int l = 0; l < m.cfg.depth; ++l) {
     const DevBlock& b = m.blocks[size_t(l)];
-    m.layernorm(m.x, m.ln, b.norm1, n, s);
-    m.gemm.run(m.ln, b.qkv, m.qkv, n, nullptr, false, s);
+    // FP8 linears: each block linear's input goes to E4M3 with per-row scales (fused into the
+    // LayerNorms; its own pass for the attention output and the MLP's hidden layer).
+    const bool f8 = m.opt.fp8_linears;
+    auto linear = [&](const bf16* in, const DevLinear& w, bf16* out, const bf16* residual, bool gelu) {
+      if (!f8) return m.gemm.run(in, w, out, n, residual, gelu, s);
+      if (in) m.quantize_rows(in, w.in, n, s);
+      m.gemm.run_fp8(m.act8, m.act_scale, w, out, n, residual, gelu, s);
+    };
+    if (f8) m.layernorm(m.x, m.act8, b.norm1, n, s, m.act_scale);
+    else m.layernorm(m.x, m.ln, b.norm1, n, s);
+    linear(f8 ? nullptr : m.ln, b.qkv, m.qkv, nullptr, false);
     fovea::cuda::DeviceScales sc;
     if (m.amax) sc.dynamic = m.amax + l;
     if (m.fixed) sc.fixed = m.fixed + 3 * l;
     m.attn->prepare(m.qkv, 3 * int64_t(D), m.cos, m.sin, sc, s);
     m.attn->attend(m.att, s);
-    m.gemm.run(m.att, b.proj, m.x, n, m.x, false, s);  // + residual, in place
-    m.layernorm(m.x, m.ln, b.norm2, n, s);
-    m.gemm.run(m.ln, b.fc1, m.h, n, nullptr, true, s);  // tanh-GELU in the epilogue
-    m.gemm.run(m.h, b.fc2, m.x, n, m.x, false, s);
+    linear(m.att, b.proj, m.x, m.x, false);  // + residual, in place
+    if (f8) m.layernorm(m.x, m.act8, b.norm2, n, s, m.act_scale);
+    else m.layernorm(m.x, m.ln, b.norm2, n, s);
+    linear(f8 ? nullptr : m.ln, b.fc1, m.h, nullptr, true);  // tanh-GELU in the epilogue
+    linear(m.h, b.fc2, m.x, m.x, false);
     if (tap < m.cfg.deepstack.size() && m.cfg.deepstack[tap] == l) {
       // Deepstack: the [N, D] buffer is already [N/4, 4D] row-major; LayerNorm over 4D.
       m.layernorm(m.x, m.m1, m.deepstack[tap].norm, n / 4, s);
@@ -687,6 +842,35 @@ std::vector<std::vector<float>> Encoder::deepstack(cudaStream_t stream) {
   impl_->collect(download(true, stream), out);
   out.erase(out.begin());  // the merged output comes first
   return out;
+}
+
+std::vector<float> linear_on_gpu(const Linear& l, const std::vector<float>& x, int64_t rows, bool fp8,
+                                 const std::vector<float>* residual, bool gelu) {
+  if (rows <= 0 || int64_t(x.size()) != rows * l.in) fail_cat("linear_on_gpu: ", x.size(), " values for ", rows, " rows of ", l.in);
+  if (residual && int64_t(residual->size()) != rows * l.out) fail_cat("linear_on_gpu: the residual has ", residual->size(), " values");
+  if (fp8 && layernorm_shape(l.in).chunks == 0) fail_cat("linear_on_gpu: FP8 inputs need a width that is a multiple of 8");
+  Owner o;
+  Gemm gemm;
+  const DevLinear w = fp8 ? upload_fp8(l, o) : upload(l, o);
+  bf16* xd = upload_bf16(x, o);
+  bf16* yd = residual ? upload_bf16(*residual, o) : alloc_in<bf16>(o, size_t(rows) * l.out);
+  if (fp8) {
+    uint8_t* codes = alloc_in<uint8_t>(o, x.size());
+    float* scales = alloc_in<float>(o, size_t(rows));
+    const LnShape ln = layernorm_shape(l.in);
+    with_row_chunks(ln.chunks, l.in, [&](auto chunks) {
+      quantize_rows_kernel<decltype(chunks)::value><<<unsigned(rows), unsigned(ln.threads)>>>(xd, codes, scales, l.in);
+    });
+    FOVEA_CUDA_CHECK(cudaGetLastError());
+    gemm.run_fp8(codes, scales, w, yd, rows, residual ? yd : nullptr, gelu, nullptr);
+  } else {
+    gemm.run(xd, w, yd, rows, residual ? yd : nullptr, gelu, nullptr);
+  }
+  std::vector<uint16_t> bits(size_t(rows) * l.out);
+  FOVEA_CUDA_CHECK(cudaMemcpy(bits.data(), yd, bits.size() * 2, cudaMemcpyDeviceToHost));
+  std::vector<float> y(bits.size());
+  for (size_t i = 0; i < y.size(); ++i) y[i] = bf16_to_float(bits[i]);
+  return y;
 }
 
 }  // namespace fovea::qwen3vl::cuda
