@@ -37,13 +37,4 @@ __host__ __device__ constexpr int kv_perm(int l) {
   return 2 * t + (i & 1) + 8 * (i >> 1);
 }
 
-// The column that holds key k (0..15) of a 16-key group: kv_perm's inverse.
-__host__ __device__ constexpr int kv_inv_perm(int k) { return 4 * ((k % 8) / 2) + 2 * (k / 8) + k % 2; }
-constexpr bool kv_perm_inverts() {
-  for (int k = 0; k < 16; ++k)
-    if (kv_perm(kv_inv_perm(k)) != k) return false;
-  return true;
-}
-static_assert(kv_perm_inverts());
-
 }  // namespace fovea::cuda::layout

@@ -76,19 +76,41 @@ __device__ __forceinline__ uint32_t quantize4(float a, float b, float c, float d
   return ptx::pack_e4m3x4(__fdiv_rn(a, s), __fdiv_rn(b, s), __fdiv_rn(c, s), __fdiv_rn(d, s));
 }
 
+// One head-row of q, k or v as it sits in the qkv output: kHeadDim / 2 packed bf16 pairs, or zeros
+// for a padding row (token < 0).
+template <int kHeadDim>
+__device__ __forceinline__ void load_packed(const PrepareArgs& a, int token, int head, int which,
+                                            uint32_t (&w)[kHeadDim / 2]) {
+  if (token < 0) {
+#pragma unroll
+    for (int i = 0; i < kHeadDim / 2; ++i) w[i] = 0;
+    return;
+  }
+  const uint4* src = reinterpret_cast<const uint4*>(a.qkv + int64_t(token) * a.qkv_token_stride +
+                                                    (int64_t(which) * a.heads + head) * kHeadDim);
+#pragma unroll
+  for (int i = 0; i < kHeadDim / 8; ++i) {
+    const uint4 v = src[i];
+    w[4 * i] = v.x, w[4 * i + 1] = v.y, w[4 * i + 2] = v.z, w[4 * i + 3] = v.w;
+  }
+}
+
 __device__ __forceinline__ float2 unpack_bf16x2(uint32_t w) {
   return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w));
 }
 
-// Q or K of one head-row, given as its kHeadDim / 2 packed bf16 pairs, into its padded output row
-// (kHdPad elements, zeros past kHeadDim) as packed words: RoPE'd and rounded four columns of each
-// half at a time, so the row never lives as kHeadDim floats; the arithmetic is load_row's.
+// Q or K of one head-row into its padded output row: RoPE'd and rounded four columns of each half at
+// a time, straight from the packed bf16 row, so the row never lives as kHeadDim floats (the FP8
+// hd 72 instance went from 133 registers, 3 CTAs an SM, to fewer; the arithmetic is load_row's).
 template <bool kFp8, int kHeadDim, int kHdPad>
-__device__ __forceinline__ void rope_quantize(const PrepareArgs& a, int token, const uint32_t (&in)[kHeadDim / 2],
-                                              float scale, uint32_t (&out)[kHdPad * (kFp8 ? 1 : 2) / 4]) {
+__device__ __forceinline__ void rope_row_out(const PrepareArgs& a, int token, int head, int which, float scale,
+                                             void* dst) {
   constexpr int kHalf = kHeadDim / 2;
+  constexpr int kOutWords = kHdPad * (kFp8 ? 1 : 2) / 4;
+  uint32_t in[kHeadDim / 2], out[kOutWords];
+  load_packed<kHeadDim>(a, token, head, which, in);
 #pragma unroll
-  for (int i = 0; i < kHdPad * (kFp8 ? 1 : 2) / 4; ++i) out[i] = 0;
+  for (int i = 0; i < kOutWords; ++i) out[i] = 0;
   const bool rope = token >= 0 && a.rope_cos;
 #pragma unroll
   for (int g = 0; g < kHalf / 4; ++g) {
@@ -117,16 +139,9 @@ __device__ __forceinline__ void rope_quantize(const PrepareArgs& a, int token, c
       out[kHalf / 2 + 2 * g] = ptx::pack_bf16x2(x2[0], x2[1]), out[kHalf / 2 + 2 * g + 1] = ptx::pack_bf16x2(x2[2], x2[3]);
     }
   }
-}
-
-// Shared-memory row stride, in 4-byte words, of a staged tile row: room for the bf16 input row and
-// for the output row written back in its place, rounded to 4 (mod 8) words so that the eight threads
-// of a 16-byte shared access (thread t on row t) fall on distinct bank quads.
-template <bool kFp8, int kHeadDim>
-constexpr int stage_words() {
-  constexpr int in = kHeadDim / 2, out = layout::head_dim_pad(kHeadDim, kFp8) * (kFp8 ? 1 : 2) / 4;
-  constexpr int w = in > out ? in : out;
-  return w + (12 - w % 8) % 8;
+  uint4* o = static_cast<uint4*>(dst);
+#pragma unroll
+  for (int i = 0; i < kOutWords / 4; ++i) o[i] = make_uint4(out[4 * i], out[4 * i + 1], out[4 * i + 2], out[4 * i + 3]);
 }
 
 // ---- amax (dynamic FP8 only) ----------------------------------------------------------------------
@@ -177,88 +192,69 @@ __global__ void __launch_bounds__(kThreads) qkv_amax_kernel(PrepareArgs a) {
 
 // ---- quantize / round into the kernel layouts -----------------------------------------------------
 
-// One CTA: 128 padded rows of one head. Q, then K, then V: the tile's rows are staged in shared
-// memory with 16-byte loads on consecutive addresses (a row of the qkv output is 2 x head_dim bytes
-// inside a 6 x H x head_dim-byte token), each thread turns its row into the output row, and the
-// tile goes out again with 16-byte stores on consecutive addresses (the 128 rows of Q or K are one
-// contiguous block; V^T's are head_dim rows of 128 keys, transposed in shared memory). Measured
-// before (one row a thread straight from and to global memory): 48% of the global sectors and 80%
-// of the shared wavefronts were excess, 39% of the copy bandwidth at 3 x 4K.
+// One row a thread, straight from and to global memory. Measured (3 x 4K, FP8 hd 72, ncu): 680 us,
+// 39% of the copy bandwidth for the bytes it must move; issue-latency bound (25% occupancy at 109
+// registers, 28% of issue slots busy), with 48% of its global sectors and 80% of its shared
+// wavefronts excess. Tried and rejected (2026-12-02, same measurement): Q, K and V staged tile by
+// tile in shared memory with 16-byte loads and stores on consecutive addresses and V^T transposed
+// there, 721 us (3 x 3520: 0.127 against 0.107 ms): coalescing is not what holds it back.
 template <bool kFp8, int kHeadDim>
 __global__ void __launch_bounds__(kThreads) prepare_kernel(PrepareArgs a) {
   using Elem = std::conditional_t<kFp8, uint8_t, __nv_bfloat16>;
   constexpr int kHdPad = layout::head_dim_pad(kHeadDim, kFp8);
-  constexpr int kWords = stage_words<kFp8, kHeadDim>();
-  constexpr int kInChunks = kHeadDim / 8;                          // 16-byte chunks of an input row
-  constexpr int kOutWords = kHdPad * int(sizeof(Elem)) / 4;        // of an output row
-  constexpr int kKeyChunks = kThreads * int(sizeof(Elem)) / 16;    // of a V^T tile row
-  static_assert(kHeadDim * kThreads * sizeof(Elem) <= kThreads * kWords * 4, "V^T's tile fits where V was staged");
-  __shared__ __align__(16) uint32_t stage[kThreads * kWords];  // the staged rows; for V, then V^T [kHeadDim][kThreads]
-  __shared__ int tokens[kThreads];
-  Elem (*vt)[kThreads] = reinterpret_cast<Elem (*)[kThreads]>(stage);
+  __shared__ __align__(16) Elem sv[kThreads][kHeadDim];
   // Heads are the fast grid dimension: the CTAs of one row block run side by side, so a token's
   // RoPE row and the 32-byte sectors two heads' slices share come from DRAM once (with rows fastest,
   // every head streamed the whole cos / sin table again: 1.36 GB read for 0.7 GB of inputs at 3 x 4K).
   const int head = blockIdx.x;
-  const int row0 = blockIdx.y * kThreads;
-  const int t = threadIdx.x;
-  tokens[t] = padded_row_token(a, row0 + t);
-  __syncthreads();
-#pragma unroll 1
-  for (int w = 0; w < 3; ++w) {
-    for (int i = t; i < kThreads * kInChunks; i += kThreads) {
-      const int r = i / kInChunks, c = i % kInChunks, token = tokens[r];
-      uint4 v = make_uint4(0, 0, 0, 0);
-      if (token >= 0)
-        v = reinterpret_cast<const uint4*>(a.qkv + int64_t(token) * a.qkv_token_stride + (int64_t(w) * a.heads + head) * kHeadDim)[c];
-      *reinterpret_cast<uint4*>(&stage[r * kWords + 4 * c]) = v;
-    }
-    __syncthreads();
+  const int row = blockIdx.y * kThreads + threadIdx.x;  // padded row
+  const int token = padded_row_token(a, row);
+  float scale[3] = {1.f, 1.f, 1.f};  // FP8 dequantization scales of q, k, v
+  if constexpr (kFp8) {
+    for (int w = 0; w < 3; ++w) scale[w] = a.dynamic ? a.dynamic->t[w].scale : a.fixed[w];
+  }
+
+  // Q and K: one row each, RoPE'd, padded to kHdPad with zeros.
+#pragma unroll
+  for (int w = 0; w < 2; ++w) {
+    Elem* dst = (w == 0 ? static_cast<Elem*>(a.q) : static_cast<Elem*>(a.k)) +
+                (int64_t(head) * a.n_pad + row) * kHdPad;
+    rope_row_out<kFp8, kHeadDim, kHdPad>(a, token, head, w, scale[w], dst);
+  }
+
+  // V: into shared memory, then out transposed, 128 keys per V^T row.
+  {
     uint32_t in[kHeadDim / 2];
+    load_packed<kHeadDim>(a, token, head, 2, in);
 #pragma unroll
-    for (int c = 0; c < kInChunks; ++c) {
-      const uint4 v = *reinterpret_cast<const uint4*>(&stage[t * kWords + 4 * c]);
-      in[4 * c] = v.x, in[4 * c + 1] = v.y, in[4 * c + 2] = v.z, in[4 * c + 3] = v.w;
-    }
-    // FP8 dequantization scale of this tensor (q, k, v)
-    const float scale = !kFp8 ? 1.f : a.dynamic ? a.dynamic->t[w].scale : a.fixed[w];
-    if (w < 2) {
-      uint32_t out[kOutWords];
-      rope_quantize<kFp8, kHeadDim, kHdPad>(a, tokens[t], in, scale, out);
-#pragma unroll
-      for (int c = 0; c < kOutWords / 4; ++c)  // in place: this thread alone reads and writes its row
-        *reinterpret_cast<uint4*>(&stage[t * kWords + 4 * c]) = make_uint4(out[4 * c], out[4 * c + 1], out[4 * c + 2], out[4 * c + 3]);
-    } else {
-      // FP8: key t of its 16-key group goes to the column l with kv_perm(l) == t % 16.
-      const int col = kFp8 ? (t & ~15) + layout::kv_inv_perm(t & 15) : t;
-      __syncthreads();  // every row is in registers before V^T overwrites the staged rows
-#pragma unroll
-      for (int i = 0; i < kHeadDim / 2; ++i) {
-        const float2 f = unpack_bf16x2(in[i]);
-        if constexpr (kFp8) {
-          vt[2 * i][col] = uint8_t(quantize4(f.x, 0.f, 0.f, 0.f, scale));
-          vt[2 * i + 1][col] = uint8_t(quantize4(f.y, 0.f, 0.f, 0.f, scale));
-        } else {
-          vt[2 * i][col] = __float2bfloat16_rn(f.x);
-          vt[2 * i + 1][col] = __float2bfloat16_rn(f.y);
-        }
+    for (int i = 0; i < kHeadDim / 2; ++i) {
+      const float2 f = unpack_bf16x2(in[i]);
+      if constexpr (kFp8) {
+        sv[threadIdx.x][2 * i] = uint8_t(quantize4(f.x, 0.f, 0.f, 0.f, scale[2]));
+        sv[threadIdx.x][2 * i + 1] = uint8_t(quantize4(f.y, 0.f, 0.f, 0.f, scale[2]));
+      } else {
+        sv[threadIdx.x][2 * i] = __float2bfloat16_rn(f.x);
+        sv[threadIdx.x][2 * i + 1] = __float2bfloat16_rn(f.y);
       }
     }
-    __syncthreads();
-    if (w < 2) {
-      uint4* dst = reinterpret_cast<uint4*>((w == 0 ? static_cast<Elem*>(a.q) : static_cast<Elem*>(a.k)) +
-                                            (int64_t(head) * a.n_pad + row0) * kHdPad);
-      for (int i = t; i < kThreads * (kOutWords / 4); i += kThreads) {
-        const int r = i / (kOutWords / 4), c = i % (kOutWords / 4);
-        dst[i] = *reinterpret_cast<const uint4*>(&stage[r * kWords + 4 * c]);
-      }
-      __syncthreads();  // the next tensor is staged over this one
+  }
+  __syncthreads();
+  const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
+  const int row0 = blockIdx.y * kThreads;
+  for (int d = warp; d < kHeadDim; d += kThreads / 32) {
+    Elem* dst = static_cast<Elem*>(a.vt) + (int64_t(head) * kHeadDim + d) * a.n_pad + row0;
+    if constexpr (kFp8) {
+      // Lane writes columns 4*lane .. 4*lane+3: keys kv_perm() of its 16-key group.
+      const int base = 16 * (lane / 4);
+      uint32_t packed = 0;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) packed |= uint32_t(sv[base + layout::kv_perm(4 * (lane % 4) + i)][d]) << (8 * i);
+      reinterpret_cast<uint32_t*>(dst)[lane] = packed;
     } else {
-      for (int i = t; i < kHeadDim * kKeyChunks; i += kThreads) {
-        const int d = i / kKeyChunks, c = i % kKeyChunks;
-        Elem* dst = static_cast<Elem*>(a.vt) + (int64_t(head) * kHeadDim + d) * a.n_pad + row0;
-        reinterpret_cast<uint4*>(dst)[c] = reinterpret_cast<const uint4*>(&vt[d][0])[c];
-      }
+      __align__(8) __nv_bfloat16 v4[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) v4[i] = sv[4 * lane + i][d];
+      reinterpret_cast<uint2*>(dst)[lane] = *reinterpret_cast<const uint2*>(v4);
     }
   }
 }
