@@ -220,6 +220,28 @@ TEST_F(Cli, Fp8LinearsFlag) {
   EXPECT_LT(std::sqrt(num / den), 0.2);
 }
 
+// A scale file with fovea's fine scales: inspect shows them; an engine that runs per-tensor scales
+// uses the file's q/k/v and says the fine ones are not used.
+TEST_F(Cli, ScaleFileWithFineScales) {
+  auto layer_entry = [](int i) {
+    return "\"" + layer(i) + "\": {\"q\": 1, \"k\": 1, \"v\": 1, \"fovea_q_head\": [0.5, 0.25], "
+           "\"fovea_k_head\": [2, 4], \"fovea_v_channel\": [1, 2, 3, 4]}";
+  };
+  const std::string path = write("fine.json", "{" + layer_entry(0) + ", " + layer_entry(1) + "}");
+  const Result r = run("scales inspect " + q(path));
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_HAS(r.out, "2 heads, 4 V channels");
+  EXPECT_HAS(r.out, "q_head 0.25..0.5");
+  const Result info = run("info --device cpu --mm-encoder-attn-dtype fp8 --mm-encoder-fp8-scale-path " + q(path));
+  ASSERT_EQ(info.code, 0) << info.err;
+  EXPECT_HAS(info.out, "static, 2 layers");
+  EXPECT_HAS(info.err, "fine scales");
+  const std::string newer = write("newer.json", "{\"" + layer(0) + "\": {\"q\": 1, \"k\": 1, \"v\": 1, \"fovea_rotation\": 1}}");
+  const Result bad = run("info --device cpu --mm-encoder-attn-dtype fp8 --mm-encoder-fp8-scale-path " + q(newer));
+  EXPECT_NE(bad.code, 0);
+  EXPECT_HAS(bad.err, "fovea_rotation");
+}
+
 TEST_F(Cli, InfoWithStaticScales) {
   const std::string path = write("s.json", "{\"layers\": {\"" + layer(0) + "\": {\"q\": 1, \"k\": 1, \"v\": 1}, \"" +
                                                layer(1) + "\": {\"q\": 1, \"k\": 1, \"v\": 1}}}");

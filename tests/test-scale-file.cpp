@@ -340,3 +340,104 @@ TEST(ReadScaleFileErrors, RepeatedKeysAreErrors) {
   const std::string e2 = error_of([&] { read_scale_file(field_twice); });
   EXPECT_HAS(e2, "'q' appears twice in '" + L0 + "'");
 }
+
+// ---- fovea's optional fine scales (fovea_q_head, fovea_k_head, fovea_v_channel) ----------------------
+
+namespace {
+
+// A layer entry with q/k/v and, unless `fine` is empty, the three fine fields (JSON text each).
+std::string fine_entry(const std::string& qh, const std::string& kh, const std::string& vc) {
+  return "{\"q\": 1, \"k\": 1, \"v\": 1, \"fovea_q_head\": " + qh + ", \"fovea_k_head\": " + kh +
+         ", \"fovea_v_channel\": " + vc + "}";
+}
+
+}  // namespace
+
+TEST(FineScales, RoundTripBitExactAndQkvStayVllmReadable) {
+  TempDir dir;
+  std::mt19937 rng(777);
+  std::uniform_real_distribution<double> log10(-20.0, 20.0);
+  const int layers = 5, heads = 3, channels = 3 * 8;
+  std::vector<QkvScales> scales(layers);
+  std::vector<FineScales> fine(layers);
+  for (int l = 0; l < layers; ++l) {
+    scales[size_t(l)] = {float(0.01 * (l + 1)), float(0.02 * (l + 1)), float(0.03 * (l + 1))};
+    for (int h = 0; h < heads; ++h) {
+      fine[size_t(l)].q_head.push_back(float(std::pow(10.0, log10(rng))));
+      fine[size_t(l)].k_head.push_back(float(std::pow(10.0, log10(rng))));
+    }
+    for (int c = 0; c < channels; ++c) fine[size_t(l)].v_channel.push_back(float(std::pow(10.0, log10(rng))));
+  }
+  fine[0].v_channel[0] = std::numeric_limits<float>::denorm_min();
+  fine[0].v_channel[1] = FLT_MAX;
+  const std::string path = dir.file("fine.json");
+  write_scale_file(path, scales, &fine);
+  const ScaleFile f = read_scale_file(path);
+  ASSERT_EQ(f.fine.size(), size_t(layers));
+  for (int l = 0; l < layers; ++l) {
+    EXPECT_EQ(f.layers.at(l), scales[size_t(l)]);
+    const FineScales& g = f.fine.at(l);
+    ASSERT_EQ(g.v_channel.size(), size_t(channels));
+    for (int c = 0; c < channels; ++c) ASSERT_EQ(float_bits(g.v_channel[size_t(c)]), float_bits(fine[size_t(l)].v_channel[size_t(c)]));
+    EXPECT_EQ(g, fine[size_t(l)]);
+  }
+  // A file without them reads as before, with no fine scales.
+  write_scale_file(dir.file("plain.json"), scales);
+  EXPECT_TRUE(read_scale_file(dir.file("plain.json")).fine.empty());
+}
+
+TEST(FineScales, BadFieldsAreErrorsNamingFileLayerAndProblem) {
+  const std::string l0 = "\"" + L0 + "\": ", l1 = "\"" + L1 + "\": ";
+  const std::string ok = fine_entry("[1, 2]", "[1, 2]", "[1, 2, 3, 4]");
+  struct Case {
+    const char* name;
+    std::string text;
+    std::vector<std::string> words;
+  };
+  const std::vector<Case> cases = {
+      {"two-of-three", "{" + l0 + "{\"q\": 1, \"k\": 1, \"v\": 1, \"fovea_q_head\": [1], \"fovea_k_head\": [1]}}", {"all of", "2 of them"}},
+      {"not-array", "{" + l0 + fine_entry("1", "[1]", "[1]") + "}", {"fovea_q_head", "not a non-empty array"}},
+      {"empty-array", "{" + l0 + fine_entry("[]", "[1]", "[1]") + "}", {"not a non-empty array"}},
+      {"string-value", "{" + l0 + fine_entry("[1, \"2\"]", "[1, 2]", "[1, 2]") + "}", {"fovea_q_head[1]", "not a number"}},
+      {"zero-value", "{" + l0 + fine_entry("[1, 2]", "[1, 2]", "[1, 0, 1, 1]") + "}", {"fovea_v_channel[1]", "> 0"}},
+      {"negative-value", "{" + l0 + fine_entry("[1, 2]", "[-1, 2]", "[1, 1]") + "}", {"fovea_k_head[0]"}},
+      {"beyond-float", "{" + l0 + fine_entry("[1, 1e39]", "[1, 2]", "[1, 1]") + "}", {"float32"}},
+      {"k-heads-differ", "{" + l0 + fine_entry("[1, 2]", "[1, 2, 3]", "[1, 2, 3, 4, 5, 6]") + "}", {"one per head"}},
+      {"v-not-multiple", "{" + l0 + fine_entry("[1, 2]", "[1, 2]", "[1, 2, 3]") + "}", {"heads x head_dim"}},
+      {"nested-array", "{" + l0 + fine_entry("[[1], 2]", "[1, 2]", "[1, 2]") + "}", {"fovea_q_head[0]"}},
+      {"unknown-fovea-field", "{" + l0 + "{\"q\": 1, \"k\": 1, \"v\": 1, \"fovea_k_mean\": [1]}}", {"fovea_k_mean", "newer fovea"}},
+      {"only-one-layer-has-them", "{" + l0 + ok + ", " + l1 + entry("1") + "}", {"every layer or for none"}},
+      {"shapes-differ-across-layers", "{" + l0 + ok + ", " + l1 + fine_entry("[1]", "[1]", "[1, 2]") + "}", {"heads and"}},
+  };
+  for (const Case& c : cases) {
+    const std::string msg = error_of([&] { parse_scale_file(c.text, "fine.json"); });
+    EXPECT_HAS(msg, "fine.json") << c.name;
+    EXPECT_TRUE(has_any(msg, c.words)) << c.name << ": " << msg;
+  }
+  // Over the length limit.
+  std::string big = "[";
+  for (int i = 0; i <= kMaxFineScales; ++i) big += i ? ",1" : "1";
+  big += "]";
+  EXPECT_HAS(error_of([&] { parse_scale_file("{" + l0 + fine_entry("[1]", "[1]", big) + "}", "big.json"); }), "limit");
+  // An unknown field without the prefix stays a warning (vLLM's or another tool's).
+  CaptureWarnings cw;
+  EXPECT_EQ(parse_scale_file("{" + l0 + "{\"q\": 1, \"k\": 1, \"v\": 1, \"o_scale\": 1}}", "w.json").fine.size(), 0u);
+  EXPECT_EQ(g_warnings.size(), 1u);
+}
+
+TEST(FineScales, WriterRefusesWhatTheReaderWould) {
+  TempDir dir;
+  const std::vector<QkvScales> two = {{1, 1, 1}, {1, 1, 1}};
+  const FineScales good{{1, 2}, {1, 2}, {1, 2, 3, 4}};
+  auto refused = [&](const std::vector<FineScales>& fine) {
+    const std::string path = dir.file("w.json");
+    const std::string msg = error_of([&] { write_scale_file(path, two, &fine); });
+    EXPECT_FALSE(fs::exists(path)) << msg;
+    return msg;
+  };
+  EXPECT_HAS(refused({good}), "2 layers of scales but 1");
+  EXPECT_HAS(refused({good, FineScales{{1, 2}, {1}, {1, 2}}}), "refusing");
+  EXPECT_HAS(refused({good, FineScales{{1}, {1}, {1, 2}}}), "the same for every layer");
+  EXPECT_HAS(refused({good, FineScales{{1, 2}, {1, 2}, {1, 0, 1, 1}}}), "fovea_v_channel");
+  EXPECT_HAS(refused({good, FineScales{{1, 2}, {1, kNaN}, {1, 1, 1, 1}}}), "fovea_k_head");
+}

@@ -138,16 +138,29 @@ class ScaleBook {
 
 std::string scale_layer_name(int layer);  // "visual.blocks.<layer>.attn.attn"
 
+// fovea's optional finer scales of one layer, for the FP8 scheme robust to outlier channels
+// (docs/fp8.md §Outlier channels), in the fields "fovea_q_head", "fovea_k_head" (per head, of Q and of
+// K smoothed by its mean) and "fovea_v_channel" (per channel of V, heads x head_dim). vLLM reads
+// the file's q/k/v and not these; a fovea that meets a "fovea_" field it does not know refuses the
+// file instead of ignoring it.
+struct FineScales {
+  std::vector<float> q_head, k_head, v_channel;
+  bool operator==(const FineScales&) const = default;
+};
+
 struct ScaleFile {
   std::string path;
   bool nested = false;                // the entries were under "layers"
   std::map<int, QkvScales> layers;    // by block index
   std::map<int, std::string> names;   // the key each layer had in the file
+  std::map<int, FineScales> fine;     // every layer's, or empty: a file has them for all or none
 };
 
 // Limits (a real file has 27 layers, ~3 KB): at most kMaxScaleLayers layers, each index below it;
-// the text at most 4 MiB, nesting depth 8, keys 1 KiB; a key given twice is an error.
+// the text at most 4 MiB, nesting depth 8, keys 1 KiB; a key given twice is an error; a fine-scale
+// array at most kMaxFineScales values.
 constexpr int kMaxScaleLayers = 4096;
+constexpr int kMaxFineScales = 65536;
 
 // Reads and validates a whole scale file; throws fovea::Error naming the file, the layer and the
 // problem (nothing is half-loaded: the result is complete or not returned at all). Only a regular
@@ -161,7 +174,9 @@ ScaleFile parse_scale_file(std::string_view text, const std::string& path);
 std::vector<QkvScales> scales_for_model(const ScaleFile& file, int num_layers);
 
 // Writes a flat scale file atomically: a temporary file in the same folder, then rename. Throws on
-// failure, leaving any existing file untouched and no temporary behind.
-void write_scale_file(const std::string& path, const std::vector<QkvScales>& scales);
+// failure, leaving any existing file untouched and no temporary behind. `fine`, when given, holds
+// one entry per layer, written as the fovea_* fields.
+void write_scale_file(const std::string& path, const std::vector<QkvScales>& scales,
+                      const std::vector<FineScales>* fine = nullptr);
 
 }  // namespace fovea

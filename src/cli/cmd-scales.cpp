@@ -1,5 +1,7 @@
 // fovea scales inspect FILE [--num-layers N]: validate a scale file and print every layer's scales
 // and the amax each implies (s x 448).
+#include <algorithm>
+
 #include <fmt/format.h>
 
 #include "cli/commands.h"
@@ -31,6 +33,18 @@ void add_scales(CLI::App& app, Runner& run) {
         fmt::print("{:>5}  {:<28} {:>12.6g} {:>12.6g} {:>12.6g}   {:>10.4g} {:>10.4g} {:>10.4g}\n", i,
                    f.names.at(i), s.q, s.k, s.v, s.q * kE4M3Max, s.k * kE4M3Max, s.v * kE4M3Max);
       fmt::print("(amax = scale x 448: the largest |x| each scale represents without saturating)\n");
+      if (!f.fine.empty()) {
+        const FineScales& s0 = f.fine.begin()->second;
+        fmt::print("fine scales (fovea_q_head, fovea_k_head, fovea_v_channel) in every layer: {} heads, {} V channels\n",
+                   s0.q_head.size(), s0.v_channel.size());
+        for (const auto& [i, s] : f.fine) {
+          auto range = [](const std::vector<float>& v) {
+            const auto [lo, hi] = std::minmax_element(v.begin(), v.end());
+            return fmt::format("{:.4g}..{:.4g}", *lo, *hi);
+          };
+          fmt::print("{:>5}  q_head {:<22} k_head {:<22} v_channel {}\n", i, range(s.q_head), range(s.k_head), range(s.v_channel));
+        }
+      }
       return 0;
     };
   });

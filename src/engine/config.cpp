@@ -108,6 +108,11 @@ EngineConfig resolve_engine(const EngineOptions& opt, const SystemInfo& sys) {
       } catch (const Error& e) {
         fail("--mm-encoder-fp8-scale-path: {}", e.what());
       }
+      if (!cfg.scale_file->fine.empty())
+        warn(fmt::format("--mm-encoder-fp8-scale-path: '{}' also has fine scales (fovea_q_head, fovea_k_head, "
+                         "fovea_v_channel) for the FP8 scheme robust to outlier channels, which no engine of this "
+                         "build runs yet; the per-layer q/k/v are used (per-tensor scales, as vLLM uses them)",
+                         opt.scale_path));
     } else if (!opt.scale_save_path.empty()) {
       cfg.scale_mode = ScaleMode::CALIBRATE;
     } else {

@@ -3,6 +3,7 @@
 // dequantization scales. Every error names the file, the layer and the problem.
 #include <algorithm>
 #include <cmath>
+#include <optional>
 #include <string_view>
 
 #include <nlohmann/json.hpp>
@@ -26,7 +27,8 @@ JsonLimits scale_file_limits() {
   JsonLimits l;
   l.max_bytes = size_t(4) << 20;          // 4096 layers of long decimals, indented, fit in ~1 MB
   l.max_depth = 8;                        // {"layers": {"<layer>": {"q": 1}}} is depth 3
-  l.max_elements = size_t(1) << 16;       // 4096 layers x (entry + 3 values) = 16384
+  l.max_elements = size_t(1) << 20;       // 4096 layers x (entry + 3 values), or 27 layers with
+                                          // 16 + 16 + 1152 fine scales each: ~32000
   l.max_object_keys = kMaxScaleLayers + 64;  // the layers object, plus a few unknown keys
   l.max_string_bytes = 1024;              // a layer key is ~30 bytes, a prefix adds a few more
   return l;
@@ -57,6 +59,50 @@ int parse_layer_key(std::string_view key) {
 
 std::string describe(const json& v) { return fmt::format("{} ({})", quote_for_error(v, 40), v.type_name()); }
 
+// A dequantization scale as the file gives it: a JSON number, finite, > 0 and a positive finite
+// float32; `what` names it in messages.
+float scale_value(const std::string& path, const std::string& layer, const std::string& what, const json& v) {
+  if (!v.is_number())
+    fail("scale file '{}': layer '{}': '{}' is {}, not a number", path, layer, what, describe(v));
+  const double d = v.get<double>();
+  if (!std::isfinite(d) || !(d > 0.0))
+    fail("scale file '{}': layer '{}': '{}' is {}; a scale must be a finite number > 0", path, layer, what, v.dump());
+  const float f = float(d);
+  if (!std::isfinite(f) || !(f > 0.0f))
+    fail("scale file '{}': layer '{}': '{}' = {} does not fit a positive finite float32", path, layer, what, v.dump());
+  return f;
+}
+
+constexpr const char* kFineFields[] = {"fovea_q_head", "fovea_k_head", "fovea_v_channel"};
+
+// The layer's fine scales, if it has any: all three fields or none; q_head and k_head of one length
+// (the heads), v_channel a multiple of it (heads x head_dim).
+std::optional<FineScales> read_fine(const std::string& path, const std::string& layer, const json& entry) {
+  int present = 0;
+  for (const char* f : kFineFields) present += entry.contains(f);
+  if (present == 0) return std::nullopt;
+  if (present != 3)
+    fail("scale file '{}': layer '{}': the fine scales come as all of fovea_q_head, fovea_k_head and "
+         "fovea_v_channel or none; {} of them are given", path, layer, present);
+  FineScales out;
+  std::vector<float>* into[] = {&out.q_head, &out.k_head, &out.v_channel};
+  for (int i = 0; i < 3; ++i) {
+    const json& a = entry.at(kFineFields[i]);
+    if (!a.is_array() || a.empty())
+      fail("scale file '{}': layer '{}': '{}' is {}, not a non-empty array of scales", path, layer, kFineFields[i], describe(a));
+    if (a.size() > size_t(kMaxFineScales))
+      fail("scale file '{}': layer '{}': '{}' has {} values, more than the limit of {}", path, layer, kFineFields[i],
+           a.size(), kMaxFineScales);
+    for (size_t j = 0; j < a.size(); ++j)
+      into[i]->push_back(scale_value(path, layer, fmt::format("{}[{}]", kFineFields[i], j), a[j]));
+  }
+  if (out.k_head.size() != out.q_head.size() || out.v_channel.size() % out.q_head.size() != 0)
+    fail("scale file '{}': layer '{}': fovea_q_head has {} values, fovea_k_head {} and fovea_v_channel {}; "
+         "expected one per head, one per head and heads x head_dim", path, layer, out.q_head.size(), out.k_head.size(),
+         out.v_channel.size());
+  return out;
+}
+
 float read_value(const std::string& path, const std::string& layer, const json& entry, int t) {
   const std::string name = kQkvNames[t];
   const std::string alias = name + "_scale";
@@ -66,19 +112,7 @@ float read_value(const std::string& path, const std::string& layer, const json& 
          layer, name, alias);
   if (!has_name && !has_alias)
     fail("scale file '{}': layer '{}': missing '{}' (or '{}')", path, layer, name, alias);
-  const json& v = has_name ? entry.at(name) : entry.at(alias);
-  const std::string& key = has_name ? name : alias;
-  if (!v.is_number())
-    fail("scale file '{}': layer '{}': '{}' is {}, not a number", path, layer, key, describe(v));
-  const double d = v.get<double>();
-  if (!std::isfinite(d) || !(d > 0.0))
-    fail("scale file '{}': layer '{}': '{}' is {}; a scale must be a finite number > 0", path, layer, key,
-         v.dump());
-  const float f = float(d);
-  if (!std::isfinite(f) || !(f > 0.0f))
-    fail("scale file '{}': layer '{}': '{}' = {} does not fit a positive finite float32", path, layer,
-         key, v.dump());
-  return f;
+  return scale_value(path, layer, has_name ? name : alias, has_name ? entry.at(name) : entry.at(alias));
 }
 
 }  // namespace
@@ -123,12 +157,31 @@ ScaleFile parse_scale_file(std::string_view text, const std::string& path) {
     s.v = read_value(path, key, entry, V);
     for (const auto& [k2, unused] : entry.items()) {
       (void)unused;
-      static const char* known[] = {"q", "k", "v", "q_scale", "k_scale", "v_scale"};
-      if (std::find(std::begin(known), std::end(known), k2) == std::end(known))
-        warn(fmt::format("scale file '{}': layer '{}': ignoring unknown field '{}'", path, key, escape_for_error(k2)));
+      static const char* known[] = {"q", "k", "v", "q_scale", "k_scale", "v_scale",
+                                    "fovea_q_head", "fovea_k_head", "fovea_v_channel"};
+      if (std::find(std::begin(known), std::end(known), k2) != std::end(known)) continue;
+      if (k2.starts_with("fovea_"))  // written by a newer fovea for a scheme this one cannot run
+        fail("scale file '{}': layer '{}': field '{}' is not one this fovea knows (a file from a newer fovea?); "
+             "it knows fovea_q_head, fovea_k_head, fovea_v_channel", path, key, escape_for_error(k2));
+      warn(fmt::format("scale file '{}': layer '{}': ignoring unknown field '{}'", path, key, escape_for_error(k2)));
     }
+    if (auto fine = read_fine(path, key, entry)) out.fine[idx] = std::move(*fine);
     out.layers[idx] = s;
     out.names[idx] = key;
+  }
+  if (!out.fine.empty()) {  // for all layers or none, and of one shape
+    for (const auto& [i, unused] : out.layers) {
+      (void)unused;
+      if (!out.fine.count(i))
+        fail("scale file '{}': layer '{}' has no fine scales (fovea_q_head, ...) but layer '{}' has; a file has them "
+             "for every layer or for none", path, out.names[i], out.names[out.fine.begin()->first]);
+    }
+    const FineScales& first = out.fine.begin()->second;
+    for (const auto& [i, f] : out.fine)
+      if (f.q_head.size() != first.q_head.size() || f.v_channel.size() != first.v_channel.size())
+        fail("scale file '{}': layer '{}' has fine scales for {} heads and {} channels, layer '{}' for {} and {}", path,
+             out.names[i], f.q_head.size(), f.v_channel.size(), out.names[out.fine.begin()->first], first.q_head.size(),
+             first.v_channel.size());
   }
   return out;
 }
@@ -156,8 +209,10 @@ std::vector<QkvScales> scales_for_model(const ScaleFile& file, int num_layers) {
   return out;
 }
 
-void write_scale_file(const std::string& path, const std::vector<QkvScales>& scales) {
+void write_scale_file(const std::string& path, const std::vector<QkvScales>& scales, const std::vector<FineScales>* fine) {
   if (scales.empty()) fail("scale file '{}': nothing to write (zero layers)", path);
+  if (fine && fine->size() != scales.size())
+    fail("scale file '{}': {} layers of scales but {} of fine scales", path, scales.size(), fine->size());
   nlohmann::ordered_json doc = nlohmann::ordered_json::object();  // layers in order
   for (size_t i = 0; i < scales.size(); ++i) {
     const auto& s = scales[i];
@@ -168,6 +223,24 @@ void write_scale_file(const std::string& path, const std::vector<QkvScales>& sca
     // nlohmann writes the shortest decimal that reads back to the same double; float -> double is
     // exact, so the file round-trips every float bit for bit.
     doc[scale_layer_name(int(i))] = {{"q", double(s.q)}, {"k", double(s.k)}, {"v", double(s.v)}};
+    if (fine) {
+      const FineScales& f = (*fine)[i];
+      if (f.q_head.empty() || f.k_head.size() != f.q_head.size() || f.v_channel.empty() ||
+          f.v_channel.size() % f.q_head.size() != 0 || f.v_channel.size() > size_t(kMaxFineScales) ||
+          (i > 0 && (f.q_head.size() != (*fine)[0].q_head.size() || f.v_channel.size() != (*fine)[0].v_channel.size())))
+        fail("scale file '{}': refusing to write layer {}'s fine scales: {} / {} / {} values (one per head, one per head, "
+             "heads x head_dim, the same for every layer)", path, i, f.q_head.size(), f.k_head.size(), f.v_channel.size());
+      const std::vector<float>* parts[] = {&f.q_head, &f.k_head, &f.v_channel};
+      for (int p = 0; p < 3; ++p) {
+        nlohmann::ordered_json arr = nlohmann::ordered_json::array();
+        for (const float x : *parts[p]) {
+          if (!std::isfinite(x) || !(x > 0.0f))
+            fail("scale file '{}': refusing to write layer {} {} value {} (not a finite number > 0)", path, i, kFineFields[p], x);
+          arr.push_back(double(x));
+        }
+        doc[scale_layer_name(int(i))][kFineFields[p]] = std::move(arr);
+      }
+    }
   }
   write_file_atomic(path, doc.dump(2) + "\n", "scale file");
 }
