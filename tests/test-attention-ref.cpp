@@ -419,14 +419,20 @@ TEST(Fp8Fine, ExactTransformsKeepWellSpreadInputsAsAccurate) {
 }
 
 // Outlier channels (Dist::CHANNELS): per-tensor scales fail; smoothing K and per-head / per-channel
-// scales recover most of it, rotating Q and K the rest (numbers: docs/fp8.md, Outlier channels).
+// scales recover much of it (numbers: docs/fp8.md, Outlier channels). How much varies widely with
+// the draw (the outlier channels' sizes decide how peaked each head's softmax is), so the bounds are
+// set below what every fresh seed measured gave: 16 heads, 350 seeds (2026-12-02): tensor / spread
+// 2.07-48.9 (median 16), tensor / robust 1.50-40.7 (median 5.1), tensor / rotated 2.31-80.5,
+// robust / rotated 0.33-11.5 (with 4 heads and 300 seeds, tensor / robust fell to 1.30: the rotation
+// is not better on every input, so no bound says it is).
+constexpr int kOutlierHeads = 16;
 TEST(Fp8Fine, OutlierChannelsNeedTheRobustScheme) {
   const uint64_t seed = fresh_seed();
-  const Qkv spread = random_qkv({300, 100}, 4, 72, seed);
+  const Qkv spread = random_qkv({300, 100}, kOutlierHeads, 72, seed);
   const std::vector<double> spread_ref = spread.run(mode(RefMode::EXACT));
   const double fp8_spread =
       compare(spread.run(mode(RefMode::FP8, spread)).data(), spread_ref.data(), int64_t(spread_ref.size())).rel_l2;
-  const Qkv x = random_qkv({300, 100}, 4, 72, seed, Dist::CHANNELS);
+  const Qkv x = random_qkv({300, 100}, kOutlierHeads, 72, seed, Dist::CHANNELS);
   const std::vector<double> ref = x.run(mode(RefMode::EXACT));
   auto err = [&](const cpu::RefOptions& o) { return compare(x.run(o).data(), ref.data(), int64_t(ref.size())).rel_l2; };
   const double bf16 = err(mode(RefMode::BF16));
@@ -435,14 +441,10 @@ TEST(Fp8Fine, OutlierChannelsNeedTheRobustScheme) {
   const double rotated = err(fine_mode(x, {true, true, true, true}));
   std::printf("channels: bf16 %.3e fp8 tensor %.3e robust %.3e robust+rotate %.3e | spread fp8 %.3e\n", bf16, tensor,
               robust, rotated, fp8_spread);
-  // Bounds with margin over 22 fresh seeds (2026-12-01): tensor / spread 6.2-28, tensor / robust
-  // 1.9-21, robust / rotated 1.25-4.1, rotated / spread 0.59-3.1.
   EXPECT_LT(bf16, 0.01);
-  EXPECT_GT(tensor, 5 * fp8_spread);  // the failure the scheme is for
-  EXPECT_LT(robust, tensor / 1.5);
-  EXPECT_LT(rotated, robust / 1.05);
-  EXPECT_LT(rotated, tensor / 4);
-  EXPECT_LT(rotated, 4 * fp8_spread);
+  EXPECT_GT(tensor, 1.5 * fp8_spread);  // the failure the scheme is for
+  EXPECT_LT(robust, tensor / 1.2);
+  EXPECT_LT(rotated, tensor / 1.5);
 }
 
 TEST(Fp8Fine, MalformedFineScalesAreRefusedByName) {

@@ -73,6 +73,19 @@ class Cli : public ::testing::Test {
     return r;
   }
   std::string file(const std::string& name) const { return (work / name).string(); }
+  // A small RGB PNG of w x h with a fixed pattern, written as `name`; returns its path.
+  std::string png(const std::string& name, int w, int h, int mul, int mod) const {
+    std::vector<uint8_t> rgb(size_t(w) * h * 3);
+    for (size_t k = 0; k < rgb.size(); ++k) rgb[k] = uint8_t((k * size_t(mul)) % size_t(mod));
+    const std::vector<uint8_t> bytes = fovea::test::encode_png_rgb(w, h, rgb);
+    return write(name, std::string(bytes.begin(), bytes.end()));
+  }
+  // `fovea info ARGS` succeeds and prints `text`.
+  void info_prints(const std::string& args, const std::string& text) const {
+    const Result r = run("info " + args);
+    ASSERT_EQ(r.code, 0) << r.err;
+    EXPECT_HAS(r.out, text);
+  }
   std::string write(const std::string& name, const std::string& text) const {
     std::ofstream(work / name) << text;
     return file(name);
@@ -192,17 +205,9 @@ TEST_F(Cli, InfoShowsTheEngine) {
 // --fp8-linears (fovea's own flag): shown by info, and encode runs its emulation on the CPU, whose
 // tokens differ from the plain forward's (but not by much).
 TEST_F(Cli, Fp8LinearsFlag) {
-  const Result plain = run("info --device cpu");
-  ASSERT_EQ(plain.code, 0) << plain.err;
-  EXPECT_HAS(plain.out, "linears: bf16");
-  const Result info = run("info --device cpu --fp8-linears");
-  ASSERT_EQ(info.code, 0) << info.err;
-  EXPECT_HAS(info.out, "linears: fp8");
-
-  std::vector<uint8_t> rgb(size_t(64) * 48 * 3);
-  for (size_t k = 0; k < rgb.size(); ++k) rgb[k] = uint8_t((k * 11) % 253);
-  const std::vector<uint8_t> png = fovea::test::encode_png_rgb(64, 48, rgb);
-  const std::string img = write("lin.png", std::string(png.begin(), png.end()));
+  info_prints("--device cpu", "linears: bf16");
+  info_prints("--device cpu --fp8-linears", "linears: fp8");
+  const std::string img = png("lin.png", 64, 48, 11, 253);
   const Result a = run("encode synthetic:tiny --device cpu --output-dtype f32 " + q(img) + " -o " + q(file("a.safetensors")));
   ASSERT_EQ(a.code, 0) << a.err;
   const Result b = run("encode synthetic:tiny --device cpu --output-dtype f32 --fp8-linears " + q(img) + " -o " +
@@ -240,6 +245,20 @@ TEST_F(Cli, ScaleFileWithFineScales) {
   const Result bad = run("info --device cpu --mm-encoder-attn-dtype fp8 --mm-encoder-fp8-scale-path " + q(newer));
   EXPECT_NE(bad.code, 0);
   EXPECT_HAS(bad.err, "fovea_rotation");
+}
+
+// --fp8-scheme (fovea's own): info shows the scheme; encode runs the robust one on the CPU.
+TEST_F(Cli, Fp8SchemeFlag) {
+  info_prints("--device cpu --mm-encoder-attn-dtype fp8", "scheme:  tensor");
+  info_prints("--device cpu --mm-encoder-attn-dtype fp8 --fp8-scheme robust", "scheme:  robust");
+  const Result bad = run("info --device cpu --fp8-scheme robust");
+  EXPECT_NE(bad.code, 0);
+  EXPECT_HAS(bad.err, "--fp8-scheme robust needs --mm-encoder-attn-dtype fp8");
+  const std::string img = png("robust.png", 48, 64, 5, 241);
+  const Result enc = run("encode synthetic:tiny --device cpu --mm-encoder-attn-dtype fp8 --fp8-scheme robust " + q(img) +
+                         " -o " + q(file("r.safetensors")));
+  ASSERT_EQ(enc.code, 0) << enc.err;
+  EXPECT_TRUE(fs::exists(file("r.safetensors")));
 }
 
 TEST_F(Cli, InfoWithStaticScales) {

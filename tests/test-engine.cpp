@@ -130,6 +130,45 @@ TEST(ResolveEngine, Fp8ScaleModes) {
   EXPECT_FALSE(fs::exists(save));  // resolving the flags writes nothing
 }
 
+// --fp8-scheme: tensor (vLLM's per-tensor scales) unless robust is asked for; robust runs on the CPU
+// only so far, with dynamic scales or a file's fine scales.
+TEST(ResolveEngine, Fp8Scheme) {
+  TempDir dir;
+  EngineOptions o;
+  o.dtype = "fp8";
+  const EngineConfig def = resolve_engine(o, no_gpu());
+  EXPECT_FALSE(def.fp8_robust);
+  EXPECT_NE(def.scheme_note.find("auto: tensor"), std::string::npos) << def.scheme_note;
+  o.fp8_scheme = "robust";
+  EXPECT_TRUE(resolve_engine(o, no_gpu()).fp8_robust);
+  o.fp8_scheme = "tensor";
+  EXPECT_FALSE(resolve_engine(o, no_gpu()).fp8_robust);
+
+  auto err = [&](EngineOptions e, const SystemInfo& sys) { return error_of(e, sys); };
+  EngineOptions r;
+  r.dtype = "fp8";
+  r.fp8_scheme = "sometimes";
+  EXPECT_NE(err(r, no_gpu()).find("--fp8-scheme: 'sometimes'"), std::string::npos);
+  r.fp8_scheme = "robust";
+  EXPECT_NE(err(r, h200()).find("GPU attention kernels run per-tensor"), std::string::npos);
+  EngineOptions b = r;
+  b.dtype = "bf16";
+  EXPECT_NE(err(b, no_gpu()).find("needs --mm-encoder-attn-dtype fp8"), std::string::npos);
+  EngineOptions c = r;
+  c.scale_save_path = dir.file("cal.json");
+  EXPECT_NE(err(c, no_gpu()).find("does not write the fine scales"), std::string::npos);
+  EngineOptions st = r;
+  st.scale_path = dir.write("plain.json", kValidScales);
+  EXPECT_NE(err(st, no_gpu()).find("needs the file's fine scales"), std::string::npos);
+  const std::string fine = dir.write("fine.json",
+      R"({"visual.blocks.0.attn.attn": {"q": 1, "k": 1, "v": 1, "fovea_q_head": [1], "fovea_k_head": [1], "fovea_v_channel": [1, 2]},
+          "visual.blocks.1.attn.attn": {"q": 1, "k": 1, "v": 1, "fovea_q_head": [2], "fovea_k_head": [2], "fovea_v_channel": [3, 4]}})");
+  st.scale_path = fine;
+  const EngineConfig ok = resolve_engine(st, no_gpu());
+  EXPECT_TRUE(ok.fp8_robust);
+  EXPECT_EQ(ok.scale_file->fine.size(), 2u);
+}
+
 // ---- errors: every message names the option ---------------------------------------------------------
 
 TEST(ResolveEngineErrors, ScaleOptions) {

@@ -21,6 +21,7 @@ struct EngineOptions {
   double scale_save_margin = kDefaultScaleMargin;
   std::string device;  // cuda, cpu; empty: cuda when a GPU is visible, else cpu
   bool fp8_linears = false;  // --fp8-linears (fovea's own): the blocks' linears as FP8 GEMMs
+  std::string fp8_scheme = "auto";  // --fp8-scheme (fovea's own): auto, tensor, robust
 };
 
 enum class Device { CUDA, CPU };
@@ -37,6 +38,10 @@ struct EngineConfig {
   std::optional<ScaleFile> scale_file;   // static mode: the file, read and validated
   std::optional<GpuInfo> gpu;            // device CUDA: the GPU used (device 0)
   bool fp8_linears = false;              // docs/fp8.md §FP8 linears
+  // FP8 only: the scheme robust to outlier channels (docs/fp8.md §Outlier channels: K smoothing,
+  // per-head Q/K and per-channel V scales) instead of per-tensor scales; how auto was resolved.
+  bool fp8_robust = false;
+  std::string scheme_note;
 };
 
 // Why a backend cannot run dtype on this device and machine, or nullopt if it can.

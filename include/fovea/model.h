@@ -114,6 +114,12 @@ struct ForwardOptions {
   // The blocks' qkv, proj, fc1 and fc2 in FP8 (docs/fp8.md §FP8 linears): the emulation of what the
   // GPU encoder runs with EncoderOptions::fp8_linears.
   bool fp8_linears = false;
+  // FP8 attention with the scheme robust to outlier channels (docs/fp8.md §Outlier channels): K
+  // smoothed by the batch's mean, per-head Q/K and per-channel V scales. Dynamic: the batch's own
+  // (cpu::current_fine_scales); static: `fine_scales`, one per layer (a scale file's fovea_* fields),
+  // with the K mean still the batch's.
+  bool fp8_robust = false;
+  const std::vector<FineScales>* fine_scales = nullptr;
 };
 
 // x [rows, in] @ W^T + b as the FP8 linears compute it (docs/fp8.md §FP8 linears): each row of x and

@@ -159,6 +159,7 @@ class EncoderRunner {
   const qwen3vl::Model& model_;
   EngineConfig cfg_;
   std::optional<ScaleBook> book_;
+  std::vector<FineScales> fine_;  // static robust FP8: the scale file's fine scales per layer
   std::unique_ptr<Gpu> gpu_;
   std::deque<std::unique_ptr<Flight>> flights_;
   EncoderOutputsBf16 cpu_views_;  // what finish_views() points into on the CPU

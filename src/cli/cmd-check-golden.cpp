@@ -49,9 +49,9 @@ int run(const Args& a) {
   EncoderRunner runner(m, cfg);
   auto [merged, deepstack] = runner.run(batch);
   const ScaleBook* book = runner.book();
-  fmt::print("fovea check-golden | {} | {} | device {} | {} attention{}{}\n", a.model, a.golden, device_name(cfg.device),
+  fmt::print("fovea check-golden | {} | {} | device {} | {} attention{}{}{}\n", a.model, a.golden, device_name(cfg.device),
              dtype_name(cfg.dtype), book ? fmt::format(" ({} scales)", scale_mode_name(book->mode())) : "",
-             cfg.fp8_linears ? " | fp8 linears" : "");
+             cfg.fp8_robust ? ", robust scheme" : "", cfg.fp8_linears ? " | fp8 linears" : "");
   fmt::print("{:<12} | {:>14} | {:>12} | {:>18} | {:>12}\n", "output", "rel_l2 vs ref", "mean cosine",
              "transformers bf16", "ratio");
   nlohmann::ordered_json rows = nlohmann::ordered_json::array();

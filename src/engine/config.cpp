@@ -81,6 +81,22 @@ EngineConfig resolve_engine(const EngineOptions& opt, const SystemInfo& sys) {
   cfg.scale_save_margin = float(opt.scale_save_margin);
   cfg.fp8_linears = opt.fp8_linears;
   const bool fp8 = cfg.dtype == AttnDtype::FP8;
+  if (opt.fp8_scheme != "auto" && opt.fp8_scheme != "tensor" && opt.fp8_scheme != "robust")
+    fail("--fp8-scheme: '{}' is not one of auto, tensor, robust", opt.fp8_scheme);
+  if (opt.fp8_scheme == "robust") {
+    if (!fp8) fail("--fp8-scheme robust needs --mm-encoder-attn-dtype fp8 (the attention dtype is {})", dtype_name(cfg.dtype));
+    if (cfg.device == Device::CUDA)
+      fail("--fp8-scheme robust: the GPU attention kernels run per-tensor FP8 scales only so far; the robust scheme "
+           "runs on --device cpu (the emulation), or use --fp8-scheme tensor");
+    if (!opt.scale_save_path.empty())
+      fail("--fp8-scheme robust: calibration (--mm-encoder-fp8-scale-save-path) does not write the fine scales yet; "
+           "calibrate with --fp8-scheme tensor, or run the robust scheme with dynamic scales");
+    cfg.fp8_robust = true;
+  } else if (fp8 && opt.fp8_scheme == "auto") {
+    // The robust scheme's accuracy is measured in the emulation, its GPU cost not at all: per-tensor
+    // scales until it is (docs/fp8.md §Outlier channels).
+    cfg.scheme_note = "auto: tensor (the robust scheme is chosen only with --fp8-scheme robust)";
+  }
   if (!opt.scale_path.empty() && !opt.scale_save_path.empty())
     fail("--mm-encoder-fp8-scale-path and --mm-encoder-fp8-scale-save-path are exclusive: static scales are read "
          "from a file, calibration writes one");
@@ -108,10 +124,13 @@ EngineConfig resolve_engine(const EngineOptions& opt, const SystemInfo& sys) {
       } catch (const Error& e) {
         fail("--mm-encoder-fp8-scale-path: {}", e.what());
       }
-      if (!cfg.scale_file->fine.empty())
+      if (cfg.fp8_robust && cfg.scale_file->fine.empty())
+        fail("--fp8-scheme robust with static scales needs the file's fine scales (fovea_q_head, fovea_k_head, "
+             "fovea_v_channel; docs/fp8.md §Fine scales); '{}' has per-layer q/k/v only", opt.scale_path);
+      if (!cfg.fp8_robust && !cfg.scale_file->fine.empty())
         warn(fmt::format("--mm-encoder-fp8-scale-path: '{}' also has fine scales (fovea_q_head, fovea_k_head, "
-                         "fovea_v_channel) for the FP8 scheme robust to outlier channels, which no engine of this "
-                         "build runs yet; the per-layer q/k/v are used (per-tensor scales, as vLLM uses them)",
+                         "fovea_v_channel) for the FP8 scheme robust to outlier channels, unused with per-tensor "
+                         "scales (--fp8-scheme robust uses them); the per-layer q/k/v are used, as vLLM uses them",
                          opt.scale_path));
     } else if (!opt.scale_save_path.empty()) {
       cfg.scale_mode = ScaleMode::CALIBRATE;

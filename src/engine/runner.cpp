@@ -69,6 +69,9 @@ struct EncoderRunner::Flight {
 
 EncoderRunner::EncoderRunner(const qwen3vl::Model& m, const EngineConfig& cfg) : model_(m), cfg_(cfg) {
   if (cfg.dtype == AttnDtype::FP8) book_ = make_scale_book(cfg, m.config.depth);
+  if (cfg.fp8_robust && cfg.scale_file) {  // static robust: the file's fine scales, layers 0..depth-1
+    for (int l = 0; l < m.config.depth; ++l) fine_.push_back(cfg.scale_file->fine.at(l));  // every layer: checked on read
+  }
   if (cfg.device == Device::CUDA) {
 #if FOVEA_HAVE_CUDA
     gpu_ = std::make_unique<Gpu>(m, qwen3vl::cuda::EncoderOptions{cfg.dtype, book(), cfg.fp8_linears});
@@ -99,6 +102,8 @@ void EncoderRunner::start_cpu(const Batch& batch, bool with_deepstack) {
   o.attention = cfg_.dtype == AttnDtype::FP8 ? cpu::RefMode::FP8 : cpu::RefMode::BF16;
   o.scales = book();
   o.fp8_linears = cfg_.fp8_linears;
+  o.fp8_robust = cfg_.fp8_robust;
+  o.fine_scales = fine_.empty() ? nullptr : &fine_;
   f->cpu = qwen3vl::forward_cpu(model_, batch.pixels, batch.grids, o);
   f->host.forward = f->host.gpu = lap(t);
   flights_.push_back(std::move(f));

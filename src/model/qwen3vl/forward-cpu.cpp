@@ -135,6 +135,16 @@ ForwardResult forward_cpu(const Model& m, const std::vector<float>& pixels, cons
          N * c.patch_dim());
   if (opt.attention == cpu::RefMode::FP8 && (!opt.scales || opt.scales->num_layers() != c.depth))
     fail("forward: FP8 attention needs a scale book with {} layers", c.depth);
+  if (opt.fine_scales) {
+    if (!opt.fp8_robust || opt.attention != cpu::RefMode::FP8) fail("forward: fine scales are for the robust FP8 scheme");
+    if (opt.fine_scales->size() != size_t(c.depth)) fail("forward: fine scales for {} layers, the model has {}", opt.fine_scales->size(), c.depth);
+    for (size_t l = 0; l < opt.fine_scales->size(); ++l) {
+      const FineScales& f = (*opt.fine_scales)[l];
+      if (f.q_head.size() != size_t(H) || f.k_head.size() != size_t(H) || f.v_channel.size() != size_t(H) * hd)
+        fail("forward: layer {}'s fine scales are for {} heads and {} V channels; the model has {} heads of {}", l,
+             f.q_head.size(), f.v_channel.size(), H, hd);
+    }
+  }
 
   ForwardResult res;
   std::vector<float> x = linear(W.patch_embed, pixels, N, opt.threads);
@@ -162,6 +172,13 @@ ForwardResult forward_cpu(const Model& m, const std::vector<float>& pixels, cons
     ro.threads = opt.threads;
     if (ro.mode == cpu::RefMode::FP8)
       ro.fp8_scales = opt.scales->record(layer, amax(shape, view(qkv, 0)), amax(shape, view(qkv, 1)), amax(shape, view(qkv, 2)));
+    if (ro.mode == cpu::RefMode::FP8 && opt.fp8_robust) {
+      ro.fp8_fine = cpu::current_fine_scales(shape, view(qkv, 0), view(qkv, 1), view(qkv, 2), {true, true, true, false});
+      if (opt.fine_scales) {
+        const FineScales& f = opt.fine_scales->at(size_t(layer));
+        ro.fp8_fine.q_head = f.q_head, ro.fp8_fine.k_head = f.k_head, ro.fp8_fine.v_channel = f.v_channel;
+      }
+    }
     std::vector<double> attn64(size_t(N) * D);
     cpu::attention(shape, view(qkv, 0), view(qkv, 1), view(qkv, 2), ro, attn64.data());
     const std::vector<float> attn(attn64.begin(), attn64.end());
