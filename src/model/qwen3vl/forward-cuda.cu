@@ -535,6 +535,9 @@ Encoder::Encoder(const Model& model, const EncoderOptions& options) : impl_(new 
     if (layernorm_shape(width).chunks == 0)
       fail_cat("encoder: the GPU LayerNorm takes widths that are multiples of 8 up to ", 8 * kLnMaxThreads * kLnMaxChunks,
                "; this model needs ", width);
+  if (options.fp8_linears && layernorm_shape(m.cfg.intermediate).chunks == 0)
+    fail_cat("encoder: --fp8-linears quantizes rows whose width is a multiple of 8 up to ", 8 * kLnMaxThreads * kLnMaxChunks,
+             "; this model's intermediate size is ", m.cfg.intermediate);
   if (options.dtype == AttnDtype::FP8) {
     if (!options.scales || options.scales->num_layers() != m.cfg.depth)
       fail_cat("encoder: FP8 attention needs a scale book with ", m.cfg.depth, " layers");
