@@ -832,16 +832,16 @@ TEST_F(Serve, BadRequestsGetTheRight4xxAndTheServerKeepsServing) {
 // the long one passes --request-timeout and gets 504, and its images not yet run are dropped; then
 // the server serves again.
 TEST_F(Serve, FullQueueIs503AndSlowRequestIs504) {
-  // Each image alone in its forward, resized to about 65536 pixels (about 256 patches: some 80 ms
-  // each on a 2-core machine, 5 s for the 64), against a 2 s timeout; parsing the 17 MB body and
-  // decoding the 64 take about 0.4 s (more on a loaded machine: 0.5 s was too tight in CI, where
-  // ctest runs two tests at once), so the request waits in the queue for over a second. Sanitizer builds slow the work down by
-  // about as much as they lengthen the timeout (kTimeScale), so the margins hold there too.
+  // Each image alone in its forward, resized to about 65536 pixels (about 256 patches), against a
+  // 2 s timeout: the 128 must outlast it. Measured 2026-12-02 on the 2-core machine: 26 ms a forward
+  // (3.3 s for the 128; the 64 this test sent before took 1.7 s and it failed), parsing and decoding
+  // about 6 ms an image (0.8 s), so the request waits in the queue for over a second. Sanitizer
+  // builds lengthen the timeout 8x (kTimeScale) and slow the forward 6-9x (150-240 ms).
   ServerProcess server(dir_, {"--max-queue", "1", "--max-batch-tokens", "1", "--request-timeout", scaled_seconds(2),
-                              "--max-images-per-request", "64"},
+                              "--max-images-per-request", "128"},
                        {"--min-pixels", "65536", "--max-pixels", "65536"});
   ASSERT_GT(server.port(), 0);
-  constexpr int kSlowImages = 64;
+  constexpr int kSlowImages = 128;
   json slow = {{"images", json::array()}};
   for (int i = 0; i < kSlowImages; ++i) slow["images"].push_back(image_item(image(size_t(i)), 1));
   std::optional<httplib::Result> slow_reply;
@@ -876,16 +876,18 @@ TEST_F(Serve, FullQueueIs503AndSlowRequestIs504) {
 }
 
 // --max-queue-tokens: the queue's memory is bounded by the visual tokens waiting (their pixels are
-// held until the forward). An idle queue takes a request of any size (the 64-image one, 4096 tokens,
-// against a limit of 100); while it waits, a 64-token request that would pass the limit gets 503
-// naming the flag; once the queue is empty again a request is served.
+// held until the forward). An idle queue takes a request of any size (the 128-image one, 8192
+// tokens, against a limit of 100); while it waits, a 64-token request that would pass the limit gets
+// 503 naming the flag; once the queue is empty again a request is served. The big request must
+// outlast --request-timeout: 128 one-image forwards. With 64 it did not, always: under the
+// sanitizers 64 took 15.4 s against the scaled 16 s timeout (2026-12-02).
 TEST_F(Serve, QueueTokenLimitIs503) {
   ServerProcess server(dir_, {"--max-queue", "8", "--max-queue-tokens", "100", "--max-batch-tokens", "1",
-                              "--request-timeout", scaled_seconds(2), "--max-images-per-request", "64"},
+                              "--request-timeout", scaled_seconds(2), "--max-images-per-request", "128"},
                        {"--min-pixels", "65536", "--max-pixels", "65536"});
   ASSERT_GT(server.port(), 0);
   json big = {{"images", json::array()}};
-  for (int i = 0; i < 64; ++i) big["images"].push_back(image_item(image(size_t(i)), 1));
+  for (int i = 0; i < 128; ++i) big["images"].push_back(image_item(image(size_t(i)), 1));
   std::optional<httplib::Result> big_reply;
   std::thread big_client([&] { big_reply = client(server.port())->Post("/v1/encode", big.dump(), "application/json"); });
   bool queued = false;
