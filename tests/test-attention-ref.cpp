@@ -15,6 +15,7 @@
 #include "test-util.h"
 
 using namespace fovea;
+using fovea::test::fresh_seed;
 using cpu::RefMode;
 using test::error_of;
 
@@ -53,13 +54,6 @@ cpu::RefOptions mode(RefMode m, const Qkv& x = {}) {
                     amax(x.shape, x.view(2)) / kE4M3Max};
   }
   return o;
-}
-
-// Fresh inputs every run; the seed is printed so a failure can be replayed.
-uint64_t fresh_seed() {
-  const uint64_t s = std::random_device{}();
-  std::printf("[seed %llu]\n", (unsigned long long)s);
-  return s;
 }
 
 }  // namespace

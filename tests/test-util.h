@@ -3,8 +3,11 @@
 #include <errno.h>  // program_invocation_short_name (GNU)
 
 #include <algorithm>
+#include <cstdint>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <random>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -33,6 +36,13 @@ inline std::string scaled_seconds(double s) {
   std::ostringstream out;
   out << s * kTimeScale;
   return out.str();
+}
+
+// Fresh random inputs every run: a seed from std::random_device, printed so a failure can be replayed.
+inline uint64_t fresh_seed() {
+  const uint64_t s = std::random_device{}();
+  std::printf("[seed %llu]\n", (unsigned long long)s);
+  return s;
 }
 
 // A scratch folder for one test (unique per test binary and test), removed afterwards.
