@@ -57,6 +57,8 @@
 //       (the plan's 192-row rate 1.07 -> 1.17, tile-plan.h, so it takes 3 WG at S 8192 again)
 //       With the packed share, ptxas serialized the wgmma of the 2-WG FP8 hd 64 / 72 / 80
 //       instances for want of registers (warning C7511); without it, it does not.
+//   2026-12-02, ptxas only: the 3-WG FP8 kernels with PV i-1 waited for before QK i is issued (S, PV
+//   and P never in flight together) still spill 80 / 156 B at hd 72 / 80 (84 / 152 now): not kept.
 // What limits it now: FP8 hd 72 issue slots in the softmax (per KV block a thread issues 64 FMNMX,
 // 64 FFMA, 64 MUFU or their polynomial, 64 FADD, 32 F2FP and the 36-FFMA fold), not the tensor
 // cores; the 3-WG FP8 instances at hd 72 / 80 spill 84 / 152 bytes (160 registers hold S,
