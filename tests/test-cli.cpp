@@ -230,7 +230,7 @@ TEST_F(Cli, Fp8LinearsFlag) {
 TEST_F(Cli, ScaleFileWithFineScales) {
   auto layer_entry = [](int i) {
     return "\"" + layer(i) + "\": {\"q\": 1, \"k\": 1, \"v\": 1, \"fovea_q_head\": [0.5, 0.25], "
-           "\"fovea_k_head\": [2, 4], \"fovea_v_channel\": [1, 2, 3, 4]}";
+           "\"fovea_k_head\": [2, 4], \"fovea_v_channel\": [1, 2, 3, 4], \"fovea_k_mean\": [0, 1, -1, 0.5]}";
   };
   const std::string path = write("fine.json", "{" + layer_entry(0) + ", " + layer_entry(1) + "}");
   const Result r = run("scales inspect " + q(path));
@@ -357,8 +357,9 @@ TEST_F(Cli, BenchAttentionComparesFp8Schemes) {
   expect_one_line_error(run("bench attention --device cpu --seqlens 8 --heads 1 --head-dim 8 --fp8-scheme tensor,hadamard"),
                         "--fp8-scheme");
   expect_one_line_error(run("bench attention --device cpu --seqlens 8 --heads 1 --head-dim 8 --dist spiky"), "--dist");
-  expect_one_line_error(run("bench attention --device cuda --seqlens 8 --heads 1 --head-dim 72 --fp8-scheme robust"),
-                        "--fp8-scheme");
+  // The GPU runs tensor and robust only: another scheme is refused before any GPU is looked for.
+  expect_one_line_error(run("bench attention --device cuda --seqlens 8 --heads 1 --head-dim 72 --fp8-scheme robust,rotate"),
+                        "--fp8-scheme rotate");
 }
 
 TEST_F(Cli, BenchAttentionRejectsBadSeqlens) {

@@ -442,7 +442,8 @@ TEST(EncoderFp8, RobustSchemeHoldsUpUnderOutlierChannels) {
   // Static robust scales: the fine scales a file would hold, one per layer, used as given.
   std::vector<FineScales> fine(size_t(m.config.depth), FineScales{std::vector<float>(size_t(H), 1e-3f),
                                                                    std::vector<float>(size_t(H), 1e-3f),
-                                                                   std::vector<float>(size_t(H) * hd, 1e-3f)});
+                                                                   std::vector<float>(size_t(H) * hd, 1e-3f),
+                                                                   std::vector<float>(size_t(H) * hd, 0.0f)});
   ScaleBook book = ScaleBook::dynamic(m.config.depth);
   ForwardOptions o;
   o.attention = cpu::RefMode::FP8;

@@ -150,7 +150,7 @@ TEST(ResolveEngine, Fp8Scheme) {
   r.fp8_scheme = "sometimes";
   EXPECT_NE(err(r, no_gpu()).find("--fp8-scheme: 'sometimes'"), std::string::npos);
   r.fp8_scheme = "robust";
-  EXPECT_NE(err(r, h200()).find("GPU attention kernels run per-tensor"), std::string::npos);
+  EXPECT_TRUE(resolve_engine(r, h200()).fp8_robust);  // the GPU kernels run it too
   EngineOptions b = r;
   b.dtype = "bf16";
   EXPECT_NE(err(b, no_gpu()).find("needs --mm-encoder-attn-dtype fp8"), std::string::npos);
@@ -161,8 +161,8 @@ TEST(ResolveEngine, Fp8Scheme) {
   st.scale_path = dir.write("plain.json", kValidScales);
   EXPECT_NE(err(st, no_gpu()).find("needs the file's fine scales"), std::string::npos);
   const std::string fine = dir.write("fine.json",
-      R"({"visual.blocks.0.attn.attn": {"q": 1, "k": 1, "v": 1, "fovea_q_head": [1], "fovea_k_head": [1], "fovea_v_channel": [1, 2]},
-          "visual.blocks.1.attn.attn": {"q": 1, "k": 1, "v": 1, "fovea_q_head": [2], "fovea_k_head": [2], "fovea_v_channel": [3, 4]}})");
+      R"({"visual.blocks.0.attn.attn": {"q": 1, "k": 1, "v": 1, "fovea_q_head": [1], "fovea_k_head": [1], "fovea_v_channel": [1, 2], "fovea_k_mean": [0, 0]},
+          "visual.blocks.1.attn.attn": {"q": 1, "k": 1, "v": 1, "fovea_q_head": [2], "fovea_k_head": [2], "fovea_v_channel": [3, 4], "fovea_k_mean": [1, -1]}})");
   st.scale_path = fine;
   const EngineConfig ok = resolve_engine(st, no_gpu());
   EXPECT_TRUE(ok.fp8_robust);

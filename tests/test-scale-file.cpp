@@ -341,14 +341,21 @@ TEST(ReadScaleFileErrors, RepeatedKeysAreErrors) {
   EXPECT_HAS(e2, "'q' appears twice in '" + L0 + "'");
 }
 
-// ---- fovea's optional fine scales (fovea_q_head, fovea_k_head, fovea_v_channel) ----------------------
+// ---- fovea's optional fine scales (fovea_q_head, fovea_k_head, fovea_v_channel, fovea_k_mean) --------
 
 namespace {
 
-// A layer entry with q/k/v and, unless `fine` is empty, the three fine fields (JSON text each).
-std::string fine_entry(const std::string& qh, const std::string& kh, const std::string& vc) {
+// A layer entry with q/k/v and the four fine fields (JSON text each); the mean defaults to zeros as
+// long as the V channels.
+std::string fine_entry(const std::string& qh, const std::string& kh, const std::string& vc, std::string km = "") {
+  if (km.empty()) {
+    const size_t n = std::count(vc.begin(), vc.end(), ',') + 1;
+    km = "[0";
+    for (size_t i = 1; i < n; ++i) km += ", 0";
+    km += "]";
+  }
   return "{\"q\": 1, \"k\": 1, \"v\": 1, \"fovea_q_head\": " + qh + ", \"fovea_k_head\": " + kh +
-         ", \"fovea_v_channel\": " + vc + "}";
+         ", \"fovea_v_channel\": " + vc + ", \"fovea_k_mean\": " + km + "}";
 }
 
 }  // namespace
@@ -366,8 +373,13 @@ TEST(FineScales, RoundTripBitExactAndQkvStayVllmReadable) {
       fine[size_t(l)].q_head.push_back(float(std::pow(10.0, log10(rng))));
       fine[size_t(l)].k_head.push_back(float(std::pow(10.0, log10(rng))));
     }
-    for (int c = 0; c < channels; ++c) fine[size_t(l)].v_channel.push_back(float(std::pow(10.0, log10(rng))));
+    for (int c = 0; c < channels; ++c) {
+      fine[size_t(l)].v_channel.push_back(float(std::pow(10.0, log10(rng))));
+      fine[size_t(l)].k_mean.push_back(float((c % 2 ? -1 : 1) * std::pow(10.0, log10(rng))));
+    }
   }
+  fine[1].k_mean[0] = 0.0f;
+  fine[1].k_mean[1] = -FLT_MAX;
   fine[0].v_channel[0] = std::numeric_limits<float>::denorm_min();
   fine[0].v_channel[1] = FLT_MAX;
   const std::string path = dir.file("fine.json");
@@ -395,7 +407,12 @@ TEST(FineScales, BadFieldsAreErrorsNamingFileLayerAndProblem) {
     std::vector<std::string> words;
   };
   const std::vector<Case> cases = {
-      {"two-of-three", "{" + l0 + "{\"q\": 1, \"k\": 1, \"v\": 1, \"fovea_q_head\": [1], \"fovea_k_head\": [1]}}", {"all of", "2 of them"}},
+      {"two-of-four", "{" + l0 + "{\"q\": 1, \"k\": 1, \"v\": 1, \"fovea_q_head\": [1], \"fovea_k_head\": [1]}}", {"all of", "2 of them"}},
+      {"three-of-four", "{" + l0 + "{\"q\": 1, \"k\": 1, \"v\": 1, \"fovea_q_head\": [1], \"fovea_k_head\": [1], \"fovea_v_channel\": [1]}}",
+       {"fovea_k_mean", "3 of them"}},
+      {"mean-length", "{" + l0 + fine_entry("[1, 2]", "[1, 2]", "[1, 2, 3, 4]", "[0, 0]") + "}", {"fovea_k_mean 2"}},
+      {"mean-not-finite", "{" + l0 + fine_entry("[1]", "[1]", "[1, 2]", "[0, 1e39]") + "}", {"fovea_k_mean[1]", "finite float32"}},
+      {"mean-string", "{" + l0 + fine_entry("[1]", "[1]", "[1, 2]", "[0, \"x\"]") + "}", {"fovea_k_mean[1]", "not a number"}},
       {"not-array", "{" + l0 + fine_entry("1", "[1]", "[1]") + "}", {"fovea_q_head", "not a non-empty array"}},
       {"empty-array", "{" + l0 + fine_entry("[]", "[1]", "[1]") + "}", {"not a non-empty array"}},
       {"string-value", "{" + l0 + fine_entry("[1, \"2\"]", "[1, 2]", "[1, 2]") + "}", {"fovea_q_head[1]", "not a number"}},
@@ -405,7 +422,7 @@ TEST(FineScales, BadFieldsAreErrorsNamingFileLayerAndProblem) {
       {"k-heads-differ", "{" + l0 + fine_entry("[1, 2]", "[1, 2, 3]", "[1, 2, 3, 4, 5, 6]") + "}", {"one per head"}},
       {"v-not-multiple", "{" + l0 + fine_entry("[1, 2]", "[1, 2]", "[1, 2, 3]") + "}", {"heads x head_dim"}},
       {"nested-array", "{" + l0 + fine_entry("[[1], 2]", "[1, 2]", "[1, 2]") + "}", {"fovea_q_head[0]"}},
-      {"unknown-fovea-field", "{" + l0 + "{\"q\": 1, \"k\": 1, \"v\": 1, \"fovea_k_mean\": [1]}}", {"fovea_k_mean", "newer fovea"}},
+      {"unknown-fovea-field", "{" + l0 + "{\"q\": 1, \"k\": 1, \"v\": 1, \"fovea_rotation\": [1]}}", {"fovea_rotation", "newer fovea"}},
       {"only-one-layer-has-them", "{" + l0 + ok + ", " + l1 + entry("1") + "}", {"every layer or for none"}},
       {"shapes-differ-across-layers", "{" + l0 + ok + ", " + l1 + fine_entry("[1]", "[1]", "[1, 2]") + "}", {"heads and"}},
   };
@@ -428,7 +445,7 @@ TEST(FineScales, BadFieldsAreErrorsNamingFileLayerAndProblem) {
 TEST(FineScales, WriterRefusesWhatTheReaderWould) {
   TempDir dir;
   const std::vector<QkvScales> two = {{1, 1, 1}, {1, 1, 1}};
-  const FineScales good{{1, 2}, {1, 2}, {1, 2, 3, 4}};
+  const FineScales good{{1, 2}, {1, 2}, {1, 2, 3, 4}, {0, -1, 1, 0}};
   auto refused = [&](const std::vector<FineScales>& fine) {
     const std::string path = dir.file("w.json");
     const std::string msg = error_of([&] { write_scale_file(path, two, &fine); });
@@ -438,6 +455,8 @@ TEST(FineScales, WriterRefusesWhatTheReaderWould) {
   EXPECT_HAS(refused({good}), "2 layers of scales but 1");
   EXPECT_HAS(refused({good, FineScales{{1, 2}, {1}, {1, 2}}}), "refusing");
   EXPECT_HAS(refused({good, FineScales{{1}, {1}, {1, 2}}}), "the same for every layer");
-  EXPECT_HAS(refused({good, FineScales{{1, 2}, {1, 2}, {1, 0, 1, 1}}}), "fovea_v_channel");
-  EXPECT_HAS(refused({good, FineScales{{1, 2}, {1, kNaN}, {1, 1, 1, 1}}}), "fovea_k_head");
+  EXPECT_HAS(refused({good, FineScales{{1, 2}, {1, 2}, {1, 0, 1, 1}, {0, 0, 0, 0}}}), "fovea_v_channel");
+  EXPECT_HAS(refused({good, FineScales{{1, 2}, {1, kNaN}, {1, 1, 1, 1}, {0, 0, 0, 0}}}), "fovea_k_head");
+  EXPECT_HAS(refused({good, FineScales{{1, 2}, {1, 2}, {1, 1, 1, 1}, {0, 0, 0}}}), "refusing");
+  EXPECT_HAS(refused({good, FineScales{{1, 2}, {1, 2}, {1, 1, 1, 1}, {0, std::numeric_limits<float>::infinity(), 0, 0}}}), "fovea_k_mean");
 }

@@ -136,10 +136,25 @@ float amax(const VarlenShape& shape, ThdView<const float> x);
 
 namespace cuda {
 
-// Where prepare() finds one layer's FP8 scales in device memory.
+// The robust FP8 scheme's arrays of one layer in device memory (docs/fp8.md §Outlier channels; the
+// kernels' view of cpu::Fp8Fine without the rotation): K's mean and V's dequantization scales per
+// (head, channel) [H * hd], Q's and (smoothed) K's per head [H].
+struct FineArrays {
+  float* k_mean = nullptr;
+  float* q_head = nullptr;
+  float* k_head = nullptr;
+  float* v_channel = nullptr;
+};
+
+// Where prepare() finds one layer's FP8 scales in device memory: per tensor (fixed or dynamic), or
+// the robust scheme's arrays (all four set), which prepare() either reads as they are (static) or,
+// with fine_current, first fills from this batch as cpu::current_fine_scales does (one extra launch,
+// all on the device, so it replays in a graph).
 struct DeviceScales {
   const float* fixed = nullptr;  // static scales: device float[3] (q, k, v)
   LayerAmax* dynamic = nullptr;  // dynamic scaling: device LayerAmax, updated in place by prepare()
+  FineArrays fine;
+  bool fine_current = false;
 };
 
 // Fused RoPE + quantize + layout step and the Hopper flash-attention kernel for one attention shape.

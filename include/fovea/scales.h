@@ -140,11 +140,12 @@ std::string scale_layer_name(int layer);  // "visual.blocks.<layer>.attn.attn"
 
 // fovea's optional finer scales of one layer, for the FP8 scheme robust to outlier channels
 // (docs/fp8.md §Outlier channels), in the fields "fovea_q_head", "fovea_k_head" (per head, of Q and of
-// K smoothed by its mean) and "fovea_v_channel" (per channel of V, heads x head_dim). vLLM reads
+// K smoothed by its mean), "fovea_v_channel" (per channel of V, heads x head_dim) and "fovea_k_mean"
+// (the mean subtracted from K, per channel, heads x head_dim; any finite value). vLLM reads
 // the file's q/k/v and not these; a fovea that meets a "fovea_" field it does not know refuses the
 // file instead of ignoring it.
 struct FineScales {
-  std::vector<float> q_head, k_head, v_channel;
+  std::vector<float> q_head, k_head, v_channel, k_mean;
   bool operator==(const FineScales&) const = default;
 };
 

@@ -105,7 +105,7 @@ std::vector<AttnDtype> parse_dtypes(const std::string& s) {
 nlohmann::ordered_json num(double x) { return std::isfinite(x) ? nlohmann::ordered_json(x) : nlohmann::ordered_json(nullptr); }
 
 int run_bench_cuda(const Args& a, const VarlenShape& shape, const std::vector<int>& seqlens,
-                   const std::vector<AttnDtype>& dtypes, const std::vector<float>& qkv);
+                   const std::vector<AttnDtype>& dtypes, const std::vector<float>& qkv, const std::vector<Fp8Scheme>& schemes);
 
 int run_bench(const Args& a) {
   if (a.device != "cpu" && a.device != "cuda") fail("--device: '{}' is not one of cpu, cuda", a.device);
@@ -122,10 +122,10 @@ int run_bench(const Args& a) {
   const int64_t N = shape.total_tokens(), H = a.heads, hd = a.head_dim;
   const std::vector<float> qkv = random_qkv(N, int(H), int(hd), *dist, a.seed);
   if (a.device == "cuda") {
-    if (schemes.size() != 1 || std::string(schemes[0].name) != "tensor")
-      fail("--fp8-scheme {}: the FOVEA kernels use per-tensor scales only so far (--device cpu emulates the others)",
-           a.fp8_schemes);
-    return run_bench_cuda(a, shape, seqlens, dtypes, qkv);
+    for (const Fp8Scheme& f : schemes)
+      if (std::string(f.name) != "tensor" && std::string(f.name) != "robust")
+        fail("--fp8-scheme {}: the FOVEA kernels run tensor and robust (--device cpu emulates the others)", f.name);
+    return run_bench_cuda(a, shape, seqlens, dtypes, qkv, schemes);
   }
   auto view = [&](int i) { return ThdView<const float>{qkv.data() + i * H * hd, 3 * H * hd, hd}; };
   const auto q = view(0), k = view(1), v = view(2);
@@ -200,7 +200,7 @@ int run_bench(const Args& a) {
 #if FOVEA_HAVE_CUDA
 
 int run_bench_cuda(const Args& a, const VarlenShape& shape, const std::vector<int>& seqlens,
-                   const std::vector<AttnDtype>& dtypes, const std::vector<float>& qkv) {
+                   const std::vector<AttnDtype>& dtypes, const std::vector<float>& qkv, const std::vector<Fp8Scheme>& schemes) {
   const auto backend = parse_backend(a.backend);
   if (backend != AttnBackend::FOVEA)
     fail("--backend {}: the GPU attention benchmark runs FOVEA (the cuDNN backend is not built yet)", a.backend);
@@ -244,6 +244,19 @@ int run_bench_cuda(const Args& a, const VarlenShape& shape, const std::vector<in
   LayerAmax fresh;
   for (auto& t : fresh.t) amax_history_reset(t);
   FOVEA_CUDA_CHECK(cudaMemcpy(d_amax.data(), &fresh, sizeof fresh, cudaMemcpyHostToDevice));
+  // The robust scheme: static arrays from these inputs likewise (cpu::current_fine_scales), and a
+  // second set the dynamic runs fill on the device.
+  const cpu::Fp8Fine fine = cpu::current_fine_scales(shape, all(0), all(1), all(2), {true, true, true, false});
+  std::vector<cuda::DeviceBuffer<float>> d_fine;
+  for (int set = 0; set < 2; ++set)
+    for (const std::vector<float>* v : {&fine.k_mean, &fine.q_head, &fine.k_head, &fine.v_channel}) {
+      d_fine.emplace_back(v->size());
+      FOVEA_CUDA_CHECK(cudaMemcpy(d_fine.back().data(), v->data(), d_fine.back().bytes(), cudaMemcpyHostToDevice));
+    }
+  auto fine_arrays = [&](int set) {
+    return cuda::FineArrays{d_fine[size_t(4 * set)].data(), d_fine[size_t(4 * set + 1)].data(),
+                            d_fine[size_t(4 * set + 2)].data(), d_fine[size_t(4 * set + 3)].data()};
+  };
 
   const GpuInfo& gpu = sys.gpus.at(0);
   fmt::print("fovea bench attention | device cuda ({}) | backend FOVEA | seqlens {} ({} segments, {} tokens) | heads {} | "
@@ -252,13 +265,27 @@ int run_bench_cuda(const Args& a, const VarlenShape& shape, const std::vector<in
   fmt::print("{:<6} | {:>9} | {:>8} | {:>12} | {:>13} | {:>10} | {:>10} | {:>10}\n", "dtype", "attn ms", "TFLOP/s",
              "prep ms", "prep dyn ms", "total ms", "rel_l2", "max_abs");
   nlohmann::ordered_json results = nlohmann::ordered_json::array();
+  std::vector<std::pair<AttnDtype, bool>> runs;  // (dtype, robust)
   for (AttnDtype d : dtypes) {
+    if (d != AttnDtype::FP8) runs.push_back({d, false});  // BF16 has no scale scheme
+    else
+      for (const Fp8Scheme& f : schemes) runs.push_back({d, std::string(f.name) == "robust"});
+  }
+  for (const auto& [d, robust] : runs) {
     const bool fp8 = d == AttnDtype::FP8;
+    // FP8 rows name the scheme: "fp8" is per-tensor (vLLM's), "fp8-r" the robust one.
+    const std::string label = robust ? "fp8-r" : dtype_name(d);
     cuda::FlashAttention attn(d, int(H), int(hd));
     attn.plan(shape.cu_seqlens);
     cuda::DeviceScales st_scales, dyn_scales;
-    st_scales.fixed = d_fixed.data();
-    dyn_scales.dynamic = d_amax.data();
+    if (robust) {
+      st_scales.fine = fine_arrays(0);
+      dyn_scales.fine = fine_arrays(1);
+      dyn_scales.fine_current = true;
+    } else {
+      st_scales.fixed = d_fixed.data();
+      dyn_scales.dynamic = d_amax.data();
+    }
     auto prep = [&](const cuda::DeviceScales& sc) { attn.prepare(d_qkv.data(), 3 * H * hd, d_cos.data(), d_sin.data(), sc, nullptr); };
     const double prep_ms = cuda::median_ms([&] { prep(st_scales); }, a.warmup, a.reps);
     const double prep_dyn_ms = fp8 ? cuda::median_ms([&] { prep(dyn_scales); }, a.warmup, a.reps) : prep_ms;
@@ -280,9 +307,10 @@ int run_bench_cuda(const Args& a, const VarlenShape& shape, const std::vector<in
     }
     const double tflops = shape.flops() / (attn_ms * 1e-3) / 1e12;
     const std::string rel = check ? fmt::format("{:.3e}", e.rel_l2) : "-", mx = check ? fmt::format("{:.3e}", e.max_abs) : "-";
-    fmt::print("{:<6} | {:>9.4f} | {:>8.1f} | {:>12.4f} | {:>13.4f} | {:>10.4f} | {:>10} | {:>10}\n", dtype_name(d),
+    fmt::print("{:<6} | {:>9.4f} | {:>8.1f} | {:>12.4f} | {:>13.4f} | {:>10.4f} | {:>10} | {:>10}\n", label,
                attn_ms, tflops, prep_ms, prep_dyn_ms, attn_ms + prep_ms, rel, mx);
     nlohmann::ordered_json entry = {{"dtype", dtype_name(d)},     {"backend", "FOVEA"},     {"attn_ms", attn_ms},
+                                    {"fp8_scheme", fp8 ? (robust ? "robust" : "tensor") : "-"},
                                     {"tflops", tflops},           {"prepare_ms", prep_ms},  {"prepare_dynamic_ms", prep_dyn_ms},
                                     {"total_ms", attn_ms + prep_ms}};
     entry["rel_l2"] = num(check ? e.rel_l2 : NAN);  // null when not checked
@@ -334,7 +362,7 @@ void add_bench_attention(CLI::App* bench, Runner& run) {
   cmd->add_option("--threads", a->threads, "CPU threads (0: all)")->capture_default_str();
   cmd->add_option("--json", a->json_path, "write the results as JSON to this file");
   cmd->add_option("--fp8-scheme", a->fp8_schemes,
-                  "CPU: comma list of FP8 scale schemes: tensor (vLLM's), smooth-k, per-head, per-channel-v, robust (all three), "
+                  "comma list of FP8 scale schemes: tensor (vLLM's), smooth-k, per-head, per-channel-v, robust (all three; these two on the GPU too), "
                   "rotate (Q and K times an orthonormal DCT), robust+rotate")
       ->capture_default_str();
   cmd->callback([&run, a] { run = [a] { return run_bench(*a); }; });

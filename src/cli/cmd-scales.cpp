@@ -35,14 +35,15 @@ void add_scales(CLI::App& app, Runner& run) {
       fmt::print("(amax = scale x 448: the largest |x| each scale represents without saturating)\n");
       if (!f.fine.empty()) {
         const FineScales& s0 = f.fine.begin()->second;
-        fmt::print("fine scales (fovea_q_head, fovea_k_head, fovea_v_channel) in every layer: {} heads, {} V channels\n",
+        fmt::print("fine scales (fovea_q_head, fovea_k_head, fovea_v_channel, fovea_k_mean) in every layer: {} heads, {} V channels\n",
                    s0.q_head.size(), s0.v_channel.size());
         for (const auto& [i, s] : f.fine) {
           auto range = [](const std::vector<float>& v) {
             const auto [lo, hi] = std::minmax_element(v.begin(), v.end());
             return fmt::format("{:.4g}..{:.4g}", *lo, *hi);
           };
-          fmt::print("{:>5}  q_head {:<22} k_head {:<22} v_channel {}\n", i, range(s.q_head), range(s.k_head), range(s.v_channel));
+          fmt::print("{:>5}  q_head {:<22} k_head {:<22} v_channel {:<22} k_mean {}\n", i, range(s.q_head), range(s.k_head),
+                     range(s.v_channel), range(s.k_mean));
         }
       }
       return 0;

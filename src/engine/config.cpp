@@ -85,9 +85,6 @@ EngineConfig resolve_engine(const EngineOptions& opt, const SystemInfo& sys) {
     fail("--fp8-scheme: '{}' is not one of auto, tensor, robust", opt.fp8_scheme);
   if (opt.fp8_scheme == "robust") {
     if (!fp8) fail("--fp8-scheme robust needs --mm-encoder-attn-dtype fp8 (the attention dtype is {})", dtype_name(cfg.dtype));
-    if (cfg.device == Device::CUDA)
-      fail("--fp8-scheme robust: the GPU attention kernels run per-tensor FP8 scales only so far; the robust scheme "
-           "runs on --device cpu (the emulation), or use --fp8-scheme tensor");
     if (!opt.scale_save_path.empty())
       fail("--fp8-scheme robust: calibration (--mm-encoder-fp8-scale-save-path) does not write the fine scales yet; "
            "calibrate with --fp8-scheme tensor, or run the robust scheme with dynamic scales");
@@ -126,10 +123,10 @@ EngineConfig resolve_engine(const EngineOptions& opt, const SystemInfo& sys) {
       }
       if (cfg.fp8_robust && cfg.scale_file->fine.empty())
         fail("--fp8-scheme robust with static scales needs the file's fine scales (fovea_q_head, fovea_k_head, "
-             "fovea_v_channel; docs/fp8.md §Fine scales); '{}' has per-layer q/k/v only", opt.scale_path);
+             "fovea_v_channel, fovea_k_mean; docs/fp8.md §Fine scales); '{}' has per-layer q/k/v only", opt.scale_path);
       if (!cfg.fp8_robust && !cfg.scale_file->fine.empty())
         warn(fmt::format("--mm-encoder-fp8-scale-path: '{}' also has fine scales (fovea_q_head, fovea_k_head, "
-                         "fovea_v_channel) for the FP8 scheme robust to outlier channels, unused with per-tensor "
+                         "fovea_v_channel, fovea_k_mean) for the FP8 scheme robust to outlier channels, unused with per-tensor "
                          "scales (--fp8-scheme robust uses them); the per-layer q/k/v are used, as vLLM uses them",
                          opt.scale_path));
     } else if (!opt.scale_save_path.empty()) {

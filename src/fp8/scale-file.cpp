@@ -73,33 +73,47 @@ float scale_value(const std::string& path, const std::string& layer, const std::
   return f;
 }
 
-constexpr const char* kFineFields[] = {"fovea_q_head", "fovea_k_head", "fovea_v_channel"};
+constexpr const char* kFineFields[] = {"fovea_q_head", "fovea_k_head", "fovea_v_channel", "fovea_k_mean"};
 
-// The layer's fine scales, if it has any: all three fields or none; q_head and k_head of one length
-// (the heads), v_channel a multiple of it (heads x head_dim).
+// K's mean as the file gives it: a JSON number that is a finite float32 (of any sign).
+float mean_value(const std::string& path, const std::string& layer, const std::string& what, const json& v) {
+  if (!v.is_number())
+    fail("scale file '{}': layer '{}': '{}' is {}, not a number", path, layer, what, describe(v));
+  const double d = v.get<double>();
+  const float f = float(d);
+  if (!std::isfinite(d) || !std::isfinite(f))
+    fail("scale file '{}': layer '{}': '{}' = {} is not a finite float32", path, layer, what, v.dump());
+  return f;
+}
+
+// The layer's fine scales, if it has any: all four fields or none; q_head and k_head of one length
+// (the heads), v_channel a multiple of it (heads x head_dim) and k_mean as long as v_channel.
 std::optional<FineScales> read_fine(const std::string& path, const std::string& layer, const json& entry) {
   int present = 0;
   for (const char* f : kFineFields) present += entry.contains(f);
   if (present == 0) return std::nullopt;
-  if (present != 3)
-    fail("scale file '{}': layer '{}': the fine scales come as all of fovea_q_head, fovea_k_head and "
-         "fovea_v_channel or none; {} of them are given", path, layer, present);
+  if (present != 4)
+    fail("scale file '{}': layer '{}': the fine scales come as all of fovea_q_head, fovea_k_head, fovea_v_channel "
+         "and fovea_k_mean or none; {} of them are given", path, layer, present);
   FineScales out;
-  std::vector<float>* into[] = {&out.q_head, &out.k_head, &out.v_channel};
-  for (int i = 0; i < 3; ++i) {
+  std::vector<float>* into[] = {&out.q_head, &out.k_head, &out.v_channel, &out.k_mean};
+  for (int i = 0; i < 4; ++i) {
     const json& a = entry.at(kFineFields[i]);
     if (!a.is_array() || a.empty())
-      fail("scale file '{}': layer '{}': '{}' is {}, not a non-empty array of scales", path, layer, kFineFields[i], describe(a));
+      fail("scale file '{}': layer '{}': '{}' is {}, not a non-empty array of numbers", path, layer, kFineFields[i], describe(a));
     if (a.size() > size_t(kMaxFineScales))
       fail("scale file '{}': layer '{}': '{}' has {} values, more than the limit of {}", path, layer, kFineFields[i],
            a.size(), kMaxFineScales);
-    for (size_t j = 0; j < a.size(); ++j)
-      into[i]->push_back(scale_value(path, layer, fmt::format("{}[{}]", kFineFields[i], j), a[j]));
+    for (size_t j = 0; j < a.size(); ++j) {
+      const std::string what = fmt::format("{}[{}]", kFineFields[i], j);
+      into[i]->push_back(i == 3 ? mean_value(path, layer, what, a[j]) : scale_value(path, layer, what, a[j]));
+    }
   }
-  if (out.k_head.size() != out.q_head.size() || out.v_channel.size() % out.q_head.size() != 0)
-    fail("scale file '{}': layer '{}': fovea_q_head has {} values, fovea_k_head {} and fovea_v_channel {}; "
-         "expected one per head, one per head and heads x head_dim", path, layer, out.q_head.size(), out.k_head.size(),
-         out.v_channel.size());
+  if (out.k_head.size() != out.q_head.size() || out.v_channel.size() % out.q_head.size() != 0 ||
+      out.k_mean.size() != out.v_channel.size())
+    fail("scale file '{}': layer '{}': fovea_q_head has {} values, fovea_k_head {}, fovea_v_channel {} and fovea_k_mean "
+         "{}; expected one per head, one per head, heads x head_dim and heads x head_dim", path, layer, out.q_head.size(),
+         out.k_head.size(), out.v_channel.size(), out.k_mean.size());
   return out;
 }
 
@@ -158,11 +172,11 @@ ScaleFile parse_scale_file(std::string_view text, const std::string& path) {
     for (const auto& [k2, unused] : entry.items()) {
       (void)unused;
       static const char* known[] = {"q", "k", "v", "q_scale", "k_scale", "v_scale",
-                                    "fovea_q_head", "fovea_k_head", "fovea_v_channel"};
+                                    "fovea_q_head", "fovea_k_head", "fovea_v_channel", "fovea_k_mean"};
       if (std::find(std::begin(known), std::end(known), k2) != std::end(known)) continue;
       if (k2.starts_with("fovea_"))  // written by a newer fovea for a scheme this one cannot run
         fail("scale file '{}': layer '{}': field '{}' is not one this fovea knows (a file from a newer fovea?); "
-             "it knows fovea_q_head, fovea_k_head, fovea_v_channel", path, key, escape_for_error(k2));
+             "it knows fovea_q_head, fovea_k_head, fovea_v_channel, fovea_k_mean", path, key, escape_for_error(k2));
       warn(fmt::format("scale file '{}': layer '{}': ignoring unknown field '{}'", path, key, escape_for_error(k2)));
     }
     if (auto fine = read_fine(path, key, entry)) out.fine[idx] = std::move(*fine);
@@ -227,15 +241,18 @@ void write_scale_file(const std::string& path, const std::vector<QkvScales>& sca
       const FineScales& f = (*fine)[i];
       if (f.q_head.empty() || f.k_head.size() != f.q_head.size() || f.v_channel.empty() ||
           f.v_channel.size() % f.q_head.size() != 0 || f.v_channel.size() > size_t(kMaxFineScales) ||
+          f.k_mean.size() != f.v_channel.size() ||
           (i > 0 && (f.q_head.size() != (*fine)[0].q_head.size() || f.v_channel.size() != (*fine)[0].v_channel.size())))
-        fail("scale file '{}': refusing to write layer {}'s fine scales: {} / {} / {} values (one per head, one per head, "
-             "heads x head_dim, the same for every layer)", path, i, f.q_head.size(), f.k_head.size(), f.v_channel.size());
-      const std::vector<float>* parts[] = {&f.q_head, &f.k_head, &f.v_channel};
-      for (int p = 0; p < 3; ++p) {
+        fail("scale file '{}': refusing to write layer {}'s fine scales: {} / {} / {} / {} values (one per head, one per "
+             "head, heads x head_dim twice, the same for every layer)", path, i, f.q_head.size(), f.k_head.size(),
+             f.v_channel.size(), f.k_mean.size());
+      const std::vector<float>* parts[] = {&f.q_head, &f.k_head, &f.v_channel, &f.k_mean};
+      for (int p = 0; p < 4; ++p) {
         nlohmann::ordered_json arr = nlohmann::ordered_json::array();
         for (const float x : *parts[p]) {
-          if (!std::isfinite(x) || !(x > 0.0f))
-            fail("scale file '{}': refusing to write layer {} {} value {} (not a finite number > 0)", path, i, kFineFields[p], x);
+          if (!std::isfinite(x) || (p < 3 && !(x > 0.0f)))
+            fail("scale file '{}': refusing to write layer {} {} value {} ({})", path, i, kFineFields[p], x,
+                 p < 3 ? "not a finite number > 0" : "not finite");
           arr.push_back(double(x));
         }
         doc[scale_layer_name(int(i))][kFineFields[p]] = std::move(arr);

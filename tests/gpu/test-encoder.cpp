@@ -352,3 +352,60 @@ TEST(EncoderGpu, Fp8LinearsHaveTheirEmulationsErrorEndToEnd) {
   EXPECT_LT(e_bf.rel_l2, 0.5 * e_gpu.rel_l2);
   EXPECT_GT(e_gpu.mean_cosine, 0.997);
 }
+
+// The robust FP8 scheme end to end on the GPU (docs/fp8.md §Outlier channels): the two-block 8B
+// model with outlier channels put into every block's qkv (per head, one Q and one K channel offset
+// by 30 on the slowest RoPE frequency, channel hd/2 - 1, so the offset survives rotation; one V
+// channel scaled by 30), as test-encoder-cpu does with the tiny model. Per-tensor FP8 loses much
+// more than BF16 here; the robust scheme, with each layer's arrays computed on the device, recovers
+// it and follows its CPU emulation.
+TEST(EncoderGpu, RobustFp8HoldsUpUnderOutlierChannels) {
+  Model m = two_block_8b();
+  const int H = m.config.heads, hd = m.config.head_dim(), D = m.config.hidden;
+  for (Block& b : m.weights.blocks)
+    for (int h = 0; h < H; ++h) {
+      const int qk = h * hd + hd / 2 - 1, v = 2 * D + h * hd + 5;
+      b.qkv.b[size_t(qk)] += 30.f;      // Q
+      b.qkv.b[size_t(D + qk)] += 30.f;  // K
+      for (int i = 0; i < b.qkv.in; ++i) b.qkv.w[size_t(v) * b.qkv.in + i] *= 30.f;
+      b.qkv.b[size_t(v)] *= 30.f;
+    }
+  int64_t n = 0;
+  for (auto& g : kGrids) n += int64_t(g[0]) * g[1] * g[2];
+  const std::vector<float> px = random_pixels(n);
+  const ForwardResult exact = forward_cpu(m, px, kGrids);
+  ScaleBook cpu_book = ScaleBook::dynamic(m.config.depth);
+  ForwardOptions fo;
+  fo.attention = cpu::RefMode::FP8;
+  fo.scales = &cpu_book;
+  fo.fp8_robust = true;
+  const ForwardResult emu = forward_cpu(m, px, kGrids, fo);
+  const int O = m.config.out_hidden;
+  auto run = [&](AttnDtype dt, bool robust) {
+    ScaleBook book = ScaleBook::dynamic(m.config.depth);
+    qwen3vl::cuda::EncoderOptions o;
+    o.dtype = dt;
+    o.scales = dt == AttnDtype::FP8 ? &book : nullptr;
+    o.fp8_robust = robust;
+    qwen3vl::cuda::Encoder enc(m, o);
+    enc.plan(kGrids);
+    enc.upload_pixels(px, nullptr);
+    enc.forward(nullptr);
+    FOVEA_CUDA_CHECK(cudaDeviceSynchronize());
+    auto out = enc.merged(nullptr);
+    for (float x : out) EXPECT_TRUE(std::isfinite(x));
+    return out;
+  };
+  const auto e_bf = embedding_error(run(AttnDtype::BF16, false), exact.merged, O);
+  const auto e_tensor = embedding_error(run(AttnDtype::FP8, false), exact.merged, O);
+  const auto robust = run(AttnDtype::FP8, true);
+  const auto e_robust = embedding_error(robust, exact.merged, O), e_emu = embedding_error(emu.merged, exact.merged, O);
+  const auto vs_emu = embedding_error(robust, emu.merged, O);
+  std::printf("outlier channels, merged rel_l2 vs fp32: gpu bf16 %.3e, fp8 tensor %.3e, fp8 robust %.3e (cos %.6f); "
+              "robust emulation %.3e; gpu robust vs emulation %.3e\n",
+              e_bf.rel_l2, e_tensor.rel_l2, e_robust.rel_l2, e_robust.mean_cosine, e_emu.rel_l2, vs_emu.rel_l2);
+  EXPECT_LT(e_robust.rel_l2, e_tensor.rel_l2 / 2);
+  EXPECT_LT(e_robust.rel_l2, 1.5 * e_bf.rel_l2);
+  EXPECT_LT(e_robust.rel_l2, 1.5 * e_emu.rel_l2 + 1e-2);  // the GPU adds bf16 activations to the emulation's error
+  EXPECT_LT(vs_emu.rel_l2, e_tensor.rel_l2);
+}

@@ -73,10 +73,13 @@ struct FlashAttention::Impl {
   DeviceBuffer<int2> d_tiles;
   DeviceBuffer<uint8_t> buf;  // q, k and v^t, one allocation
   DeviceBuffer<unsigned int> d_scratch;  // amax scratch [3] + CTA counter
+  DeviceBuffer<uint8_t> d_fine_scratch;  // FP8: FineScratch's arrays (robust scheme, current scaling)
+  FineScratch fine_scratch;
   StagingSlot staging[2];                // the plan uploads' pinned sources, alternately
   int next_staging = 0;
   FlashMaps maps{};
   const float* scale_ptr[3] = {nullptr, nullptr, nullptr};
+  bool fine = false;  // the last prepare() used the robust scheme's arrays
   bool planned = false, prepared = false;
 
   void* q() const { return buf.data(); }
@@ -101,6 +104,19 @@ FlashAttention::FlashAttention(AttnDtype dtype, int heads, int head_dim) : impl_
   FOVEA_CUDA_CHECK(cudaDeviceGetAttribute(&impl_->sms, cudaDevAttrMultiProcessorCount, dev));
   impl_->d_scratch.reset(4);
   FOVEA_CUDA_CHECK(cudaMemset(impl_->d_scratch.data(), 0, impl_->d_scratch.bytes()));
+  if (impl_->fp8) {  // allocated here, not in prepare(), which a CUDA graph may capture
+    const size_t cells = size_t(heads) * size_t(head_dim);
+    Impl& m = *impl_;
+    m.d_fine_scratch.reset(cells * (8 + 3 * 4) + size_t(heads) * 4 + 4);
+    uint8_t* b = m.d_fine_scratch.data();
+    m.fine_scratch.k_sum = reinterpret_cast<double*>(b);
+    m.fine_scratch.k_max = reinterpret_cast<unsigned int*>(b + cells * 8);
+    m.fine_scratch.k_neg_max = m.fine_scratch.k_max + cells;
+    m.fine_scratch.v_amax = m.fine_scratch.k_neg_max + cells;
+    m.fine_scratch.q_amax = m.fine_scratch.v_amax + cells;
+    m.fine_scratch.done = m.fine_scratch.q_amax + heads;
+    FOVEA_CUDA_CHECK(cudaMemset(b, 0, m.d_fine_scratch.bytes()));
+  }
 }
 
 FlashAttention::~FlashAttention() = default;
@@ -167,8 +183,13 @@ void FlashAttention::prepare(const void* qkv, int64_t qkv_token_stride, const fl
     fail_cat("FOVEA attention: qkv token stride ", qkv_token_stride, " must be >= 3*H*hd = ", 3 * m.shape.heads * m.shape.head_dim, " and a multiple of 8 (16-byte rows)");
   if (reinterpret_cast<uintptr_t>(qkv) % 16 != 0) fail_cat("FOVEA attention: qkv must be 16-byte aligned");
   if (bool(rope_cos) != bool(rope_sin)) fail_cat("FOVEA attention: give both RoPE tables or neither");
-  if (m.fp8 && !scales.fixed && !scales.dynamic)
-    fail_cat("FOVEA attention: FP8 needs scales (static or dynamic)");
+  const FineArrays& fine = scales.fine;
+  const bool robust = fine.q_head || fine.k_head || fine.k_mean || fine.v_channel;
+  if (robust && !(fine.q_head && fine.k_head && fine.k_mean && fine.v_channel))
+    fail_cat("FOVEA attention: the robust FP8 scheme needs all four arrays (k_mean, q_head, k_head, v_channel)");
+  if (robust && !m.fp8) fail_cat("FOVEA attention: fine FP8 scales given to a bf16 attention");
+  if (m.fp8 && !robust && !scales.fixed && !scales.dynamic)
+    fail_cat("FOVEA attention: FP8 needs scales (static, dynamic or the robust scheme's arrays)");
   PrepareArgs a;
   a.qkv = static_cast<const __nv_bfloat16*>(qkv);
   a.qkv_token_stride = qkv_token_stride;
@@ -187,8 +208,18 @@ void FlashAttention::prepare(const void* qkv, int64_t qkv_token_stride, const fl
   a.dynamic = scales.dynamic;
   a.amax_scratch = m.d_scratch.data();
   a.amax_done = m.d_scratch.data() + 3;
-  launch_prepare(a, m.fp8, m.shape.head_dim, stream);
-  if (m.fp8) {
+  FineLaunch fl;
+  if (robust) {
+    a.fixed = nullptr, a.dynamic = nullptr;
+    fl.arrays = fine;
+    fl.current = scales.fine_current;
+    fl.scratch = m.fine_scratch;
+  }
+  launch_prepare(a, m.fp8, m.shape.head_dim, stream, robust ? &fl : nullptr);
+  m.fine = robust;
+  if (robust) {
+    m.scale_ptr[0] = fine.q_head, m.scale_ptr[1] = fine.k_head, m.scale_ptr[2] = fine.v_channel;
+  } else if (m.fp8) {
     for (int i = 0; i < 3; ++i) m.scale_ptr[i] = scales.dynamic ? &scales.dynamic->t[i].scale : scales.fixed + i;
   }
   m.prepared = true;
@@ -207,6 +238,7 @@ void FlashAttention::attend(void* out, cudaStream_t stream) {
   p.q_scale = m.scale_ptr[0];
   p.k_scale = m.scale_ptr[1];
   p.v_scale = m.scale_ptr[2];
+  p.fine = m.fine;
   p.softmax_scale_log2 = float(M_LOG2E / std::sqrt(double(m.shape.head_dim)));
   launch_flash(p, m.maps, m.num_tiles, m.fp8, m.shape.head_dim, m.consumers, stream);
 }

@@ -209,7 +209,8 @@ __global__ void __launch_bounds__(FlashCfg<kFp8, kHeadDim, kConsumerWgs>::kThrea
 #pragma unroll
   for (int i = 0; i < kHeadDim / 2; ++i) o[i] = 0.f;
   float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
-  const float qk_scale = kFp8 ? p.softmax_scale_log2 * (*p.q_scale) * (*p.k_scale) : p.softmax_scale_log2;
+  const int scale_head = p.fine ? head : 0;  // the robust scheme's Q and K scales are per head
+  const float qk_scale = kFp8 ? p.softmax_scale_log2 * p.q_scale[scale_head] * p.k_scale[scale_head] : p.softmax_scale_log2;
   constexpr float kPShift = kFp8 ? 8.f : 0.f;  // FP8: P = 2^8 * exp2(s - m), E4M3's top binade
 
   // Software pipeline inside the warpgroup (FlashAttention-3's intra-warpgroup overlap): while the
@@ -393,7 +394,9 @@ __global__ void __launch_bounds__(FlashCfg<kFp8, kHeadDim, kConsumerWgs>::kThrea
 
   // Epilogue: normalize, convert, store rows that belong to the segment. The tile's coordinates are
   // read again (the barriers above order memory), so none of them holds a register through the loop.
-  const float v_scale = kFp8 ? *p.v_scale : 1.f;
+  // V's descale: one per tensor, or (robust scheme) one per output column of this head.
+  const float* v_scale = kFp8 ? p.v_scale + (p.fine ? blockIdx.y * kHeadDim : 0) : nullptr;
+  const int v_step = p.fine ? 1 : 0;
   const int2 tile_e = p.tiles[blockIdx.x];
   const int seg_begin_e = p.cu_seqlens[tile_e.x], seg_len_e = p.cu_seqlens[tile_e.x + 1] - seg_begin_e;
 #pragma unroll
@@ -401,13 +404,16 @@ __global__ void __launch_bounds__(FlashCfg<kFp8, kHeadDim, kConsumerWgs>::kThrea
     float sum = row_sum[r];
     sum += __shfl_xor_sync(0xffffffffu, sum, 1);
     sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-    const float inv = v_scale / sum;
     const int row = tile_e.y * C::kBlockM + cw * 64 + warp * 16 + g + 8 * r;
     if (row < seg_len_e) {
       __nv_bfloat16* dst = p.out + (int64_t(seg_begin_e + row) * p.heads + blockIdx.y) * kHeadDim;
 #pragma unroll
-      for (int j = 0; j < kHeadDim / 8; ++j)
-        *reinterpret_cast<uint32_t*>(dst + 8 * j + 2 * t) = ptx::pack_bf16x2(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
+      for (int j = 0; j < kHeadDim / 8; ++j) {
+        const int col = 8 * j + 2 * t;
+        const float inv0 = kFp8 ? v_scale[col * v_step] / sum : 1.f / sum;  // as the emulation: o * (s_c / l)
+        const float inv1 = kFp8 ? v_scale[(col + 1) * v_step] / sum : inv0;
+        *reinterpret_cast<uint32_t*>(dst + col) = ptx::pack_bf16x2(o[4 * j + 2 * r] * inv0, o[4 * j + 2 * r + 1] * inv1);
+      }
     }
   }
 }

@@ -33,43 +33,6 @@ __device__ __forceinline__ int padded_row_token(const PrepareArgs& a, int row) {
   return off < len ? a.cu_seqlens[lo] + off : -1;
 }
 
-// One head-row of q, k or v in fp32, with RoPE applied when `rope` (q and k).
-template <int kHeadDim>
-__device__ __forceinline__ void load_row(const PrepareArgs& a, int token, int head, int which, bool rope,
-                                         float (&x)[kHeadDim]) {
-  const __nv_bfloat16* src = a.qkv + int64_t(token) * a.qkv_token_stride + (int64_t(which) * a.heads + head) * kHeadDim;
-#pragma unroll
-  for (int i = 0; i < kHeadDim / 8; ++i) {
-    const uint4 v = reinterpret_cast<const uint4*>(src)[i];
-    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const float2 f = __bfloat1622float2(h[j]);
-      x[8 * i + 2 * j] = f.x;
-      x[8 * i + 2 * j + 1] = f.y;
-    }
-  }
-  if (rope && a.rope_cos) {
-    constexpr int kHalf = kHeadDim / 2;
-    const float4* c4 = reinterpret_cast<const float4*>(a.rope_cos + int64_t(token) * kHalf);
-    const float4* s4 = reinterpret_cast<const float4*>(a.rope_sin + int64_t(token) * kHalf);
-#pragma unroll
-    for (int i = 0; i < kHalf / 4; ++i) {
-      const float4 cv = c4[i], sv = s4[i];
-      const float c[4] = {cv.x, cv.y, cv.z, cv.w}, s[4] = {sv.x, sv.y, sv.z, sv.w};
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        // Unfused multiply and add, rounded like the CPU reference's (and transformers' fp32) RoPE,
-        // so the amax and every quantized value agree bit for bit with the host.
-        const int d = 4 * i + j;
-        const float x1 = x[d], x2 = x[d + kHalf];
-        x[d] = __fsub_rn(__fmul_rn(x1, c[j]), __fmul_rn(x2, s[j]));
-        x[d + kHalf] = __fadd_rn(__fmul_rn(x2, c[j]), __fmul_rn(x1, s[j]));
-      }
-    }
-  }
-}
-
 // x8 = sat(rne(x / s)) for four values, packed (the hardware conversion, bit-identical to
 // fovea::e4m3_from_float: tests/gpu/test-fp8-device.cu).
 __device__ __forceinline__ uint32_t quantize4(float a, float b, float c, float d, float s) {
@@ -99,12 +62,51 @@ __device__ __forceinline__ float2 unpack_bf16x2(uint32_t w) {
   return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w));
 }
 
+// Visits one head-row of q, k or v as fp32, four columns of each half at a time, straight from the
+// packed bf16 row (the row never lives as kHeadDim floats; the amax kernel at hd 128 took 255
+// registers and spilled when it did): f(g, x1, x2) gets columns 4g..4g+3 in x1 and
+// kHalf+4g..kHalf+4g+3 in x2, RoPE'd when `rope` and the tables exist. A padding row (token < 0)
+// is zeros.
+template <int kHeadDim, class F>
+__device__ __forceinline__ void for_row_groups(const PrepareArgs& a, int token, int head, int which, bool rope, F&& f) {
+  constexpr int kHalf = kHeadDim / 2;
+  uint32_t in[kHeadDim / 2];
+  load_packed<kHeadDim>(a, token, head, which, in);
+  rope = rope && token >= 0 && a.rope_cos;
+#pragma unroll
+  for (int g = 0; g < kHalf / 4; ++g) {
+    float x1[4], x2[4];
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const float2 p = unpack_bf16x2(in[2 * g + j]), q = unpack_bf16x2(in[kHalf / 2 + 2 * g + j]);
+      x1[2 * j] = p.x, x1[2 * j + 1] = p.y, x2[2 * j] = q.x, x2[2 * j + 1] = q.y;
+    }
+    if (rope) {
+      const float4 cv = reinterpret_cast<const float4*>(a.rope_cos + int64_t(token) * kHalf)[g];
+      const float4 sv = reinterpret_cast<const float4*>(a.rope_sin + int64_t(token) * kHalf)[g];
+      const float c[4] = {cv.x, cv.y, cv.z, cv.w}, sn[4] = {sv.x, sv.y, sv.z, sv.w};
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        // Unfused multiply and add, rounded like the CPU reference's (and transformers' fp32) RoPE,
+        // so the amax and every quantized value agree bit for bit with the host.
+        const float y1 = __fsub_rn(__fmul_rn(x1[j], c[j]), __fmul_rn(x2[j], sn[j]));
+        const float y2 = __fadd_rn(__fmul_rn(x2[j], c[j]), __fmul_rn(x1[j], sn[j]));
+        x1[j] = y1, x2[j] = y2;
+      }
+    }
+    f(g, x1, x2);
+  }
+}
+
 // Q or K of one head-row into its padded output row: RoPE'd and rounded four columns of each half at
 // a time, straight from the packed bf16 row, so the row never lives as kHeadDim floats (the FP8
 // hd 72 instance went from 133 registers, 3 CTAs an SM, to fewer; the arithmetic is load_row's).
-template <bool kFp8, int kHeadDim, int kHdPad>
+// kShift (the robust scheme's K): minus `shift`, K's mean per channel, after RoPE (padding rows stay
+// zero). This is for_row_groups' arithmetic written out: through the visitor, the FP8 hd 72 instance
+// took 95 registers instead of 109 and ran 0.152 against 0.104 ms at 3 x 3520.
+template <bool kFp8, int kHeadDim, int kHdPad, bool kShift = false>
 __device__ __forceinline__ void rope_row_out(const PrepareArgs& a, int token, int head, int which, float scale,
-                                             void* dst) {
+                                             const float* shift, void* dst) {
   constexpr int kHalf = kHeadDim / 2;
   constexpr int kOutWords = kHdPad * (kFp8 ? 1 : 2) / 4;
   uint32_t in[kHeadDim / 2], out[kOutWords];
@@ -130,6 +132,10 @@ __device__ __forceinline__ void rope_row_out(const PrepareArgs& a, int token, in
         const float y2 = __fadd_rn(__fmul_rn(x2[j], c[j]), __fmul_rn(x1[j], sn[j]));
         x1[j] = y1, x2[j] = y2;
       }
+    }
+    if (kShift && token >= 0) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) x1[j] = __fsub_rn(x1[j], shift[4 * g + j]), x2[j] = __fsub_rn(x2[j], shift[kHalf + 4 * g + j]);
     }
     if constexpr (kFp8) {
       out[g] = quantize4(x1[0], x1[1], x1[2], x1[3], scale);
@@ -158,12 +164,11 @@ __global__ void __launch_bounds__(kThreads) qkv_amax_kernel(PrepareArgs a) {
                                   // and inf / NaN bits sort above every finite value
   for (int64_t t = int64_t(blockIdx.x) * kThreads + threadIdx.x; t < n; t += int64_t(gridDim.x) * kThreads) {
 #pragma unroll
-    for (int w = 0; w < 3; ++w) {
-      float x[kHeadDim];
-      load_row<kHeadDim>(a, int(t), head, w, w < 2, x);
+    for (int w = 0; w < 3; ++w)
+      for_row_groups<kHeadDim>(a, int(t), head, w, w < 2, [&](int, const float (&x1)[4], const float (&x2)[4]) {
 #pragma unroll
-      for (int d = 0; d < kHeadDim; ++d) m[w] = max(m[w], __float_as_uint(fabsf(x[d])));
-    }
+        for (int j = 0; j < 4; ++j) m[w] = max(m[w], max(__float_as_uint(fabsf(x1[j])), __float_as_uint(fabsf(x2[j]))));
+      });
   }
 #pragma unroll
   for (int w = 0; w < 3; ++w) {
@@ -190,6 +195,121 @@ __global__ void __launch_bounds__(kThreads) qkv_amax_kernel(PrepareArgs a) {
   }
 }
 
+// ---- fine statistics (robust scheme, current scaling) ----------------------------------------------
+
+// Signed floats as unsigned ints in the same order, so atomicMax finds the largest (0 is below all).
+__device__ __forceinline__ unsigned int ordered_bits(float x) {
+  const unsigned int b = __float_as_uint(x);
+  return (b & 0x80000000u) ? ~b : b | 0x80000000u;
+}
+__device__ __forceinline__ float from_ordered_bits(unsigned int u) {
+  return __uint_as_float((u & 0x80000000u) ? u & 0x7FFFFFFFu : ~u);
+}
+
+constexpr int kStatThreads = 256;
+
+// This batch's robust-scheme arrays, as cpu::current_fine_scales computes them: K's mean over every
+// token of the batch per (head, channel), then per head amax / 448 of Q and of K - mean, and per
+// channel amax / 448 of V, each floored at kMinScale. A thread holds one column pair (d, d + hd/2)
+// of one token row at a time (RoPE pairs those), so its per-channel state is a few registers; the
+// CTA reduces in shared memory, then into fine_scratch with atomics (K's sum in double: its order
+// then leaves the float mean as the host's), and the last CTA writes the arrays and clears the scratch.
+// The amax of K - mean is exact from K's extremes: x -> fl(x - mean) is monotonic.
+template <int kHeadDim>
+__global__ void __launch_bounds__(kStatThreads) fine_stats_kernel(PrepareArgs a, FineArrays out, FineScratch f) {
+  constexpr int kHalf = kHeadDim / 2, kRows = kStatThreads / kHalf;
+  __shared__ double s_sum[kRows][kHeadDim];
+  __shared__ float s_max[kRows][kHeadDim], s_min[kRows][kHeadDim], s_v[kRows][kHeadDim];
+  __shared__ unsigned int s_q;
+  __shared__ bool last;
+  const int head = blockIdx.y, r = threadIdx.x / kHalf, c = threadIdx.x % kHalf;
+  if (threadIdx.x == 0) s_q = 0;
+  __syncthreads();
+  if (r < kRows) {
+    float q_amax = 0.f, k_max[2] = {-INFINITY, -INFINITY}, k_min[2] = {INFINITY, INFINITY}, v_amax[2] = {0.f, 0.f};
+    double k_sum[2] = {0.0, 0.0};
+    for (int64_t t = int64_t(blockIdx.x) * kRows + r; t < a.total_tokens; t += int64_t(gridDim.x) * kRows) {
+      const __nv_bfloat16* row = a.qkv + t * a.qkv_token_stride + int64_t(head) * kHeadDim;
+      const int64_t which = int64_t(a.heads) * kHeadDim;
+      float x[3][2];
+#pragma unroll
+      for (int w = 0; w < 3; ++w) x[w][0] = __bfloat162float(row[w * which + c]), x[w][1] = __bfloat162float(row[w * which + c + kHalf]);
+      if (a.rope_cos) {
+        const float cs = a.rope_cos[t * kHalf + c], sn = a.rope_sin[t * kHalf + c];
+#pragma unroll
+        for (int w = 0; w < 2; ++w) {  // as for_row_groups: unfused, rounded like the CPU reference
+          const float y1 = __fsub_rn(__fmul_rn(x[w][0], cs), __fmul_rn(x[w][1], sn));
+          const float y2 = __fadd_rn(__fmul_rn(x[w][1], cs), __fmul_rn(x[w][0], sn));
+          x[w][0] = y1, x[w][1] = y2;
+        }
+      }
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        q_amax = fmaxf(q_amax, fabsf(x[0][e]));
+        k_sum[e] += double(x[1][e]);
+        k_max[e] = fmaxf(k_max[e], x[1][e]);
+        k_min[e] = fminf(k_min[e], x[1][e]);
+        v_amax[e] = fmaxf(v_amax[e], fabsf(x[2][e]));
+      }
+    }
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      s_sum[r][c + e * kHalf] = k_sum[e];
+      s_max[r][c + e * kHalf] = k_max[e];
+      s_min[r][c + e * kHalf] = k_min[e];
+      s_v[r][c + e * kHalf] = v_amax[e];
+    }
+    atomicMax(&s_q, __float_as_uint(q_amax));
+  }
+  __syncthreads();
+  for (int d = threadIdx.x; d < kHeadDim; d += kStatThreads) {
+    double sum = 0.0;
+    float mx = -INFINITY, mn = INFINITY, va = 0.f;
+    for (int i = 0; i < kRows; ++i) sum += s_sum[i][d], mx = fmaxf(mx, s_max[i][d]), mn = fminf(mn, s_min[i][d]), va = fmaxf(va, s_v[i][d]);
+    const int cell = head * kHeadDim + d;
+    atomicAdd(&f.k_sum[cell], sum);
+    atomicMax(&f.k_max[cell], ordered_bits(mx));
+    atomicMax(&f.k_neg_max[cell], ordered_bits(-mn));
+    atomicMax(&f.v_amax[cell], __float_as_uint(va));
+  }
+  if (threadIdx.x == 0) atomicMax(&f.q_amax[head], s_q);
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(f.done, 1u) == gridDim.x * gridDim.y - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  const auto to_scale = [](float amax) { return fmaxf(amax / kE4M3Max, kMinScale); };
+  const double n = double(a.total_tokens);
+  // A warp a head, its lanes over the channels (H x hd cells in all; a thread a head was bound by
+  // the latency of its hd dependent loads: 0.09 against 0.05 ms for the whole step at S 1024).
+  const int lane = threadIdx.x % 32;
+  for (int h = threadIdx.x / 32; h < a.heads; h += kStatThreads / 32) {
+    float dev = 0.f;
+    for (int d = lane; d < kHeadDim; d += 32) {
+      const int cell = h * kHeadDim + d;
+      const float mean = float(__ldcg(&f.k_sum[cell]) / n);
+      const float hi = from_ordered_bits(__ldcg(&f.k_max[cell])), lo = -from_ordered_bits(__ldcg(&f.k_neg_max[cell]));
+      dev = fmaxf(dev, fmaxf(__fsub_rn(hi, mean), __fsub_rn(mean, lo)));
+      out.k_mean[cell] = mean;
+      out.v_channel[cell] = to_scale(__uint_as_float(__ldcg(&f.v_amax[cell])));
+      f.k_sum[cell] = 0.0, f.k_max[cell] = f.k_neg_max[cell] = f.v_amax[cell] = 0u;
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o /= 2) dev = fmaxf(dev, __shfl_xor_sync(0xffffffffu, dev, o));
+    if (lane == 0) {
+      out.k_head[h] = to_scale(dev);
+      out.q_head[h] = to_scale(__uint_as_float(__ldcg(&f.q_amax[h])));
+      f.q_amax[h] = 0u;
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    *f.done = 0u;
+    __threadfence();
+  }
+}
+
 // ---- quantize / round into the kernel layouts -----------------------------------------------------
 
 // One row a thread, straight from and to global memory. Measured (3 x 4K, FP8 hd 72, ncu): 680 us,
@@ -198,8 +318,11 @@ __global__ void __launch_bounds__(kThreads) qkv_amax_kernel(PrepareArgs a) {
 // wavefronts excess. Tried and rejected (2026-12-02, same measurement): Q, K and V staged tile by
 // tile in shared memory with 16-byte loads and stores on consecutive addresses and V^T transposed
 // there, 721 us (3 x 3520: 0.127 against 0.107 ms): coalescing is not what holds it back.
-template <bool kFp8, int kHeadDim>
-__global__ void __launch_bounds__(kThreads) prepare_kernel(PrepareArgs a) {
+// kFine: the robust scheme (FP8 only), its own instance so the per-tensor one keeps one divisor per
+// tensor (a per-channel V divisor costs the hoisted reciprocal of every division: measured, the
+// shared FP8 instance took 0.152 against 0.104 ms at 3 x 3520, hd 72).
+template <bool kFp8, int kHeadDim, bool kFine = false>
+__global__ void __launch_bounds__(kThreads) prepare_kernel(PrepareArgs a, FineArrays fa) {
   using Elem = std::conditional_t<kFp8, uint8_t, __nv_bfloat16>;
   constexpr int kHdPad = layout::head_dim_pad(kHeadDim, kFp8);
   __shared__ __align__(16) Elem sv[kThreads][kHeadDim];
@@ -209,17 +332,31 @@ __global__ void __launch_bounds__(kThreads) prepare_kernel(PrepareArgs a) {
   const int head = blockIdx.x;
   const int row = blockIdx.y * kThreads + threadIdx.x;  // padded row
   const int token = padded_row_token(a, row);
-  float scale[3] = {1.f, 1.f, 1.f};  // FP8 dequantization scales of q, k, v
+  float scale[3] = {1.f, 1.f, 1.f};  // FP8 dequantization scales of q, k, v (v: unless per channel)
+  // Robust scheme: the head's K mean and V scales, staged once per CTA.
+  __shared__ float s_mean[kFine ? kHeadDim : 1], s_vscale[kFine ? kHeadDim : 1];
+  constexpr bool fine = kFine;
   if constexpr (kFp8) {
-    for (int w = 0; w < 3; ++w) scale[w] = a.dynamic ? a.dynamic->t[w].scale : a.fixed[w];
+    if constexpr (fine) {
+      scale[0] = fa.q_head[head];
+      scale[1] = fa.k_head[head];
+      for (int d = threadIdx.x; d < kHeadDim; d += kThreads) {
+        s_mean[d] = fa.k_mean[head * kHeadDim + d];
+        s_vscale[d] = fa.v_channel[head * kHeadDim + d];
+      }
+      __syncthreads();
+    } else {
+      for (int w = 0; w < 3; ++w) scale[w] = a.dynamic ? a.dynamic->t[w].scale : a.fixed[w];
+    }
   }
 
-  // Q and K: one row each, RoPE'd, padded to kHdPad with zeros.
+  // Q and K: one row each, RoPE'd (K minus its mean in the robust scheme), padded to kHdPad with zeros.
 #pragma unroll
   for (int w = 0; w < 2; ++w) {
     Elem* dst = (w == 0 ? static_cast<Elem*>(a.q) : static_cast<Elem*>(a.k)) +
                 (int64_t(head) * a.n_pad + row) * kHdPad;
-    rope_row_out<kFp8, kHeadDim, kHdPad>(a, token, head, w, scale[w], dst);
+    if (w == 1 && fine) rope_row_out<kFp8, kHeadDim, kHdPad, true>(a, token, head, w, scale[w], s_mean, dst);
+    else rope_row_out<kFp8, kHeadDim, kHdPad>(a, token, head, w, scale[w], nullptr, dst);
   }
 
   // V: into shared memory, then out transposed, 128 keys per V^T row.
@@ -230,8 +367,8 @@ __global__ void __launch_bounds__(kThreads) prepare_kernel(PrepareArgs a) {
     for (int i = 0; i < kHeadDim / 2; ++i) {
       const float2 f = unpack_bf16x2(in[i]);
       if constexpr (kFp8) {
-        sv[threadIdx.x][2 * i] = uint8_t(quantize4(f.x, 0.f, 0.f, 0.f, scale[2]));
-        sv[threadIdx.x][2 * i + 1] = uint8_t(quantize4(f.y, 0.f, 0.f, 0.f, scale[2]));
+        sv[threadIdx.x][2 * i] = uint8_t(quantize4(f.x, 0.f, 0.f, 0.f, fine ? s_vscale[2 * i] : scale[2]));
+        sv[threadIdx.x][2 * i + 1] = uint8_t(quantize4(f.y, 0.f, 0.f, 0.f, fine ? s_vscale[2 * i + 1] : scale[2]));
       } else {
         sv[threadIdx.x][2 * i] = __float2bfloat16_rn(f.x);
         sv[threadIdx.x][2 * i + 1] = __float2bfloat16_rn(f.y);
@@ -260,23 +397,29 @@ __global__ void __launch_bounds__(kThreads) prepare_kernel(PrepareArgs a) {
 }
 
 template <int kHeadDim>
-void launch_for_head_dim(const PrepareArgs& a, bool fp8, cudaStream_t stream) {
-  if (fp8 && a.dynamic) {
+void launch_for_head_dim(const PrepareArgs& a, bool fp8, cudaStream_t stream, const FineLaunch* fine) {
+  if (fp8 && fine && fine->current) {
+    const int rows = kStatThreads / (kHeadDim / 2);
+    const int blocks_x = int(std::min<int64_t>((a.total_tokens + rows - 1) / rows, 2048 / std::max(1, a.heads) + 1));
+    fine_stats_kernel<kHeadDim><<<dim3(blocks_x, a.heads), kStatThreads, 0, stream>>>(a, fine->arrays, fine->scratch);
+    FOVEA_CUDA_CHECK(cudaGetLastError());
+  } else if (fp8 && a.dynamic) {
     const int blocks_x = int(std::min<int64_t>((a.total_tokens + kThreads - 1) / kThreads, 1024 / std::max(1, a.heads) + 1));
     qkv_amax_kernel<kHeadDim><<<dim3(blocks_x, a.heads), kThreads, 0, stream>>>(a);
     FOVEA_CUDA_CHECK(cudaGetLastError());
   }
   if (a.n_pad / kThreads > 65535) fail_cat("attention: ", a.n_pad, " padded tokens in one batch; the prepare step takes up to ", 65535 * kThreads);
   const dim3 grid(unsigned(a.heads), unsigned(a.n_pad / kThreads));
-  if (fp8) prepare_kernel<true, kHeadDim><<<grid, kThreads, 0, stream>>>(a);
-  else prepare_kernel<false, kHeadDim><<<grid, kThreads, 0, stream>>>(a);
+  if (fp8 && fine) prepare_kernel<true, kHeadDim, true><<<grid, kThreads, 0, stream>>>(a, fine->arrays);
+  else if (fp8) prepare_kernel<true, kHeadDim><<<grid, kThreads, 0, stream>>>(a, {});
+  else prepare_kernel<false, kHeadDim><<<grid, kThreads, 0, stream>>>(a, {});
   FOVEA_CUDA_CHECK(cudaGetLastError());
 }
 
 }  // namespace
 
-void launch_prepare(const PrepareArgs& a, bool fp8, int head_dim, cudaStream_t stream) {
-  dispatch_head_dim(head_dim, [&](auto hd) { launch_for_head_dim<decltype(hd)::value>(a, fp8, stream); });
+void launch_prepare(const PrepareArgs& a, bool fp8, int head_dim, cudaStream_t stream, const FineLaunch* fine) {
+  dispatch_head_dim(head_dim, [&](auto hd) { launch_for_head_dim<decltype(hd)::value>(a, fp8, stream, fine); });
 }
 
 }  // namespace fovea::cuda

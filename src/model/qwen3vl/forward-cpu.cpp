@@ -140,9 +140,10 @@ ForwardResult forward_cpu(const Model& m, const std::vector<float>& pixels, cons
     if (opt.fine_scales->size() != size_t(c.depth)) fail("forward: fine scales for {} layers, the model has {}", opt.fine_scales->size(), c.depth);
     for (size_t l = 0; l < opt.fine_scales->size(); ++l) {
       const FineScales& f = (*opt.fine_scales)[l];
-      if (f.q_head.size() != size_t(H) || f.k_head.size() != size_t(H) || f.v_channel.size() != size_t(H) * hd)
-        fail("forward: layer {}'s fine scales are for {} heads and {} V channels; the model has {} heads of {}", l,
-             f.q_head.size(), f.v_channel.size(), H, hd);
+      if (f.q_head.size() != size_t(H) || f.k_head.size() != size_t(H) || f.v_channel.size() != size_t(H) * hd ||
+          f.k_mean.size() != size_t(H) * hd)
+        fail("forward: layer {}'s fine scales are for {} heads and {} V channels ({} K means); the model has {} heads of {}",
+             l, f.q_head.size(), f.v_channel.size(), f.k_mean.size(), H, hd);
     }
   }
 
@@ -173,10 +174,12 @@ ForwardResult forward_cpu(const Model& m, const std::vector<float>& pixels, cons
     if (ro.mode == cpu::RefMode::FP8)
       ro.fp8_scales = opt.scales->record(layer, amax(shape, view(qkv, 0)), amax(shape, view(qkv, 1)), amax(shape, view(qkv, 2)));
     if (ro.mode == cpu::RefMode::FP8 && opt.fp8_robust) {
-      ro.fp8_fine = cpu::current_fine_scales(shape, view(qkv, 0), view(qkv, 1), view(qkv, 2), {true, true, true, false});
-      if (opt.fine_scales) {
+      if (opt.fine_scales) {  // static: the file's arrays, K's calibrated mean included
         const FineScales& f = opt.fine_scales->at(size_t(layer));
-        ro.fp8_fine.q_head = f.q_head, ro.fp8_fine.k_head = f.k_head, ro.fp8_fine.v_channel = f.v_channel;
+        ro.fp8_fine.k_mean = f.k_mean, ro.fp8_fine.q_head = f.q_head, ro.fp8_fine.k_head = f.k_head;
+        ro.fp8_fine.v_channel = f.v_channel;
+      } else {  // dynamic: this batch's own
+        ro.fp8_fine = cpu::current_fine_scales(shape, view(qkv, 0), view(qkv, 1), view(qkv, 2), {true, true, true, false});
       }
     }
     std::vector<double> attn64(size_t(N) * D);

@@ -458,6 +458,9 @@ struct Encoder::Impl {
   std::unique_ptr<fovea::cuda::FlashAttention> attn;
   LayerAmax* amax = nullptr;    // FP8 dynamic / calibrate: [depth] rings on the device
   float* fixed = nullptr;       // FP8 static: [depth][3]
+  // FP8 robust scheme: [depth] layers' arrays (static), or one set every layer refills (dynamic).
+  std::vector<fovea::cuda::FineArrays> fine;
+  bool fine_current = false;
   // Per plan():
   std::vector<GridThw> grids;
   int64_t n = 0;
@@ -541,7 +544,41 @@ Encoder::Encoder(const Model& model, const EncoderOptions& options) : impl_(new 
   if (options.dtype == AttnDtype::FP8) {
     if (!options.scales || options.scales->num_layers() != m.cfg.depth)
       fail_cat("encoder: FP8 attention needs a scale book with ", m.cfg.depth, " layers");
-    if (options.scales->mode() == ScaleMode::STATIC) {
+    if (options.fp8_robust) {
+      const int H = m.cfg.heads, hd = m.cfg.head_dim();
+      const size_t cells = size_t(H) * size_t(hd);
+      auto arrays = [&](const FineScales* f) {  // uploads f, or allocates for the stats kernel to fill
+        fovea::cuda::FineArrays a;
+        auto put = [&](const std::vector<float>* v, size_t n) {
+          if (v) return upload_f32(*v, m.owned);
+          return alloc_in<float>(m.owned, n);
+        };
+        a.k_mean = put(f ? &f->k_mean : nullptr, cells);
+        a.q_head = put(f ? &f->q_head : nullptr, size_t(H));
+        a.k_head = put(f ? &f->k_head : nullptr, size_t(H));
+        a.v_channel = put(f ? &f->v_channel : nullptr, cells);
+        return a;
+      };
+      switch (options.scales->mode()) {
+        case ScaleMode::STATIC:
+          if (!options.fine_scales || options.fine_scales->size() != size_t(m.cfg.depth))
+            fail_cat("encoder: the robust FP8 scheme with static scales needs fine scales for all ", m.cfg.depth, " layers");
+          for (const FineScales& f : *options.fine_scales) {
+            if (f.q_head.size() != size_t(H) || f.k_head.size() != size_t(H) || f.v_channel.size() != cells ||
+                f.k_mean.size() != cells)
+              fail_cat("encoder: fine scales for ", f.q_head.size(), " heads and ", f.v_channel.size(),
+                       " V channels; the model has ", H, " heads of ", hd);
+            m.fine.push_back(arrays(&f));
+          }
+          break;
+        case ScaleMode::DYNAMIC:
+          m.fine.push_back(arrays(nullptr));
+          m.fine_current = true;
+          break;
+        case ScaleMode::CALIBRATE:
+          fail_cat("encoder: the robust FP8 scheme does not calibrate yet; calibrate with per-tensor scales");
+      }
+    } else if (options.scales->mode() == ScaleMode::STATIC) {
       std::vector<float> f;
       for (int l = 0; l < m.cfg.depth; ++l)
         for (int t = 0; t < 3; ++t) f.push_back(options.scales->scales(l)[t]);
@@ -760,8 +797,13 @@ void Encoder::forward(cudaStream_t s) {
     else m.layernorm(m.x, m.ln, b.norm1, n, s);
     linear(f8 ? nullptr : m.ln, b.qkv, m.qkv, nullptr, false);
     fovea::cuda::DeviceScales sc;
-    if (m.amax) sc.dynamic = m.amax + l;
-    if (m.fixed) sc.fixed = m.fixed + 3 * l;
+    if (!m.fine.empty()) {
+      sc.fine = m.fine[m.fine_current ? 0 : size_t(l)];
+      sc.fine_current = m.fine_current;
+    } else {
+      if (m.amax) sc.dynamic = m.amax + l;
+      if (m.fixed) sc.fixed = m.fixed + 3 * l;
+    }
     m.attn->prepare(m.qkv, 3 * int64_t(D), m.cos, m.sin, sc, s);
     m.attn->attend(m.att, s);
     linear(m.att, b.proj, m.x, m.x, false);  // + residual, in place
