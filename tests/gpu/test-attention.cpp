@@ -405,9 +405,9 @@ TEST(FlashAttentionGpuRobustStatic, UsesTheGivenArrays) {
     for (float& x : *v) x *= 1.5f;
   const Problem p({4096, 77, 1}, 2, 72, seed, 1.0f, Dist::CHANNELS, false);
   cpu::Fp8Fine used;
-  const Checked c = run_robust(p, &f, &used);
-  expect_within_rule(c, "robust static hd72");
-  EXPECT_LT(c.gpu.rel_l2, 0.5) << "the calibrated arrays fit this batch";
+  // How well another batch's arrays fit varies with the draw (rel. L2 against fp64 0.21 and 0.61 in
+  // two runs), so the check is on following the emulation with exactly these arrays.
+  expect_within_rule(run_robust(p, &f, &used), "robust static hd72");
   EXPECT_EQ(used.k_mean, f.k_mean);
   EXPECT_EQ(used.v_channel, f.v_channel);
 }

@@ -98,41 +98,17 @@ __device__ __forceinline__ void for_row_groups(const PrepareArgs& a, int token, 
   }
 }
 
-// Q or K of one head-row into its padded output row: RoPE'd and rounded four columns of each half at
-// a time, straight from the packed bf16 row, so the row never lives as kHeadDim floats (the FP8
-// hd 72 instance went from 133 registers, 3 CTAs an SM, to fewer; the arithmetic is load_row's).
-// kShift (the robust scheme's K): minus `shift`, K's mean per channel, after RoPE (padding rows stay
-// zero). This is for_row_groups' arithmetic written out: through the visitor, the FP8 hd 72 instance
-// took 95 registers instead of 109 and ran 0.152 against 0.104 ms at 3 x 3520.
+// Q or K of one head-row into its padded output row: RoPE'd, minus `shift` when kShift (the robust
+// scheme's K: its mean per channel; padding rows stay zero) and rounded.
 template <bool kFp8, int kHeadDim, int kHdPad, bool kShift = false>
 __device__ __forceinline__ void rope_row_out(const PrepareArgs& a, int token, int head, int which, float scale,
                                              const float* shift, void* dst) {
   constexpr int kHalf = kHeadDim / 2;
   constexpr int kOutWords = kHdPad * (kFp8 ? 1 : 2) / 4;
-  uint32_t in[kHeadDim / 2], out[kOutWords];
-  load_packed<kHeadDim>(a, token, head, which, in);
+  uint32_t out[kOutWords];
 #pragma unroll
   for (int i = 0; i < kOutWords; ++i) out[i] = 0;
-  const bool rope = token >= 0 && a.rope_cos;
-#pragma unroll
-  for (int g = 0; g < kHalf / 4; ++g) {
-    float x1[4], x2[4];
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      const float2 p = unpack_bf16x2(in[2 * g + j]), q = unpack_bf16x2(in[kHalf / 2 + 2 * g + j]);
-      x1[2 * j] = p.x, x1[2 * j + 1] = p.y, x2[2 * j] = q.x, x2[2 * j + 1] = q.y;
-    }
-    if (rope) {
-      const float4 cv = reinterpret_cast<const float4*>(a.rope_cos + int64_t(token) * kHalf)[g];
-      const float4 sv = reinterpret_cast<const float4*>(a.rope_sin + int64_t(token) * kHalf)[g];
-      const float c[4] = {cv.x, cv.y, cv.z, cv.w}, sn[4] = {sv.x, sv.y, sv.z, sv.w};
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {  // as load_row: unfused, rounded like the CPU reference
-        const float y1 = __fsub_rn(__fmul_rn(x1[j], c[j]), __fmul_rn(x2[j], sn[j]));
-        const float y2 = __fadd_rn(__fmul_rn(x2[j], c[j]), __fmul_rn(x1[j], sn[j]));
-        x1[j] = y1, x2[j] = y2;
-      }
-    }
+  for_row_groups<kHeadDim>(a, token, head, which, true, [&](int g, float (&x1)[4], float (&x2)[4]) {
     if (kShift && token >= 0) {
 #pragma unroll
       for (int j = 0; j < 4; ++j) x1[j] = __fsub_rn(x1[j], shift[4 * g + j]), x2[j] = __fsub_rn(x2[j], shift[kHalf + 4 * g + j]);
@@ -144,7 +120,7 @@ __device__ __forceinline__ void rope_row_out(const PrepareArgs& a, int token, in
       out[2 * g] = ptx::pack_bf16x2(x1[0], x1[1]), out[2 * g + 1] = ptx::pack_bf16x2(x1[2], x1[3]);
       out[kHalf / 2 + 2 * g] = ptx::pack_bf16x2(x2[0], x2[1]), out[kHalf / 2 + 2 * g + 1] = ptx::pack_bf16x2(x2[2], x2[3]);
     }
-  }
+  });
   uint4* o = static_cast<uint4*>(dst);
 #pragma unroll
   for (int i = 0; i < kOutWords / 4; ++i) o[i] = make_uint4(out[4 * i], out[4 * i + 1], out[4 * i + 2], out[4 * i + 3]);
