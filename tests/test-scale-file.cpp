@@ -453,8 +453,8 @@ TEST(FineScales, WriterRefusesWhatTheReaderWould) {
     return msg;
   };
   EXPECT_HAS(refused({good}), "2 layers of scales but 1");
-  EXPECT_HAS(refused({good, FineScales{{1, 2}, {1}, {1, 2}}}), "refusing");
-  EXPECT_HAS(refused({good, FineScales{{1}, {1}, {1, 2}}}), "the same for every layer");
+  EXPECT_HAS(refused({good, FineScales{{1, 2}, {1}, {1, 2}, {0, 0}}}), "refusing");
+  EXPECT_HAS(refused({good, FineScales{{1}, {1}, {1, 2}, {0, 0}}}), "the same for every layer");
   EXPECT_HAS(refused({good, FineScales{{1, 2}, {1, 2}, {1, 0, 1, 1}, {0, 0, 0, 0}}}), "fovea_v_channel");
   EXPECT_HAS(refused({good, FineScales{{1, 2}, {1, kNaN}, {1, 1, 1, 1}, {0, 0, 0, 0}}}), "fovea_k_head");
   EXPECT_HAS(refused({good, FineScales{{1, 2}, {1, 2}, {1, 1, 1, 1}, {0, 0, 0}}}), "refusing");

@@ -332,7 +332,7 @@ int run_bench_cuda(const Args& a, const VarlenShape& shape, const std::vector<in
 #else
 
 int run_bench_cuda(const Args&, const VarlenShape&, const std::vector<int>&, const std::vector<AttnDtype>&,
-                   const std::vector<float>&) {
+                   const std::vector<float>&, const std::vector<Fp8Scheme>&) {
   fail("--device cuda: this fovea was built without CUDA");
 }
 
