@@ -376,6 +376,28 @@ TEST(Fp8Fine, CurrentScalesAreTheMeansAndAmaxesTheyName) {
             std::string::npos);
 }
 
+// A fresh history's first forward is current scaling: record_fine of cpu::fine_batch gives exactly
+// cpu::current_fine_scales' arrays; a non-finite value clears `finite`, wherever it is.
+TEST(Fp8Fine, AFreshHistoryFirstForwardIsCurrentScaling) {
+  const Qkv x = random_qkv({40, 24, 3}, 3, 8, fresh_seed(), Dist::CHANNELS);
+  const cpu::Fp8Fine cur = cpu::current_fine_scales(x.shape, x.view(0), x.view(1), x.view(2), {true, true, true, false});
+  const FineBatch b = cpu::fine_batch(x.shape, x.view(0), x.view(1), x.view(2));
+  EXPECT_TRUE(b.finite);
+  EXPECT_EQ(b.tokens, 67);
+  ScaleBook book = ScaleBook::dynamic(1);
+  book.enable_fine(3, 8);
+  const FineScales f = book.record_fine(0, b);
+  EXPECT_EQ(f.k_mean, cur.k_mean);
+  EXPECT_EQ(f.q_head, cur.q_head);
+  EXPECT_EQ(f.k_head, cur.k_head);
+  EXPECT_EQ(f.v_channel, cur.v_channel);
+  for (int w = 0; w < 3; ++w) {
+    Qkv y = x;
+    y.at(w, 66, 2, 7) = w == 1 ? std::numeric_limits<float>::infinity() : std::numeric_limits<float>::quiet_NaN();
+    EXPECT_FALSE(cpu::fine_batch(y.shape, y.view(0), y.view(1), y.view(2)).finite) << "tensor " << w;
+  }
+}
+
 TEST(Fp8Fine, TheDctIsOrthonormal) {
   for (int n : {8, 64, 72, 80, 128}) {
     const std::vector<float> m = cpu::dct_matrix(n);

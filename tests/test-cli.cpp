@@ -259,6 +259,19 @@ TEST_F(Cli, Fp8SchemeFlag) {
                          " -o " + q(file("r.safetensors")));
   ASSERT_EQ(enc.code, 0) << enc.err;
   EXPECT_TRUE(fs::exists(file("r.safetensors")));
+  // Calibration with the robust scheme writes the fine scales; static robust FP8 then runs from them.
+  const std::string base = "bench mm-processor --model synthetic:tiny --dataset-name random-mm --random-mm-size 64x96 "
+                           "--device cpu --mm-encoder-attn-dtype fp8 --fp8-scheme robust ";
+  const std::string cal = file("robust.json");
+  const Result c = run(base + "--num-warmups 6 --num-prompts 10 --mm-encoder-fp8-scale-save-path " + q(cal));
+  ASSERT_EQ(c.code, 0) << c.err;
+  const fovea::ScaleFile f = fovea::read_scale_file(cal);
+  ASSERT_EQ(f.fine.size(), 3u);
+  EXPECT_EQ(f.fine.at(0).q_head.size(), 4u);  // synthetic:tiny: 4 heads of 16
+  EXPECT_EQ(f.fine.at(2).k_mean.size(), 64u);
+  const Result st = run(base + "--num-warmups 0 --num-prompts 2 --mm-encoder-fp8-scale-path " + q(cal));
+  EXPECT_EQ(st.code, 0) << st.err;
+  EXPECT_HAS(st.out, "static");
 }
 
 TEST_F(Cli, InfoWithStaticScales) {

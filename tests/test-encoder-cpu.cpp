@@ -405,7 +405,7 @@ TEST(EncoderFp8, Fp8LinearsRunEndToEndCloseToTheFp32Forward) {
 // channels put into every block's qkv (per head, one Q and K channel offset by 30, on the slowest
 // RoPE frequency so the offset survives rotation nearly unchanged, and one V channel scaled by 30):
 // per-tensor FP8 loses much more than on the plain model, the robust scheme recovers most of it.
-TEST(EncoderFp8, RobustSchemeHoldsUpUnderOutlierChannels) {
+Model outlier_model() {
   Model m = load_model(kTiny);
   const int H = m.config.heads, hd = m.config.head_dim(), D = m.config.hidden;
   for (Block& b : m.weights.blocks)
@@ -416,6 +416,12 @@ TEST(EncoderFp8, RobustSchemeHoldsUpUnderOutlierChannels) {
       for (int i = 0; i < b.qkv.in; ++i) b.qkv.w[size_t(v) * b.qkv.in + i] *= 30.f;
       b.qkv.b[size_t(v)] *= 30.f;
     }
+  return m;
+}
+
+TEST(EncoderFp8, RobustSchemeHoldsUpUnderOutlierChannels) {
+  const Model m = outlier_model();
+  const int H = m.config.heads, hd = m.config.head_dim();
   const Golden g = load_golden();
   const auto exact = forward_cpu(m, g.pixels, g.grids);
   auto fp8 = [&](bool robust) {
@@ -454,4 +460,46 @@ TEST(EncoderFp8, RobustSchemeHoldsUpUnderOutlierChannels) {
   EXPECT_GT(tiny_scales, 2 * robust) << "scales of 1e-3 saturate E4M3 at 0.448: the given scales are used";
   fine.pop_back();
   EXPECT_NE(error_of([&] { forward_cpu(m, g.pixels, g.grids, o); }).find("fine scales for"), std::string::npos);
+}
+
+// Calibrating the robust scheme: 16 forwards write a file with the fine scales for every layer,
+// which then runs the robust scheme statically about as well as dynamic scaling does (another
+// image than the calibration's: the golden's pixels flipped).
+TEST(EncoderFp8, RobustCalibrationWritesFineScalesThatServeStatically) {
+  const Model m = outlier_model();
+  const Golden g = load_golden();
+  TempDir dir;
+  const std::string path = dir.file("robust.json");
+  ScaleBook cal = ScaleBook::calibrating(m.config.depth, path, kDefaultScaleMargin);
+  ForwardOptions o;
+  o.attention = cpu::RefMode::FP8;
+  o.scales = &cal;
+  o.fp8_robust = true;
+  for (int f = 0; f < 16; ++f) {
+    EXPECT_FALSE(std::filesystem::exists(path)) << "before forward " << f + 1;
+    forward_cpu(m, g.pixels, g.grids, o);
+  }
+  ASSERT_TRUE(cal.calibration_written());
+  const ScaleFile file = read_scale_file(path);
+  ASSERT_EQ(file.fine.size(), size_t(m.config.depth));
+  std::vector<FineScales> fine;
+  for (int l = 0; l < m.config.depth; ++l) fine.push_back(file.fine.at(l));
+
+  std::vector<float> other(g.pixels.rbegin(), g.pixels.rend());
+  const auto exact = forward_cpu(m, other, g.grids);
+  ScaleBook dyn = ScaleBook::dynamic(m.config.depth);
+  o.scales = &dyn;
+  const double dynamic = rel_l2(forward_cpu(m, other, g.grids, o).merged, exact.merged);
+  ScaleBook fixed = ScaleBook::fixed(scales_for_model(file, m.config.depth));
+  o.scales = &fixed;
+  o.fine_scales = &fine;
+  const double stat = rel_l2(forward_cpu(m, other, g.grids, o).merged, exact.merged);
+  o.fp8_robust = false;
+  o.fine_scales = nullptr;
+  const double tensor_static = rel_l2(forward_cpu(m, other, g.grids, o).merged, exact.merged);
+  std::printf("robust calibration, held-out rel_l2: dynamic %.3e, static %.3e; per-tensor static %.3e\n", dynamic, stat,
+              tensor_static);
+  EXPECT_GT(stat, 1e-4);
+  EXPECT_LT(stat, 2.0 * dynamic);
+  EXPECT_LT(stat, tensor_static / 2);
 }

@@ -156,7 +156,9 @@ TEST(ResolveEngine, Fp8Scheme) {
   EXPECT_NE(err(b, no_gpu()).find("needs --mm-encoder-attn-dtype fp8"), std::string::npos);
   EngineOptions c = r;
   c.scale_save_path = dir.file("cal.json");
-  EXPECT_NE(err(c, no_gpu()).find("does not write the fine scales"), std::string::npos);
+  const EngineConfig cal = resolve_engine(c, no_gpu());  // calibration writes the fine scales too
+  EXPECT_TRUE(cal.fp8_robust);
+  EXPECT_EQ(cal.scale_mode, ScaleMode::CALIBRATE);
   EngineOptions st = r;
   st.scale_path = dir.write("plain.json", kValidScales);
   EXPECT_NE(err(st, no_gpu()).find("needs the file's fine scales"), std::string::npos);

@@ -303,3 +303,167 @@ TEST(Calibration, SavePathThatIsAFolderIsAnErrorAndLeavesNoTempFile) {
   EXPECT_EQ(dir.list(), std::vector<std::string>{"sub"});
   EXPECT_TRUE(fs::is_empty(dir.path / "sub"));
 }
+
+// ---- the robust scheme's history (ScaleBook::record_fine) -----------------------------------------
+
+namespace {
+
+// A random batch's statistics for H heads of hd channels: K values about an offset of its own per
+// channel, Q and V amax of any magnitude.
+FineBatch random_batch(std::mt19937& rng, int H, int hd) {
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f), mag(0.01f, 50.0f);
+  std::uniform_int_distribution<int> tokens(1, 5000);
+  FineBatch b;
+  b.tokens = tokens(rng);
+  const size_t cells = size_t(H) * hd;
+  for (size_t i = 0; i < cells; ++i) {
+    const float center = 20.0f * u(rng), spread = mag(rng);
+    const float lo = center - spread * std::fabs(u(rng)), hi = center + spread * std::fabs(u(rng));
+    b.k_lo.push_back(lo);
+    b.k_hi.push_back(hi);
+    b.k_sum.push_back(double(b.tokens) * double(0.5f * (lo + hi)));
+    b.v_amax.push_back(mag(rng));
+  }
+  for (int h = 0; h < H; ++h) b.q_amax.push_back(mag(rng));
+  return b;
+}
+
+// What a forward should quantize with, written out from the definition (docs/fp8.md): its own K
+// mean; per head the largest Q amax, and the largest amax of K minus that forward's mean, over the
+// last 16 finite forwards (this one included when finite); per channel V's likewise; / 448, floored.
+FineScales expected_fine(const std::vector<FineBatch>& finite_so_far, const FineBatch& now, int H, int hd) {
+  const size_t cells = size_t(H) * hd;
+  FineScales e;
+  std::vector<float> q(size_t(H), 0.0f), k(size_t(H), 0.0f), v(cells, 0.0f);
+  const size_t first = finite_so_far.size() > 16 ? finite_so_far.size() - 16 : 0;
+  for (size_t f = first; f < finite_so_far.size(); ++f) {
+    const FineBatch& b = finite_so_far[f];
+    for (size_t i = 0; i < cells; ++i) {
+      const float mean = float(b.k_sum[i] / double(b.tokens));
+      k[i / hd] = std::max({k[i / hd], b.k_hi[i] - mean, mean - b.k_lo[i]});
+      v[i] = std::max(v[i], b.v_amax[i]);
+    }
+    for (int h = 0; h < H; ++h) q[size_t(h)] = std::max(q[size_t(h)], b.q_amax[size_t(h)]);
+  }
+  const auto to_scale = [](float a) { return std::max(a / 448.0f, FLT_MIN); };
+  for (size_t i = 0; i < cells; ++i) {
+    e.k_mean.push_back(float(now.k_sum[i] / double(now.tokens)));
+    e.v_channel.push_back(to_scale(v[i]));
+  }
+  for (int h = 0; h < H; ++h) e.q_head.push_back(to_scale(q[size_t(h)])), e.k_head.push_back(to_scale(k[size_t(h)]));
+  return e;
+}
+
+}  // namespace
+
+// 40 forwards (the ring wraps twice), two of them non-finite: each forward's arrays are the
+// definition's, the non-finite ones are counted and change no ring.
+TEST(FineHistory, EachForwardUsesTheLast16FiniteOnes) {
+  constexpr int H = 3, hd = 8;
+  ScaleBook book = ScaleBook::dynamic(2);
+  book.enable_fine(H, hd);
+  std::mt19937 rng(fresh_seed());
+  std::vector<FineBatch> finite;
+  for (int f = 0; f < 40; ++f) {
+    FineBatch b = random_batch(rng, H, hd);
+    if (f == 7 || f == 23) {
+      b.finite = false;
+      b.v_amax[5] = kNaN, b.q_amax[1] = kInf;  // what would win every max were it recorded
+    } else {
+      finite.push_back(b);
+    }
+    const FineScales got = book.record_fine(0, b);
+    EXPECT_EQ(got, expected_fine(finite, b, H, hd)) << "forward " << f;
+  }
+  EXPECT_EQ(book.fine_state()[0].counts.updates, 40u);
+  EXPECT_EQ(book.fine_state()[0].counts.nonfinite, 2u);
+  EXPECT_EQ(book.nonfinite_count(0), 2u);
+  EXPECT_EQ(book.fine_state()[0].counts.filled, 16);
+  EXPECT_EQ(book.complete_forwards(), 0u) << "layer 1 recorded nothing";
+  book.enable_fine(H, hd);  // again, same shape: the history stays
+  EXPECT_EQ(book.fine_state()[0].counts.updates, 40u);
+  EXPECT_NE(error_of([&] { book.enable_fine(H, 2 * hd); }).find("fine history is for 3 heads of 8"), std::string::npos);
+  FineBatch wrong = random_batch(rng, H + 1, hd);
+  EXPECT_NE(error_of([&] { book.record_fine(1, wrong); }).find("not for 3 heads of 8"), std::string::npos);
+  ScaleBook plain = ScaleBook::dynamic(1);
+  EXPECT_NE(error_of([&] { plain.record_fine(0, wrong); }).find("history is not enabled"), std::string::npos);
+  ScaleBook fixed = ScaleBook::fixed({QkvScales{}});
+  EXPECT_NE(error_of([&] { fixed.enable_fine(H, hd); }).find("static scales keep no fine history"), std::string::npos);
+}
+
+// Calibration with the robust scheme: after exactly 16 forwards the file holds the fine scales (K's
+// mean over all 16 forwards' tokens, K's scale from its range about that mean, Q's and V's the
+// rings' max, all x margin) and per-tensor q/k/v equal to what per-tensor calibration of the same
+// forwards writes; it reads back for the robust engine.
+TEST(FineHistory, CalibrationWritesTheFineScalesAndMatchingPerTensorOnes) {
+  constexpr int H = 2, hd = 6, L = 3;
+  TempDir dir;
+  const std::string path = dir.file("fine.json"), plain_path = dir.file("plain.json");
+  const float margin = 1.5f;
+  ScaleBook book = ScaleBook::calibrating(L, path, margin);
+  book.enable_fine(H, hd);
+  ScaleBook plain = ScaleBook::calibrating(L, plain_path, margin);
+  std::mt19937 rng(fresh_seed());
+  std::vector<std::vector<FineBatch>> fed(L);
+  for (int f = 0; f < 16; ++f) {
+    EXPECT_FALSE(book.after_forward());
+    for (int l = 0; l < L; ++l) {
+      const FineBatch b = random_batch(rng, H, hd);
+      fed[size_t(l)].push_back(b);
+      book.record_fine(l, b);
+      float k = 0.0f;
+      for (size_t i = 0; i < b.k_hi.size(); ++i) k = std::max({k, std::fabs(b.k_hi[i]), std::fabs(b.k_lo[i])});
+      plain.record(l, *std::max_element(b.q_amax.begin(), b.q_amax.end()), k,
+                   *std::max_element(b.v_amax.begin(), b.v_amax.end()));
+    }
+    EXPECT_EQ(book.complete_forwards(), uint32_t(f + 1));
+    if (f < 15) EXPECT_FALSE(fs::exists(path)) << "written after forward " << f + 1;
+  }
+  ASSERT_TRUE(book.after_forward());
+  ASSERT_TRUE(plain.after_forward());
+  const ScaleFile file = read_scale_file(path), per_tensor = read_scale_file(plain_path);
+  EXPECT_EQ(file.layers, per_tensor.layers) << "q/k/v as per-tensor calibration writes them";
+  ASSERT_EQ(file.fine.size(), size_t(L));
+  for (int l = 0; l < L; ++l) {
+    const FineScales& got = file.fine.at(l);
+    const auto& bs = fed[size_t(l)];
+    for (size_t i = 0; i < size_t(H) * hd; ++i) {
+      double sum = 0, tokens = 0;
+      float v = 0.0f;
+      for (const FineBatch& b : bs) sum += b.k_sum[i], tokens += double(b.tokens), v = std::max(v, b.v_amax[i]);
+      EXPECT_EQ(got.k_mean[i], float(sum / tokens)) << "layer " << l << " channel " << i;
+      EXPECT_EQ(got.v_channel[i], std::max(v / 448.0f, FLT_MIN) * margin) << "layer " << l << " channel " << i;
+    }
+    for (int h = 0; h < H; ++h) {
+      float q = 0.0f, k = 0.0f;
+      for (int d = 0; d < hd; ++d) {
+        const size_t i = size_t(h) * hd + d;
+        float hi = -kInf, lo = kInf;
+        for (const FineBatch& b : bs) hi = std::max(hi, b.k_hi[i]), lo = std::min(lo, b.k_lo[i]);
+        k = std::max({k, hi - got.k_mean[i], got.k_mean[i] - lo});
+      }
+      for (const FineBatch& b : bs) q = std::max(q, b.q_amax[size_t(h)]);
+      EXPECT_EQ(got.q_head[size_t(h)], std::max(q / 448.0f, FLT_MIN) * margin) << "layer " << l << " head " << h;
+      EXPECT_EQ(got.k_head[size_t(h)], std::max(k / 448.0f, FLT_MIN) * margin) << "layer " << l << " head " << h;
+    }
+  }
+}
+
+// A layer whose every forward was non-finite has nothing to write: an error naming it, no file.
+TEST(FineHistory, CalibrationOfALayerWithOnlyNonFiniteForwardsIsAnError) {
+  TempDir dir;
+  const std::string path = dir.file("fine.json");
+  ScaleBook book = ScaleBook::calibrating(2, path, 1.5f);
+  book.enable_fine(1, 4);
+  std::mt19937 rng(fresh_seed());
+  for (int f = 0; f < 16; ++f) {
+    book.record_fine(0, random_batch(rng, 1, 4));
+    FineBatch bad = random_batch(rng, 1, 4);
+    bad.finite = false;
+    book.record_fine(1, bad);
+  }
+  const std::string err = error_of([&] { book.after_forward(); });
+  EXPECT_NE(err.find("layer 1 (visual.blocks.1.attn.attn)"), std::string::npos) << err;
+  EXPECT_NE(err.find("non-finite value (16 of 16)"), std::string::npos) << err;
+  EXPECT_FALSE(fs::exists(path));
+}

@@ -121,6 +121,11 @@ std::vector<float> dct_matrix(int n);
 Fp8Fine current_fine_scales(const VarlenShape& shape, ThdView<const float> q, ThdView<const float> k,
                             ThdView<const float> v, Fp8FineParts parts);
 
+// One forward's statistics for the robust scheme's history (ScaleBook::record_fine), as
+// fine_stats_kernel computes them: K's sum (double), extremes and V's amax per (head, channel), Q's
+// amax per head. A non-finite value clears `finite` (its statistics are then not recorded).
+FineBatch fine_batch(const VarlenShape& shape, ThdView<const float> q, ThdView<const float> k, ThdView<const float> v);
+
 // out: contiguous [total_tokens, heads, head_dim]. In BF16/FP8 modes every value is a bf16 value.
 void attention(const VarlenShape& shape, ThdView<const float> q, ThdView<const float> k,
                ThdView<const float> v, const RefOptions& opt, double* out);
@@ -146,15 +151,53 @@ struct FineArrays {
   float* v_channel = nullptr;
 };
 
+// One layer's FineHistory in device memory (its arrays and counters), which prepare() updates in
+// place as ScaleBook::record_fine does on the host.
+struct FineRing {
+  float* q = nullptr;  // [16][H]
+  float* k = nullptr;  // [16][H]
+  float* v = nullptr;  // [16][H * hd]
+  double* k_sum = nullptr;
+  float* k_hi = nullptr;
+  float* k_lo = nullptr;
+  FineCounts* counts = nullptr;
+};
+
+// Owns one FineRing: allocated and uploaded from a host FineHistory, downloaded back into one.
+class DeviceFineHistory {
+ public:
+  explicit DeviceFineHistory(const FineHistory& h);
+  ~DeviceFineHistory();
+  DeviceFineHistory(const DeviceFineHistory&) = delete;
+  DeviceFineHistory& operator=(const DeviceFineHistory&) = delete;
+  DeviceFineHistory(DeviceFineHistory&& o) noexcept;
+  void upload(const FineHistory& h);
+  void download(FineHistory& h) const;  // synchronous
+  const FineRing& ring() const { return ring_; }
+  // The whole history as one block of device memory, and that block's bytes (copied to the host
+  // by the caller, in its stream) back into a FineHistory of the same shape.
+  const void* data() const { return mem_; }
+  size_t bytes() const;
+  void unpack(const void* host, FineHistory& h) const;
+
+ private:
+  int heads_ = 0, head_dim_ = 0;
+  void* mem_ = nullptr;
+  FineRing ring_;
+  void check(const FineHistory& h) const;
+};
+
 // Where prepare() finds one layer's FP8 scales in device memory: per tensor (fixed or dynamic), or
 // the robust scheme's arrays (all four set), which prepare() either reads as they are (static) or,
-// with fine_current, first fills from this batch as cpu::current_fine_scales does (one extra launch,
-// all on the device, so it replays in a graph).
+// with fine_current, first fills from this batch (one extra launch, all on the device, so it replays
+// in a graph): with fine_ring from the batch and the layer's history as ScaleBook::record_fine does
+// (updating the history), without it as cpu::current_fine_scales does (this batch alone).
 struct DeviceScales {
   const float* fixed = nullptr;  // static scales: device float[3] (q, k, v)
   LayerAmax* dynamic = nullptr;  // dynamic scaling: device LayerAmax, updated in place by prepare()
   FineArrays fine;
   bool fine_current = false;
+  FineRing fine_ring;  // with fine_current: the layer's history, or all null
 };
 
 // Fused RoPE + quantize + layout step and the Hopper flash-attention kernel for one attention shape.

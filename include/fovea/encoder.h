@@ -36,8 +36,9 @@ struct EncoderOptions {
   // weight scales, fp32 accumulation; docs/fp8.md §FP8 linears). fovea's own option, off by default.
   bool fp8_linears = false;
   // FP8 only: the scheme robust to outlier channels (docs/fp8.md §Outlier channels). With a DYNAMIC
-  // book every layer's arrays come from its own batch, on the device; with a STATIC one from
-  // `fine_scales` (one per layer, a scale file's fovea_* fields). CALIBRATE is refused.
+  // or CALIBRATE book every layer's arrays come from its batch and its history (the book's
+  // FineHistory, kept on the device; sync_scales() copies it back), with a STATIC one from
+  // `fine_scales` (one per layer, a scale file's fovea_* fields).
   bool fp8_robust = false;
   const std::vector<FineScales>* fine_scales = nullptr;
 };

@@ -115,9 +115,9 @@ struct ForwardOptions {
   // GPU encoder runs with EncoderOptions::fp8_linears.
   bool fp8_linears = false;
   // FP8 attention with the scheme robust to outlier channels (docs/fp8.md §Outlier channels): K
-  // smoothed by the batch's mean, per-head Q/K and per-channel V scales. Dynamic: the batch's own
-  // (cpu::current_fine_scales); static: `fine_scales`, one per layer (a scale file's fovea_* fields),
-  // with the K mean still the batch's.
+  // smoothed by a mean, per-head Q/K and per-channel V scales. Dynamic and calibrate: recorded in
+  // the scale book's FineHistory (ScaleBook::record_fine: the batch's K mean, scales over the last 16
+  // forwards); static: `fine_scales`, one per layer (a scale file's fovea_* fields, K mean included).
   bool fp8_robust = false;
   const std::vector<FineScales>* fine_scales = nullptr;
 };

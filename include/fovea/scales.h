@@ -84,6 +84,71 @@ struct LayerAmax {
   AmaxHistory t[3];
 };
 
+// fovea's optional finer scales of one layer, for the FP8 scheme robust to outlier channels
+// (docs/fp8.md §Outlier channels), in the fields "fovea_q_head", "fovea_k_head" (per head, of Q and of
+// K smoothed by its mean), "fovea_v_channel" (per channel of V, heads x head_dim) and "fovea_k_mean"
+// (the mean subtracted from K, per channel, heads x head_dim; any finite value). vLLM reads
+// the file's q/k/v and not these; a fovea that meets a "fovea_" field it does not know refuses the
+// file instead of ignoring it.
+struct FineScales {
+  std::vector<float> q_head, k_head, v_channel, k_mean;
+  bool operator==(const FineScales&) const = default;
+};
+
+// ---- the robust scheme's dynamic state (docs/fp8.md §Outlier channels) -----------------------------
+// One forward's statistics of one layer's attention inputs (after RoPE): per (head, channel) K's sum,
+// largest and smallest value and V's amax [H * hd]; per head Q's amax [H]; the token count; and
+// whether every value was finite.
+struct FineBatch {
+  std::vector<double> k_sum;
+  std::vector<float> k_hi, k_lo, v_amax, q_amax;
+  int64_t tokens = 0;
+  bool finite = true;
+};
+
+// Counters of a FineHistory (plain data: host or device memory).
+struct FineCounts {
+  int32_t pos;        // next ring slot to write
+  int32_t filled;     // valid ring slots, <= 16
+  uint32_t updates;   // forwards recorded, finite or not
+  uint32_t nonfinite; // forwards with a non-finite value: not recorded
+  double tokens;      // tokens of the recorded forwards (k_sum's count)
+};
+
+// Dynamic state of the robust scheme for one layer. Rings of the last 16 finite forwards' amax, per
+// head of Q and of K minus that forward's K mean, and per channel of V; and, over every finite forward
+// recorded, K's sum, largest and smallest value per channel (calibration's K mean and K range). A
+// forward quantizes K minus its own mean, Q and K with max(ring) / 448 per head and V with
+// max(ring) / 448 per channel, its own amax included (it cannot overflow); the same code runs on the
+// device (prepare.cu), and calibration writes from it.
+struct FineHistory {
+  int heads = 0, head_dim = 0;
+  std::vector<float> q_ring, k_ring;  // [16][H]
+  std::vector<float> v_ring;          // [16][H * hd]
+  std::vector<double> k_sum;          // [H * hd]
+  std::vector<float> k_hi, k_lo;      // [H * hd]
+  FineCounts counts{};
+  FineHistory() = default;
+  FineHistory(int heads, int head_dim);
+};
+
+// amax of K - mean for one channel from K's extremes: exact, since x -> fl(x - mean) is monotonic.
+FOVEA_HD float smoothed_amax(float hi, float lo, float mean) {
+  const float a = hi - mean, b = mean - lo;
+  return a > b ? a : b;
+}
+// The largest of ring slots [0, filled) of a cell (stride apart), with `cur` in slot `slot` when
+// `keep`, as a dequantization scale: / 448, floored at kMinScale. `ring` may be null (no history:
+// current scaling, the ring is `cur` alone).
+FOVEA_HD float fine_ring_scale(const float* ring, int stride, int filled, int slot, bool keep, float cur) {
+  float m = keep ? cur : 0.0f;
+  if (ring)
+    for (int j = 0; j < kAmaxHistoryLen; ++j)
+      if (j < filled && !(keep && j == slot) && ring[j * stride] > m) m = ring[j * stride];
+  const float s = m / kE4M3Max;
+  return s < kMinScale ? kMinScale : s;
+}
+
 enum class ScaleMode { DYNAMIC, STATIC, CALIBRATE };
 const char* scale_mode_name(ScaleMode m);
 
@@ -120,11 +185,27 @@ class ScaleBook {
   std::vector<LayerAmax>& amax_state() { return amax_; }
   const std::vector<LayerAmax>& amax_state() const { return amax_; }
 
+  // The robust scheme (dynamic and calibrate): one FineHistory per layer for `heads` x `head_dim`,
+  // which then replaces the per-tensor rings (forwards are counted there; calibration writes the
+  // fine scales, and q/k/v from the same history: what per-tensor calibration would write).
+  // Enabling it again for the same shape keeps the history; for another shape is an error.
+  void enable_fine(int heads, int head_dim);
+  bool has_fine() const { return !fine_.empty(); }
+  // Records one forward of a layer and returns the arrays to quantize it with: k_mean this batch's.
+  FineScales record_fine(int layer, const FineBatch& batch);
+  std::vector<FineHistory>& fine_state() { return fine_; }
+  const std::vector<FineHistory>& fine_state() const { return fine_; }
+  // Every layer's fine scales x margin from the histories as they are now (k_mean over every
+  // recorded forward, K's scale from its range about that mean). Throws, naming the layer, if one
+  // recorded no finite forward.
+  std::vector<FineScales> calibrated_fine(float margin) const;
+
  private:
   ScaleMode mode_ = ScaleMode::DYNAMIC;
   int num_layers_ = 0;
   std::vector<LayerAmax> amax_;      // dynamic and calibrate
   std::vector<QkvScales> fixed_;     // static
+  std::vector<FineHistory> fine_;    // robust scheme: dynamic and calibrate
   std::string save_path_;            // calibrate
   float margin_ = kDefaultScaleMargin;
   bool calibration_written_ = false;
@@ -137,17 +218,6 @@ class ScaleBook {
 // Values are dequantization scales (amax / 448 x margin).
 
 std::string scale_layer_name(int layer);  // "visual.blocks.<layer>.attn.attn"
-
-// fovea's optional finer scales of one layer, for the FP8 scheme robust to outlier channels
-// (docs/fp8.md §Outlier channels), in the fields "fovea_q_head", "fovea_k_head" (per head, of Q and of
-// K smoothed by its mean), "fovea_v_channel" (per channel of V, heads x head_dim) and "fovea_k_mean"
-// (the mean subtracted from K, per channel, heads x head_dim; any finite value). vLLM reads
-// the file's q/k/v and not these; a fovea that meets a "fovea_" field it does not know refuses the
-// file instead of ignoring it.
-struct FineScales {
-  std::vector<float> q_head, k_head, v_channel, k_mean;
-  bool operator==(const FineScales&) const = default;
-};
 
 struct ScaleFile {
   std::string path;

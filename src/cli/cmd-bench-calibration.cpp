@@ -44,6 +44,7 @@ int run(const Args& a) {
     o.scale_path = scale;
     o.scale_save_path = save;
     o.fp8_linears = a.engine.fp8_linears && dtype == "fp8";  // the BF16 reference keeps BF16 linears
+    if (dtype != "fp8") o.fp8_scheme = "auto";                // and has no FP8 scheme
     return resolve_engine(o, sys);
   };
 

@@ -73,6 +73,10 @@ QkvScales ScaleBook::scales(int layer) const {
 uint32_t ScaleBook::complete_forwards() const {
   if (mode_ == ScaleMode::STATIC) return 0;
   uint32_t n = UINT32_MAX;
+  if (has_fine()) {
+    for (const auto& f : fine_) n = std::min(n, f.counts.updates);
+    return n;
+  }
   for (const auto& l : amax_)
     for (const auto& h : l.t) n = std::min(n, h.updates);
   return n;
@@ -83,12 +87,125 @@ uint64_t ScaleBook::nonfinite_count(int layer) const {
   if (mode_ == ScaleMode::STATIC) return 0;
   uint64_t n = 0;
   for (const auto& h : amax_[size_t(layer)].t) n += h.nonfinite;
+  if (has_fine()) n += fine_[size_t(layer)].counts.nonfinite;
   return n;
+}
+
+FineHistory::FineHistory(int h, int hd) : heads(h), head_dim(hd) {
+  if (h <= 0 || hd <= 0 || int64_t(h) * hd > kMaxFineScales)
+    fail("scale book: fine scales for {} heads of {} channels (at most {} values)", h, hd, kMaxFineScales);
+  const size_t cells = size_t(h) * size_t(hd);
+  q_ring.assign(kAmaxHistoryLen * size_t(h), 0.0f);
+  k_ring.assign(kAmaxHistoryLen * size_t(h), 0.0f);
+  v_ring.assign(kAmaxHistoryLen * cells, 0.0f);
+  k_sum.assign(cells, 0.0);
+  k_hi.assign(cells, -INFINITY);
+  k_lo.assign(cells, INFINITY);
+}
+
+void ScaleBook::enable_fine(int heads, int head_dim) {
+  if (mode_ == ScaleMode::STATIC) fail("scale book: static scales keep no fine history (the robust scheme needs a file's fine scales)");
+  if (has_fine()) {
+    if (fine_[0].heads != heads || fine_[0].head_dim != head_dim)
+      fail("scale book: the fine history is for {} heads of {}, not {} of {}", fine_[0].heads, fine_[0].head_dim, heads, head_dim);
+    return;
+  }
+  fine_.assign(size_t(num_layers_), FineHistory(heads, head_dim));
+}
+
+FineScales ScaleBook::record_fine(int layer, const FineBatch& b) {
+  check_layer(layer);
+  if (!has_fine()) fail("scale book: the robust scheme's history is not enabled");
+  FineHistory& f = fine_[size_t(layer)];
+  const int H = f.heads;
+  const size_t cells = size_t(H) * size_t(f.head_dim);
+  if (b.k_sum.size() != cells || b.k_hi.size() != cells || b.k_lo.size() != cells || b.v_amax.size() != cells ||
+      b.q_amax.size() != size_t(H) || b.tokens <= 0)
+    fail("scale book: layer {}: a batch's statistics are not for {} heads of {} channels", layer, H, f.head_dim);
+  FineCounts& c = f.counts;
+  const bool keep = b.finite;
+  const int slot = c.pos, filled = keep ? std::min(c.filled + 1, kAmaxHistoryLen) : c.filled;
+  FineScales out;
+  out.k_mean.resize(cells);
+  out.v_channel.resize(cells);
+  out.q_head.resize(size_t(H));
+  out.k_head.resize(size_t(H));
+  std::vector<float> dev(size_t(H), 0.0f);
+  for (size_t i = 0; i < cells; ++i) {
+    const float mean = float(b.k_sum[i] / double(b.tokens));
+    out.k_mean[i] = mean;
+    float& d = dev[i / size_t(f.head_dim)];
+    d = std::max(d, smoothed_amax(b.k_hi[i], b.k_lo[i], mean));
+    out.v_channel[i] = fine_ring_scale(f.v_ring.data() + i, int(cells), filled, slot, keep, b.v_amax[i]);
+  }
+  for (int h = 0; h < H; ++h) {
+    out.q_head[size_t(h)] = fine_ring_scale(f.q_ring.data() + h, H, filled, slot, keep, b.q_amax[size_t(h)]);
+    out.k_head[size_t(h)] = fine_ring_scale(f.k_ring.data() + h, H, filled, slot, keep, dev[size_t(h)]);
+  }
+  c.updates += 1;
+  if (!keep) {
+    c.nonfinite += 1;
+    return out;
+  }
+  for (int h = 0; h < H; ++h) {
+    f.q_ring[size_t(slot) * H + h] = b.q_amax[size_t(h)];
+    f.k_ring[size_t(slot) * H + h] = dev[size_t(h)];
+  }
+  for (size_t i = 0; i < cells; ++i) {
+    f.v_ring[size_t(slot) * cells + i] = b.v_amax[i];
+    f.k_sum[i] += b.k_sum[i];
+    f.k_hi[i] = std::max(f.k_hi[i], b.k_hi[i]);
+    f.k_lo[i] = std::min(f.k_lo[i], b.k_lo[i]);
+  }
+  c.pos = (slot + 1) % kAmaxHistoryLen;
+  c.filled = filled;
+  c.tokens += double(b.tokens);
+  return out;
+}
+
+std::vector<FineScales> ScaleBook::calibrated_fine(float margin) const {
+  if (!has_fine()) fail("scale book: the robust scheme's history is not enabled");
+  std::vector<FineScales> out(fine_.size());
+  for (size_t l = 0; l < fine_.size(); ++l) {
+    const FineHistory& f = fine_[l];
+    const int H = f.heads;
+    const size_t cells = size_t(H) * size_t(f.head_dim);
+    if (f.counts.filled == 0)
+      fail("calibration: layer {} ({}): every forward seen had a non-finite value ({} of {}); no scale to save", l,
+           scale_layer_name(int(l)), f.counts.nonfinite, f.counts.updates);
+    FineScales& o = out[l];
+    o.k_mean.resize(cells);
+    o.v_channel.resize(cells);
+    o.q_head.resize(size_t(H));
+    o.k_head.assign(size_t(H), 0.0f);
+    for (size_t i = 0; i < cells; ++i) {
+      o.k_mean[i] = float(f.k_sum[i] / f.counts.tokens);
+      float& d = o.k_head[i / size_t(f.head_dim)];
+      d = std::max(d, smoothed_amax(f.k_hi[i], f.k_lo[i], o.k_mean[i]));
+      o.v_channel[i] = fine_ring_scale(f.v_ring.data() + i, int(cells), f.counts.filled, 0, false, 0.0f) * margin;
+    }
+    for (int h = 0; h < H; ++h) {
+      o.q_head[size_t(h)] = fine_ring_scale(f.q_ring.data() + h, H, f.counts.filled, 0, false, 0.0f) * margin;
+      o.k_head[size_t(h)] = fine_ring_scale(nullptr, H, 0, 0, true, o.k_head[size_t(h)]) * margin;
+    }
+  }
+  return out;
 }
 
 std::vector<QkvScales> ScaleBook::calibrated(float margin) const {
   if (mode_ == ScaleMode::STATIC) fail("scale book: static scales cannot be calibrated");
   std::vector<QkvScales> out(static_cast<size_t>(num_layers_));
+  if (has_fine()) {  // the per-tensor scales of the same forwards: the largest of the fine ones
+    const std::vector<FineScales> fine = calibrated_fine(margin);
+    for (size_t l = 0; l < out.size(); ++l) {
+      const FineHistory& f = fine_[l];
+      float k = 0.0f;
+      for (size_t i = 0; i < f.k_hi.size(); ++i) k = std::max({k, std::fabs(f.k_hi[i]), std::fabs(f.k_lo[i])});
+      const auto top = [](const std::vector<float>& v) { return *std::max_element(v.begin(), v.end()); };
+      out[l] = {top(fine[l].q_head), fine_ring_scale(nullptr, 1, 0, 0, true, k) * margin, top(fine[l].v_channel)};
+    }
+    return out;
+  }
   for (int i = 0; i < num_layers_; ++i) {
     const auto& l = amax_[size_t(i)];
     for (int t = 0; t < 3; ++t)
@@ -104,7 +221,12 @@ std::vector<QkvScales> ScaleBook::calibrated(float margin) const {
 bool ScaleBook::after_forward() {
   if (mode_ != ScaleMode::CALIBRATE || calibration_written_) return false;
   if (complete_forwards() < uint32_t(kAmaxHistoryLen)) return false;
-  write_scale_file(save_path_, calibrated(margin_));
+  if (has_fine()) {
+    const std::vector<FineScales> fine = calibrated_fine(margin_);
+    write_scale_file(save_path_, calibrated(margin_), &fine);
+  } else {
+    write_scale_file(save_path_, calibrated(margin_));
+  }
   calibration_written_ = true;
   return true;
 }

@@ -101,6 +101,32 @@ std::string fmt_name(int hd, AttnDtype d, const char* what) {
   return std::string(dtype_name(d)) + " hd" + std::to_string(hd) + " " + what;
 }
 
+// prepare + attend captured once in a CUDA graph on a stream of its own; replay() runs it on
+// whatever d holds then and waits.
+struct CapturedAttention {
+  cudaStream_t stream{};
+  cudaGraph_t graph{};
+  cudaGraphExec_t exec{};
+  CapturedAttention(cuda::FlashAttention& attn, DeviceProblem& d, const cuda::DeviceScales& scales) {
+    const VarlenShape& sh = attn.shape();
+    FOVEA_CUDA_CHECK(cudaStreamCreate(&stream));
+    FOVEA_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+    attn.prepare(d.qkv.data(), 3 * int64_t(sh.heads) * sh.head_dim, d.cos_or_null(), d.sin_or_null(), scales, stream);
+    attn.attend(d.out.data(), stream);
+    FOVEA_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+    FOVEA_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  }
+  void replay() {
+    FOVEA_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    FOVEA_CUDA_CHECK(cudaStreamSynchronize(stream));
+  }
+  ~CapturedAttention() {
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+    cudaStreamDestroy(stream);
+  }
+};
+
 // One layer's dynamic-scaling state in device memory, starting from an empty ring.
 struct DynamicScales {
   DeviceBuffer<LayerAmax> buf{1};
@@ -259,15 +285,7 @@ TEST(FlashAttentionGpuGraph, DynamicScalingReplays) {
   const cuda::DeviceScales scales = amax.scales();
   cuda::FlashAttention attn(AttnDtype::FP8, H, hd);
   attn.plan(p.shape.cu_seqlens);
-  cudaStream_t stream;
-  FOVEA_CUDA_CHECK(cudaStreamCreate(&stream));
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  FOVEA_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-  attn.prepare(d.qkv.data(), 3 * H * hd, d.cos.data(), d.sin.data(), scales, stream);
-  attn.attend(d.out.data(), stream);
-  FOVEA_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-  FOVEA_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  CapturedAttention graph(attn, d, scales);
 
   ScaleBook book = ScaleBook::dynamic(1);
   std::mt19937 rng{unsigned(fresh_seed())};
@@ -276,8 +294,7 @@ TEST(FlashAttentionGpuGraph, DynamicScalingReplays) {
     p = Problem(lens, H, hd, rng(), mag(rng));
     upload(d.qkv, p.qkv_bf16());
     FOVEA_CUDA_CHECK(cudaMemset(d.out.data(), 0xFF, d.out.bytes()));
-    FOVEA_CUDA_CHECK(cudaGraphLaunch(exec, stream));
-    FOVEA_CUDA_CHECK(cudaStreamSynchronize(stream));
+    graph.replay();
     const QkvScales s = book.record(0, amax_of(p, 0), amax_of(p, 1), amax_of(p, 2));
     const LayerAmax g = amax.download();
     const LayerAmax& want = book.amax_state()[0];
@@ -290,9 +307,6 @@ TEST(FlashAttentionGpuGraph, DynamicScalingReplays) {
     }
     expect_within_rule(check_fp8(p, d.output(), s), "graph replay " + std::to_string(replay));
   }
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
-  cudaStreamDestroy(stream);
 }
 
 // ---- the robust FP8 scheme (K smoothing, per-head Q/K, per-channel V scales) ----------------------
@@ -423,23 +437,14 @@ TEST(FlashAttentionGpuRobustGraph, CurrentScalingReplays) {
   const cuda::DeviceScales scales = fine.scales(true);
   cuda::FlashAttention attn(AttnDtype::FP8, H, hd);
   attn.plan(p.shape.cu_seqlens);
-  cudaStream_t stream;
-  FOVEA_CUDA_CHECK(cudaStreamCreate(&stream));
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  FOVEA_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-  attn.prepare(d.qkv.data(), 3 * H * hd, d.cos.data(), d.sin.data(), scales, stream);
-  attn.attend(d.out.data(), stream);
-  FOVEA_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-  FOVEA_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  CapturedAttention graph(attn, d, scales);
   std::mt19937 rng{unsigned(fresh_seed())};
   std::uniform_real_distribution<float> mag(0.25f, 8.0f);
   for (int replay = 0; replay < 8; ++replay) {
     p = Problem(lens, H, hd, rng(), mag(rng), Dist::CHANNELS);  // new channels and magnitude: every array moves
     upload(d.qkv, p.qkv_bf16());
     FOVEA_CUDA_CHECK(cudaMemset(d.out.data(), 0xFF, d.out.bytes()));
-    FOVEA_CUDA_CHECK(cudaGraphLaunch(exec, stream));
-    FOVEA_CUDA_CHECK(cudaStreamSynchronize(stream));
+    graph.replay();
     const std::string what = "robust replay " + std::to_string(replay);
     const cpu::Fp8Fine used = fine.get();
     expect_same_fine(used, cpu::current_fine_scales(p.shape, p.view(0), p.view(1), p.view(2), kRobust), what);
@@ -451,9 +456,66 @@ TEST(FlashAttentionGpuRobustGraph, CurrentScalingReplays) {
     const int64_t n = int64_t(exact.size());
     expect_within_rule({compare(out.data(), exact.data(), n), compare(emu.data(), exact.data(), n), compare(out.data(), emu.data(), n)}, what);
   }
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
-  cudaStreamDestroy(stream);
+}
+
+// The robust scheme's history in a CUDA graph, every head_dim: 20 replays on changing inputs (the
+// ring wraps), one of them with a NaN in V; after each the arrays the device used against
+// ScaleBook::record_fine of the CPU's statistics of the same inputs, and at the end the whole device
+// history against the book's, and the output against the emulation with the arrays used.
+TEST(FlashAttentionGpuRobustGraph, HistoryReplaysAsTheHostBook) {
+  const std::vector<int> lens = {100, 300, 17};
+  for (const int hd : cuda::kFlashHeadDims) {
+    const int H = 3;
+    Problem p(lens, H, hd, fresh_seed(), 1.0f, Dist::CHANNELS);
+    DeviceProblem d(p);
+    DeviceFine fine(H, hd);
+    ScaleBook book = ScaleBook::dynamic(1);
+    book.enable_fine(H, hd);
+    cuda::DeviceFineHistory history(book.fine_state()[0]);
+    cuda::DeviceScales scales = fine.scales(true);
+    scales.fine_ring = history.ring();
+    cuda::FlashAttention attn(AttnDtype::FP8, H, hd);
+    attn.plan(p.shape.cu_seqlens);
+    CapturedAttention graph(attn, d, scales);
+    std::mt19937 rng{unsigned(fresh_seed())};
+    std::uniform_real_distribution<float> mag(0.25f, 8.0f);
+    for (int replay = 0; replay < 20; ++replay) {
+      p = Problem(lens, H, hd, rng(), mag(rng), Dist::CHANNELS);
+      if (replay == 9) p.qkv[size_t(5 * 3 * H * hd + 2 * H * hd + 1)] = p.rot[size_t(5 * 3 * H * hd + 2 * H * hd + 1)] = NAN;
+      upload(d.qkv, p.qkv_bf16());
+      FOVEA_CUDA_CHECK(cudaMemset(d.out.data(), 0xFF, d.out.bytes()));
+      graph.replay();
+      const std::string what = fmt_name(hd, AttnDtype::FP8, "robust history replay ") + std::to_string(replay);
+      const FineScales want = book.record_fine(0, cpu::fine_batch(p.shape, p.view(0), p.view(1), p.view(2)));
+      const cpu::Fp8Fine used = fine.get();
+      cpu::Fp8Fine w;
+      w.k_mean = want.k_mean, w.q_head = want.q_head, w.k_head = want.k_head, w.v_channel = want.v_channel;
+      expect_same_fine(used, w, what);
+      if (replay == 19) {
+        cpu::RefOptions o;
+        o.mode = cpu::RefMode::FP8;
+        o.fp8_fine = used;
+        const auto out = d.output(), exact = p.reference({}), emu = p.reference(o);
+        const int64_t n = int64_t(exact.size());
+        expect_within_rule({compare(out.data(), exact.data(), n), compare(emu.data(), exact.data(), n), compare(out.data(), emu.data(), n)}, what);
+      }
+    }
+    FineHistory got(H, hd);
+    history.download(got);
+    const FineHistory& host = book.fine_state()[0];
+    EXPECT_EQ(got.counts.pos, host.counts.pos);
+    EXPECT_EQ(got.counts.filled, 16);
+    EXPECT_EQ(got.counts.updates, 20u);
+    EXPECT_EQ(got.counts.nonfinite, 1u) << "the NaN replay";
+    EXPECT_EQ(got.counts.tokens, host.counts.tokens);
+    EXPECT_EQ(got.q_ring, host.q_ring);
+    EXPECT_EQ(got.v_ring, host.v_ring);
+    EXPECT_EQ(got.k_hi, host.k_hi);
+    EXPECT_EQ(got.k_lo, host.k_lo);
+    for (size_t i = 0; i < host.k_sum.size(); ++i) EXPECT_NEAR(got.k_sum[i], host.k_sum[i], 1e-9 * (1 + std::fabs(host.k_sum[i])));
+    for (size_t i = 0; i < host.k_ring.size(); ++i)
+      EXPECT_NEAR(got.k_ring[i], host.k_ring[i], 4 * (std::nextafter(host.k_ring[i], INFINITY) - host.k_ring[i])) << "k ring " << i;
+  }
 }
 
 // A small case for compute-sanitizer (tools/device/run.sh runs it under memcheck).

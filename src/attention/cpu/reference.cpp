@@ -273,4 +273,32 @@ Fp8Fine current_fine_scales(const VarlenShape& shape, ThdView<const float> q, Th
   return f;
 }
 
+FineBatch fine_batch(const VarlenShape& shape, ThdView<const float> q, ThdView<const float> k, ThdView<const float> v) {
+  shape.validate();
+  const int H = shape.heads, hd = shape.head_dim;
+  const size_t cells = size_t(H) * size_t(hd);
+  FineBatch b;
+  b.tokens = shape.total_tokens();
+  b.k_sum.assign(cells, 0.0);
+  b.k_hi.assign(cells, -INFINITY);
+  b.k_lo.assign(cells, INFINITY);
+  b.v_amax.assign(cells, 0.0f);
+  b.q_amax.assign(size_t(H), 0.0f);
+  const auto finite = [](float x) { return (float_bits(x) & 0x7F800000u) != 0x7F800000u; };
+  for (int64_t t = 0; t < b.tokens; ++t)
+    for (int h = 0; h < H; ++h) {
+      const float *qr = q.row(t, h), *kr = k.row(t, h), *vr = v.row(t, h);
+      for (int d = 0; d < hd; ++d) {
+        const size_t i = size_t(h) * hd + d;
+        b.finite = b.finite && finite(qr[d]) && finite(kr[d]) && finite(vr[d]);
+        b.q_amax[size_t(h)] = std::max(b.q_amax[size_t(h)], std::fabs(qr[d]));
+        b.k_sum[i] += kr[d];
+        b.k_hi[i] = std::max(b.k_hi[i], kr[d]);
+        b.k_lo[i] = std::min(b.k_lo[i], kr[d]);
+        b.v_amax[i] = std::max(b.v_amax[i], std::fabs(vr[d]));
+      }
+    }
+  return b;
+}
+
 }  // namespace fovea::cpu

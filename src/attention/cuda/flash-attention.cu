@@ -107,7 +107,7 @@ FlashAttention::FlashAttention(AttnDtype dtype, int heads, int head_dim) : impl_
   if (impl_->fp8) {  // allocated here, not in prepare(), which a CUDA graph may capture
     const size_t cells = size_t(heads) * size_t(head_dim);
     Impl& m = *impl_;
-    m.d_fine_scratch.reset(cells * (8 + 3 * 4) + size_t(heads) * 4 + 4);
+    m.d_fine_scratch.reset(cells * (8 + 3 * 4) + size_t(heads) * 4 + 8);
     uint8_t* b = m.d_fine_scratch.data();
     m.fine_scratch.k_sum = reinterpret_cast<double*>(b);
     m.fine_scratch.k_max = reinterpret_cast<unsigned int*>(b + cells * 8);
@@ -115,6 +115,7 @@ FlashAttention::FlashAttention(AttnDtype dtype, int heads, int head_dim) : impl_
     m.fine_scratch.v_amax = m.fine_scratch.k_neg_max + cells;
     m.fine_scratch.q_amax = m.fine_scratch.v_amax + cells;
     m.fine_scratch.done = m.fine_scratch.q_amax + heads;
+    m.fine_scratch.bad = m.fine_scratch.done + 1;
     FOVEA_CUDA_CHECK(cudaMemset(b, 0, m.d_fine_scratch.bytes()));
   }
 }
@@ -214,6 +215,12 @@ void FlashAttention::prepare(const void* qkv, int64_t qkv_token_stride, const fl
     fl.arrays = fine;
     fl.current = scales.fine_current;
     fl.scratch = m.fine_scratch;
+    const FineRing& r = scales.fine_ring;
+    const bool ring = r.q || r.k || r.v || r.k_sum || r.k_hi || r.k_lo || r.counts;
+    if (ring && !(r.q && r.k && r.v && r.k_sum && r.k_hi && r.k_lo && r.counts))
+      fail_cat("FOVEA attention: the robust scheme's history needs all its arrays");
+    if (ring && !scales.fine_current) fail_cat("FOVEA attention: a fine history given with static robust arrays");
+    fl.ring = r;
   }
   launch_prepare(a, m.fp8, m.shape.head_dim, stream, robust ? &fl : nullptr);
   m.fine = robust;
@@ -223,6 +230,85 @@ void FlashAttention::prepare(const void* qkv, int64_t qkv_token_stride, const fl
     for (int i = 0; i < 3; ++i) m.scale_ptr[i] = scales.dynamic ? &scales.dynamic->t[i].scale : scales.fixed + i;
   }
   m.prepared = true;
+}
+
+// ---- DeviceFineHistory: one allocation, the doubles first -----------------------------------------
+
+namespace {
+struct FineLayout {  // byte offsets of a FineHistory's arrays in one allocation
+  size_t cells, k_sum, k_hi, k_lo, q, k, v, counts, bytes;
+  FineLayout(int heads, int head_dim) {
+    cells = size_t(heads) * size_t(head_dim);
+    k_sum = 0;
+    counts = cells * 8;  // FineCounts holds a double: 8-byte aligned here
+    k_hi = counts + sizeof(FineCounts);
+    k_lo = k_hi + cells * 4;
+    q = k_lo + cells * 4;
+    k = q + size_t(kAmaxHistoryLen) * heads * 4;
+    v = k + size_t(kAmaxHistoryLen) * heads * 4;
+    bytes = v + size_t(kAmaxHistoryLen) * cells * 4;
+  }
+};
+}  // namespace
+
+DeviceFineHistory::DeviceFineHistory(const FineHistory& h) : heads_(h.heads), head_dim_(h.head_dim) {
+  const FineLayout l(heads_, head_dim_);
+  FOVEA_CUDA_CHECK(cudaMalloc(&mem_, l.bytes));
+  uint8_t* b = static_cast<uint8_t*>(mem_);
+  ring_.k_sum = reinterpret_cast<double*>(b + l.k_sum);
+  ring_.counts = reinterpret_cast<FineCounts*>(b + l.counts);
+  ring_.k_hi = reinterpret_cast<float*>(b + l.k_hi);
+  ring_.k_lo = reinterpret_cast<float*>(b + l.k_lo);
+  ring_.q = reinterpret_cast<float*>(b + l.q);
+  ring_.k = reinterpret_cast<float*>(b + l.k);
+  ring_.v = reinterpret_cast<float*>(b + l.v);
+  upload(h);
+}
+
+DeviceFineHistory::~DeviceFineHistory() {
+  if (mem_) cudaFree(mem_);
+}
+
+DeviceFineHistory::DeviceFineHistory(DeviceFineHistory&& o) noexcept
+    : heads_(o.heads_), head_dim_(o.head_dim_), mem_(o.mem_), ring_(o.ring_) {
+  o.mem_ = nullptr;
+  o.ring_ = {};
+}
+
+void DeviceFineHistory::check(const FineHistory& h) const {
+  const size_t cells = size_t(heads_) * size_t(head_dim_), ring = size_t(kAmaxHistoryLen) * heads_;
+  if (h.heads != heads_ || h.head_dim != head_dim_ || h.q_ring.size() != ring || h.k_ring.size() != ring ||
+      h.v_ring.size() != kAmaxHistoryLen * cells || h.k_sum.size() != cells || h.k_hi.size() != cells ||
+      h.k_lo.size() != cells)
+    fail_cat("FOVEA attention: a fine history of ", h.heads, " x ", h.head_dim, " for a device one of ", heads_, " x ", head_dim_);
+}
+
+void DeviceFineHistory::upload(const FineHistory& h) {
+  check(h);
+  const auto put = [](void* dst, const auto& v) {
+    FOVEA_CUDA_CHECK(cudaMemcpy(dst, v.data(), v.size() * sizeof(v[0]), cudaMemcpyHostToDevice));
+  };
+  put(ring_.k_sum, h.k_sum), put(ring_.k_hi, h.k_hi), put(ring_.k_lo, h.k_lo);
+  put(ring_.q, h.q_ring), put(ring_.k, h.k_ring), put(ring_.v, h.v_ring);
+  FOVEA_CUDA_CHECK(cudaMemcpy(ring_.counts, &h.counts, sizeof(FineCounts), cudaMemcpyHostToDevice));
+}
+
+size_t DeviceFineHistory::bytes() const { return FineLayout(heads_, head_dim_).bytes; }
+
+void DeviceFineHistory::unpack(const void* host, FineHistory& h) const {
+  check(h);
+  const FineLayout l(heads_, head_dim_);
+  const auto* b = static_cast<const uint8_t*>(host);
+  const auto get = [&](auto& v, size_t at) { std::memcpy(v.data(), b + at, v.size() * sizeof(v[0])); };
+  get(h.k_sum, l.k_sum), get(h.k_hi, l.k_hi), get(h.k_lo, l.k_lo);
+  get(h.q_ring, l.q), get(h.k_ring, l.k), get(h.v_ring, l.v);
+  std::memcpy(&h.counts, b + l.counts, sizeof(FineCounts));
+}
+
+void DeviceFineHistory::download(FineHistory& h) const {
+  std::vector<uint8_t> host(bytes());
+  FOVEA_CUDA_CHECK(cudaMemcpy(host.data(), mem_, host.size(), cudaMemcpyDeviceToHost));
+  unpack(host.data(), h);
 }
 
 void FlashAttention::attend(void* out, cudaStream_t stream) {

@@ -22,6 +22,7 @@ struct FineScratch {
   unsigned int* v_amax = nullptr;
   unsigned int* q_amax = nullptr;
   unsigned int* done = nullptr;
+  unsigned int* bad = nullptr;  // nonzero once a non-finite input was seen
 };
 
 struct PrepareArgs {
@@ -53,6 +54,7 @@ struct FineLaunch {
   FineArrays arrays;
   bool current = false;
   FineScratch scratch;
+  FineRing ring;  // with current: the layer's history (ScaleBook::record_fine's), or all null
 };
 
 void launch_prepare(const PrepareArgs& a, bool fp8, int head_dim, cudaStream_t stream, const FineLaunch* fine = nullptr);

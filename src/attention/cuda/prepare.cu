@@ -184,15 +184,16 @@ __device__ __forceinline__ float from_ordered_bits(unsigned int u) {
 
 constexpr int kStatThreads = 256;
 
-// This batch's robust-scheme arrays, as cpu::current_fine_scales computes them: K's mean over every
-// token of the batch per (head, channel), then per head amax / 448 of Q and of K - mean, and per
-// channel amax / 448 of V, each floored at kMinScale. A thread holds one column pair (d, d + hd/2)
-// of one token row at a time (RoPE pairs those), so its per-channel state is a few registers; the
-// CTA reduces in shared memory, then into fine_scratch with atomics (K's sum in double: its order
-// then leaves the float mean as the host's), and the last CTA writes the arrays and clears the scratch.
-// The amax of K - mean is exact from K's extremes: x -> fl(x - mean) is monotonic.
+// The robust scheme's arrays for this batch. A thread holds one column pair (d, d + hd/2) of one
+// token row at a time (RoPE pairs those), so its per-channel state is a few registers; the CTA reduces
+// in shared memory, then into `f` with atomics (K's sum in double: its order then leaves the float
+// mean as the host's), and the last CTA writes the arrays and clears the scratch. K's mean is this
+// batch's, over every token; the amax of K - mean per head comes from K's extremes (exact:
+// x -> fl(x - mean) is monotonic). Without a history (`ring` null) the scales are this batch's
+// amax / 448 (cpu::current_fine_scales); with one, the last CTA records the batch and takes the max
+// over the ring as ScaleBook::record_fine does, with the same helpers (scales.h).
 template <int kHeadDim>
-__global__ void __launch_bounds__(kStatThreads) fine_stats_kernel(PrepareArgs a, FineArrays out, FineScratch f) {
+__global__ void __launch_bounds__(kStatThreads) fine_stats_kernel(PrepareArgs a, FineArrays out, FineScratch f, FineRing ring) {
   constexpr int kHalf = kHeadDim / 2, kRows = kStatThreads / kHalf;
   __shared__ double s_sum[kRows][kHeadDim];
   __shared__ float s_max[kRows][kHeadDim], s_min[kRows][kHeadDim], s_v[kRows][kHeadDim];
@@ -201,6 +202,7 @@ __global__ void __launch_bounds__(kStatThreads) fine_stats_kernel(PrepareArgs a,
   const int head = blockIdx.y, r = threadIdx.x / kHalf, c = threadIdx.x % kHalf;
   if (threadIdx.x == 0) s_q = 0;
   __syncthreads();
+  bool bad = false;  // a non-finite input (fmaxf would drop a NaN)
   if (r < kRows) {
     float q_amax = 0.f, k_max[2] = {-INFINITY, -INFINITY}, k_min[2] = {INFINITY, INFINITY}, v_amax[2] = {0.f, 0.f};
     double k_sum[2] = {0.0, 0.0};
@@ -221,6 +223,8 @@ __global__ void __launch_bounds__(kStatThreads) fine_stats_kernel(PrepareArgs a,
       }
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
+#pragma unroll
+        for (int w = 0; w < 3; ++w) bad |= (__float_as_uint(x[w][e]) & 0x7F800000u) == 0x7F800000u;
         q_amax = fmaxf(q_amax, fabsf(x[0][e]));
         k_sum[e] += double(x[1][e]);
         k_max[e] = fmaxf(k_max[e], x[1][e]);
@@ -237,7 +241,7 @@ __global__ void __launch_bounds__(kStatThreads) fine_stats_kernel(PrepareArgs a,
     }
     atomicMax(&s_q, __float_as_uint(q_amax));
   }
-  __syncthreads();
+  if (__syncthreads_or(bad) && threadIdx.x == 0) atomicOr(f.bad, 1u);
   for (int d = threadIdx.x; d < kHeadDim; d += kStatThreads) {
     double sum = 0.0;
     float mx = -INFINITY, mn = INFINITY, va = 0.f;
@@ -255,8 +259,11 @@ __global__ void __launch_bounds__(kStatThreads) fine_stats_kernel(PrepareArgs a,
   __syncthreads();
   if (!last) return;
   __threadfence();
-  const auto to_scale = [](float amax) { return fmaxf(amax / kE4M3Max, kMinScale); };
   const double n = double(a.total_tokens);
+  const bool keep = __ldcg(f.bad) == 0u;  // a non-finite batch is not recorded (counted instead)
+  const int cells = a.heads * kHeadDim;
+  const int slot = ring.counts ? ring.counts->pos : 0;
+  const int filled = ring.counts ? (keep ? min(ring.counts->filled + 1, kAmaxHistoryLen) : ring.counts->filled) : 0;
   // A warp a head, its lanes over the channels (H x hd cells in all; a thread a head was bound by
   // the latency of its hd dependent loads: 0.09 against 0.05 ms for the whole step at S 1024).
   const int lane = threadIdx.x % 32;
@@ -264,24 +271,45 @@ __global__ void __launch_bounds__(kStatThreads) fine_stats_kernel(PrepareArgs a,
     float dev = 0.f;
     for (int d = lane; d < kHeadDim; d += 32) {
       const int cell = h * kHeadDim + d;
-      const float mean = float(__ldcg(&f.k_sum[cell]) / n);
+      const double sum = __ldcg(&f.k_sum[cell]);
+      const float mean = float(sum / n);
       const float hi = from_ordered_bits(__ldcg(&f.k_max[cell])), lo = -from_ordered_bits(__ldcg(&f.k_neg_max[cell]));
-      dev = fmaxf(dev, fmaxf(__fsub_rn(hi, mean), __fsub_rn(mean, lo)));
+      const float va = __uint_as_float(__ldcg(&f.v_amax[cell]));
+      dev = fmaxf(dev, smoothed_amax(hi, lo, mean));
       out.k_mean[cell] = mean;
-      out.v_channel[cell] = to_scale(__uint_as_float(__ldcg(&f.v_amax[cell])));
+      out.v_channel[cell] = fine_ring_scale(ring.v ? ring.v + cell : nullptr, cells, filled, slot, keep, va);
+      if (ring.counts && keep) {
+        ring.v[slot * cells + cell] = va;
+        ring.k_sum[cell] += sum;
+        ring.k_hi[cell] = fmaxf(ring.k_hi[cell], hi);
+        ring.k_lo[cell] = fminf(ring.k_lo[cell], lo);
+      }
       f.k_sum[cell] = 0.0, f.k_max[cell] = f.k_neg_max[cell] = f.v_amax[cell] = 0u;
     }
 #pragma unroll
     for (int o = 16; o > 0; o /= 2) dev = fmaxf(dev, __shfl_xor_sync(0xffffffffu, dev, o));
     if (lane == 0) {
-      out.k_head[h] = to_scale(dev);
-      out.q_head[h] = to_scale(__uint_as_float(__ldcg(&f.q_amax[h])));
+      const float qa = __uint_as_float(__ldcg(&f.q_amax[h]));
+      out.k_head[h] = fine_ring_scale(ring.k ? ring.k + h : nullptr, a.heads, filled, slot, keep, dev);
+      out.q_head[h] = fine_ring_scale(ring.q ? ring.q + h : nullptr, a.heads, filled, slot, keep, qa);
+      if (ring.counts && keep) ring.k[slot * a.heads + h] = dev, ring.q[slot * a.heads + h] = qa;
       f.q_amax[h] = 0u;
     }
   }
   __syncthreads();
   if (threadIdx.x == 0) {
+    if (FineCounts* cnt = ring.counts) {
+      cnt->updates += 1;
+      if (keep) {
+        cnt->pos = (slot + 1) % kAmaxHistoryLen;
+        cnt->filled = filled;
+        cnt->tokens += n;
+      } else {
+        cnt->nonfinite += 1;
+      }
+    }
     *f.done = 0u;
+    *f.bad = 0u;
     __threadfence();
   }
 }
@@ -377,7 +405,7 @@ void launch_for_head_dim(const PrepareArgs& a, bool fp8, cudaStream_t stream, co
   if (fp8 && fine && fine->current) {
     const int rows = kStatThreads / (kHeadDim / 2);
     const int blocks_x = int(std::min<int64_t>((a.total_tokens + rows - 1) / rows, 2048 / std::max(1, a.heads) + 1));
-    fine_stats_kernel<kHeadDim><<<dim3(blocks_x, a.heads), kStatThreads, 0, stream>>>(a, fine->arrays, fine->scratch);
+    fine_stats_kernel<kHeadDim><<<dim3(blocks_x, a.heads), kStatThreads, 0, stream>>>(a, fine->arrays, fine->scratch, fine->ring);
     FOVEA_CUDA_CHECK(cudaGetLastError());
   } else if (fp8 && a.dynamic) {
     const int blocks_x = int(std::min<int64_t>((a.total_tokens + kThreads - 1) / kThreads, 1024 / std::max(1, a.heads) + 1));

@@ -147,6 +147,8 @@ ForwardResult forward_cpu(const Model& m, const std::vector<float>& pixels, cons
     }
   }
 
+  if (opt.attention == cpu::RefMode::FP8 && opt.fp8_robust && !opt.fine_scales) opt.scales->enable_fine(H, hd);
+
   ForwardResult res;
   std::vector<float> x = linear(W.patch_embed, pixels, N, opt.threads);
   const std::vector<float> pe = position_embedding(c, W.pos, grids);
@@ -171,16 +173,15 @@ ForwardResult forward_cpu(const Model& m, const std::vector<float>& pixels, cons
     cpu::RefOptions ro;
     ro.mode = opt.attention;
     ro.threads = opt.threads;
-    if (ro.mode == cpu::RefMode::FP8)
-      ro.fp8_scales = opt.scales->record(layer, amax(shape, view(qkv, 0)), amax(shape, view(qkv, 1)), amax(shape, view(qkv, 2)));
     if (ro.mode == cpu::RefMode::FP8 && opt.fp8_robust) {
-      if (opt.fine_scales) {  // static: the file's arrays, K's calibrated mean included
-        const FineScales& f = opt.fine_scales->at(size_t(layer));
-        ro.fp8_fine.k_mean = f.k_mean, ro.fp8_fine.q_head = f.q_head, ro.fp8_fine.k_head = f.k_head;
-        ro.fp8_fine.v_channel = f.v_channel;
-      } else {  // dynamic: this batch's own
-        ro.fp8_fine = cpu::current_fine_scales(shape, view(qkv, 0), view(qkv, 1), view(qkv, 2), {true, true, true, false});
-      }
+      // Static: the file's arrays, K's calibrated mean included. Dynamic and calibrating: this batch
+      // recorded in the layer's history, its own K mean.
+      const FineScales f = opt.fine_scales ? opt.fine_scales->at(size_t(layer))
+                                           : opt.scales->record_fine(layer, cpu::fine_batch(shape, view(qkv, 0), view(qkv, 1), view(qkv, 2)));
+      ro.fp8_fine.k_mean = f.k_mean, ro.fp8_fine.q_head = f.q_head, ro.fp8_fine.k_head = f.k_head;
+      ro.fp8_fine.v_channel = f.v_channel;
+    } else if (ro.mode == cpu::RefMode::FP8) {
+      ro.fp8_scales = opt.scales->record(layer, amax(shape, view(qkv, 0)), amax(shape, view(qkv, 1)), amax(shape, view(qkv, 2)));
     }
     std::vector<double> attn64(size_t(N) * D);
     cpu::attention(shape, view(qkv, 0), view(qkv, 1), view(qkv, 2), ro, attn64.data());

@@ -458,9 +458,11 @@ struct Encoder::Impl {
   std::unique_ptr<fovea::cuda::FlashAttention> attn;
   LayerAmax* amax = nullptr;    // FP8 dynamic / calibrate: [depth] rings on the device
   float* fixed = nullptr;       // FP8 static: [depth][3]
-  // FP8 robust scheme: [depth] layers' arrays (static), or one set every layer refills (dynamic).
+  // FP8 robust scheme: [depth] layers' arrays (static), or one set every layer refills (dynamic,
+  // calibrate) from its batch and its history on the device (the book's, copied back by sync_scales).
   std::vector<fovea::cuda::FineArrays> fine;
   bool fine_current = false;
+  std::vector<fovea::cuda::DeviceFineHistory> fine_hist;
   // Per plan():
   std::vector<GridThw> grids;
   int64_t n = 0;
@@ -491,10 +493,16 @@ struct Encoder::Impl {
     fovea::cuda::StagingSlot mem;
     size_t count = 0, outputs = 0;  // values per output, outputs copied
     bool amax = false;               // the FP8 rings follow the outputs
+    bool fine = false;               // and, calibrating the robust scheme, its histories
     int64_t ticket = -1;             // the download it holds until collected; -1: free
   } out[2];
   int64_t next_ticket = 0;
 
+  // Bytes of the robust scheme's histories that follow a download's outputs: calibration only.
+  size_t fine_history_bytes() const {
+    if (fine_hist.empty() || opt.scales->mode() != ScaleMode::CALIBRATE) return 0;
+    return fine_hist.size() * fine_hist[0].bytes();
+  }
   void layout_arena(int64_t n);  // points every buffer above into the arena, growing it if needed
   void grid_tables(const std::vector<GridThw>& grids, cudaStream_t stream);
   template <class T>
@@ -572,11 +580,12 @@ Encoder::Encoder(const Model& model, const EncoderOptions& options) : impl_(new 
           }
           break;
         case ScaleMode::DYNAMIC:
+        case ScaleMode::CALIBRATE:
           m.fine.push_back(arrays(nullptr));
           m.fine_current = true;
+          options.scales->enable_fine(H, hd);
+          for (const FineHistory& h : options.scales->fine_state()) m.fine_hist.emplace_back(h);
           break;
-        case ScaleMode::CALIBRATE:
-          fail_cat("encoder: the robust FP8 scheme does not calibrate yet; calibrate with per-tensor scales");
       }
     } else if (options.scales->mode() == ScaleMode::STATIC) {
       std::vector<float> f;
@@ -662,7 +671,7 @@ void Encoder::reserve(int64_t patches, bool with_deepstack, int batches) {
   const size_t raw = size_t(patches) * m.cfg.patch_dim() / m.cfg.temporal_patch;
   const size_t outputs = 1 + (with_deepstack ? m.cfg.deepstack.size() : 0);
   const size_t rings = m.amax ? sizeof(LayerAmax) * size_t(m.cfg.depth) : 0;
-  const size_t out_bytes = size_t(patches / 4) * m.cfg.out_hidden * 2 * outputs + rings;
+  const size_t out_bytes = m.fine_history_bytes() + size_t(patches / 4) * m.cfg.out_hidden * 2 * outputs + rings;
   for (int k = 0; k < std::clamp(batches, 0, 2); ++k) {  // the slots the next batches take, in order
     const int px = (m.next_pixels + k) % 2;
     if (!(m.staged && m.staged_slot == px)) m.pixels_in[px].reserve(raw);
@@ -800,6 +809,7 @@ void Encoder::forward(cudaStream_t s) {
     if (!m.fine.empty()) {
       sc.fine = m.fine[m.fine_current ? 0 : size_t(l)];
       sc.fine_current = m.fine_current;
+      if (m.fine_current) sc.fine_ring = m.fine_hist[size_t(l)].ring();
     } else {
       if (m.amax) sc.dynamic = m.amax + l;
       if (m.fixed) sc.fixed = m.fixed + 3 * l;
@@ -824,6 +834,11 @@ void Encoder::forward(cudaStream_t s) {
 
 void Encoder::sync_scales(cudaStream_t stream) {
   Impl& m = *impl_;
+  if (!m.fine_hist.empty()) {
+    FOVEA_CUDA_CHECK(cudaStreamSynchronize(stream));
+    auto& state = m.opt.scales->fine_state();
+    for (size_t l = 0; l < m.fine_hist.size(); ++l) m.fine_hist[l].download(state[l]);
+  }
   if (!m.amax) return;
   auto& state = m.opt.scales->amax_state();
   FOVEA_CUDA_CHECK(cudaMemcpyAsync(state.data(), m.amax, sizeof(LayerAmax) * state.size(), cudaMemcpyDeviceToHost, stream));
@@ -832,7 +847,7 @@ void Encoder::sync_scales(cudaStream_t stream) {
 
 void Encoder::after_forward(cudaStream_t stream) {
   Impl& m = *impl_;
-  if (!m.amax || m.opt.scales->mode() != ScaleMode::CALIBRATE) return;
+  if ((!m.amax && m.fine_hist.empty()) || m.opt.scales->mode() != ScaleMode::CALIBRATE) return;
   sync_scales(stream);
   m.opt.scales->after_forward();
 }
@@ -848,11 +863,19 @@ int64_t Encoder::download(bool with_deepstack, cudaStream_t stream) {
   o.count = size_t(m.n / 4 * m.cfg.out_hidden);
   o.outputs = from.size();
   o.amax = m.amax != nullptr;
-  const size_t rings = o.amax ? sizeof(LayerAmax) * size_t(m.cfg.depth) : 0;
-  uint8_t* h = o.mem.take(o.count * 2 * o.outputs + rings);
+  const size_t rings = o.amax ? sizeof(LayerAmax) * size_t(m.cfg.depth) : 0, hist = m.fine_history_bytes();
+  o.fine = hist > 0;
+  uint8_t* h = o.mem.take(o.count * 2 * o.outputs + rings + hist);
   for (size_t k = 0; k < from.size(); ++k)
     FOVEA_CUDA_CHECK(cudaMemcpyAsync(h + k * o.count * 2, from[k], o.count * 2, cudaMemcpyDeviceToHost, stream));
   if (rings) FOVEA_CUDA_CHECK(cudaMemcpyAsync(h + o.count * 2 * o.outputs, m.amax, rings, cudaMemcpyDeviceToHost, stream));
+  if (o.fine) {
+    uint8_t* at = h + o.count * 2 * o.outputs + rings;
+    for (const auto& fh : m.fine_hist) {
+      FOVEA_CUDA_CHECK(cudaMemcpyAsync(at, fh.data(), fh.bytes(), cudaMemcpyDeviceToHost, stream));
+      at += fh.bytes();
+    }
+  }
   o.mem.release(stream);
   o.ticket = ticket;
   m.next_ticket += 1;
@@ -869,9 +892,15 @@ std::vector<std::span<const uint16_t>> Encoder::Impl::collect_views(int64_t tick
   const auto* h = reinterpret_cast<const uint16_t*>(o.mem.data());
   std::vector<std::span<const uint16_t>> views;
   for (size_t k = 0; k < o.outputs; ++k) views.emplace_back(h + k * o.count, o.count);
+  const auto* bytes = reinterpret_cast<const uint8_t*>(h + o.count * o.outputs);
   if (o.amax) {
     auto& state = opt.scales->amax_state();
-    std::memcpy(state.data(), h + o.count * o.outputs, sizeof(LayerAmax) * state.size());
+    std::memcpy(state.data(), bytes, sizeof(LayerAmax) * state.size());
+    bytes += sizeof(LayerAmax) * state.size();
+  }
+  if (o.fine) {
+    auto& state = opt.scales->fine_state();
+    for (size_t l = 0; l < fine_hist.size(); bytes += fine_hist[l].bytes(), ++l) fine_hist[l].unpack(bytes, state[l]);
   }
   return views;
 }
