@@ -55,13 +55,18 @@ FOVEA_HD void amax_history_reset(AmaxHistory& h) {
   h.scale = kMinScale;
 }
 
+// amax / 448, floored at the smallest normal float.
+FOVEA_HD float amax_to_scale(float amax) {
+  const float s = amax / kE4M3Max;
+  return s < kMinScale ? kMinScale : s;
+}
+
 // s = max(ring) / 448, floored at the smallest normal float (an empty ring gives the floor).
 FOVEA_HD float amax_history_scale(const AmaxHistory& h) {
   float m = 0.0f;
   for (int i = 0; i < kAmaxHistoryLen; ++i)
     if (i < h.filled && h.ring[i] > m) m = h.ring[i];
-  const float s = m / kE4M3Max;
-  return s < kMinScale ? kMinScale : s;
+  return amax_to_scale(m);
 }
 
 // One forward of dynamic scaling: record amax (unless non-finite), recompute the scale, return it.
@@ -137,16 +142,18 @@ FOVEA_HD float smoothed_amax(float hi, float lo, float mean) {
   const float a = hi - mean, b = mean - lo;
   return a > b ? a : b;
 }
-// The largest of ring slots [0, filled) of a cell (stride apart), with `cur` in slot `slot` when
-// `keep`, as a dequantization scale: / 448, floored at kMinScale. `ring` may be null (no history:
-// current scaling, the ring is `cur` alone).
-FOVEA_HD float fine_ring_scale(const float* ring, int stride, int filled, int slot, bool keep, float cur) {
-  float m = keep ? cur : 0.0f;
-  if (ring)
-    for (int j = 0; j < kAmaxHistoryLen; ++j)
-      if (j < filled && !(keep && j == slot) && ring[j * stride] > m) m = ring[j * stride];
-  const float s = m / kE4M3Max;
-  return s < kMinScale ? kMinScale : s;
+// The largest of ring slots [0, filled) of a cell (stride apart) other than `slot` when `keep`
+// (the slot this batch then overwrites); 0 for an empty ring.
+FOVEA_HD float fine_ring_prev(const float* ring, int stride, int filled, int slot, bool keep) {
+  float m = 0.0f;
+  for (int j = 0; j < kAmaxHistoryLen; ++j)
+    if (j < filled && !(keep && j == slot) && ring[j * stride] > m) m = ring[j * stride];
+  return m;
+}
+// A cell's scale after this batch: the largest of the ring before it (fine_ring_prev) and, when
+// `keep` (the batch is recorded), its own amax `cur`; / 448, floored at kMinScale.
+FOVEA_HD float fine_ring_scale(float prev, bool keep, float cur) {
+  return amax_to_scale(keep && cur > prev ? cur : prev);
 }
 
 enum class ScaleMode { DYNAMIC, STATIC, CALIBRATE };

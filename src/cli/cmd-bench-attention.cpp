@@ -253,6 +253,8 @@ int run_bench_cuda(const Args& a, const VarlenShape& shape, const std::vector<in
       d_fine.emplace_back(v->size());
       FOVEA_CUDA_CHECK(cudaMemcpy(d_fine.back().data(), v->data(), d_fine.back().bytes(), cudaMemcpyHostToDevice));
     }
+  // The dynamic runs record into a history, as the encoder's layers do.
+  const cuda::DeviceFineHistory d_history{FineHistory(int(H), int(hd))};
   auto fine_arrays = [&](int set) {
     return cuda::FineArrays{d_fine[size_t(4 * set)].data(), d_fine[size_t(4 * set + 1)].data(),
                             d_fine[size_t(4 * set + 2)].data(), d_fine[size_t(4 * set + 3)].data()};
@@ -282,6 +284,7 @@ int run_bench_cuda(const Args& a, const VarlenShape& shape, const std::vector<in
       st_scales.fine = fine_arrays(0);
       dyn_scales.fine = fine_arrays(1);
       dyn_scales.fine_current = true;
+      dyn_scales.fine_ring = d_history.ring();
     } else {
       st_scales.fixed = d_fixed.data();
       dyn_scales.dynamic = d_amax.data();

@@ -136,11 +136,11 @@ FineScales ScaleBook::record_fine(int layer, const FineBatch& b) {
     out.k_mean[i] = mean;
     float& d = dev[i / size_t(f.head_dim)];
     d = std::max(d, smoothed_amax(b.k_hi[i], b.k_lo[i], mean));
-    out.v_channel[i] = fine_ring_scale(f.v_ring.data() + i, int(cells), filled, slot, keep, b.v_amax[i]);
+    out.v_channel[i] = fine_ring_scale(fine_ring_prev(f.v_ring.data() + i, int(cells), filled, slot, keep), keep, b.v_amax[i]);
   }
   for (int h = 0; h < H; ++h) {
-    out.q_head[size_t(h)] = fine_ring_scale(f.q_ring.data() + h, H, filled, slot, keep, b.q_amax[size_t(h)]);
-    out.k_head[size_t(h)] = fine_ring_scale(f.k_ring.data() + h, H, filled, slot, keep, dev[size_t(h)]);
+    out.q_head[size_t(h)] = fine_ring_scale(fine_ring_prev(f.q_ring.data() + h, H, filled, slot, keep), keep, b.q_amax[size_t(h)]);
+    out.k_head[size_t(h)] = fine_ring_scale(fine_ring_prev(f.k_ring.data() + h, H, filled, slot, keep), keep, dev[size_t(h)]);
   }
   c.updates += 1;
   if (!keep) {
@@ -182,11 +182,11 @@ std::vector<FineScales> ScaleBook::calibrated_fine(float margin) const {
       o.k_mean[i] = float(f.k_sum[i] / f.counts.tokens);
       float& d = o.k_head[i / size_t(f.head_dim)];
       d = std::max(d, smoothed_amax(f.k_hi[i], f.k_lo[i], o.k_mean[i]));
-      o.v_channel[i] = fine_ring_scale(f.v_ring.data() + i, int(cells), f.counts.filled, 0, false, 0.0f) * margin;
+      o.v_channel[i] = amax_to_scale(fine_ring_prev(f.v_ring.data() + i, int(cells), f.counts.filled, 0, false)) * margin;
     }
     for (int h = 0; h < H; ++h) {
-      o.q_head[size_t(h)] = fine_ring_scale(f.q_ring.data() + h, H, f.counts.filled, 0, false, 0.0f) * margin;
-      o.k_head[size_t(h)] = fine_ring_scale(nullptr, H, 0, 0, true, o.k_head[size_t(h)]) * margin;
+      o.q_head[size_t(h)] = amax_to_scale(fine_ring_prev(f.q_ring.data() + h, H, f.counts.filled, 0, false)) * margin;
+      o.k_head[size_t(h)] = amax_to_scale(o.k_head[size_t(h)]) * margin;
     }
   }
   return out;
@@ -202,7 +202,7 @@ std::vector<QkvScales> ScaleBook::calibrated(float margin) const {
       float k = 0.0f;
       for (size_t i = 0; i < f.k_hi.size(); ++i) k = std::max({k, std::fabs(f.k_hi[i]), std::fabs(f.k_lo[i])});
       const auto top = [](const std::vector<float>& v) { return *std::max_element(v.begin(), v.end()); };
-      out[l] = {top(fine[l].q_head), fine_ring_scale(nullptr, 1, 0, 0, true, k) * margin, top(fine[l].v_channel)};
+      out[l] = {top(fine[l].q_head), amax_to_scale(k) * margin, top(fine[l].v_channel)};
     }
     return out;
   }

@@ -107,7 +107,7 @@ FlashAttention::FlashAttention(AttnDtype dtype, int heads, int head_dim) : impl_
   if (impl_->fp8) {  // allocated here, not in prepare(), which a CUDA graph may capture
     const size_t cells = size_t(heads) * size_t(head_dim);
     Impl& m = *impl_;
-    m.d_fine_scratch.reset(cells * (8 + 3 * 4) + size_t(heads) * 4 + 8);
+    m.d_fine_scratch.reset(cells * (8 + 5 * 4) + size_t(heads) * 5 * 4 + 8);
     uint8_t* b = m.d_fine_scratch.data();
     m.fine_scratch.k_sum = reinterpret_cast<double*>(b);
     m.fine_scratch.k_max = reinterpret_cast<unsigned int*>(b + cells * 8);
@@ -116,6 +116,9 @@ FlashAttention::FlashAttention(AttnDtype dtype, int heads, int head_dim) : impl_
     m.fine_scratch.q_amax = m.fine_scratch.v_amax + cells;
     m.fine_scratch.done = m.fine_scratch.q_amax + heads;
     m.fine_scratch.bad = m.fine_scratch.done + 1;
+    float* prev = reinterpret_cast<float*>(m.fine_scratch.bad + 1);
+    for (int i = 0; i < 2; ++i, prev += cells) m.fine_scratch.v_prev[i] = prev;
+    for (int i = 0; i < 2; ++i, prev += 2 * heads) m.fine_scratch.q_prev[i] = prev, m.fine_scratch.k_prev[i] = prev + heads;
     FOVEA_CUDA_CHECK(cudaMemset(b, 0, m.d_fine_scratch.bytes()));
   }
 }

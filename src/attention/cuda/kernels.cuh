@@ -23,6 +23,11 @@ struct FineScratch {
   unsigned int* q_amax = nullptr;
   unsigned int* done = nullptr;
   unsigned int* bad = nullptr;  // nonzero once a non-finite input was seen
+  // With a history: the rings' maxima before this batch, per V channel and per head of Q and K,
+  // over the slots that stay if the batch is recorded ([0]) and over all filled slots ([1]).
+  float* v_prev[2] = {nullptr, nullptr};  // [H * hd]
+  float* q_prev[2] = {nullptr, nullptr};  // [H]
+  float* k_prev[2] = {nullptr, nullptr};  // [H]
 };
 
 struct PrepareArgs {
