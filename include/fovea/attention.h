@@ -209,22 +209,34 @@ struct DeviceScales {
 //             scaling one extra launch first reduces amax and updates the ring, all on the device);
 //   attend()  writes bf16 out [N, H, hd] (contiguous), ready for the proj GEMM.
 // prepare() and attend() make no host synchronization and can be captured in a CUDA graph.
-class FlashAttention {
+// Every GPU attention backend (FOVEA, CUDNN) has this interface: the encoder holds an Attention.
+class Attention {
+ public:
+  virtual ~Attention() = default;
+  virtual void plan(const std::vector<int32_t>& cu_seqlens, cudaStream_t stream = nullptr) = 0;
+  // qkv: device bf16, token stride qkv_token_stride elements (3*H*hd when packed); rope_cos/sin:
+  // device fp32 [N, hd/2] (angle of dims d and d + hd/2), or both null for no RoPE.
+  virtual void prepare(const void* qkv, int64_t qkv_token_stride, const float* rope_cos, const float* rope_sin,
+                       const DeviceScales& scales, cudaStream_t stream) = 0;
+  virtual void attend(void* out, cudaStream_t stream) = 0;
+  virtual const VarlenShape& shape() const = 0;
+  virtual AttnDtype dtype() const = 0;
+};
+
+class FlashAttention final : public Attention {
  public:
   FlashAttention(AttnDtype dtype, int heads, int head_dim);
-  ~FlashAttention();
+  ~FlashAttention() override;
   FlashAttention(const FlashAttention&) = delete;
   FlashAttention& operator=(const FlashAttention&) = delete;
 
-  void plan(const std::vector<int32_t>& cu_seqlens, cudaStream_t stream = nullptr);
-  // qkv: device bf16, token stride qkv_token_stride elements (3*H*hd when packed); rope_cos/sin:
-  // device fp32 [N, hd/2] (angle of dims d and d + hd/2), or both null for no RoPE.
+  void plan(const std::vector<int32_t>& cu_seqlens, cudaStream_t stream = nullptr) override;
   void prepare(const void* qkv, int64_t qkv_token_stride, const float* rope_cos, const float* rope_sin,
-               const DeviceScales& scales, cudaStream_t stream);
-  void attend(void* out, cudaStream_t stream);
+               const DeviceScales& scales, cudaStream_t stream) override;
+  void attend(void* out, cudaStream_t stream) override;
 
-  const VarlenShape& shape() const;
-  AttnDtype dtype() const;
+  const VarlenShape& shape() const override;
+  AttnDtype dtype() const override;
 
   struct Impl;
 

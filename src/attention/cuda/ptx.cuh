@@ -7,6 +7,8 @@
 #include <cuda_fp16.h>
 #include <cstdint>
 
+#include "fovea/fp8.h"
+
 namespace fovea::cuda::ptx {
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
@@ -128,10 +130,16 @@ __device__ __forceinline__ uint16_t e4m3x2_of_f16x2(uint32_t h) {
   return r;
 }
 // Two floats to two E4M3 (RNE, saturating) in 16 bits, lo in the low byte.
+// Before sm_89 (no FP8 conversion instruction) fovea's own codec, which equals it on every float
+// (test-fp8-device).
 __device__ __forceinline__ uint16_t e4m3x2_of_f32(float lo, float hi) {
+#if __CUDA_ARCH__ >= 890
   uint16_t r;
   asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
   return r;
+#else
+  return uint16_t(e4m3_from_float(lo) | (uint16_t(e4m3_from_float(hi)) << 8));
+#endif
 }
 // The sum of a packed f16x2's halves, in fp32.
 __device__ __forceinline__ float sum_f16x2(uint32_t h) {
