@@ -23,13 +23,15 @@ namespace {
 SystemInfo no_gpu(bool cuda_built = false) {
   SystemInfo s;
   s.cuda_built = s.cudnn_built = s.cudnn_backend = cuda_built;
+  s.cudnn_version = cuda_built ? 91900 : 0;
   s.gpu_error = "no GPU in this test";
   return s;
 }
 SystemInfo with_gpu(const std::string& name, int major, int minor, bool cuda_built = true, bool cudnn_built = true) {
   SystemInfo s;
   s.cuda_built = cuda_built;
-  s.cudnn_built = s.cudnn_backend = cudnn_built;  // a build with the CUDNN backend (not written yet)
+  s.cudnn_built = s.cudnn_backend = cudnn_built;  // a build with the CUDNN backend
+  s.cudnn_version = cudnn_built ? 91900 : 0;
   s.gpus.push_back({0, name, major, minor, 132, size_t(141) << 30});
   return s;
 }
@@ -86,6 +88,25 @@ TEST(ResolveEngine, AutoOnAmpereIsCudnn) {
   EXPECT_HAS(msg, kBackendFlag);
   EXPECT_HAS(msg, "cuDNN");
   EXPECT_HAS(msg, "CPU (--device cpu)");
+}
+
+// Where the CUDNN backend cannot run, the error says why and lists where the dtype runs: FP8 (BF16
+// only), an old cuDNN at run time, a GPU older than sm_80; FP8 linears need sm_90.
+TEST(ResolveEngine, CudnnLimitsAreErrorsThatSayWhy) {
+  const std::string fp8 = error_of({.backend = "CUDNN", .dtype = "fp8"}, h200());
+  EXPECT_HAS(fp8, "runs BF16 only");
+  EXPECT_HAS(fp8, "FOVEA (--device cuda)");  // FP8 runs on this H200 with FOVEA
+  EXPECT_HAS(error_of({.dtype = "fp8"}, a100()), "runs BF16 only");  // AUTO on Ampere is CUDNN: no FP8 there
+  SystemInfo old = a100();
+  old.cudnn_version = 91400;
+  EXPECT_HAS(error_of({}, old), "cuDNN 9.15 or newer at run time");
+  EXPECT_HAS(error_of({}, old), "loaded 9.14.0");
+  EXPECT_HAS(error_of({}, with_gpu("Tesla V100", 7, 0)), "needs sm_80 or newer");
+  EXPECT_EQ(resolve_engine({.backend = "CUDNN"}, h200()).backend, AttnBackend::CUDNN);
+  EngineOptions lin;
+  lin.fp8_linears = true;
+  EXPECT_HAS(error_of(lin, a100()), "--fp8-linears on the GPU needs sm_90");
+  EXPECT_TRUE(resolve_engine(lin, h200()).fp8_linears);
 }
 
 TEST(ResolveEngine, BackendNamesAreCaseInsensitiveAndFlashinferIsCudnn) {
@@ -256,8 +277,8 @@ TEST(ResolveEngineErrors, BackendCannotRunThere) {
       {"CUDNN fp8 on sm_80",
        {.backend = "CUDNN", .dtype = "fp8"},
        a100(),
-       {"CUDNN", "sm_89", "sm_80", "fp8 attention runs here on", "CPU (--device cpu)"}},
-      {"AUTO fp8 on sm_80", {.dtype = "fp8"}, a100(), {"sm_89", "runs here on", "CPU (--device cpu)"}},
+       {"CUDNN", "BF16 only", "fp8 attention runs here on", "CPU (--device cpu)"}},
+      {"AUTO fp8 on sm_80", {.dtype = "fp8"}, a100(), {"BF16 only", "runs here on", "CPU (--device cpu)"}},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.name);
@@ -293,12 +314,14 @@ TEST(ScaleBookFromEngine, FollowsTheScaleMode) {
 
 // Today's fovea has no CUDNN backend: the real machine query says so, and AUTO on a non-Hopper GPU
 // is then an error that names what runs, not a silent pick of a missing backend.
-TEST(ResolveEngineErrors, CudnnBackendNotImplementedYet) {
-  EXPECT_FALSE(query_system().cudnn_backend);
+// A build with cuDNN has the CUDNN backend; one without says so when it is asked for.
+TEST(ResolveEngineErrors, CudnnBackendMissingFromTheBuild) {
+  const SystemInfo here = query_system();
+  EXPECT_EQ(here.cudnn_backend, here.cudnn_built);
   SystemInfo sys = a100();
   sys.cudnn_backend = false;
   const std::string msg = error_of({}, sys);
-  EXPECT_HAS(msg, "not implemented");
+  EXPECT_HAS(msg, "built without the CUDNN backend");
   EXPECT_HAS(msg, "CPU (--device cpu)");
   EXPECT_EQ(resolve_engine({.device = "cpu"}, sys).backend, AttnBackend::CPU);
 }

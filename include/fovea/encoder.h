@@ -41,6 +41,7 @@ struct EncoderOptions {
   // `fine_scales` (one per layer, a scale file's fovea_* fields).
   bool fp8_robust = false;
   const std::vector<FineScales>* fine_scales = nullptr;
+  AttnBackend backend = AttnBackend::FOVEA;  // FOVEA (Hopper) or CUDNN (BF16, sm_80 and later)
 };
 
 class Encoder {

@@ -70,6 +70,14 @@ std::vector<Fp8Scheme> parse_schemes(const std::string& s) {
   return out;
 }
 
+std::vector<std::string> split_list(const std::string& s) {
+  std::vector<std::string> out;
+  std::stringstream ss(s);
+  std::string item;
+  while (std::getline(ss, item, ',')) out.push_back(item);
+  return out;
+}
+
 std::vector<int> parse_int_list(const std::string& s, const char* flag) {
   std::vector<int> out;
   std::stringstream ss(s);
@@ -201,12 +209,21 @@ int run_bench(const Args& a) {
 
 int run_bench_cuda(const Args& a, const VarlenShape& shape, const std::vector<int>& seqlens,
                    const std::vector<AttnDtype>& dtypes, const std::vector<float>& qkv, const std::vector<Fp8Scheme>& schemes) {
-  const auto backend = parse_backend(a.backend);
-  if (backend != AttnBackend::FOVEA)
-    fail("--backend {}: the GPU attention benchmark runs FOVEA (the cuDNN backend is not built yet)", a.backend);
+  // --backend: a comma list of FOVEA and CUDNN (FLASHINFER); CUDNN runs the BF16 rows only.
+  std::vector<AttnBackend> backends;
+  for (const std::string& name : split_list(a.backend)) {
+    const auto b = parse_backend(name);
+    if (!b || (*b != AttnBackend::FOVEA && *b != AttnBackend::CUDNN))
+      fail("--backend: '{}' is not one of FOVEA, CUDNN (FLASHINFER)", name);
+    backends.push_back(*b);
+  }
+  if (backends.empty()) fail("--backend: empty list");
   if (a.reps < 1) fail("--reps must be >= 1, got {}", a.reps);
   const SystemInfo sys = query_system();
-  if (auto why = backend_unsupported(AttnBackend::FOVEA, AttnDtype::FP8, Device::CUDA, sys)) fail("--device cuda: {}", *why);
+  for (const AttnBackend b : backends)
+    for (const AttnDtype d : dtypes)
+      if (b == AttnBackend::FOVEA || d == AttnDtype::BF16)
+        if (auto why = backend_unsupported(b, d, Device::CUDA, sys)) fail("--device cuda --backend {}: {}", backend_name(b), *why);
   const int64_t N = shape.total_tokens(), H = shape.heads, hd = shape.head_dim;
 
   // Inputs: the fused bf16 qkv and 2D RoPE tables; the fp32 rotated copy feeds the reference.
@@ -267,17 +284,31 @@ int run_bench_cuda(const Args& a, const VarlenShape& shape, const std::vector<in
   fmt::print("{:<6} | {:>9} | {:>8} | {:>12} | {:>13} | {:>10} | {:>10} | {:>10}\n", "dtype", "attn ms", "TFLOP/s",
              "prep ms", "prep dyn ms", "total ms", "rel_l2", "max_abs");
   nlohmann::ordered_json results = nlohmann::ordered_json::array();
-  std::vector<std::pair<AttnDtype, bool>> runs;  // (dtype, robust)
-  for (AttnDtype d : dtypes) {
-    if (d != AttnDtype::FP8) runs.push_back({d, false});  // BF16 has no scale scheme
-    else
-      for (const Fp8Scheme& f : schemes) runs.push_back({d, std::string(f.name) == "robust"});
-  }
-  for (const auto& [d, robust] : runs) {
-    const bool fp8 = d == AttnDtype::FP8;
-    // FP8 rows name the scheme: "fp8" is per-tensor (vLLM's), "fp8-r" the robust one.
-    const std::string label = robust ? "fp8-r" : dtype_name(d);
-    cuda::FlashAttention attn(d, int(H), int(hd));
+  struct Run {
+    AttnDtype dtype;
+    bool robust;
+    AttnBackend backend;
+  };
+  std::vector<Run> runs;
+  for (const AttnBackend b : backends)
+    for (AttnDtype d : dtypes) {
+      if (d != AttnDtype::FP8) runs.push_back({d, false, b});  // BF16 has no scale scheme
+      else if (b == AttnBackend::FOVEA)
+        for (const Fp8Scheme& f : schemes) runs.push_back({d, std::string(f.name) == "robust", b});
+    }
+  for (const auto& [d, robust, backend] : runs) {
+    const bool fp8 = d == AttnDtype::FP8, cudnn = backend == AttnBackend::CUDNN;
+    // FP8 rows name the scheme: "fp8" is per-tensor (vLLM's), "fp8-r" the robust one; "cudnn" is the
+    // CUDNN backend's BF16.
+    const std::string label = cudnn ? "cudnn" : robust ? "fp8-r" : dtype_name(d);
+#if FOVEA_HAVE_CUDNN
+    const std::unique_ptr<cuda::Attention> attn_ptr =
+        cudnn ? cuda::make_cudnn_attention(d, int(H), int(hd)) : std::make_unique<cuda::FlashAttention>(d, int(H), int(hd));
+#else
+    if (cudnn) fail("--backend CUDNN: this fovea was built without cuDNN");
+    const std::unique_ptr<cuda::Attention> attn_ptr = std::make_unique<cuda::FlashAttention>(d, int(H), int(hd));
+#endif
+    cuda::Attention& attn = *attn_ptr;
     attn.plan(shape.cu_seqlens);
     cuda::DeviceScales st_scales, dyn_scales;
     if (robust) {
@@ -312,7 +343,7 @@ int run_bench_cuda(const Args& a, const VarlenShape& shape, const std::vector<in
     const std::string rel = check ? fmt::format("{:.3e}", e.rel_l2) : "-", mx = check ? fmt::format("{:.3e}", e.max_abs) : "-";
     fmt::print("{:<6} | {:>9.4f} | {:>8.1f} | {:>12.4f} | {:>13.4f} | {:>10.4f} | {:>10} | {:>10}\n", label,
                attn_ms, tflops, prep_ms, prep_dyn_ms, attn_ms + prep_ms, rel, mx);
-    nlohmann::ordered_json entry = {{"dtype", dtype_name(d)},     {"backend", "FOVEA"},     {"attn_ms", attn_ms},
+    nlohmann::ordered_json entry = {{"dtype", dtype_name(d)},     {"backend", backend_name(backend)}, {"attn_ms", attn_ms},
                                     {"fp8_scheme", fp8 ? (robust ? "robust" : "tensor") : "-"},
                                     {"tflops", tflops},           {"prepare_ms", prep_ms},  {"prepare_dynamic_ms", prep_dyn_ms},
                                     {"total_ms", attn_ms + prep_ms}};
@@ -356,7 +387,7 @@ void add_bench_attention(CLI::App* bench, Runner& run) {
   cmd->add_option("--dtype", a->dtypes, "comma list of dtypes: bf16, fp8")->capture_default_str();
   cmd->add_option("--device", a->device, "cpu (the reference emulations) or cuda (the GPU kernels)")
       ->capture_default_str();
-  cmd->add_option("--backend", a->backend, "GPU backend: FOVEA")->capture_default_str();
+  cmd->add_option("--backend", a->backend, "comma list of GPU backends: FOVEA, CUDNN (FLASHINFER; BF16 rows only)")->capture_default_str();
   cmd->add_option("--reps", a->reps, "GPU: timed repetitions (median reported)")->capture_default_str();
   cmd->add_option("--warmup", a->warmup, "GPU: untimed warm-up runs")->capture_default_str();
   cmd->add_option("--check", a->check, "GPU: error against fp64 on head 0 (skipped when sum(S^2) > 2^28)")

@@ -24,9 +24,24 @@ void add_info(CLI::App& app, Runner& run) {
                                                  sys.cudnn_version / 100 % 100, sys.cudnn_version % 100)
                                    : "");
       if (sys.gpus.empty()) fmt::print("GPUs: none ({})\n", sys.gpu_error);
-      for (const auto& g : sys.gpus)
+      for (const auto& g : sys.gpus) {
         fmt::print("GPU {}: {}, sm_{}{}, {} SMs, {:.1f} GiB\n", g.index, g.name, g.cc_major, g.cc_minor, g.sms,
                    double(g.memory_bytes) / (1 << 30));
+        // What each GPU attention backend runs on this GPU, and why not where it does not.
+        SystemInfo one = sys;
+        one.gpus = {g};
+        for (const AttnBackend b : {AttnBackend::FOVEA, AttnBackend::CUDNN}) {
+          std::string runs, why;
+          for (const AttnDtype d : {AttnDtype::BF16, AttnDtype::FP8}) {
+            if (const auto w = backend_unsupported(b, d, Device::CUDA, one)) {
+              if (why.empty()) why = fmt::format("{}: {}", dtype_name(d), *w);
+            } else {
+              runs += runs.empty() ? dtype_name(d) : fmt::format(", {}", dtype_name(d));
+            }
+          }
+          fmt::print("  {:<6} {}{}\n", backend_name(b), runs.empty() ? "-" : runs, why.empty() ? "" : "  [" + why + "]");
+        }
+      }
       std::fflush(stdout);
       const EngineConfig cfg = resolve_engine(*opt, sys);
       fmt::print("engine:\n");

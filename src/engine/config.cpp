@@ -34,11 +34,18 @@ std::optional<std::string> backend_unsupported(AttnBackend b, AttnDtype d, Devic
     case AttnBackend::CUDNN:
       if (dev != Device::CUDA) return "the CUDNN backend runs on a GPU (--device cuda)";
       if (!sys.cudnn_built) return "this fovea was built without cuDNN";
-      if (!sys.cudnn_backend) return "the CUDNN backend is not implemented in this version of fovea yet";
+      if (!sys.cudnn_backend) return "this fovea was built without the CUDNN backend";
+      if (sys.cudnn_version < 91500)
+        return fmt::format("the CUDNN backend needs cuDNN 9.15 or newer at run time (its SDPA operation with sequence "
+                           "lengths); this process loaded {}.{}.{}", sys.cudnn_version / 10000, sys.cudnn_version / 100 % 100,
+                           sys.cudnn_version % 100);
       if (sys.gpus.empty()) return "no GPU is visible";
-      if (d == AttnDtype::FP8 && sys.gpus[0].cc_major * 10 + sys.gpus[0].cc_minor < 89)
-        return fmt::format("cuDNN FP8 attention needs sm_89 or newer; GPU 0 is sm_{}{}", sys.gpus[0].cc_major,
-                           sys.gpus[0].cc_minor);
+      if (sys.gpus[0].cc_major < 8)
+        return fmt::format("the CUDNN backend needs sm_80 or newer (this build's oldest target); GPU 0 is sm_{}{}",
+                           sys.gpus[0].cc_major, sys.gpus[0].cc_minor);
+      if (d == AttnDtype::FP8)
+        return "the CUDNN backend runs BF16 only: cuDNN's FP8 attention on Hopper writes FP8 output, takes no packed "
+               "segments and no head_dim 72, and fovea's FP8 path through cuDNN on Blackwell is not written";
       return std::nullopt;
   }
   return "unknown backend";
@@ -159,6 +166,9 @@ EngineConfig resolve_engine(const EngineOptions& opt, const SystemInfo& sys) {
     fail("--mm-encoder-attn-backend {}: {}; {} attention runs here on: {}", backend_name(cfg.backend), *why,
          dtype_name(cfg.dtype), can.empty() ? std::string("nothing") : fmt::format("{}", fmt::join(can, ", ")));
   }
+  if (cfg.fp8_linears && cfg.device == Device::CUDA && !sys.gpus.empty() && sys.gpus[0].cc_major < 9)
+    fail("--fp8-linears on the GPU needs sm_90 or newer (cuBLASLt's per-token and per-channel FP8 scales); GPU 0 is {} (sm_{}{})",
+         sys.gpus[0].name, sys.gpus[0].cc_major, sys.gpus[0].cc_minor);
   return cfg;
 }
 

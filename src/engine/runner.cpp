@@ -75,7 +75,7 @@ EncoderRunner::EncoderRunner(const qwen3vl::Model& m, const EngineConfig& cfg) :
   if (cfg.device == Device::CUDA) {
 #if FOVEA_HAVE_CUDA
     gpu_ = std::make_unique<Gpu>(m, qwen3vl::cuda::EncoderOptions{cfg.dtype, book(), cfg.fp8_linears, cfg.fp8_robust,
-                                                                  fine_.empty() ? nullptr : &fine_});
+                                                                  fine_.empty() ? nullptr : &fine_, cfg.backend});
 #else
     fail("--device cuda: this fovea was built without CUDA");
 #endif

@@ -12,6 +12,7 @@
 #include "fovea/attention.h"
 #include "fovea/bf16.h"
 #include "fovea/cuda-support.h"
+#include "fovea/error.h"
 #include "fovea/random.h"
 #include "fovea/rope.h"
 #include "fovea/scales.h"
@@ -107,7 +108,7 @@ struct CapturedAttention {
   cudaStream_t stream{};
   cudaGraph_t graph{};
   cudaGraphExec_t exec{};
-  CapturedAttention(cuda::FlashAttention& attn, DeviceProblem& d, const cuda::DeviceScales& scales) {
+  CapturedAttention(cuda::Attention& attn, DeviceProblem& d, const cuda::DeviceScales& scales) {
     const VarlenShape& sh = attn.shape();
     FOVEA_CUDA_CHECK(cudaStreamCreate(&stream));
     FOVEA_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
@@ -147,11 +148,18 @@ struct Checked {
   ErrorStats gpu, emu, vs_emu;
 };
 
-// Runs FOVEA attention (dynamic FP8 scaling from a fresh ring, or BF16) and checks it against the CPU.
-Checked run_and_check(const Problem& p, AttnDtype dtype) {
+std::unique_ptr<cuda::Attention> make_attention(AttnBackend backend, AttnDtype dtype, int H, int hd) {
+  if (backend == AttnBackend::CUDNN) return cuda::make_cudnn_attention(dtype, H, hd);
+  return std::make_unique<cuda::FlashAttention>(dtype, H, hd);
+}
+
+// Runs a GPU backend's attention (dynamic FP8 scaling from a fresh ring, or BF16) and checks it
+// against the CPU.
+Checked run_and_check(const Problem& p, AttnDtype dtype, AttnBackend backend = AttnBackend::FOVEA) {
   const int64_t H = p.shape.heads, hd = p.shape.head_dim;
   DeviceProblem d(p);
-  cuda::FlashAttention attn(dtype, int(H), int(hd));
+  const auto attn_ptr = make_attention(backend, dtype, int(H), int(hd));
+  cuda::Attention& attn = *attn_ptr;
   attn.plan(p.shape.cu_seqlens);
   DynamicScales amax;
   const cuda::DeviceScales scales = amax.scales();
@@ -227,6 +235,79 @@ INSTANTIATE_TEST_SUITE_P(All, FlashAttentionGpu,
                            return "hd" + std::to_string(std::get<0>(info.param)) + "_" +
                                   dtype_name(std::get<1>(info.param));
                          });
+
+// ---- the CUDNN backend (BF16) ---------------------------------------------------------------------
+
+// Its blocking is cuDNN's, not the emulation's, so the rule is on the error against fp64 alone: at
+// most 2x the BF16 emulation's (plus the same atol), finite, poisoned output overwritten.
+void expect_bf16_rule(const Checked& c, const std::string& what) {
+  std::printf("%-28s gpu rel %.3e max %.3e | emu rel %.3e max %.3e | gpu-vs-emu rel %.3e\n", what.c_str(), c.gpu.rel_l2,
+              c.gpu.max_abs, c.emu.rel_l2, c.emu.max_abs, c.vs_emu.rel_l2);
+  EXPECT_EQ(c.gpu.nonfinite, 0) << what;
+  EXPECT_LE(c.gpu.rel_l2, 2 * c.emu.rel_l2 + 1e-3) << what;
+  EXPECT_LE(c.gpu.max_abs, 2 * c.emu.max_abs + 1e-2) << what;
+}
+
+class CudnnAttentionGpu : public ::testing::TestWithParam<int> {};
+
+// Ragged segments (1 to 1000 tokens) and long ones, every head_dim the FOVEA kernels take.
+TEST_P(CudnnAttentionGpu, RaggedAndLongBatchesMatchReference) {
+  const int hd = GetParam();
+  const Problem ragged(kRagged, 3, hd, fresh_seed()), longer({4096, 16384, 5}, 1, hd, fresh_seed());
+  expect_bf16_rule(run_and_check(ragged, AttnDtype::BF16, AttnBackend::CUDNN), fmt_name(hd, AttnDtype::BF16, "cudnn ragged"));
+  expect_bf16_rule(run_and_check(longer, AttnDtype::BF16, AttnBackend::CUDNN), fmt_name(hd, AttnDtype::BF16, "cudnn 4096+16384+5"));
+}
+
+INSTANTIATE_TEST_SUITE_P(All, CudnnAttentionGpu, ::testing::ValuesIn(cuda::kFlashHeadDims),
+                         [](const auto& info) { return "hd" + std::to_string(info.param); });
+
+// One object, several batches: a second batch of the same bucket (the cached plan, new offsets and
+// lengths), one of another bucket, and replays of a captured graph on new values.
+TEST(CudnnAttentionGpuPlans, BatchesReusePlansAndGraphsReplay) {
+  const int H = 2, hd = 72;
+  const auto attn = cuda::make_cudnn_attention(AttnDtype::BF16, H, hd);
+  std::string fp8;
+  try {
+    cuda::make_cudnn_attention(AttnDtype::FP8, H, hd);
+  } catch (const Error& e) {
+    fp8 = e.what();
+  }
+  EXPECT_NE(fp8.find("runs BF16"), std::string::npos) << fp8;
+  // {300, 17, 100} and {400, 17, 260} share a bucket (4 segments of up to 512 tokens).
+  for (const std::vector<int>& lens : std::vector<std::vector<int>>{{300, 17, 100}, {400, 17, 260}, {2000, 1, 900, 33, 7}}) {
+    const Problem p(lens, H, hd, fresh_seed());
+    DeviceProblem d(p);
+    attn->plan(p.shape.cu_seqlens);
+    FOVEA_CUDA_CHECK(cudaMemset(d.out.data(), 0xFF, d.out.bytes()));
+    attn->prepare(d.qkv.data(), 3 * H * hd, d.cos.data(), d.sin.data(), {}, nullptr);
+    attn->attend(d.out.data(), nullptr);
+    FOVEA_CUDA_CHECK(cudaDeviceSynchronize());
+    cpu::RefOptions o;
+    o.mode = cpu::RefMode::BF16;
+    const auto out = d.output(), exact = p.reference({}), emu = p.reference(o);
+    const int64_t n = int64_t(exact.size());
+    expect_bf16_rule({compare(out.data(), exact.data(), n), compare(emu.data(), exact.data(), n), compare(out.data(), emu.data(), n)},
+                     "cudnn batch of " + std::to_string(lens.size()));
+  }
+  const std::vector<int> lens = {100, 300, 17};
+  Problem p(lens, H, hd, fresh_seed());
+  DeviceProblem d(p);
+  attn->plan(p.shape.cu_seqlens);
+  CapturedAttention graph(*attn, d, {});
+  std::mt19937 rng{unsigned(fresh_seed())};
+  for (int replay = 0; replay < 4; ++replay) {
+    p = Problem(lens, H, hd, rng(), 1.0f + float(replay));
+    upload(d.qkv, p.qkv_bf16());
+    FOVEA_CUDA_CHECK(cudaMemset(d.out.data(), 0xFF, d.out.bytes()));
+    graph.replay();
+    cpu::RefOptions o;
+    o.mode = cpu::RefMode::BF16;
+    const auto out = d.output(), exact = p.reference({}), emu = p.reference(o);
+    const int64_t n = int64_t(exact.size());
+    expect_bf16_rule({compare(out.data(), exact.data(), n), compare(emu.data(), exact.data(), n), compare(out.data(), emu.data(), n)},
+                     "cudnn graph replay " + std::to_string(replay));
+  }
+}
 
 // Image-like values: V = a per-channel mean plus small noise (neighbouring patches of a photograph
 // are alike), Q and K with a wide logit spread, one long segment (a 4K image is 32640 tokens). The

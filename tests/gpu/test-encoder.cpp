@@ -474,3 +474,34 @@ TEST(EncoderGpu, RobustCalibrationWritesFineScalesThatServeStatically) {
   EXPECT_LT(e_static.rel_l2, 2.0 * e_dyn.rel_l2);
   EXPECT_LT(e_static.rel_l2, e_tensor.rel_l2 / 1.5);
 }
+
+// The encoder with the CUDNN backend (BF16) against the fp32 CPU forward, beside the FOVEA backend on
+// the same pixels: the same error within a tenth (both are BF16 attention with fp32 softmax), merged
+// and deepstack outputs.
+TEST(EncoderGpu, CudnnBackendMatchesTheCpuReferenceAsFoveaDoes) {
+  const Model m = two_block_8b();
+  int64_t n = 0;
+  for (auto& g : kGrids) n += int64_t(g[0]) * g[1] * g[2];
+  const std::vector<float> px = random_pixels(n);
+  const ForwardResult ref = forward_cpu(m, px, kGrids);
+  const int O = m.config.out_hidden;
+  double err[2] = {0, 0};
+  for (const AttnBackend b : {AttnBackend::FOVEA, AttnBackend::CUDNN}) {
+    qwen3vl::cuda::EncoderOptions o;
+    o.backend = b;
+    qwen3vl::cuda::Encoder enc(m, o);
+    enc.plan(kGrids);
+    enc.upload_pixels(px, nullptr);
+    enc.forward(nullptr);
+    FOVEA_CUDA_CHECK(cudaDeviceSynchronize());
+    const auto s = embedding_error(enc.merged(nullptr), ref.merged, O);
+    std::printf("%s bf16 merged: rel_l2 %.3e, mean cosine %.6f\n", backend_name(b), s.rel_l2, s.mean_cosine);
+    EXPECT_LT(s.rel_l2, 3e-2);
+    EXPECT_GT(s.mean_cosine, 0.999);
+    const auto ds = enc.deepstack(nullptr);
+    ASSERT_EQ(ds.size(), ref.deepstack.size());
+    for (size_t k = 0; k < ds.size(); ++k) EXPECT_LT(embedding_error(ds[k], ref.deepstack[k], O).rel_l2, 3e-2);
+    err[b == AttnBackend::CUDNN] = s.rel_l2;
+  }
+  EXPECT_LT(err[1], 1.1 * err[0] + 1e-3);
+}

@@ -455,7 +455,7 @@ struct Encoder::Impl {
   std::vector<DevBlock> blocks;
   DevMerger merger;
   std::vector<DevMerger> deepstack;
-  std::unique_ptr<fovea::cuda::FlashAttention> attn;
+  std::unique_ptr<fovea::cuda::Attention> attn;  // FOVEA or CUDNN
   LayerAmax* amax = nullptr;    // FP8 dynamic / calibrate: [depth] rings on the device
   float* fixed = nullptr;       // FP8 static: [depth][3]
   // FP8 robust scheme: [depth] layers' arrays (static), or one set every layer refills (dynamic,
@@ -628,7 +628,17 @@ Encoder::Encoder(const Model& model, const EncoderOptions& options) : impl_(new 
   };
   m.merger = merger(W.merger);
   for (const auto& d : W.deepstack) m.deepstack.push_back(merger(d));
-  m.attn = std::make_unique<fovea::cuda::FlashAttention>(options.dtype, m.cfg.heads, m.cfg.head_dim());
+  if (options.backend == AttnBackend::CUDNN) {
+#if FOVEA_HAVE_CUDNN
+    m.attn = fovea::cuda::make_cudnn_attention(options.dtype, m.cfg.heads, m.cfg.head_dim());
+#else
+    fail_cat("encoder: this fovea was built without cuDNN (the CUDNN backend)");
+#endif
+  } else if (options.backend == AttnBackend::FOVEA) {
+    m.attn = std::make_unique<fovea::cuda::FlashAttention>(options.dtype, m.cfg.heads, m.cfg.head_dim());
+  } else {
+    fail_cat("encoder: the GPU encoder runs the FOVEA or the CUDNN attention backend");
+  }
 }
 
 Encoder::~Encoder() = default;  // Impl frees every device allocation
