@@ -54,7 +54,8 @@ def fovea_results(binary, seqlens, heads, hd, reps):
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         path = f.name
     cmd = [binary, "bench", "attention", "--device", "cuda", "--seqlens", ",".join(map(str, seqlens)),
-           "--heads", str(heads), "--head-dim", str(hd), "--dtype", "bf16,fp8", "--reps", str(reps), "--json", path]
+           "--heads", str(heads), "--head-dim", str(hd), "--dtype", "bf16,fp8", "--backend", "FOVEA,CUDNN",
+           "--reps", str(reps), "--json", path]
     out = subprocess.run(cmd, capture_output=True, text=True)
     sys.stderr.write(out.stdout + out.stderr)
     if out.returncode != 0:
@@ -62,7 +63,8 @@ def fovea_results(binary, seqlens, heads, hd, reps):
     with open(path) as f:
         doc = json.load(f)
     os.unlink(path)
-    return {r["dtype"]: r for r in doc["results"]}
+    # "bf16" and "fp8" are the FOVEA backend's rows, "cudnn" the CUDNN backend's (BF16).
+    return {("cudnn" if r["backend"] == "CUDNN" else r["dtype"]): r for r in doc["results"]}
 
 
 def main():
@@ -89,6 +91,7 @@ def main():
         row = {"seqlens": seqlens, "head_dim": hd, "heads": a.heads, "flops": flops,
                "torch_flash_ms": flash, "torch_cudnn_ms": cudnn,
                "fovea_bf16_ms": fv.get("bf16", {}).get("attn_ms"), "fovea_fp8_ms": fv.get("fp8", {}).get("attn_ms"),
+               "fovea_cudnn_ms": fv.get("cudnn", {}).get("attn_ms"),
                "fovea_fp8_prep_ms": fv.get("fp8", {}).get("prepare_ms"),
                "fovea_fp8_prep_dyn_ms": fv.get("fp8", {}).get("prepare_dynamic_ms"),
                "fovea_bf16_prep_ms": fv.get("bf16", {}).get("prepare_ms"),
@@ -100,15 +103,15 @@ def main():
         return fmt.format(x) if x is not None else "-"
 
     print(f"\n{gpu} | heads {a.heads} | TFLOP/s (attention only) and speed-up over torch's best BF16 SDPA")
-    print("| segments | hd | torch flash | torch cuDNN | fovea bf16 | fovea fp8 | fp8 x best | bf16 x best | fp8+prep ms | fp8+dyn prep ms | best torch ms | fp8 rel_l2 |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| segments | hd | torch flash | torch cuDNN | fovea cudnn | fovea bf16 | fovea fp8 | fp8 x best | bf16 x best | fp8+prep ms | fp8+dyn prep ms | best torch ms | fp8 rel_l2 |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         fl = r["flops"]
         tf = lambda ms: fl / (ms * 1e-3) / 1e12 if ms else None
         b = r["torch_best_ms"]
         fp8, bf = r["fovea_fp8_ms"], r["fovea_bf16_ms"]
         segs = "+".join(map(str, r["seqlens"]))
-        print(f"| {segs} | {r['head_dim']} | {f(tf(r['torch_flash_ms']))} | {f(tf(r['torch_cudnn_ms']))} | "
+        print(f"| {segs} | {r['head_dim']} | {f(tf(r['torch_flash_ms']))} | {f(tf(r['torch_cudnn_ms']))} | {f(tf(r['fovea_cudnn_ms']))} | "
               f"{f(tf(bf))} | {f(tf(fp8))} | {f(b / fp8 if fp8 else None, '{:.2f}')} | {f(b / bf if bf else None, '{:.2f}')} | "
               f"{f(fp8 + r['fovea_fp8_prep_ms'] if fp8 else None, '{:.3f}')} | "
               f"{f(fp8 + r['fovea_fp8_prep_dyn_ms'] if fp8 else None, '{:.3f}')} | {f(b, '{:.3f}')} | "
