@@ -64,7 +64,7 @@ class Desc {
   cudnnBackendDescriptor_t d_ = nullptr;
 };
 
-enum Uid : int64_t { kQ = 1, kK, kV, kO, kScale, kSeqLen, kRaggedQkv, kRaggedO };
+enum Uid : int64_t { kQ = 1, kK, kV, kO, kScale, kSeqLen, kSeqLenKv, kRaggedQkv, kRaggedO };
 
 Desc tensor(int64_t uid, cudnnDataType_t type, std::array<int64_t, 4> dims, std::array<int64_t, 4> strides,
             const Desc* ragged = nullptr, bool by_value = false) {
@@ -102,6 +102,7 @@ Plan build_plan(cudnnHandle_t handle, int64_t b, int64_t S, int64_t H, int64_t h
   k.push_back(tensor(kO, CUDNN_DATA_BFLOAT16, dims, o_strides, &rag_o));
   k.push_back(tensor(kScale, CUDNN_DATA_FLOAT, {1, 1, 1, 1}, {1, 1, 1, 1}, nullptr, true));
   k.push_back(tensor(kSeqLen, CUDNN_DATA_INT32, {b, 1, 1, 1}, {1, 1, 1, 1}));
+  k.push_back(tensor(kSeqLenKv, CUDNN_DATA_INT32, {b, 1, 1, 1}, {1, 1, 1, 1}));  // the same lengths, a tensor of its own
   Desc op(CUDNN_BACKEND_OPERATION_SDPA_FWD_DESCRIPTOR);
   op.set(CUDNN_ATTR_OPERATION_SDPA_FWD_QDESC, k[2])
       .set(CUDNN_ATTR_OPERATION_SDPA_FWD_KDESC, k[3])
@@ -109,7 +110,7 @@ Plan build_plan(cudnnHandle_t handle, int64_t b, int64_t S, int64_t H, int64_t h
       .set(CUDNN_ATTR_OPERATION_SDPA_FWD_ODESC, k[5])
       .set(CUDNN_ATTR_OPERATION_SDPA_FWD_SCALEDESC, k[6])
       .set(CUDNN_ATTR_OPERATION_SDPA_FWD_SEQ_LEN_QDESC, k[7])
-      .set(CUDNN_ATTR_OPERATION_SDPA_FWD_SEQ_LEN_KVDESC, k[7])
+      .set(CUDNN_ATTR_OPERATION_SDPA_FWD_SEQ_LEN_KVDESC, k[8])
       .finalize("the SDPA operation");
   Desc graph(CUDNN_BACKEND_OPERATIONGRAPH_DESCRIPTOR);
   const cudnnBackendDescriptor_t ops = op.get();
@@ -269,12 +270,12 @@ class CudnnAttention final : public Attention {
     const int64_t Hd = int64_t(shape_.heads) * shape_.head_dim;
     check(cudnnSetStream(handle_, stream), "setting the stream");
     __nv_bfloat16* base = buf_.data();
-    const int64_t uids[] = {kQ, kK, kV, kO, kScale, kSeqLen, kRaggedQkv, kRaggedO};
-    void* ptrs[] = {base, base + Hd, base + 2 * Hd, out, &scale_, d_len_, d_rag_, d_rag_ + bb_ + 1};
+    const int64_t uids[] = {kQ, kK, kV, kO, kScale, kSeqLen, kSeqLenKv, kRaggedQkv, kRaggedO};
+    void* ptrs[] = {base, base + Hd, base + 2 * Hd, out, &scale_, d_len_, d_len_, d_rag_, d_rag_ + bb_ + 1};
     Desc pack(CUDNN_BACKEND_VARIANT_PACK_DESCRIPTOR);
     void* ws = workspace_.data();
-    pack.set(CUDNN_ATTR_VARIANT_PACK_UNIQUE_IDS, CUDNN_TYPE_INT64, 8, uids)
-        .set(CUDNN_ATTR_VARIANT_PACK_DATA_POINTERS, CUDNN_TYPE_VOID_PTR, 8, ptrs)
+    pack.set(CUDNN_ATTR_VARIANT_PACK_UNIQUE_IDS, CUDNN_TYPE_INT64, 9, uids)
+        .set(CUDNN_ATTR_VARIANT_PACK_DATA_POINTERS, CUDNN_TYPE_VOID_PTR, 9, ptrs)
         .set(CUDNN_ATTR_VARIANT_PACK_WORKSPACE, CUDNN_TYPE_VOID_PTR, 1, &ws)
         .finalize("the variant pack");
     check(cudnnBackendExecute(handle_, current_->plan, pack.get()), "running the attention");
