@@ -84,21 +84,21 @@ def main():
             except Exception as e:  # report, keep the eager and fovea columns
                 print(f"torch.compile at {r}: {type(e).__name__}: {str(e).splitlines()[0][:200]}", file=sys.stderr)
         rows.append({"resolution": r, "tokens": n, "transformers_bf16_ms": ms, "transformers_compile_bf16_ms": cms,
-                     **{f"fovea_{m}_ms": fv.get((r, m)) for m in ("bf16", "fp8-dynamic", "fp8-static", "fp8-static+fp8-linears")}})
+                     **{f"fovea_{m}_ms": fv.get((r, m)) for m in ("bf16", "cudnn-bf16", "fp8-dynamic", "fp8-static", "fp8-static+fp8-linears")}})
 
     def f(x, fmt="{:.1f}"):
         return fmt.format(x) if x else "-"
 
     print(f"\n{torch.cuda.get_device_name()} | Qwen3-VL-8B vision encoder | {a.images} images per request | median ms")
-    print("| resolution | tokens | transformers BF16 | transformers compile BF16 | fovea BF16 | fovea FP8 dynamic | "
+    print("| resolution | tokens | transformers BF16 | transformers compile BF16 | fovea cudnn BF16 | fovea BF16 | fovea FP8 dynamic | "
           "fovea FP8 static | fovea FP8 static + FP8 linears | FP8 static x best transformers | FP8 static x fovea BF16 |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         t, c = r["transformers_bf16_ms"], r["transformers_compile_bf16_ms"]
         b, d, s = r["fovea_bf16_ms"], r["fovea_fp8-dynamic_ms"], r["fovea_fp8-static_ms"]
         s8 = r["fovea_fp8-static+fp8-linears_ms"]
         best = min(x for x in (t, c) if x)
-        print(f"| {r['resolution']} | {r['tokens']} | {f(t)} | {f(c)} | {f(b)} | {f(d)} | {f(s)} | {f(s8)} | "
+        print(f"| {r['resolution']} | {r['tokens']} | {f(t)} | {f(c)} | {f(r['fovea_cudnn-bf16_ms'])} | {f(b)} | {f(d)} | {f(s)} | {f(s8)} | "
               f"{f(best / s if s else None, '{:.2f}')} | {f(b / s if s and b else None, '{:.2f}')} |")
     if a.json:
         json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows}, open(a.json, "w"), indent=1)

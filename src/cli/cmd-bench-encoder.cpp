@@ -25,7 +25,7 @@ struct Args {
   std::string model;
   std::string resolutions = "HD,FullHD,QHD,4K";
   int images = 3;
-  std::string modes = "bf16,fp8-dynamic,fp8-static,fp8-static+fp8-linears";
+  std::string modes = "bf16,cudnn-bf16,fp8-dynamic,fp8-static,fp8-static+fp8-linears";
   int reps = 10;
   int warmup = 2;
   std::string json_path;
@@ -63,8 +63,10 @@ int run(const Args& a) {
     return m.ends_with(kLinears) ? m.substr(0, m.size() - kLinears.size()) : m;
   };
   for (const auto& m : modes)
-    if (const std::string b = attention_mode(m); b != "bf16" && b != "fp8-dynamic" && b != "fp8-static" && b != "fp8-robust")
-      fail("--dtype: '{}' is not one of bf16, fp8-dynamic, fp8-static, fp8-robust, each optionally followed by +fp8-linears", m);
+    if (const std::string b = attention_mode(m);
+        b != "bf16" && b != "cudnn-bf16" && b != "fp8-dynamic" && b != "fp8-static" && b != "fp8-robust")
+      fail("--dtype: '{}' is not one of bf16, cudnn-bf16, fp8-dynamic, fp8-static, fp8-robust, each optionally followed by "
+           "+fp8-linears", m);
   std::vector<std::tuple<std::string, std::string, qwen3vl::GridThw>> res;
   for (const auto& r : split(a.resolutions)) {
     auto it = std::find_if(kResolutions.begin(), kResolutions.end(), [&](const auto& x) { return std::get<0>(x) == r; });
@@ -104,8 +106,10 @@ int run(const Args& a) {
       ScaleBook book = mode == "fp8-static" ? ScaleBook::fixed(calibrated ? *calibrated : calibrate())
                                             : ScaleBook::dynamic(model.config.depth);
       qwen3vl::cuda::EncoderOptions o;
-      o.dtype = mode == "bf16" ? AttnDtype::BF16 : AttnDtype::FP8;
-      o.scales = mode == "bf16" ? nullptr : &book;
+      const bool bf16 = mode == "bf16" || mode == "cudnn-bf16";
+      o.dtype = bf16 ? AttnDtype::BF16 : AttnDtype::FP8;
+      o.scales = bf16 ? nullptr : &book;
+      o.backend = mode == "cudnn-bf16" ? AttnBackend::CUDNN : AttnBackend::FOVEA;  // cudnn-bf16: the CUDNN backend
       o.fp8_linears = mode != name_;
       o.fp8_robust = mode == "fp8-robust";  // the robust scheme, each layer's arrays from its own batch
       qwen3vl::cuda::Encoder enc(model, o);
@@ -154,7 +158,7 @@ void add_bench_encoder(CLI::App* bench, Runner& runner) {
   cmd->add_option("MODEL", a->model, "checkpoint folder or synthetic:<preset>")->required();
   cmd->add_option("--resolutions", a->resolutions, "comma list of HD, FullHD, QHD, 4K")->capture_default_str();
   cmd->add_option("--images-per-request", a->images, "images encoded together (one packed batch)")->capture_default_str();
-  cmd->add_option("--dtype", a->modes, "comma list of bf16, fp8-dynamic, fp8-static, fp8-robust (dynamic, the scheme robust to outlier channels), each optionally with +fp8-linears "
+  cmd->add_option("--dtype", a->modes, "comma list of bf16, cudnn-bf16 (the CUDNN backend), fp8-dynamic, fp8-static, fp8-robust (dynamic, the scheme robust to outlier channels), each optionally with +fp8-linears "
                   "(the blocks' linears as FP8 GEMMs)")->capture_default_str();
   cmd->add_option("--reps", a->reps, "timed graph replays (median reported)")->capture_default_str();
   cmd->add_option("--warmup", a->warmup, "untimed replays first")->capture_default_str();

@@ -14,6 +14,9 @@ timeout 240 "$B/test-attention-gpu" > "$OUT/test-attention-gpu.txt" 2>&1; grep -
 grep -E "cudnn" "$OUT/test-attention-gpu.txt" | head -20
 timeout 200 "$B/test-encoder-gpu" > "$OUT/test-encoder-gpu.txt" 2>&1; grep -E "^\[  (PASSED|FAILED) |^\[  FAILED|bf16 merged" "$OUT/test-encoder-gpu.txt"
 grep -h -B2 -A8 "Failure$" "$OUT"/test-*.txt | head -40
+echo "== 8B encoder, 3 images, BF16: FOVEA against CUDNN"
+timeout 120 "$B/fovea" bench encoder synthetic:qwen3-vl-8b --resolutions HD,4K --images-per-request 3 --reps 5 --warmup 1 \
+  --dtype bf16,cudnn-bf16 2>&1 | tail -5
 echo "== attention beside torch SDPA (bench/attention-peers.py: fovea cudnn, fovea bf16/fp8, torch flash/cuDNN)"
 PYTHONUNBUFFERED=1 timeout 150 python3 bench/attention-peers.py --fovea "$B/fovea" --reps 20 \
   --shapes 3520+3520+3520:72,8192:72,32640:72,8192:128 --json "$OUT/peers.json" 2>"$OUT/peers.log" | tail -8
