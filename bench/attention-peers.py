@@ -51,20 +51,24 @@ def torch_sdpa_ms(seqlens, heads, hd, backend):
 
 
 def fovea_results(binary, seqlens, heads, hd, reps):
-    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
-        path = f.name
-    cmd = [binary, "bench", "attention", "--device", "cuda", "--seqlens", ",".join(map(str, seqlens)),
-           "--heads", str(heads), "--head-dim", str(hd), "--dtype", "bf16,fp8", "--backend", "FOVEA,CUDNN",
-           "--reps", str(reps), "--json", path]
-    out = subprocess.run(cmd, capture_output=True, text=True)
-    sys.stderr.write(out.stdout + out.stderr)
-    if out.returncode != 0:
-        return None
-    with open(path) as f:
-        doc = json.load(f)
-    os.unlink(path)
-    # "bf16" and "fp8" are the FOVEA backend's rows, "cudnn" the CUDNN backend's (BF16).
-    return {("cudnn" if r["backend"] == "CUDNN" else r["dtype"]): r for r in doc["results"]}
+    """fovea's rows by key: "bf16" and "fp8" (the FOVEA backend), "cudnn" (the CUDNN backend's BF16).
+    The CUDNN backend runs in a call of its own: it needs cuDNN 9.15+ at run time, and where that
+    fails its column stays empty and the others are kept."""
+    rows = {}
+    for backend, dtypes in (("FOVEA", "bf16,fp8"), ("CUDNN", "bf16")):
+        with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+            path = f.name
+        cmd = [binary, "bench", "attention", "--device", "cuda", "--seqlens", ",".join(map(str, seqlens)),
+               "--heads", str(heads), "--head-dim", str(hd), "--dtype", dtypes, "--backend", backend,
+               "--reps", str(reps), "--json", path]
+        out = subprocess.run(cmd, capture_output=True, text=True)
+        sys.stderr.write(out.stdout + out.stderr)
+        if out.returncode == 0:
+            with open(path) as f:
+                for r in json.load(f)["results"]:
+                    rows["cudnn" if r["backend"] == "CUDNN" else r["dtype"]] = r
+        os.unlink(path)
+    return rows
 
 
 def main():

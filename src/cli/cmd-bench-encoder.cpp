@@ -25,7 +25,7 @@ struct Args {
   std::string model;
   std::string resolutions = "HD,FullHD,QHD,4K";
   int images = 3;
-  std::string modes = "bf16,cudnn-bf16,fp8-dynamic,fp8-static,fp8-static+fp8-linears";
+  std::string modes = "bf16,fp8-dynamic,fp8-static,fp8-static+fp8-linears";
   int reps = 10;
   int warmup = 2;
   std::string json_path;
