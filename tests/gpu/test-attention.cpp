@@ -98,6 +98,8 @@ struct DeviceProblem {
 };
 
 float amax_of(const struct Problem& p, int w);
+struct Checked;
+Checked check_output(const Problem& p, const std::vector<double>& out, const cpu::RefOptions& o);
 std::string fmt_name(int hd, AttnDtype d, const char* what) {
   return std::string(dtype_name(d)) + " hd" + std::to_string(hd) + " " + what;
 }
@@ -179,10 +181,7 @@ Checked run_and_check(const Problem& p, AttnDtype dtype, AttnBackend backend = A
     EXPECT_EQ(g.t[1].scale, o.fp8_scales.k);
     EXPECT_EQ(g.t[2].scale, o.fp8_scales.v);
   }
-  const auto exact = p.reference({});
-  const auto emu = p.reference(o);
-  const int64_t n = int64_t(exact.size());
-  return {compare(out.data(), exact.data(), n), compare(emu.data(), exact.data(), n), compare(out.data(), emu.data(), n)};
+  return check_output(p, out, o);
 }
 
 float amax_of(const Problem& p, int w) { return amax(p.shape, p.view(w)); }
@@ -200,14 +199,19 @@ void expect_within_rule(const Checked& c, const std::string& what) {
   EXPECT_LE(c.vs_emu.rel_l2, 0.25 * c.emu.rel_l2) << what;
 }
 
+// A GPU output against fp64 and against the CPU emulation with options o.
+Checked check_output(const Problem& p, const std::vector<double>& out, const cpu::RefOptions& o) {
+  const auto exact = p.reference({}), emu = p.reference(o);
+  const int64_t n = int64_t(exact.size());
+  return {compare(out.data(), exact.data(), n), compare(emu.data(), exact.data(), n), compare(out.data(), emu.data(), n)};
+}
+
 // A GPU FP8 output against fp64 and against the FP8 emulation with the same scales.
 Checked check_fp8(const Problem& p, const std::vector<double>& out, const QkvScales& s) {
   cpu::RefOptions o;
   o.mode = cpu::RefMode::FP8;
   o.fp8_scales = s;
-  const auto exact = p.reference({}), emu = p.reference(o);
-  const int64_t n = int64_t(exact.size());
-  return {compare(out.data(), exact.data(), n), compare(emu.data(), exact.data(), n), compare(out.data(), emu.data(), n)};
+  return check_output(p, out, o);
 }
 
 const std::vector<int> kRagged = {1, 7, 64, 127, 128, 129, 1000};
@@ -284,10 +288,7 @@ TEST(CudnnAttentionGpuPlans, BatchesReusePlansAndGraphsReplay) {
     FOVEA_CUDA_CHECK(cudaDeviceSynchronize());
     cpu::RefOptions o;
     o.mode = cpu::RefMode::BF16;
-    const auto out = d.output(), exact = p.reference({}), emu = p.reference(o);
-    const int64_t n = int64_t(exact.size());
-    expect_bf16_rule({compare(out.data(), exact.data(), n), compare(emu.data(), exact.data(), n), compare(out.data(), emu.data(), n)},
-                     "cudnn batch of " + std::to_string(lens.size()));
+    expect_bf16_rule(check_output(p, d.output(), o), "cudnn batch of " + std::to_string(lens.size()));
   }
   const std::vector<int> lens = {100, 300, 17};
   Problem p(lens, H, hd, fresh_seed());
@@ -302,10 +303,7 @@ TEST(CudnnAttentionGpuPlans, BatchesReusePlansAndGraphsReplay) {
     graph.replay();
     cpu::RefOptions o;
     o.mode = cpu::RefMode::BF16;
-    const auto out = d.output(), exact = p.reference({}), emu = p.reference(o);
-    const int64_t n = int64_t(exact.size());
-    expect_bf16_rule({compare(out.data(), exact.data(), n), compare(emu.data(), exact.data(), n), compare(out.data(), emu.data(), n)},
-                     "cudnn graph replay " + std::to_string(replay));
+    expect_bf16_rule(check_output(p, d.output(), o), "cudnn graph replay " + std::to_string(replay));
   }
 }
 
@@ -451,9 +449,7 @@ Checked run_robust(const Problem& p, const cpu::Fp8Fine* fixed, cpu::Fp8Fine* us
   o.fp8_scales = {1.0f, 1.0f, 1.0f};  // replaced by the fine arrays
   o.fp8_fine = fine.get();
   if (used) *used = o.fp8_fine;
-  const auto exact = p.reference({}), emu = p.reference(o);
-  const int64_t n = int64_t(exact.size());
-  return {compare(out.data(), exact.data(), n), compare(emu.data(), exact.data(), n), compare(out.data(), emu.data(), n)};
+  return check_output(p, out, o);
 }
 
 class FlashAttentionGpuRobust : public ::testing::TestWithParam<int> {};
@@ -533,9 +529,7 @@ TEST(FlashAttentionGpuRobustGraph, CurrentScalingReplays) {
     o.mode = cpu::RefMode::FP8;
     o.fp8_scales = {1.0f, 1.0f, 1.0f};
     o.fp8_fine = used;
-    const auto out = d.output(), exact = p.reference({}), emu = p.reference(o);
-    const int64_t n = int64_t(exact.size());
-    expect_within_rule({compare(out.data(), exact.data(), n), compare(emu.data(), exact.data(), n), compare(out.data(), emu.data(), n)}, what);
+    expect_within_rule(check_output(p, d.output(), o), what);
   }
 }
 
@@ -576,9 +570,7 @@ TEST(FlashAttentionGpuRobustGraph, HistoryReplaysAsTheHostBook) {
         cpu::RefOptions o;
         o.mode = cpu::RefMode::FP8;
         o.fp8_fine = used;
-        const auto out = d.output(), exact = p.reference({}), emu = p.reference(o);
-        const int64_t n = int64_t(exact.size());
-        expect_within_rule({compare(out.data(), exact.data(), n), compare(emu.data(), exact.data(), n), compare(out.data(), emu.data(), n)}, what);
+        expect_within_rule(check_output(p, d.output(), o), what);
       }
     }
     FineHistory got(H, hd);
