@@ -217,6 +217,7 @@ class ScaleBook {
   float margin_ = kDefaultScaleMargin;
   bool calibration_written_ = false;
   void check_layer(int layer) const;
+  std::vector<QkvScales> per_tensor_of(const std::vector<FineScales>& fine, float margin) const;
 };
 
 // ---- scale files (compatible with vLLM's) ---------------------------------------------------------

@@ -192,20 +192,24 @@ std::vector<FineScales> ScaleBook::calibrated_fine(float margin) const {
   return out;
 }
 
+// The per-tensor scales of the forwards the fine histories recorded: the largest of the calibrated
+// fine ones for Q and V, K's from its range (its fine scales are of K minus the mean).
+std::vector<QkvScales> ScaleBook::per_tensor_of(const std::vector<FineScales>& fine, float margin) const {
+  std::vector<QkvScales> out(fine.size());
+  const auto top = [](const std::vector<float>& v) { return *std::max_element(v.begin(), v.end()); };
+  for (size_t l = 0; l < out.size(); ++l) {
+    const FineHistory& f = fine_[l];
+    float k = 0.0f;
+    for (size_t i = 0; i < f.k_hi.size(); ++i) k = std::max({k, std::fabs(f.k_hi[i]), std::fabs(f.k_lo[i])});
+    out[l] = {top(fine[l].q_head), amax_to_scale(k) * margin, top(fine[l].v_channel)};
+  }
+  return out;
+}
+
 std::vector<QkvScales> ScaleBook::calibrated(float margin) const {
   if (mode_ == ScaleMode::STATIC) fail("scale book: static scales cannot be calibrated");
   std::vector<QkvScales> out(static_cast<size_t>(num_layers_));
-  if (has_fine()) {  // the per-tensor scales of the same forwards: the largest of the fine ones
-    const std::vector<FineScales> fine = calibrated_fine(margin);
-    for (size_t l = 0; l < out.size(); ++l) {
-      const FineHistory& f = fine_[l];
-      float k = 0.0f;
-      for (size_t i = 0; i < f.k_hi.size(); ++i) k = std::max({k, std::fabs(f.k_hi[i]), std::fabs(f.k_lo[i])});
-      const auto top = [](const std::vector<float>& v) { return *std::max_element(v.begin(), v.end()); };
-      out[l] = {top(fine[l].q_head), amax_to_scale(k) * margin, top(fine[l].v_channel)};
-    }
-    return out;
-  }
+  if (has_fine()) return per_tensor_of(calibrated_fine(margin), margin);
   for (int i = 0; i < num_layers_; ++i) {
     const auto& l = amax_[size_t(i)];
     for (int t = 0; t < 3; ++t)
@@ -223,7 +227,7 @@ bool ScaleBook::after_forward() {
   if (complete_forwards() < uint32_t(kAmaxHistoryLen)) return false;
   if (has_fine()) {
     const std::vector<FineScales> fine = calibrated_fine(margin_);
-    write_scale_file(save_path_, calibrated(margin_), &fine);
+    write_scale_file(save_path_, per_tensor_of(fine, margin_), &fine);
   } else {
     write_scale_file(save_path_, calibrated(margin_));
   }
