@@ -8,6 +8,8 @@ pkgs=(cmake ninja-build g++ pkg-config
       libboost-dev         # Boost.Asio + Beast (header-only): the HTTP layer of fovea serve
       libcpp-httplib-dev   # the HTTP client of the serve tests (test-only)
       libjpeg62-turbo-dev libpng-dev libgif-dev libwebp-dev zlib1g-dev  # image decoders (static archives)
+      libavformat-dev libavcodec-dev libswscale-dev libavutil-dev  # video decoding (FFmpeg's libraries)
+      ffmpeg               # the video tests make and decode clips with its command line (test-only)
       clang libclang-rt-14-dev llvm-14 python3)  # the sanitizer/fuzz build, its symbolizer, the hostile suite
 missing=()
 for p in "${pkgs[@]}"; do

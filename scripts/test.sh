@@ -10,6 +10,8 @@ cd "$(dirname "$0")/.."
 scripts/setup.sh
 cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release
 cmake --build build -j "$(nproc)"
+# setup.sh installed FFmpeg's libraries, so this build must decode video (its tests need it).
+build/fovea info | grep -q "^video: yes" || { echo "test: the build has no video decoding (FFmpeg's -dev packages not found)"; exit 1; }
 ctest --test-dir build -LE "gpu|photos" --output-on-failure -j "$(nproc)"
 if [ "${FOVEA_SKIP_SANITIZE:-0}" = 1 ]; then
   echo "test: FOVEA_SKIP_SANITIZE=1: the sanitizer and fuzz stage is skipped"

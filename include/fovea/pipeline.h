@@ -171,10 +171,10 @@ class EncoderRunner {
 // One image's tensors, appended to `out`: "image.<j>.embeddings" [tokens, out_hidden],
 // "image.<j>.deepstack.<k>" for each of t.deepstack (F32 from ImageTensors, BF16 from
 // ImageTensorsBf16, the bits as they are, as views: the rows must outlive the write), and
-// "image.<j>.grid_thw" [3] (always F32).
+// "image.<j>.grid_thw" [3] (always F32). kind "video" names a clip's the same way ("video.<j>. ...").
 void append_image_tensors(std::vector<TensorToWrite>& out, size_t j, const qwen3vl::GridThw& g,
-                          const qwen3vl::VisionConfig& c, const ImageTensors& t);
+                          const qwen3vl::VisionConfig& c, const ImageTensors& t, std::string_view kind = "image");
 void append_image_tensors(std::vector<TensorToWrite>& out, size_t j, const qwen3vl::GridThw& g,
-                          const qwen3vl::VisionConfig& c, const ImageTensorsBf16& t);
+                          const qwen3vl::VisionConfig& c, const ImageTensorsBf16& t, std::string_view kind = "image");
 
 }  // namespace fovea

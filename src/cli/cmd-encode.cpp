@@ -1,5 +1,6 @@
-// fovea encode MODEL IMAGE... [-o out.safetensors]: image files to visual tokens. Decodes and
-// preprocesses the images on several threads (docs/encoder.md), encodes every readable image in one packed
+// fovea encode MODEL INPUT... [-o out.safetensors]: image files and video clips to visual tokens.
+// Decodes and preprocesses the images on several threads (docs/encoder.md) and the clips (docs/video.md),
+// encodes every readable input in one packed
 // forward (CPU or GPU, engine flags), writes each image's tokens, deepstack features and grid (bf16
 // as the encoder computes them, or fp32 with --output-dtype f32), and prints tokens and per-stage
 // times. Unreadable images are reported and skipped; the exit code says whether any failed.
@@ -34,6 +35,7 @@ struct Args {
   std::string uuid_from = "sha256";  // --uuid-from: sha256 (of the file's bytes) or filename
   int64_t max_batch_tokens = 16384;  // visual tokens per forward when filling the cache
   image::PreprocessOverrides preprocess;  // 0: the checkpoint's preprocessor_config.json
+  video::VideoOverrides video;           // 0: the checkpoint's video_preprocessor_config.json
   EngineOptions engine;
 };
 
@@ -167,32 +169,74 @@ int run(const Args& a) {
   // (--output-dtype f32 on the CPU) comes from fp32 patches, unrounded.
   const bool exact_f32 = !bf16 && cfg.device == Device::CPU;
   const image::PreprocessConfig pcfg = image::load_preprocess_config(a.model, a.preprocess);
+  const video::VideoConfig vcfg = video::load_video_config(a.model, a.video);
+  const video::VideoLimits vlim = video::limits_from(a.video);
   const size_t n = a.images.size();
-  // Each file is read and its header probed first (milliseconds), so the encoder's device and
-  // pinned buffers are sized for these images while they decode; a file that cannot be read or
-  // probed is reported by its decode below.
+  // Each file is read and its header probed first (milliseconds; a clip's packets are counted), so
+  // the encoder's device and pinned buffers are sized for these inputs while they decode; a file
+  // that cannot be read or probed is reported by its decode below. A file is a clip when its first
+  // bytes say so (video::looks_like_video), whatever its name.
   std::vector<std::string> files(n);
+  std::vector<bool> is_video(n, false);
   int64_t expected_tokens = 0;
   for (size_t i = 0; i < n; ++i) {
     try {
-      files[i] = read_file(a.images[i], "image", image::kMaxEncodedImageBytes);
-      const image::ImageInfo info =
-          image::probe({reinterpret_cast<const uint8_t*>(files[i].data()), files[i].size()}, a.images[i], pcfg);
+      files[i] = read_file(a.images[i], "input", std::max(image::kMaxEncodedImageBytes, vlim.max_encoded_bytes));
+      const std::span<const uint8_t> bytes(reinterpret_cast<const uint8_t*>(files[i].data()), files[i].size());
+      is_video[i] = video::looks_like_video(bytes);
+      if (is_video[i]) {
+        const video::ClipInfo info = video::probe_clip(bytes, a.images[i], vlim, pcfg);
+        const auto frames = int64_t(video::sample_indices(info.frames, info.fps, vcfg).size());
+        const auto [h, w] = video::smart_resize_video(frames, info.height, info.width, vcfg);
+        expected_tokens += (frames + vcfg.temporal - 1) / vcfg.temporal * (h / vcfg.patch) * (w / vcfg.patch) / (vcfg.merge * vcfg.merge);
+        continue;
+      }
+      if (files[i].size() > image::kMaxEncodedImageBytes)
+        fail("image '{}': {} bytes, over the limit of {}", a.images[i], files[i].size(), image::kMaxEncodedImageBytes);
+      const image::ImageInfo info = image::probe(bytes, a.images[i], pcfg);
       const qwen3vl::GridThw g = image::resized_grid(info.height, info.width, pcfg);
       expected_tokens += int64_t(g[1]) * g[2] / (pcfg.merge * pcfg.merge);
     } catch (const Error&) {
-      std::string().swap(files[i]);
+      if (!is_video[i]) std::string().swap(files[i]);
     }
   }
+  const bool any_video = std::find(is_video.begin(), is_video.end(), true) != is_video.end();
+  std::vector<video::Clip> clips(n);  // the clips' sampling and timestamps (their patches move to `prepared`)
   auto preparing = std::async(std::launch::async, [&] {
-    const auto decode = [&](size_t i) {
+    std::vector<size_t> still;
+    for (size_t i = 0; i < n; ++i)
+      if (!is_video[i]) still.push_back(i);
+    const auto decode = [&](size_t k) {
+      const size_t i = still[k];
       if (files[i].empty()) return image::decode_file(a.images[i], pcfg);  // its error, as decoding words it
       image::Rgb8 img = image::decode_memory({reinterpret_cast<const uint8_t*>(files[i].data()), files[i].size()},
                                              a.images[i], pcfg);
       std::string().swap(files[i]);
       return img;
     };
-    return prepare_images(n, decode, pcfg, {}, !exact_f32);
+    // A batch is all raw uint8 patches or all fp32 ones; clips are fp32 (their frames differ over
+    // each temporal patch), so with a clip the images are too.
+    std::vector<PreparedImage> images = prepare_images(still.size(), decode, pcfg, {}, !exact_f32 && !any_video);
+    std::vector<PreparedImage> out(n);
+    for (size_t k = 0; k < still.size(); ++k) out[still[k]] = std::move(images[k]);
+    for (size_t i = 0; i < n; ++i) {
+      if (!is_video[i]) continue;
+      try {
+        video::Clip c = video::decode_clip({reinterpret_cast<const uint8_t*>(files[i].data()), files[i].size()}, a.images[i],
+                                           vcfg, vlim, pcfg);
+        std::string().swap(files[i]);
+        out[i].patches = std::move(c.patches);
+        out[i].decode_ms = c.decode_ms;
+        out[i].preprocess_ms = c.preprocess_ms;
+        clips[i] = std::move(c);
+        fmt::print(stderr, "video {}: {} frames at {:.3g} fps ({:.1f} s, {} {}), {} sampled\n", a.images[i], clips[i].info.frames,
+                   clips[i].info.fps, clips[i].info.seconds, clips[i].info.container, clips[i].info.codec,
+                   clips[i].indices.size());
+      } catch (...) {
+        out[i].error = std::current_exception();
+      }
+    }
+    return out;
   });
   std::optional<qwen3vl::Model> model_storage;
   std::optional<EncoderRunner> runner_storage;
@@ -225,7 +269,7 @@ int run(const Args& a) {
     images.push_back(&prepared[i].patches);
     grids.push_back(prepared[i].patches.grid);
   }
-  if (ok.empty()) fail("encode: none of the {} image(s) could be read", n);
+  if (ok.empty()) fail("encode: none of the {} input(s) could be read", n);
 
   const auto tf = clock_type::now();
   // The encoder's bits as they are (the CPU's fp32 rounded to nearest), as views of where they
@@ -257,20 +301,37 @@ int run(const Args& a) {
   std::vector<TensorToWrite> tensors;
   std::map<std::string, std::string> meta = {{"model", a.model}, {"dtype", dtype_name(cfg.dtype)},
                                              {"device", device_name(cfg.device)}};
-  fmt::print("{:<5} {:<40} {:>14} {:>8} {:>10} {:>12}\n", "image", "file", "grid_thw", "tokens", "decode ms",
+  // Outputs by kind: image.<j> over the images, video.<k> over the clips (with their timestamps),
+  // each counted in input order.
+  fmt::print("{:<9} {:<40} {:>14} {:>8} {:>10} {:>12}\n", "input", "file", "grid_thw", "tokens", "decode ms",
              "preprocess ms");
+  std::vector<std::vector<float>> stamps;  // kept alive until the write
+  stamps.reserve(ok.size());
+  size_t images_out = 0, videos_out = 0;
   for (size_t j = 0; j < ok.size(); ++j) {
     const size_t i = ok[j];
     const auto& g = grids[j];
+    const char* kind = is_video[i] ? "video" : "image";
+    const size_t k = is_video[i] ? videos_out++ : images_out++;
     if (bf16)
-      append_image_tensors(tensors, j, g, model.config, bf16_rows[j]);
+      append_image_tensors(tensors, k, g, model.config, bf16_rows[j], kind);
     else
-      append_image_tensors(tensors, j, g, model.config, f32_rows[j]);
-    meta["image." + std::to_string(j) + ".file"] = a.images[i];
-    fmt::print("{:<5} {:<40} {:>14} {:>8} {:>10.1f} {:>12.1f}\n", j, a.images[i], fmt::format("({}, {}, {})", g[0], g[1], g[2]),
+      append_image_tensors(tensors, k, g, model.config, f32_rows[j], kind);
+    const std::string p = fmt::format("{}.{}", kind, k);
+    meta[p + ".file"] = a.images[i];
+    if (is_video[i]) {
+      const video::Clip& c = clips[i];
+      stamps.emplace_back(c.timestamps.begin(), c.timestamps.end());
+      TensorToWrite ts{p + ".timestamps", DType::F32, {int64_t(stamps.back().size())}, {}, {}};
+      ts.view = {reinterpret_cast<const uint8_t*>(stamps.back().data()), stamps.back().size() * sizeof(float)};
+      tensors.push_back(std::move(ts));
+      meta[p + ".fps"] = fmt::format("{}", c.info.fps);
+      meta[p + ".frame_indices"] = fmt::format("[{}]", fmt::join(c.indices, ", "));
+    }
+    fmt::print("{:<9} {:<40} {:>14} {:>8} {:>10.1f} {:>12.1f}\n", p, a.images[i], fmt::format("({}, {}, {})", g[0], g[1], g[2]),
                image_tokens(model.config, g), prepared[i].decode_ms, prepared[i].preprocess_ms);
   }
-  fmt::print("model load {:.1f} ms | encoder setup {:.1f} ms | encoder forward ({} images, {} patches, {}{} on {}) {:.1f} ms: "
+  fmt::print("model load {:.1f} ms | encoder setup {:.1f} ms | encoder forward ({} inputs, {} patches, {}{} on {}) {:.1f} ms: "
              "plan {:.1f}, upload {:.1f}, forward {:.1f}, download {:.1f}\n",
              load_ms, setup_ms, ok.size(), patches, dtype_name(cfg.dtype), cfg.fp8_linears ? ", fp8 linears" : "",
              device_name(cfg.device), forward_ms, rt.plan,
@@ -283,7 +344,7 @@ int run(const Args& a) {
     fmt::print("wrote {} ({:.1f} MB of tensors in {:.1f} ms)\n", a.out, double(bytes) / 1e6, ms_since(tw));
   }
   if (ok.size() < n) {
-    fmt::print(stderr, "fovea: {} of {} image(s) failed\n", n - ok.size(), n);
+    fmt::print(stderr, "fovea: {} of {} input(s) failed\n", n - ok.size(), n);
     return 1;
   }
   return 0;
@@ -292,10 +353,11 @@ int run(const Args& a) {
 }  // namespace
 
 void add_encode(CLI::App& app, Runner& runner) {
-  auto* cmd = app.add_subcommand("encode", "image files to visual tokens (and deepstack features)");
+  auto* cmd = app.add_subcommand("encode", "image files and video clips to visual tokens (and deepstack features)");
   auto a = std::make_shared<Args>();
   cmd->add_option("MODEL", a->model, "checkpoint folder or synthetic:<preset>")->required();
-  cmd->add_option("IMAGE", a->images, "JPEG, PNG, WebP, BMP or GIF files")->required();
+  cmd->add_option("INPUT", a->images, "images (JPEG, PNG, WebP, BMP, GIF) and video clips (MP4/MOV, WebM/MKV, AVI, ...)")
+      ->required();
   cmd->add_option("-o,--output", a->out, "write tokens, deepstack features and grid_thw to this safetensors file");
   cmd->add_option("--output-dtype", a->output_dtype,
                   "dtype of the written tokens and deepstack features: bf16 (what the encoder computes and an LLM "
@@ -313,6 +375,7 @@ void add_encode(CLI::App& app, Runner& runner) {
   cmd->add_option("--max-batch-tokens", a->max_batch_tokens, "visual tokens per forward when filling the cache")
       ->capture_default_str();
   add_preprocess_flags(cmd, a->preprocess);
+  add_video_flags(cmd, a->video);
   add_engine_flags(cmd, a->engine);
   cmd->callback([&runner, a] { runner = [a] { return run(*a); }; });
 }

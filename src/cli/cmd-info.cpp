@@ -2,6 +2,7 @@
 #include <fmt/format.h>
 
 #include "cli/commands.h"
+#include "fovea/video.h"
 
 namespace fovea::cli {
 
@@ -23,6 +24,7 @@ void add_info(CLI::App& app, Runner& run) {
                  sys.cudnn_version ? fmt::format(" ({}.{}.{})", sys.cudnn_version / 10000,
                                                  sys.cudnn_version / 100 % 100, sys.cudnn_version % 100)
                                    : "");
+      fmt::print("video: {}\n", video::video_supported() ? "yes (" + video::ffmpeg_versions() + ")" : "no (built without FFmpeg's libraries)");
       if (sys.gpus.empty()) fmt::print("GPUs: none ({})\n", sys.gpu_error);
       for (const auto& g : sys.gpus) {
         fmt::print("GPU {}: {}, sm_{}{}, {} SMs, {:.1f} GiB\n", g.index, g.name, g.cc_major, g.cc_minor, g.sms,

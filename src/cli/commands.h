@@ -8,6 +8,7 @@
 
 #include "fovea/engine.h"
 #include "fovea/image.h"
+#include "fovea/video.h"
 
 namespace fovea::cli {
 
@@ -16,6 +17,7 @@ using Runner = std::function<int()>;
 void add_engine_flags(CLI::App* cmd, EngineOptions& opt);
 // --min-pixels, --max-pixels, --max-image-pixels (encode, serve).
 void add_preprocess_flags(CLI::App* cmd, image::PreprocessOverrides& o);
+void add_video_flags(CLI::App* cmd, video::VideoOverrides& o);
 
 void add_info(CLI::App& app, Runner& run);
 void add_scales(CLI::App& app, Runner& run);

@@ -35,4 +35,13 @@ void add_preprocess_flags(CLI::App* cmd, image::PreprocessOverrides& o) {
   cmd->add_option("--max-pixels", o.max_pixels, "resize budget: at most this many pixels (default: the checkpoint's, 4096^2)");
 }
 
+void add_video_flags(CLI::App* cmd, video::VideoOverrides& o) {
+  cmd->add_option("--video-fps", o.fps, "frames sampled per second of video (default: the checkpoint's, 2)");
+  cmd->add_option("--video-min-pixels", o.min_pixels, "video budget: at least this many pixels over all sampled frames");
+  cmd->add_option("--video-max-pixels", o.max_pixels,
+                  "video budget: at most this many pixels over all sampled frames (default: the checkpoint's)");
+  cmd->add_option("--video-max-frames", o.max_frames, "at most this many frames sampled per clip (default: the checkpoint's, 768)");
+  cmd->add_option("--max-video-seconds", o.max_seconds, "refuse clips longer than this (default 3600)");
+}
+
 }  // namespace fovea::cli

@@ -141,8 +141,9 @@ TensorToWrite tensor_of(const std::string& name, DType dtype, std::vector<int64_
 // T: float (F32) or bf16 bits (BF16); copy = false writes views of merged and deepstack.
 template <class T>
 void append_tensors(std::vector<TensorToWrite>& out, size_t j, const qwen3vl::GridThw& g, const qwen3vl::VisionConfig& c,
-                    DType dtype, std::span<const T> merged, const std::vector<std::span<const T>>& deepstack, bool copy) {
-  const std::string p = "image." + std::to_string(j);
+                    DType dtype, std::span<const T> merged, const std::vector<std::span<const T>>& deepstack, bool copy,
+                    std::string_view kind) {
+  const std::string p = std::string(kind) + "." + std::to_string(j);
   const int64_t tokens = image_tokens(c, g);
   const size_t n = size_t(tokens) * size_t(c.out_hidden);
   if (merged.size() != n) fail("image {}: {} embedding values, not {} x {}", j, merged.size(), tokens, c.out_hidden);
@@ -157,14 +158,14 @@ void append_tensors(std::vector<TensorToWrite>& out, size_t j, const qwen3vl::Gr
 }  // namespace
 
 void append_image_tensors(std::vector<TensorToWrite>& out, size_t j, const qwen3vl::GridThw& g,
-                          const qwen3vl::VisionConfig& c, const ImageTensors& t) {
+                          const qwen3vl::VisionConfig& c, const ImageTensors& t, std::string_view kind) {
   const std::vector<std::span<const float>> deepstack(t.deepstack.begin(), t.deepstack.end());
-  append_tensors<float>(out, j, g, c, DType::F32, t.merged, deepstack, true);
+  append_tensors<float>(out, j, g, c, DType::F32, t.merged, deepstack, true, kind);
 }
 
 void append_image_tensors(std::vector<TensorToWrite>& out, size_t j, const qwen3vl::GridThw& g,
-                          const qwen3vl::VisionConfig& c, const ImageTensorsBf16& t) {
-  append_tensors<uint16_t>(out, j, g, c, DType::BF16, t.merged, t.deepstack, false);  // views: no copy
+                          const qwen3vl::VisionConfig& c, const ImageTensorsBf16& t, std::string_view kind) {
+  append_tensors<uint16_t>(out, j, g, c, DType::BF16, t.merged, t.deepstack, false, kind);  // views: no copy
 }
 
 std::vector<float> widen_bf16(std::span<const uint16_t> v) {

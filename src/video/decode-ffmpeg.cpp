@@ -1,0 +1,379 @@
+// Video decoding through FFmpeg's libraries (docs/video.md §Decoding): the container is read from
+// memory (no file or network access by FFmpeg), only the video stream is demuxed, a short list of
+// containers and video codecs is accepted, and a deadline interrupts demuxing and decoding.
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <functional>
+#include <mutex>
+
+#include <fmt/format.h>
+
+extern "C" {
+#include <libavcodec/avcodec.h>
+#include <libavformat/avformat.h>
+#include <libavutil/log.h>
+#include <libavutil/pixdesc.h>
+#include <libswscale/swscale.h>
+}
+
+#include "fovea/error.h"
+#include "fovea/threads.h"
+#include "fovea/video.h"
+
+namespace fovea::video {
+
+namespace {
+
+using steady = std::chrono::steady_clock;
+
+// Containers and codecs fovea opens: what phones, cameras, screen recorders and the web produce.
+constexpr const char* kFormats = "mov,mp4,m4a,3gp,3g2,mj2,matroska,webm,avi,mpegts,flv,ogg";
+constexpr const char* kCodecs = "h264,hevc,vp8,vp9,libvpx,libvpx-vp9,av1,libdav1d,libaom-av1,mpeg4,mpeg1video,mpeg2video,"
+                                "mjpeg,theora,h263";
+constexpr int64_t kMaxTotalFrames = int64_t(1) << 22;  // whatever the frame rate claims
+
+// FFmpeg's own log lines are kept, not printed: the last error-level line of this thread goes into
+// the error message.
+thread_local std::string last_log;
+void log_callback(void*, int level, const char* format, va_list args) {
+  if (level > AV_LOG_ERROR) return;
+  char line[256];
+  std::vsnprintf(line, sizeof line, format, args);
+  last_log = line;
+  while (!last_log.empty() && (last_log.back() == '\n' || last_log.back() == ' ')) last_log.pop_back();
+}
+void init_ffmpeg() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    av_log_set_level(AV_LOG_ERROR);
+    av_log_set_callback(log_callback);
+  });
+}
+
+std::string av_error(int err) {
+  char buf[AV_ERROR_MAX_STRING_SIZE] = {};
+  av_strerror(err, buf, sizeof buf);
+  std::string s = buf;
+  if (!last_log.empty() && last_log != s) s += " (" + last_log + ")";
+  return s;
+}
+
+struct Source {
+  std::span<const uint8_t> bytes;
+  size_t pos = 0;
+  steady::time_point deadline;
+};
+
+int read_cb(void* opaque, uint8_t* buf, int size) {
+  auto* s = static_cast<Source*>(opaque);
+  const size_t n = std::min(size_t(std::max(size, 0)), s->bytes.size() - s->pos);
+  if (n == 0) return AVERROR_EOF;
+  std::memcpy(buf, s->bytes.data() + s->pos, n);
+  s->pos += n;
+  return int(n);
+}
+
+int64_t seek_cb(void* opaque, int64_t offset, int whence) {
+  auto* s = static_cast<Source*>(opaque);
+  const int64_t size = int64_t(s->bytes.size());
+  int64_t to;
+  switch (whence & ~AVSEEK_FORCE) {
+    case AVSEEK_SIZE: return size;
+    case SEEK_SET: to = offset; break;
+    case SEEK_CUR: to = int64_t(s->pos) + offset; break;
+    case SEEK_END: to = size + offset; break;
+    default: return AVERROR(EINVAL);
+  }
+  if (to < 0 || to > size) return AVERROR(EINVAL);
+  s->pos = size_t(to);
+  return to;
+}
+
+int interrupt_cb(void* opaque) { return steady::now() > static_cast<Source*>(opaque)->deadline ? 1 : 0; }
+
+// One opened container with its video stream chosen.
+struct Demuxer {
+  Source src;
+  AVFormatContext* fmt = nullptr;
+  AVIOContext* io = nullptr;
+  int stream = -1;
+  const AVCodec* codec = nullptr;
+
+  Demuxer(std::span<const uint8_t> bytes, const std::string& name, steady::time_point deadline) {
+    init_ffmpeg();
+    last_log.clear();
+    src = {bytes, 0, deadline};
+    fmt = avformat_alloc_context();
+    auto* buf = static_cast<uint8_t*>(av_malloc(1 << 16));
+    if (fmt && buf) io = avio_alloc_context(buf, 1 << 16, 0, &src, read_cb, nullptr, seek_cb);
+    if (!io) {
+      av_free(buf);
+      fail("video '{}': out of memory opening it", name);
+    }
+    fmt->pb = io;
+    fmt->flags |= AVFMT_FLAG_CUSTOM_IO;
+    fmt->interrupt_callback = {interrupt_cb, &src};
+    AVDictionary* opts = nullptr;
+    av_dict_set(&opts, "format_whitelist", kFormats, 0);
+    AVFormatContext* f = fmt;
+    const int err = avformat_open_input(&f, "", nullptr, &opts);
+    av_dict_free(&opts);
+    if (err < 0) {
+      fmt = nullptr;  // freed by avformat_open_input
+      if (steady::now() > deadline) fail("video '{}': reading the container took longer than the deadline", name);
+      fail("video '{}': not a video fovea reads (MP4/MOV, WebM/MKV, AVI, MPEG-TS, FLV, Ogg): {}", name, av_error(err));
+    }
+    stream = av_find_best_stream(fmt, AVMEDIA_TYPE_VIDEO, -1, -1, nullptr, 0);
+    if (stream < 0) fail("video '{}': the {} container has no video stream", name, fmt->iformat->name);
+    AVCodecParameters* par = fmt->streams[stream]->codecpar;
+    if (par->width <= 0 || par->height <= 0) {
+      // Headers without the frame size (rare: some MPEG-TS): probe the stream, decoders whitelisted.
+      fmt->codec_whitelist = av_strdup(kCodecs);
+      for (unsigned i = 0; i < fmt->nb_streams; ++i)
+        if (int(i) != stream) fmt->streams[i]->discard = AVDISCARD_ALL;
+      const int e = avformat_find_stream_info(fmt, nullptr);
+      if (e < 0) fail("video '{}': reading its stream parameters: {}", name, av_error(e));
+    }
+    for (unsigned i = 0; i < fmt->nb_streams; ++i)
+      if (int(i) != stream) fmt->streams[i]->discard = AVDISCARD_ALL;
+    codec = avcodec_find_decoder(par->codec_id);
+    if (!codec) fail("video '{}': no decoder for its {} video", name, avcodec_get_name(par->codec_id));
+  }
+  ~Demuxer() {
+    if (fmt) avformat_close_input(&fmt);
+    if (io) {
+      av_freep(&io->buffer);
+      avio_context_free(&io);
+    }
+  }
+  Demuxer(const Demuxer&) = delete;
+  Demuxer& operator=(const Demuxer&) = delete;
+  AVStream* st() const { return fmt->streams[stream]; }
+};
+
+struct Packet {
+  AVPacket* p = av_packet_alloc();
+  ~Packet() { av_packet_free(&p); }
+};
+
+ClipInfo probe_with(Demuxer& d, const std::string& name, const VideoLimits& limits, const image::PreprocessConfig& budget) {
+  ClipInfo info;
+  info.name = name;
+  info.container = d.fmt->iformat->name;
+  const AVCodecParameters* par = d.st()->codecpar;
+  info.codec = avcodec_get_name(par->codec_id);
+  info.width = par->width;
+  info.height = par->height;
+  if (info.width <= 0 || info.height <= 0) fail("video '{}': its frame size {}x{} is empty", name, info.width, info.height);
+  const int64_t max_px = limits.max_frame_pixels > 0 ? limits.max_frame_pixels : image::image_pixel_limit(budget);
+  if (int64_t(info.width) * info.height > max_px)
+    fail("video '{}': frames of {}x{} exceed the limit of {} pixels (--max-image-pixels)", name, info.width, info.height, max_px);
+  AVRational r = d.st()->avg_frame_rate;
+  if (r.num <= 0 || r.den <= 0) r = d.st()->r_frame_rate;
+  info.fps = r.num > 0 && r.den > 0 ? av_q2d(r) : 24.0;  // transformers' fallback
+  if (!(info.fps >= 0.01 && info.fps <= 1000)) fail("video '{}': its frame rate {} is not in [0.01, 1000]", name, info.fps);
+  const int64_t cap = std::min<int64_t>(kMaxTotalFrames, int64_t(limits.max_seconds * info.fps) + 1);
+  Packet pkt;
+  for (;;) {
+    const int e = av_read_frame(d.fmt, pkt.p);
+    if (e == AVERROR_EOF) break;
+    if (e < 0) {
+      if (steady::now() > d.src.deadline) fail("video '{}': reading the container took longer than the deadline", name);
+      fail("video '{}': corrupt {} container: {}", name, info.container, av_error(e));
+    }
+    if (pkt.p->stream_index == d.stream && ++info.frames > cap)
+      fail("video '{}': over {} frames at {:.3g} fps, longer than the limit of {} s (--max-video-seconds)", name, cap,
+           info.fps, limits.max_seconds);
+    av_packet_unref(pkt.p);
+  }
+  if (info.frames == 0) fail("video '{}': its video stream has no frames", name);
+  info.seconds = double(info.frames) / info.fps;
+  return info;
+}
+
+steady::time_point deadline_of(const VideoLimits& l) {
+  return steady::now() + std::chrono::milliseconds(int64_t(std::max(0.0, l.deadline_seconds) * 1000));
+}
+
+void check_size(std::span<const uint8_t> bytes, const std::string& name, const VideoLimits& limits) {
+  if (bytes.empty()) fail("video '{}': empty file", name);
+  if (bytes.size() > limits.max_encoded_bytes)
+    fail("video '{}': {} bytes, over the limit of {}", name, bytes.size(), limits.max_encoded_bytes);
+}
+
+// Decodes the clip and hands over the frames at `indices` (sorted; repeats allowed) as RGB at their
+// decoded size: take(j, frame) for j = 0, 1, ... in order, on this thread.
+void decode_indices(std::span<const uint8_t> bytes, const ClipInfo& info, const std::vector<int64_t>& indices,
+                    const VideoLimits& limits, const std::function<void(size_t, image::Rgb8&&)>& take) {
+  const std::string& name = info.name;
+  Demuxer d(bytes, name, deadline_of(limits));
+  AVCodecContext* ctx = avcodec_alloc_context3(d.codec);
+  if (!ctx) fail("video '{}': out of memory opening its decoder", name);
+  struct Owned {
+    AVCodecContext*& c;
+    AVFrame* f = av_frame_alloc();
+    SwsContext* sws = nullptr;
+    ~Owned() {
+      av_frame_free(&f);
+      sws_freeContext(sws);
+      avcodec_free_context(&c);
+    }
+  } own{ctx};
+  avcodec_parameters_to_context(ctx, d.st()->codecpar);
+  ctx->thread_count = 0;  // FFmpeg picks (the cores)
+  ctx->codec_whitelist = av_strdup(kCodecs);
+  if (const int e = avcodec_open2(ctx, d.codec, nullptr); e < 0)
+    fail("video '{}': cannot decode its {} video: {}", name, info.codec, av_error(e));
+  size_t j = 0;
+  int64_t k = 0;  // frames decoded so far, in presentation order
+  const auto frame_out = [&]() {
+    AVFrame* f = own.f;
+    if (f->width != info.width || f->height != info.height)
+      fail("video '{}': frame {} is {}x{}, the stream said {}x{} (a size change mid-stream is not supported)", name, k,
+           f->width, f->height, info.width, info.height);
+    if (j < indices.size() && indices[j] == k) {
+      const auto pf = AVPixelFormat(f->format);
+      own.sws = sws_getCachedContext(own.sws, f->width, f->height, pf, f->width, f->height, AV_PIX_FMT_RGB24, SWS_BILINEAR,
+                                     nullptr, nullptr, nullptr);
+      if (!own.sws) fail("video '{}': cannot convert its {} frames to RGB", name, av_get_pix_fmt_name(pf) ? av_get_pix_fmt_name(pf) : "?");
+      // The stream's colour matrix (BT.601 when untagged, libswscale's default) and range (limited
+      // unless tagged full or a yuvj format), to full-range RGB.
+      const int cs = f->colorspace == AVCOL_SPC_UNSPECIFIED || f->colorspace == AVCOL_SPC_RGB ? SWS_CS_DEFAULT : int(f->colorspace);
+      const AVPixFmtDescriptor* desc = av_pix_fmt_desc_get(pf);
+      const bool full = f->color_range == AVCOL_RANGE_JPEG || (desc && std::strncmp(desc->name, "yuvj", 4) == 0);
+      if (desc && !(desc->flags & AV_PIX_FMT_FLAG_RGB))
+        sws_setColorspaceDetails(own.sws, sws_getCoefficients(cs), full ? 1 : 0, sws_getCoefficients(SWS_CS_DEFAULT), 1, 0,
+                                 1 << 16, 1 << 16);
+      image::Rgb8 rgb;
+      rgb.width = f->width;
+      rgb.height = f->height;
+      rgb.name = name;
+      rgb.data.resize(size_t(rgb.width) * rgb.height * 3);
+      uint8_t* dst[4] = {rgb.data.data(), nullptr, nullptr, nullptr};
+      const int stride[4] = {rgb.width * 3, 0, 0, 0};
+      if (sws_scale(own.sws, f->data, f->linesize, 0, f->height, dst, stride) != f->height)
+        fail("video '{}': converting frame {} to RGB failed", name, k);
+      while (j + 1 < indices.size() && indices[j + 1] == k) take(j++, image::Rgb8(rgb));
+      take(j++, std::move(rgb));
+    }
+    ++k;
+  };
+  const auto drain = [&]() {
+    for (;;) {
+      const int e = avcodec_receive_frame(ctx, own.f);
+      if (e == AVERROR(EAGAIN) || e == AVERROR_EOF) return;
+      if (e < 0) fail("video '{}': corrupt {} video at frame {}: {}", name, info.codec, k, av_error(e));
+      frame_out();
+      av_frame_unref(own.f);
+      if (steady::now() > d.src.deadline)
+        fail("video '{}': decoding took longer than the limit of {} s", name, limits.deadline_seconds);
+    }
+  };
+  Packet pkt;
+  while (j < indices.size()) {
+    const int e = av_read_frame(d.fmt, pkt.p);
+    if (e == AVERROR_EOF) break;
+    if (e < 0) {
+      if (steady::now() > d.src.deadline) fail("video '{}': decoding took longer than the limit of {} s", name, limits.deadline_seconds);
+      fail("video '{}': corrupt {} container: {}", name, info.container, av_error(e));
+    }
+    if (pkt.p->stream_index == d.stream) {
+      const int s = avcodec_send_packet(ctx, pkt.p);
+      if (s < 0 && s != AVERROR(EAGAIN)) fail("video '{}': corrupt {} video at frame {}: {}", name, info.codec, k, av_error(s));
+      drain();
+    }
+    av_packet_unref(pkt.p);
+  }
+  if (j < indices.size()) {
+    avcodec_send_packet(ctx, nullptr);  // flush the frames the decoder holds back
+    drain();
+  }
+  if (j < indices.size())
+    fail("video '{}': the container lists {} frames, but decoding gave {} (frame {} was asked for)", name, info.frames, k,
+         indices[j]);
+}
+
+}  // namespace
+
+bool video_supported() { return true; }
+
+std::string ffmpeg_versions() {
+  const auto v = [](unsigned x) { return fmt::format("{}.{}.{}", x >> 16, (x >> 8) & 255, x & 255); };
+  return fmt::format("libavformat {}, libavcodec {}, libswscale {}", v(avformat_version()), v(avcodec_version()),
+                     v(swscale_version()));
+}
+
+ClipInfo probe_clip(std::span<const uint8_t> bytes, const std::string& name, const VideoLimits& limits,
+                    const image::PreprocessConfig& budget) {
+  check_size(bytes, name, limits);
+  Demuxer d(bytes, name, deadline_of(limits));
+  return probe_with(d, name, limits, budget);
+}
+
+std::vector<image::Rgb8> decode_frames(std::span<const uint8_t> bytes, const std::string& name,
+                                       const std::vector<int64_t>& indices, const VideoLimits& limits) {
+  const ClipInfo info = probe_clip(bytes, name, limits);
+  for (size_t i = 0; i < indices.size(); ++i)
+    if (indices[i] < 0 || indices[i] >= info.frames || (i && indices[i] < indices[i - 1]))
+      fail("video '{}': frame indices must be sorted within 0..{}", name, info.frames - 1);
+  const int64_t bytes_needed = int64_t(indices.size()) * info.width * info.height * 3;
+  if (bytes_needed > limits.max_bytes_in_flight)
+    fail("video '{}': {} frames of {}x{} need {} bytes, over the limit of {}", name, indices.size(), info.width, info.height,
+         bytes_needed, limits.max_bytes_in_flight);
+  std::vector<image::Rgb8> out(indices.size());
+  decode_indices(bytes, info, indices, limits, [&](size_t j, image::Rgb8&& f) { out[j] = std::move(f); });
+  return out;
+}
+
+Clip decode_clip(std::span<const uint8_t> bytes, const std::string& name, const VideoConfig& cfg, const VideoLimits& limits,
+                 const image::PreprocessConfig& budget) {
+  const auto t0 = steady::now();
+  Clip c;
+  c.info = probe_clip(bytes, name, limits, budget);
+  try {
+    c.indices = sample_indices(c.info.frames, c.info.fps, cfg);
+    const auto [h, w] = smart_resize_video(int64_t(c.indices.size()), c.info.height, c.info.width, cfg);
+    // Memory: the resized frames, the patches, and a batch of decoded frames waiting to be resized.
+    const int64_t native = int64_t(c.info.width) * c.info.height * 3;
+    const int64_t resized = int64_t(c.indices.size()) * h * w * 3;
+    const int64_t patches = (int64_t(c.indices.size()) + cfg.temporal - 1) / cfg.temporal * cfg.temporal * h * w * 3 * 4;
+    const int64_t room = limits.max_bytes_in_flight - resized - patches;
+    const int64_t batch = std::min<int64_t>(std::max(1, hardware_threads()), room / native);
+    if (batch < 1)
+      fail("{} frames resized to {}x{} with frames of {}x{} decoding need more than the limit of {} bytes", c.indices.size(), w,
+           h, c.info.width, c.info.height, limits.max_bytes_in_flight);
+    std::vector<image::Rgb8> sized(c.indices.size()), pending;
+    std::vector<size_t> pending_at;
+    double resize_ms = 0;
+    const auto flush = [&] {
+      const auto tr = steady::now();
+      parallel_for(int64_t(pending.size()), [&](int64_t i) {
+        image::Rgb8& f = pending[size_t(i)];
+        sized[pending_at[size_t(i)]] = f.height == h && f.width == w ? std::move(f) : image::resize_bicubic(f, h, w);
+      });
+      pending.clear();
+      pending_at.clear();
+      resize_ms += std::chrono::duration<double, std::milli>(steady::now() - tr).count();
+    };
+    decode_indices(bytes, c.info, c.indices, limits, [&](size_t j, image::Rgb8&& f) {
+      pending.push_back(std::move(f));
+      pending_at.push_back(j);
+      if (int64_t(pending.size()) >= batch) flush();
+    });
+    flush();
+    const auto tp = steady::now();
+    c.timestamps = patch_timestamps(c.indices, c.info.fps, cfg.temporal);
+    c.patches = patchify_frames(sized, cfg);
+    const double patchify_ms = std::chrono::duration<double, std::milli>(steady::now() - tp).count();
+    c.preprocess_ms = resize_ms + patchify_ms;
+    c.decode_ms = std::chrono::duration<double, std::milli>(steady::now() - t0).count() - c.preprocess_ms;
+  } catch (const Error& e) {
+    if (std::string_view(e.what()).starts_with("video '")) throw;
+    fail("video '{}': {}", name, e.what());
+  }
+  return c;
+}
+
+}  // namespace fovea::video
