@@ -5,6 +5,7 @@
 // order. Every bad input is a fovea::Error naming the file.
 #pragma once
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -51,6 +52,13 @@ PreprocessConfig load_preprocess_config(const std::string& model, const Preproce
 // image_std 3 finite numbers in [1e-6, 1e6] (a 0 would turn every pixel into inf/NaN).
 constexpr int64_t kMaxPixelBudget = int64_t(1) << 28;  // 16384 x 16384
 PreprocessConfig parse_preprocess_config(std::string_view text, const std::string& where);
+
+// A file of a model's folder (its path) when the model is a folder that has it; nullopt otherwise
+// (synthetic:<preset>, or the file absent).
+std::optional<std::string> model_folder_file(const std::string& model, const char* name);
+// The model's vision config when it can be read without its weights: a folder's config.json, or a
+// synthetic preset; nullopt when neither (load_model then says why).
+std::optional<qwen3vl::VisionConfig> readable_model_config(const std::string& model);
 
 // Preprocessing that this model can take: patch_size, merge_size and temporal_patch_size equal the
 // model's (patch 14 against a model of 16 would fail every request), and the model takes RGB

@@ -92,30 +92,36 @@ void check_against_model(const PreprocessConfig& p, const std::string& p_where, 
     fail("model {}: vision_config.in_channels is {}; image preprocessing produces RGB (3)", m.name, m.in_channels);
 }
 
+std::optional<std::string> model_folder_file(const std::string& model, const char* name) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  if (!fs::is_directory(model, ec)) return std::nullopt;
+  std::string path = (fs::path(model) / name).string();
+  if (!fs::exists(path, ec)) return std::nullopt;
+  return path;
+}
+
+std::optional<qwen3vl::VisionConfig> readable_model_config(const std::string& model) {
+  std::error_code ec;
+  if (!std::filesystem::is_directory(model, ec)) return qwen3vl::synthetic_config(model);  // unknown names: load_model reports them
+  // config.json: the same reader load_model uses; without one load_model fails, naming it.
+  const std::optional<std::string> cp = model_folder_file(model, "config.json");
+  if (!cp) return std::nullopt;
+  return qwen3vl::parse_config(read_file(*cp, "model config", qwen3vl::config_json_limits().max_bytes), *cp);
+}
+
 namespace {
 
 // The model's own preprocessing (its folder's preprocessor_config.json, or the shipped defaults),
 // checked against the model's config when it can be read. `where` is set to where it came from.
 PreprocessConfig model_preprocess_config(const std::string& model, std::string& where) {
-  namespace fs = std::filesystem;
   PreprocessConfig c;
   where = "the shipped Qwen3-VL preprocessing defaults";
-  std::error_code ec;
-  std::optional<qwen3vl::VisionConfig> mc;
-  if (fs::is_directory(model, ec)) {
-    const std::string path = (fs::path(model) / "preprocessor_config.json").string();
-    if (fs::exists(path, ec)) {
-      c = parse_preprocess_config(read_file(path, "preprocessor config", qwen3vl::config_json_limits().max_bytes), path);
-      where = path;
-    }
-    // config.json: the same reader load_model uses; without one load_model fails, naming it.
-    const std::string cp = (fs::path(model) / "config.json").string();
-    if (fs::exists(cp, ec))
-      mc = qwen3vl::parse_config(read_file(cp, "model config", qwen3vl::config_json_limits().max_bytes), cp);
-  } else {
-    mc = qwen3vl::synthetic_config(model);  // unknown names: load_model reports them
+  if (const std::optional<std::string> path = model_folder_file(model, "preprocessor_config.json")) {
+    c = parse_preprocess_config(read_file(*path, "preprocessor config", qwen3vl::config_json_limits().max_bytes), *path);
+    where = *path;
   }
-  if (mc) check_against_model(c, where, *mc);
+  if (const auto mc = readable_model_config(model)) check_against_model(c, where, *mc);
   return c;
 }
 

@@ -4,7 +4,6 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
-#include <filesystem>
 #include <optional>
 
 #include <nlohmann/json.hpp>
@@ -75,23 +74,13 @@ VideoConfig parse_video_config(std::string_view text, const std::string& where) 
 }
 
 VideoConfig load_video_config(const std::string& model, const VideoOverrides& o) {
-  namespace fs = std::filesystem;
   VideoConfig c;
   std::string where = "Qwen3VLVideoProcessor's defaults";
-  std::error_code ec;
-  std::optional<qwen3vl::VisionConfig> mc;
-  if (fs::is_directory(model, ec)) {
-    const std::string path = (fs::path(model) / "video_preprocessor_config.json").string();
-    if (fs::exists(path, ec)) {
-      c = parse_video_config(read_file(path, "video preprocessor config", qwen3vl::config_json_limits().max_bytes), path);
-      where = path;
-    }
-    const std::string cp = (fs::path(model) / "config.json").string();
-    if (fs::exists(cp, ec)) mc = qwen3vl::parse_config(read_file(cp, "model config", qwen3vl::config_json_limits().max_bytes), cp);
-  } else {
-    mc = qwen3vl::synthetic_config(model);
+  if (const std::optional<std::string> path = image::model_folder_file(model, "video_preprocessor_config.json")) {
+    c = parse_video_config(read_file(*path, "video preprocessor config", qwen3vl::config_json_limits().max_bytes), *path);
+    where = *path;
   }
-  if (mc) image::check_against_model(as_image_config(c), where, *mc);
+  if (const auto mc = image::readable_model_config(model)) image::check_against_model(as_image_config(c), where, *mc);
   if (o.fps < 0 || (o.fps > 0 && !(o.fps >= 0.01 && o.fps <= 240))) fail("--video-fps {} is not in [0.01, 240]", o.fps);
   if (o.fps > 0) c.fps = o.fps;
   for (const auto& [v, flag] : {std::pair{o.min_pixels, "--video-min-pixels"}, {o.max_pixels, "--video-max-pixels"}})
