@@ -1,7 +1,7 @@
 # The include rules of docs/architecture.md, checked on every source file under src/ (ctest
 # check-rooms): a room includes only rooms below it, and cli/ and server/ never include each other.
 #   cmake -DSRC=<repo>/src -P tests/check-rooms.cmake
-# Rooms from the bottom: core, fp8, attention, model, image (the library, fovea_core), then engine,
+# Rooms from the bottom: core, fp8, attention, model, image, video (the library, fovea_core), then engine,
 # then server and cli side by side. A public header belongs to the room that implements it.
 set(forbidden_core "fovea/pipeline\\.h|fovea/engine\\.h|fovea/serve\\.h|\"engine/|\"server/|\"cli/")
 set(forbidden_engine "fovea/serve\\.h|\"server/|\"cli/")
@@ -13,7 +13,7 @@ set(count 0)
 set(bad "")
 foreach(f ${files})
   string(REGEX MATCH "^[a-z0-9]+" room ${f})
-  if(room MATCHES "^(core|fp8|attention|model|image)$")
+  if(room MATCHES "^(core|fp8|attention|model|image|video)$")
     set(rule ${forbidden_core})
   elseif(room STREQUAL "engine")
     set(rule ${forbidden_engine})
