@@ -145,6 +145,28 @@ TEST(EncodeRequest, RefusesHostileJsonFastWithShortMessages) {
   EXPECT_LT(e.message.size(), 300u);
 }
 
+// Videos: a video_url part, a data:video URL, the "videos" array; each item's kind and name as said.
+TEST(EncodeRequest, VideosBesideImages) {
+  using fovea::server::ItemKind;
+  const auto r = parse_encode_request(
+      "{\"images\": [\"QUJD\", {\"type\": \"video_url\", \"video_url\": {\"url\": \"data:video/mp4;base64,REVG\"}, "
+      "\"uuid\": \"clip\"}, \"data:image/png;base64,R0hJ\"], \"videos\": [\"data:video/webm;base64,SktM\", \"TU5P\"]}",
+      8, "synthetic:tiny");
+  EXPECT_EQ(r.payloads, (std::vector<std::string>{"QUJD", "REVG", "R0hJ", "SktM", "TU5P"}));
+  EXPECT_EQ(r.kinds, (std::vector<ItemKind>{ItemKind::ANY, ItemKind::VIDEO, ItemKind::IMAGE, ItemKind::VIDEO, ItemKind::VIDEO}));
+  EXPECT_EQ(r.names, (std::vector<std::string>{"images[0]", "images[1]", "images[2]", "videos[0]", "videos[1]"}));
+  EXPECT_EQ(r.uuids[1], "clip");
+  EXPECT_EQ(r.url_prefixes[1], "data:video/mp4;base64,");
+  // Only videos; the limit counts both arrays; an image part in "videos"; a malformed video item.
+  EXPECT_EQ(parse_encode_request("{\"videos\": [\"QUJD\"]}", 1, "synthetic:tiny").payloads.size(), 1u);
+  EXPECT_EQ(error_of("{\"images\": [\"QUJD\"], \"videos\": [\"QUJD\"]}", 1).code, "too_many_images");
+  EXPECT_EQ(error_of("{\"videos\": [{\"type\": \"image_url\", \"image_url\": \"QUJD\"}]}").code, "invalid_video");
+  EXPECT_EQ(error_of("{\"videos\": [7]}").code, "invalid_video");
+  EXPECT_EQ(error_of("{\"videos\": []}").code, "invalid_request");
+  EXPECT_EQ(error_of("{\"videos\": {}}").code, "invalid_request");
+  EXPECT_EQ(error_of("{\"images\": [{\"type\": \"video_url\", \"image_url\": \"QUJD\"}]}").code, "invalid_video");
+}
+
 TEST(EncodeRequest, RefusesMalformedRequests) {
   EXPECT_EQ(error_of("[1]").code, "invalid_request");
   EXPECT_EQ(error_of("{\"images\": []}").code, "invalid_request");

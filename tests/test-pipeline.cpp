@@ -280,7 +280,15 @@ TEST(Pipeline, StartAndFinishPipelineBatchesInOrder) {
       EXPECT_TRUE(std::equal(v.deepstack[k].begin(), v.deepstack[k].end(), want1.deepstack[k].begin(), want1.deepstack[k].end()));
   }
   EXPECT_HAS(error_of([&] { runner.finish_views(); }), "no batch started");
-  EXPECT_HAS(error_of([&] { runner.start({&raw[0].patches, &norm[1].patches}, false); }), "mixes raw and normalized");
+  // A batch mixing raw and fp32 patches (images beside a video clip) takes the raw ones normalized
+  // on the host: the same bits as the all-fp32 batch.
+  runner.start({&raw[0].patches, &norm[1].patches}, true);
+  runner.finish(got);
+  EXPECT_EQ(got.merged, want0.merged);
+  EXPECT_EQ(got.deepstack, want0.deepstack);
+  image::Patches empty;
+  empty.grid = {1, 2, 2};
+  EXPECT_HAS(error_of([&] { runner.start({&raw[0].patches, &empty}, false); }), "without pixels");
   EXPECT_EQ(runner.in_flight(), 0u);
 }
 

@@ -730,6 +730,116 @@ TEST_F(Serve, SafetensorsReplyIsBf16UnlessFloatIsAsked) {
 
 // Malformed requests: each gets its 4xx with a JSON error naming the problem, and the server keeps
 // serving (health after each, a valid request at the end, counted in /metrics).
+// Clips beside images (issue 18): a video_url part, a bare base64 clip in "images" and a data URL in
+// "videos" each come back as `fovea encode` gives the same clip beside the same image (one packed
+// forward there; rows are independent of what they are packed with), with the clip's sampling; the
+// safetensors reply names them video.<k>; a clip in the encoder cache is found by its uuid; what is
+// not a clip, or a clip sent as an image, or a broken clip, is a 400 naming the item.
+TEST_F(Serve, VideosBesideImagesMatchEncode) {
+  const std::string clip = slurp(fs::path(FOVEA_SOURCE_DIR) / "tests/data/video/h264.mp4");
+  ASSERT_GT(clip.size(), 1000u);
+  const fs::path clip_file = dir_ / "clip.mp4", ref = dir_ / "ref-video.safetensors", img_file = dir_ / "image0.png";
+  std::ofstream(clip_file, std::ios::binary) << clip;
+  const std::string cmd = std::string("'") + FOVEA_BIN + "' encode synthetic:tiny '" + img_file.string() + "' '" +
+                          clip_file.string() + "' -o '" + ref.string() + "' --output-dtype f32 --device cpu" +
+                          join_args(kPixels) + " >/dev/null";
+  ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
+  const auto ck = fovea::Checkpoint::open(ref.string());
+  const std::vector<float> grid = tensor(ck, "video.0.grid_thw"), want = tensor(ck, "video.0.embeddings"),
+                           stamps = tensor(ck, "video.0.timestamps");
+  ASSERT_EQ(grid, (std::vector<float>{3, 8, 12}));  // 36 frames at 12 fps: 6 sampled at 2 fps, 160x120 -> 192x128
+  ASSERT_EQ(stamps.size(), 3u);
+  // Frames 0, 7, 14, 21, 28, 35 at 12 fps, two per temporal patch: the mean of each pair's times.
+  EXPECT_NEAR(stamps[0], (0 + 7) / 24.0, 1e-6);
+  EXPECT_NEAR(stamps[2], (28 + 35) / 24.0, 1e-6);
+  const std::string clip_b64 = b64(clip);
+  const json video_part = {{"type", "video_url"}, {"video_url", {{"url", "data:video/mp4;base64," + clip_b64}}}};
+
+  const fs::path cache = dir_ / "ec-cache-video";
+  fs::remove_all(cache);
+  ServerProcess server(dir_, {"--ec-storage-path", cache.string()});
+  ASSERT_GT(server.port(), 0);
+  auto cli = client(server.port());
+  const auto check_video = [&](const json& d, size_t index) {
+    EXPECT_EQ(d.at("index"), index);
+    EXPECT_EQ(d.at("type"), "video");
+    EXPECT_EQ(d.at("grid_thw"), json({3, 8, 12}));
+    EXPECT_EQ(d.at("num_tokens"), 72);
+    EXPECT_EQ(d.at("fps"), 12.0);
+    EXPECT_EQ(d.at("frame_indices"), json({0, 7, 14, 21, 28, 35}));
+    ASSERT_EQ(d.at("timestamps").size(), 3u);
+    for (size_t k = 0; k < 3; ++k) EXPECT_NEAR(d.at("timestamps")[k].get<double>(), stamps[k], 1e-6);
+  };
+  // 1. An image and a video_url part, in "images"; embeddings asked for (the cache is on).
+  json body = {{"images", {image_item(image(0), 0), video_part}}, {"return_embeddings", true}};
+  body["images"][1]["uuid"] = "clip-1";
+  auto r = cli->Post("/v1/encode", body.dump(), "application/json");
+  ASSERT_TRUE(r && r->status == 200) << (r ? r->body : "no reply");
+  json doc = json::parse(r->body);
+  ASSERT_EQ(doc.at("data").size(), 2u);
+  EXPECT_EQ(doc["data"][0].at("type"), "image");
+  EXPECT_EQ(doc["data"][0].at("grid_thw"), json(image(0).grid));
+  EXPECT_LE(max_rel_error(bf16_values(doc["data"][0].at("embeddings")), image(0).embeddings), kBf16Ulp);
+  check_video(doc["data"][1], 1);
+  EXPECT_EQ(doc["data"][1].at("cached"), false);
+  EXPECT_LE(max_rel_error(bf16_values(doc["data"][1].at("embeddings")), want), kBf16Ulp);
+  EXPECT_TRUE(fs::exists(cache / "clip-1" / "encoder_cache.safetensors"));
+  // 2. The same clip by uuid again: from the cache, the same sampling and rows.
+  r = cli->Post("/v1/encode", body.dump(), "application/json");
+  ASSERT_TRUE(r && r->status == 200) << (r ? r->body : "no reply");
+  doc = json::parse(r->body);
+  check_video(doc["data"][1], 1);
+  EXPECT_EQ(doc["data"][1].at("cached"), true);
+  EXPECT_LE(max_rel_error(bf16_values(doc["data"][1].at("embeddings")), want), kBf16Ulp);
+  // 3. A bare base64 clip in "images" (its bytes say it is a clip) and a data URL in "videos", as a
+  // safetensors reply: image.0, video.0, video.1.
+  body = {{"images", {clip_b64, image_item(image(0), 1)}}, {"videos", {"data:video/mp4;base64," + clip_b64}}};
+  httplib::Headers octet = {{"Accept", "application/octet-stream"}};
+  r = cli->Post("/v1/encode", octet, body.dump(), "application/json");
+  ASSERT_TRUE(r && r->status == 200) << (r ? r->body : "no reply");
+  const fs::path reply = dir_ / "video-reply.safetensors";
+  std::ofstream(reply, std::ios::binary) << r->body;
+  const auto got = fovea::Checkpoint::open(reply.string());
+  for (const char* p : {"video.0", "video.1"}) {
+    EXPECT_EQ(tensor(got, std::string(p) + ".grid_thw"), grid) << p;
+    EXPECT_EQ(tensor(got, std::string(p) + ".timestamps"), stamps) << p;
+    EXPECT_LE(max_rel_error(tensor(got, std::string(p) + ".embeddings"), want), kBf16Ulp) << p;
+  }
+  {  // the metadata: the header's "__metadata__"
+    uint64_t n = 0;
+    std::memcpy(&n, r->body.data(), 8);
+    const json meta = json::parse(r->body.substr(8, size_t(n))).at("__metadata__");
+    EXPECT_EQ(meta.at("video.1.frame_indices"), "[0, 7, 14, 21, 28, 35]");
+    EXPECT_EQ(meta.at("video.1.fps"), "12");
+  }
+  EXPECT_LE(max_rel_error(tensor(got, "image.0.embeddings"), image(0).embeddings), kBf16Ulp);
+  EXPECT_EQ(got.find("image.1.embeddings"), nullptr);
+  // 4. Bad clips: each a 400 naming the item; the server keeps serving.
+  const std::string png_b64 = b64(image(0).bytes);
+  struct Case {
+    std::string name;
+    json body;
+    std::string code, says;
+  };
+  const std::vector<Case> cases = {
+      {"an image in videos", {{"videos", {png_b64}}}, "invalid_video", "videos[0]: a video_url item that is not a clip"},
+      {"a clip in an image_url part", {{"images", {{{"type", "image_url"}, {"image_url", "data:video/mp4;base64," + clip_b64}}}}},
+       "invalid_image", "images[0]: an image_url item holding a video clip"},
+      {"an image_url part in videos", {{"videos", {image_item(image(0), 2)}}}, "invalid_video", "videos[0]: an image_url part"},
+      {"a truncated clip", {{"videos", {b64(clip.substr(0, clip.size() / 3))}}}, "invalid_video", "videos[0]"},
+      {"videos not an array", {{"videos", "x"}}, "invalid_request", "\"videos\" must be an array"},
+  };
+  for (const Case& c : cases) {
+    const ErrorReply e = error_of(cli->Post("/v1/encode", c.body.dump(), "application/json"));
+    EXPECT_EQ(e.status, 400) << c.name;
+    EXPECT_EQ(e.code, c.code) << c.name << ": " << e.message;
+    EXPECT_NE(e.message.find(c.says), std::string::npos) << c.name << ": " << e.message;
+  }
+  r = cli->Post("/v1/encode", json{{"videos", {video_part}}}.dump(), "application/json");
+  ASSERT_TRUE(r && r->status == 200) << (r ? r->body : "no reply");
+  check_video(json::parse(r->body).at("data")[0], 0);
+}
+
 TEST_F(Serve, BadRequestsGetTheRight4xxAndTheServerKeepsServing) {
   ServerProcess server(dir_, {"--max-images-per-request", "4", "--max-body-bytes", "1000000", "--max-image-pixels", "40000"});
   ASSERT_GT(server.port(), 0);

@@ -16,7 +16,9 @@ instead loads those weights, runs transformers in fp32 (TF32 off) and in BF16 on
 writes DIR-named golden files whose "<output>.bf16" tensors are transformers' own BF16 outputs, so
 `fovea check-golden DIR FILE --require-ratio 1.5` can hold fovea's error to 1.5x transformers BF16's
 (issue #4's criterion). tools/device/conformance.sh runs it on the full 8B architecture and makes
-tests/data/qwen3vl-8b-2blocks/golden.safetensors (--grids 1x8x8,2x4x4) with it.
+tests/data/qwen3vl-8b-2blocks/golden.safetensors (--grids 1x8x8,2x4x4) with it; with --video CLIP
+the clip's frames, through transformers' video processor, come first in that batch
+(tests/data/qwen3vl-8b-2blocks/golden-video.safetensors: a real clip packed with an image).
 """
 import argparse
 import json
@@ -67,6 +69,29 @@ def capture_outputs(model, pixels, grid):
     return {k: v.float().cpu().contiguous() for k, v in got.items()}
 
 
+def video_pixels(path):
+    """A clip through transformers' Qwen3VLVideoProcessor with the Qwen3-VL checkpoints' video budget,
+    frames decoded by OpenCV: (pixel_values_videos, its grid)."""
+    import cv2
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+    from transformers.video_utils import VideoMetadata
+    cap, frames = cv2.VideoCapture(path), []
+    fps = cap.get(cv2.CAP_PROP_FPS)
+    while True:
+        ok, f = cap.read()
+        if not ok:
+            break
+        frames.append(cv2.cvtColor(f, cv2.COLOR_BGR2RGB))
+    proc = Qwen3VLVideoProcessor(size={"shortest_edge": 4096, "longest_edge": 25165824})
+    meta = VideoMetadata(total_num_frames=len(frames), fps=fps, width=frames[0].shape[1], height=frames[0].shape[0],
+                         frames_indices=list(range(len(frames))))
+    idx = [int(i) for i in proc.sample_frames(meta)]
+    clip = torch.from_numpy(__import__("numpy").stack([frames[i] for i in idx])).permute(0, 3, 1, 2)
+    out = proc(videos=[clip], do_sample_frames=False, return_tensors="pt")
+    print(f"video {path}: {len(frames)} frames at {fps} fps, sampled {idx}, grid {out['video_grid_thw'][0].tolist()}")
+    return out["pixel_values_videos"].float(), [int(x) for x in out["video_grid_thw"][0]]
+
+
 def from_checkpoint(a):
     from safetensors.torch import load_file
     with open(os.path.join(a.model, "config.json")) as f:
@@ -77,10 +102,13 @@ def from_checkpoint(a):
     model.load_state_dict(state, strict=True)
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    grids = [[int(x) for x in g.split("x")] for g in a.grids.split(",")]
+    grids = [[int(x) for x in g.split("x")] for g in a.grids.split(",")] if a.grids else []
     gen = torch.Generator().manual_seed(20261129)
     n = sum(t * h * w for t, h, w in grids)
     pixels = (torch.rand(n, 3 * 2 * 16 * 16, generator=gen) * 2 - 1).to(torch.bfloat16).to(torch.float32)
+    if a.video:  # a real clip first, packed with the random images: pixel_values_videos as the processor gives them
+        vpx, vgrid = video_pixels(a.video)
+        pixels, grids = torch.cat([vpx, pixels]), [vgrid] + grids
     grid = torch.tensor(grids, dtype=torch.int64)
     model = model.to(a.device)
     golden = {"pixel_values": pixels.contiguous(), "grid_thw": grid.to(torch.float32)}
@@ -101,6 +129,7 @@ def main():
     ap.add_argument("--grids", default="1x44x80,1x16x16", help="with --model: t x h x w per image")
     ap.add_argument("--name", default="golden-model", help="with --model: output file name (no extension)")
     ap.add_argument("--device", default="cuda", help="with --model: where transformers runs")
+    ap.add_argument("--video", default="", help="with --model: a clip whose processed frames come first in the batch")
     a = ap.parse_args()
     if a.model:
         return from_checkpoint(a)

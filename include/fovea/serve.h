@@ -1,6 +1,7 @@
 // fovea/serve.h: `fovea serve`, an HTTP front end (src/server/http.h: Boost.Asio + Beast) over a
 // batching worker that owns the encoder (src/server/batcher.h).
-//   POST /v1/encode   images (data URLs, base64, or OpenAI image_url content parts) -> visual tokens
+//   POST /v1/encode   images and video clips (data URLs, base64, or OpenAI image_url / video_url
+//                     content parts; clips and images packed into the same forwards) -> visual tokens
 //                     as JSON (bf16 base64 or float lists) or, with Accept: application/octet-stream,
 //                     the safetensors file `fovea encode -o` would write
 //   GET  /health (live), GET /ready (taking requests), GET /v1/models, GET /metrics (Prometheus)
@@ -14,6 +15,7 @@
 
 #include "fovea/engine.h"
 #include "fovea/image.h"
+#include "fovea/video.h"
 
 namespace fovea::server {
 
@@ -41,6 +43,7 @@ struct ServeOptions {
                                              // each); more get 503, but an idle queue takes any request
   size_t max_images_per_request = 16;
   image::PreprocessOverrides preprocess;        // resize budget (0: the checkpoint's), bomb guard
+  video::VideoOverrides video;                  // clips: fps, video budget, frames, length (0: the checkpoint's)
   double request_timeout_s = 120;               // head read to reply; later gets 504
   int threads = 32;                             // worker threads (each handles one request's body)
   HttpLimits http;                              // the HTTP layer's bounds (--max-body-bytes, deadlines, ...)

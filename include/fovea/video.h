@@ -83,6 +83,20 @@ std::vector<double> patch_timestamps(const std::vector<int64_t>& indices, double
 // merge-window order within each temporal patch, columns (c, t, py, px). grid = {T', h/p, w/p}.
 image::Patches patchify_frames(const std::vector<image::Rgb8>& frames, const VideoConfig& cfg);
 
+// What preprocessing a clip will give, from its header alone (no frame decoded): the sampled
+// frames, the size they are resized to, the grid, the timestamps, and the memory decode_clip holds
+// at its peak (the resized frames, the fp32 patches, one native frame per core decoding). An
+// encoder-cache hit needs nothing more; the server reserves peak_bytes before decoding.
+struct ClipPlan {
+  std::vector<int64_t> indices;
+  int height = 0, width = 0;  // every sampled frame's size after resizing
+  qwen3vl::GridThw grid{};
+  std::vector<double> timestamps;
+  int64_t resized_bytes = 0, patch_bytes = 0, native_frame_bytes = 0;
+  int64_t peak_bytes(int decoding_threads) const { return resized_bytes + patch_bytes + decoding_threads * native_frame_bytes; }
+};
+ClipPlan plan_clip(const ClipInfo& info, const VideoConfig& cfg);
+
 // A clip, preprocessed.
 struct Clip {
   ClipInfo info;

@@ -185,10 +185,8 @@ int run(const Args& a) {
       const std::span<const uint8_t> bytes(reinterpret_cast<const uint8_t*>(files[i].data()), files[i].size());
       is_video[i] = video::looks_like_video(bytes);
       if (is_video[i]) {
-        const video::ClipInfo info = video::probe_clip(bytes, a.images[i], vlim, pcfg);
-        const auto frames = int64_t(video::sample_indices(info.frames, info.fps, vcfg).size());
-        const auto [h, w] = video::smart_resize_video(frames, info.height, info.width, vcfg);
-        expected_tokens += (frames + vcfg.temporal - 1) / vcfg.temporal * (h / vcfg.patch) * (w / vcfg.patch) / (vcfg.merge * vcfg.merge);
+        const video::ClipPlan plan = video::plan_clip(video::probe_clip(bytes, a.images[i], vlim, pcfg), vcfg);
+        expected_tokens += int64_t(plan.grid[0]) * plan.grid[1] * plan.grid[2] / (vcfg.merge * vcfg.merge);
         continue;
       }
       if (files[i].size() > image::kMaxEncodedImageBytes)

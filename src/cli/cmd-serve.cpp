@@ -31,6 +31,7 @@ void add_serve(CLI::App& app, Runner& runner) {
                   "bound the bytes of the cache files fovea wrote there, least recently written or read first (0: none)")
       ->capture_default_str();
   add_preprocess_flags(cmd, o->preprocess);
+  add_video_flags(cmd, o->video);
   cmd->add_option("--request-timeout", o->request_timeout_s, "seconds from request to reply; later is answered 504")
       ->capture_default_str();
   cmd->add_option("--threads", o->threads,

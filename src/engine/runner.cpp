@@ -146,23 +146,31 @@ void EncoderRunner::start(const Batch& batch, bool with_deepstack) {
 
 void EncoderRunner::start(const std::vector<const image::Patches*>& images, bool with_deepstack) {
   if (images.empty()) fail("encoder: a batch of no images");
-  const bool raw = !images[0]->raw.empty();
+  // Raw uint8 patches are uploaded as they are only when the whole batch is raw and normalized
+  // alike; a batch that also holds fp32 patches (a video clip's: its frames differ within each
+  // temporal patch, which the raw form cannot hold) takes its raw images normalized on the host,
+  // bit for bit what the device would compute (image::normalize_raw).
+  bool raw = true;
   std::vector<qwen3vl::GridThw> grids;
   for (const image::Patches* p : images) {
-    if (p->raw.empty() == raw) fail("encoder: a batch mixes raw and normalized patches");
-    if (raw && std::memcmp(&p->norm, &images[0]->norm, sizeof p->norm) != 0)
-      fail("encoder: a batch mixes images normalized differently");
+    if (p->raw.empty() && p->pixels.empty()) fail("encoder: an image of grid ({}, {}, {}) without pixels", p->grid[0], p->grid[1], p->grid[2]);
+    raw = raw && !p->raw.empty() && std::memcmp(&p->norm, &images[0]->norm, sizeof p->norm) == 0;
     grids.push_back(p->grid);
   }
+  // One image's fp32 rows: its own, or its raw samples normalized into `scratch`.
+  const auto fp32_rows = [](const image::Patches& p, image::Patches& scratch) -> const std::vector<float>& {
+    if (p.raw.empty()) return p.pixels;
+    scratch.raw = p.raw;
+    scratch.norm = p.norm;
+    scratch.grid = p.grid;
+    image::normalize_raw(scratch);
+    return scratch.pixels;
+  };
   if (!gpu_) {
     Batch b;
     for (const image::Patches* p : images) {
-      image::Patches normalized;
-      if (raw) {
-        normalized = *p;
-        image::normalize_raw(normalized);
-      }
-      const std::vector<float>& px = raw ? normalized.pixels : p->pixels;
+      image::Patches scratch;
+      const std::vector<float>& px = fp32_rows(*p, scratch);
       b.pixels.insert(b.pixels.end(), px.begin(), px.end());
       b.grids.push_back(p->grid);
     }
@@ -175,8 +183,10 @@ void EncoderRunner::start(const std::vector<const image::Patches*>& images, bool
         std::memcpy(at, p->raw.data(), p->raw.size());
         at += p->raw.size();
       } else {
-        to_bf16(p->pixels.data(), p->pixels.size(), reinterpret_cast<uint16_t*>(at));
-        at += p->pixels.size() * 2;
+        image::Patches scratch;
+        const std::vector<float>& px = fp32_rows(*p, scratch);
+        to_bf16(px.data(), px.size(), reinterpret_cast<uint16_t*>(at));
+        at += px.size() * 2;
       }
     }
   }, raw ? &images[0]->norm : nullptr);

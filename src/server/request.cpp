@@ -75,42 +75,57 @@ const std::string_view* lifted_part(const std::string& v, const Lifted& l) {
   return k < l.parts.size() ? &l.parts[k] : nullptr;
 }
 
-// An image's URL string as its base64 text; `prefix` gets what was cut (a data URL's head).
-std::string image_payload(json& url_value, const std::string& where, const Lifted& lifted, std::string& prefix) {
+// The error code of a malformed item: invalid_video for what is said to be a video, else invalid_image.
+const char* item_code(ItemKind kind) { return kind == ItemKind::VIDEO ? "invalid_video" : "invalid_image"; }
+
+// An item's URL string as its base64 text; `prefix` gets what was cut (a data URL's head), and a
+// data URL's media type (image/..., video/...) sets `kind` where the request did not.
+std::string item_payload(json& url_value, const std::string& where, const Lifted& lifted, std::string& prefix,
+                         ItemKind& kind) {
   json* url = &url_value;
   if (!url->is_string())
-    reject(400, "invalid_image", fmt::format("{}: expected a data URL or base64 string, got {}", where, url->type_name()));
+    reject(400, item_code(kind), fmt::format("{}: expected a data URL or base64 string, got {}", where, url->type_name()));
   std::string s = std::move(url->get_ref<std::string&>());
   if (const std::string_view* part = lifted_part(s, lifted)) s.assign(*part);
   if (s.starts_with("data:")) {
     const size_t comma = s.find(',');
-    if (comma == std::string::npos) reject(400, "invalid_image", where + ": data URL without ','");
-    if (!std::string_view(s).substr(0, comma).ends_with(";base64"))
-      reject(400, "invalid_image", where + ": only base64 data URLs are accepted (data:image/png;base64,...)");
+    if (comma == std::string::npos) reject(400, item_code(kind), where + ": data URL without ','");
+    const std::string_view head = std::string_view(s).substr(0, comma);
+    if (!head.ends_with(";base64"))
+      reject(400, item_code(kind), where + ": only base64 data URLs are accepted (data:image/png;base64,..., data:video/mp4;base64,...)");
+    const ItemKind said = head.starts_with("data:video/") ? ItemKind::VIDEO
+                          : head.starts_with("data:image/") ? ItemKind::IMAGE
+                                                            : ItemKind::ANY;
+    if (kind == ItemKind::ANY) kind = said;
     prefix = s.substr(0, comma + 1);
     s.erase(0, comma + 1);
     return s;
   }
   if (s.starts_with("http://") || s.starts_with("https://"))
-    reject(400, "invalid_image", where + ": image URLs are not fetched; send the image inline as a data URL or base64");
-  if (s.empty()) reject(400, "invalid_image", where + ": empty string");
+    reject(400, item_code(kind), where + ": URLs are not fetched; send the image or video inline as a data URL or base64");
+  if (s.empty()) reject(400, item_code(kind), where + ": empty string");
   return s;
 }
 
-
-// images[i] into r: its base64 text (moved out of the document), its uuid and its URL's prefix.
-void add_image(EncodeRequest& r, json& item, size_t i, const Lifted& lifted) {
-  const std::string where = fmt::format("images[{}]", i);
+// One item of "images" or "videos" into r: its base64 text (moved out of the document), its kind,
+// its uuid and its URL's prefix. `kind` is what its array says ("videos": VIDEO); a content part's
+// type says it too ({"type": "image_url", "image_url": ...} or {"type": "video_url", "video_url": ...}).
+void add_item(EncodeRequest& r, json& item, const std::string& where, ItemKind kind, const Lifted& lifted) {
   json* url = &item;
   std::string uuid;
   if (item.is_object()) {
     const auto type = item.find("type");
-    const auto part = item.find("image_url");
     const auto id = item.find("uuid");
-    if (type == item.end() || *type != "image_url" || part == item.end() || item.size() != size_t(id != item.end() ? 3 : 2))
-      reject(400, "invalid_image",
-             where + ": an object must be a content part {\"type\": \"image_url\", \"image_url\": {\"url\": ...}}, "
-                     "with a \"uuid\" or without");
+    const std::string t = type != item.end() && type->is_string() ? type->get<std::string>() : "";
+    const auto part = t == "image_url" || t == "video_url" ? item.find(t) : item.end();
+    if (part == item.end() || item.size() != size_t(id != item.end() ? 3 : 2))
+      reject(400, item_code(t == "video_url" ? ItemKind::VIDEO : kind),
+             where + ": an object must be a content part {\"type\": \"image_url\", \"image_url\": {\"url\": ...}} or "
+                     "{\"type\": \"video_url\", \"video_url\": {\"url\": ...}}, with a \"uuid\" or without");
+    const ItemKind said = t == "video_url" ? ItemKind::VIDEO : ItemKind::IMAGE;
+    if (kind != ItemKind::ANY && said != kind)
+      reject(400, "invalid_video", fmt::format("{}: an {} part in \"videos\"", where, t));
+    kind = said;
     url = part->is_object() && part->contains("url") ? &part->at("url") : &*part;
     if (id != item.end()) {
       if (!id->is_string()) reject(400, "invalid_uuid", fmt::format("{}: \"uuid\" must be a string, not {}", where, id->type_name()));
@@ -123,7 +138,9 @@ void add_image(EncodeRequest& r, json& item, size_t i, const Lifted& lifted) {
   }
   r.uuids.push_back(std::move(uuid));
   r.url_prefixes.emplace_back();
-  r.payloads.push_back(image_payload(*url, where, lifted, r.url_prefixes.back()));
+  r.payloads.push_back(item_payload(*url, where, lifted, r.url_prefixes.back(), kind));
+  r.kinds.push_back(kind);
+  r.names.push_back(where);
 }
 
 }  // namespace
@@ -144,10 +161,10 @@ EncodeRequest parse_encode_request(std::string_view body, size_t max_images, con
   } catch (const Error& e) {
     reject(400, "invalid_json", e.what());
   }
-  if (!doc.is_object()) reject(400, "invalid_request", "the body must be a JSON object with an \"images\" array");
+  if (!doc.is_object()) reject(400, "invalid_request", "the body must be a JSON object with an \"images\" or \"videos\" array");
   EncodeRequest r;
   for (auto& [key, value] : doc.items()) {
-    if (key == "images") continue;
+    if (key == "images" || key == "videos") continue;
     if (key == "encoding") {
       if (value != "base64" && value != "float")
         reject(400, "invalid_request",
@@ -165,18 +182,31 @@ EncodeRequest parse_encode_request(std::string_view body, size_t max_images, con
                fmt::format("model {} is not served here; this server serves \"{}\"", quote_for_error(value), model));
     } else {
       reject(400, "invalid_request",
-             fmt::format("unknown field {} (accepted: images, encoding, return_deepstack, return_embeddings, model)",
+             fmt::format("unknown field {} (accepted: images, videos, encoding, return_deepstack, return_embeddings, model)",
                          quote_for_error(std::string_view(key))));
     }
   }
-  const auto images = doc.find("images");
-  if (images == doc.end() || !images->is_array() || images->empty())
+  size_t items = 0;
+  for (const char* key : {"images", "videos"}) {
+    const auto a = doc.find(key);
+    if (a == doc.end()) continue;
+    if (!a->is_array())
+      reject(400, "invalid_request", fmt::format("\"{}\" must be an array of data URLs, base64 strings or content parts", key));
+    items += a->size();
+  }
+  if (items == 0)
     reject(400, "invalid_request",
-           "\"images\" must be a non-empty array of data URLs, base64 strings or image_url content parts");
-  if (images->size() > max_images)
+           "the body needs a non-empty \"images\" or \"videos\" array of data URLs, base64 strings or image_url / "
+           "video_url content parts");
+  if (items > max_images)
     reject(400, "too_many_images",
-           fmt::format("{} images in one request; the limit is {} (--max-images-per-request)", images->size(), max_images));
-  for (size_t i = 0; i < images->size(); ++i) add_image(r, (*images)[i], i, lifted);
+           fmt::format("{} images and videos in one request; the limit is {} (--max-images-per-request)", items, max_images));
+  for (const char* key : {"images", "videos"}) {
+    const auto a = doc.find(key);
+    if (a == doc.end()) continue;
+    const ItemKind kind = std::string_view(key) == "videos" ? ItemKind::VIDEO : ItemKind::ANY;
+    for (size_t i = 0; i < a->size(); ++i) add_item(r, (*a)[i], fmt::format("{}[{}]", key, i), kind, lifted);
+  }
   return r;
 }
 

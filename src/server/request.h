@@ -16,8 +16,15 @@ struct ApiError {
 };
 [[noreturn]] void reject(int status, std::string code, std::string message);
 
+// What an item is: said by its array ("videos"), its content part's type (video_url / image_url) or
+// its data URL's media type (data:video/..., data:image/...); ANY when nothing says (bare base64):
+// its bytes decide.
+enum class ItemKind { ANY, IMAGE, VIDEO };
+
 struct EncodeRequest {
-  std::vector<std::string> payloads;  // each image's base64 text (a data URL's prefix removed)
+  std::vector<std::string> payloads;  // each item's base64 text (a data URL's prefix removed)
+  std::vector<ItemKind> kinds;        // per item
+  std::vector<std::string> names;     // per item, for messages: "images[2]", "videos[0]"
   // "encoding": "base64" (the default: bf16 bytes in JSON, BF16 tensors in a safetensors reply) or
   // "float" (fp32: float lists in JSON, F32 tensors in safetensors). One field for both replies rather
   // than a separate "dtype": the JSON reply already pairs "float" with "dtype": "float32", and a body
@@ -31,11 +38,13 @@ struct EncodeRequest {
   int return_embeddings = -1;  // "return_embeddings": 1 or 0; -1 when absent (then: not with the encoder cache)
 };
 
-// {"images": [...], "encoding"?, "return_deepstack"?, "return_embeddings"?, "model"?}. Images are
-// data URLs (data:image/png;base64,...) or plain base64, bare or in an OpenAI content part
-// {"type": "image_url", "image_url": {"url": ...}, "uuid"?} (or "image_url": "..."); a uuid must be
-// one safe folder name (fovea/ec-cache.h). Throws ApiError: 400 invalid_json / invalid_request /
-// invalid_image / invalid_uuid / too_many_images, 404 model_not_found.
+// {"images": [...], "videos"?: [...], "encoding"?, "return_deepstack"?, "return_embeddings"?, "model"?}.
+// Items are data URLs (data:image/png;base64,..., data:video/mp4;base64,...) or plain base64, bare or
+// in an OpenAI content part {"type": "image_url", "image_url": {"url": ...}, "uuid"?} (or
+// "image_url": "..."), or {"type": "video_url", "video_url": ...}; "images" may hold videos too (by
+// part type, media type or bytes), "videos" only videos. Items are numbered images first, then
+// videos. A uuid must be one safe folder name (fovea/ec-cache.h). Throws ApiError: 400 invalid_json /
+// invalid_request / invalid_uuid / too_many_images, 404 model_not_found.
 EncodeRequest parse_encode_request(std::string_view body, size_t max_images, const std::string& model);
 
 }  // namespace fovea::server

@@ -26,6 +26,7 @@
 #include "fovea/json.h"
 #include "fovea/pipeline.h"
 #include "fovea/threads.h"
+#include "fovea/video.h"
 #include "fovea/safetensors.h"
 #include "fovea/sha256.h"
 #include "server/base64.h"
@@ -63,7 +64,7 @@ struct Decoded {
 // The image's bytes; its base64 text is freed unless keep (it may be decoded again).
 std::vector<uint8_t> image_bytes(EncodeRequest& r, size_t i, bool keep = false) {
   try {
-    std::vector<uint8_t> bytes = base64_decode(r.payloads[i], fmt::format("images[{}]", i));
+    std::vector<uint8_t> bytes = base64_decode(r.payloads[i], r.names[i]);
     if (!keep) std::string().swap(r.payloads[i]);
     return bytes;
   } catch (const Error& e) {
@@ -87,7 +88,7 @@ Decoded decode_images(EncodeRequest& r, const std::vector<size_t>& which, const 
   } counted;
   ThreadCap cap(hardware_threads() / std::max(1, decoding.load()));
   std::vector<int64_t> held(n, 0);
-  const auto name_of = [&](size_t j) { return fmt::format("images[{}]", which[j]); };
+  const auto name_of = [&](size_t j) { return r.names[which[j]]; };
   const auto decode = [&](size_t j) {
     const size_t i = which[j];
     const std::string name = name_of(j);
@@ -139,12 +140,16 @@ static_assert(std::endian::native == std::endian::little, "bf16 rows are sent as
 
 // What the handlers share. The batcher, model and engine outlive the HTTP server.
 struct Context {
-  Context(const ServeOptions& o, const qwen3vl::Model& m, const EngineConfig& e, image::PreprocessConfig p, Batcher& b)
-      : opt(o), model(m), engine(e), pcfg(p), batcher(b), decode_budget(o.max_decode_bytes) {}
+  Context(const ServeOptions& o, const qwen3vl::Model& m, const EngineConfig& e, image::PreprocessConfig p,
+          video::VideoConfig v, Batcher& b)
+      : opt(o), model(m), engine(e), pcfg(p), vcfg(v), vlim(video::limits_from(o.video)), batcher(b),
+        decode_budget(o.max_decode_bytes) {}
   const ServeOptions& opt;
   const qwen3vl::Model& model;
   const EngineConfig& engine;
   image::PreprocessConfig pcfg;
+  video::VideoConfig vcfg;
+  video::VideoLimits vlim;
   Batcher& batcher;
   ByteBudget decode_budget;
   Metrics metrics;
@@ -162,6 +167,10 @@ struct ReplyImage {
   ImageTensorsBf16 rows;
   std::vector<uint16_t> loaded;  // a cache entry's [tokens, out_hidden * (1 + k)], when rows point into it
   json timings = json::object(), batch = json::object();
+  bool video = false;            // a clip: its sampling, for the LLM's prompt
+  std::vector<int64_t> frame_indices;
+  std::vector<double> timestamps;  // per temporal patch, seconds
+  double fps = 0;
 };
 
 // A cached entry's rows for a reply: read back, cut into the merger output and deepstack columns.
@@ -215,7 +224,13 @@ std::string json_reply(const Context& c, const EncodeRequest& r, const std::vect
   for (size_t i = 0; i < images.size(); ++i) {
     const ReplyImage& im = images[i];
     if (i) out += ',';
-    json head = {{"index", i}, {"grid_thw", im.grid}, {"num_tokens", image_tokens(c.model.config, im.grid)}, {"hidden_size", O}};
+    json head = {{"index", i}, {"type", im.video ? "video" : "image"}, {"grid_thw", im.grid},
+                 {"num_tokens", image_tokens(c.model.config, im.grid)}, {"hidden_size", O}};
+    if (im.video) {
+      head["fps"] = im.fps;
+      head["frame_indices"] = im.frame_indices;
+      head["timestamps"] = im.timestamps;
+    }
     if (c.cache) {
       head["uuid"] = im.key;
       head["cached"] = im.cached;
@@ -240,29 +255,43 @@ std::string json_reply(const Context& c, const EncodeRequest& r, const std::vect
   return out;
 }
 
-// The safetensors file `fovea encode -o` writes for these images: BF16 tensors straight from the
-// bf16 rows, or, with "encoding": "float", F32 ones (those values widened, as in the float JSON
-// reply; see request.h); deepstack only if asked for; the per-image timings (and cache keys) in the
-// metadata.
+// The safetensors file `fovea encode -o` writes for these items: image.<j> over the images and
+// video.<k> over the clips, each counted in request order; BF16 tensors straight from the bf16 rows,
+// or, with "encoding": "float", F32 ones (those values widened, as in the float JSON reply; see
+// request.h); deepstack only if asked for; a clip's timestamps as video.<k>.timestamps; the per-item
+// timings (and cache keys, a clip's fps and frame indices) in the metadata.
 std::string safetensors_reply(const Context& c, const EncodeRequest& r, const std::vector<ReplyImage>& images) {
   std::vector<TensorToWrite> tensors;
   std::map<std::string, std::string> meta = {
       {"model", c.opt.model}, {"dtype", dtype_name(c.engine.dtype)}, {"device", device_name(c.engine.device)}};
-  for (size_t i = 0; i < images.size(); ++i) {
-    const ReplyImage& im = images[i];
+  std::vector<std::vector<float>> stamps;  // alive until the bytes are made
+  stamps.reserve(images.size());
+  size_t counted[2] = {0, 0};  // images, clips
+  for (const ReplyImage& im : images) {
+    const char* kind = im.video ? "video" : "image";
+    const size_t j = counted[im.video]++;
     ImageTensorsBf16 t{im.rows.merged, {}};
     if (r.deepstack) t.deepstack = im.rows.deepstack;
     if (r.as_base64) {
-      append_image_tensors(tensors, i, im.grid, c.model.config, t);
+      append_image_tensors(tensors, j, im.grid, c.model.config, t, kind);
     } else {
       ImageTensors f{widen_bf16(t.merged), {}};
       for (const auto& v : t.deepstack) f.deepstack.push_back(widen_bf16(v));
-      append_image_tensors(tensors, i, im.grid, c.model.config, f);
+      append_image_tensors(tensors, j, im.grid, c.model.config, f, kind);
     }
-    meta[fmt::format("image.{}.timings_ms", i)] = dump(im.timings);
+    const std::string p = fmt::format("{}.{}", kind, j);
+    meta[p + ".timings_ms"] = dump(im.timings);
     if (c.cache) {
-      meta[fmt::format("image.{}.uuid", i)] = im.key;
-      meta[fmt::format("image.{}.cached", i)] = im.cached ? "true" : "false";
+      meta[p + ".uuid"] = im.key;
+      meta[p + ".cached"] = im.cached ? "true" : "false";
+    }
+    if (im.video) {
+      stamps.emplace_back(im.timestamps.begin(), im.timestamps.end());
+      TensorToWrite ts{p + ".timestamps", DType::F32, {int64_t(stamps.back().size())}, {}, {}};
+      ts.view = {reinterpret_cast<const uint8_t*>(stamps.back().data()), stamps.back().size() * sizeof(float)};
+      tensors.push_back(std::move(ts));
+      meta[p + ".fps"] = fmt::format("{}", im.fps);
+      meta[p + ".frame_indices"] = fmt::format("[{}]", fmt::join(im.frame_indices, ", "));
     }
   }
   return safetensors_bytes("reply", tensors, meta);
@@ -279,6 +308,80 @@ http::Response error_response(const ApiError& e) {
 }
 
 double seconds_between(Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); }
+
+// Whether item i is a clip: its first bytes decide (a container's magic, video::looks_like_video);
+// an item the request called an image or a video must be one.
+bool settle_kind(const EncodeRequest& r, size_t i) {
+  const std::string& b64 = r.payloads[i];
+  std::vector<uint8_t> head;
+  try {  // 512 characters are 384 bytes, past every magic number looks_like_video reads
+    head = base64_decode(std::string_view(b64).substr(0, std::min<size_t>(b64.size(), 512) & ~size_t(3)), r.names[i]);
+  } catch (const Error&) {  // whitespace inside, or bad base64: decoding the item will say which
+    return r.kinds[i] == ItemKind::VIDEO;
+  }
+  const bool clip = video::looks_like_video(head);
+  if (r.kinds[i] == ItemKind::VIDEO && !clip)
+    reject(400, "invalid_video",
+           fmt::format("{}: a video_url item that is not a clip fovea reads (MP4/MOV, WebM/MKV, AVI, MPEG-TS, FLV, Ogg)", r.names[i]));
+  if (r.kinds[i] == ItemKind::IMAGE && clip)
+    reject(400, "invalid_image", fmt::format("{}: an image_url item holding a video clip; send it as a video_url part", r.names[i]));
+  return clip;
+}
+
+// A clip's sampling on its reply item, from its header (a cache hit) or its decode.
+void set_clip(ReplyImage& im, const video::ClipInfo& info, const video::VideoConfig& cfg) {
+  const video::ClipPlan plan = video::plan_clip(info, cfg);
+  im.grid = plan.grid;
+  im.frame_indices = plan.indices;
+  im.timestamps = plan.timestamps;
+  im.fps = info.fps;
+}
+void set_clip(ReplyImage& im, const video::Clip& clip) {
+  im.frame_indices = clip.indices;
+  im.timestamps = clip.timestamps;
+  im.fps = clip.info.fps;
+}
+
+// Base64 -> clip -> patches for the clips `which` (indices into the request), one after another.
+// Each reserves the memory its decode holds at its peak (video::ClipPlan, from the container's
+// header) in the budget images share, before a frame is decoded, and its decode stops at the
+// request's deadline.
+std::vector<video::Clip> decode_videos(Context& c, EncodeRequest& r, const std::vector<size_t>& which, Clock::time_point deadline) {
+  std::vector<video::Clip> clips;
+  for (const size_t i : which) {
+    const std::string& name = r.names[i];
+    const std::vector<uint8_t> bytes = image_bytes(r, i);
+    video::VideoLimits lim = c.vlim;
+    lim.deadline_seconds = std::min(lim.deadline_seconds, std::max(1e-3, seconds_between(Clock::now(), deadline)));
+    int64_t held = 0;
+    try {
+      const video::ClipPlan plan = video::plan_clip(video::probe_clip(bytes, name, lim, c.pcfg), c.vcfg);
+      const int64_t need = std::min(plan.peak_bytes(hardware_threads()), lim.max_bytes_in_flight);
+      if (need > c.decode_budget.capacity())
+        throw ApiError{400, "invalid_video",
+                       fmt::format("video '{}': {} frames to {}x{} need {} bytes to decode, more than the server's {} "
+                                   "(--max-decode-bytes)", name, plan.indices.size(), plan.width, plan.height, need,
+                                   c.decode_budget.capacity())};
+      if (!c.decode_budget.acquire(need, deadline))
+        throw ApiError{503, "server_busy",
+                       fmt::format("video '{}': no room to decode it before the request's deadline (the server's "
+                                   "images and clips being decoded hold {} of {} bytes, --max-decode-bytes)",
+                                   name, c.decode_budget.used(), c.decode_budget.capacity())};
+      held = need;
+      clips.push_back(video::decode_clip(bytes, name, c.vcfg, lim, c.pcfg));
+      c.decode_budget.release(held);
+    } catch (const Error& e) {
+      if (held) c.decode_budget.release(held);
+      if (Clock::now() > deadline)
+        reject(504, "timeout", fmt::format("{}: not decoded within {} s (--request-timeout)", name, c.opt.request_timeout_s));
+      reject(400, "invalid_video", e.what());
+    } catch (...) {
+      if (held) c.decode_budget.release(held);
+      throw;
+    }
+  }
+  return clips;
+}
 
 // POST /v1/encode with its body; every failure throws ApiError. Adds the time of each of its phases
 // to the metrics as it ends.
@@ -298,6 +401,8 @@ http::Response encode(Context& c, http::Request& req) {
   std::string().swap(req.body);
   const size_t n = r.payloads.size();
   std::vector<ReplyImage> images(n);
+  std::vector<bool> is_video(n);
+  for (size_t i = 0; i < n; ++i) is_video[i] = settle_kind(r, i);
   const bool octet = req.header("accept").find("application/octet-stream") != std::string_view::npos;
   // Embeddings: always without the cache and in safetensors replies; with the cache, if asked for.
   const bool embeddings = octet || (c.cache ? r.return_embeddings == 1 : r.return_embeddings != 0);
@@ -313,16 +418,21 @@ http::Response encode(Context& c, http::Request& req) {
       im.cached = c.cache->lookup(im.key);
     }
   }
-  for (size_t i = 0; i < n; ++i) {  // a cached image: its grid from its header alone, its rows read now
+  for (size_t i = 0; i < n; ++i) {  // a cached item: its grid from its header alone, its rows read now
     ReplyImage& im = images[i];
+    im.video = is_video[i];
     if (!im.cached) continue;
     const auto t = Clock::now();
-    const std::string name = fmt::format("images[{}]", i);
     try {
-      const image::ImageInfo info = image::probe(image_bytes(r, i, embeddings), name, c.pcfg);
-      im.grid = image::resized_grid(info.height, info.width, c.pcfg);
+      if (im.video) {
+        const std::vector<uint8_t> bytes = image_bytes(r, i, embeddings);
+        set_clip(im, video::probe_clip(bytes, r.names[i], c.vlim, c.pcfg), c.vcfg);
+      } else {
+        const image::ImageInfo info = image::probe(image_bytes(r, i, embeddings), r.names[i], c.pcfg);
+        im.grid = image::resized_grid(info.height, info.width, c.pcfg);
+      }
     } catch (const Error& e) {
-      throw ApiError{400, "invalid_image", e.what()};
+      throw ApiError{400, im.video ? "invalid_video" : "invalid_image", e.what()};
     }
     im.timings = {{"decode", 0.0}, {"preprocess", 0.0}, {"probe", ms_since(t)}, {"queue", 0.0}, {"forward", 0.0}};
     if (embeddings) {
@@ -334,23 +444,45 @@ http::Response encode(Context& c, http::Request& req) {
       } catch (const Error&) {
         ReplyImage again;
         again.key = im.key;
+        again.video = im.video;
         im = std::move(again);
       }
     }
   }
-  std::vector<size_t> misses;  // the images to encode
+  std::vector<size_t> misses, image_misses, video_misses;  // the items to encode
   for (size_t i = 0; i < n; ++i)
-    if (!images[i].cached) misses.push_back(i);
+    if (!images[i].cached) {
+      misses.push_back(i);
+      (is_video[i] ? video_misses : image_misses).push_back(i);
+    }
   phase_ended(Phase::PARSE);
-  Decoded d = decode_images(r, misses, c.pcfg, c.decode_budget, deadline);
+  Decoded d = decode_images(r, image_misses, c.pcfg, c.decode_budget, deadline);
+  std::vector<video::Clip> clips = decode_videos(c, r, video_misses, deadline);
   phase_ended(Phase::DECODE);
 
+  // The job's items in request order; a clip's patches are fp32, and its batch then normalizes the
+  // raw images beside it on the host (EncoderRunner::start).
+  std::vector<image::Patches> items;
+  std::vector<double> decode_ms, preprocess_ms;
+  for (size_t j = 0, ki = 0, kv = 0; j < misses.size(); ++j) {
+    if (is_video[misses[j]]) {
+      video::Clip& clip = clips[kv++];
+      set_clip(images[misses[j]], clip);
+      items.push_back(std::move(clip.patches));
+      decode_ms.push_back(clip.decode_ms);
+      preprocess_ms.push_back(clip.preprocess_ms);
+    } else {
+      items.push_back(std::move(d.images[ki]));
+      decode_ms.push_back(d.decode_ms[ki]);
+      preprocess_ms.push_back(d.preprocess_ms[ki++]);
+    }
+  }
   std::shared_ptr<Job> job;
   if (!misses.empty()) {
     // The cache holds every deepstack output, so a request that fills it asks for them.
     const bool deepstack = r.deepstack || (c.cache && !c.model.config.deepstack.empty());
     std::string refused;
-    job = c.batcher.submit(std::move(d.images), deepstack, refused);
+    job = c.batcher.submit(std::move(items), deepstack, refused);
     if (!job) reject(503, "queue_full", refused + "; retry later");
     std::string error;
     switch (c.batcher.wait(*job, deadline, error)) {
@@ -370,13 +502,13 @@ http::Response encode(Context& c, http::Request& req) {
     im.grid = job->images[j].grid;
     im.rows.merged = o.merged(O);
     for (size_t k = 0; k < o.forward->deepstack.size(); ++k) im.rows.deepstack.push_back(o.deepstack(k, O));
-    im.timings = {{"decode", d.decode_ms[j]}, {"preprocess", d.preprocess_ms[j]}, {"queue", o.queue_ms}, {"forward", o.forward_ms}};
+    im.timings = {{"decode", decode_ms[j]}, {"preprocess", preprocess_ms[j]}, {"queue", o.queue_ms}, {"forward", o.forward_ms}};
     im.batch = {{"images", o.batch_images}, {"tokens", o.batch_tokens}};
     if (c.cache) {
       try {
         c.cache->store(im.key, im.rows, im.grid, c.model.config);
       } catch (const Error& e) {
-        reject(500, "ec_cache_write_failed", fmt::format("images[{}]: {}", misses[j], e.what()));
+        reject(500, "ec_cache_write_failed", fmt::format("{}: {}", r.names[misses[j]], e.what()));
       }
     }
   }
@@ -491,11 +623,12 @@ int serve(const ServeOptions& o) {
   check_options(o);
   const EngineConfig engine = resolve_engine(o.engine, query_system());
   const image::PreprocessConfig pcfg = image::load_preprocess_config(o.model, o.preprocess);
+  const video::VideoConfig vcfg = video::load_video_config(o.model, o.video);
   const qwen3vl::Model model = qwen3vl::load_model(o.model);
   std::optional<EcCache> cache;
   if (!o.ec_storage_path.empty()) cache.emplace(o.ec_storage_path, o.ec_storage_max_bytes);
   Batcher batcher(model, engine, o.max_queue, o.max_queue_tokens, o.max_batch_tokens);
-  Context c(o, model, engine, pcfg, batcher);
+  Context c(o, model, engine, pcfg, vcfg, batcher);
   if (cache) c.cache = &*cache;
   Service service(c);
 

@@ -333,14 +333,12 @@ Clip decode_clip(std::span<const uint8_t> bytes, const std::string& name, const 
   Clip c;
   c.info = probe_clip(bytes, name, limits, budget);
   try {
-    c.indices = sample_indices(c.info.frames, c.info.fps, cfg);
-    const auto [h, w] = smart_resize_video(int64_t(c.indices.size()), c.info.height, c.info.width, cfg);
+    const ClipPlan plan = plan_clip(c.info, cfg);
+    c.indices = plan.indices;
+    const int h = plan.height, w = plan.width;
     // Memory: the resized frames, the patches, and a batch of decoded frames waiting to be resized.
-    const int64_t native = int64_t(c.info.width) * c.info.height * 3;
-    const int64_t resized = int64_t(c.indices.size()) * h * w * 3;
-    const int64_t patches = (int64_t(c.indices.size()) + cfg.temporal - 1) / cfg.temporal * cfg.temporal * h * w * 3 * 4;
-    const int64_t room = limits.max_bytes_in_flight - resized - patches;
-    const int64_t batch = std::min<int64_t>(std::max(1, hardware_threads()), room / native);
+    const int64_t room = limits.max_bytes_in_flight - plan.resized_bytes - plan.patch_bytes;
+    const int64_t batch = std::min<int64_t>(std::max(1, hardware_threads()), room / plan.native_frame_bytes);
     if (batch < 1)
       fail("{} frames resized to {}x{} with frames of {}x{} decoding need more than the limit of {} bytes", c.indices.size(), w,
            h, c.info.width, c.info.height, limits.max_bytes_in_flight);
@@ -364,7 +362,7 @@ Clip decode_clip(std::span<const uint8_t> bytes, const std::string& name, const 
     });
     flush();
     const auto tp = steady::now();
-    c.timestamps = patch_timestamps(c.indices, c.info.fps, cfg.temporal);
+    c.timestamps = plan.timestamps;
     c.patches = patchify_frames(sized, cfg);
     const double patchify_ms = std::chrono::duration<double, std::milli>(steady::now() - tp).count();
     c.preprocess_ms = resize_ms + patchify_ms;

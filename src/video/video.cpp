@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstring>
 #include <optional>
+#include <tuple>
 
 #include <nlohmann/json.hpp>
 
@@ -170,6 +171,19 @@ std::vector<double> patch_timestamps(const std::vector<int64_t>& indices, double
     ts.push_back((double(idx[k]) / fps + double(idx[k + size_t(temporal) - 1]) / fps) / 2);
   }
   return ts;
+}
+
+ClipPlan plan_clip(const ClipInfo& info, const VideoConfig& cfg) {
+  ClipPlan p;
+  p.indices = sample_indices(info.frames, info.fps, cfg);
+  std::tie(p.height, p.width) = smart_resize_video(int64_t(p.indices.size()), info.height, info.width, cfg);
+  const int64_t frames = int64_t(p.indices.size()), padded = (frames + cfg.temporal - 1) / cfg.temporal;
+  p.grid = {int(padded), p.height / cfg.patch, p.width / cfg.patch};
+  p.timestamps = patch_timestamps(p.indices, info.fps, cfg.temporal);
+  p.resized_bytes = frames * p.height * p.width * 3;
+  p.patch_bytes = padded * cfg.temporal * p.height * p.width * 3 * int64_t(sizeof(float));
+  p.native_frame_bytes = int64_t(info.width) * info.height * 3;
+  return p;
 }
 
 image::Patches patchify_frames(const std::vector<image::Rgb8>& frames, const VideoConfig& cfg) {
