@@ -488,6 +488,90 @@ TEST_F(Cli, BenchMmProcessorCalibrates) {
   EXPECT_NE(bad.err.find("/nonexistent"), std::string::npos) << bad.err;
 }
 
+// bench mm-processor --dataset-name folder with a clip and an image: items in name order, cycling
+// (b.png, h264.mp4, b.png, then h264.mp4, b.png, h264.mp4); other files are left out. The tokens are
+// known independently: h264.mp4 (36 frames at 12 fps, 160x120) samples 6 frames at synthetic:tiny's
+// class-default video config, grid (3, 8, 12) (tests/data/video/cases.json, "h264.mp4.default"):
+// 72 tokens; a 256x256 PNG is inside the image budget and a multiple of 32: grid (1, 16, 16), 64 tokens.
+TEST_F(Cli, BenchMmProcessorFolderWithClipsAndImages) {
+  const fs::path ds = work / "ds";
+  fs::create_directories(ds);
+  fs::copy_file(fs::path(FOVEA_SOURCE_DIR) / "tests/data/video/h264.mp4", ds / "h264.mp4");
+  fs::rename(png("b.png", 256, 256, 7, 251), ds / "b.png");
+  std::ofstream(ds / "notes.txt") << "not an input";
+  const std::string json = file("mm.json");
+  const Result r = run("bench mm-processor --model synthetic:tiny --device cpu --dataset-name folder --dataset-path " +
+                       q(ds.string()) + " --images-per-request 3 --num-warmups 0 --num-prompts 2 --output-json " + q(json));
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_HAS(r.out, "(1 images, 1 clips)");
+  EXPECT_HAS(r.out, "request 1/2: 200 visual tokens | image b.png grid (1, 16, 16) 64 tokens | video h264.mp4 grid (3, 8, 12) "
+                    "72 tokens | image b.png grid (1, 16, 16) 64 tokens\n");
+  EXPECT_HAS(r.out, "request 2/2: 208 visual tokens | video h264.mp4");
+  const auto doc = nlohmann::json::parse(slurp(json));
+  EXPECT_EQ(doc["decode"], "files");
+  ASSERT_EQ(doc["per_request"].size(), 2u);
+  EXPECT_EQ(doc["per_request"][0]["tokens"], 200);
+  EXPECT_EQ(doc["per_request"][1]["tokens"], 208);
+  const auto& clip = doc["per_request"][1]["items"][0];
+  EXPECT_EQ(clip["kind"], "video");
+  EXPECT_EQ(clip["file"], (ds / "h264.mp4").string());
+  EXPECT_EQ(clip["grid_thw"], nlohmann::json::array({3, 8, 12}));
+  // The clip's decode and preprocess (Clip::decode_ms, preprocess_ms) are in the stages.
+  for (const char* stage : {"decode", "preprocess", "encoder forward", "total"})
+    EXPECT_GT(doc["stages"][stage]["mean_ms"].get<double>(), 0.0) << stage;
+  EXPECT_GE(doc["stages"]["total"]["mean_ms"].get<double>(), doc["stages"]["decode"]["mean_ms"].get<double>());
+
+  // A folder with neither images nor clips names the folder; a clip that fails names the file.
+  const fs::path none = work / "none", bad = work / "bad";
+  fs::create_directories(none);
+  fs::create_directories(bad);
+  std::ofstream(none / "notes.txt") << "not an input";
+  std::ofstream(bad / "broken.mp4") << std::string("\0\0\0\x18" "ftypisom", 12) << std::string(200, 'x');
+  const std::string base = "bench mm-processor --model synthetic:tiny --device cpu --dataset-name folder --num-prompts 1 "
+                           "--dataset-path ";
+  expect_one_line_error(run(base + q(none.string())), "'" + none.string() + "' has no images");
+  expect_one_line_error(run(base + q(bad.string())), "video '" + (bad / "broken.mp4").string() + "'");
+}
+
+// random-mm with --random-mm-num-frames > 1: every item a synthetic clip whose sampled frames are
+// made in memory (the decode stage). 8 frames at 30 fps: int(8 / 30 * 2) = 0 frames at 2 fps, so
+// min_frames = 4 are sampled; the video budget's minimum (131072 pixels over 4 frames of 64x96)
+// scales them to 160x224: grid (2, 10, 14), 70 tokens. 30 frames at 10 fps: 3 s, 6 frames, scaled
+// to 128x192: grid (3, 8, 12), 72 tokens.
+TEST_F(Cli, BenchMmProcessorRandomClips) {
+  const std::string base = "bench mm-processor --model synthetic:tiny --device cpu --dataset-name random-mm "
+                           "--random-mm-size 64x96 --num-warmups 1 --num-prompts 2 ";
+  const std::string json = file("mm.json");
+  Result r = run(base + "--random-mm-num-frames 8 --images-per-request 2 --output-json " + q(json));
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_HAS(r.out, "dataset random-mm 64x96, 8 frames at 30 fps");
+  EXPECT_HAS(r.out, "decode: generated in memory");
+  EXPECT_HAS(r.out, "request 1/3 (warm-up): 140 visual tokens | video random grid (2, 10, 14) 70 tokens | video random "
+                    "grid (2, 10, 14) 70 tokens\n");
+  EXPECT_HAS(r.out, "request 3/3: 140 visual tokens");
+  const auto doc = nlohmann::json::parse(slurp(json));
+  EXPECT_EQ(doc["decode"], "generated in memory");
+  EXPECT_EQ(doc["random_mm"]["num_frames"], 8);
+  ASSERT_EQ(doc["per_request"].size(), 3u);
+  EXPECT_EQ(doc["per_request"][2]["tokens"], 140);
+  EXPECT_EQ(doc["per_request"][2]["items"][1]["grid_thw"], nlohmann::json::array({2, 10, 14}));
+  EXPECT_GT(doc["stages"]["decode"]["mean_ms"].get<double>(), 0.0) << "the frames' generation";
+  r = run(base + "--random-mm-num-frames 30 --random-mm-fps 10");
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_HAS(r.out, "request 3/3: 72 visual tokens | video random grid (3, 8, 12) 72 tokens\n");
+  // Images as before (--random-mm-num-frames 1, the default), scaled up to the image budget's minimum
+  // (65536 pixels): 224x320, grid (1, 14, 20), 70 tokens; no decode stage.
+  r = run(base + "--random-mm-num-frames 1 --output-json " + q(json));
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_HAS(r.out, "request 3/3: 70 visual tokens | image random grid (1, 14, 20) 70 tokens\n");
+  EXPECT_EQ(nlohmann::json::parse(slurp(json))["stages"]["decode"]["mean_ms"].get<double>(), 0.0);
+  // Bad values are clear errors; so is a video config that samples too few frames for a clip.
+  expect_one_line_error(run(base + "--random-mm-num-frames 0"), "--random-mm-num-frames must be in 1..4096 (1: images), got 0");
+  expect_one_line_error(run(base + "--random-mm-num-frames 8 --random-mm-fps 0"), "--random-mm-fps must be in (0, 1000], got 0");
+  expect_one_line_error(run(base + "--random-mm-num-frames 8 --video-max-frames 1"),
+                        "random-mm clip of 8 frames of 64x96 at 30 fps: 1 frame(s): a clip needs at least temporal_patch_size = 2");
+}
+
 namespace {
 
 // `fovea encode --ec-storage-path`: one file per image under its key (the sha256 of the file's bytes,
