@@ -4,8 +4,11 @@
 // forward (CPU or GPU, engine flags), writes each image's tokens, deepstack features and grid (bf16
 // as the encoder computes them, or fp32 with --output-dtype f32), and prints tokens and per-stage
 // times. Unreadable images are reported and skipped; the exit code says whether any failed.
+#include <algorithm>
+#include <array>
 #include <chrono>
 #include <filesystem>
+#include <fstream>
 #include <future>
 #include <map>
 #include <optional>
@@ -47,7 +50,18 @@ double ms_since(clock_type::time_point t) { return std::chrono::duration<double,
 // the rest are decoded a group at a time (the next group while the current one runs), packed into
 // forwards of at most --max-batch-tokens and written as each forward ends, with a progress line per
 // forward on stderr.
+// Whether the file at `path` is a video clip: its first bytes say so (video::looks_like_video),
+// whatever its name; false when it cannot be read (its decode then says why).
+bool file_is_clip(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  std::array<char, 512> head{};
+  f.read(head.data(), head.size());
+  return video::looks_like_video({reinterpret_cast<const uint8_t*>(head.data()), size_t(f.gcount())});
+}
+
 int fill_ec_cache(const Args& a, const EngineConfig& cfg, const image::PreprocessConfig& pcfg) {
+  const video::VideoConfig vcfg = video::load_video_config(a.model, a.video);
+  const video::VideoLimits vlim = video::limits_from(a.video);
   if (a.uuid_from != "sha256" && a.uuid_from != "filename")
     fail("encode: --uuid-from: '{}' is not one of sha256, filename", a.uuid_from);
   if (!a.out.empty()) fail("encode: -o and --ec-storage-path are two different outputs; give one of them");
@@ -68,7 +82,8 @@ int fill_ec_cache(const Args& a, const EngineConfig& cfg, const image::Preproces
       keys[i] = a.uuid_from == "filename"
                     ? std::filesystem::path(a.images[i]).filename().string()
                     : [&] {
-                        const std::string bytes = read_file(a.images[i], "image", image::kMaxEncodedImageBytes);
+                        const std::string bytes =
+                            read_file(a.images[i], "input", std::max(image::kMaxEncodedImageBytes, vlim.max_encoded_bytes));
                         return sha256_hex({reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size()});
                       }();
     } catch (const Error& e) {
@@ -102,9 +117,27 @@ int fill_ec_cache(const Args& a, const EngineConfig& cfg, const image::Preproces
     runner->reserve(a.max_batch_tokens, /*with_deepstack=*/true);
   }
   constexpr size_t kGroup = 32;  // images decoded at once
+  // A group's images decode in parallel (raw uint8 patches), then its clips one after another (fp32
+  // patches; a forward holding both normalizes the images on the host).
   const auto prepare = [&](size_t from) {
     const size_t count = std::min(kGroup, todo.size() - from);
-    return prepare_images(count, [&](size_t j) { return image::decode_file(a.images[todo[from + j]], pcfg); }, pcfg, {}, true);
+    std::vector<size_t> stills, clips;
+    for (size_t j = 0; j < count; ++j) (file_is_clip(a.images[todo[from + j]]) ? clips : stills).push_back(j);
+    std::vector<PreparedImage> images = prepare_images(
+        stills.size(), [&](size_t k) { return image::decode_file(a.images[todo[from + stills[k]]], pcfg); }, pcfg, {}, true);
+    std::vector<PreparedImage> out(count);
+    for (size_t k = 0; k < stills.size(); ++k) out[stills[k]] = std::move(images[k]);
+    for (const size_t j : clips) {
+      try {
+        video::Clip c = video::decode_clip_file(a.images[todo[from + j]], vcfg, vlim, pcfg);
+        out[j].patches = std::move(c.patches);
+        out[j].decode_ms = c.decode_ms;
+        out[j].preprocess_ms = c.preprocess_ms;
+      } catch (...) {
+        out[j].error = std::current_exception();
+      }
+    }
+    return out;
   };
   const auto started = clock_type::now();
   size_t encoded = 0;
