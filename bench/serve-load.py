@@ -14,6 +14,9 @@ line: the server's mean ms per image (decode, preprocess, queue, forward), per r
 /metrics: read, wait, parse, decode, encoder, reply, write), and the client's mean latency, time to
 the reply's head and time reading its body.
 
+With --videos DIR (.mp4/.webm/.mkv/.avi/.mov clips), every --video-every-th request sends one clip
+(a "videos" item) instead of its images, and a line per level gives the clips answered per second.
+
 images/s counts images answered with 200; tokens/s and images/forward come from the server's /metrics
 (counter deltas over the level, so run it against a server nobody else is using). BF16 vs FP8 is two
 server runs, e.g. on a GPU machine:
@@ -77,6 +80,21 @@ def load_images(args):
         return out
     w, h = (int(v) for v in args.size.lower().split("x"))
     return ["data:image/png;base64," + base64.b64encode(png_bytes(w, h, seed)).decode() for seed in range(args.generate)]
+
+
+VIDEO_MIME = {".mp4": "video/mp4", ".mov": "video/quicktime", ".webm": "video/webm", ".mkv": "video/x-matroska", ".avi": "video/x-msvideo"}
+
+
+def load_clips(folder):
+    """Data URLs of the clips in a folder."""
+    files = sorted(f for f in os.listdir(folder) if os.path.splitext(f)[1].lower() in VIDEO_MIME)
+    if not files:
+        sys.exit(f"serve-load: no .mp4/.mov/.webm/.mkv/.avi files in {folder}")
+    out = []
+    for f in files:
+        with open(os.path.join(folder, f), "rb") as fh:
+            out.append(f"data:{VIDEO_MIME[os.path.splitext(f)[1].lower()]};base64," + base64.b64encode(fh.read()).decode())
+    return out
 
 
 class Server:
@@ -152,10 +170,10 @@ _LEVEL = {}
 
 def clients(indices, concurrency):
     """Sends the requests `indices` (into the bodies) from `concurrency` threads; their raw results."""
-    server, bodies, headers, per_request = (_LEVEL[k] for k in ("server", "bodies", "headers", "images_per_request"))
+    server, bodies, headers, counts = (_LEVEL[k] for k in ("server", "bodies", "headers", "counts"))
     lock = threading.Lock()
     todo = list(reversed(indices))
-    out = {"latencies": [], "head_ms": [], "read_ms": [], "errors": {}, "stages": {}, "first_error": None}
+    out = {"latencies": [], "head_ms": [], "read_ms": [], "errors": {}, "stages": {}, "first_error": None, "images": 0, "clips": 0}
 
     def client():
         while True:
@@ -167,19 +185,22 @@ def clients(indices, concurrency):
             head_ms = read_ms = 0.0
             try:
                 status, body, head_ms, read_ms = request_timed(server, bodies[i % len(bodies)], headers)
+                images, clips = counts[i % len(bodies)]
             except (OSError, http.client.HTTPException) as e:
                 status, body = type(e).__name__, b""
             ms = (time.perf_counter() - t0) * 1000
             per_image = []  # the server's own per-image stage times (JSON replies)
             if status == 200 and body[:1] == b"{":
                 per_image = per_image_timings(body)
-                if len(per_image) != per_request:  # a reply without its images' timings is an error
-                    status = f"reply with {len(per_image)} image timings, not {per_request}"
+                if len(per_image) != images + clips:  # a reply without its items' timings is an error
+                    status = f"reply with {len(per_image)} item timings, not {images + clips}"
             with lock:
                 for t in per_image:
                     for stage, v in t.items():
                         out["stages"].setdefault(stage, []).append(v)
                 if status == 200:
+                    out["images"] += images
+                    out["clips"] += clips
                     out["latencies"].append(ms)
                     out["head_ms"].append(head_ms)
                     out["read_ms"].append(read_ms)
@@ -199,7 +220,7 @@ def clients(indices, concurrency):
 PHASES = ("read", "wait", "parse", "decode", "encoder", "reply", "write")
 
 
-def run_level(server, pool, processes, concurrency, total, images_per_request):
+def run_level(server, pool, processes, concurrency, total):
     """Sends `total` requests from `concurrency` threads spread over up to `processes` processes
     (the pool's); returns the level's statistics."""
     p = max(1, min(processes, concurrency))
@@ -209,8 +230,10 @@ def run_level(server, pool, processes, concurrency, total, images_per_request):
     parts = pool.starmap(clients, shares) if pool and p > 1 else [clients(*shares[0])]
     wall = time.perf_counter() - start
     after = server.metrics()
-    merged = {"latencies": [], "head_ms": [], "read_ms": [], "errors": {}, "stages": {}}
+    merged = {"latencies": [], "head_ms": [], "read_ms": [], "errors": {}, "stages": {}, "images": 0, "clips": 0}
     for part in parts:
+        merged["images"] += part["images"]
+        merged["clips"] += part["clips"]
         for k in ("latencies", "head_ms", "read_ms"):
             merged[k] += part[k]
         for k, n in part["errors"].items():
@@ -225,7 +248,7 @@ def run_level(server, pool, processes, concurrency, total, images_per_request):
     names += [f'fovea_encode_phase_seconds_total{{phase="{ph}"}}' for ph in PHASES]
     delta = {k: after.get(k, 0) - before.get(k, 0) for k in names}
     latencies = sorted(merged["latencies"])
-    images = len(latencies) * images_per_request
+    images = merged["images"]
     handled = delta["fovea_request_duration_seconds_count"]
     mean = lambda v: sum(v) / len(v) if v else float("nan")
     return {
@@ -235,6 +258,7 @@ def run_level(server, pool, processes, concurrency, total, images_per_request):
         "errors": merged["errors"],
         "wall_s": wall,
         "images_per_s": images / wall,
+        "clips_per_s": merged["clips"] / wall,
         "tokens_per_s": delta["fovea_tokens_encoded_total"] / wall,
         "p50_ms": percentile(latencies, 50),
         "p99_ms": percentile(latencies, 99),
@@ -269,6 +293,8 @@ def main():
     ap.add_argument("--processes", type=int, default=0,
                     help="client processes the threads of a level are spread over (0: one per 4 threads, at most "
                          "8): one Python process reading many megabyte replies is GIL-bound and would measure itself")
+    ap.add_argument("--videos", help="folder of video clips; one is sent alone every --video-every-th request")
+    ap.add_argument("--video-every", type=int, default=4, help="with --videos: one request in this many sends a clip")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
@@ -284,6 +310,22 @@ def main():
     k = args.images_per_request
     bodies = [json.dumps({"images": [images[(i + m) % len(images)] for m in range(k)], "encoding": args.encoding}).encode()
               for i in range(len(images))]
+    counts = [(k, 0)] * len(bodies)  # (images, clips) per body
+    clips = load_clips(args.videos) if args.videos else []
+    if clips:  # a clip's body after every video_every - 1 image bodies, cycling through both
+        if args.video_every < 1:
+            sys.exit("serve-load: --video-every must be >= 1")
+        n = max(len(bodies), len(clips) * (args.video_every - 1))
+        mixed, mixed_counts = [], []
+        for i in range(n + len(clips)):
+            if i % args.video_every == args.video_every - 1 or args.video_every == 1:
+                c = clips[(i // args.video_every) % len(clips)]
+                mixed.append(json.dumps({"videos": [c], "encoding": args.encoding}).encode())
+                mixed_counts.append((0, 1))
+            else:
+                mixed.append(bodies[i % len(bodies)])
+                mixed_counts.append((k, 0))
+        bodies, counts = mixed, mixed_counts
     headers = {"Content-Type": "application/json"}
     if args.octet_stream:
         headers["Accept"] = "application/octet-stream"
@@ -293,21 +335,24 @@ def main():
         if status != 200:
             sys.exit(f"serve-load: warm-up request answered {status}: {body[:300].decode(errors='replace')}")
 
-    _LEVEL.update(server=server, bodies=bodies, headers=headers, images_per_request=k)
+    _LEVEL.update(server=server, bodies=bodies, headers=headers, counts=counts)
     processes = args.processes or min(8, (max(levels) + 3) // 4)
     # Forked now, after the bodies are made: the client processes share them and wait for work.
     pool = multiprocessing.get_context("fork").Pool(processes) if processes > 1 else None
 
     replies = f"safetensors {'f32' if args.encoding == 'float' else 'bf16'}" if args.octet_stream else args.encoding
-    print(f"serve-load | {args.url} | model {model} | {len(images)} images, {k} per request | {replies} replies")
+    print(f"serve-load | {args.url} | model {model} | {len(images)} images, {k} per request | {replies} replies"
+          + (f" | {len(clips)} clips, one request in {args.video_every}" if clips else ""))
     print("serve-load | concurrency | requests | errors | images/s | tokens/s | p50 ms | p99 ms | images/forward | forward busy")
     results = []
     for c in levels:
-        r = run_level(server, pool, args.processes or min(8, (c + 3) // 4), c, args.requests, k)
+        r = run_level(server, pool, args.processes or min(8, (c + 3) // 4), c, args.requests)
         results.append(r)
         print(f"serve-load | {c:>11} | {r['requests']:>8} | {sum(r['errors'].values()):>6} | {r['images_per_s']:>8.1f} | "
               f"{r['tokens_per_s']:>8.0f} | {r['p50_ms']:>6.1f} | {r['p99_ms']:>6.1f} | {r['images_per_forward']:>14.2f} | {100 * r['forward_busy']:>11.0f}%",
               flush=True)
+        if clips:
+            print(f"serve-load |   clips/s {r['clips_per_s']:.2f} (one request in {args.video_every} sends a clip)", flush=True)
         if r["server_stage_mean_ms"]:
             print("serve-load |   server, mean ms per image: " +
                   ", ".join(f"{k} {v:.1f}" for k, v in r["server_stage_mean_ms"].items()), flush=True)
@@ -319,6 +364,7 @@ def main():
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"url": args.url, "model": model, "images": len(images), "images_per_request": k,
+                       "clips": len(clips), "video_every": args.video_every if clips else 0,
                        "encoding": args.encoding, "octet_stream": args.octet_stream, "results": results}, f, indent=2)
     if pool:
         pool.close()

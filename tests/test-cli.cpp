@@ -479,6 +479,9 @@ TEST_F(Cli, BenchMmProcessorCalibrates) {
     EXPECT_GE(doc["stages"][stage]["p99_ms"].get<double>(), doc["stages"][stage]["p50_ms"].get<double>());
   }
   EXPECT_GT(doc["stages"]["encoder forward"]["mean_ms"].get<double>(), 0.0);
+  // The whole forward and its parts under their own keys: the whole is at least its GPU/CPU part.
+  EXPECT_GE(doc["stages"]["encoder forward"]["mean_ms"].get<double>(), doc["stages"]["encoder.forward"]["mean_ms"].get<double>());
+  for (const char* part : {"encoder.plan", "encoder.upload", "encoder.download"}) EXPECT_TRUE(doc["stages"].contains(part)) << part;
   // Static scales from that file on the same dataset; a bad dataset path is an error naming it.
   const Result st = run(base + "--num-warmups 0 --num-prompts 2 --mm-encoder-fp8-scale-path '" + s16 + "'");
   EXPECT_EQ(st.code, 0) << st.err;

@@ -284,7 +284,9 @@ int run(const Args& a) {
       j[fmt::format("p{:g}_ms", p)] = val;
     }
     fmt::print("{}\n", row);
-    stages[name[0] == ' ' ? "encoder " + std::string(name + 2) : std::string(name)] = j;
+    // The parts as "encoder.plan", ...: "encoder forward" is the whole (its part "forward" once
+    // overwrote it here).
+    stages[name[0] == ' ' ? "encoder." + std::string(name + 2) : std::string(name)] = j;
   }
   if (book && book->mode() == ScaleMode::CALIBRATE)
     fmt::print("calibration: {} complete forwards; scale file {}\n", book->complete_forwards(),
