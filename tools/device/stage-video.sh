@@ -11,12 +11,12 @@ cmake --build build --target fovea
 rm -rf .device-bin /tmp/fovea-bundle && mkdir -p .device-bin /tmp/fovea-bundle/lib
 strip -o /tmp/fovea-bundle/fovea build/fovea
 ldd build/fovea | awk '$3 ~ /^\// {print $1, $3}' |
-  grep -vE "^(libc|libm|libpthread|libdl|librt|libresolv|libgcc_s|libstdc\+\+|ld-linux[^ ]*)\.so|cuda|cudnn|cublas" |
+  grep -vE "^(libc|libm|libpthread|libdl|librt|libresolv|libgcc_s|libstdc\+\+|ld-linux[^ ]*)\.so|libcuda|libcudart|libcudnn|libcublas" |
   while read -r so path; do cp -L "$path" "/tmp/fovea-bundle/lib/$so"; done
 tar -C /tmp/fovea-bundle -cf - . | xz -9 -T"$(nproc)" > .device-bin/video-bundle.tar.xz
 mkdir -p data/video-device/long data/video-device/short
 [ -f data/video-device/long/fullhd-60s.mp4 ] || ffmpeg -v error -y -f lavfi -i testsrc2=size=1920x1080:rate=30 -t 60 \
-  -c:v libx264 -preset veryfast -crf 34 -pix_fmt yuv420p data/video-device/long/fullhd-60s.mp4
+  -c:v libx264 -preset veryfast -b:v 500k -pix_fmt yuv420p data/video-device/long/fullhd-60s.mp4
 [ -f data/video-device/short/hd-10s.mp4 ] || ffmpeg -v error -y -f lavfi -i testsrc2=size=1280x720:rate=30 -t 10 \
-  -c:v libx264 -preset veryfast -crf 28 -pix_fmt yuv420p data/video-device/short/hd-10s.mp4
+  -c:v libx264 -preset veryfast -crf 36 -pix_fmt yuv420p data/video-device/short/hd-10s.mp4
 du -shc .device-bin data/video-device
