@@ -641,4 +641,37 @@ TEST_F(Cli, EncodeFillsVllmsEncoderCache) {
                         "two different outputs");
 }
 
+// Clips fill the encoder cache too, beside images: the clip's file holds the rows `encode -o` writes
+// as video.0 (merger output, then each deepstack output, row for row), bit for bit.
+TEST_F(Cli, EncodeFillsTheEncoderCacheWithClips) {
+  const std::string clip = std::string(FOVEA_SOURCE_DIR) + "/tests/data/video/vp9.webm";
+  std::vector<uint8_t> rgb(size_t(96) * 80 * 3);
+  for (size_t k = 0; k < rgb.size(); ++k) rgb[k] = uint8_t((k * 7) % 251);
+  const std::vector<uint8_t> png = fovea::test::encode_png_rgb(96, 80, rgb);
+  const std::string image = write("still.png", std::string(png.begin(), png.end())), cache = file("cache-clips");
+  Result r = run("encode synthetic:tiny --device cpu " + q(image) + " " + q(clip) + " --ec-storage-path " + q(cache));
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_HAS(r.out, "2 written, 0 already there");
+  ASSERT_EQ(run("encode synthetic:tiny --device cpu " + q(clip) + " -o " + q(file("clip.safetensors"))).code, 0);
+  const auto one = fovea::Checkpoint::open(file("clip.safetensors"));
+  const std::string bytes = slurp(clip);
+  const std::string key = fovea::sha256_hex({reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size()});
+  const auto ec = fovea::Checkpoint::open((fs::path(cache) / key / "encoder_cache.safetensors").string());
+  const fovea::TensorInfo* t = ec.find("ec_cache");
+  ASSERT_NE(t, nullptr);
+  std::vector<const fovea::TensorInfo*> parts = {one.find("video.0.embeddings")};
+  ASSERT_NE(parts[0], nullptr);
+  for (int k = 0; const fovea::TensorInfo* d = one.find("video.0.deepstack." + std::to_string(k)); ++k) parts.push_back(d);
+  const int64_t tokens = parts[0]->shape[0], O = parts[0]->shape[1];
+  EXPECT_EQ(tokens, 90);  // vp9.webm at the class defaults: grid (3, 10, 12)
+  ASSERT_EQ(t->shape, (std::vector<int64_t>{tokens, O * int64_t(parts.size())}));
+  const auto* v = reinterpret_cast<const uint16_t*>(t->data);
+  int64_t wrong = 0;
+  for (int64_t row = 0; row < tokens; ++row)
+    for (size_t p = 0; p < parts.size(); ++p)
+      wrong += std::memcmp(v + row * O * int64_t(parts.size()) + int64_t(p) * O,
+                           reinterpret_cast<const uint16_t*>(parts[p]->data) + row * O, size_t(O) * 2) != 0;
+  EXPECT_EQ(wrong, 0);
+}
+
 }  // namespace
