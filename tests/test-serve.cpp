@@ -1057,6 +1057,136 @@ TEST_F(Serve, SigtermFinishesRequestsInFlightAndExitsZero) {
 }
 
 // Startup errors are one-line fovea errors naming the option, with no port taken.
+// Several encoder replicas behind one queue (issue 17, on the CPU: --workers): every reply is right,
+// the forwards spread over the replicas (per-device metrics), and /health lists them.
+TEST_F(Serve, WorkersShareOneQueue) {
+  ServerProcess server(dir_, {"--workers", "3", "--max-batch-tokens", "64"});  // one image a forward
+  ASSERT_GT(server.port(), 0);
+  EXPECT_HAS(server.out(), "3 encoder replica(s): cpu:0, cpu:1, cpu:2");
+  constexpr int kClients = 12, kPerClient = 4;
+  std::vector<std::thread> threads;
+  std::atomic<int> wrong{0};
+  for (int t = 0; t < kClients; ++t)
+    threads.emplace_back([&, t] {
+      auto cli = client(server.port());
+      for (int i = 0; i < kPerClient; ++i) {
+        const TestImage* im = &image(size_t(t + i));
+        const auto r = cli->Post("/v1/encode", json{{"images", {image_item(*im, i % 3)}}}.dump(), "application/json");
+        if (check_reply(r, {im}, std::nullopt, false, dir_ / "reply.safetensors") > kBf16Ulp) ++wrong;
+      }
+    });
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(wrong, 0);
+  const std::string m = get_metrics(server.port());
+  double forwards = 0;
+  for (int k = 0; k < 3; ++k) {
+    const std::string label = "{device=\"cpu:" + std::to_string(k) + "\"}";
+    const double f = metric(m, "fovea_device_forwards_total" + label);
+    EXPECT_GT(f, 0) << "replica cpu:" << k << " ran no forward\n" << m;
+    EXPECT_EQ(metric(m, "fovea_device_up" + label), 1);
+    forwards += f;
+  }
+  EXPECT_EQ(forwards, metric(m, "fovea_encoder_forwards_total"));
+  EXPECT_EQ(metric(m, "fovea_images_encoded_total"), kClients * kPerClient);
+  const auto h = client(server.port())->Get("/health");
+  ASSERT_TRUE(h && h->status == 200);
+  EXPECT_EQ(json::parse(h->body).at("devices").size(), 3u);
+}
+
+// A replica whose forward fails (a test hook standing in for a CUDA error) is taken out of rotation
+// with a log line; the request in that forward gets a 500 naming it, never a hang; the other replica
+// serves everything after. With its last replica down the server answers 503 at once and /health
+// and /ready say so.
+TEST_F(Serve, AFailingReplicaIsTakenOutAndTheOthersServe) {
+  const auto with_hook = [&](const char* hook, const std::vector<std::string>& args) {
+    setenv("FOVEA_TEST_FAIL_REPLICA", hook, 1);
+    auto s = std::make_unique<ServerProcess>(dir_, args);
+    unsetenv("FOVEA_TEST_FAIL_REPLICA");
+    return s;
+  };
+  {
+    auto server = with_hook("cpu:1:2", {"--workers", "2", "--max-batch-tokens", "64"});
+    ASSERT_GT(server->port(), 0);
+    std::atomic<int> ok{0}, failed{0}, other{0};
+    std::vector<std::thread> threads;
+    for (int t = 0; t < 6; ++t)
+      threads.emplace_back([&, t] {
+        auto cli = client(server->port());
+        for (int i = 0; i < 5; ++i) {
+          const TestImage* im = &image(size_t(t + i));
+          const auto r = cli->Post("/v1/encode", json{{"images", {image_item(*im, 0)}}}.dump(), "application/json");
+          if (r && r->status == 200 && check_reply(r, {im}, std::nullopt, false, dir_ / "reply.safetensors") <= kBf16Ulp)
+            ++ok;
+          else if (r && r->status == 500 && r->body.find("encoder forward failed on cpu:1") != std::string::npos)
+            ++failed;
+          else
+            ++other;
+        }
+      });
+    for (auto& th : threads) th.join();
+    EXPECT_EQ(other, 0);
+    // The requests in the forward that failed (a forward packs up to 64 tokens: a few small
+    // images); every later one is served by cpu:0.
+    EXPECT_GE(failed, 1);
+    EXPECT_GE(ok, 20);
+    EXPECT_EQ(ok + failed, 30);
+    const std::string m = get_metrics(server->port());
+    EXPECT_EQ(metric(m, "fovea_device_up{device=\"cpu:1\"}"), 0);
+    EXPECT_EQ(metric(m, "fovea_device_up{device=\"cpu:0\"}"), 1);
+    EXPECT_GE(metric(m, "fovea_device_failed_forwards_total{device=\"cpu:1\"}"), 1);
+    const auto h = client(server->port())->Get("/health");
+    ASSERT_TRUE(h && h->status == 200) << (h ? h->body : "no reply");
+    const json devices = json::parse(h->body).at("devices");
+    EXPECT_EQ(devices[1].at("up"), false);
+    EXPECT_HAS(devices[1].at("reason").get<std::string>(), "test hook");
+    EXPECT_HAS(server->err(), "encoder replica cpu:1 taken out of rotation (1 of 2 still up)");
+    const auto r = client(server->port())->Get("/ready");
+    EXPECT_TRUE(r && r->status == 200);
+  }
+  {
+    auto server = with_hook("cpu:0:1", {"--workers", "1"});
+    ASSERT_GT(server->port(), 0);
+    auto cli = client(server->port());
+    const std::string body = json{{"images", {image_item(image(0), 0)}}}.dump();
+    ErrorReply e = error_of(cli->Post("/v1/encode", body, "application/json"));
+    EXPECT_EQ(e.status, 500);
+    EXPECT_HAS(e.message, "encoder forward failed on cpu:0");
+    e = error_of(cli->Post("/v1/encode", body, "application/json"));
+    EXPECT_EQ(e.status, 503);
+    EXPECT_HAS(e.message, "no encoder device is up");
+    const auto h = cli->Get("/health"), r = cli->Get("/ready");
+    ASSERT_TRUE(h && r);
+    EXPECT_EQ(h->status, 503);
+    EXPECT_EQ(json::parse(h->body).at("status"), "down");
+    EXPECT_EQ(r->status, 503);
+  }
+}
+
+// SIGTERM with --drain-seconds: /ready turns 503 at once while requests are still served, then the
+// server stops and exits 0.
+TEST_F(Serve, DrainSecondsKeepServingWhileReadySays503) {
+  ServerProcess server(dir_, {"--drain-seconds", std::to_string(2 * kTimeScale)});
+  ASSERT_GT(server.port(), 0);
+  auto cli = client(server.port());
+  auto r = cli->Get("/ready");
+  ASSERT_TRUE(r && r->status == 200);
+  kill(server.pid(), SIGTERM);
+  bool stopping = false;
+  for (int i = 0; i < 200 && !stopping; ++i) {
+    r = client(server.port())->Get("/ready");
+    stopping = r && r->status == 503 && r->body.find("shutting down") != std::string::npos;
+    if (!stopping) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  EXPECT_TRUE(stopping);
+  const TestImage* im = &image(1);
+  EXPECT_LE(check_reply(client(server.port())->Post("/v1/encode", json{{"images", {image_item(*im, 0)}}}.dump(),
+                                                     "application/json"),
+                        {im}, std::nullopt, false, dir_ / "reply.safetensors"),
+            kBf16Ulp);
+  EXPECT_EQ(server.stop(0), 0) << server.err();  // signal 0: only wait for the exit
+  EXPECT_HAS(server.out(), "serving on for");
+}
+
 TEST_F(Serve, BadOptionsFailAtStartup) {
   for (const auto& [args, says] : std::vector<std::pair<std::string, std::string>>{
            {"--port 0 --max-queue 0", "--max-queue"},
@@ -1064,7 +1194,12 @@ TEST_F(Serve, BadOptionsFailAtStartup) {
            {"--port 0 --request-timeout 0", "--request-timeout"},
            {"--port 70000", "--port"},
            {"--port 0 --min-pixels 70000 --max-pixels 65536", "--max-pixels"},
-           {"--port 0 --mm-encoder-attn-dtype int4", "--mm-encoder-attn-dtype"}}) {
+           {"--port 0 --mm-encoder-attn-dtype int4", "--mm-encoder-attn-dtype"},
+           {"--port 0 --workers 0", "--workers must be in [1, 256]"},
+           {"--port 0 --devices 0,1", "--devices 0,1: the engine runs on the CPU; --workers N"},
+           {"--port 0 --drain-seconds -1", "--drain-seconds"},
+           {"--port 0 --workers 2 --mm-encoder-attn-dtype fp8 --mm-encoder-fp8-scale-save-path x.json",
+            "calibration runs on one encoder replica"}}) {
     SCOPED_TRACE(args);
     const std::string err = (dir_ / "err.txt").string();
     const std::string cmd = std::string("'") + FOVEA_BIN + "' serve synthetic:tiny --device cpu " + args +

@@ -4,10 +4,12 @@
 //                     content parts; clips and images packed into the same forwards) -> visual tokens
 //                     as JSON (bf16 base64 or float lists) or, with Accept: application/octet-stream,
 //                     the safetensors file `fovea encode -o` would write
-//   GET  /health (live), GET /ready (taking requests), GET /v1/models, GET /metrics (Prometheus)
+//   GET  /health (live: an encoder replica is up), GET /ready (taking requests: not stopping, queue
+//   not full), GET /v1/models, GET /metrics (Prometheus; per-replica series by device)
 // Every failure of a request is answered with {"error": {"message", "type", "code"}} and an HTTP
-// status; the server itself survives any request. SIGINT / SIGTERM: stop accepting, answer every
-// request whose body was read, 503 to those still arriving, return 0.
+// status; the server itself survives any request. SIGINT / SIGTERM: /ready turns 503 at once, the
+// server serves on for --drain-seconds, then stops accepting, answers every request whose body was
+// read, 503 to those still arriving, and returns 0.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -30,6 +32,7 @@ struct HttpLimits {
   double keep_alive_timeout_s = 5;             // idle between requests, then closed
   double write_timeout_s = 60;                 // writing one reply
   double shutdown_grace_s = 1;                 // on shutdown: how long requests still arriving get 503
+  double drain_delay_s = 0;                    // on SIGTERM: serve on this long with /ready at 503 first
   size_t max_connections = 1024;               // more are answered 503 and closed
 };
 
@@ -50,6 +53,8 @@ struct ServeOptions {
   int64_t max_decode_bytes = int64_t(2) << 30;  // images being decoded and preprocessed; more wait
   std::string ec_storage_path;                  // vLLM's encoder cache folder (fovea/ec-cache.h); "" = none
   int64_t ec_storage_max_bytes = 0;             // bound on fovea's files there (0: none)
+  std::string devices;  // --devices 0,1,... | all: one encoder replica per GPU ("": one, on GPU 0)
+  int workers = 1;      // --workers N: encoder replicas on the CPU (--device cpu)
   EngineOptions engine;
 };
 

@@ -27,4 +27,9 @@ struct SystemInfo {
 };
 SystemInfo query_system();
 
+// Makes GPU `index` the calling thread's CUDA device (each encoder replica's worker thread calls it
+// before creating its encoder). Throws fovea::Error naming the index if that fails or CUDA is not
+// built in.
+void use_gpu(int index);
+
 }  // namespace fovea

@@ -85,7 +85,8 @@ image::Patches patchify_frames(const std::vector<image::Rgb8>& frames, const Vid
 
 // What preprocessing a clip will give, from its header alone (no frame decoded): the sampled
 // frames, the size they are resized to, the grid, the timestamps, and the memory decode_clip holds
-// at its peak (the resized frames, the fp32 patches, one native frame per core decoding). An
+// at its peak (the resized frames, the fp32 patches, two native frames per core: one batch being
+// resized while the next decodes). An
 // encoder-cache hit needs nothing more; the server reserves peak_bytes before decoding.
 struct ClipPlan {
   std::vector<int64_t> indices;
@@ -93,7 +94,9 @@ struct ClipPlan {
   qwen3vl::GridThw grid{};
   std::vector<double> timestamps;
   int64_t resized_bytes = 0, patch_bytes = 0, native_frame_bytes = 0;
-  int64_t peak_bytes(int decoding_threads) const { return resized_bytes + patch_bytes + decoding_threads * native_frame_bytes; }
+  int64_t peak_bytes(int decoding_threads) const {
+    return resized_bytes + patch_bytes + 2 * int64_t(decoding_threads) * native_frame_bytes;  // two batches: one resizing
+  }
 };
 ClipPlan plan_clip(const ClipInfo& info, const VideoConfig& cfg);
 
@@ -103,7 +106,9 @@ struct Clip {
   std::vector<int64_t> indices;    // the sampled frames
   std::vector<double> timestamps;  // per temporal patch, seconds
   image::Patches patches;          // fp32 pixels, grid {t, h, w}
-  double decode_ms = 0, preprocess_ms = 0;  // decoding and RGB conversion; resize and patchify
+  // Wall time (decode_clip overlaps decoding and resizing): start to the last frame decoded, then the
+  // rest (the last resizes and patchify); preprocess_frames: 0 and its resize and patchify.
+  double decode_ms = 0, preprocess_ms = 0;
 };
 
 // Sampled frames at their decoded size (as a golden file gives them) to a Clip: resize, patchify,

@@ -59,6 +59,15 @@ void add_serve(CLI::App& app, Runner& runner) {
                   "memory for images being decoded and preprocessed, all requests together (each image's share "
                   "is reserved from its header before decoding); more waits, until the request's deadline")
       ->capture_default_str();
+  cmd->add_option("--devices", o->devices,
+                  "GPUs to serve on, one encoder replica each, fed from one queue: a list such as 0,1, or all "
+                  "(default: GPU 0)");
+  cmd->add_option("--workers", o->workers, "encoder replicas on the CPU (--device cpu), fed from one queue")
+      ->capture_default_str();
+  cmd->add_option("--drain-seconds", o->http.drain_delay_s,
+                  "on SIGTERM/SIGINT: serve on this long with /ready answering 503 (so a load balancer stops "
+                  "sending), then stop accepting and finish the requests in flight")
+      ->capture_default_str();
   add_engine_flags(cmd, o->engine);
   cmd->callback([&runner, o] { runner = [o] { return server::serve(*o); }; });
 }

@@ -4,6 +4,7 @@
 #include <cudnn.h>
 #endif
 
+#include "fovea/error.h"
 #include "fovea/system.h"
 
 namespace fovea {
@@ -32,6 +33,11 @@ SystemInfo query_system() {
   }
   if (s.gpus.empty()) s.gpu_error = "cudaGetDeviceCount found no device";
   return s;
+}
+
+void use_gpu(int index) {
+  const cudaError_t err = cudaSetDevice(index);
+  if (err != cudaSuccess) fail_cat("GPU ", index, ": cudaSetDevice: ", cudaGetErrorString(err));
 }
 
 }  // namespace fovea

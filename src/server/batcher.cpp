@@ -1,8 +1,12 @@
 // The batching worker of `fovea serve` (see batcher.h).
 #include "server/batcher.h"
 
+#include <cstdlib>
+
 #include <fmt/format.h>
 
+#include "fovea/error.h"
+#include "fovea/system.h"
 #include "fovea/threads.h"
 
 namespace fovea::server {
@@ -13,18 +17,38 @@ double ms_between(Clock::time_point a, Clock::time_point b) {
 }
 }  // namespace
 
-Batcher::Batcher(const qwen3vl::Model& model, const EngineConfig& cfg, size_t max_queue, int64_t max_queue_tokens,
-                 int64_t max_batch_tokens)
+Batcher::Batcher(const qwen3vl::Model& model, const EngineConfig& cfg, const std::vector<ReplicaSpec>& replicas,
+                 size_t max_queue, int64_t max_queue_tokens, int64_t max_batch_tokens)
     : model_(model), cfg_(cfg), max_queue_(max_queue), max_queue_tokens_(max_queue_tokens),
       max_batch_tokens_(max_batch_tokens) {
-  std::promise<void> ready;
-  std::future<void> started = ready.get_future();
-  thread_ = std::thread([this, &ready] { worker(ready); });
-  try {
-    started.get();
-  } catch (...) {
-    thread_.join();
-    throw;
+  if (replicas.empty()) fail("serve: no encoder replica to start");
+  std::string hook;  // FOVEA_TEST_FAIL_REPLICA=NAME:K
+  if (const char* h = std::getenv("FOVEA_TEST_FAIL_REPLICA")) hook = h;
+  for (const ReplicaSpec& spec : replicas) {
+    auto r = std::make_unique<Replica>();
+    r->spec = spec;
+    if (const std::string prefix = spec.name + ":"; hook.starts_with(prefix)) r->fail_at = std::atoll(hook.c_str() + prefix.size());
+    replicas_.push_back(std::move(r));
+  }
+  // Every replica starts at once (loading weights onto several GPUs in parallel); the first failure,
+  // in replica order, is the error.
+  std::vector<std::promise<void>> ready(replicas_.size());
+  std::vector<std::future<void>> started;
+  for (size_t i = 0; i < replicas_.size(); ++i) {
+    started.push_back(ready[i].get_future());
+    replicas_[i]->thread = std::thread([this, i, &ready] { worker(*replicas_[i], ready[i]); });
+  }
+  std::string error;
+  for (size_t i = 0; i < started.size(); ++i) {
+    try {
+      started[i].get();
+    } catch (const std::exception& e) {
+      if (error.empty()) error = fmt::format("encoder replica {}: {}", replicas_[i]->spec.name, e.what());
+    }
+  }
+  if (!error.empty()) {
+    stop();
+    fail("{}", error);
   }
 }
 
@@ -42,6 +66,10 @@ std::shared_ptr<Job> Batcher::submit(std::vector<image::Patches> images, bool de
     std::lock_guard lk(mu_);
     if (stopping_) {
       refused = "the server is stopping";
+      return nullptr;
+    }
+    if (replicas_up() == 0) {
+      refused = "no encoder device is up (every replica failed; see the server's log)";
       return nullptr;
     }
     if (queue_.size() >= max_queue_) {
@@ -79,12 +107,34 @@ void Batcher::stop() {
     stopping_ = true;
   }
   queued_.notify_all();
-  if (thread_.joinable()) thread_.join();
+  for (auto& r : replicas_)
+    if (r->thread.joinable()) r->thread.join();
 }
 
 size_t Batcher::queue_depth() const {
   std::lock_guard lk(mu_);
   return queue_.size();
+}
+
+uint64_t Batcher::forwards() const { return total([](const Replica& r) { return r.forwards.load(); }); }
+uint64_t Batcher::images_encoded() const { return total([](const Replica& r) { return r.images.load(); }); }
+uint64_t Batcher::tokens_encoded() const { return total([](const Replica& r) { return r.tokens.load(); }); }
+double Batcher::forward_seconds() const {
+  return double(total([](const Replica& r) { return r.forward_us.load(); })) / 1e6;
+}
+uint64_t Batcher::failed_forwards() const {
+  return total([](const Replica& r) { return r.failed_forwards.load(); });
+}
+uint64_t Batcher::nonfinite_amax() const { return total([](const Replica& r) { return r.nonfinite.load(); }); }
+size_t Batcher::replicas_up() const { return total([](const Replica& r) { return size_t(r.up.load()); }); }
+
+std::vector<ReplicaState> Batcher::replicas() const {
+  std::vector<ReplicaState> out;
+  std::lock_guard lk(mu_);
+  for (const auto& r : replicas_)
+    out.push_back({r->spec.name, r->up.load(), r->down_reason, r->forwards.load(), r->images.load(), r->tokens.load(),
+                   r->failed_forwards.load(), double(r->forward_us.load()) / 1e6});
+  return out;
 }
 
 int64_t Batcher::queued_tokens() const {
@@ -113,18 +163,20 @@ std::vector<Batcher::Slot> Batcher::take_batch() {
   return batch;
 }
 
-void Batcher::worker(std::promise<void>& ready) {
-  name_this_thread("fovea-encoder");
+void Batcher::worker(Replica& r, std::promise<void>& ready) {
+  name_this_thread(("fovea-" + r.spec.name).c_str());
   std::optional<EncoderRunner> runner;
   try {
+    if (r.spec.gpu >= 0) use_gpu(r.spec.gpu);  // this thread's CUDA calls go to its GPU
     runner.emplace(model_, cfg_);
     runner->reserve(max_batch_tokens_);  // a forward of any shape within the limit allocates nothing
   } catch (...) {
     ready.set_exception(std::current_exception());
     return;
   }
+  r.up = true;
   ready.set_value();
-  std::optional<Started> running;  // the forward on the GPU now
+  std::optional<Started> running;  // the forward on the device now
   for (;;) {
     std::vector<Slot> next;
     {
@@ -135,33 +187,56 @@ void Batcher::worker(std::promise<void>& ready) {
       if (next.empty() && !running && stopping_) return;  // stopping and everything queued is done
     }
     std::optional<Started> started;
-    if (!next.empty()) started = start_batch(*runner, std::move(next));
-    if (running) finish_batch(*runner, *running);
+    if (!next.empty()) started = start_batch(r, *runner, std::move(next));
+    if (running) finish_batch(r, *runner, *running);
     running = std::move(started);
+    if (!r.up) {  // out of rotation: what it still holds fails, the others serve the queue
+      if (running) fail_slots(r, running->slots, "the encoder device was taken out of rotation");
+      return;
+    }
   }
 }
 
-std::shared_ptr<EncoderOutputsBf16> Batcher::recycled_outputs() {
+void Batcher::take_down(Replica& r, const std::string& why) {
+  {
+    std::lock_guard lk(mu_);
+    if (!r.up) return;
+    r.up = false;
+    r.down_reason = why;
+    if (replicas_up() == 0) {  // nobody left to run what is queued: it fails now, not at its deadline
+      for (const auto& job : queue_)
+        if (job->error.empty()) job->error = "no encoder device is up: " + why;
+      queue_.clear();
+    }
+  }
+  fmt::print(stderr, "fovea serve: encoder replica {} taken out of rotation ({} of {} still up): {}\n", r.spec.name,
+             replicas_up(), replicas_.size(), why);
+  std::fflush(stderr);
+  done_.notify_all();
+  queued_.notify_all();
+}
+
+std::shared_ptr<EncoderOutputsBf16> Batcher::recycled_outputs(Replica& r) {
   // A buffer whose images have all been replied to is held by the pool alone (the count cannot rise
   // meanwhile: only this thread hands buffers out).
-  for (const auto& o : pool_)
+  for (const auto& o : r.pool)
     if (o.use_count() == 1) return o;
   auto fresh = std::make_shared<EncoderOutputsBf16>();
-  if (pool_.size() < kPooledOutputs) pool_.push_back(fresh);
+  if (r.pool.size() < kPooledOutputs) r.pool.push_back(fresh);
   return fresh;
 }
 
-void Batcher::fail_slots(const std::vector<Slot>& slots, const std::string& error) {
-  failed_forwards_ += 1;
+void Batcher::fail_slots(Replica& r, const std::vector<Slot>& slots, const std::string& error) {
+  r.failed_forwards += 1;
   {
     std::lock_guard lk(mu_);
     for (const Slot& s : slots)
-      if (s.job->error.empty()) s.job->error = "encoder forward failed: " + error;
+      if (s.job->error.empty()) s.job->error = fmt::format("encoder forward failed on {}: {}", r.spec.name, error);
   }
   done_.notify_all();
 }
 
-std::optional<Batcher::Started> Batcher::start_batch(EncoderRunner& runner, std::vector<Slot> slots) {
+std::optional<Batcher::Started> Batcher::start_batch(Replica& r, EncoderRunner& runner, std::vector<Slot> slots) {
   // The worker alone reads images and writes outputs of the slots it took; waiters read outputs
   // only after seeing `done` reach the image count under the mutex.
   Started b;
@@ -173,13 +248,19 @@ std::optional<Batcher::Started> Batcher::start_batch(EncoderRunner& runner, std:
     b.grids.push_back(p.grid);
     b.deepstack = b.deepstack || s.job->deepstack;
   }
+  std::string error;
   try {
+    if (r.fail_at > 0 && int64_t(r.forwards + r.failed_forwards) + 1 >= r.fail_at)
+      fail("FOVEA_TEST_FAIL_REPLICA: replica {} fails its forward {} (test hook)", r.spec.name, r.fail_at);
     runner.start(images, b.deepstack);
   } catch (const std::exception& e) {
-    fail_slots(slots, e.what());
-    return std::nullopt;
+    error = e.what();
   } catch (...) {
-    fail_slots(slots, "unknown exception in the encoder forward");
+    error = "unknown exception in the encoder forward";
+  }
+  if (!error.empty()) {
+    fail_slots(r, slots, error);
+    take_down(r, error);
     return std::nullopt;
   }
   for (const Slot& s : slots) {  // packed: the request keeps no copy
@@ -190,24 +271,27 @@ std::optional<Batcher::Started> Batcher::start_batch(EncoderRunner& runner, std:
   return b;
 }
 
-void Batcher::finish_batch(EncoderRunner& runner, Started& b) {
+void Batcher::finish_batch(Replica& r, EncoderRunner& runner, Started& b) {
   int64_t batch_tokens = 0;
   for (const auto& g : b.grids) batch_tokens += image_tokens(model_.config, g);
   std::string error;
   std::shared_ptr<EncoderOutputsBf16> out;
   try {
-    out = recycled_outputs();
+    out = recycled_outputs(r);
     runner.finish(*out);
     const size_t values = size_t(batch_tokens) * size_t(model_.config.out_hidden);
     if (out->merged.size() != values)
       error = fmt::format("the encoder gave {} values for {} rows", out->merged.size(), batch_tokens);
-    nonfinite_ = runner.nonfinite_amax();
+    r.nonfinite = runner.nonfinite_amax();
   } catch (const std::exception& e) {
     error = e.what();
   } catch (...) {
     error = "unknown exception in the encoder forward";
   }
-  if (!error.empty()) return fail_slots(b.slots, error);
+  if (!error.empty()) {
+    fail_slots(r, b.slots, error);
+    return take_down(r, error);
+  }
   const double forward_ms = runner.last_timings().gpu;
   size_t row = 0;
   for (size_t i = 0; i < b.slots.size(); ++i) {
@@ -221,10 +305,10 @@ void Batcher::finish_batch(EncoderRunner& runner, Started& b) {
     o.batch_images = int(b.slots.size());
     o.batch_tokens = batch_tokens;
   }
-  forwards_ += 1;
-  images_ += b.slots.size();
-  tokens_ += uint64_t(batch_tokens);
-  forward_us_ += uint64_t(forward_ms * 1000);
+  r.forwards += 1;
+  r.images += b.slots.size();
+  r.tokens += uint64_t(batch_tokens);
+  r.forward_us += uint64_t(forward_ms * 1000);
   {
     std::lock_guard lk(mu_);
     for (const Slot& s : b.slots) s.job->done += 1;

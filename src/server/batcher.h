@@ -1,11 +1,15 @@
-// The batching worker of `fovea serve`: a bounded queue of requests and one thread that owns the
-// encoder (fovea/pipeline.h's EncoderRunner: created on that thread, used by it alone) and packs the images of queued
-// requests, first come first served, into one varlen forward of at most max_batch_tokens visual
-// tokens. An image is never split; one larger than the limit runs alone. A request's images may
-// spread over several forwards. A forward that throws fails only the requests in it.
-// The worker is a two-deep pipeline (EncoderRunner::start / finish): it starts forward n+1 (packing
-// its pixels into pinned memory, enqueueing it behind forward n) before it waits for forward n and
-// hands out its outputs, so the GPU runs back to back while requests keep coming.
+// The batching workers of `fovea serve`: a bounded queue of requests and one worker thread per
+// encoder replica (one per GPU of --devices, or --workers on the CPU). Each worker owns its replica's
+// encoder (fovea/pipeline.h's EncoderRunner: created on that thread, on its device, used by it alone)
+// and packs the images of queued requests, first come first served, into one varlen forward of at
+// most max_batch_tokens visual tokens; the first idle worker takes the next batch. An image is never
+// split; one larger than the limit runs alone. A request's images may spread over several forwards
+// and replicas. Each worker is a two-deep pipeline (EncoderRunner::start / finish): it starts
+// forward n+1 (packing its pixels into pinned memory, enqueueing it behind forward n) before it
+// waits for forward n and hands out its outputs, so its GPU runs back to back.
+// A forward that throws fails the requests in it and takes its replica out of rotation (a forward of
+// preprocessed patches fails only when the device does: a CUDA error); the other replicas keep
+// serving. With none left, queued and new requests fail at once.
 #pragma once
 #include <atomic>
 #include <chrono>
@@ -60,11 +64,29 @@ struct Job {
   bool abandoned = false;  // its client gave up (timeout): images not yet run are dropped
 };
 
+// Where an encoder replica runs: a CUDA device (its index) or the CPU (gpu < 0); `name` labels its
+// metrics and log lines ("cuda:0", "cpu:1").
+struct ReplicaSpec {
+  std::string name;
+  int gpu = -1;
+};
+
+// A replica's state, for /metrics and /health.
+struct ReplicaState {
+  std::string name;
+  bool up = false;
+  std::string down_reason;  // why it was taken out of rotation
+  uint64_t forwards = 0, images = 0, tokens = 0, failed_forwards = 0;
+  double forward_seconds = 0;
+};
+
 class Batcher {
  public:
-  // Starts the worker, which creates the encoder; throws (the encoder's error) if that fails.
-  Batcher(const qwen3vl::Model& model, const EngineConfig& cfg, size_t max_queue, int64_t max_queue_tokens,
-          int64_t max_batch_tokens);
+  // Starts one worker per replica (each creates its encoder on its device, all at once); throws,
+  // naming the replica, if any cannot start. The environment variable FOVEA_TEST_FAIL_REPLICA=NAME:K
+  // (a test hook) makes replica NAME fail its K-th forward as a device failing would.
+  Batcher(const qwen3vl::Model& model, const EngineConfig& cfg, const std::vector<ReplicaSpec>& replicas, size_t max_queue,
+          int64_t max_queue_tokens, int64_t max_batch_tokens);
   ~Batcher();  // stop()
 
   // Queues a request; nullptr, with the reason in `refused`, if max_queue requests are already
@@ -81,21 +103,34 @@ class Batcher {
   // Finishes every queued request, then joins the worker. Idempotent.
   void stop();
 
-  // For /metrics.
+  // For /metrics and /health: totals over the replicas, and each one's.
   size_t queue_depth() const;  // requests waiting, partly started ones included
-  uint64_t forwards() const { return forwards_; }
-  uint64_t images_encoded() const { return images_; }
-  uint64_t tokens_encoded() const { return tokens_; }
-  double forward_seconds() const { return forward_us_ / 1e6; }  // GPU time of the forwards (upload to copy back)
-  uint64_t failed_forwards() const { return failed_forwards_; }
-  uint64_t nonfinite_amax() const { return nonfinite_; }
+  uint64_t forwards() const;
+  uint64_t images_encoded() const;
+  uint64_t tokens_encoded() const;
+  double forward_seconds() const;  // GPU time of the forwards (upload to copy back)
+  uint64_t failed_forwards() const;
+  uint64_t nonfinite_amax() const;
+  std::vector<ReplicaState> replicas() const;
+  size_t replicas_up() const;
 
  private:
   struct Slot {  // one image of one job in the forward being assembled
     std::shared_ptr<Job> job;
     size_t index;
   };
-  void worker(std::promise<void>& ready);
+  struct Replica {
+    ReplicaSpec spec;
+    std::thread thread;
+    std::atomic<bool> up{false};
+    std::string down_reason;  // guarded by mu_
+    int64_t fail_at = 0;      // the test hook's K (0: never)
+    std::atomic<uint64_t> forwards{0}, images{0}, tokens{0}, forward_us{0}, failed_forwards{0}, nonfinite{0};
+    // Output buffers reused from forward to forward (warm memory: a fresh 100 MB buffer costs tens of
+    // ms of page faults); at most kPooledOutputs are kept, more forwards in flight get fresh ones.
+    std::vector<std::shared_ptr<EncoderOutputsBf16>> pool;  // its worker's alone
+  };
+  void worker(Replica& r, std::promise<void>& ready);
   std::vector<Slot> take_batch();  // with mu_ held
   int64_t queued_tokens() const;   // with mu_ held: visual tokens of the images not yet taken
   struct Started {  // a forward in flight
@@ -104,17 +139,22 @@ class Batcher {
     bool deepstack = false;
     Clock::time_point start;
   };
-  // Starts the forward of `slots` (their pixels are freed once packed); nullopt if that threw, the
-  // slots' jobs failed.
-  std::optional<Started> start_batch(EncoderRunner& runner, std::vector<Slot> slots);
-  // Waits for it and hands its outputs to its jobs (or fails them).
-  void finish_batch(EncoderRunner& runner, Started& b);
-  void fail_slots(const std::vector<Slot>& slots, const std::string& error);
-  // Output buffers reused from forward to forward (warm memory: a fresh 100 MB buffer costs tens of
-  // ms of page faults); at most kPooledOutputs are kept, more forwards in flight get fresh ones.
-  std::shared_ptr<EncoderOutputsBf16> recycled_outputs();
+  // Starts the forward of `slots` (their pixels are freed once packed); nullopt if that threw: the
+  // slots' jobs failed and the replica is down.
+  std::optional<Started> start_batch(Replica& r, EncoderRunner& runner, std::vector<Slot> slots);
+  // Waits for it and hands its outputs to its jobs (or fails them and takes the replica down).
+  void finish_batch(Replica& r, EncoderRunner& runner, Started& b);
+  void fail_slots(Replica& r, const std::vector<Slot>& slots, const std::string& error);
+  // Takes r out of rotation (once), with a log line; the last one down fails everything queued.
+  void take_down(Replica& r, const std::string& why);
+  std::shared_ptr<EncoderOutputsBf16> recycled_outputs(Replica& r);
   static constexpr size_t kPooledOutputs = 4;
-  std::vector<std::shared_ptr<EncoderOutputsBf16>> pool_;  // the worker's alone
+  template <class F>
+  auto total(F of) const {  // the sum of of(replica) over the replicas
+    decltype(of(*replicas_.front())) sum{};
+    for (const auto& r : replicas_) sum += of(*r);
+    return sum;
+  }
 
   const qwen3vl::Model& model_;
   const EngineConfig cfg_;
@@ -123,13 +163,11 @@ class Batcher {
   const int64_t max_batch_tokens_;
 
   mutable std::mutex mu_;
-  std::condition_variable queued_;  // worker: something to do, or stop
+  std::condition_variable queued_;  // workers: something to do, or stop
   std::condition_variable done_;    // waiters: some job progressed
   std::deque<std::shared_ptr<Job>> queue_;
   bool stopping_ = false;
-  std::thread thread_;
-
-  std::atomic<uint64_t> forwards_{0}, images_{0}, tokens_{0}, forward_us_{0}, failed_forwards_{0}, nonfinite_{0};
+  std::vector<std::unique_ptr<Replica>> replicas_;
 };
 
 }  // namespace fovea::server

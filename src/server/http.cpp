@@ -174,6 +174,8 @@ struct Server::Impl {
   size_t body_bytes_reserved = 0;                          // network thread only
   std::atomic<size_t> in_flight{0};                         // requests being read or handled
   std::atomic<bool> draining{false};
+  std::atomic<bool> stopping{false};  // a first signal arrived
+  asio::steady_timer drain_delay{io};
   int signal_number = 0;
   int port = 0;
 
@@ -639,6 +641,7 @@ Server::~Server() {
 int Server::port() const { return impl_->port; }
 size_t Server::in_flight() const { return impl_->in_flight; }
 bool Server::draining() const { return impl_->draining; }
+bool Server::stopping() const { return impl_->stopping; }
 
 int Server::run(const std::function<void(int, size_t)>& on_signal) {
   Impl& s = *impl_;
@@ -652,7 +655,13 @@ int Server::run(const std::function<void(int, size_t)>& on_signal) {
       std::fflush(stderr);
       std::_Exit(1);
     });
-    s.drain();
+    s.stopping = true;
+    if (s.lim.drain_delay_s <= 0) return s.drain();
+    // Serve on while the balancers' probes see /ready at 503 and stop sending here.
+    s.drain_delay.expires_after(std::chrono::milliseconds(int64_t(s.lim.drain_delay_s * 1000)));
+    s.drain_delay.async_wait([&s](boost::system::error_code e) {
+      if (!e) s.drain();
+    });
   });
   s.accept();
   s.io.run();

@@ -17,7 +17,8 @@
 //   400 malformed head or body (check_head, Beast's parser), 408 head or body deadline passed,
 //   413 body over max_body_bytes, 431 head over max_header_bytes or max_header_fields,
 //   503 connection limit, body-bytes budget, or shutting down (each closes the connection).
-// Shutdown (SIGINT/SIGTERM): stop accepting (connections already in the kernel's backlog are taken
+// Shutdown (SIGINT/SIGTERM): first, for limits.drain_delay_s, go on serving while stopping() is
+// true (the service's readiness probe says 503, so a load balancer stops sending); then stop accepting (connections already in the kernel's backlog are taken
 // first), answer every request whose body was fully read, answer 503 to every request whose head
 // or body was still arriving and to any that arrives within a grace period, then return. A second
 // signal exits at once (code 1).
@@ -112,6 +113,8 @@ class Server {
   // Requests read whole and not yet answered (for /metrics and the shutdown message).
   size_t in_flight() const;
   bool draining() const;
+  // A first signal arrived: the server is going away (serving still during the drain delay).
+  bool stopping() const;
 
   struct Impl;  // http.cpp: the event loop, the acceptor, the connections
 

@@ -95,6 +95,24 @@ std::string Metrics::render(const std::string& model, const EngineConfig& engine
          batcher.failed_forwards());
   sample(out, "fovea_encoder_forward_seconds_total", "counter", "GPU time of the encoder forwards (pixel upload to outputs copied back, from CUDA events; wall time on the CPU).",
          batcher.forward_seconds());
+  // Per encoder replica (fovea serve --devices / --workers), labelled by device.
+  const std::vector<ReplicaState> replicas = batcher.replicas();
+  const auto per_replica = [&](const char* name, const char* type, const char* help, auto value) {
+    header(out, name, type, help);
+    for (const ReplicaState& r : replicas) out += fmt::format("{}{{device=\"{}\"}} {}\n", name, r.name, value(r));
+  };
+  per_replica("fovea_device_up", "gauge", "1 while the encoder replica on this device is in rotation, 0 once taken out.",
+              [](const ReplicaState& r) { return int(r.up); });
+  per_replica("fovea_device_forwards_total", "counter", "Encoder forwards run on this device.",
+              [](const ReplicaState& r) { return r.forwards; });
+  per_replica("fovea_device_images_encoded_total", "counter", "Images and clips encoded on this device.",
+              [](const ReplicaState& r) { return r.images; });
+  per_replica("fovea_device_tokens_encoded_total", "counter", "Visual tokens produced on this device.",
+              [](const ReplicaState& r) { return r.tokens; });
+  per_replica("fovea_device_forward_seconds_total", "counter", "Forward time on this device.",
+              [](const ReplicaState& r) { return r.forward_seconds; });
+  per_replica("fovea_device_failed_forwards_total", "counter", "Encoder forwards that threw on this device.",
+              [](const ReplicaState& r) { return r.failed_forwards; });
   header(out, "fovea_engine_info", "gauge", "The engine this server runs (value 1).");
   out += fmt::format("fovea_engine_info{{model=\"{}\",device=\"{}\",backend=\"{}\",dtype=\"{}\"}} 1\n", label(model),
                      device_name(engine.device), backend_name(engine.backend), dtype_name(engine.dtype));

@@ -7,7 +7,9 @@
 
 #include <signal.h>
 
+#include <algorithm>
 #include <bit>
+#include <charconv>
 #include <span>
 
 #include <cstdio>
@@ -25,6 +27,7 @@
 #include "fovea/image.h"
 #include "fovea/json.h"
 #include "fovea/pipeline.h"
+#include "fovea/system.h"
 #include "fovea/threads.h"
 #include "fovea/video.h"
 #include "fovea/safetensors.h"
@@ -541,9 +544,23 @@ class Service final : public http::Handler {
       r.headers.push_back({"Allow", known->second});
       return r;
     }
-    if (req.path == "/health") return json_response(200, {{"status", "ok"}});
+    if (req.path == "/health") {
+      // Live: the process answers and an encoder replica is up (each one's state listed). The server
+      // listens only once every replica has loaded its weights and reserved its memory.
+      json devices = json::array();
+      for (const ReplicaState& r : c_.batcher.replicas()) {
+        json d = {{"device", r.name}, {"up", r.up}};
+        if (!r.up) d["reason"] = r.down_reason;
+        devices.push_back(std::move(d));
+      }
+      const bool live = c_.batcher.replicas_up() > 0;
+      return json_response(live ? 200 : 503, {{"status", live ? "ok" : "down"}, {"devices", std::move(devices)}});
+    }
     if (req.path == "/ready") {
-      // Ready: taking requests (not shutting down, the encoder queue not full).
+      // Ready: taking requests (not stopping, a replica up, the encoder queue not full).
+      if (c_.http->stopping()) return json_response(503, {{"status", "stopping"}, {"reason", "the server is shutting down"}});
+      if (c_.batcher.replicas_up() == 0)
+        return json_response(503, {{"status", "down"}, {"reason", "no encoder device is up"}});
       const size_t depth = c_.batcher.queue_depth();
       if (depth >= c_.opt.max_queue)
         return json_response(503, {{"status", "busy"}, {"reason", fmt::format("the encoder queue is full ({} requests)", depth)}});
@@ -615,19 +632,81 @@ void check_options(const ServeOptions& o) {
     fail("--max-body-bytes-in-flight ({}) must be at least --max-body-bytes ({})", o.http.max_body_bytes_in_flight,
          o.http.max_body_bytes);
   if (o.max_decode_bytes < 1) fail("--max-decode-bytes must be at least 1");
+  if (o.workers < 1 || o.workers > 256) fail("--workers must be in [1, 256], not {}", o.workers);
+  if (!(o.http.drain_delay_s >= 0 && o.http.drain_delay_s <= 3600))
+    fail("--drain-seconds must be in [0, 3600], not {}", o.http.drain_delay_s);
+}
+
+std::vector<std::string> replica_names(const std::vector<ReplicaSpec>& rs) {
+  std::vector<std::string> v;
+  for (const ReplicaSpec& r : rs) v.push_back(r.name);
+  return v;
+}
+
+// The encoder replicas: --workers on the CPU, or one per GPU of --devices (GPU 0 when empty), each
+// GPU checked to run the engine as it was resolved (the same backend).
+std::vector<ReplicaSpec> replica_specs(const ServeOptions& o, const EngineConfig& engine, const SystemInfo& sys) {
+  std::vector<ReplicaSpec> out;
+  if (engine.device == Device::CPU) {
+    if (!o.devices.empty()) fail("--devices {}: the engine runs on the CPU; --workers N sets its replicas", o.devices);
+    for (int i = 0; i < o.workers; ++i) out.push_back({fmt::format("cpu:{}", i), -1});
+    return out;
+  }
+  if (o.workers != 1) fail("--workers is for --device cpu; on GPUs, --devices 0,1,... or all gives one replica per GPU");
+  std::vector<int> gpus;
+  if (o.devices.empty()) {
+    gpus = {0};
+  } else if (o.devices == "all") {
+    for (const GpuInfo& g : sys.gpus) gpus.push_back(g.index);
+  } else {
+    for (size_t at = 0; at <= o.devices.size();) {
+      const size_t comma = std::min(o.devices.find(',', at), o.devices.size());
+      const std::string item = o.devices.substr(at, comma - at);
+      int v = -1;
+      const auto [end, ec] = std::from_chars(item.data(), item.data() + item.size(), v);
+      if (item.empty() || ec != std::errc() || end != item.data() + item.size() || v < 0)
+        fail("--devices {}: '{}' is not a GPU index (a list such as 0,1, or all)", o.devices, item);
+      if (std::find(gpus.begin(), gpus.end(), v) != gpus.end()) fail("--devices {}: GPU {} is listed twice", o.devices, v);
+      gpus.push_back(v);
+      at = comma + 1;
+    }
+  }
+  if (gpus.empty()) fail("--devices {}: no GPU is visible", o.devices);
+  for (const int g : gpus) {
+    const auto it = std::find_if(sys.gpus.begin(), sys.gpus.end(), [&](const GpuInfo& i) { return i.index == g; });
+    if (it == sys.gpus.end()) fail("--devices {}: there is no GPU {} ({} visible)", o.devices, g, sys.gpus.size());
+    SystemInfo alone = sys;  // the engine as this GPU alone would resolve it
+    alone.gpus = {*it};
+    EngineConfig here;
+    try {
+      here = resolve_engine(o.engine, alone);
+    } catch (const Error& e) {
+      fail("--devices: GPU {} ({}) cannot run this engine: {}", g, it->name, e.what());
+    }
+    if (here.backend != engine.backend)
+      fail("--devices: GPU {} ({}) would run the {} backend, GPU {} the {} one; give GPUs of one kind or "
+           "--mm-encoder-attn-backend", g, it->name, backend_name(here.backend), gpus[0], backend_name(engine.backend));
+    out.push_back({fmt::format("cuda:{}", g), g});
+  }
+  return out;
 }
 
 }  // namespace
 
 int serve(const ServeOptions& o) {
   check_options(o);
-  const EngineConfig engine = resolve_engine(o.engine, query_system());
+  const SystemInfo sys = query_system();
+  const EngineConfig engine = resolve_engine(o.engine, sys);
+  const std::vector<ReplicaSpec> replicas = replica_specs(o, engine, sys);
+  if (replicas.size() > 1 && engine.scale_mode == ScaleMode::CALIBRATE)
+    fail("--mm-encoder-fp8-scale-save-path: calibration runs on one encoder replica (its 16 forwards make one "
+         "file); calibrate without --devices / --workers, then serve the file with --mm-encoder-fp8-scale-path");
   const image::PreprocessConfig pcfg = image::load_preprocess_config(o.model, o.preprocess);
   const video::VideoConfig vcfg = video::load_video_config(o.model, o.video);
   const qwen3vl::Model model = qwen3vl::load_model(o.model);
   std::optional<EcCache> cache;
   if (!o.ec_storage_path.empty()) cache.emplace(o.ec_storage_path, o.ec_storage_max_bytes);
-  Batcher batcher(model, engine, o.max_queue, o.max_queue_tokens, o.max_batch_tokens);
+  Batcher batcher(model, engine, replicas, o.max_queue, o.max_queue_tokens, o.max_batch_tokens);
   Context c(o, model, engine, pcfg, vcfg, batcher);
   if (cache) c.cache = &*cache;
   Service service(c);
@@ -646,10 +725,11 @@ int serve(const ServeOptions& o) {
 
   const auto& cfg = model.config;
   fmt::print("fovea serve: model {} ({} blocks, out_hidden {}), {} attention{} on {} ({} backend); "
-             "batches of up to {} tokens, queue of {} requests\n",
+             "batches of up to {} tokens, queue of {} requests; {} encoder replica(s): {}\n",
              o.model, cfg.depth, cfg.out_hidden, dtype_name(engine.dtype),
              engine.scale_mode ? fmt::format(" ({} scales)", scale_mode_name(*engine.scale_mode)) : "",
-             device_name(engine.device), backend_name(engine.backend), o.max_batch_tokens, o.max_queue);
+             device_name(engine.device), backend_name(engine.backend), o.max_batch_tokens, o.max_queue, replicas.size(),
+             fmt::join(replica_names(replicas), ", "));
   if (cache) {
     const EcCache::Stats s = cache->stats();
     fmt::print("fovea serve: encoder cache {} (vLLM's ECExampleConnector layout): {} files of fovea's ({:.1f} MB{}), "
@@ -662,9 +742,14 @@ int serve(const ServeOptions& o) {
   fmt::print("fovea serve: listening on http://{}{}{}:{}\n", v6 ? "[" : "", o.host, v6 ? "]" : "", server.port());
   std::fflush(stdout);
 
-  server.run([](int sig, size_t in_flight) {  // on the network thread; std::printf, nothing that throws
-    std::printf("fovea serve: %s: not accepting new connections; finishing %zu request(s) in flight\n",
-                strsignal(sig), in_flight);
+  const double drain_s = o.http.drain_delay_s;
+  server.run([drain_s](int sig, size_t in_flight) {  // on the network thread; std::printf, nothing that throws
+    if (drain_s > 0)
+      std::printf("fovea serve: %s: /ready says 503; serving on for %g s, then not accepting new connections and "
+                  "finishing the requests in flight (%zu now)\n", strsignal(sig), drain_s, in_flight);
+    else
+      std::printf("fovea serve: %s: not accepting new connections; finishing %zu request(s) in flight\n", strsignal(sig),
+                  in_flight);
     std::fflush(stdout);
   });
   batcher.stop();  // every reply is written; nothing is left queued, but finish it if so

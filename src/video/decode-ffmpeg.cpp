@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cstring>
 #include <functional>
+#include <future>
 #include <mutex>
 
 #include <fmt/format.h>
@@ -336,37 +337,53 @@ Clip decode_clip(std::span<const uint8_t> bytes, const std::string& name, const 
     const ClipPlan plan = plan_clip(c.info, cfg);
     c.indices = plan.indices;
     const int h = plan.height, w = plan.width;
-    // Memory: the resized frames, the patches, and a batch of decoded frames waiting to be resized.
+    // Decoding (this thread, and FFmpeg's frame threads) and resizing (the cores) overlap: each batch
+    // of decoded frames is resized on the other threads while the next batch decodes. Memory: the
+    // resized frames, the patches, and two batches of native frames (one resizing, one filling).
     const int64_t room = limits.max_bytes_in_flight - plan.resized_bytes - plan.patch_bytes;
-    const int64_t batch = std::min<int64_t>(std::max(1, hardware_threads()), room / plan.native_frame_bytes);
+    const int64_t batch = std::min<int64_t>(std::max(1, hardware_threads()), room / (2 * plan.native_frame_bytes));
     if (batch < 1)
       fail("{} frames resized to {}x{} with frames of {}x{} decoding need more than the limit of {} bytes", c.indices.size(), w,
            h, c.info.width, c.info.height, limits.max_bytes_in_flight);
-    std::vector<image::Rgb8> sized(c.indices.size()), pending;
-    std::vector<size_t> pending_at;
-    double resize_ms = 0;
-    const auto flush = [&] {
-      const auto tr = steady::now();
-      parallel_for(int64_t(pending.size()), [&](int64_t i) {
-        image::Rgb8& f = pending[size_t(i)];
-        sized[pending_at[size_t(i)]] = f.height == h && f.width == w ? std::move(f) : image::resize_bicubic(f, h, w);
-      });
-      pending.clear();
-      pending_at.clear();
-      resize_ms += std::chrono::duration<double, std::milli>(steady::now() - tr).count();
+    std::vector<image::Rgb8> sized(c.indices.size());
+    struct Batch {
+      std::vector<image::Rgb8> frames;
+      std::vector<size_t> at;
     };
-    decode_indices(bytes, c.info, c.indices, limits, [&](size_t j, image::Rgb8&& f) {
-      pending.push_back(std::move(f));
-      pending_at.push_back(j);
-      if (int64_t(pending.size()) >= batch) flush();
-    });
-    flush();
-    const auto tp = steady::now();
+    Batch pending;
+    std::future<void> resizing;  // the previous batch's resize
+    steady::time_point decoded_at;
+    const auto flush = [&] {
+      if (resizing.valid()) resizing.get();
+      if (pending.frames.empty()) return;
+      resizing = std::async(std::launch::async, [&sized, h, w, b = std::move(pending)]() mutable {
+        parallel_for(int64_t(b.frames.size()), [&](int64_t i) {
+          image::Rgb8& f = b.frames[size_t(i)];
+          sized[b.at[size_t(i)]] = f.height == h && f.width == w ? std::move(f) : image::resize_bicubic(f, h, w);
+        });
+      });
+      pending = {};
+    };
+    try {
+      decode_indices(bytes, c.info, c.indices, limits, [&](size_t j, image::Rgb8&& f) {
+        pending.frames.push_back(std::move(f));
+        pending.at.push_back(j);
+        if (int64_t(pending.frames.size()) >= batch) flush();
+      });
+      decoded_at = steady::now();
+      flush();
+      flush();  // the last batch's resize
+    } catch (...) {
+      if (resizing.valid()) resizing.wait();  // it writes into `sized`
+      throw;
+    }
     c.timestamps = plan.timestamps;
     c.patches = patchify_frames(sized, cfg);
-    const double patchify_ms = std::chrono::duration<double, std::milli>(steady::now() - tp).count();
-    c.preprocess_ms = resize_ms + patchify_ms;
-    c.decode_ms = std::chrono::duration<double, std::milli>(steady::now() - t0).count() - c.preprocess_ms;
+    // Resizing overlaps decoding, so the stages are wall time: decode_ms until the last frame is
+    // decoded (the resizes that ran meanwhile included), preprocess_ms after it (the last resizes and
+    // patchify).
+    c.decode_ms = std::chrono::duration<double, std::milli>(decoded_at - t0).count();
+    c.preprocess_ms = std::chrono::duration<double, std::milli>(steady::now() - decoded_at).count();
   } catch (const Error& e) {
     if (std::string_view(e.what()).starts_with("video '")) throw;
     fail("video '{}': {}", name, e.what());

@@ -223,7 +223,8 @@ Clip preprocess_frames(const std::vector<image::Rgb8>& frames, const std::vector
                        const VideoConfig& cfg) {
   if (frames.empty() || frames.size() != indices.size()) fail("preprocess: {} frames for {} indices", frames.size(), indices.size());
   const auto t0 = std::chrono::steady_clock::now();
-  const auto [h, w] = smart_resize_video(int64_t(frames.size()), frames[0].height, frames[0].width, cfg);
+  const std::pair<int, int> size = smart_resize_video(int64_t(frames.size()), frames[0].height, frames[0].width, cfg);
+  const int h = size.first, w = size.second;  // (clang 14 cannot capture structured bindings)
   std::vector<image::Rgb8> sized(frames.size());
   parallel_for(int64_t(frames.size()), [&](int64_t i) {
     const image::Rgb8& f = frames[size_t(i)];

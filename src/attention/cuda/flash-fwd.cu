@@ -65,6 +65,8 @@
 // P, O and the in-flight PV accumulator, 152 of them, plus addresses). Not done yet: a persistent
 // scheduler with a TMA-store epilogue, the row sum on the tensor cores, fewer live registers.
 
+#include <atomic>
+
 #include "attention/cuda/head-dims.cuh"
 #include "attention/cuda/kernels.cuh"
 #include "attention/cuda/layout.cuh"
@@ -422,10 +424,15 @@ template <bool kFp8, int kHeadDim, int kConsumerWgs>
 void launch(const FlashParams& p, const FlashMaps& m, int num_tiles, cudaStream_t stream) {
   using C = FlashCfg<kFp8, kHeadDim, kConsumerWgs>;
   auto* kernel = flash_fwd_kernel<kFp8, kHeadDim, kConsumerWgs>;
-  static bool configured = false;  // one attribute call per instantiation
-  if (!configured) {
+  // One attribute call per instantiation and GPU: the attribute belongs to the device's copy of the
+  // kernel, and encoder replicas on several GPUs (fovea serve --devices) launch from several threads.
+  static std::atomic<uint64_t> configured{0};
+  int device = 0;
+  FOVEA_CUDA_CHECK(cudaGetDevice(&device));
+  const uint64_t bit = uint64_t(1) << (device & 63);
+  if (!(configured.load() & bit)) {
     FOVEA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes));
-    configured = true;
+    configured.fetch_or(bit);
   }
   kernel<<<dim3(unsigned(num_tiles), unsigned(p.heads)), C::kThreads, C::kSmemBytes, stream>>>(m.q, m.k, m.v, p);
   FOVEA_CUDA_CHECK(cudaGetLastError());
