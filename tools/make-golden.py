@@ -18,7 +18,8 @@ writes DIR-named golden files whose "<output>.bf16" tensors are transformers' ow
 (issue #4's criterion). tools/device/conformance.sh runs it on the full 8B architecture and makes
 tests/data/qwen3vl-8b-2blocks/golden.safetensors (--grids 1x8x8,2x4x4) with it; with --video CLIP
 the clip's frames, through transformers' video processor, come first in that batch
-(tests/data/qwen3vl-8b-2blocks/golden-video.safetensors: a real clip packed with an image).
+(tests/data/qwen3vl-8b-2blocks/golden-video.safetensors: tests/data/video/bt709.mp4 packed with a
+1x4x4 image).
 """
 import argparse
 import json
