@@ -841,7 +841,9 @@ TEST_F(Serve, VideosBesideImagesMatchEncode) {
 }
 
 TEST_F(Serve, BadRequestsGetTheRight4xxAndTheServerKeepsServing) {
-  ServerProcess server(dir_, {"--max-images-per-request", "4", "--max-body-bytes", "1000000", "--max-image-pixels", "40000"});
+  ServerProcess server(dir_, {"--max-images-per-request", "4", "--max-body-bytes", "1000000", "--max-image-pixels", "40000",
+                              "--max-video-seconds", "2"});
+  const std::string clip = slurp(fs::path(FOVEA_SOURCE_DIR) / "tests/data/video/h264.mp4");  // 3 s
   ASSERT_GT(server.port(), 0);
   auto cli = client(server.port());
   const json good = image_item(image(1), 0);
@@ -867,6 +869,8 @@ TEST_F(Serve, BadRequestsGetTheRight4xxAndTheServerKeepsServing) {
       {"aspect ratio over 200:1", with({good, b64(encode_image("png", 1, 300, 3))}), 400, "invalid_image",
        "image 'images[1]': aspect ratio 1x300 is over 200:1"},
       {"number as image", with({42}), 400, "invalid_image", "images[0]: expected a data URL or base64 string"},
+      {"clip over --max-video-seconds", with({good, b64(clip)}), 400, "invalid_video",
+       "video 'images[1]': over 25 frames at 12 fps, longer than the limit of 2 s (--max-video-seconds)"},
       {"remote URL", with({"https://example.com/cat.png"}), 400, "invalid_image", "not fetched"},
       {"text content part", with({{{"type", "text"}, {"text", "hi"}}}), 400, "invalid_image", "image_url"},
       {"bad encoding", json{{"images", {good}}, {"encoding", "hex"}}.dump(), 400, "invalid_request", "\"encoding\""},
