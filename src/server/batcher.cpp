@@ -1,4 +1,4 @@
-// The batching worker of `fovea serve` (see batcher.h).
+// The batching workers of `fovea serve`, one per encoder replica (see batcher.h).
 #include "server/batcher.h"
 
 #include <cstdlib>
