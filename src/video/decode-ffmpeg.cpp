@@ -103,6 +103,14 @@ struct Demuxer {
   const AVCodec* codec = nullptr;
 
   Demuxer(std::span<const uint8_t> bytes, const std::string& name, steady::time_point deadline) {
+    try {
+      open(bytes, name, deadline);
+    } catch (...) {
+      close();  // a constructor that throws runs no destructor: what open() allocated is freed here
+      throw;
+    }
+  }
+  void open(std::span<const uint8_t> bytes, const std::string& name, steady::time_point deadline) {
     init_ffmpeg();
     last_log.clear();
     src = {bytes, 0, deadline};
@@ -142,7 +150,8 @@ struct Demuxer {
     codec = avcodec_find_decoder(par->codec_id);
     if (!codec) fail("video '{}': no decoder for its {} video", name, avcodec_get_name(par->codec_id));
   }
-  ~Demuxer() {
+  ~Demuxer() { close(); }
+  void close() {
     if (fmt) avformat_close_input(&fmt);
     if (io) {
       av_freep(&io->buffer);
