@@ -458,7 +458,9 @@ class FlashAttentionGpuRobust : public ::testing::TestWithParam<int> {};
 // CPU does and follows the emulation, with RoPE and without. Without it the outlier channels are
 // fixed offsets, which K smoothing removes, and robust FP8 beats per-tensor FP8 by far (CPU, 22
 // seeds: by 1.9-21x); with RoPE on random channels the offsets rotate with the position, the mean
-// no longer holds them, and the gain is small (measured 1.2-2x), so only "not worse" is asserted.
+// no longer holds them, and the gain is small or none: measured 1.2-2x better, and once 5% worse
+// (H200, 2026-12-03, hd 64, seed 1392536446: robust 0.759 against per-tensor 0.723, the GPU within
+// 1e-2 of its emulation), so with RoPE only "not far worse" (1.25x) is asserted.
 TEST_P(FlashAttentionGpuRobust, OutlierChannelsMatchTheEmulation) {
   const int hd = GetParam();
   for (const bool rope : {false, true}) {
@@ -470,7 +472,7 @@ TEST_P(FlashAttentionGpuRobust, OutlierChannelsMatchTheEmulation) {
     expect_within_rule(robust, what);
     const Checked tensor = run_and_check(p, AttnDtype::FP8);
     std::printf("%-28s gpu rel %.3e (per-tensor scales)\n", (what + " tensor").c_str(), tensor.gpu.rel_l2);
-    EXPECT_LT(robust.gpu.rel_l2, (rope ? 1.0 : 1.0 / 1.5) * tensor.gpu.rel_l2) << what;
+    EXPECT_LT(robust.gpu.rel_l2, (rope ? 1.25 : 1.0 / 1.5) * tensor.gpu.rel_l2) << what;
   }
 }
 

@@ -10,6 +10,11 @@ cd "$(dirname "$0")/../.."
 cmake --build build --target fovea
 rm -rf .device-bin /tmp/fovea-bundle && mkdir -p .device-bin /tmp/fovea-bundle/lib
 strip -o /tmp/fovea-bundle/fovea build/fovea
+# WITH_TESTS=1: the GPU test binaries too (video.sh's section "gputests"); the clips are then left out.
+if [ "${WITH_TESTS:-0}" = 1 ]; then
+  cmake --build build --target test-attention-gpu test-encoder-gpu
+  for t in test-attention-gpu test-encoder-gpu; do strip -o /tmp/fovea-bundle/$t build/tests/$t; done
+fi
 ldd build/fovea | awk '$3 ~ /^\// {print $1, $3}' |
   grep -vE "^(libc|libm|libpthread|libdl|librt|libresolv|libgcc_s|libstdc\+\+|ld-linux[^ ]*)\.so|libcuda|libcudart|libcudnn|libcublas" |
   while read -r so path; do cp -L "$path" "/tmp/fovea-bundle/lib/$so"; done

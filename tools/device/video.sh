@@ -6,7 +6,8 @@
 #     blocks; fp32 and BF16) and in fovea (GPU BF16 and FP8, CPU): fovea check-golden;
 #  2. a 60 s FullHD clip end to end, fovea BF16 / FP8 beside transformers (bench/video-peers.py);
 #  3. fovea serve with images and 10 s 720p clips mixed (bench/serve-load.py --videos), BF16 and FP8.
-#  4. fovea serve --devices 0 beside the plain single-device server (images, FullHD), issue 17.
+#  4. fovea serve --devices 0 beside the plain single-device server (images, FullHD), issue 17;
+#  gputests: the GPU test binaries of this build (stage with WITH_TESTS=1).
 # PARTS (default "conformance e2e serve devices") picks the sections. Results in $OUT; the golden file
 # comes back as $OUT/golden-video.safetensors.
 set -uo pipefail
@@ -23,6 +24,13 @@ chmod +x $D/fovea-run
 F=$D/fovea-run
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu --format=csv,noheader
 $F info 2>&1 | head -8
+if [[ $PARTS == *gputests* ]]; then
+echo "== GPU tests (this build)"
+for t in test-attention-gpu test-encoder-gpu; do
+  LD_LIBRARY_PATH=$D/lib:/opt/torch/.venv/lib/python3.12/site-packages/nvidia/cudnn/lib timeout 240 $D/$t 2>&1 |
+    tee "$OUT/$t.txt" | grep -E "^\[  (PASSED|FAILED) |^\[  FAILED|tests ran" | head -20
+done
+fi
 if [[ $PARTS == *conformance* ]]; then
 echo "== 1. conformance: a real clip packed with an image (8B shapes, 2 blocks)"
 M2=/tmp/qwen3vl-8b-2blocks; mkdir -p $M2
