@@ -204,6 +204,23 @@ TEST(VideoDecode, FramesMatchTheFfmpegCommandLine) {
   }
 }
 
+// Frames nobody sampled are skipped where nothing refers to them: h264.mp4 has 36 frames, 20 of them
+// B-frames; decoding 6 sampled ones leaves out the non-reference B-frames not sampled (ffmpeg's
+// -skip_frame noref decodes 24 of 36), and the sampled frames are still the ones OpenCV and the
+// ffmpeg command line give (VideoGolden.DecodedFramesMatchOpenCv, FramesMatchTheFfmpegCommandLine).
+// VP9 has no such frames: all 25 decoded.
+TEST(VideoDecode, UnsampledNonReferenceFramesAreSkipped) {
+  const std::string h264 = clip_bytes("h264.mp4"), vp9 = clip_bytes("vp9.webm");
+  const Clip a = decode_clip(span_of(h264), "h264.mp4", VideoConfig{});
+  EXPECT_EQ(a.info.frame_pts.size(), 36u);
+  EXPECT_EQ(a.indices.size(), 6u);
+  EXPECT_GE(a.frames_decoded, 24);
+  EXPECT_LT(a.frames_decoded, 36);
+  std::printf("h264.mp4: %lld of 36 frames decoded for 6 sampled\n", (long long)a.frames_decoded);
+  const Clip b = decode_clip(span_of(vp9), "vp9.webm", VideoConfig{});
+  EXPECT_EQ(b.frames_decoded, b.info.frames);
+}
+
 TEST(VideoDecode, BadInputIsAnErrorNamingTheClip) {
   const std::string good = clip_bytes("h264.mp4");
   EXPECT_NE(error_of([] { probe_clip(span_of(std::string("hello, not a video at all")), "x.mp4"); }).find("video 'x.mp4'"),

@@ -64,6 +64,9 @@ struct ClipInfo {
   double fps = 0;          // the stream's average frame rate (24 when the container gives none, as transformers)
   int64_t frames = 0;      // the video stream's packets, counted (exact, as torchcodec's exact mode)
   double seconds = 0;      // frames / fps
+  // The video packets' pts, sorted: frame i is shown at frame_pts[i]. Empty when a packet has none,
+  // two share one, or one is marked discard (an edit list): decoding then counts frames instead.
+  std::vector<int64_t> frame_pts;
 };
 
 // numpy.linspace(0, total - 1, n).round(): n frame indices over a clip of `total` frames.
@@ -106,6 +109,7 @@ struct Clip {
   std::vector<int64_t> indices;    // the sampled frames
   std::vector<double> timestamps;  // per temporal patch, seconds
   image::Patches patches;          // fp32 pixels, grid {t, h, w}
+  int64_t frames_decoded = 0;      // decode_clip: frames the decoder produced (unsampled B-frames are skipped)
   // Wall time (decode_clip overlaps decoding and resizing): start to the last frame decoded, then the
   // rest (the last resizes and patchify); preprocess_frames: 0 and its resize and patchify.
   double decode_ms = 0, preprocess_ms = 0;

@@ -260,9 +260,9 @@ int run(const Args& a) {
         out[i].decode_ms = c.decode_ms;
         out[i].preprocess_ms = c.preprocess_ms;
         clips[i] = std::move(c);
-        fmt::print(stderr, "video {}: {} frames at {:.3g} fps ({:.1f} s, {} {}), {} sampled\n", a.images[i], clips[i].info.frames,
-                   clips[i].info.fps, clips[i].info.seconds, clips[i].info.container, clips[i].info.codec,
-                   clips[i].indices.size());
+        fmt::print(stderr, "video {}: {} frames at {:.3g} fps ({:.1f} s, {} {}), {} sampled, {} decoded\n", a.images[i],
+                   clips[i].info.frames, clips[i].info.fps, clips[i].info.seconds, clips[i].info.container, clips[i].info.codec,
+                   clips[i].indices.size(), clips[i].frames_decoded);
       } catch (...) {
         out[i].error = std::current_exception();
       }
