@@ -23,6 +23,18 @@ from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
 GRIDS = {"HD": (1, 44, 80), "FullHD": (1, 68, 120), "QHD": (1, 90, 160), "4K": (1, 136, 240)}
 
 
+def vision_model_8b():
+    """transformers' Qwen3-VL-8B vision tower (random weights), BF16 with sdpa attention, on the GPU
+    (bench/video-peers.py uses it too)."""
+    cfg = Qwen3VLVisionConfig(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, out_hidden_size=4096,
+                              num_position_embeddings=2304, deepstack_visual_indexes=[8, 16, 24])
+    try:
+        cfg._attn_implementation = "sdpa"
+    except Exception:
+        pass
+    return Qwen3VLVisionModel(cfg).to("cuda", torch.bfloat16).eval()
+
+
 def hf_ms(model, grid, images, reps, warmup=1):
     n = images * grid[0] * grid[1] * grid[2]
     px = torch.rand(n, 1536, device="cuda", dtype=torch.bfloat16) * 2 - 1
@@ -69,13 +81,7 @@ def main():
                 fv[(r["resolution"], r["mode"])] = r["median_ms"]
         os.unlink(path)
 
-    cfg = Qwen3VLVisionConfig(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, out_hidden_size=4096,
-                              num_position_embeddings=2304, deepstack_visual_indexes=[8, 16, 24])
-    try:
-        cfg._attn_implementation = "sdpa"
-    except Exception:
-        pass
-    model = Qwen3VLVisionModel(cfg).to("cuda", torch.bfloat16).eval()
+    model = vision_model_8b()
     compiled = None if a.no_compile else torch.compile(model)
     rows = []
     for r in res:

@@ -16,6 +16,7 @@ second) and the Qwen3-VL-8B vision architecture with random weights (timings do 
 Prints one table, writes --json.
 """
 import argparse
+import importlib
 import json
 import os
 import shutil
@@ -28,8 +29,6 @@ import time
 import cv2
 import numpy as np
 import torch
-from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLVisionConfig
-from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
 from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
 from transformers.video_utils import VideoMetadata
 
@@ -122,13 +121,7 @@ def main():
         print(f"video-peers: preprocessing on cuda failed: {e!r}", file=sys.stderr)
     px = out["px"]["pixel_values_videos"].to("cuda", torch.bfloat16)
     grid = out["px"]["video_grid_thw"].to("cuda")
-    cfg = Qwen3VLVisionConfig(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, out_hidden_size=4096,
-                              num_position_embeddings=2304, deepstack_visual_indexes=[8, 16, 24])
-    try:
-        cfg._attn_implementation = "sdpa"
-    except Exception:
-        pass
-    model = Qwen3VLVisionModel(cfg).to("cuda", torch.bfloat16).eval()
+    model = importlib.import_module("encoder-peers").vision_model_8b()  # this script's folder is on sys.path
 
     def forward():
         with torch.no_grad():
