@@ -45,11 +45,6 @@ struct Args {
 using clock_type = std::chrono::steady_clock;
 double ms_since(clock_type::time_point t) { return std::chrono::duration<double, std::milli>(clock_type::now() - t).count(); }
 
-// --ec-storage-path: every image's encoder outputs as vLLM's consumer reads them (fovea/ec-cache.h),
-// keyed by the sha256 of the file's bytes or by its file name. Images already there are skipped;
-// the rest are decoded a group at a time (the next group while the current one runs), packed into
-// forwards of at most --max-batch-tokens and written as each forward ends, with a progress line per
-// forward on stderr.
 // Whether the file at `path` is a video clip: its first bytes say so (video::looks_like_video),
 // whatever its name; false when it cannot be read (its decode then says why).
 bool file_is_clip(const std::string& path) {
@@ -59,6 +54,11 @@ bool file_is_clip(const std::string& path) {
   return video::looks_like_video({reinterpret_cast<const uint8_t*>(head.data()), size_t(f.gcount())});
 }
 
+// --ec-storage-path: every image's and clip's encoder outputs as vLLM's consumer reads them (fovea/ec-cache.h),
+// keyed by the sha256 of the file's bytes or by its file name. Images already there are skipped;
+// the rest are decoded a group at a time (the next group while the current one runs), packed into
+// forwards of at most --max-batch-tokens and written as each forward ends, with a progress line per
+// forward on stderr.
 int fill_ec_cache(const Args& a, const EngineConfig& cfg, const image::PreprocessConfig& pcfg) {
   const video::VideoConfig vcfg = video::load_video_config(a.model, a.video);
   const video::VideoLimits vlim = video::limits_from(a.video);
