@@ -30,6 +30,7 @@ namespace {
 using steady = std::chrono::steady_clock;
 
 // Containers and codecs fovea opens: what phones, cameras, screen recorders and the web produce.
+constexpr size_t kSwsSlack = 256;  // room past the last row for sws_scale's whole pixel groups (see decode_pass)
 constexpr const char* kFormats = "mov,mp4,m4a,3gp,3g2,mj2,matroska,webm,avi,mpegts,flv,ogg";
 constexpr const char* kCodecs = "h264,hevc,vp8,vp9,libvpx,libvpx-vp9,av1,libdav1d,libaom-av1,mpeg4,mpeg1video,mpeg2video,"
                                 "mjpeg,theora,h263";
@@ -227,7 +228,8 @@ void check_size(std::span<const uint8_t> bytes, const std::string& name, const V
 // so the decoder drops it when no other frame refers to it (most B-frames: on a 60 s x264 clip 785
 // of 1800 frames, and 40% of the decoding time), and each decoded frame is placed by its pts.
 // Returns the frames decoded, or -1, having stopped, if a frame is not where the probe's pts put it
-// or a sampled one never came (a decoder dropping frames): the caller then decodes again, counting.
+// (a pts the probe did not list, one placed before its predecessor, or one past a sampled frame
+// that never came: a decoder dropping frames): the caller then decodes again, counting.
 int64_t decode_pass(std::span<const uint8_t> bytes, const ClipInfo& info, const std::vector<int64_t>& indices,
                  const VideoLimits& limits, const std::function<void(size_t, image::Rgb8&&)>& take, bool skip) {
   const std::string& name = info.name;
@@ -241,6 +243,7 @@ int64_t decode_pass(std::span<const uint8_t> bytes, const ClipInfo& info, const 
     return it != info.frame_pts.end() && *it == pts ? int64_t(it - info.frame_pts.begin()) : -1;
   };
   bool misplaced = false;
+  int64_t last_at = -1;  // frames come out in presentation order, so their pts indices rise
   Demuxer d(bytes, name, deadline_of(limits));
   AVCodecContext* ctx = avcodec_alloc_context3(d.codec);
   if (!ctx) fail("video '{}': out of memory opening its decoder", name);
@@ -248,6 +251,7 @@ int64_t decode_pass(std::span<const uint8_t> bytes, const ClipInfo& info, const 
     AVCodecContext*& c;
     AVFrame* f = av_frame_alloc();
     SwsContext* sws = nullptr;
+    std::vector<uint8_t> rows{};  // RGB rows with room to spare, for widths libswscale cannot pack
     ~Owned() {
       av_frame_free(&f);
       sws_freeContext(sws);
@@ -267,10 +271,11 @@ int64_t decode_pass(std::span<const uint8_t> bytes, const ClipInfo& info, const 
       fail("video '{}': frame {} is {}x{}, the stream said {}x{} (a size change mid-stream is not supported)", name, k,
            f->width, f->height, info.width, info.height);
     const int64_t at = skip ? index_of(f->pts) : k;  // this frame's index in presentation order
-    if (skip && (at < 0 || (j < indices.size() && at > indices[j]))) {
+    if (skip && (at <= last_at || (j < indices.size() && at > indices[j]))) {
       misplaced = true;
       return;
     }
+    last_at = at;
     if (j < indices.size() && indices[j] == at) {
       const auto pf = AVPixelFormat(f->format);
       own.sws = sws_getCachedContext(own.sws, f->width, f->height, pf, f->width, f->height, AV_PIX_FMT_RGB24, SWS_BILINEAR,
@@ -288,11 +293,22 @@ int64_t decode_pass(std::span<const uint8_t> bytes, const ClipInfo& info, const 
       rgb.width = f->width;
       rgb.height = f->height;
       rgb.name = name;
-      rgb.data.resize(size_t(rgb.width) * rgb.height * 3);
-      uint8_t* dst[4] = {rgb.data.data(), nullptr, nullptr, nullptr};
-      const int stride[4] = {rgb.width * 3, 0, 0, 0};
-      if (sws_scale(own.sws, f->data, f->linesize, 0, f->height, dst, stride) != f->height)
+      // libswscale's SIMD paths for yuv420p/yuv422p convert whole groups of 16 pixels. With rows
+      // packed back to back, a width that is not a multiple of 16 either leaves a row's last pixels
+      // unconverted (width % 16 in 1..7) or writes up to 45 bytes past the frame (8..15) (measured on
+      // FFmpeg 5.1, widths 1-1100; an 854x480 clip is one). Such frames are converted into rows with
+      // room to spare, then packed.
+      const size_t row = size_t(rgb.width) * 3;
+      rgb.data.resize(row * rgb.height);
+      const bool packed = rgb.width % 16 == 0;
+      const int stride = packed ? int(row) : int((row + 63) / 64 * 64 + 64);
+      if (!packed) own.rows.resize(size_t(stride) * rgb.height + kSwsSlack);
+      uint8_t* dst[4] = {packed ? rgb.data.data() : own.rows.data(), nullptr, nullptr, nullptr};
+      const int strides[4] = {stride, 0, 0, 0};
+      if (sws_scale(own.sws, f->data, f->linesize, 0, f->height, dst, strides) != f->height)
         fail("video '{}': converting frame {} to RGB failed", name, at);
+      if (!packed)
+        for (int y = 0; y < rgb.height; ++y) std::memcpy(rgb.data.data() + row * y, own.rows.data() + size_t(stride) * y, row);
       while (j + 1 < indices.size() && indices[j + 1] == at) take(j++, image::Rgb8(rgb));
       take(j++, std::move(rgb));
     }
@@ -412,10 +428,13 @@ Clip decode_clip(std::span<const uint8_t> bytes, const std::string& name, const 
       if (resizing.valid()) resizing.get();
       if (pending.frames.empty()) return;
       resizing = std::async(std::launch::async, [&sized, h, w, b = std::move(pending)]() mutable {
+        // Resized in place, then placed one by one: a batch may name a frame twice (a pass that gave
+        // up on pts placement hands its frames over again), and two threads must never write one slot.
         parallel_for(int64_t(b.frames.size()), [&](int64_t i) {
           image::Rgb8& f = b.frames[size_t(i)];
-          sized[b.at[size_t(i)]] = f.height == h && f.width == w ? std::move(f) : image::resize_bicubic(f, h, w);
+          if (f.height != h || f.width != w) f = image::resize_bicubic(f, h, w);
         });
+        for (size_t i = 0; i < b.frames.size(); ++i) sized[b.at[i]] = std::move(b.frames[i]);
       });
       pending = {};
     };
