@@ -1,7 +1,8 @@
 // Fuzzes the container/codec entry point (src/video/decode-ffmpeg.cpp: FFmpeg's demuxers and
 // decoders behind fovea's whitelist, memory reader and limits): any bytes give a clip or a
 // fovea::Error naming it, never a crash, a hang or an unbounded allocation. Seeds: fuzz/corpus/video/
-// (tiny H.264/MP4, VP9/WebM, MPEG-4/AVI clips); small limits keep every run fast.
+// (tiny H.264/MP4, VP9/WebM, MPEG-4/AVI clips, and a 34x18 H.264 one: widths libswscale converts
+// only into padded rows); small limits keep every run fast.
 #include <cstdlib>
 #include <string>
 
