@@ -30,7 +30,6 @@ namespace {
 using steady = std::chrono::steady_clock;
 
 // Containers and codecs fovea opens: what phones, cameras, screen recorders and the web produce.
-constexpr size_t kSwsSlack = 256;  // room past the last row for sws_scale's whole pixel groups (see decode_pass)
 constexpr const char* kFormats = "mov,mp4,m4a,3gp,3g2,mj2,matroska,webm,avi,mpegts,flv,ogg";
 constexpr const char* kCodecs = "h264,hevc,vp8,vp9,libvpx,libvpx-vp9,av1,libdav1d,libaom-av1,mpeg4,mpeg1video,mpeg2video,"
                                 "mjpeg,theora,h263";
@@ -297,12 +296,12 @@ int64_t decode_pass(std::span<const uint8_t> bytes, const ClipInfo& info, const 
       // packed back to back, a width that is not a multiple of 16 either leaves a row's last pixels
       // unconverted (width % 16 in 1..7) or writes up to 45 bytes past the frame (8..15) (measured on
       // FFmpeg 5.1, widths 1-1100; an 854x480 clip is one). Such frames are converted into rows with
-      // room to spare, then packed.
+      // 64 bytes or more to spare (the last row's overrun included), then packed.
       const size_t row = size_t(rgb.width) * 3;
       rgb.data.resize(row * rgb.height);
       const bool packed = rgb.width % 16 == 0;
       const int stride = packed ? int(row) : int((row + 63) / 64 * 64 + 64);
-      if (!packed) own.rows.resize(size_t(stride) * rgb.height + kSwsSlack);
+      if (!packed) own.rows.resize(size_t(stride) * rgb.height);
       uint8_t* dst[4] = {packed ? rgb.data.data() : own.rows.data(), nullptr, nullptr, nullptr};
       const int strides[4] = {stride, 0, 0, 0};
       if (sws_scale(own.sws, f->data, f->linesize, 0, f->height, dst, strides) != f->height)
