@@ -19,7 +19,8 @@ It answers what bench/serve-load.py uses, so the same client drives both side by
                         base64, [num_tokens, hidden_size] row-major), "timings_ms": {"decode", "preprocess",
                         "queue", "forward"}, "batch": {"images", "tokens"}}], "timings_ms": {"total"}}
     GET  /health, /ready, /v1/models
-    GET  /metrics    Prometheus text under fovea's metric names (fovea_images_encoded_total,
+    GET  /metrics    Prometheus text under fovea's metric names (fovea_inputs_encoded_total and its old
+                     name fovea_images_encoded_total,
                      fovea_tokens_encoded_total, fovea_encoder_forwards_total,
                      fovea_encoder_forward_seconds_total: this peer's own forwards, timed from the pixels'
                      upload to the outputs back on the host), so serve-load's images/forward and forward
@@ -30,7 +31,7 @@ It answers what bench/serve-load.py uses, so the same client drives both side by
 longest_edge the same way). On the GPU machine:
 
     python3 bench/hf-serve-peer.py --port 8001 --max-pixels 2073600 &       # prints "... listening on http://..."
-    python3 bench/serve-load.py --url http://127.0.0.1:8001 --images data/photos-device --concurrency 1,4,16
+    python3 bench/serve-load.py --url http://127.0.0.1:8001 --images data/photos --concurrency 1,4,16
 
 SIGTERM / SIGINT: stops accepting, finishes the requests in flight, exits 0.
 """
@@ -106,7 +107,8 @@ class Metrics:
         with self.lock:
             lines = [f'fovea_requests_total{{path="{p}",code="{c}"}} {n}' for (p, c), n in sorted(self.requests.items())]
             lines += [f"fovea_requests_in_flight {self.in_flight}", f"fovea_queue_depth {queue_depth}",
-                      f"fovea_images_encoded_total {self.images}", f"fovea_tokens_encoded_total {self.tokens}",
+                      f"fovea_inputs_encoded_total {self.images}", f"fovea_images_encoded_total {self.images}",
+                      f"fovea_tokens_encoded_total {self.tokens}",
                       f"fovea_encoder_forwards_total {self.forwards}",
                       f"fovea_encoder_failed_forwards_total {self.failed_forwards}",
                       f"fovea_encoder_forward_seconds_total {self.forward_seconds:.6f}",

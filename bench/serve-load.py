@@ -243,10 +243,14 @@ def run_level(server, pool, processes, concurrency, total):
     first_error = next((part["first_error"] for part in parts if part["first_error"]), None)
     if first_error:  # show one error's reply
         print(f"serve-load: first error: {first_error}", file=sys.stderr)
-    names = ["fovea_tokens_encoded_total", "fovea_images_encoded_total", "fovea_encoder_forwards_total",
+    names = ["fovea_tokens_encoded_total", "fovea_inputs_encoded_total", "fovea_encoder_forwards_total",
              "fovea_encoder_forward_seconds_total", "fovea_request_duration_seconds_count"]
     names += [f'fovea_encode_phase_seconds_total{{phase="{ph}"}}' for ph in PHASES]
+    # Images and clips encoded: fovea_inputs_encoded_total, or from servers before its rename (and the
+    # peer) fovea_images_encoded_total, which counted the same.
+    inputs = "fovea_inputs_encoded_total" if "fovea_inputs_encoded_total" in after else "fovea_images_encoded_total"
     delta = {k: after.get(k, 0) - before.get(k, 0) for k in names}
+    delta["fovea_inputs_encoded_total"] = after.get(inputs, 0) - before.get(inputs, 0)
     latencies = sorted(merged["latencies"])
     images = merged["images"]
     handled = delta["fovea_request_duration_seconds_count"]
@@ -262,7 +266,7 @@ def run_level(server, pool, processes, concurrency, total):
         "tokens_per_s": delta["fovea_tokens_encoded_total"] / wall,
         "p50_ms": percentile(latencies, 50),
         "p99_ms": percentile(latencies, 99),
-        "images_per_forward": (delta["fovea_images_encoded_total"] / delta["fovea_encoder_forwards_total"]
+        "images_per_forward": (delta["fovea_inputs_encoded_total"] / delta["fovea_encoder_forwards_total"]
                                if delta["fovea_encoder_forwards_total"] else float("nan")),
         # The encoder worker's share of the wall time in forwards (upload, forward, download).
         "forward_busy": delta["fovea_encoder_forward_seconds_total"] / wall,

@@ -15,7 +15,7 @@ With --model DIR (a checkpoint folder, e.g. from `fovea export-model synthetic:q
 instead loads those weights, runs transformers in fp32 (TF32 off) and in BF16 on --device, and
 writes DIR-named golden files whose "<output>.bf16" tensors are transformers' own BF16 outputs, so
 `fovea check-golden DIR FILE --require-ratio 1.5` can hold fovea's error to 1.5x transformers BF16's
-(issue #4's criterion). tools/device/conformance.sh runs it on the full 8B architecture and makes
+(issue #4's criterion). tools/conformance.sh runs it on the full 8B architecture and makes
 tests/data/qwen3vl-8b-2blocks/golden.safetensors (--grids 1x8x8,2x4x4) with it; with --video CLIP
 the clip's frames, through transformers' video processor, come first in that batch
 (tests/data/qwen3vl-8b-2blocks/golden-video.safetensors: tests/data/video/bt709.mp4 packed with a

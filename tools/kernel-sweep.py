@@ -1,9 +1,11 @@
 #!/usr/bin/env python3
-"""On the GPU machine: FP8 attention TFLOP/s of several fovea builds (tools/device/kernel-variants.sh)
-and tile-row choices (FOVEA_FLASH_WARPGROUPS) on the same shapes, one table.
+"""FP8 attention TFLOP/s of several fovea builds (e.g. from tools/kernel-variants.sh) and tile-row
+choices (FOVEA_FLASH_WARPGROUPS: auto, 2 or 3 consumer warpgroups) on the same shapes, one table.
+Needs a Hopper GPU.
 
-    python3 tools/device/kernel-sweep.py --bins .device-bin/fovea,.device-bin/variants/mask0 --wgs auto,2,3
+    python3 tools/kernel-sweep.py --bins build/fovea,build/variants/mask0 --wgs auto,2,3
 Shapes are "S1+S2:hd" (a packed batch of segments). TFLOP/s = 4 * sum(S^2) * hd * H / attention time.
+A binary named "before" is run with the planner's choice only (a build without the runtime switch).
 """
 import argparse
 import json
@@ -32,8 +34,8 @@ def run(binary, seqlens, hd, heads, dtype, reps, wg):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--bins", required=True)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--bins", default="build/fovea", help="comma list of fovea binaries")
     ap.add_argument("--wgs", default="auto")
     ap.add_argument("--shapes", default="1024:72,3520+3520+3520:72,8192:72,32640:72,8192:128,16384:128")
     ap.add_argument("--heads", type=int, default=16)

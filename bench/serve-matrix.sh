@@ -1,36 +1,42 @@
 #!/usr/bin/env bash
-# On the GPU machine: the side-by-side serve matrix. For each resize budget in $BUDGETS (pixels;
-# FullHD 2073600 and 4K 8294400) the load images are photographs (data/photos-device) cropped and
-# resized to that frame (1920x1080, 3840x2160: JPEG q90, NIMAGES of them), and then:
+# The side-by-side serve matrix, on a GPU machine:
+#   bench/serve-matrix.sh [FOVEA]
+# For each resize budget in $BUDGETS (pixels; FullHD 2073600 and 4K 8294400) the load images are
+# photographs ($PHOTOS, default data/photos: tools/fetch-photos.sh) cropped and resized to that frame
+# (1920x1080, 3840x2160: JPEG q90, NIMAGES of them; needs Pillow), and then:
 #   1. for each dtype in $DTYPES (bf16, fp8-static; also fp8 = fp8-dynamic): `fovea serve MODEL
 #      --max-pixels BUDGET` (fp8-static: --mm-encoder-attn-dtype fp8 --mm-encoder-fp8-scale-path
-#      FILE, FILE made once per call by `fovea bench calibration` on these images), bench/serve-load.py
+#      FILE, FILE made once per run by `fovea bench calibration` on these images), bench/serve-load.py
 #      at each concurrency in $LEVELS (images/s, p50/p99, images per forward, forward busy from
-#      /metrics), GPU memory sampled meanwhile (nvidia-smi), the server's peak RSS (VmHWM), SIGTERM
-#      and its exit code;
-#   2. with PEER=1, the same load against bench/hf-serve-peer.py (transformers, BF16);
+#      /metrics), the server's threads sampled during each level (bench/thread-sample.py), GPU memory
+#      sampled meanwhile (nvidia-smi), the server's peak RSS (VmHWM), SIGTERM and its exit code;
+#   2. with PEER=1, the same load against bench/hf-serve-peer.py (transformers, BF16; needs torch and
+#      transformers);
 #   3. with BOUND=1, the GPU bound: `fovea bench encoder` at the bench resolution nearest the load's
 #      tokens per image, one image per forward and as many as --max-batch-tokens packs, BF16 and
 #      FP8 static, in images/s (and scaled linearly to the load's exact token count).
 # JSON in $OUT (run-*.json per server, bound-*.json, load-*.json per level, images-*/images.json),
-# then the summary tables (tools/device/serve-matrix.py summary $OUT). Elapsed time per step is
-# printed; a step that would start past DEADLINE (s, default 540) is skipped, and every load level is
-# cut at the deadline, so one call stays inside the device's 600 s.
+# then the summary tables (python3 bench/serve-matrix.py summary $OUT). Elapsed time per step is
+# printed; with DEADLINE (s) a step that would start past it is skipped and every load level is cut
+# at it (DEADLINE=540 keeps a run inside a 600 s limit).
 #
-# Splits (one device call each; carry [".device-bin", "data/photos-device"]):
-#   FullHD:  BUDGETS=2073600 bash tools/device/serve.sh
-#   4K:      BUDGETS=8294400 bash tools/device/serve.sh
-#   (4K in two calls if need be: BUDGETS=8294400 PEER=0 ... and BUDGETS=8294400 DTYPES=none BOUND=0 ...)
+# Examples:
+#   BUDGETS=2073600 bench/serve-matrix.sh                    # FullHD: fovea BF16, FP8 static, the peer, the bound
+#   BUDGETS=8294400 PEER=0 bench/serve-matrix.sh build/fovea # 4K, fovea only
 # Other knobs: LEVELS (1,4,16,64), REQUESTS per level (64 up to 4 MP budgets, 32 above), WARMUP (4),
 # NIMAGES (8), MAX_BATCH_TOKENS (16384, fovea serve's default, used by both servers), SCALES (an
-# existing scale file: no calibration), MODEL (synthetic:qwen3-vl-8b), PHOTOS, DEADLINE, PYTHON,
-# PEER_ARGS (more hf-serve-peer.py flags), BENCH_REPS (5).
+# existing scale file: no calibration), MODEL (synthetic:qwen3-vl-8b), PHOTOS, PEER_ARGS (more
+# hf-serve-peer.py flags), BENCH_REPS (5); and FOVEA, CUDNN_LIB, OUT, PYTHON (scripts/lib-gpu.sh).
 set -uo pipefail
-source "$(dirname "$0")/env.sh"
+source "$(dirname "$0")/../scripts/lib-gpu.sh"
+case "${1:-}" in -h|--help) usage; exit 0 ;; esac
+P=$(photos_dir "${PHOTOS:-$FOVEA_ROOT/data/photos}") || exit 2
+SCALES=${SCALES:+$(realpath -m -- "$SCALES")}
+gpu_setup "${1:-}"
 T0=$SECONDS
-H=tools/device/serve-matrix.py
-PY=${PYTHON:-python3}
-P=${PHOTOS:-data/photos-device}
+H=bench/serve-matrix.py
+WORK=$(mktemp -d /tmp/fovea-serve-images.XXXXXX)
+trap '[ -n "${pid:-}" ] && kill "$pid" 2>/dev/null; rm -rf "$WORK"' EXIT
 M=${MODEL:-synthetic:qwen3-vl-8b}
 BUDGETS=${BUDGETS:-${BUDGET:-2073600 8294400}}
 DTYPES=${DTYPES-bf16 fp8-static}
@@ -41,9 +47,9 @@ BOUND=${BOUND:-1}
 NIMAGES=${NIMAGES:-8}
 WARMUP=${WARMUP:-4}
 MAX_BATCH_TOKENS=${MAX_BATCH_TOKENS:-16384}
-DEADLINE=${DEADLINE:-540}
+DEADLINE=${DEADLINE:-0}
+[ "$DEADLINE" -gt 0 ] 2>/dev/null || DEADLINE=1000000000  # none
 BENCH_REPS=${BENCH_REPS:-5}
-SCALES=${SCALES:-}
 PEER_ARGS=${PEER_ARGS:-}
 GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader -i 0 2>/dev/null | head -1)
 MAX_LEVEL=$(tr ',' '\n' <<< "$LEVELS" | sort -n | tail -1)
@@ -88,7 +94,7 @@ load_test() {
     if [ $cut -lt 10 ]; then echo "   SKIPPED concurrency $c and above: $(left) s left before DEADLINE=$DEADLINE"; break; fi
     t=$SECONDS
     # Where the CPU goes 3 to 6 s into the level: the server's threads by name, the machine, the clients.
-    $PY tools/device/thread-sample.py --pid $pid --delay 3 --window 3 --also serve-load.py > "$OUT/threads-$name-c$c.txt" 2>&1 &
+    $PY bench/thread-sample.py --pid $pid --delay 3 --window 3 --also serve-load.py > "$OUT/threads-$name-c$c.txt" 2>&1 &
     timeout $cut $PY bench/serve-load.py --url "$url" --images "$IMG_DIR" --concurrency $c --requests $REQ \
       --warmup $([ $first = 1 ] && echo $WARMUP || echo 0) --json "$OUT/load-$name-c$c.json" 2>&1 |
       grep -E "^serve-load \| +[0-9]|mean ms|first error|answered|Error"
@@ -100,7 +106,7 @@ load_test() {
   rss=$(awk '/^VmHWM/ {print $2}' /proc/$pid/status 2>/dev/null)
   kill $sampler 2>/dev/null; wait $sampler 2>/dev/null
   read -r gpu_app gpu_dev <<< "$(gpu_peaks "$OUT/gpu-$name.csv" $pid "$base")"
-  kill -TERM $pid; wait $pid; local rc=$?
+  stop_server; local rc=$?
   echo "   $name: peak RSS ${rss:-?} kB, GPU ${gpu_app} MiB (process) / ${gpu_dev} MiB (device over baseline), SIGTERM exit code $rc"
   $PY $H record --out "$OUT/run-$name.json" "${loads[@]}" server=$server dtype=$dtype budget=$budget \
     "image_size=[${IMG_W},${IMG_H}]" tokens_per_image=$IMG_TOKENS requests=$REQ ready_s=$ready \
@@ -124,7 +130,7 @@ run_fovea() {  # BUDGET DTYPE
   say "fovea serve $M $flags --max-pixels $budget --max-batch-tokens $MAX_BATCH_TOKENS $queue"
   need 60 "fovea $dt at budget $budget" || return
   base=$(gpu_used); t=$SECONDS
-  start_server "$OUT/fovea-$dt-$budget.log" $M $flags --max-pixels $budget --max-batch-tokens $MAX_BATCH_TOKENS $queue || return
+  start_server "$FOVEA" "$OUT/fovea-$dt-$budget.log" $M $flags --max-pixels $budget --max-batch-tokens $MAX_BATCH_TOKENS $queue || return
   echo "   listening on $url after $((SECONDS - t)) s; $(curl -s $url/metrics | grep -E '^fovea_(engine_info|fp8_scale_mode)' | tr '\n' ' ')"
   load_test fovea-$dt-$budget fovea $dt $budget $((SECONDS - t)) "$base" "$M"
 }
@@ -151,7 +157,7 @@ print(min(g, key=lambda r: abs(g[r] - p)), min(16, max(1, int(sys.argv[2]) // (p
     say "GPU bound: fovea bench encoder $M --resolutions $res --images-per-request $n --dtype bf16,fp8-static"
     need 45 "bench encoder $res x $n" || continue
     t=$SECONDS
-    timeout $(( $(left) - 10 )) "$B/fovea" bench encoder $M --resolutions $res --images-per-request $n --dtype bf16,fp8-static \
+    timeout $(( $(left) - 10 )) "$FOVEA" bench encoder $M --resolutions $res --images-per-request $n --dtype bf16,fp8-static \
       --reps $BENCH_REPS --warmup 1 --json "$OUT/bench-encoder-$budget-x$n.json" 2>&1 | tail -3
     [ -s "$OUT/bench-encoder-$budget-x$n.json" ] && benches+=(--bench "$OUT/bench-encoder-$budget-x$n.json")
     echo "   [$(elapsed) s] took $((SECONDS - t)) s"
@@ -162,7 +168,7 @@ print(min(g, key=lambda r: abs(g[r] - p)), min(16, max(1, int(sys.argv[2]) // (p
 say "serve matrix: budgets [$BUDGETS], fovea dtypes [$DTYPES], levels $LEVELS, peer $PEER, GPU bound $BOUND, model $M, deadline $DEADLINE s"
 for budget in $BUDGETS; do
   REQ=${REQUESTS:-$([ $budget -le 4194304 ] && echo 64 || echo 32)}
-  IMG_DIR=/tmp/serve-images-$budget
+  IMG_DIR=$WORK/images-$budget
   say "load images for budget $budget"
   rm -rf "$IMG_DIR"
   $PY $H images --photos "$P" --out "$IMG_DIR" --budget $budget --count $NIMAGES || { echo "   no images: skipping budget $budget"; continue; }
@@ -174,9 +180,9 @@ for budget in $BUDGETS; do
     say "calibration (once per call): fovea bench calibration on $((NIMAGES - 2)) of these images, 2 held out"
     t=$SECONDS
     if need 40 "calibration"; then
-      timeout 120 "$B/fovea" bench calibration --model $M --dataset-path "$IMG_DIR" --calibration-images $((NIMAGES - 2)) \
+      timeout 300 "$FOVEA" bench calibration --model $M --dataset-path "$IMG_DIR" --calibration-images $((NIMAGES - 2)) \
         --scale-file "$SCALES" --max-pixels $budget --output-json "$OUT/calibration-$budget.json" 2>&1 | grep -E "^calibrated|^mean|rror"
-      "$B/fovea" scales inspect "$SCALES" 2>&1 | tail -1
+      "$FOVEA" scales inspect "$SCALES" 2>&1 | tail -1
       echo "   [$(elapsed) s] calibration took $((SECONDS - t)) s"
     fi
   fi

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The encoder-cache files fovea writes, read the way vLLM reads them, against transformers (issue 13).
 
-    python3 tools/device/ec-cache-vllm.py --model CHECKPOINT --cache DIR [--max-pixels N] IMAGE...
+    python3 tools/ec-cache-vllm.py --model CHECKPOINT --cache DIR [--max-pixels N] IMAGE...
 
 For each image file (cached by `fovea encode CHECKPOINT IMAGE... --ec-storage-path DIR`, keys
 --uuid-from sha256, the default):

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Helpers of tools/device/serve.sh (the side-by-side serve matrix); standard library, plus Pillow for `images`.
+"""Helpers of bench/serve-matrix.sh (the side-by-side serve matrix) and bench/ab.sh; standard library, plus Pillow for `images`.
 
     serve-matrix.py images  --photos DIR --out DIR --budget PIXELS [--count N]
         N photographs cropped to 16:9 and resized to the frame of PIXELS pixels (1920x1080 for 2073600,
@@ -32,7 +32,7 @@ import urllib.parse
 PATCH, MERGE = 16, 2
 FACTOR = PATCH * MERGE
 MIN_PIXELS = 65536
-# The photographs of data/photos-device used first (detailed ones); the rest of the folder after them.
+# The photographs of tools/fetch-photos.sh (mate-backgrounds) used first (detailed ones); the rest of the folder after them.
 PREFERRED = ["Blinds.jpg", "Dune.jpg", "Elephants.jpg", "Elephants_3840x2160.jpg", "Elephants_5640x3172.jpg",
              "RainDrops.jpg", "Storm.jpg", "TwoWings.jpg"]
 
