@@ -53,14 +53,8 @@ TEST(EcCache, KeysAreOneSafeFolderName) {
 }
 
 // An image's outputs: `tokens` rows of `o` random bf16 values, merged and k deepstack outputs.
-struct Outputs {
-  std::vector<uint16_t> merged;
-  std::vector<std::vector<uint16_t>> deepstack;
-  ImageTensorsBf16 view() const {
-    ImageTensorsBf16 v{merged, {}};
-    for (const auto& d : deepstack) v.deepstack.emplace_back(d);
-    return v;
-  }
+struct Outputs : EncoderOutputsBf16 {
+  Bf16Rows view() const { return rows_of(*this); }
 };
 Outputs random_outputs(size_t tokens, size_t o, size_t k, unsigned seed) {
   std::mt19937 rng(seed);
@@ -115,8 +109,15 @@ TEST(EcCache, FileIsVllmsLayout) {
       }
     EXPECT_EQ(wrong, 0u);
     EXPECT_NE(bytes.find("\"writer\":\"fovea\""), std::string::npos);
-    EXPECT_EQ(cache.load(key, int64_t(tokens), int64_t(W)), std::vector<uint16_t>(v, v + tokens * W));
-    EXPECT_HAS(error_of([&] { cache.load(key, int64_t(tokens) + 1, int64_t(W)); }), "not BF16 [38");
+    const qwen3vl::VisionConfig cfg = config_with(int(O), k);
+    const EcEntry back = cache.load(key, {1, 2, int(tokens) * 2}, cfg);  // the rows as stored, cut apart again
+    EXPECT_TRUE(std::equal(back.rows.merged.begin(), back.rows.merged.end(), out.merged.begin(), out.merged.end()));
+    ASSERT_EQ(back.rows.deepstack.size(), k);
+    for (size_t d = 0; d < k; ++d)
+      EXPECT_TRUE(std::equal(back.rows.deepstack[d].begin(), back.rows.deepstack[d].end(), out.deepstack[d].begin(),
+                             out.deepstack[d].end())) << "deepstack " << d;
+    EXPECT_TRUE(cache.load(key, {1, 2, int(tokens) * 2}, cfg, /*with_deepstack=*/false).rows.deepstack.empty());
+    EXPECT_HAS(error_of([&] { cache.load(key, {1, 2, int(tokens + 1) * 2}, cfg); }), "not BF16 [38");
     const EcCache::Stats s = cache.stats();
     EXPECT_EQ(s.hits, 1u);
     EXPECT_EQ(s.misses, 1u);

@@ -155,7 +155,7 @@ TEST(EncoderConformance, TinyMatchesTransformers) {
 // synthetic weights exported and loaded by transformers (tools/make-golden.py --model, fp32, TF32 off).
 // The file also holds transformers' own BF16 outputs ("<name>.bf16"), printed for scale.
 TEST(EncoderConformance, EightBShapesTwoBlocksMatchTransformers) {
-  const Model m = load_model("synthetic:qwen3-vl-8b-2blocks");
+  const Model m = two_block_8b();
   const Golden g = load_golden(std::string(FOVEA_TEST_DATA) + "/qwen3vl-8b-2blocks/golden.safetensors");
   const ForwardResult r = forward_cpu(m, g.pixels, g.grids, {});
   std::map<std::string, const std::vector<float>*> ours = {{"merged", &r.merged}};
@@ -195,6 +195,7 @@ TEST(EncoderFp8, DynamicCalibrateStatic) {
   for (int i = 0; i < 16; ++i) {
     EXPECT_FALSE(fs::exists(path)) << "written before the 16th forward";
     forward_cpu(m, g.pixels, g.grids, o);
+    EXPECT_EQ(cal.after_forward(), i == 15);  // the caller (EncoderRunner) advances calibration
   }
   ASSERT_TRUE(fs::exists(path));
   const auto file = read_scale_file(path);
@@ -402,21 +403,13 @@ TEST(EncoderFp8, Fp8LinearsRunEndToEndCloseToTheFp32Forward) {
 }
 
 // The robust FP8 scheme end to end (docs/fp8.md §Outlier channels): the tiny model with outlier
-// channels put into every block's qkv (per head, one Q and K channel offset by 30, on the slowest
-// RoPE frequency so the offset survives rotation nearly unchanged, and one V channel scaled by 30):
-// per-tensor FP8 loses much more than on the plain model, the robust scheme recovers most of it.
+// channels put into every block's qkv (with_outlier_channels; the Q/K one on the row's slowest RoPE
+// frequency, channel hd/4 - 1 = 3): per-tensor FP8 loses much more than on the plain model, the
+// robust scheme recovers most of it.
 Model outlier_model() {
   Model m = load_model(kTiny);
-  const int H = m.config.heads, hd = m.config.head_dim(), D = m.config.hidden;
-  for (Block& b : m.weights.blocks)
-    for (int h = 0; h < H; ++h) {
-      const int qk = h * hd + 3, v = 2 * D + h * hd + 5;
-      b.qkv.b[size_t(qk)] += 30.f;      // Q
-      b.qkv.b[size_t(D + qk)] += 30.f;  // K
-      for (int i = 0; i < b.qkv.in; ++i) b.qkv.w[size_t(v) * b.qkv.in + i] *= 30.f;
-      b.qkv.b[size_t(v)] *= 30.f;
-    }
-  return m;
+  const int qk = m.config.head_dim() / 4 - 1;
+  return with_outlier_channels(std::move(m), qk);
 }
 
 TEST(EncoderFp8, RobustSchemeHoldsUpUnderOutlierChannels) {
@@ -478,6 +471,7 @@ TEST(EncoderFp8, RobustCalibrationWritesFineScalesThatServeStatically) {
   for (int f = 0; f < 16; ++f) {
     EXPECT_FALSE(std::filesystem::exists(path)) << "before forward " << f + 1;
     forward_cpu(m, g.pixels, g.grids, o);
+    EXPECT_EQ(cal.after_forward(), f == 15);  // the caller (EncoderRunner) advances calibration
   }
   ASSERT_TRUE(cal.calibration_written());
   const ScaleFile file = read_scale_file(path);

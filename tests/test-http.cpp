@@ -3,12 +3,11 @@
 #include <gtest/gtest.h>
 
 #include <random>
-
-#include <chrono>
 #include <string>
 
 #include "server/http.h"
 #include "server/request.h"
+#include "test-util.h"
 
 namespace {
 
@@ -87,7 +86,7 @@ TEST(EncodeRequest, ParsesEveryImageForm) {
 // placeholder's escape \u0000 is parsed whole, so a client's "\u00000" is never taken for image 0;
 // invalid JSON around lifted strings is still refused.
 TEST(EncodeRequest, LongPayloadsLiftedOutParseAsAPlainParse) {
-  std::mt19937 rng(std::random_device{}());
+  std::mt19937 rng(fovea::test::fresh_seed());
   const auto b64 = [&](size_t n) {
     static const char* abc = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
     std::string t(n, 'A');
@@ -115,7 +114,7 @@ TEST(EncodeRequest, LongPayloadsLiftedOutParseAsAPlainParse) {
 }
 
 TEST(EncodeRequest, RefusesHostileJsonFastWithShortMessages) {
-  const auto t0 = std::chrono::steady_clock::now();
+  const fovea::Clock::time_point t0 = fovea::Clock::now();
   // Deep nesting followed by another key (crashed the httplib server through recursive copies).
   const std::string deep = "{\"images\": " + std::string(100000, '[') + std::string(100000, ']') + ", \"x\": 1}";
   ApiError e = error_of(deep);
@@ -134,7 +133,7 @@ TEST(EncodeRequest, RefusesHostileJsonFastWithShortMessages) {
   numbers += "]}";
   e = error_of(numbers);
   EXPECT_EQ(e.status, 400);
-  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const double s = fovea::seconds_since(t0);
   EXPECT_LT(s, 10.0) << "the hostile bodies took " << s << " s: not linear?";
   // A client value quoted in a message is cut short.
   e = error_of("{\"images\": [\"QUJD\"], \"model\": \"" + std::string(100000, 'm') + "\"}");

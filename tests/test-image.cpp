@@ -126,7 +126,7 @@ TEST(Patchify, RowsAndColumnsFollowTheSpecLayout) {
 // normalize_raw makes patchify's exact values from them, for non-default mean / std, T = 1 and 2,
 // random pixels; a non-raw Patches is refused.
 TEST(Patchify, RawPatchesNormalizeToPatchifyBitForBit) {
-  std::mt19937 rng(std::random_device{}());
+  std::mt19937 rng(fresh_seed());
   for (int T : {1, 2}) {
     Rgb8 img{160, 96, std::vector<uint8_t>(size_t(160) * 96 * 3), "random"};
     for (auto& v : img.data) v = uint8_t(rng() & 255);

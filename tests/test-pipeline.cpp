@@ -1,6 +1,6 @@
-// Tests of the pipeline every command and the server share (fovea/pipeline.h): parallel decode +
-// preprocess with errors kept per image, packing, splitting, the per-image tensors, and the CPU
-// encoder run on a packed batch against the same images run one by one.
+// Tests of the pipeline every command and the server share (fovea/pipeline.h): inputs prepared
+// from their bytes with errors kept per input, packing into forwards, splitting, the per-input
+// tensors, and the CPU encoder run on a packed batch against the same inputs run one by one.
 #include <atomic>
 #include <chrono>
 #include <mutex>
@@ -17,6 +17,7 @@
 #include "fovea/error.h"
 #include "fovea/pipeline.h"
 #include "fovea/threads.h"
+#include "image-encode.h"
 #include "test-util.h"
 
 using namespace fovea;
@@ -36,39 +37,97 @@ const std::vector<std::pair<int, int>> kSizes = {{320, 240}, {97, 411}, {256, 25
 
 }  // namespace
 
-TEST(Pipeline, PrepareImagesKeepsEachImagesErrorAndMatchesPreprocess) {
-  const image::PreprocessConfig cfg = image::load_preprocess_config("synthetic:tiny");
-  std::vector<std::atomic<int>> done(kSizes.size());
-  const auto decode = [&](size_t i) {
-    if (i == 1) fail("image one is corrupt");
-    if (i == 3) return image::Rgb8{0, 0, {}, "empty"};  // preprocess refuses it
-    return noise_image(kSizes[i].first, kSizes[i].second, unsigned(i));
-  };
-  const std::vector<PreparedImage> p = prepare_images(kSizes.size(), decode, cfg, [&](size_t i) { done[i]++; });
-  ASSERT_EQ(p.size(), kSizes.size());
+// prepare_inputs: images and a clip from their bytes, errors kept per input (an unreadable input,
+// a corrupt image, an empty one), hooks called once each with each input's plan before it decodes;
+// the patches are exactly image::preprocess's (raw) and video::decode_clip's.
+TEST(Pipeline, PrepareInputsKeepsEachInputsErrorAndMatchesPreprocess) {
+  const InputConfig cfg = load_input_config("synthetic:tiny");
+  std::vector<std::vector<uint8_t>> files;
   for (size_t i = 0; i < kSizes.size(); ++i) {
+    const image::Rgb8 img = noise_image(kSizes[i].first, kSizes[i].second, unsigned(i));
+    files.push_back(test::encode_png_rgb(img.width, img.height, img.data));
+  }
+  files[3].resize(files[3].size() / 2);  // truncated: its decode fails
+  const std::string clip_file = slurp(std::string(FOVEA_SOURCE_DIR) + "/tests/data/video/h264.mp4");
+  files.emplace_back(clip_file.begin(), clip_file.end());
+  const size_t n = files.size(), clip = n - 1;
+  std::vector<std::string> names;
+  for (size_t i = 0; i < n; ++i) names.push_back("input-" + std::to_string(i));
+  std::vector<std::atomic<int>> planned(n), done(n);
+  std::vector<InputPlan> plans(n);
+  PrepareHooks hooks;
+  hooks.planned = [&](size_t i, const InputPlan& p) {
+    plans[i] = p;
+    planned[i]++;
+  };
+  hooks.done = [&](size_t i) { done[i]++; };
+  const std::vector<PreparedInput> p = prepare_inputs(names, [&](size_t i) {
+    if (i == 1) fail("input one cannot be read");
+    return files[i];
+  }, cfg, hooks);
+  ASSERT_EQ(p.size(), n);
+  for (size_t i = 0; i < n; ++i) {
     SCOPED_TRACE(i);
     EXPECT_EQ(done[i].load(), 1);  // exactly once, failed or not
+    EXPECT_EQ(planned[i].load(), i == 1 ? 0 : 1);  // before decoding: never for the unreadable one
     if (i == 1 || i == 3) {
       EXPECT_TRUE(p[i].error);
-      EXPECT_TRUE(p[i].patches.pixels.empty());
+      EXPECT_TRUE(p[i].patches.raw.empty() && p[i].patches.pixels.empty());
       continue;
     }
     ASSERT_FALSE(p[i].error) << p[i].error_message();
     EXPECT_EQ(p[i].error_message(), "");
-    const image::Patches ref = image::preprocess(noise_image(kSizes[i].first, kSizes[i].second, unsigned(i)), cfg);
-    EXPECT_EQ(p[i].patches.grid, ref.grid);
-    // What the encoder cache and `encode` know from a header alone, before decoding.
-    EXPECT_EQ(image::resized_grid(kSizes[i].second, kSizes[i].first, cfg), ref.grid);
-    EXPECT_EQ(p[i].patches.pixels, ref.pixels);
+    EXPECT_EQ(p[i].kind, i == clip ? InputKind::VIDEO : InputKind::IMAGE);
+    EXPECT_EQ(plans[i].kind, p[i].kind);
+    EXPECT_EQ(plans[i].grid, p[i].patches.grid);  // what the header alone said
+    EXPECT_GT(plans[i].peak_bytes, 0);
     EXPECT_GE(p[i].decode_ms, 0);
     EXPECT_GE(p[i].preprocess_ms, 0);
+    if (i == clip) {
+      const video::Clip ref = video::decode_clip(files[i], names[i], cfg.video, cfg.limits, cfg.image);
+      EXPECT_EQ(p[i].patches.pixels, ref.patches.pixels);  // clips: fp32
+      ASSERT_TRUE(p[i].clip && plans[i].clip);
+      EXPECT_EQ(p[i].clip->frame_indices, ref.indices);
+      EXPECT_EQ(plans[i].clip->timestamps, ref.timestamps);
+      EXPECT_EQ(p[i].clip->fps, ref.info.fps);
+      continue;
+    }
+    const image::Patches ref = image::preprocess(noise_image(kSizes[i].first, kSizes[i].second, unsigned(i)), cfg.image, true);
+    EXPECT_EQ(p[i].patches.grid, ref.grid);
+    EXPECT_EQ(p[i].patches.raw, ref.raw);  // images: raw uint8, normalized by the encoder
+    EXPECT_EQ(probe_input(files[i], names[i], cfg).tokens, visual_tokens(qwen3vl::load_model("synthetic:tiny").config, ref.grid));
   }
-  EXPECT_EQ(p[1].error_message(), "image one is corrupt");
-  EXPECT_NE(p[3].error_message(), "");
+  EXPECT_EQ(p[1].error_message(), "input one cannot be read");
+  EXPECT_HAS(p[3].error_message(), "input-3");
+  // A hook that throws fails its input alone.
+  hooks.planned = [](size_t i, const InputPlan&) {
+    if (i == 0) fail("no room for input zero");
+  };
+  const std::vector<PreparedInput> q = prepare_inputs({"a", "b"}, [&](size_t i) { return files[i == 0 ? 0 : 2]; }, cfg, hooks);
+  EXPECT_EQ(q[0].error_message(), "no room for input zero");
+  EXPECT_FALSE(q[1].error);
+  // The kind is the bytes', whatever the name.
+  EXPECT_EQ(input_kind(files[0]), InputKind::IMAGE);
+  EXPECT_EQ(input_kind(files[clip]), InputKind::VIDEO);
+  EXPECT_STREQ(input_kind_name(InputKind::VIDEO), "video");
 }
 
-TEST(Pipeline, BatchPacksAndSplitImagesCutsBackEveryRow) {
+// Forwards of at most N tokens, in order, never splitting an input; one larger than N runs alone.
+TEST(Pipeline, PackForwardsKeepsOrderAndTheLimit) {
+  const std::vector<int64_t> tokens = {3, 4, 2, 9, 1, 1, 5};
+  using Ranges = std::vector<std::pair<size_t, size_t>>;
+  EXPECT_EQ(pack_forwards(tokens, 7), (Ranges{{0, 2}, {2, 3}, {3, 4}, {4, 7}}));
+  EXPECT_EQ(pack_forwards(tokens, 100), (Ranges{{0, 7}}));
+  EXPECT_EQ(pack_forwards(tokens, 1), (Ranges{{0, 1}, {1, 2}, {2, 3}, {3, 4}, {4, 5}, {5, 6}, {6, 7}}));
+  EXPECT_TRUE(pack_forwards({}, 7).empty());
+  ForwardPacker f(5);
+  EXPECT_TRUE(f.take(9));  // alone: an empty forward takes anything
+  EXPECT_FALSE(f.take(1));
+  EXPECT_EQ(f.tokens(), 9);
+  EXPECT_EQ(f.inputs(), 1u);
+}
+
+TEST(Pipeline, BatchPacksAndSplitInputsCutsBackEveryRow) {
   qwen3vl::VisionConfig c;
   c.out_hidden = 3;
   const std::vector<qwen3vl::GridThw> grids = {{1, 2, 4}, {2, 2, 2}, {1, 4, 6}};  // 2, 2, 6 tokens
@@ -86,7 +145,7 @@ TEST(Pipeline, BatchPacksAndSplitImagesCutsBackEveryRow) {
   EXPECT_EQ(b.grids, grids);
   EXPECT_EQ(b.tokens(c), 10);
 
-  // Rows numbered 0..9, deepstack k = row + 100 k: every image must get exactly its rows.
+  // Rows numbered 0..9, deepstack k = row + 100 k: every input must get exactly its rows.
   auto make = [&] {
     EncoderOutputs o;
     for (int r = 0; r < 10; ++r)
@@ -95,7 +154,7 @@ TEST(Pipeline, BatchPacksAndSplitImagesCutsBackEveryRow) {
     for (auto& v : o.deepstack[1]) v += 100;
     return o;
   };
-  const std::vector<ImageTensors> parts = split_images(make(), grids, c);
+  const std::vector<F32Rows> parts = split_inputs(make(), grids, c);
   ASSERT_EQ(parts.size(), 3u);
   const int first[3] = {0, 2, 4}, count[3] = {2, 2, 6};
   for (int i = 0; i < 3; ++i) {
@@ -108,13 +167,16 @@ TEST(Pipeline, BatchPacksAndSplitImagesCutsBackEveryRow) {
   }
   EncoderOutputs short_by_one = make();
   short_by_one.merged.resize(27);
-  EXPECT_HAS(error_of([&] { split_images(std::move(short_by_one), grids, c); }), "27 values for 3 images of 10 visual tokens");
+  EXPECT_HAS(error_of([&] { split_inputs(std::move(short_by_one), grids, c); }), "27 values for 3 inputs of 10 visual tokens");
   EncoderOutputs bad_deepstack = make();
   bad_deepstack.deepstack[0].pop_back();
-  EXPECT_HAS(error_of([&] { split_images(std::move(bad_deepstack), grids, c); }), "deepstack output has 29 values");
+  EXPECT_HAS(error_of([&] { split_inputs(std::move(bad_deepstack), grids, c); }), "deepstack output has 29 values");
 
-  std::vector<TensorToWrite> t;
-  append_image_tensors(t, 2, grids[2], c, parts[2]);
+  OutputTensors out(c);
+  out.add(InputKind::IMAGE, grids[0], F32Rows(parts[0]));
+  out.add(InputKind::IMAGE, grids[1], F32Rows(parts[1]));
+  out.add(InputKind::IMAGE, grids[2], F32Rows(parts[2]));
+  const std::vector<TensorToWrite> t(out.tensors().begin() + 8, out.tensors().end());  // image.2's
   ASSERT_EQ(t.size(), 4u);  // embeddings, 2 deepstack, grid
   EXPECT_EQ(t[0].name, "image.2.embeddings");
   EXPECT_EQ(t[0].dtype, DType::F32);
@@ -123,16 +185,18 @@ TEST(Pipeline, BatchPacksAndSplitImagesCutsBackEveryRow) {
   EXPECT_EQ(t[3].name, "image.2.grid_thw");
   EXPECT_EQ(t[3].dtype, DType::F32);
   float g[3];
-  std::memcpy(g, t[3].bytes.data(), sizeof g);
+  ASSERT_EQ(t[3].data().size(), sizeof g);
+  std::memcpy(g, t[3].data().data(), sizeof g);
   EXPECT_EQ(g[0], 1.f);
   EXPECT_EQ(g[1], 4.f);
   EXPECT_EQ(g[2], 6.f);
-  EXPECT_HAS(error_of([&] { append_image_tensors(t, 0, grids[0], c, parts[2]); }), "18 embedding values, not 2 x 3");
+  EXPECT_HAS(error_of([&] { out.add(InputKind::IMAGE, grids[0], F32Rows(parts[2])); }), "18 embedding values, not 2 x 3");
 }
 
 // The bf16 split cuts the same rows as the fp32 one, as views into the outputs (no copy), and checks
-// the counts the same way; append_image_tensors writes its rows as BF16 tensors, the bits as they are.
-TEST(Pipeline, Bf16SplitViewsEveryRowAndAppendWritesTheBits) {
+// the counts the same way; OutputTensors writes its rows as BF16 tensors, the bits as they are, or
+// widened to F32; a clip's tensors are named by its own count, with its timestamps and sampling.
+TEST(Pipeline, Bf16SplitViewsEveryRowAndOutputTensorsWriteTheBits) {
   qwen3vl::VisionConfig c;
   c.out_hidden = 3;
   const std::vector<qwen3vl::GridThw> grids = {{1, 2, 4}, {2, 2, 2}, {1, 4, 6}};  // 2, 2, 6 tokens
@@ -141,11 +205,11 @@ TEST(Pipeline, Bf16SplitViewsEveryRowAndAppendWritesTheBits) {
     for (int j = 0; j < 3; ++j) o.merged.push_back(bf16_from_float(float(r)));
   o.deepstack = {o.merged, o.merged};
   for (auto& v : o.deepstack[1]) v = bf16_from_float(bf16_to_float(v) + 100);
-  const std::vector<ImageTensorsBf16> parts = split_images(o, grids, c);
+  const std::vector<Bf16Rows> parts = split_inputs(rows_of(o), grids, c);
   ASSERT_EQ(parts.size(), 3u);
   const int first[3] = {0, 2, 4}, count[3] = {2, 2, 6};
   for (int i = 0; i < 3; ++i) {
-    const ImageTensorsBf16& p = parts[size_t(i)];
+    const Bf16Rows& p = parts[size_t(i)];
     EXPECT_EQ(p.merged.data(), o.merged.data() + first[i] * 3);  // a view, not a copy
     ASSERT_EQ(p.merged.size(), size_t(count[i] * 3));
     ASSERT_EQ(p.deepstack.size(), 2u);
@@ -158,13 +222,35 @@ TEST(Pipeline, Bf16SplitViewsEveryRowAndAppendWritesTheBits) {
   }
   EncoderOutputsBf16 short_by_one = o;
   short_by_one.merged.resize(27);
-  EXPECT_HAS(error_of([&] { split_images(short_by_one, grids, c); }), "27 values for 3 images of 10 visual tokens");
+  EXPECT_HAS(error_of([&] { split_inputs(rows_of(short_by_one), grids, c); }), "27 values for 3 inputs of 10 visual tokens");
   EncoderOutputsBf16 bad_deepstack = o;
   bad_deepstack.deepstack[0].pop_back();
-  EXPECT_HAS(error_of([&] { split_images(bad_deepstack, grids, c); }), "deepstack output has 29 values");
+  EXPECT_HAS(error_of([&] { split_inputs(rows_of(bad_deepstack), grids, c); }), "deepstack output has 29 values");
 
-  std::vector<TensorToWrite> t;
-  append_image_tensors(t, 2, grids[2], c, parts[2]);
+  OutputTensors out(c);
+  const ClipSampling sampling{{0, 7, 14, 21}, {0.25, 1.5}, 12};
+  EXPECT_EQ(out.add(InputKind::VIDEO, grids[1], parts[1], false, sampling), "video.0");
+  EXPECT_EQ(out.add(InputKind::IMAGE, grids[0], parts[0]), "image.0");
+  EXPECT_EQ(out.add(InputKind::IMAGE, grids[0], parts[0], /*widen=*/true), "image.1");
+  EXPECT_EQ(out.add(InputKind::IMAGE, grids[2], parts[2]), "image.2");
+  const std::vector<TensorToWrite>& all = out.tensors();
+  ASSERT_EQ(all.size(), 5u + 3 * 4);
+  EXPECT_EQ(all[4].name, "video.0.timestamps");
+  EXPECT_EQ(all[4].shape, std::vector<int64_t>{2});
+  float ts[2];
+  std::memcpy(ts, all[4].data().data(), sizeof ts);
+  EXPECT_EQ(ts[1], 1.5f);
+  EXPECT_EQ(out.meta.at("video.0.frame_indices"), "[0, 7, 14, 21]");
+  EXPECT_EQ(out.meta.at("video.0.fps"), "12");
+  EXPECT_EQ(all[9].name, "image.1.embeddings");  // widened: F32, the bf16 values exactly
+  EXPECT_EQ(all[9].dtype, DType::F32);
+  ASSERT_EQ(all[9].data().size(), parts[0].merged.size() * 4);
+  for (size_t i = 0; i < parts[0].merged.size(); ++i) {
+    float f;
+    std::memcpy(&f, all[9].data().data() + 4 * i, 4);
+    EXPECT_EQ(f, bf16_to_float(parts[0].merged[i]));
+  }
+  const std::vector<TensorToWrite> t(all.end() - 4, all.end());
   ASSERT_EQ(t.size(), 4u);  // embeddings, 2 deepstack, grid
   EXPECT_EQ(t[0].name, "image.2.embeddings");
   EXPECT_EQ(t[0].dtype, DType::BF16);
@@ -180,15 +266,15 @@ TEST(Pipeline, Bf16SplitViewsEveryRowAndAppendWritesTheBits) {
   EXPECT_EQ(t[3].name, "image.2.grid_thw");
   EXPECT_EQ(t[3].dtype, DType::F32);
   float g[3];
-  ASSERT_EQ(t[3].bytes.size(), sizeof g);
-  std::memcpy(g, t[3].bytes.data(), sizeof g);
+  ASSERT_EQ(t[3].data().size(), sizeof g);
+  std::memcpy(g, t[3].data().data(), sizeof g);
   EXPECT_EQ(g[0], 1.f);
   EXPECT_EQ(g[1], 4.f);
   EXPECT_EQ(g[2], 6.f);
-  EXPECT_HAS(error_of([&] { append_image_tensors(t, 0, grids[0], c, parts[2]); }), "18 embedding values, not 2 x 3");
-  ImageTensorsBf16 short_deepstack = parts[0];
+  EXPECT_HAS(error_of([&] { out.add(InputKind::IMAGE, grids[0], parts[2]); }), "18 embedding values, not 2 x 3");
+  Bf16Rows short_deepstack = parts[0];
   short_deepstack.deepstack[1] = short_deepstack.deepstack[1].first(5);
-  EXPECT_HAS(error_of([&] { append_image_tensors(t, 0, grids[0], c, short_deepstack); }), "deepstack 1 has 5 values, not 6");
+  EXPECT_HAS(error_of([&] { out.add(InputKind::IMAGE, grids[0], short_deepstack); }), "deepstack 1 has 5 values, not 6");
 }
 
 // Packed attention never crosses images: three images encoded in one batch give, row for row, what
@@ -196,9 +282,10 @@ TEST(Pipeline, Bf16SplitViewsEveryRowAndAppendWritesTheBits) {
 // history of earlier batches, closely.
 TEST(Pipeline, PackedBatchMatchesImagesRunAlone) {
   const qwen3vl::Model model = qwen3vl::load_model("synthetic:tiny");
-  const image::PreprocessConfig cfg = image::load_preprocess_config("synthetic:tiny");
-  const std::vector<PreparedImage> p =
-      prepare_images(3, [](size_t i) { return noise_image(kSizes[i].first, kSizes[i].second, unsigned(40 + i)); }, cfg);
+  const InputConfig cfg = load_input_config("synthetic:tiny");
+  std::vector<PreparedInput> p;
+  for (size_t i = 0; i < 3; ++i) p.push_back(prepare_image(noise_image(kSizes[i].first, kSizes[i].second, unsigned(40 + i)), cfg));
+  for (PreparedInput& x : p) image::normalize_raw(x.patches);  // the fp32 rows a Batch takes
   for (const char* dtype : {"bf16", "fp8"}) {
     SCOPED_TRACE(dtype);
     EngineOptions o;
@@ -208,12 +295,15 @@ TEST(Pipeline, PackedBatchMatchesImagesRunAlone) {
     EncoderRunner runner(model, e);
     Batch all;
     for (const auto& im : p) all.add(image::Patches(im.patches));
-    const std::vector<ImageTensors> packed = split_images(runner.run(all), all.grids, model.config);
+    const std::vector<F32Rows> packed = split_inputs(runner.run(all), all.grids, model.config);
+    std::vector<const image::Patches*> ptrs;
+    for (const PreparedInput& x : p) ptrs.push_back(&x.patches);
+    if (std::string(dtype) == "bf16") EXPECT_EQ(runner.run(ptrs).merged, runner.run(all).merged);  // from patches
     for (size_t i = 0; i < p.size(); ++i) {
       Batch one;
       one.add(image::Patches(p[i].patches));
       const EncoderOutputs alone = runner.run(one);
-      ASSERT_EQ(alone.merged.size(), size_t(image_tokens(model.config, p[i].patches.grid) * model.config.out_hidden));
+      ASSERT_EQ(alone.merged.size(), size_t(visual_tokens(model.config, p[i].patches.grid) * model.config.out_hidden));
       ASSERT_EQ(packed[i].merged.size(), alone.merged.size());
       ASSERT_EQ(packed[i].deepstack.size(), alone.deepstack.size());
       if (std::string(dtype) == "bf16") {
@@ -243,12 +333,16 @@ TEST(Pipeline, PackedBatchMatchesImagesRunAlone) {
 // a batch mixing raw and normalized patches are refused.
 TEST(Pipeline, StartAndFinishPipelineBatchesInOrder) {
   const qwen3vl::Model model = qwen3vl::load_model("synthetic:tiny");
-  const image::PreprocessConfig cfg = image::load_preprocess_config("synthetic:tiny");
+  const InputConfig cfg = load_input_config("synthetic:tiny");
   const auto make = [&](bool raw) {
-    return prepare_images(4, [](size_t i) { return noise_image(kSizes[i].first, kSizes[i].second, unsigned(70 + i)); },
-                          cfg, {}, raw);
+    std::vector<PreparedInput> v;
+    for (size_t i = 0; i < 4; ++i) {
+      v.push_back(prepare_image(noise_image(kSizes[i].first, kSizes[i].second, unsigned(70 + i)), cfg));
+      if (!raw) v.back().patches = image::preprocess(noise_image(kSizes[i].first, kSizes[i].second, unsigned(70 + i)), cfg.image);
+    }
+    return v;
   };
-  const std::vector<PreparedImage> raw = make(true), norm = make(false);
+  const std::vector<PreparedInput> raw = make(true), norm = make(false);
   EngineOptions o;
   o.device = "cpu";
   const EngineConfig e = resolve_engine(o, query_system());
@@ -273,7 +367,7 @@ TEST(Pipeline, StartAndFinishPipelineBatchesInOrder) {
   // finish_views: the same bits, as views; with deepstack not asked for, none.
   for (const bool ds : {true, false}) {
     runner.start({&raw[2].patches, &raw[3].patches}, ds);
-    const EncoderOutputsView v = runner.finish_views();
+    const Bf16Rows v = runner.finish_views();
     EXPECT_TRUE(std::equal(v.merged.begin(), v.merged.end(), want1.merged.begin(), want1.merged.end()));
     ASSERT_EQ(v.deepstack.size(), ds ? want1.deepstack.size() : 0u);
     for (size_t k = 0; k < v.deepstack.size(); ++k)

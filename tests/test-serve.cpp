@@ -35,6 +35,7 @@
 #include "fovea/safetensors.h"
 #include "fovea/sha256.h"
 #include "server/base64.h"
+#include "server/endpoints.h"
 #include "test-util.h"
 
 extern char** environ;
@@ -1213,4 +1214,49 @@ TEST_F(Serve, BadOptionsFailAtStartup) {
     EXPECT_HAS(slurp(err), says);
     EXPECT_HAS(slurp(err), "fovea: error: ");
   }
+}
+
+// /metrics counts every endpoint (server/endpoints.h) under its own path: load-balancer probes of
+// /ready were once counted as path="other". Unknown paths share "other"; the 404 lists every
+// endpoint; fovea_inputs_encoded_total and its deprecated alias fovea_images_encoded_total (and the
+// per-device pair) show the same value.
+TEST_F(Serve, MetricsCountEveryEndpointUnderItsPath) {
+  ServerProcess server(dir_, {});
+  ASSERT_GT(server.port(), 0);
+  auto cli = client(server.port());
+  for (int i = 0; i < 3; ++i) {
+    const auto r = cli->Get("/ready");
+    ASSERT_TRUE(r);
+    EXPECT_EQ(r->status, 200);
+  }
+  const ErrorReply missing = error_of(cli->Get("/nowhere"));
+  EXPECT_EQ(missing.status, 404);
+  EXPECT_HAS(missing.message, "GET /ready");
+  EXPECT_HAS(missing.message, fovea::server::endpoint_list());
+  std::map<std::string, int> expected;  // series -> count
+  for (const fovea::server::Endpoint& e : fovea::server::kEndpoints) {
+    const auto r = cli->Get(std::string(e.path));
+    ASSERT_TRUE(r) << e.path;
+    const int status = e.method == "GET" ? 200 : 405;
+    EXPECT_EQ(r->status, status) << e.path;
+    expected["fovea_requests_total{path=\"" + std::string(e.path) + "\",code=\"" + std::to_string(status) + "\"}"] += 1;
+  }
+  expected["fovea_requests_total{path=\"/ready\",code=\"200\"}"] += 3;
+  expected["fovea_requests_total{path=\"other\",code=\"404\"}"] += 1;
+  const auto encoded = cli->Post("/v1/encode", json{{"images", {image_item(image(0), 0)}}}.dump(), "application/json");
+  ASSERT_TRUE(encoded);
+  EXPECT_EQ(encoded->status, 200) << encoded->body;
+  expected["fovea_requests_total{path=\"/v1/encode\",code=\"200\"}"] += 1;
+
+  const std::string m = get_metrics(server.port());
+  EXPECT_EQ(metric(m, "fovea_requests_total{path=\"/ready\",code=\"200\"}"), 4) << m;
+  for (const auto& [series, n] : expected) EXPECT_EQ(metric(m, series), n) << series << "\n" << m;
+  EXPECT_EQ(m.find("fovea_requests_total{path=\"other\",code=\"200\"}"), std::string::npos) << m;
+  EXPECT_EQ(metric(m, "fovea_inputs_encoded_total"), 1);
+  EXPECT_EQ(metric(m, "fovea_images_encoded_total"), 1);
+  EXPECT_EQ(metric(m, "fovea_device_inputs_encoded_total{device=\"cpu:0\"}"), 1);
+  EXPECT_EQ(metric(m, "fovea_device_images_encoded_total{device=\"cpu:0\"}"), 1);
+  EXPECT_HAS(m, "# HELP fovea_images_encoded_total Deprecated alias of fovea_inputs_encoded_total");
+  EXPECT_HAS(m, "# HELP fovea_device_images_encoded_total Deprecated alias of fovea_device_inputs_encoded_total");
+  EXPECT_EQ(server.stop(SIGINT), 0) << server.err();
 }

@@ -1,4 +1,5 @@
-// Helpers shared by the CPU test suites: a scratch folder per test, and error-message assertions.
+// Helpers shared by the test suites (CPU and GPU): fresh seeds, a scratch folder per test,
+// error-message assertions, and the models several suites run.
 #pragma once
 #include <errno.h>  // program_invocation_short_name (GNU)
 
@@ -15,6 +16,7 @@
 #include <gtest/gtest.h>
 
 #include "fovea/error.h"
+#include "fovea/model.h"
 
 #ifndef FOVEA_TEST_TIME_SCALE
 #define FOVEA_TEST_TIME_SCALE 1
@@ -93,6 +95,27 @@ std::string error_of(F&& f) {
   }
   ADD_FAILURE() << "did not throw";
   return "";
+}
+
+// The 8B architecture's shapes (hd 72, intermediate 4304, 4096-wide mergers) cut to two blocks, both
+// deepstack taps, synthetic weights: the preset synthetic:qwen3-vl-8b-2blocks.
+inline qwen3vl::Model two_block_8b() { return qwen3vl::load_model("synthetic:qwen3-vl-8b-2blocks"); }
+
+// `m` with outlier channels put into every block's qkv (docs/fp8.md §Outlier channels): per head, Q
+// and K channel `qk_channel` offset by 30 and V channel 5 scaled by 30 (weights and bias). A Q/K
+// channel on the slowest RoPE frequency (hd/4 - 1 rotates with the row, hd/2 - 1 with the column)
+// keeps its offset nearly unchanged through rotation.
+inline qwen3vl::Model with_outlier_channels(qwen3vl::Model m, int qk_channel) {
+  const int H = m.config.heads, hd = m.config.head_dim(), D = m.config.hidden;
+  for (qwen3vl::Block& b : m.weights.blocks)
+    for (int h = 0; h < H; ++h) {
+      const int qk = h * hd + qk_channel, v = 2 * D + h * hd + 5;
+      b.qkv.b[size_t(qk)] += 30.f;      // Q
+      b.qkv.b[size_t(D + qk)] += 30.f;  // K
+      for (int i = 0; i < b.qkv.in; ++i) b.qkv.w[size_t(v) * b.qkv.in + i] *= 30.f;
+      b.qkv.b[size_t(v)] *= 30.f;
+    }
+  return m;
 }
 
 }  // namespace fovea::test

@@ -338,7 +338,7 @@ TEST(VideoEncode, ClipPackedWithAnImageMatchesTheClipAlone) {
   both.add(image::Patches(still));
   both.add(image::Patches(clip.patches));
   alone.add(image::Patches(clip.patches));
-  const std::vector<ImageTensors> packed = split_images(runner.run(both), both.grids, model.config);
+  const std::vector<F32Rows> packed = split_inputs(runner.run(both), both.grids, model.config);
   const EncoderOutputs one = runner.run(alone);
   const auto& g = clip.patches.grid;
   ASSERT_EQ(packed[1].merged.size(), size_t(g[0]) * g[1] * g[2] / 4 * model.config.out_hidden);

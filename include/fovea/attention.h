@@ -176,13 +176,16 @@ class DeviceFineHistory {
   const FineRing& ring() const { return ring_; }
   // The whole history as one block of device memory, and that block's bytes (copied to the host
   // by the caller, in its stream) back into a FineHistory of the same shape.
-  const void* data() const { return mem_; }
+  const void* data() const { return mem_.get(); }
   size_t bytes() const;
   void unpack(const void* host, FineHistory& h) const;
 
  private:
+  struct Free {  // cudaFree (flash-attention.cu)
+    void operator()(void* p) const;
+  };
   int heads_ = 0, head_dim_ = 0;
-  void* mem_ = nullptr;
+  std::unique_ptr<uint8_t, Free> mem_;  // owned from the allocation on, so a failed upload frees it
   FineRing ring_;
   void check(const FineHistory& h) const;
 };

@@ -1,5 +1,6 @@
 // fovea/cuda-support.h: CUDA plumbing shared by the library, the tests and the benches (CUDA builds
-// only): one status check macro, owning device and pinned host buffers, and the benches' event timer.
+// only): one status check macro, owning types for every CUDA resource (device and pinned buffers,
+// events, streams, graphs, library handles) and the benches' event timer.
 #pragma once
 #include <cublasLt.h>
 #include <cuda_runtime.h>
@@ -101,13 +102,107 @@ using DeviceBuffer = OwnedBuffer<T, detail::device_alloc, cudaFree>;
 template <class T>
 using PinnedBuffer = OwnedBuffer<T, detail::pinned_alloc, cudaFreeHost>;
 
+// Owns one handle of a C API (CUDA runtime, cuBLASLt, cuDNN) and destroys it with Destroy: move-only,
+// null when default-constructed or moved from. Destroy's status is ignored: a handle that fails to be
+// destroyed (a dead context) has nothing left to release.
+template <class H, auto Destroy>
+class Handle {
+ public:
+  Handle() = default;
+  explicit Handle(H h) noexcept : h_(h) {}
+  ~Handle() { reset(); }
+  Handle(Handle&& o) noexcept : h_(std::exchange(o.h_, H{})) {}
+  Handle& operator=(Handle&& o) noexcept {
+    if (this != &o) {
+      reset();
+      h_ = std::exchange(o.h_, H{});
+    }
+    return *this;
+  }
+  Handle(const Handle&) = delete;
+  Handle& operator=(const Handle&) = delete;
+  H get() const { return h_; }
+  void reset() {
+    if (h_) Destroy(h_);
+    h_ = H{};
+  }
+
+ private:
+  H h_{};
+};
+
+// A CUDA event; it converts to cudaEvent_t for the runtime's calls.
+class Event {
+ public:
+  explicit Event(unsigned flags = cudaEventDefault) {
+    cudaEvent_t e = nullptr;
+    FOVEA_CUDA_CHECK(cudaEventCreateWithFlags(&e, flags));
+    e_ = Handle<cudaEvent_t, cudaEventDestroy>(e);
+  }
+  cudaEvent_t get() const { return e_.get(); }
+  operator cudaEvent_t() const { return e_.get(); }
+  void record(cudaStream_t stream) { FOVEA_CUDA_CHECK(cudaEventRecord(get(), stream)); }
+  void synchronize() const { FOVEA_CUDA_CHECK(cudaEventSynchronize(get())); }
+  // Milliseconds from `start` to this event, both recorded with timing and complete.
+  float ms_since(const Event& start) const {
+    float ms = 0;
+    FOVEA_CUDA_CHECK(cudaEventElapsedTime(&ms, start.get(), get()));
+    return ms;
+  }
+
+ private:
+  Handle<cudaEvent_t, cudaEventDestroy> e_;
+};
+
+// A CUDA stream (blocking, like cudaStreamCreate's); it converts to cudaStream_t.
+class Stream {
+ public:
+  Stream() {
+    cudaStream_t s = nullptr;
+    FOVEA_CUDA_CHECK(cudaStreamCreate(&s));
+    s_ = Handle<cudaStream_t, cudaStreamDestroy>(s);
+  }
+  cudaStream_t get() const { return s_.get(); }
+  operator cudaStream_t() const { return s_.get(); }
+  void synchronize() const { FOVEA_CUDA_CHECK(cudaStreamSynchronize(get())); }
+
+ private:
+  Handle<cudaStream_t, cudaStreamDestroy> s_;
+};
+
+// The work enqueue() puts on `stream`, captured into a CUDA graph (global capture mode) and
+// instantiated; launch() replays it. A throw during capture ends the capture, so the stream is usable.
+class Graph {
+ public:
+  template <class F>
+  Graph(cudaStream_t stream, F&& enqueue) {
+    FOVEA_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+    cudaGraph_t g = nullptr;
+    try {
+      enqueue();
+    } catch (...) {
+      if (cudaStreamEndCapture(stream, &g) == cudaSuccess && g) cudaGraphDestroy(g);
+      throw;
+    }
+    FOVEA_CUDA_CHECK(cudaStreamEndCapture(stream, &g));
+    graph_ = Handle<cudaGraph_t, cudaGraphDestroy>(g);
+    cudaGraphExec_t e = nullptr;
+    FOVEA_CUDA_CHECK(cudaGraphInstantiate(&e, g, 0));
+    exec_ = Handle<cudaGraphExec_t, cudaGraphExecDestroy>(e);
+  }
+  void launch(cudaStream_t stream) { FOVEA_CUDA_CHECK(cudaGraphLaunch(exec_.get(), stream)); }
+
+ private:
+  Handle<cudaGraph_t, cudaGraphDestroy> graph_;
+  Handle<cudaGraphExec_t, cudaGraphExecDestroy> exec_;
+};
+
 // Pinned host memory that asynchronous copies read or write, reused from batch to batch: take()
 // first waits for the event release() recorded after the last use's copies were enqueued, so the
 // host never overwrites (or reads) what the GPU has not finished with.
 class StagingSlot {
  public:
-  StagingSlot() { FOVEA_CUDA_CHECK(cudaEventCreateWithFlags(&done_, cudaEventDisableTiming)); }
-  ~StagingSlot() { cudaEventDestroy(done_); }
+  StagingSlot() = default;
   StagingSlot(const StagingSlot&) = delete;
   StagingSlot& operator=(const StagingSlot&) = delete;
   // At least `bytes` bytes (grown by a quarter more when too small; the contents are not kept).
@@ -123,19 +218,19 @@ class StagingSlot {
     if (mem_.count() < bytes) mem_.reset(bytes);
   }
   void release(cudaStream_t stream) {
-    FOVEA_CUDA_CHECK(cudaEventRecord(done_, stream));
+    done_.record(stream);
     pending_ = true;
   }
   void wait() {
     if (!pending_) return;
-    FOVEA_CUDA_CHECK(cudaEventSynchronize(done_));
+    done_.synchronize();
     pending_ = false;
   }
   uint8_t* data() const { return mem_.data(); }
 
  private:
   PinnedBuffer<uint8_t> mem_;
-  cudaEvent_t done_ = nullptr;
+  Event done_{cudaEventDisableTiming};
   bool pending_ = false;
 };
 
@@ -144,21 +239,15 @@ class StagingSlot {
 template <class F>
 double median_ms(F&& fn, int warmup, int reps, cudaStream_t stream = nullptr) {
   for (int i = 0; i < warmup; ++i) fn();
-  cudaEvent_t e0, e1;
-  FOVEA_CUDA_CHECK(cudaEventCreate(&e0));
-  FOVEA_CUDA_CHECK(cudaEventCreate(&e1));
+  Event e0, e1;
   std::vector<float> t;
   for (int i = 0; i < reps; ++i) {
-    FOVEA_CUDA_CHECK(cudaEventRecord(e0, stream));
+    e0.record(stream);
     fn();
-    FOVEA_CUDA_CHECK(cudaEventRecord(e1, stream));
-    FOVEA_CUDA_CHECK(cudaEventSynchronize(e1));
-    float ms = 0;
-    FOVEA_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
-    t.push_back(ms);
+    e1.record(stream);
+    e1.synchronize();
+    t.push_back(e1.ms_since(e0));
   }
-  cudaEventDestroy(e0);
-  cudaEventDestroy(e1);
   std::sort(t.begin(), t.end());
   return t[t.size() / 2];
 }

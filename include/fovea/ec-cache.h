@@ -29,9 +29,21 @@ inline constexpr const char* kEcCacheTensor = "ec_cache";
 // '/', '\\', NUL or other control byte (below 0x20, or 0x7F), and neither "." nor "..".
 std::string ec_key_problem(std::string_view key);
 
-// One image's rows as the consumer loads them: [tokens, out_hidden * (1 + k)] bf16 bits, the
+// One input's rows as the consumer loads them: [tokens, out_hidden * (1 + k)] bf16 bits, the
 // merger's output then each deepstack output, row by row.
-std::vector<uint16_t> ec_cache_rows(const ImageTensorsBf16& t, int out_hidden);
+std::vector<uint16_t> ec_cache_rows(const Bf16Rows& t, int out_hidden);
+
+// An entry read back, in the engine's layout: `rows` views `values` (merged [tokens, out_hidden],
+// then each deepstack output asked for). Moving it keeps the views valid; copying is not allowed.
+struct EcEntry {
+  std::vector<uint16_t> values;
+  Bf16Rows rows;
+  EcEntry() = default;
+  EcEntry(EcEntry&&) = default;
+  EcEntry& operator=(EcEntry&&) = default;
+  EcEntry(const EcEntry&) = delete;
+  EcEntry& operator=(const EcEntry&) = delete;
+};
 
 class EcCache {
  public:
@@ -47,13 +59,14 @@ class EcCache {
   // Whether `key`'s file exists (whoever wrote it). A hit on one of fovea's marks it read (its
   // mtime too, so the order survives a restart). Counts hits and misses.
   bool lookup(const std::string& key);
-  // Writes one image's entry (replacing one there), then evicts fovea's least recently used entries
+  // Writes one input's entry (replacing one there), then evicts fovea's least recently used entries
   // until what it holds fits the budget; the new entry stays even if it alone does not fit. Throws
   // fovea::Error naming the file (a full disk, say) and leaves no partial file.
-  void store(const std::string& key, const ImageTensorsBf16& t, const qwen3vl::GridThw& grid,
-             const qwen3vl::VisionConfig& c);
-  // An entry's rows, read back and checked: the one tensor "ec_cache", BF16, [tokens, width].
-  std::vector<uint16_t> load(const std::string& key, int64_t tokens, int64_t width) const;
+  void store(const std::string& key, const Bf16Rows& t, const qwen3vl::GridThw& grid, const qwen3vl::VisionConfig& c);
+  // An entry read back and checked (the one tensor "ec_cache", BF16, [tokens of grid, out_hidden x
+  // (1 + deepstack outputs)]), cut into the merger output and, if asked for, the deepstack outputs.
+  EcEntry load(const std::string& key, const qwen3vl::GridThw& grid, const qwen3vl::VisionConfig& c,
+               bool with_deepstack = true) const;
 
   struct Stats {
     int64_t bytes = 0, files = 0;  // fovea's files

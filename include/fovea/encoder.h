@@ -1,5 +1,6 @@
-// fovea/encoder.h: the Qwen3-VL vision encoder on the GPU (bf16 activations, cuBLASLt GEMMs with
-// bias / GELU / residual fused into their epilogues, FOVEA attention in BF16 or FP8).
+// fovea/encoder.h: the Qwen3-VL vision encoder on the GPU: bf16 activations, cuBLASLt GEMMs with
+// bias / GELU / residual fused into their epilogues, attention through the FOVEA backend (BF16 or
+// FP8, Hopper) or the CUDNN one (BF16).
 //   plan(grids)  once per set of image grids: lays every activation buffer out in one device
 //                arena (allocating only when the batch is the largest yet; nothing is allocated in
 //                the layer loop); the position-embedding and RoPE tables are computed on the GPU

@@ -109,6 +109,7 @@ using GridThw = std::array<int, 3>;  // (t, h, w) in 16-px patch units, h and w 
 struct ForwardOptions {
   cpu::RefMode attention = cpu::RefMode::EXACT;  // EXACT (fp64), BF16 or FP8 emulation
   ScaleBook* scales = nullptr;                   // FP8: one layer per block; dynamic, static or calibrating
+                                                 // (the caller calls after_forward(): EncoderRunner does)
   bool keep_intermediates = false;
   int threads = 0;
   // The blocks' qkv, proj, fc1 and fc2 in FP8 (docs/fp8.md §FP8 linears): the emulation of what the

@@ -1,61 +1,157 @@
-// fovea/pipeline.h: from images to per-image visual tokens, the one path that `fovea encode`,
-// `fovea serve`, `check-golden` and the benches share (src/engine/):
-//   prepare_images  decode + preprocess a set of images in parallel, errors kept per image;
-//   Batch           their patches and grids packed into one varlen batch;
-//   EncoderRunner   the encoder forward the engine configuration selects (CPU or GPU, BF16 or FP8);
-//   split_images    the packed outputs cut back into each image's rows (fp32, or bf16 views);
-//   append_image_tensors  one image's tensors as `encode -o` writes them and `serve` returns them.
+// fovea/pipeline.h: from inputs (images and video clips) to per-input visual tokens, the one path
+// `fovea encode`, `fovea serve`, `check-golden` and the benches share (src/engine/):
+//   input_kind / probe_input  what an input is and what it will cost, from its header alone;
+//   prepare_inputs            decode + preprocess a list of inputs, errors kept per input;
+//   pack_forwards             inputs into forwards of at most N visual tokens;
+//   EncoderRunner             the encoder forward the engine configuration selects (CPU or GPU);
+//   split_inputs              a forward's outputs cut back into each input's rows;
+//   OutputTensors             each input's tensors as `encode -o` writes them and `serve` returns them.
+// Images are prepared as raw uint8 patches (normalized by the encoder), clips as fp32 ones (their
+// frames differ within a temporal patch, which the raw form cannot hold); EncoderRunner takes any mix.
 #pragma once
 #include <deque>
 #include <exception>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
+#include "fovea/clock.h"
 #include "fovea/engine.h"
 #include "fovea/image.h"
 #include "fovea/model.h"
 #include "fovea/safetensors.h"
+#include "fovea/video.h"
 
 namespace fovea {
 
-// Visual tokens (merger output rows) of one image: t*h*w / merge^2.
-int64_t image_tokens(const qwen3vl::VisionConfig& c, const qwen3vl::GridThw& g);
+// ---- inputs ---------------------------------------------------------------------------------------
 
-// ---- decode + preprocess ----------------------------------------------------------------------------
+enum class InputKind { IMAGE, VIDEO };
+const char* input_kind_name(InputKind k);  // "image", "video": the prefix of its tensors and its reply type
 
-struct PreparedImage {
+// The one image-or-clip decision: a clip when its first bytes start like a container fovea reads
+// (video::looks_like_video; 512 bytes are enough), whatever its name; an image otherwise.
+InputKind input_kind(std::span<const uint8_t> head);
+// The same for a file's first bytes (an unreadable file counts as an image: its decode says why).
+InputKind file_input_kind(const std::string& path);
+
+// How every input is preprocessed: the model's image and video processors, and what a clip may cost.
+struct InputConfig {
+  image::PreprocessConfig image;
+  video::VideoConfig video;
+  video::VideoLimits limits;
+};
+InputConfig load_input_config(const std::string& model, const image::PreprocessOverrides& image = {},
+                              const video::VideoOverrides& video = {});
+
+// The largest encoded input (image or clip file) the engine reads, and a file read within it.
+size_t max_input_bytes(const InputConfig& cfg);
+std::vector<uint8_t> read_input(const std::string& path, const InputConfig& cfg);
+
+// Visual tokens (merger output rows) of an input of grid g: t*h*w / merge^2.
+int64_t visual_tokens(const qwen3vl::VisionConfig& c, const qwen3vl::GridThw& g);
+
+// A clip's sampling, which an LLM's prompt needs beside its tokens.
+struct ClipSampling {
+  std::vector<int64_t> frame_indices;
+  std::vector<double> timestamps;  // per temporal patch, seconds
+  double fps = 0;                  // the clip's frame rate
+};
+
+// What an input will be, from its header alone (no pixel decoded): its kind, grid and visual
+// tokens, the bytes decoding and preprocessing it hold at their peak, and a clip's sampling.
+struct InputPlan {
+  InputKind kind = InputKind::IMAGE;
+  qwen3vl::GridThw grid{};
+  int64_t tokens = 0;
+  int64_t peak_bytes = 0;
+  std::optional<ClipSampling> clip;  // set for a clip
+};
+// Throws fovea::Error naming the input for anything unreadable or over a limit.
+InputPlan probe_input(std::span<const uint8_t> bytes, const std::string& name, const InputConfig& cfg);
+
+// ---- decode + preprocess --------------------------------------------------------------------------
+
+struct PreparedInput {
+  InputKind kind = InputKind::IMAGE;
   image::Patches patches;     // empty when `error` is set
-  std::exception_ptr error;   // what decoding or preprocessing threw, as thrown
+  std::optional<ClipSampling> clip;  // set for a clip
+  std::exception_ptr error;   // what reading, decoding or preprocessing threw, as thrown
   double decode_ms = 0, preprocess_ms = 0;
+  int64_t frames_decoded = 0;  // clips: frames the decoder produced
   std::string error_message() const;  // error's what(); empty if none
 };
 
-// Images 0..n-1, in parallel (fovea::parallel_for): decode(i) gives image i's pixels, then
-// image::preprocess makes its patches. Whatever either throws is kept as that image's error; the
-// others go on. done(i), if given, runs after image i is preprocessed or has failed (the server
-// releases its decode-memory reservation there). raw = true gives the compact uint8 patches
-// (Patches::raw; what EncoderRunner::start uploads, normalized on the GPU).
-std::vector<PreparedImage> prepare_images(size_t n, const std::function<image::Rgb8(size_t)>& decode,
-                                          const image::PreprocessConfig& cfg,
-                                          const std::function<void(size_t)>& done = {}, bool raw = false);
+// What the caller of prepare_inputs hooks in (serve: its decode-memory budget and deadline).
+struct PrepareHooks {
+  // Called with each input's plan before a pixel of it is decoded; what it throws is that input's error.
+  std::function<void(size_t, const InputPlan&)> planned;
+  // Called once input i is preprocessed or has failed, whatever happened (exactly once each).
+  std::function<void(size_t)> done;
+  // A clip's decoding stops here (its limits' deadline_seconds still applies).
+  std::optional<Clock::time_point> deadline;
+};
+
+// Inputs 0..n-1, input i named names[i] in messages: bytes(i) gives its encoded bytes (called once,
+// on a worker thread; what it throws is that input's error). Every input is read and its kind taken
+// first; then the images decode and preprocess in parallel (fovea::parallel_for), then the clips one
+// after another (each decodes on every core). One input's failure never stops the others.
+std::vector<PreparedInput> prepare_inputs(const std::vector<std::string>& names,
+                                          const std::function<std::vector<uint8_t>(size_t)>& bytes,
+                                          const InputConfig& cfg, const PrepareHooks& hooks = {});
+// Inputs already in memory as pixels (synthetic images and frames, golden files' decoded frames).
+PreparedInput prepare_image(const image::Rgb8& img, const InputConfig& cfg);
+PreparedInput prepare_clip(video::Clip&& clip);
+// n synthetic inputs of uniform noise (vLLM's random-mm): height x width images when frames is 1,
+// else clips of `frames` frames at `fps` of which only the sampled frames are made (their making is
+// the clip's decode time). Prepared as prepare_inputs runs them; seeds seed, seed + 1, ...
+std::vector<PreparedInput> prepare_synthetic(size_t n, int height, int width, int64_t frames, double fps,
+                                             unsigned seed, const InputConfig& cfg);
+
+// What preparing a list of inputs cost in wall time: the images run in parallel (the slowest one's
+// stages), the clips one after another (theirs summed).
+struct PrepareTimes {
+  double decode_ms = 0, preprocess_ms = 0;
+};
+PrepareTimes prepare_times(const std::vector<PreparedInput>& inputs);
+
+// ---- packing ---------------------------------------------------------------------------------------
+
+// Forwards of at most max_tokens visual tokens, inputs in order and never split; one larger than the
+// limit runs alone. take(t) adds an input of t tokens if it fits (always, into an empty forward).
+class ForwardPacker {
+ public:
+  explicit ForwardPacker(int64_t max_tokens) : max_(max_tokens) {}
+  bool take(int64_t tokens);
+  int64_t tokens() const { return tokens_; }
+  size_t inputs() const { return inputs_; }
+
+ private:
+  int64_t max_, tokens_ = 0;
+  size_t inputs_ = 0;
+};
+// A list of inputs' tokens cut into forwards: [begin, end) index ranges.
+std::vector<std::pair<size_t, size_t>> pack_forwards(std::span<const int64_t> tokens, int64_t max_tokens);
 
 // ---- one varlen batch -------------------------------------------------------------------------------
 
 struct Batch {
-  std::vector<float> pixels;             // [patches, patch_dim], the images one after another
-  std::vector<qwen3vl::GridThw> grids;   // one per image
-  // Moves one image's patches to the end (p.pixels is left empty: no second copy is kept).
+  std::vector<float> pixels;             // [patches, patch_dim], the inputs one after another
+  std::vector<qwen3vl::GridThw> grids;   // one per input
+  // Moves one input's fp32 patches to the end (p.pixels is left empty: no second copy is kept).
   void add(image::Patches&& p);
-  int64_t tokens(const qwen3vl::VisionConfig& c) const;  // visual tokens of all images
+  int64_t tokens(const qwen3vl::VisionConfig& c) const;  // visual tokens of all inputs
 };
 
+// A forward's outputs, fp32: merged [tokens, out_hidden], each deepstack output the same shape.
 struct EncoderOutputs {
-  std::vector<float> merged;                  // [tokens, out_hidden], the images one after another
-  std::vector<std::vector<float>> deepstack;  // each [tokens, out_hidden]; empty if not asked for
+  std::vector<float> merged;
+  std::vector<std::vector<float>> deepstack;  // empty if not asked for
 };
 
 // The same as bf16 bits (little-endian uint16): what the GPU computes and what an LLM consumes. The
@@ -65,33 +161,26 @@ struct EncoderOutputsBf16 {
   std::vector<std::vector<uint16_t>> deepstack;
 };
 
-// One image's rows of EncoderOutputs.
-struct ImageTensors {
-  std::vector<float> merged;                  // [tokens, out_hidden]
-  std::vector<std::vector<float>> deepstack;  // each [tokens, out_hidden]
-};
-
-// Cuts packed outputs back into images (grids as in the batch); `out` is consumed. Throws if the
-// row counts do not match the grids.
-std::vector<ImageTensors> split_images(EncoderOutputs&& out, const std::vector<qwen3vl::GridThw>& grids,
-                                       const qwen3vl::VisionConfig& c);
-
-// One image's rows of EncoderOutputsBf16, as views into them (no copy): valid while they live.
-struct ImageTensorsBf16 {
+// bf16 rows as views (no copy), valid while what they view lives: a whole forward's outputs, or one
+// input's rows of them.
+struct Bf16Rows {
   std::span<const uint16_t> merged;                  // [tokens, out_hidden]
   std::vector<std::span<const uint16_t>> deepstack;  // each [tokens, out_hidden]
 };
-// A whole batch's bf16 outputs as views, the same shape (EncoderRunner::finish_views).
-using EncoderOutputsView = ImageTensorsBf16;
+Bf16Rows rows_of(const EncoderOutputsBf16& out);
 
-// The same cut for bf16 outputs, never through fp32: each image's views into `out` (which must
-// outlive them, hence no temporaries). Throws as above.
-std::vector<ImageTensorsBf16> split_images(const EncoderOutputsBf16& out, const std::vector<qwen3vl::GridThw>& grids,
-                                           const qwen3vl::VisionConfig& c);
-std::vector<ImageTensorsBf16> split_images(EncoderOutputsBf16&&, const std::vector<qwen3vl::GridThw>&,
-                                           const qwen3vl::VisionConfig&) = delete;
-std::vector<ImageTensorsBf16> split_images(const EncoderOutputsView& out, const std::vector<qwen3vl::GridThw>& grids,
-                                           const qwen3vl::VisionConfig& c);
+// One input's fp32 rows (the CPU forward's, as computed), owned.
+struct F32Rows {
+  std::vector<float> merged;
+  std::vector<std::vector<float>> deepstack;
+};
+
+// Cuts a forward's outputs back into its inputs (grids as in the forward). Throws if the row counts
+// do not match the grids. The bf16 cut gives views into `out`; the fp32 one consumes it.
+std::vector<Bf16Rows> split_inputs(const Bf16Rows& out, const std::vector<qwen3vl::GridThw>& grids,
+                                   const qwen3vl::VisionConfig& c);
+std::vector<F32Rows> split_inputs(EncoderOutputs&& out, const std::vector<qwen3vl::GridThw>& grids,
+                                  const qwen3vl::VisionConfig& c);
 
 // bf16 bits widened to fp32, exactly, on every core.
 std::vector<float> widen_bf16(std::span<const uint16_t> v);
@@ -101,8 +190,8 @@ std::vector<float> widen_bf16(std::span<const uint16_t> v);
 class EncoderRunner {
  public:
   static constexpr size_t kInFlight = 2;  // batches started and not finished, at most (see start())
-  // FP8 engines get the scale book make_scale_book() gives (dynamic, static or calibrating); every
-  // forward advances calibration.
+  // FP8 engines get the scale book make_scale_book() gives (dynamic, static or calibrating); the
+  // runner advances calibration after every finished forward, CPU or GPU.
   EncoderRunner(const qwen3vl::Model& m, const EngineConfig& cfg);
   ~EncoderRunner();
   // GPU: sizes the device buffers for batches of up to `visual_tokens` once, and the pinned staging
@@ -110,23 +199,25 @@ class EncoderRunner {
   // any shape within it allocate nothing (a larger one still runs, growing them). No-op on the CPU.
   void reserve(int64_t visual_tokens, bool with_deepstack = false, int batches = int(kInFlight));
 
-  // Pipelined use (serve, encode): start() packs the images' pixels straight into pinned memory
-  // (raw uint8 patches as they are, normalized on the GPU; fp32 ones rounded to bf16; a batch is all
-  // one or the other) and enqueues the plan, upload, forward and the outputs' copy back, without waiting for
-  // the GPU; finish() waits for the oldest started batch and gives its outputs. Up to kInFlight
-  // batches may be started and not finished, so the host prepares batch n+1 (and unpacks n-1)
-  // while the GPU runs batch n. On the CPU, start() runs the whole forward.
-  void start(const std::vector<const image::Patches*>& images, bool with_deepstack);
+  // Pipelined use (serve, encode): start() packs the inputs' pixels straight into pinned memory
+  // (raw uint8 patches as they are, normalized on the GPU; fp32 ones rounded to bf16; in a batch
+  // that mixes them the raw ones are normalized on the host, bit for bit as the GPU would) and
+  // enqueues the plan, upload, forward and the outputs' copy back, without waiting for the GPU;
+  // finish() waits for the oldest started batch and gives its outputs. Up to kInFlight batches may
+  // be started and not finished, so the host prepares batch n+1 (and unpacks n-1) while the GPU runs
+  // batch n. On the CPU, start() runs the whole forward.
+  void start(const std::vector<const image::Patches*>& inputs, bool with_deepstack);
   void start(const Batch& batch, bool with_deepstack);
   void finish(EncoderOutputsBf16& out);  // throws if nothing is in flight
   // finish() without the copy: views of the outputs where they landed (the GPU's pinned staging; on
   // the CPU, the runner's own rounded copy), valid until the next start().
-  EncoderOutputsView finish_views();
+  Bf16Rows finish_views();
   size_t in_flight() const;
 
   // start() + finish(). with_deepstack = false leaves `deepstack` empty (on the GPU they are then
   // not copied back). run() gives fp32: the GPU's bf16 widened, the CPU's fp32 as computed.
   EncoderOutputs run(const Batch& batch, bool with_deepstack = true);
+  EncoderOutputs run(const std::vector<const image::Patches*>& inputs, bool with_deepstack = true);
   EncoderOutputsBf16 run_bf16(const Batch& batch, bool with_deepstack = true);
   // The same into `out`, whose vectors are reused where large enough (warm memory, no page faults).
   void run_bf16(const Batch& batch, bool with_deepstack, EncoderOutputsBf16& out);
@@ -149,8 +240,9 @@ class EncoderRunner {
   struct Gpu;
   struct Flight;
   void start_cpu(const Batch& batch, bool with_deepstack);
-  // Pops the oldest batch, waits for it and times it: `cpu` takes the CPU forward's result (and
-  // whether deepstack was asked for), `gpu` collects the GPU download's ticket (timed as download).
+  void calibrate();  // after every finished forward: a calibrating scale book writes its file after the 16th
+  // Pops the oldest batch, waits for it, times it and advances calibration: `cpu` takes the CPU
+  // forward's result (and whether deepstack was asked for), `gpu` collects the GPU download's ticket.
   void finish_oldest(const std::function<void(qwen3vl::ForwardResult&, bool)>& cpu,
                      const std::function<void(int64_t)>& gpu);
   // pack(dst) writes the batch's pixels into dst: raw uint8 samples, or bf16.
@@ -168,13 +260,29 @@ class EncoderRunner {
 
 // ---- outputs ----------------------------------------------------------------------------------------
 
-// One image's tensors, appended to `out`: "image.<j>.embeddings" [tokens, out_hidden],
-// "image.<j>.deepstack.<k>" for each of t.deepstack (F32 from ImageTensors, BF16 from
-// ImageTensorsBf16, the bits as they are, as views: the rows must outlive the write), and
-// "image.<j>.grid_thw" [3] (always F32). kind "video" names a clip's the same way ("video.<j>. ...").
-void append_image_tensors(std::vector<TensorToWrite>& out, size_t j, const qwen3vl::GridThw& g,
-                          const qwen3vl::VisionConfig& c, const ImageTensors& t, std::string_view kind = "image");
-void append_image_tensors(std::vector<TensorToWrite>& out, size_t j, const qwen3vl::GridThw& g,
-                          const qwen3vl::VisionConfig& c, const ImageTensorsBf16& t, std::string_view kind = "image");
+// The tensors of `encode -o` and of serve's safetensors replies, input by input: "<kind>.<j>.embeddings"
+// [tokens, out_hidden], "<kind>.<j>.deepstack.<k>", "<kind>.<j>.grid_thw" [3] (F32), and for a clip
+// "<kind>.<j>.timestamps" (F32) with its fps and frame indices in the metadata; j counts the inputs
+// of each kind in order. bf16 rows are written as views (they must outlive the write) or widened to
+// F32 (kept here); fp32 rows are moved in.
+class OutputTensors {
+ public:
+  explicit OutputTensors(const qwen3vl::VisionConfig& c) : c_(c) {}
+  // Adds one input's tensors; returns its prefix ("image.0", "video.1") for the caller's metadata.
+  std::string add(InputKind kind, const qwen3vl::GridThw& g, const Bf16Rows& rows, bool widen = false,
+                  const std::optional<ClipSampling>& clip = {});
+  std::string add(InputKind kind, const qwen3vl::GridThw& g, F32Rows&& rows, const std::optional<ClipSampling>& clip = {});
+  const std::vector<TensorToWrite>& tensors() const { return tensors_; }
+  size_t bytes() const;  // of the tensors' data
+  std::map<std::string, std::string> meta;  // the file's metadata (clip extras are added here)
+
+ private:
+  std::string prefix(InputKind kind, const std::optional<ClipSampling>& clip);  // "<kind>.<j>", clip metadata added
+  void add_grid_and_times(const std::string& p, const qwen3vl::GridThw& g, const std::optional<ClipSampling>& clip);
+  const qwen3vl::VisionConfig& c_;
+  std::vector<TensorToWrite> tensors_;
+  size_t count_[2] = {0, 0};                 // inputs added, by kind
+  std::deque<std::vector<float>> owned_;     // widened rows and timestamps, alive until the write
+};
 
 }  // namespace fovea

@@ -1,5 +1,5 @@
-// fovea/serve.h: `fovea serve`, an HTTP front end (src/server/http.h: Boost.Asio + Beast) over a
-// batching worker that owns the encoder (src/server/batcher.h).
+// fovea/serve.h: `fovea serve`'s options and entry point: an HTTP front end (src/server/http.h) over
+// one batching worker per encoder replica (src/server/batcher.h).
 //   POST /v1/encode   images and video clips (data URLs, base64, or OpenAI image_url / video_url
 //                     content parts; clips and images packed into the same forwards) -> visual tokens
 //                     as JSON (bf16 base64 or float lists) or, with Accept: application/octet-stream,

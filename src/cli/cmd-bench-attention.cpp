@@ -1,16 +1,15 @@
 // fovea bench attention: accuracy (and time) of attention backends against the fp64 reference on a
 // packed varlen batch. With --device cpu it measures the CPU emulations of the BF16 and FP8 kernels:
 // the accuracy oracle the GPU backends plug into.
-#include <chrono>
-#include <sstream>
-
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include "cli/commands.h"
-#include "fovea/error.h"
 #include "fovea/bf16.h"
+#include "fovea/clock.h"
+#include "fovea/error.h"
 #include "fovea/io.h"
+#include "fovea/lists.h"
 #include "fovea/random.h"
 #include "fovea/rope.h"
 
@@ -57,9 +56,7 @@ constexpr Fp8Scheme kFp8Schemes[] = {
 
 std::vector<Fp8Scheme> parse_schemes(const std::string& s) {
   std::vector<Fp8Scheme> out;
-  std::stringstream ss(s);
-  std::string item;
-  while (std::getline(ss, item, ',')) {
+  for (const std::string& item : split_list(s)) {
     const Fp8Scheme* found = nullptr;
     for (const Fp8Scheme& f : kFp8Schemes)
       if (item == f.name) found = &f;
@@ -70,38 +67,9 @@ std::vector<Fp8Scheme> parse_schemes(const std::string& s) {
   return out;
 }
 
-std::vector<std::string> split_list(const std::string& s) {
-  std::vector<std::string> out;
-  std::stringstream ss(s);
-  std::string item;
-  while (std::getline(ss, item, ',')) out.push_back(item);
-  return out;
-}
-
-std::vector<int> parse_int_list(const std::string& s, const char* flag) {
-  std::vector<int> out;
-  std::stringstream ss(s);
-  std::string item;
-  while (std::getline(ss, item, ',')) {
-    size_t used = 0;
-    int v = 0;
-    try {
-      v = std::stoi(item, &used);
-    } catch (const std::exception&) {
-      used = 0;
-    }
-    if (used != item.size() || item.empty() || v < 1) fail("{}: '{}' is not a positive integer", flag, item);
-    out.push_back(v);
-  }
-  if (out.empty()) fail("{}: empty list", flag);
-  return out;
-}
-
 std::vector<AttnDtype> parse_dtypes(const std::string& s) {
   std::vector<AttnDtype> out;
-  std::stringstream ss(s);
-  std::string item;
-  while (std::getline(ss, item, ',')) {
+  for (const std::string& item : split_list(s)) {
     const auto d = parse_dtype(item);
     if (!d || *d == AttnDtype::AUTO) fail("--dtype: '{}' is not bf16 or fp8", item);
     out.push_back(*d);
@@ -123,7 +91,7 @@ int run_bench(const Args& a) {
   if (a.heads < 1) fail("--heads must be >= 1, got {}", a.heads);
   if (a.head_dim < 1) fail("--head-dim must be >= 1, got {}", a.head_dim);
   const std::vector<AttnDtype> dtypes = parse_dtypes(a.dtypes);
-  const std::vector<int> seqlens = parse_int_list(a.seqlens, "--seqlens");
+  const std::vector<int> seqlens = parse_int_list(a.seqlens, "--seqlens", 1);
   const VarlenShape shape = varlen_from_seqlens(seqlens, a.heads, a.head_dim);
 
   // Q, K, V as one fused [N, 3, H, hd] buffer (how the encoder's qkv GEMM lays them out); bf16 values.
@@ -141,11 +109,10 @@ int run_bench(const Args& a) {
   fmt::print("fovea bench attention | device cpu | seqlens {} ({} segments, {} tokens) | heads {} | head_dim {} | "
              "dist {} | seed {}\n",
              a.seqlens, shape.num_segments(), N, H, hd, a.dist, a.seed);
-  using clock = std::chrono::steady_clock;
   auto timed = [&](const cpu::RefOptions& o, std::vector<double>& out) {
-    const auto t0 = clock::now();
+    const Clock::time_point t0 = Clock::now();
     cpu::attention(shape, q, k, v, o, out.data());
-    return std::chrono::duration<double, std::milli>(clock::now() - t0).count();
+    return ms_since(t0);
   };
   std::vector<double> ref(size_t(N * H * hd)), out(ref.size());
   cpu::RefOptions exact;

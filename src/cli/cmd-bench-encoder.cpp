@@ -1,16 +1,16 @@
 // fovea bench encoder MODEL: the GPU encoder forward at standard resolutions, BF16 and FP8 (dynamic
 // and static scales), timed as CUDA-graph replays (kernels only), medians of CUDA-event timings.
 #include <algorithm>
-#include <chrono>
-#include <sstream>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include "cli/commands.h"
+#include "fovea/clock.h"
 #include "fovea/encoder.h"
 #include "fovea/error.h"
 #include "fovea/io.h"
+#include "fovea/lists.h"
 #include "fovea/random.h"
 
 #if FOVEA_HAVE_CUDA
@@ -39,15 +39,6 @@ const std::vector<std::tuple<std::string, std::string, qwen3vl::GridThw>> kResol
     {"4K", "2160x3840 -> 2176x3840", {1, 136, 240}},
 };
 
-std::vector<std::string> split(const std::string& s) {
-  std::vector<std::string> out;
-  std::stringstream ss(s);
-  std::string item;
-  while (std::getline(ss, item, ','))
-    if (!item.empty()) out.push_back(item);
-  return out;
-}
-
 #if FOVEA_HAVE_CUDA
 
 int run(const Args& a) {
@@ -56,7 +47,7 @@ int run(const Args& a) {
     fail("bench encoder needs the FOVEA backend: {}", *why);
   if (a.images < 1) fail("--images-per-request must be >= 1, got {}", a.images);
   if (a.reps < 1) fail("--reps must be >= 1, got {}", a.reps);
-  const auto modes = split(a.modes);
+  const auto modes = split_list(a.modes);
   // A mode is an attention mode, optionally with "+fp8-linears" (the blocks' linears in FP8).
   constexpr std::string_view kLinears = "+fp8-linears";
   auto attention_mode = [&](const std::string& m) {
@@ -68,16 +59,16 @@ int run(const Args& a) {
       fail("--dtype: '{}' is not one of bf16, cudnn-bf16, fp8-dynamic, fp8-static, fp8-robust, each optionally followed by "
            "+fp8-linears", m);
   std::vector<std::tuple<std::string, std::string, qwen3vl::GridThw>> res;
-  for (const auto& r : split(a.resolutions)) {
+  for (const auto& r : split_list(a.resolutions)) {
     auto it = std::find_if(kResolutions.begin(), kResolutions.end(), [&](const auto& x) { return std::get<0>(x) == r; });
     if (it == kResolutions.end()) fail("--resolutions: '{}' is not one of HD, FullHD, QHD, 4K", r);
     res.push_back(*it);
   }
-  const auto t0 = std::chrono::steady_clock::now();
+  const Clock::time_point t0 = Clock::now();
   const qwen3vl::Model model = qwen3vl::load_model(a.model);
   fmt::print("fovea bench encoder | {} | {} ({} blocks, hidden {}, head_dim {}) | {} images per request | loaded in {:.1f} s\n",
              sys.gpus.at(0).name, a.model, model.config.depth, model.config.hidden, model.config.head_dim(), a.images,
-             std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+             seconds_since(t0));
   fmt::print("{:<7} | {:>7} | {:<23} | {:>10} | {:>8}\n", "res", "tokens", "mode", "median ms", "x bf16");
   cudaStream_t s;
   FOVEA_CUDA_CHECK(cudaStreamCreate(&s));

@@ -1,8 +1,9 @@
-// The image-batch steps of fovea/pipeline.h: decode + preprocess in parallel, pack, split, and the
-// per-image output tensors.
+// The forward-shaped steps of fovea/pipeline.h: packing inputs into forwards, a varlen batch, the
+// outputs cut back into inputs, and each input's tensors.
 #include <bit>
-#include <chrono>
 #include <cstring>
+
+#include <fmt/format.h>
 
 #include "fovea/bf16.h"
 #include "fovea/error.h"
@@ -11,44 +12,22 @@
 
 namespace fovea {
 
-int64_t image_tokens(const qwen3vl::VisionConfig& c, const qwen3vl::GridThw& g) {
-  return int64_t(g[0]) * g[1] * g[2] / (int64_t(c.merge) * c.merge);
+bool ForwardPacker::take(int64_t tokens) {
+  if (inputs_ > 0 && tokens_ + tokens > max_) return false;
+  tokens_ += tokens;
+  inputs_ += 1;
+  return true;
 }
 
-std::string PreparedImage::error_message() const {
-  if (!error) return {};
-  try {
-    std::rethrow_exception(error);
-  } catch (const std::exception& e) {
-    return e.what();
-  } catch (...) {
-    return "unknown exception";
+std::vector<std::pair<size_t, size_t>> pack_forwards(std::span<const int64_t> tokens, int64_t max_tokens) {
+  std::vector<std::pair<size_t, size_t>> out;
+  for (size_t b = 0; b < tokens.size();) {
+    ForwardPacker f(max_tokens);
+    size_t e = b;
+    while (e < tokens.size() && f.take(tokens[e])) ++e;
+    out.emplace_back(b, e);
+    b = e;
   }
-}
-
-std::vector<PreparedImage> prepare_images(size_t n, const std::function<image::Rgb8(size_t)>& decode,
-                                          const image::PreprocessConfig& cfg, const std::function<void(size_t)>& done,
-                                          bool raw) {
-  using clock = std::chrono::steady_clock;
-  const auto ms_since = [](clock::time_point t) {
-    return std::chrono::duration<double, std::milli>(clock::now() - t).count();
-  };
-  std::vector<PreparedImage> out(n);
-  parallel_for(int64_t(n), [&](int64_t k) {
-    PreparedImage& p = out[size_t(k)];
-    try {
-      const auto t = clock::now();
-      const image::Rgb8 img = decode(size_t(k));
-      p.decode_ms = ms_since(t);
-      const auto t2 = clock::now();
-      p.patches = image::preprocess(img, cfg, raw);
-      p.preprocess_ms = ms_since(t2);
-    } catch (...) {
-      p.patches = {};
-      p.error = std::current_exception();
-    }
-    if (done) done(size_t(k));
-  });
   return out;
 }
 
@@ -60,112 +39,67 @@ void Batch::add(image::Patches&& p) {
 
 int64_t Batch::tokens(const qwen3vl::VisionConfig& c) const {
   int64_t t = 0;
-  for (const auto& g : grids) t += image_tokens(c, g);
+  for (const auto& g : grids) t += visual_tokens(c, g);
   return t;
 }
 
+Bf16Rows rows_of(const EncoderOutputsBf16& out) {
+  Bf16Rows v{out.merged, {}};
+  for (const auto& d : out.deepstack) v.deepstack.emplace_back(d);
+  return v;
+}
+
 namespace {
-// Throws unless every output in `out` (EncoderOutputs or EncoderOutputsView) holds exactly the rows
-// of the images (grids as in the batch).
+// Throws unless every output in `out` (EncoderOutputs or Bf16Rows) holds exactly the rows of the
+// inputs (grids as in the forward).
 template <class Outputs>
 void check_rows(const Outputs& out, const std::vector<qwen3vl::GridThw>& grids, const qwen3vl::VisionConfig& c) {
   const size_t O = size_t(c.out_hidden);
   size_t rows = 0;
-  for (const auto& g : grids) rows += size_t(image_tokens(c, g));
+  for (const auto& g : grids) rows += size_t(visual_tokens(c, g));
   if (out.merged.size() != rows * O)
-    fail("split_images: the encoder gave {} values for {} images of {} visual tokens x {}", out.merged.size(),
+    fail("split_inputs: the encoder gave {} values for {} inputs of {} visual tokens x {}", out.merged.size(),
          grids.size(), rows, O);
   for (const auto& d : out.deepstack)
-    if (d.size() != rows * O) fail("split_images: a deepstack output has {} values, not {}", d.size(), rows * O);
+    if (d.size() != rows * O) fail("split_inputs: a deepstack output has {} values, not {}", d.size(), rows * O);
+}
+
+// Calls cut(i, first value, values) for each input's rows.
+template <class F>
+void for_each_input(const std::vector<qwen3vl::GridThw>& grids, const qwen3vl::VisionConfig& c, F&& cut) {
+  size_t at = 0;
+  for (size_t i = 0; i < grids.size(); ++i) {
+    const size_t n = size_t(visual_tokens(c, grids[i])) * size_t(c.out_hidden);
+    cut(i, at, n);
+    at += n;
+  }
 }
 }  // namespace
 
-std::vector<ImageTensors> split_images(EncoderOutputs&& out, const std::vector<qwen3vl::GridThw>& grids,
-                                       const qwen3vl::VisionConfig& c) {
+std::vector<Bf16Rows> split_inputs(const Bf16Rows& out, const std::vector<qwen3vl::GridThw>& grids,
+                                   const qwen3vl::VisionConfig& c) {
   check_rows(out, grids, c);
-  const size_t O = size_t(c.out_hidden);
-  std::vector<ImageTensors> images(grids.size());
-  size_t row = 0;
-  for (size_t i = 0; i < grids.size(); ++i) {
-    const size_t tokens = size_t(image_tokens(c, grids[i]));
-    const auto rows_of = [&](const std::vector<float>& v) {
-      return std::vector<float>(v.begin() + long(row * O), v.begin() + long((row + tokens) * O));
+  std::vector<Bf16Rows> inputs(grids.size());
+  for_each_input(grids, c, [&](size_t i, size_t at, size_t n) {
+    inputs[i].merged = out.merged.subspan(at, n);
+    for (const auto& d : out.deepstack) inputs[i].deepstack.push_back(d.subspan(at, n));
+  });
+  return inputs;
+}
+
+std::vector<F32Rows> split_inputs(EncoderOutputs&& out, const std::vector<qwen3vl::GridThw>& grids,
+                                  const qwen3vl::VisionConfig& c) {
+  check_rows(out, grids, c);
+  std::vector<F32Rows> inputs(grids.size());
+  for_each_input(grids, c, [&](size_t i, size_t at, size_t n) {
+    const auto cut = [&](const std::vector<float>& v) {
+      return std::vector<float>(v.begin() + long(at), v.begin() + long(at + n));
     };
-    images[i].merged = rows_of(out.merged);
-    for (const auto& d : out.deepstack) images[i].deepstack.push_back(rows_of(d));
-    row += tokens;
-  }
+    inputs[i].merged = cut(out.merged);
+    for (const auto& d : out.deepstack) inputs[i].deepstack.push_back(cut(d));
+  });
   out = {};
-  return images;
-}
-
-std::vector<ImageTensorsBf16> split_images(const EncoderOutputsBf16& out, const std::vector<qwen3vl::GridThw>& grids,
-                                           const qwen3vl::VisionConfig& c) {
-  EncoderOutputsView v{out.merged, {}};
-  for (const auto& d : out.deepstack) v.deepstack.emplace_back(d);
-  return split_images(v, grids, c);
-}
-
-std::vector<ImageTensorsBf16> split_images(const EncoderOutputsView& out, const std::vector<qwen3vl::GridThw>& grids,
-                                           const qwen3vl::VisionConfig& c) {
-  check_rows(out, grids, c);
-  const size_t O = size_t(c.out_hidden);
-  std::vector<ImageTensorsBf16> images(grids.size());
-  size_t row = 0;
-  for (size_t i = 0; i < grids.size(); ++i) {
-    const size_t tokens = size_t(image_tokens(c, grids[i]));
-    const auto rows_of = [&](std::span<const uint16_t> v) { return v.subspan(row * O, tokens * O); };
-    images[i].merged = rows_of(out.merged);
-    for (const auto& d : out.deepstack) images[i].deepstack.push_back(rows_of(d));
-    row += tokens;
-  }
-  return images;
-}
-
-namespace {
-static_assert(std::endian::native == std::endian::little, "tensors are written as they lie in memory");
-
-template <class T>
-TensorToWrite tensor_of(const std::string& name, DType dtype, std::vector<int64_t> shape, std::span<const T> v,
-                        bool copy) {
-  TensorToWrite t{name, dtype, std::move(shape), {}, {}};
-  if (copy) {
-    t.bytes.resize(v.size_bytes());
-    std::memcpy(t.bytes.data(), v.data(), v.size_bytes());
-  } else {
-    t.view = std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(v.data()), v.size_bytes());
-  }
-  return t;
-}
-
-// T: float (F32) or bf16 bits (BF16); copy = false writes views of merged and deepstack.
-template <class T>
-void append_tensors(std::vector<TensorToWrite>& out, size_t j, const qwen3vl::GridThw& g, const qwen3vl::VisionConfig& c,
-                    DType dtype, std::span<const T> merged, const std::vector<std::span<const T>>& deepstack, bool copy,
-                    std::string_view kind) {
-  const std::string p = std::string(kind) + "." + std::to_string(j);
-  const int64_t tokens = image_tokens(c, g);
-  const size_t n = size_t(tokens) * size_t(c.out_hidden);
-  if (merged.size() != n) fail("image {}: {} embedding values, not {} x {}", j, merged.size(), tokens, c.out_hidden);
-  out.push_back(tensor_of(p + ".embeddings", dtype, {tokens, c.out_hidden}, merged, copy));
-  for (size_t k = 0; k < deepstack.size(); ++k) {
-    if (deepstack[k].size() != n) fail("image {}: deepstack {} has {} values, not {}", j, k, deepstack[k].size(), n);
-    out.push_back(tensor_of(p + ".deepstack." + std::to_string(k), dtype, {tokens, c.out_hidden}, deepstack[k], copy));
-  }
-  const float gf[3] = {float(g[0]), float(g[1]), float(g[2])};
-  out.push_back(tensor_of(p + ".grid_thw", DType::F32, {3}, std::span<const float>(gf), true));
-}
-}  // namespace
-
-void append_image_tensors(std::vector<TensorToWrite>& out, size_t j, const qwen3vl::GridThw& g,
-                          const qwen3vl::VisionConfig& c, const ImageTensors& t, std::string_view kind) {
-  const std::vector<std::span<const float>> deepstack(t.deepstack.begin(), t.deepstack.end());
-  append_tensors<float>(out, j, g, c, DType::F32, t.merged, deepstack, true, kind);
-}
-
-void append_image_tensors(std::vector<TensorToWrite>& out, size_t j, const qwen3vl::GridThw& g,
-                          const qwen3vl::VisionConfig& c, const ImageTensorsBf16& t, std::string_view kind) {
-  append_tensors<uint16_t>(out, j, g, c, DType::BF16, t.merged, t.deepstack, false, kind);  // views: no copy
+  return inputs;
 }
 
 std::vector<float> widen_bf16(std::span<const uint16_t> v) {
@@ -174,6 +108,94 @@ std::vector<float> widen_bf16(std::span<const uint16_t> v) {
     for (int64_t i = lo; i < hi; ++i) f[size_t(i)] = bf16_to_float(v[size_t(i)]);
   });
   return f;
+}
+
+// ---- OutputTensors ---------------------------------------------------------------------------------
+
+namespace {
+static_assert(std::endian::native == std::endian::little, "tensors are written as they lie in memory");
+
+template <class T>
+TensorToWrite view_of(const std::string& name, DType dtype, std::vector<int64_t> shape, std::span<const T> v) {
+  TensorToWrite t{name, dtype, std::move(shape), {}, {}};
+  t.view = std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(v.data()), v.size_bytes());
+  return t;
+}
+
+// One input's embeddings and deepstack outputs, checked against its grid, as views.
+template <class T>
+void append_rows(std::vector<TensorToWrite>& out, const std::string& p, const qwen3vl::GridThw& g,
+                 const qwen3vl::VisionConfig& c, DType dtype, std::span<const T> merged,
+                 const std::vector<std::span<const T>>& deepstack) {
+  const int64_t tokens = visual_tokens(c, g);
+  const size_t n = size_t(tokens) * size_t(c.out_hidden);
+  if (merged.size() != n) fail("{}: {} embedding values, not {} x {}", p, merged.size(), tokens, c.out_hidden);
+  out.push_back(view_of(p + ".embeddings", dtype, {tokens, c.out_hidden}, merged));
+  for (size_t k = 0; k < deepstack.size(); ++k) {
+    if (deepstack[k].size() != n) fail("{}: deepstack {} has {} values, not {}", p, k, deepstack[k].size(), n);
+    out.push_back(view_of(p + ".deepstack." + std::to_string(k), dtype, {tokens, c.out_hidden}, deepstack[k]));
+  }
+}
+}  // namespace
+
+std::string OutputTensors::prefix(InputKind kind, const std::optional<ClipSampling>& clip) {
+  const std::string p = fmt::format("{}.{}", input_kind_name(kind), count_[size_t(kind)]++);
+  if (clip) {
+    meta[p + ".fps"] = fmt::format("{}", clip->fps);
+    meta[p + ".frame_indices"] = fmt::format("[{}]", fmt::join(clip->frame_indices, ", "));
+  }
+  return p;
+}
+
+std::string OutputTensors::add(InputKind kind, const qwen3vl::GridThw& g, const Bf16Rows& rows, bool widen,
+                               const std::optional<ClipSampling>& clip) {
+  if (!widen) {
+    const std::string p = prefix(kind, clip);
+    append_rows<uint16_t>(tensors_, p, g, c_, DType::BF16, rows.merged, rows.deepstack);
+    add_grid_and_times(p, g, clip);
+    return p;
+  }
+  owned_.push_back(widen_bf16(rows.merged));
+  const std::span<const float> merged = owned_.back();
+  std::vector<std::span<const float>> deepstack;
+  for (const auto& d : rows.deepstack) {
+    owned_.push_back(widen_bf16(d));
+    deepstack.emplace_back(owned_.back());
+  }
+  const std::string p = prefix(kind, clip);
+  append_rows<float>(tensors_, p, g, c_, DType::F32, merged, deepstack);
+  add_grid_and_times(p, g, clip);
+  return p;
+}
+
+std::string OutputTensors::add(InputKind kind, const qwen3vl::GridThw& g, F32Rows&& rows,
+                               const std::optional<ClipSampling>& clip) {
+  owned_.push_back(std::move(rows.merged));
+  const std::span<const float> merged = owned_.back();
+  std::vector<std::span<const float>> deepstack;
+  for (auto& d : rows.deepstack) {
+    owned_.push_back(std::move(d));
+    deepstack.emplace_back(owned_.back());
+  }
+  const std::string p = prefix(kind, clip);
+  append_rows<float>(tensors_, p, g, c_, DType::F32, merged, deepstack);
+  add_grid_and_times(p, g, clip);
+  return p;
+}
+
+void OutputTensors::add_grid_and_times(const std::string& p, const qwen3vl::GridThw& g,
+                                       const std::optional<ClipSampling>& clip) {
+  owned_.push_back({float(g[0]), float(g[1]), float(g[2])});
+  tensors_.push_back(view_of<float>(p + ".grid_thw", DType::F32, {3}, owned_.back()));
+  if (!clip) return;
+  owned_.emplace_back(clip->timestamps.begin(), clip->timestamps.end());
+  tensors_.push_back(view_of<float>(p + ".timestamps", DType::F32, {int64_t(owned_.back().size())}, owned_.back()));
+}
+
+size_t OutputTensors::bytes() const {
+  size_t n = 0;
+  for (const TensorToWrite& t : tensors_) n += t.data().size();
+  return n;
 }
 
 }  // namespace fovea

@@ -77,7 +77,7 @@ std::string ec_key_problem(std::string_view key) {
   return "";
 }
 
-std::vector<uint16_t> ec_cache_rows(const ImageTensorsBf16& t, int out_hidden) {
+std::vector<uint16_t> ec_cache_rows(const Bf16Rows& t, int out_hidden) {
   const size_t O = size_t(out_hidden), parts = 1 + t.deepstack.size(), W = O * parts;
   if (O == 0 || t.merged.size() % O != 0) fail("encoder cache: {} values are not rows of {}", t.merged.size(), O);
   const size_t rows = t.merged.size() / O;
@@ -209,7 +209,7 @@ bool EcCache::lookup(const std::string& key) {
   return true;
 }
 
-void EcCache::store(const std::string& key, const ImageTensorsBf16& t, const qwen3vl::GridThw& grid,
+void EcCache::store(const std::string& key, const Bf16Rows& t, const qwen3vl::GridThw& grid,
                     const qwen3vl::VisionConfig& c) {
   if (const std::string why = ec_key_problem(key); !why.empty()) fail("encoder cache key {}: {}", quote_for_error(key), why);
   const std::vector<uint16_t> rows = ec_cache_rows(t, c.out_hidden);
@@ -237,7 +237,10 @@ void EcCache::store(const std::string& key, const ImageTensorsBf16& t, const qwe
   evict_over_budget(key);
 }
 
-std::vector<uint16_t> EcCache::load(const std::string& key, int64_t tokens, int64_t width) const {
+EcEntry EcCache::load(const std::string& key, const qwen3vl::GridThw& grid, const qwen3vl::VisionConfig& c,
+                      bool with_deepstack) const {
+  const int64_t tokens = visual_tokens(c, grid), O = c.out_hidden, parts = 1 + int64_t(c.deepstack.size());
+  const int64_t width = O * parts;
   const std::string path = path_of(key);
   const std::string bytes = read_file(path, "encoder cache file", size_t(tokens * width * 2) + (1 << 20));
   const std::vector<TensorInfo> ts = parse_safetensors(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size(), path);
@@ -247,9 +250,18 @@ std::vector<uint16_t> EcCache::load(const std::string& key, int64_t tokens, int6
   if (t.dtype != DType::BF16 || t.shape != std::vector<int64_t>{tokens, width})
     fail("encoder cache file '{}': '{}' is {} [{}], not BF16 [{}, {}]", path, kEcCacheTensor, dtype_str(t.dtype),
          fmt::join(t.shape, ", "), tokens, width);
-  std::vector<uint16_t> out(size_t(tokens * width));
-  std::memcpy(out.data(), t.data, out.size() * 2);
-  return out;
+  // Row r holds part p at columns [p * O, (p + 1) * O); the entry holds part p's rows one after another.
+  const int64_t kept = with_deepstack ? parts : 1;
+  const auto* all = reinterpret_cast<const uint16_t*>(t.data);
+  EcEntry e;
+  e.values.resize(size_t(tokens * O * kept));
+  for (int64_t p = 0; p < kept; ++p)
+    for (int64_t r = 0; r < tokens; ++r)
+      std::memcpy(e.values.data() + (p * tokens + r) * O, all + r * width + p * O, size_t(O) * 2);
+  const std::span<const uint16_t> v(e.values);
+  e.rows.merged = v.subspan(0, size_t(tokens * O));
+  for (int64_t p = 1; p < kept; ++p) e.rows.deepstack.push_back(v.subspan(size_t(p * tokens * O), size_t(tokens * O)));
+  return e;
 }
 
 EcCache::Stats EcCache::stats() const {

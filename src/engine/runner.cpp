@@ -1,9 +1,9 @@
 // EncoderRunner (fovea/pipeline.h): the CPU or GPU encoder forward the engine configuration selects,
 // pipelined on the GPU (start() enqueues, finish() waits for the oldest batch).
-#include <chrono>
 #include <cstring>
 
 #include "fovea/bf16.h"
+#include "fovea/clock.h"
 #include "fovea/encoder.h"
 #include "fovea/error.h"
 #include "fovea/pipeline.h"
@@ -15,21 +15,9 @@
 namespace fovea {
 
 namespace {
-using clock_type = std::chrono::steady_clock;
 // Milliseconds since t; t moves to now.
-double lap(clock_type::time_point& t) {
-  const auto now = clock_type::now();
-  const double ms = std::chrono::duration<double, std::milli>(now - t).count();
-  t = now;
-  return ms;
-}
+double lap(Clock::time_point& t) { return ms_since(std::exchange(t, Clock::now())); }
 
-constexpr int64_t kConvertGrain = 1 << 16;
-void to_bf16(const float* v, size_t count, uint16_t* out) {
-  parallel_ranges(int64_t(count), kConvertGrain, [&](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i) out[i] = bf16_from_float(v[i]);
-  });
-}
 std::vector<uint16_t> narrow(const std::vector<float>& v) {
   std::vector<uint16_t> b(v.size());
   to_bf16(v.data(), v.size(), b.data());
@@ -51,19 +39,11 @@ struct EncoderRunner::Flight {
   std::optional<qwen3vl::ForwardResult> cpu;
 #if FOVEA_HAVE_CUDA
   int64_t ticket = -1;
-  cudaEvent_t ev[4] = {};  // GPU only: before the upload, after it, after the forward, after the copy back
+  std::vector<cuda::Event> ev;  // GPU only: before the upload, after it, after the forward, after the copy back
   void make_events() {
-    for (auto& e : ev) FOVEA_CUDA_CHECK(cudaEventCreate(&e));
+    for (int i = 0; i < 4; ++i) ev.emplace_back();
   }
-  ~Flight() {
-    for (auto& e : ev)
-      if (e) cudaEventDestroy(e);
-  }
-  double between(int a, int b) const {
-    float ms = 0;
-    FOVEA_CUDA_CHECK(cudaEventElapsedTime(&ms, ev[a], ev[b]));
-    return ms;
-  }
+  double between(int a, int b) const { return ev[size_t(b)].ms_since(ev[size_t(a)]); }
 #endif
 };
 
@@ -98,7 +78,7 @@ void EncoderRunner::start_cpu(const Batch& batch, bool with_deepstack) {
   if (flights_.size() >= kInFlight) fail("encoder: {} batches started and not finished", flights_.size());
   auto f = std::make_unique<Flight>();
   f->with_deepstack = with_deepstack;
-  auto t = clock_type::now();
+  auto t = Clock::now();
   qwen3vl::ForwardOptions o;
   o.attention = cfg_.dtype == AttnDtype::FP8 ? cpu::RefMode::FP8 : cpu::RefMode::BF16;
   o.scales = book();
@@ -119,7 +99,7 @@ void EncoderRunner::start_gpu(const std::vector<qwen3vl::GridThw>& grids, bool w
   f->make_events();
   auto& enc = gpu_->enc;
   cudaStream_t s = nullptr;
-  auto t = clock_type::now();
+  auto t = Clock::now();
   enc.plan(grids, s);
   f->host.plan = lap(t);
   pack(raw ? static_cast<void*>(enc.raw_staging()) : enc.pixel_staging());
@@ -145,7 +125,7 @@ void EncoderRunner::start(const Batch& batch, bool with_deepstack) {
 }
 
 void EncoderRunner::start(const std::vector<const image::Patches*>& images, bool with_deepstack) {
-  if (images.empty()) fail("encoder: a batch of no images");
+  if (images.empty()) fail("encoder: a batch of no inputs");
   // Raw uint8 patches are uploaded as they are only when the whole batch is raw and normalized
   // alike; a batch that also holds fp32 patches (a video clip's: its frames differ within each
   // temporal patch, which the raw form cannot hold) takes its raw images normalized on the host,
@@ -153,7 +133,7 @@ void EncoderRunner::start(const std::vector<const image::Patches*>& images, bool
   bool raw = true;
   std::vector<qwen3vl::GridThw> grids;
   for (const image::Patches* p : images) {
-    if (p->raw.empty() && p->pixels.empty()) fail("encoder: an image of grid ({}, {}, {}) without pixels", p->grid[0], p->grid[1], p->grid[2]);
+    if (p->raw.empty() && p->pixels.empty()) fail("encoder: an input of grid ({}, {}, {}) without pixels", p->grid[0], p->grid[1], p->grid[2]);
     raw = raw && !p->raw.empty() && std::memcmp(&p->norm, &images[0]->norm, sizeof p->norm) == 0;
     grids.push_back(p->grid);
   }
@@ -198,13 +178,16 @@ void EncoderRunner::finish_oldest(const std::function<void(qwen3vl::ForwardResul
   std::unique_ptr<Flight> f = std::move(flights_.front());
   flights_.pop_front();
   timings_ = f->host;
-  if (f->cpu) return cpu(*f->cpu, f->with_deepstack);
+  if (f->cpu) {
+    cpu(*f->cpu, f->with_deepstack);
+    return calibrate();
+  }
 #if FOVEA_HAVE_CUDA
   FOVEA_CUDA_CHECK(cudaEventSynchronize(f->ev[3]));  // the batch is done on the GPU
-  auto t = clock_type::now();
+  auto t = Clock::now();
   gpu(f->ticket);
   const double unpack = lap(t);
-  if (book_ && book_->mode() == ScaleMode::CALIBRATE) book_->after_forward();  // the rings came back with the outputs
+  calibrate();  // the GPU's amax rings came back with the outputs
   timings_.upload += f->between(0, 1);
   timings_.forward = f->between(1, 2);
   timings_.download = f->between(2, 3) + unpack;
@@ -240,8 +223,12 @@ void EncoderRunner::finish(EncoderOutputsBf16& out) {
                 });
 }
 
-EncoderOutputsView EncoderRunner::finish_views() {
-  EncoderOutputsView view;
+void EncoderRunner::calibrate() {
+  if (book_ && book_->mode() == ScaleMode::CALIBRATE) book_->after_forward();
+}
+
+Bf16Rows EncoderRunner::finish_views() {
+  Bf16Rows view;
   finish_oldest(
       [&](qwen3vl::ForwardResult& r, bool ds) {
         narrow_into(cpu_views_, r, ds);
@@ -265,16 +252,35 @@ EncoderOutputs EncoderRunner::run(const Batch& batch, bool with_deepstack) {
   EncoderOutputs out;
   if (!gpu_) {  // the CPU's fp32 as computed
     start_cpu(batch, with_deepstack);
-    std::unique_ptr<Flight> f = std::move(flights_.back());
-    flights_.pop_back();
-    timings_ = f->host;
-    out.merged = std::move(f->cpu->merged);
-    if (with_deepstack) out.deepstack = std::move(f->cpu->deepstack);
+    finish_oldest(
+        [&](qwen3vl::ForwardResult& r, bool ds) {
+          out.merged = std::move(r.merged);
+          if (ds) out.deepstack = std::move(r.deepstack);
+        },
+        {});
     return out;
   }
   EncoderOutputsBf16 b = run_bf16(batch, with_deepstack);
   out.merged = widen_bf16(b.merged);
   for (const auto& d : b.deepstack) out.deepstack.push_back(widen_bf16(d));
+  return out;
+}
+
+EncoderOutputs EncoderRunner::run(const std::vector<const image::Patches*>& inputs, bool with_deepstack) {
+  if (!gpu_) {  // the CPU's fp32 as computed, from fp32 patches (raw ones normalized exactly)
+    Batch b;
+    for (const image::Patches* p : inputs) {
+      image::Patches fp32 = *p;
+      if (fp32.pixels.empty()) image::normalize_raw(fp32);
+      b.add(std::move(fp32));
+    }
+    return run(b, with_deepstack);
+  }
+  if (!flights_.empty()) fail("encoder: run() with {} batches started and not finished", flights_.size());
+  start(inputs, with_deepstack);
+  const Bf16Rows v = finish_views();
+  EncoderOutputs out{widen_bf16(v.merged), {}};
+  for (const auto& d : v.deepstack) out.deepstack.push_back(widen_bf16(d));
   return out;
 }
 

@@ -11,12 +11,6 @@
 
 namespace fovea::server {
 
-namespace {
-double ms_between(Clock::time_point a, Clock::time_point b) {
-  return std::chrono::duration<double, std::milli>(b - a).count();
-}
-}  // namespace
-
 Batcher::Batcher(const qwen3vl::Model& model, const EngineConfig& cfg, const std::vector<ReplicaSpec>& replicas,
                  size_t max_queue, int64_t max_queue_tokens, int64_t max_batch_tokens)
     : model_(model), cfg_(cfg), max_queue_(max_queue), max_queue_tokens_(max_queue_tokens),
@@ -54,14 +48,14 @@ Batcher::Batcher(const qwen3vl::Model& model, const EngineConfig& cfg, const std
 
 Batcher::~Batcher() { stop(); }
 
-std::shared_ptr<Job> Batcher::submit(std::vector<image::Patches> images, bool deepstack, std::string& refused) {
+std::shared_ptr<Job> Batcher::submit(std::vector<image::Patches> inputs, bool deepstack, std::string& refused) {
   auto job = std::make_shared<Job>();
   job->deepstack = deepstack;
-  job->outputs.resize(images.size());
-  job->images = std::move(images);
+  job->outputs.resize(inputs.size());
+  job->inputs = std::move(inputs);
   job->submitted = Clock::now();
   int64_t tokens = 0;
-  for (const auto& im : job->images) tokens += image_tokens(model_.config, im.grid);
+  for (const auto& p : job->inputs) tokens += visual_tokens(model_.config, p.grid);
   {
     std::lock_guard lk(mu_);
     if (stopping_) {
@@ -91,7 +85,7 @@ std::shared_ptr<Job> Batcher::submit(std::vector<image::Patches> images, bool de
 Batcher::Wait Batcher::wait(Job& job, Clock::time_point deadline, std::string& error) {
   std::unique_lock lk(mu_);
   const bool finished =
-      done_.wait_until(lk, deadline, [&] { return job.done == job.images.size() || !job.error.empty(); });
+      done_.wait_until(lk, deadline, [&] { return job.done == job.inputs.size() || !job.error.empty(); });
   if (!finished) {
     job.abandoned = true;  // a forward running it finishes; nothing else of it runs
     std::erase_if(queue_, [&](const std::shared_ptr<Job>& j) { return j.get() == &job; });  // frees its queue slot now
@@ -117,7 +111,7 @@ size_t Batcher::queue_depth() const {
 }
 
 uint64_t Batcher::forwards() const { return total([](const Replica& r) { return r.forwards.load(); }); }
-uint64_t Batcher::images_encoded() const { return total([](const Replica& r) { return r.images.load(); }); }
+uint64_t Batcher::inputs_encoded() const { return total([](const Replica& r) { return r.inputs.load(); }); }
 uint64_t Batcher::tokens_encoded() const { return total([](const Replica& r) { return r.tokens.load(); }); }
 double Batcher::forward_seconds() const {
   return double(total([](const Replica& r) { return r.forward_us.load(); })) / 1e6;
@@ -132,7 +126,7 @@ std::vector<ReplicaState> Batcher::replicas() const {
   std::vector<ReplicaState> out;
   std::lock_guard lk(mu_);
   for (const auto& r : replicas_)
-    out.push_back({r->spec.name, r->up.load(), r->down_reason, r->forwards.load(), r->images.load(), r->tokens.load(),
+    out.push_back({r->spec.name, r->up.load(), r->down_reason, r->forwards.load(), r->inputs.load(), r->tokens.load(),
                    r->failed_forwards.load(), double(r->forward_us.load()) / 1e6});
   return out;
 }
@@ -141,24 +135,22 @@ int64_t Batcher::queued_tokens() const {
   int64_t tokens = 0;
   for (const auto& job : queue_)
     if (!job->abandoned && job->error.empty())
-      for (size_t i = job->next; i < job->images.size(); ++i) tokens += image_tokens(model_.config, job->images[i].grid);
+      for (size_t i = job->next; i < job->inputs.size(); ++i) tokens += visual_tokens(model_.config, job->inputs[i].grid);
   return tokens;
 }
 
 std::vector<Batcher::Slot> Batcher::take_batch() {
   std::vector<Slot> batch;
-  int64_t tokens = 0;
+  ForwardPacker forward(max_batch_tokens_);
   while (!queue_.empty()) {
     const std::shared_ptr<Job>& job = queue_.front();
-    if (job->abandoned || !job->error.empty() || job->next == job->images.size()) {
+    if (job->abandoned || !job->error.empty() || job->next == job->inputs.size()) {
       queue_.pop_front();
       continue;
     }
-    const int64_t t = image_tokens(model_.config, job->images[job->next].grid);
-    if (!batch.empty() && tokens + t > max_batch_tokens_) break;
+    if (!forward.take(visual_tokens(model_.config, job->inputs[job->next].grid))) break;
     batch.push_back({job, job->next++});
-    tokens += t;
-    if (job->next == job->images.size()) queue_.pop_front();
+    if (job->next == job->inputs.size()) queue_.pop_front();
   }
   return batch;
 }
@@ -217,7 +209,7 @@ void Batcher::take_down(Replica& r, const std::string& why) {
 }
 
 std::shared_ptr<EncoderOutputsBf16> Batcher::recycled_outputs(Replica& r) {
-  // A buffer whose images have all been replied to is held by the pool alone (the count cannot rise
+  // A buffer whose inputs have all been replied to is held by the pool alone (the count cannot rise
   // meanwhile: only this thread hands buffers out).
   for (const auto& o : r.pool)
     if (o.use_count() == 1) return o;
@@ -237,14 +229,14 @@ void Batcher::fail_slots(Replica& r, const std::vector<Slot>& slots, const std::
 }
 
 std::optional<Batcher::Started> Batcher::start_batch(Replica& r, EncoderRunner& runner, std::vector<Slot> slots) {
-  // The worker alone reads images and writes outputs of the slots it took; waiters read outputs
-  // only after seeing `done` reach the image count under the mutex.
+  // The worker alone reads inputs and writes outputs of the slots it took; waiters read outputs
+  // only after seeing `done` reach the input count under the mutex.
   Started b;
   b.start = Clock::now();
-  std::vector<const image::Patches*> images;
+  std::vector<const image::Patches*> inputs;
   for (const Slot& s : slots) {
-    const image::Patches& p = s.job->images[s.index];
-    images.push_back(&p);
+    const image::Patches& p = s.job->inputs[s.index];
+    inputs.push_back(&p);
     b.grids.push_back(p.grid);
     b.deepstack = b.deepstack || s.job->deepstack;
   }
@@ -252,7 +244,7 @@ std::optional<Batcher::Started> Batcher::start_batch(Replica& r, EncoderRunner& 
   try {
     if (r.fail_at > 0 && int64_t(r.forwards + r.failed_forwards) + 1 >= r.fail_at)
       fail("FOVEA_TEST_FAIL_REPLICA: replica {} fails its forward {} (test hook)", r.spec.name, r.fail_at);
-    runner.start(images, b.deepstack);
+    runner.start(inputs, b.deepstack);
   } catch (const std::exception& e) {
     error = e.what();
   } catch (...) {
@@ -264,8 +256,8 @@ std::optional<Batcher::Started> Batcher::start_batch(Replica& r, EncoderRunner& 
     return std::nullopt;
   }
   for (const Slot& s : slots) {  // packed: the request keeps no copy
-    std::vector<float>().swap(s.job->images[s.index].pixels);
-    std::vector<uint8_t>().swap(s.job->images[s.index].raw);
+    std::vector<float>().swap(s.job->inputs[s.index].pixels);
+    std::vector<uint8_t>().swap(s.job->inputs[s.index].raw);
   }
   b.slots = std::move(slots);
   return b;
@@ -273,7 +265,7 @@ std::optional<Batcher::Started> Batcher::start_batch(Replica& r, EncoderRunner& 
 
 void Batcher::finish_batch(Replica& r, EncoderRunner& runner, Started& b) {
   int64_t batch_tokens = 0;
-  for (const auto& g : b.grids) batch_tokens += image_tokens(model_.config, g);
+  for (const auto& g : b.grids) batch_tokens += visual_tokens(model_.config, g);
   std::string error;
   std::shared_ptr<EncoderOutputsBf16> out;
   try {
@@ -295,18 +287,18 @@ void Batcher::finish_batch(Replica& r, EncoderRunner& runner, Started& b) {
   const double forward_ms = runner.last_timings().gpu;
   size_t row = 0;
   for (size_t i = 0; i < b.slots.size(); ++i) {
-    ImageOutput& o = b.slots[i].job->outputs[b.slots[i].index];
+    InputResult& o = b.slots[i].job->outputs[b.slots[i].index];
     o.forward = out;
     o.first_row = row;
-    o.tokens = image_tokens(model_.config, b.grids[i]);
+    o.tokens = visual_tokens(model_.config, b.grids[i]);
     row += size_t(o.tokens);
     o.queue_ms = ms_between(b.slots[i].job->submitted, b.start);
     o.forward_ms = forward_ms;
-    o.batch_images = int(b.slots.size());
+    o.batch_inputs = int(b.slots.size());
     o.batch_tokens = batch_tokens;
   }
   r.forwards += 1;
-  r.images += b.slots.size();
+  r.inputs += b.slots.size();
   r.tokens += uint64_t(batch_tokens);
   r.forward_us += uint64_t(forward_ms * 1000);
   {

@@ -1,10 +1,10 @@
 // The batching workers of `fovea serve`: a bounded queue of requests and one worker thread per
 // encoder replica (one per GPU of --devices, or --workers on the CPU). Each worker owns its replica's
 // encoder (fovea/pipeline.h's EncoderRunner: created on that thread, on its device, used by it alone)
-// and packs the images of queued requests, first come first served, into one varlen forward of at
-// most max_batch_tokens visual tokens; the first idle worker takes the next batch. An image is never
-// split; one larger than the limit runs alone. A request's images may spread over several forwards
-// and replicas. Each worker is a two-deep pipeline (EncoderRunner::start / finish): it starts
+// and packs the inputs (images and clips) of queued requests, first come first served, into one
+// varlen forward of at most max_batch_tokens visual tokens (fovea::ForwardPacker); the first idle
+// worker takes the next batch. An input is never split; one larger than the limit runs alone. A
+// request's inputs may spread over several forwards and replicas. Each worker is a two-deep pipeline (EncoderRunner::start / finish): it starts
 // forward n+1 (packing its pixels into pinned memory, enqueueing it behind forward n) before it
 // waits for forward n and hands out its outputs, so its GPU runs back to back.
 // A forward that throws fails the requests in it and takes its replica out of rotation (a forward of
@@ -25,6 +25,7 @@
 #include <thread>
 #include <vector>
 
+#include "fovea/clock.h"
 #include "fovea/engine.h"
 #include "fovea/image.h"
 #include "fovea/model.h"
@@ -32,13 +33,11 @@
 
 namespace fovea::server {
 
-using Clock = std::chrono::steady_clock;
-
-// One image's outputs: its rows of the forward it was in. The forward's bf16 outputs are shared by
-// the images in it (no copy per image); deepstack is there if any job in that forward asked for it.
-struct ImageOutput {
+// One input's outputs: its rows of the forward it was in. The forward's bf16 outputs are shared by
+// the inputs in it (no copy per input); deepstack is there if any job in that forward asked for it.
+struct InputResult {
   std::shared_ptr<const EncoderOutputsBf16> forward;
-  size_t first_row = 0;                       // this image's first row in them
+  size_t first_row = 0;                       // this input's first row in them
   int64_t tokens = 0;                         // its rows
   std::span<const uint16_t> merged(int out_hidden) const { return rows(forward->merged, out_hidden); }
   std::span<const uint16_t> deepstack(size_t k, int out_hidden) const { return rows(forward->deepstack[k], out_hidden); }
@@ -47,21 +46,21 @@ struct ImageOutput {
   }
   double queue_ms = 0;                        // submit -> start of its forward
   double forward_ms = 0;                      // the GPU time of the forward it was part of
-  int batch_images = 0;                       // images in that forward
+  int batch_inputs = 0;                       // inputs in that forward
   int64_t batch_tokens = 0;                   // visual tokens in that forward
 };
 
 // One request in the queue. The worker writes outputs; the waiting thread reads them once done.
 struct Job {
-  std::vector<image::Patches> images;  // as image::preprocess gives them; emptied into the forward
-  std::vector<ImageOutput> outputs;
+  std::vector<image::Patches> inputs;  // as prepare_inputs gives them; emptied into the forward
+  std::vector<InputResult> outputs;
   Clock::time_point submitted;
   bool deepstack = false;  // the client asked for the deepstack features
   // Guarded by the Batcher's mutex:
-  size_t next = 0;         // first image not yet taken into a forward
-  size_t done = 0;         // images finished
-  std::string error;       // set if a forward it was in failed: its other images are dropped
-  bool abandoned = false;  // its client gave up (timeout): images not yet run are dropped
+  size_t next = 0;         // first input not yet taken into a forward
+  size_t done = 0;         // inputs finished
+  std::string error;       // set if a forward it was in failed: its other inputs are dropped
+  bool abandoned = false;  // its client gave up (timeout): inputs not yet run are dropped
 };
 
 // Where an encoder replica runs: a CUDA device (its index) or the CPU (gpu < 0); `name` labels its
@@ -76,7 +75,7 @@ struct ReplicaState {
   std::string name;
   bool up = false;
   std::string down_reason;  // why it was taken out of rotation
-  uint64_t forwards = 0, images = 0, tokens = 0, failed_forwards = 0;
+  uint64_t forwards = 0, inputs = 0, tokens = 0, failed_forwards = 0;
   double forward_seconds = 0;
 };
 
@@ -93,11 +92,11 @@ class Batcher {
   // waiting, if its visual tokens would take the queue past max_queue_tokens (an empty queue takes
   // any request), or if the worker stopped. The deepstack features are copied back from the device
   // only for forwards with a job that asked for them (each is as large as the visual tokens).
-  std::shared_ptr<Job> submit(std::vector<image::Patches> images, bool deepstack, std::string& refused);
+  std::shared_ptr<Job> submit(std::vector<image::Patches> inputs, bool deepstack, std::string& refused);
 
   enum class Wait { DONE, FAILED, TIMED_OUT };
   // Blocks until the job is done, failed (`error` says why), or the deadline passed (the job is
-  // then abandoned: its images not yet started are dropped).
+  // then abandoned: its inputs not yet started are dropped).
   Wait wait(Job& job, Clock::time_point deadline, std::string& error);
 
   // Finishes every queued request, then joins the worker. Idempotent.
@@ -106,7 +105,7 @@ class Batcher {
   // For /metrics and /health: totals over the replicas, and each one's.
   size_t queue_depth() const;  // requests waiting, partly started ones included
   uint64_t forwards() const;
-  uint64_t images_encoded() const;
+  uint64_t inputs_encoded() const;  // images and clips
   uint64_t tokens_encoded() const;
   double forward_seconds() const;  // GPU time of the forwards (upload to copy back)
   uint64_t failed_forwards() const;
@@ -115,7 +114,7 @@ class Batcher {
   size_t replicas_up() const;
 
  private:
-  struct Slot {  // one image of one job in the forward being assembled
+  struct Slot {  // one input of one job in the forward being assembled
     std::shared_ptr<Job> job;
     size_t index;
   };
@@ -125,14 +124,14 @@ class Batcher {
     std::atomic<bool> up{false};
     std::string down_reason;  // guarded by mu_
     int64_t fail_at = 0;      // the test hook's K (0: never)
-    std::atomic<uint64_t> forwards{0}, images{0}, tokens{0}, forward_us{0}, failed_forwards{0}, nonfinite{0};
+    std::atomic<uint64_t> forwards{0}, inputs{0}, tokens{0}, forward_us{0}, failed_forwards{0}, nonfinite{0};
     // Output buffers reused from forward to forward (warm memory: a fresh 100 MB buffer costs tens of
     // ms of page faults); at most kPooledOutputs are kept, more forwards in flight get fresh ones.
     std::vector<std::shared_ptr<EncoderOutputsBf16>> pool;  // its worker's alone
   };
   void worker(Replica& r, std::promise<void>& ready);
   std::vector<Slot> take_batch();  // with mu_ held
-  int64_t queued_tokens() const;   // with mu_ held: visual tokens of the images not yet taken
+  int64_t queued_tokens() const;   // with mu_ held: visual tokens of the inputs not yet taken
   struct Started {  // a forward in flight
     std::vector<Slot> slots;
     std::vector<qwen3vl::GridThw> grids;

@@ -1,16 +1,16 @@
 // A byte budget shared by threads: `fovea serve` reserves the memory an image will take to decode
 // and preprocess before decoding it, so that concurrent requests cannot together exhaust the host.
 #pragma once
-#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <mutex>
+
+#include "fovea/clock.h"
 
 namespace fovea::server {
 
 class ByteBudget {
  public:
-  using Clock = std::chrono::steady_clock;
   explicit ByteBudget(int64_t capacity) : capacity_(capacity) {}
 
   // Waits until `bytes` fit beside what is held, or until the deadline (false). Asking for more

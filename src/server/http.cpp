@@ -54,10 +54,6 @@ bool is_tchar(unsigned char c) {
   return std::string_view("!#$%&'*+-.^_`|~").find(char(c)) != std::string_view::npos;
 }
 
-Clock::duration seconds(double s) {
-  return std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(s));
-}
-
 const char* reason(int status) {
   switch (status) {
     case 100: return "Continue";
@@ -77,8 +73,7 @@ const char* reason(int status) {
   }
 }
 
-// The bytes of a reply: status line, fields, body.
-// The status line and fields; the body is written after them from the response itself (no copy).
+// A reply's status line and fields; the body is the second buffer of the same gathered write (never copied).
 std::string serialize_head(const Response& r, bool keep_alive) {
   std::string out = fmt::format("HTTP/1.1 {} {}\r\nContent-Type: {}\r\nContent-Length: {}\r\nConnection: {}\r\n",
                                 r.status, reason(r.status), r.content_type, r.body.size(),
@@ -502,7 +497,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
   // ---- deadlines ------------------------------------------------------------------------------
   void arm(double secs) {
     const uint64_t gen = ++timer_gen_;
-    timer_.expires_after(seconds(secs));
+    timer_.expires_after(from_seconds(secs));
     timer_.async_wait([self = shared_from_this(), gen](boost::system::error_code ec) {
       if (!ec && gen == self->timer_gen_) self->on_timeout();
     });
@@ -658,7 +653,7 @@ int Server::run(const std::function<void(int, size_t)>& on_signal) {
     s.stopping = true;
     if (s.lim.drain_delay_s <= 0) return s.drain();
     // Serve on while the balancers' probes see /ready at 503 and stop sending here.
-    s.drain_delay.expires_after(std::chrono::milliseconds(int64_t(s.lim.drain_delay_s * 1000)));
+    s.drain_delay.expires_after(from_seconds(s.lim.drain_delay_s));
     s.drain_delay.async_wait([&s](boost::system::error_code e) {
       if (!e) s.drain();
     });

@@ -23,7 +23,6 @@
 // or body was still arriving and to any that arrives within a grace period, then return. A second
 // signal exits at once (code 1).
 #pragma once
-#include <chrono>
 #include <cstddef>
 #include <functional>
 #include <memory>
@@ -32,11 +31,10 @@
 #include <string_view>
 #include <vector>
 
+#include "fovea/clock.h"
 #include "fovea/serve.h"
 
 namespace fovea::server::http {
-
-using Clock = std::chrono::steady_clock;
 
 using Limits = HttpLimits;  // fovea/serve.h: they are serve's flags
 

@@ -3,6 +3,8 @@
 
 #include <fmt/format.h>
 
+#include "server/endpoints.h"
+
 namespace fovea::server {
 
 namespace {
@@ -34,8 +36,8 @@ void sample(std::string& out, const char* name, const char* type, const char* he
 
 // Unknown paths share one label so that probing clients cannot grow the metric without bound.
 std::string path_label(const std::string& path) {
-  for (const char* known : {"/v1/encode", "/v1/models", "/health", "/metrics"})
-    if (path == known) return path;
+  for (const Endpoint& e : kEndpoints)
+    if (path == e.path) return path;
   return "other";
 }
 
@@ -87,7 +89,11 @@ std::string Metrics::render(const std::string& model, const EngineConfig& engine
   sample(out, "fovea_requests_in_flight", "gauge", "POST /v1/encode requests being handled.", in_flight);
   sample(out, "fovea_queue_depth", "gauge", "Requests waiting for the encoder (partly encoded ones included).",
          batcher.queue_depth());
-  sample(out, "fovea_images_encoded_total", "counter", "Images encoded.", batcher.images_encoded());
+  const uint64_t inputs = batcher.inputs_encoded();  // read once: the alias shows the same value
+  sample(out, "fovea_inputs_encoded_total", "counter", "Inputs (images and clips) encoded.", inputs);
+  sample(out, "fovea_images_encoded_total", "counter",
+         "Deprecated alias of fovea_inputs_encoded_total (same value, images and clips); removed after the next release.",
+         inputs);
   sample(out, "fovea_tokens_encoded_total", "counter", "Visual tokens (merger output rows) produced.",
          batcher.tokens_encoded());
   sample(out, "fovea_encoder_forwards_total", "counter", "Encoder forwards (batches) run.", batcher.forwards());
@@ -105,8 +111,11 @@ std::string Metrics::render(const std::string& model, const EngineConfig& engine
               [](const ReplicaState& r) { return int(r.up); });
   per_replica("fovea_device_forwards_total", "counter", "Encoder forwards run on this device.",
               [](const ReplicaState& r) { return r.forwards; });
-  per_replica("fovea_device_images_encoded_total", "counter", "Images and clips encoded on this device.",
-              [](const ReplicaState& r) { return r.images; });
+  per_replica("fovea_device_inputs_encoded_total", "counter", "Inputs (images and clips) encoded on this device.",
+              [](const ReplicaState& r) { return r.inputs; });
+  per_replica("fovea_device_images_encoded_total", "counter",
+              "Deprecated alias of fovea_device_inputs_encoded_total (same value); removed after the next release.",
+              [](const ReplicaState& r) { return r.inputs; });
   per_replica("fovea_device_tokens_encoded_total", "counter", "Visual tokens produced on this device.",
               [](const ReplicaState& r) { return r.tokens; });
   per_replica("fovea_device_forward_seconds_total", "counter", "Forward time on this device.",

@@ -12,6 +12,7 @@
 #include "fovea/ec-cache.h"
 #include "fovea/engine.h"
 #include "server/batcher.h"
+#include "server/endpoints.h"  // the paths it labels, the router's too
 
 namespace fovea::server {
 

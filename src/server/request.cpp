@@ -1,6 +1,7 @@
 // The body of POST /v1/encode (see request.h).
 #include "server/request.h"
 
+#include <algorithm>
 #include <cstring>
 
 #include <fmt/format.h>
@@ -8,6 +9,7 @@
 #include "fovea/ec-cache.h"
 #include "fovea/error.h"
 #include "fovea/json.h"
+#include "server/base64.h"
 
 namespace fovea::server {
 
@@ -208,6 +210,31 @@ EncodeRequest parse_encode_request(std::string_view body, size_t max_images, con
     for (size_t i = 0; i < a->size(); ++i) add_item(r, (*a)[i], fmt::format("{}[{}]", key, i), kind, lifted);
   }
   return r;
+}
+
+const char* invalid_item_code(InputKind k) { return k == InputKind::VIDEO ? "invalid_video" : "invalid_image"; }
+
+std::vector<InputKind> settle_kinds(const EncodeRequest& r) {
+  std::vector<InputKind> kinds(r.payloads.size());
+  for (size_t i = 0; i < kinds.size(); ++i) {
+    const std::string& b64 = r.payloads[i];
+    std::vector<uint8_t> head;
+    try {  // 512 characters are 384 bytes, past every magic number input_kind reads
+      head = base64_decode(std::string_view(b64).substr(0, std::min<size_t>(b64.size(), 512) & ~size_t(3)), r.names[i]);
+    } catch (const Error&) {  // whitespace inside, or bad base64: decoding the item will say which
+      kinds[i] = r.kinds[i] == ItemKind::VIDEO ? InputKind::VIDEO : InputKind::IMAGE;
+      continue;
+    }
+    kinds[i] = input_kind(head);
+    if (r.kinds[i] == ItemKind::VIDEO && kinds[i] != InputKind::VIDEO)
+      reject(400, "invalid_video",
+             fmt::format("{}: a video_url item that is not a clip fovea reads (MP4/MOV, WebM/MKV, AVI, MPEG-TS, FLV, Ogg)",
+                         r.names[i]));
+    if (r.kinds[i] == ItemKind::IMAGE && kinds[i] == InputKind::VIDEO)
+      reject(400, "invalid_image",
+             fmt::format("{}: an image_url item holding a video clip; send it as a video_url part", r.names[i]));
+  }
+  return kinds;
 }
 
 }  // namespace fovea::server

@@ -7,6 +7,8 @@
 #include <string_view>
 #include <vector>
 
+#include "fovea/pipeline.h"
+
 namespace fovea::server {
 
 // A request's failure, as the reply it becomes: {"error": {"message", "type", "code"}}.
@@ -46,5 +48,12 @@ struct EncodeRequest {
 // videos. A uuid must be one safe folder name (fovea/ec-cache.h). Throws ApiError: 400 invalid_json /
 // invalid_request / invalid_uuid / too_many_images, 404 model_not_found.
 EncodeRequest parse_encode_request(std::string_view body, size_t max_images, const std::string& model);
+
+// Each item's kind: its first bytes decide (fovea::input_kind); an item the request called an image
+// or a video must be one (400 invalid_image / invalid_video naming the item otherwise). Bad base64 is
+// left to the item's decode, which says where.
+std::vector<InputKind> settle_kinds(const EncodeRequest& r);
+// The error code of an item of that kind that cannot be read: invalid_image or invalid_video.
+const char* invalid_item_code(InputKind k);
 
 }  // namespace fovea::server

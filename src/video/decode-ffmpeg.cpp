@@ -3,7 +3,6 @@
 // containers and video codecs is accepted, and a deadline interrupts demuxing and decoding.
 #include <algorithm>
 #include <atomic>
-#include <chrono>
 #include <cstring>
 #include <functional>
 #include <future>
@@ -19,6 +18,7 @@ extern "C" {
 #include <libswscale/swscale.h>
 }
 
+#include "fovea/clock.h"
 #include "fovea/error.h"
 #include "fovea/threads.h"
 #include "fovea/video.h"
@@ -26,8 +26,6 @@ extern "C" {
 namespace fovea::video {
 
 namespace {
-
-using steady = std::chrono::steady_clock;
 
 // Containers and codecs fovea opens: what phones, cameras, screen recorders and the web produce.
 constexpr const char* kFormats = "mov,mp4,m4a,3gp,3g2,mj2,matroska,webm,avi,mpegts,flv,ogg";
@@ -64,7 +62,7 @@ std::string av_error(int err) {
 struct Source {
   std::span<const uint8_t> bytes;
   size_t pos = 0;
-  steady::time_point deadline;
+  Clock::time_point deadline;
 };
 
 int read_cb(void* opaque, uint8_t* buf, int size) {
@@ -92,7 +90,7 @@ int64_t seek_cb(void* opaque, int64_t offset, int whence) {
   return to;
 }
 
-int interrupt_cb(void* opaque) { return steady::now() > static_cast<Source*>(opaque)->deadline ? 1 : 0; }
+int interrupt_cb(void* opaque) { return Clock::now() > static_cast<Source*>(opaque)->deadline ? 1 : 0; }
 
 // One opened container with its video stream chosen.
 struct Demuxer {
@@ -102,7 +100,7 @@ struct Demuxer {
   int stream = -1;
   const AVCodec* codec = nullptr;
 
-  Demuxer(std::span<const uint8_t> bytes, const std::string& name, steady::time_point deadline) {
+  Demuxer(std::span<const uint8_t> bytes, const std::string& name, Clock::time_point deadline) {
     try {
       open(bytes, name, deadline);
     } catch (...) {
@@ -110,7 +108,7 @@ struct Demuxer {
       throw;
     }
   }
-  void open(std::span<const uint8_t> bytes, const std::string& name, steady::time_point deadline) {
+  void open(std::span<const uint8_t> bytes, const std::string& name, Clock::time_point deadline) {
     init_ffmpeg();
     last_log.clear();
     src = {bytes, 0, deadline};
@@ -131,7 +129,7 @@ struct Demuxer {
     av_dict_free(&opts);
     if (err < 0) {
       fmt = nullptr;  // freed by avformat_open_input
-      if (steady::now() > deadline) fail("video '{}': reading the container took longer than the deadline", name);
+      if (Clock::now() > deadline) fail("video '{}': reading the container took longer than the deadline", name);
       fail("video '{}': not a video fovea reads (MP4/MOV, WebM/MKV, AVI, MPEG-TS, FLV, Ogg): {}", name, av_error(err));
     }
     stream = av_find_best_stream(fmt, AVMEDIA_TYPE_VIDEO, -1, -1, nullptr, 0);
@@ -191,7 +189,7 @@ ClipInfo probe_with(Demuxer& d, const std::string& name, const VideoLimits& limi
     const int e = av_read_frame(d.fmt, pkt.p);
     if (e == AVERROR_EOF) break;
     if (e < 0) {
-      if (steady::now() > d.src.deadline) fail("video '{}': reading the container took longer than the deadline", name);
+      if (Clock::now() > d.src.deadline) fail("video '{}': reading the container took longer than the deadline", name);
       fail("video '{}': corrupt {} container: {}", name, info.container, av_error(e));
     }
     if (pkt.p->stream_index == d.stream) {
@@ -211,8 +209,8 @@ ClipInfo probe_with(Demuxer& d, const std::string& name, const VideoLimits& limi
   return info;
 }
 
-steady::time_point deadline_of(const VideoLimits& l) {
-  return steady::now() + std::chrono::milliseconds(int64_t(std::max(0.0, l.deadline_seconds) * 1000));
+Clock::time_point deadline_of(const VideoLimits& l) {
+  return Clock::now() + from_seconds(std::max(0.0, l.deadline_seconds));
 }
 
 void check_size(std::span<const uint8_t> bytes, const std::string& name, const VideoLimits& limits) {
@@ -321,7 +319,7 @@ int64_t decode_pass(std::span<const uint8_t> bytes, const ClipInfo& info, const 
       frame_out();
       av_frame_unref(own.f);
       if (misplaced) return;
-      if (steady::now() > d.src.deadline)
+      if (Clock::now() > d.src.deadline)
         fail("video '{}': decoding took longer than the limit of {} s", name, limits.deadline_seconds);
     }
   };
@@ -330,7 +328,7 @@ int64_t decode_pass(std::span<const uint8_t> bytes, const ClipInfo& info, const 
     const int e = av_read_frame(d.fmt, pkt.p);
     if (e == AVERROR_EOF) break;
     if (e < 0) {
-      if (steady::now() > d.src.deadline) fail("video '{}': decoding took longer than the limit of {} s", name, limits.deadline_seconds);
+      if (Clock::now() > d.src.deadline) fail("video '{}': decoding took longer than the limit of {} s", name, limits.deadline_seconds);
       fail("video '{}': corrupt {} container: {}", name, info.container, av_error(e));
     }
     if (pkt.p->stream_index == d.stream) {
@@ -400,7 +398,7 @@ std::vector<image::Rgb8> decode_frames(std::span<const uint8_t> bytes, const std
 
 Clip decode_clip(std::span<const uint8_t> bytes, const std::string& name, const VideoConfig& cfg, const VideoLimits& limits,
                  const image::PreprocessConfig& budget) {
-  const auto t0 = steady::now();
+  const auto t0 = Clock::now();
   Clip c;
   c.info = probe_clip(bytes, name, limits, budget);
   try {
@@ -422,7 +420,7 @@ Clip decode_clip(std::span<const uint8_t> bytes, const std::string& name, const 
     };
     Batch pending;
     std::future<void> resizing;  // the previous batch's resize
-    steady::time_point decoded_at;
+    Clock::time_point decoded_at;
     const auto flush = [&] {
       if (resizing.valid()) resizing.get();
       if (pending.frames.empty()) return;
@@ -443,7 +441,7 @@ Clip decode_clip(std::span<const uint8_t> bytes, const std::string& name, const 
         pending.at.push_back(j);
         if (int64_t(pending.frames.size()) >= batch) flush();
       });
-      decoded_at = steady::now();
+      decoded_at = Clock::now();
       flush();
       flush();  // the last batch's resize
     } catch (...) {
@@ -455,8 +453,8 @@ Clip decode_clip(std::span<const uint8_t> bytes, const std::string& name, const 
     // Resizing overlaps decoding, so the stages are wall time: decode_ms until the last frame is
     // decoded (the resizes that ran meanwhile included), preprocess_ms after it (the last resizes and
     // patchify).
-    c.decode_ms = std::chrono::duration<double, std::milli>(decoded_at - t0).count();
-    c.preprocess_ms = std::chrono::duration<double, std::milli>(steady::now() - decoded_at).count();
+    c.decode_ms = ms_between(t0, decoded_at);
+    c.preprocess_ms = ms_since(decoded_at);
   } catch (const Error& e) {
     if (std::string_view(e.what()).starts_with("video '")) throw;
     fail("video '{}': {}", name, e.what());

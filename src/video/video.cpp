@@ -1,7 +1,6 @@
 // Video preprocessing without the decoder (docs/video.md): the config, frame sampling, smart_resize
 // over frames, timestamps and patchify.
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <optional>
@@ -9,6 +8,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "fovea/clock.h"
 #include "fovea/error.h"
 #include "fovea/io.h"
 #include "fovea/json.h"
@@ -222,7 +222,7 @@ image::Patches patchify_frames(const std::vector<image::Rgb8>& frames, const Vid
 Clip preprocess_frames(const std::vector<image::Rgb8>& frames, const std::vector<int64_t>& indices, double clip_fps,
                        const VideoConfig& cfg) {
   if (frames.empty() || frames.size() != indices.size()) fail("preprocess: {} frames for {} indices", frames.size(), indices.size());
-  const auto t0 = std::chrono::steady_clock::now();
+  const Clock::time_point t0 = Clock::now();
   const std::pair<int, int> size = smart_resize_video(int64_t(frames.size()), frames[0].height, frames[0].width, cfg);
   const int h = size.first, w = size.second;  // (clang 14 cannot capture structured bindings)
   std::vector<image::Rgb8> sized(frames.size());
@@ -237,7 +237,7 @@ Clip preprocess_frames(const std::vector<image::Rgb8>& frames, const std::vector
   c.info.width = frames[0].width;
   c.info.height = frames[0].height;
   c.info.fps = clip_fps;
-  c.preprocess_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  c.preprocess_ms = ms_since(t0);
   return c;
 }
 

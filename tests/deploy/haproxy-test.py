@@ -184,9 +184,9 @@ def main():
         time.sleep(0.5)  # both servers seen up (rise 2 x 100 ms)
 
         # 1. spread
-        before = (metric(pa, "fovea_images_encoded_total"), metric(pb, "fovea_images_encoded_total"))
+        before = (metric(pa, "fovea_inputs_encoded_total"), metric(pb, "fovea_inputs_encoded_total"))
         bad = load(40, 4)
-        got = (metric(pa, "fovea_images_encoded_total") - before[0], metric(pb, "fovea_images_encoded_total") - before[1])
+        got = (metric(pa, "fovea_inputs_encoded_total") - before[0], metric(pb, "fovea_inputs_encoded_total") - before[1])
         check(not bad, f"spread: 40 requests, {len(bad)} failed {bad[:2]}")
         check(got[0] > 0 and got[1] > 0 and got[0] + got[1] == 40, f"spread: A encoded {got[0]:.0f}, B {got[1]:.0f}")
 
@@ -214,10 +214,10 @@ def main():
         A = Backend(a.fovea, pa, os.path.join(tmp, "a2.log"))
         procs.append(A.proc)
         time.sleep(0.5)  # HAProxy sees A up again (rise 2 x 100 ms)
-        a_before = metric(pa, "fovea_images_encoded_total")
+        a_before = metric(pa, "fovea_inputs_encoded_total")
         bad = load(60, 6, lambda: B.proc.send_signal(signal.SIGKILL))
         check(not bad, f"kill: 60 requests, B killed mid-load, {len(bad)} failed {bad[:2]}")
-        check(metric(pa, "fovea_images_encoded_total") - a_before > 0, "kill: A served after B died")
+        check(metric(pa, "fovea_inputs_encoded_total") - a_before > 0, "kill: A served after B died")
         check(B.proc.wait(timeout=10) == -signal.SIGKILL, "kill: B was killed")
     finally:
         for p in procs:

@@ -16,16 +16,12 @@
 #include "fovea/random.h"
 #include "fovea/rope.h"
 #include "fovea/scales.h"
+#include "test-util.h"
 
 using namespace fovea;
+using fovea::test::fresh_seed;
 
 namespace {
-
-uint64_t fresh_seed() {
-  const uint64_t s = std::random_device{}();
-  std::printf("[seed %llu]\n", (unsigned long long)s);
-  return s;
-}
 
 using cuda::DeviceBuffer;
 
@@ -107,26 +103,17 @@ std::string fmt_name(int hd, AttnDtype d, const char* what) {
 // prepare + attend captured once in a CUDA graph on a stream of its own; replay() runs it on
 // whatever d holds then and waits.
 struct CapturedAttention {
-  cudaStream_t stream{};
-  cudaGraph_t graph{};
-  cudaGraphExec_t exec{};
-  CapturedAttention(cuda::Attention& attn, DeviceProblem& d, const cuda::DeviceScales& scales) {
-    const VarlenShape& sh = attn.shape();
-    FOVEA_CUDA_CHECK(cudaStreamCreate(&stream));
-    FOVEA_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-    attn.prepare(d.qkv.data(), 3 * int64_t(sh.heads) * sh.head_dim, d.cos_or_null(), d.sin_or_null(), scales, stream);
-    attn.attend(d.out.data(), stream);
-    FOVEA_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-    FOVEA_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-  }
+  cuda::Stream stream;
+  cuda::Graph graph;
+  CapturedAttention(cuda::Attention& attn, DeviceProblem& d, const cuda::DeviceScales& scales)
+      : graph(stream, [&] {
+          const VarlenShape& sh = attn.shape();
+          attn.prepare(d.qkv.data(), 3 * int64_t(sh.heads) * sh.head_dim, d.cos_or_null(), d.sin_or_null(), scales, stream);
+          attn.attend(d.out.data(), stream);
+        }) {}
   void replay() {
-    FOVEA_CUDA_CHECK(cudaGraphLaunch(exec, stream));
-    FOVEA_CUDA_CHECK(cudaStreamSynchronize(stream));
-  }
-  ~CapturedAttention() {
-    cudaGraphExecDestroy(exec);
-    cudaGraphDestroy(graph);
-    cudaStreamDestroy(stream);
+    graph.launch(stream);
+    stream.synchronize();
   }
 };
 
@@ -606,15 +593,13 @@ TEST(CudaSupport, BuffersAndChecks) {
   cuda::PinnedBuffer<int> host(1000), back(1000);
   for (size_t i = 0; i < host.count(); ++i) host.data()[i] = int(i * 7);
   DeviceBuffer<int> dev(host.count());
-  cudaStream_t s;
-  FOVEA_CUDA_CHECK(cudaStreamCreate(&s));
+  cuda::Stream s;
   FOVEA_CUDA_CHECK(cudaMemcpyAsync(dev.data(), host.data(), host.bytes(), cudaMemcpyHostToDevice, s));
   DeviceBuffer<int> moved = std::move(dev);
   EXPECT_TRUE(dev.empty());
   EXPECT_EQ(dev.data(), nullptr);
   FOVEA_CUDA_CHECK(cudaMemcpyAsync(back.data(), moved.data(), moved.bytes(), cudaMemcpyDeviceToHost, s));
-  FOVEA_CUDA_CHECK(cudaStreamSynchronize(s));
-  cudaStreamDestroy(s);
+  s.synchronize();
   EXPECT_EQ(std::memcmp(host.data(), back.data(), host.bytes()), 0);
 
   EXPECT_THROW(moved.reset(size_t(1) << 60), Error);

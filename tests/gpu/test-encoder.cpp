@@ -16,26 +16,18 @@
 #include "fovea/image.h"
 #include "fovea/random.h"
 #include "fovea/scales.h"
+#include "test-util.h"
 
 using namespace fovea;
 using namespace fovea::qwen3vl;
+using namespace fovea::test;
 
 namespace {
-
-Model two_block_8b() {
-  VisionConfig c = *synthetic_config("synthetic:qwen3-vl-8b");
-  c.depth = 2;
-  c.deepstack = {0, 1};
-  c.name = "synthetic:qwen3-vl-8b (2 blocks)";
-  return synthetic_model(c);
-}
 
 const std::vector<GridThw> kGrids = {{1, 16, 16}, {1, 12, 20}, {2, 4, 6}};
 
 std::vector<float> random_pixels(int64_t n) {
-  const uint64_t seed = std::random_device{}();
-  std::printf("[seed %llu]\n", (unsigned long long)seed);
-  std::vector<float> p = random_values(n * 1536, Dist::NORMAL, seed);
+  std::vector<float> p = random_values(n * 1536, Dist::NORMAL, fresh_seed());
   for (auto& x : p) x = std::tanh(x);  // pixels live in [-1, 1]
   return p;
 }
@@ -49,9 +41,10 @@ TEST(EncoderGpu, Bf16AndFp8MatchTheCpuReference) {
   const std::vector<float> px = random_pixels(n);
   const ForwardResult ref = forward_cpu(m, px, kGrids);
   const int O = m.config.out_hidden;
+  const TempDir dir;
 
   for (AttnDtype dt : {AttnDtype::BF16, AttnDtype::FP8}) {
-    ScaleBook book = ScaleBook::calibrating(m.config.depth, "/tmp/fovea-test-encoder-scales.json", 1.5f);
+    ScaleBook book = ScaleBook::calibrating(m.config.depth, dir.file("scales.json"), 1.5f);
     qwen3vl::cuda::EncoderOptions o;
     o.dtype = dt;
     o.scales = dt == AttnDtype::FP8 ? &book : nullptr;
@@ -94,23 +87,14 @@ TEST(EncoderGpu, GraphReplayEqualsEagerForward) {
     o.scales = dt == AttnDtype::FP8 ? &book : nullptr;
     qwen3vl::cuda::Encoder enc(m, o);
     enc.plan(kGrids);
-    cudaStream_t s;
-    FOVEA_CUDA_CHECK(cudaStreamCreate(&s));
+    fovea::cuda::Stream s;
     enc.upload_pixels(px, s);
     enc.forward(s);
     const auto eager = enc.merged(s);
-    cudaGraph_t g;
-    cudaGraphExec_t exec;
-    FOVEA_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
-    enc.forward(s);
-    FOVEA_CUDA_CHECK(cudaStreamEndCapture(s, &g));
-    FOVEA_CUDA_CHECK(cudaGraphInstantiate(&exec, g, 0));
-    for (int r = 0; r < 3; ++r) FOVEA_CUDA_CHECK(cudaGraphLaunch(exec, s));
-    FOVEA_CUDA_CHECK(cudaStreamSynchronize(s));
+    fovea::cuda::Graph graph(s, [&] { enc.forward(s); });
+    for (int r = 0; r < 3; ++r) graph.launch(s);
+    s.synchronize();
     EXPECT_EQ(enc.merged(s), eager) << dtype_name(dt);
-    cudaGraphExecDestroy(exec);
-    cudaGraphDestroy(g);
-    cudaStreamDestroy(s);
   }
 }
 
@@ -242,7 +226,7 @@ TEST(EncoderGpu, RawPatchesNormalizedOnTheGpuEqualHostNormalized) {
   image::Patches p;
   p.grid = {1, int(n / 2), 2};  // one row per patch; normalize_raw only needs the row count
   p.raw.resize(size_t(n) * 768);
-  std::mt19937 rng(std::random_device{}());
+  std::mt19937 rng(fresh_seed());
   for (auto& v : p.raw) v = uint8_t(rng() & 255);
   p.norm = {{0.48145466f, 0.4578275f, 0.40821073f}, {0.26862954f, 0.26130258f, 0.27577711f}, 2};
   image::normalize_raw(p);
@@ -266,9 +250,7 @@ TEST(EncoderGpu, RawPatchesNormalizedOnTheGpuEqualHostNormalized) {
 // cuBLASLt's FP8 epilogue measured to do on the H200, 2026-12-02: errors up to 2^-9 of the product
 // where the sum cancels).
 TEST(EncoderGpu, Fp8LinearMatchesItsEmulation) {
-  const uint64_t seed = std::random_device{}();
-  std::printf("[seed %llu]\n", (unsigned long long)seed);
-  std::mt19937_64 rng(seed);
+  std::mt19937_64 rng(fresh_seed());
   std::normal_distribution<float> nd(0.f, 1.f);
   struct Case {
     int out, in;
@@ -357,23 +339,14 @@ TEST(EncoderGpu, Fp8LinearsHaveTheirEmulationsErrorEndToEnd) {
 }
 
 // The robust FP8 scheme end to end on the GPU (docs/fp8.md §Outlier channels): the two-block 8B
-// model with outlier channels put into every block's qkv (per head, one Q and one K channel offset
-// by 30 on the slowest RoPE frequency, channel hd/2 - 1, so the offset survives rotation; one V
-// channel scaled by 30), as test-encoder-cpu does with the tiny model. Per-tensor FP8 loses much
-// more than BF16 here; the robust scheme, with each layer's arrays computed on the device, recovers
-// it and follows its CPU emulation.
+// model with outlier channels put into every block's qkv (with_outlier_channels; the Q/K one on the
+// column's slowest RoPE frequency, channel hd/2 - 1), as test-encoder-cpu does with the tiny model.
+// Per-tensor FP8 loses much more than BF16 here; the robust scheme, with each layer's arrays
+// computed on the device, recovers it and follows its CPU emulation.
 Model outlier_8b() {
   Model m = two_block_8b();
-  const int H = m.config.heads, hd = m.config.head_dim(), D = m.config.hidden;
-  for (Block& b : m.weights.blocks)
-    for (int h = 0; h < H; ++h) {
-      const int qk = h * hd + hd / 2 - 1, v = 2 * D + h * hd + 5;
-      b.qkv.b[size_t(qk)] += 30.f;      // Q
-      b.qkv.b[size_t(D + qk)] += 30.f;  // K
-      for (int i = 0; i < b.qkv.in; ++i) b.qkv.w[size_t(v) * b.qkv.in + i] *= 30.f;
-      b.qkv.b[size_t(v)] *= 30.f;
-    }
-  return m;
+  const int qk = m.config.head_dim() / 2 - 1;
+  return with_outlier_channels(std::move(m), qk);
 }
 
 TEST(EncoderGpu, RobustFp8HoldsUpUnderOutlierChannels) {

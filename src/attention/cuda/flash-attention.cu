@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstring>
 #include <mutex>
+#include <utility>
 
 #include "attention/cuda/head-dims.cuh"
 #include "attention/cuda/kernels.cuh"
@@ -254,10 +255,14 @@ struct FineLayout {  // byte offsets of a FineHistory's arrays in one allocation
 };
 }  // namespace
 
+void DeviceFineHistory::Free::operator()(void* p) const { cudaFree(p); }
+
 DeviceFineHistory::DeviceFineHistory(const FineHistory& h) : heads_(h.heads), head_dim_(h.head_dim) {
   const FineLayout l(heads_, head_dim_);
-  FOVEA_CUDA_CHECK(cudaMalloc(&mem_, l.bytes));
-  uint8_t* b = static_cast<uint8_t*>(mem_);
+  void* p = nullptr;
+  FOVEA_CUDA_CHECK(cudaMalloc(&p, l.bytes));
+  mem_.reset(static_cast<uint8_t*>(p));
+  uint8_t* b = mem_.get();
   ring_.k_sum = reinterpret_cast<double*>(b + l.k_sum);
   ring_.counts = reinterpret_cast<FineCounts*>(b + l.counts);
   ring_.k_hi = reinterpret_cast<float*>(b + l.k_hi);
@@ -268,15 +273,10 @@ DeviceFineHistory::DeviceFineHistory(const FineHistory& h) : heads_(h.heads), he
   upload(h);
 }
 
-DeviceFineHistory::~DeviceFineHistory() {
-  if (mem_) cudaFree(mem_);
-}
+DeviceFineHistory::~DeviceFineHistory() = default;
 
 DeviceFineHistory::DeviceFineHistory(DeviceFineHistory&& o) noexcept
-    : heads_(o.heads_), head_dim_(o.head_dim_), mem_(o.mem_), ring_(o.ring_) {
-  o.mem_ = nullptr;
-  o.ring_ = {};
-}
+    : heads_(o.heads_), head_dim_(o.head_dim_), mem_(std::move(o.mem_)), ring_(std::exchange(o.ring_, {})) {}
 
 void DeviceFineHistory::check(const FineHistory& h) const {
   const size_t cells = size_t(heads_) * size_t(head_dim_), ring = size_t(kAmaxHistoryLen) * heads_;
@@ -310,7 +310,7 @@ void DeviceFineHistory::unpack(const void* host, FineHistory& h) const {
 
 void DeviceFineHistory::download(FineHistory& h) const {
   std::vector<uint8_t> host(bytes());
-  FOVEA_CUDA_CHECK(cudaMemcpy(host.data(), mem_, host.size(), cudaMemcpyDeviceToHost));
+  FOVEA_CUDA_CHECK(cudaMemcpy(host.data(), mem_.get(), host.size(), cudaMemcpyDeviceToHost));
   unpack(host.data(), h);
 }
 

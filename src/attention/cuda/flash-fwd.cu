@@ -28,42 +28,15 @@
 //     rows that belong to the segment.
 // Scales are read from device memory at run time, so a dynamic-scaling forward replays in a graph.
 //
-// Measured (H200, 16 heads, one segment of S tokens unless "3x", attention only, TFLOP/s =
-// 4 S^2 hd H / t; bench/RESULTS.md has the tables and the commands):
-//   2026-11-29                                     FP8 hd72 S8192  FP8 hd128  BF16 hd72  BF16 hd128
-//   first correct: 2 WG, no overlap, 2 stages      507          775        429        588
-//   + in-warpgroup overlap, 3 stages               528          806        435        666
-//   + ping-pong between consumer warpgroups        523          883        484        692
-//   + 25% of FP8 exp2 on the FMA pipe (f32 poly)   545          872          -          -
-//     (0% 525, 37.5% 519, 50% 500 in the same run)
-//   + 3 consumer warpgroups for FP8 hd <= 80       553 (645 at S 32640, 563 at 3 x 3520)
-//   + two-level FP8 accumulation (a fix)           ~525
-//   tried and reverted: tree reductions for the row max/sum plus a vote to skip O rescaling
-//   (FP8 hd72 545 -> 481).
-//   2026-12-01, one call (tools/device/kernel-ab.sh), FP8   S1024  3x3520  S8192  S32640  hd128 S8192  S16384
-//   before (3 WG always at hd <= 80, 25% f32 poly)         207     527     523     592        868      856
-//   + fold as one FFMA, tiles chosen per batch, all MUFU   231     532     538     623        887      929
-//       (forced 2 WG: 240 436 505 541; forced 3 WG: 204 529 537 624)
-//   + packed f16 exp2 for 50% in the 2-WG kernels only     259       -     557       -          -        -
-//       (that instance, in a build where every kernel had the 50% share; the plan then takes 2 WG
-//       at S 1024 and 8192 and 3 WG at 3x3520 and 32640)
-//   rejected, same call: the FMA-pipe share as packed f16x2 (ptx::exp2m14_f16x2, 7 instructions per
-//   2 exponentials) in the 3-WG kernels (25% 316-372, 50% 328-379 at hd 72: the 3-WG kernels fall
-//   35-45% below the MUFU alone, not profiled yet) and at hd 128 (630-775); 25% or 75% in the 2-WG
-//   kernels (below 50% at every shape).
-//   2026-12-02, one call (tools/device/issue14-verify.sh): the 50% share taken out again, the GPU
-//   tests fail on it (comment at fma_exp_mask); all MUFU, forced 2 WG  227  429  503  539  884  910
-//                                                   forced 3 WG  198  534  539  622  888  924
-//       (the plan's 192-row rate 1.07 -> 1.17, tile-plan.h, so it takes 3 WG at S 8192 again)
-//       With the packed share, ptxas serialized the wgmma of the 2-WG FP8 hd 64 / 72 / 80
-//       instances for want of registers (warning C7511); without it, it does not.
-//   2026-12-02, ptxas only: the 3-WG FP8 kernels with PV i-1 waited for before QK i is issued (S, PV
-//   and P never in flight together) still spill 80 / 156 B at hd 72 / 80 (84 / 152 now): not kept.
-// What limits it now: FP8 hd 72 issue slots in the softmax (per KV block a thread issues 64 FMNMX,
-// 64 FFMA, 64 MUFU or their polynomial, 64 FADD, 32 F2FP and the 36-FFMA fold), not the tensor
-// cores; the 3-WG FP8 instances at hd 72 / 80 spill 84 / 152 bytes (160 registers hold S,
-// P, O and the in-flight PV accumulator, 152 of them, plus addresses). Not done yet: a persistent
-// scheduler with a TMA-store epilogue, the row sum on the tensor cores, fewer live registers.
+// Measured (H200, 16 heads, attention alone, TFLOP/s = 4 S^2 hd H / t, the plan's tile choice,
+// 2026-12-02; 3x3520 is three segments, the others one):
+//                 S 1024   3x3520   S 8192   S 32640   |  hd 128:  S 8192   S 16384
+//   FP8  hd 72      227      534      539       622     |  FP8        888       924
+//   BF16 hd 72      225      415      481       475     |  BF16       680       624
+// What limits it: at FP8 hd 72, issue slots in the softmax (per KV block a thread issues 64 FMNMX,
+// 64 FFMA, 64 MUFU, 64 FADD, 32 F2FP and the 36-FFMA fold), not the tensor cores; the 3-warpgroup
+// FP8 instances at hd 72 / 80 spill 84 / 152 bytes (160 registers hold S, P, O and the in-flight PV
+// accumulator, 152 of them, plus addresses). docs/kernels.md has how it got here and what was tried.
 
 #include <atomic>
 
@@ -78,15 +51,10 @@ namespace fovea::cuda {
 namespace {
 
 // Which of the 16 column pairs of a thread's S row take exp2 on the FMA pipe in FP8 (bit j: pair j),
-// packed in f16x2 (ptx::exp2m14_f16x2); the others run on the MUFU in fp32. None, by default: half
-// of them in the 2-warpgroup kernels at head_dim <= 80 was 3-8% faster there (header comment), but
-// its P is further from the CPU emulation's than the GPU tests allow. The exponent argument is
-// rounded to f16 at 18-22 (ulp 2^-6, up to 0.5% in P) before the E4M3 cast, so P lands on the other
-// side of an E4M3 rounding boundary often enough that the output differs from the emulation by
-// 0.23-0.27 of the emulation's own error (bound 0.25; FlashAttentionGpuGraph.DynamicScalingReplays,
-// 2026-12-02). Builds may set both for A/B runs
-// (kernel-variants.sh); a packed path that rounds the argument as finely as fp32 would have to be
-// emulated or made exact first.
+// as packed f16 (ptx::exp2m14_f16x2); the others run on the MUFU in fp32. None by default: the f16
+// exponent argument moves P across E4M3 rounding boundaries often enough that the kernel leaves its
+// CPU emulation by more than the GPU tests allow (docs/kernels.md). Builds may set the masks for A/B
+// runs.
 #ifndef FOVEA_FP8_FMA_EXP_MASK_2WG
 #define FOVEA_FP8_FMA_EXP_MASK_2WG 0
 #endif
@@ -291,9 +259,8 @@ __global__ void __launch_bounds__(FlashCfg<kFp8, kHeadDim, kConsumerWgs>::kThrea
       row_sum[r] = row_sum[r] * corr[r] + sum;
     }
   };
-  // Measured (H200, 2026-11-29): tree reductions for the row max/sum and skipping this rescale when
-  // no row max moved (a warp vote) both made the kernel slower (FP8 hd 72, S 8192: 545 -> 481
-  // TFLOP/s), so the plain chains stay.
+  // Plain chains: tree reductions for the row max / sum and a vote to skip this rescale were slower
+  // (docs/kernels.md).
   auto rescale_o = [&] {
 #pragma unroll
     for (int j = 0; j < kHeadDim / 8; ++j)

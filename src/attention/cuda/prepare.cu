@@ -1,16 +1,19 @@
-// The prepare step: 2D RoPE on q and k, per-tensor amax (dynamic FP8), E4M3 quantization or bf16
-// rounding, and the padded / transposed layouts of layout.cuh, straight from the fused qkv output.
+// The prepare step: 2D RoPE on q and k, E4M3 quantization or bf16 rounding, and the padded /
+// transposed layouts of layout.cuh, straight from the fused qkv output; for FP8 with scales from
+// the batch, first the statistics those scales need.
 //
-// Launches per layer: BF16 1 (prepare); FP8 static 1 (prepare); FP8 dynamic 2 (amax, prepare). The
-// amax kernel's last CTA records the three amax values in the layer's device ring
-// (amax_history_record, the scale book's own function) and resets its scratch, so repeated launches
-// need no host work and replay correctly inside a CUDA graph.
+// Launches per layer: 1 (prepare) for BF16 and for static FP8 scales, per tensor or robust; 2 when
+// the scales come from the batch: per tensor, amax then prepare; the robust scheme (dynamic or
+// calibrate), fine statistics then prepare. Each statistics kernel's last CTA writes the scales (and
+// the layer's device ring, with the scale book's own functions) and clears its scratch, so repeated
+// launches need no host work and replay in a CUDA graph.
 #include <cuda_bf16.h>
 
 #include "attention/cuda/head-dims.cuh"
 #include "attention/cuda/kernels.cuh"
 #include "attention/cuda/layout.cuh"
 #include "attention/cuda/ptx.cuh"
+#include "attention/cuda/rope.cuh"
 #include "fovea/error.h"
 #include "fovea/fp8.h"
 #include "fovea/scales.h"
@@ -86,13 +89,7 @@ __device__ __forceinline__ void for_row_groups(const PrepareArgs& a, int token, 
       const float4 sv = reinterpret_cast<const float4*>(a.rope_sin + int64_t(token) * kHalf)[g];
       const float c[4] = {cv.x, cv.y, cv.z, cv.w}, sn[4] = {sv.x, sv.y, sv.z, sv.w};
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        // Unfused multiply and add, rounded like the CPU reference's (and transformers' fp32) RoPE,
-        // so the amax and every quantized value agree bit for bit with the host.
-        const float y1 = __fsub_rn(__fmul_rn(x1[j], c[j]), __fmul_rn(x2[j], sn[j]));
-        const float y2 = __fadd_rn(__fmul_rn(x2[j], c[j]), __fmul_rn(x1[j], sn[j]));
-        x1[j] = y1, x2[j] = y2;
-      }
+      for (int j = 0; j < 4; ++j) rope_pair(x1[j], x2[j], c[j], sn[j]);
     }
     f(g, x1, x2);
   }
@@ -228,11 +225,7 @@ __global__ void __launch_bounds__(kStatThreads) fine_stats_kernel(PrepareArgs a,
       if (a.rope_cos) {
         const float cs = a.rope_cos[t * kHalf + c], sn = a.rope_sin[t * kHalf + c];
 #pragma unroll
-        for (int w = 0; w < 2; ++w) {  // as for_row_groups: unfused, rounded like the CPU reference
-          const float y1 = __fsub_rn(__fmul_rn(x[w][0], cs), __fmul_rn(x[w][1], sn));
-          const float y2 = __fadd_rn(__fmul_rn(x[w][1], cs), __fmul_rn(x[w][0], sn));
-          x[w][0] = y1, x[w][1] = y2;
-        }
+        for (int w = 0; w < 2; ++w) rope_pair(x[w][0], x[w][1], cs, sn);  // q and k
       }
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
@@ -337,9 +330,7 @@ __global__ void __launch_bounds__(kStatThreads) fine_stats_kernel(PrepareArgs a,
 // One row a thread, straight from and to global memory. Measured (3 x 4K, FP8 hd 72, ncu): 680 us,
 // 39% of the copy bandwidth for the bytes it must move; issue-latency bound (25% occupancy at 109
 // registers, 28% of issue slots busy), with 48% of its global sectors and 80% of its shared
-// wavefronts excess. Tried and rejected (2026-12-02, same measurement): Q, K and V staged tile by
-// tile in shared memory with 16-byte loads and stores on consecutive addresses and V^T transposed
-// there, 721 us (3 x 3520: 0.127 against 0.107 ms): coalescing is not what holds it back.
+// wavefronts excess, yet not bound by coalescing (docs/kernels.md: a coalesced version was slower).
 // kFine: the robust scheme (FP8 only), its own instance so the per-tensor one keeps one divisor per
 // tensor (a per-channel V divisor costs the hoisted reciprocal of every division: measured, the
 // shared FP8 instance took 0.152 against 0.104 ms at 3 x 3520, hd 72).

@@ -17,9 +17,7 @@
 namespace fovea::cuda {
 
 // Measured per-row throughput of 3 consumer warpgroups over 2 (H200, FP8 hd 72, S 32640, where both
-// fill the machine: 622 against 539 TFLOP/s with 21 and 31 waves, all exponentials on the MUFU;
-// bench/RESULTS.md, 2026-12-02). It was 1.07 while the 2-warpgroup kernels computed half of them as
-// packed f16 (593 TFLOP/s there).
+// fill the machine: 622 against 539 TFLOP/s with 21 and 31 waves, 2026-12-02; docs/kernels.md).
 constexpr double kThreeWarpgroupRowRate = 1.17;
 constexpr double kCtaOverheadBlocks = 1.0;  // prologue, Q load and epilogue, in KV-block units
 

@@ -20,6 +20,7 @@
 #include <utility>
 #include <vector>
 
+#include "attention/cuda/rope.cuh"
 #include "fovea/attention.h"
 #include "fovea/cuda-support.h"
 #include "fovea/error.h"
@@ -173,15 +174,10 @@ __global__ void rope_copy_kernel(const __nv_bfloat16* qkv, int64_t stride, const
   __nv_bfloat16* dst = out + t * 3 * int64_t(heads) * hd + int64_t(h) * hd;
   const int64_t which = int64_t(heads) * hd;
   for (int w = 0; w < 3; ++w) {
-    const float x1 = __bfloat162float(src[w * which + c]), x2 = __bfloat162float(src[w * which + c + half]);
-    float y1 = x1, y2 = x2;
-    if (w < 2 && cos) {
-      const float cs = cos[t * half + c], sn = sin[t * half + c];
-      y1 = __fsub_rn(__fmul_rn(x1, cs), __fmul_rn(x2, sn));
-      y2 = __fadd_rn(__fmul_rn(x2, cs), __fmul_rn(x1, sn));
-    }
-    dst[w * which + c] = __float2bfloat16_rn(y1);
-    dst[w * which + c + half] = __float2bfloat16_rn(y2);
+    float x1 = __bfloat162float(src[w * which + c]), x2 = __bfloat162float(src[w * which + c + half]);
+    if (w < 2 && cos) rope_pair(x1, x2, cos[t * half + c], sin[t * half + c]);
+    dst[w * which + c] = __float2bfloat16_rn(x1);
+    dst[w * which + c + half] = __float2bfloat16_rn(x2);
   }
 }
 
@@ -199,11 +195,9 @@ class CudnnAttention final : public Attention {
     shape_.heads = heads;
     shape_.head_dim = head_dim;
     scale_ = float(1.0 / std::sqrt(double(head_dim)));
-    check(cudnnCreate(&handle_), "creating the cuDNN handle");
-  }
-  ~CudnnAttention() override {
-    plans_.clear();
-    if (handle_) cudnnDestroy(handle_);
+    cudnnHandle_t h = nullptr;
+    check(cudnnCreate(&h), "creating the cuDNN handle");
+    handle_ = Handle<cudnnHandle_t, cudnnDestroy>(h);
   }
 
   void plan(const std::vector<int32_t>& cu_seqlens, cudaStream_t stream) override {
@@ -218,7 +212,7 @@ class CudnnAttention final : public Attention {
     while (bb < b) bb *= 2;
     const int64_t sb = std::max<int64_t>(256, (S + 255) / 256 * 256);
     auto it = plans_.find({bb, sb});
-    if (it == plans_.end()) it = plans_.emplace(std::pair{bb, sb}, build_plan(handle_, bb, sb, H, hd)).first;
+    if (it == plans_.end()) it = plans_.emplace(std::pair{bb, sb}, build_plan(handle_.get(), bb, sb, H, hd)).first;
     current_ = &it->second;
     if (size_t(current_->workspace) > workspace_.count()) workspace_.reset(size_t(current_->workspace));
     // Lengths (0 for the bucket's unused segments) and the element offsets of each segment's first
@@ -268,7 +262,7 @@ class CudnnAttention final : public Attention {
     if (!prepared_) fail_cat("CUDNN attention: attend() before prepare()");
     if (!out) fail_cat("CUDNN attention: out is null");
     const int64_t Hd = int64_t(shape_.heads) * shape_.head_dim;
-    check(cudnnSetStream(handle_, stream), "setting the stream");
+    check(cudnnSetStream(handle_.get(), stream), "setting the stream");
     __nv_bfloat16* base = buf_.data();
     const int64_t uids[] = {kQ, kK, kV, kO, kScale, kSeqLen, kSeqLenKv, kRaggedQkv, kRaggedO};
     void* ptrs[] = {base, base + Hd, base + 2 * Hd, out, &scale_, d_len_, d_len_, d_rag_, d_rag_ + bb_ + 1};
@@ -278,7 +272,7 @@ class CudnnAttention final : public Attention {
         .set(CUDNN_ATTR_VARIANT_PACK_DATA_POINTERS, CUDNN_TYPE_VOID_PTR, 9, ptrs)
         .set(CUDNN_ATTR_VARIANT_PACK_WORKSPACE, CUDNN_TYPE_VOID_PTR, 1, &ws)
         .finalize("the variant pack");
-    check(cudnnBackendExecute(handle_, current_->plan, pack.get()), "running the attention");
+    check(cudnnBackendExecute(handle_.get(), current_->plan, pack.get()), "running the attention");
   }
 
   const VarlenShape& shape() const override { return shape_; }
@@ -287,8 +281,8 @@ class CudnnAttention final : public Attention {
  private:
   AttnDtype dtype_;
   VarlenShape shape_;
-  cudnnHandle_t handle_ = nullptr;
-  std::map<std::pair<int64_t, int64_t>, Plan> plans_;  // by (segments bucket, S bucket)
+  Handle<cudnnHandle_t, cudnnDestroy> handle_;
+  std::map<std::pair<int64_t, int64_t>, Plan> plans_;  // by (segments bucket, S bucket); destroyed before handle_
   Plan* current_ = nullptr;
   DeviceBuffer<uint8_t> workspace_, d_meta_;
   DeviceBuffer<__nv_bfloat16> buf_;  // q, k rotated and v: [N, 3, H, hd]

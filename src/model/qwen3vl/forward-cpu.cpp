@@ -203,7 +203,6 @@ ForwardResult forward_cpu(const Model& m, const std::vector<float>& pixels, cons
   if (opt.keep_intermediates) res.intermediates["last_hidden"] = x;
   // Final merger: LayerNorm over D per patch, then the shuffle (a no-op on the row-major buffer).
   res.merged = merger_mlp(W.merger, layer_norm(W.merger.norm, x, N, D), N / 4, opt.threads);
-  if (opt.scales) opt.scales->after_forward();
   return res;
 }
 

@@ -1,0 +1,326 @@
+// POST /v1/encode (see encode.h): parse, find cached items, prepare the others within the decode
+// budget, queue them for the batching workers, wait (bounded), write new cache entries, reply.
+#include "server/encode.h"
+
+#include <algorithm>
+#include <atomic>
+#include <bit>
+#include <span>
+
+#include <fmt/format.h>
+
+#include "fovea/clock.h"
+#include "fovea/error.h"
+#include "fovea/safetensors.h"
+#include "fovea/sha256.h"
+#include "fovea/threads.h"
+#include "server/base64.h"
+
+namespace fovea::server {
+
+std::string dump(const json& j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); }
+
+http::Response json_response(int status, const json& body) { return {status, "application/json", dump(body), {}}; }
+
+namespace {
+const char* error_type(int status) {
+  if (status == 503) return "overloaded_error";
+  if (status == 504) return "timeout_error";
+  if (status >= 500) return "server_error";
+  return "invalid_request_error";
+}
+}  // namespace
+
+http::Response error_response(const ApiError& e) {
+  return json_response(e.status, {{"error", {{"message", e.message}, {"type", error_type(e.status)}, {"code", e.code}}}});
+}
+
+namespace {
+
+// bf16 rows are sent as the bytes they are in memory (little-endian), or widened to floats.
+static_assert(std::endian::native == std::endian::little, "bf16 rows are sent as they lie in memory");
+
+// One item of a reply: its kind and grid, its cache key and whether it was found there, its rows
+// (views into the forward's outputs, or into `loaded`: a cached entry read back) and its timings.
+struct ReplyItem {
+  InputKind kind = InputKind::IMAGE;
+  qwen3vl::GridThw grid{};
+  std::string key;      // "" without the encoder cache
+  bool cached = false;  // found in the cache: not encoded
+  Bf16Rows rows;
+  EcEntry loaded;
+  std::optional<ClipSampling> clip;  // a clip's sampling, for the LLM's prompt
+  json timings = json::object(), batch = json::object();
+};
+
+// What the handler works through: the parsed request and its items.
+struct Exchange {
+  EncodeRequest r;
+  std::vector<ReplyItem> items;
+  Clock::time_point deadline;
+  bool embeddings = true;  // the reply carries embeddings
+  bool octet = false;      // a safetensors reply
+};
+
+// The item's bytes; its base64 text is freed unless keep (it may be decoded again).
+std::vector<uint8_t> item_bytes(EncodeRequest& r, size_t i, bool keep = false) {
+  try {
+    std::vector<uint8_t> bytes = base64_decode(r.payloads[i], r.names[i]);
+    if (!keep) std::string().swap(r.payloads[i]);
+    return bytes;
+  } catch (const Error& e) {
+    throw ApiError{400, "invalid_base64", e.what()};
+  }
+}
+
+// With the encoder cache: each item's key (the client's uuid, or the sha256 of its URL string as
+// sent: vLLM's EPD proxy's key) and, for a hit, its grid from its header alone and its rows read
+// back now. A file evicted (or damaged) by another writer since the lookup is encoded again.
+void find_cached(Context& c, Exchange& x) {
+  EncodeRequest& r = x.r;
+  for (size_t i = 0; i < x.items.size(); ++i) {
+    ReplyItem& it = x.items[i];
+    const std::string url = r.uuids[i].empty() ? r.url_prefixes[i] + r.payloads[i] : "";
+    it.key = r.uuids[i].empty() ? sha256_hex({reinterpret_cast<const uint8_t*>(url.data()), url.size()}) : r.uuids[i];
+    if (!(it.cached = c.cache->lookup(it.key))) continue;
+    const auto t = Clock::now();
+    InputPlan plan;
+    try {
+      plan = probe_input(item_bytes(r, i, x.embeddings), r.names[i], c.inputs);
+    } catch (const Error& e) {
+      throw ApiError{400, invalid_item_code(it.kind), e.what()};
+    }
+    it.grid = plan.grid;
+    it.clip = plan.clip;
+    it.timings = {{"decode", 0.0}, {"preprocess", 0.0}, {"probe", ms_since(t)}, {"queue", 0.0}, {"forward", 0.0}};
+    if (!x.embeddings) continue;
+    try {
+      it.loaded = c.cache->load(it.key, it.grid, c.model.config, r.deepstack);
+      it.rows = it.loaded.rows;
+      std::string().swap(r.payloads[i]);
+    } catch (const Error&) {
+      it = ReplyItem{it.kind, {}, it.key};
+    }
+  }
+}
+
+// The request's error for a failed item: what a hook threw as it is; a failure past the deadline (a
+// clip's decode stops there) 504; any other 400, naming the item.
+[[noreturn]] void reject_item(const Context& c, const PreparedInput& p, const std::string& name, Clock::time_point deadline) {
+  try {
+    std::rethrow_exception(p.error);
+  } catch (const ApiError&) {
+    throw;
+  } catch (const Error& e) {
+    if (Clock::now() > deadline)
+      reject(504, "timeout", fmt::format("{}: not decoded within {} s (--request-timeout)", name, c.opt.request_timeout_s));
+    const std::string what = e.what();  // decode errors name the item, preprocess errors do not
+    reject(400, invalid_item_code(p.kind),
+           what.find(name) != std::string::npos ? what : fmt::format("{} '{}': {}", input_kind_name(p.kind), name, what));
+  }
+}
+
+// Decodes and preprocesses the items `which` (fovea::prepare_inputs). Each reserves the memory its
+// decode holds at its peak (from its header) before a pixel is decoded, waiting for room until the
+// deadline, and gives it back once preprocessed. Requests decoding at once share the cores.
+std::vector<PreparedInput> prepare(Context& c, Exchange& x, const std::vector<size_t>& which) {
+  static std::atomic<int> decoding{0};
+  struct Count {
+    Count() { ++decoding; }
+    ~Count() { --decoding; }
+  } counted;
+  ThreadCap cap(hardware_threads() / std::max(1, decoding.load()));
+  std::vector<std::string> names;
+  for (const size_t i : which) names.push_back(x.r.names[i]);
+  std::vector<int64_t> held(which.size(), 0);
+  PrepareHooks hooks;
+  hooks.deadline = x.deadline;
+  hooks.planned = [&](size_t j, const InputPlan& p) {
+    ByteBudget& budget = c.decode_budget;
+    if (p.peak_bytes > budget.capacity())
+      throw ApiError{400, invalid_item_code(p.kind),
+                     fmt::format("{} '{}': grid ({}, {}, {}) needs {} bytes to decode, more than the server's {} "
+                                 "(--max-decode-bytes)", input_kind_name(p.kind), names[j], p.grid[0], p.grid[1],
+                                 p.grid[2], p.peak_bytes, budget.capacity())};
+    if (!budget.acquire(p.peak_bytes, x.deadline))
+      throw ApiError{503, "server_busy",
+                     fmt::format("{} '{}': no room to decode it before the request's deadline (the server's images "
+                                 "and clips being decoded hold {} of {} bytes, --max-decode-bytes)",
+                                 input_kind_name(p.kind), names[j], budget.used(), budget.capacity())};
+    held[j] = p.peak_bytes;
+  };
+  hooks.done = [&](size_t j) {
+    if (held[j]) c.decode_budget.release(std::exchange(held[j], 0));
+  };
+  std::vector<PreparedInput> out =
+      prepare_inputs(names, [&](size_t j) { return item_bytes(x.r, which[j]); }, c.inputs, hooks);
+  for (size_t j = 0; j < out.size(); ++j)
+    if (out[j].error) reject_item(c, out[j], names[j], x.deadline);
+  return out;
+}
+
+// Queues the prepared items and waits for their forwards; the job holds their outputs.
+std::shared_ptr<Job> run_job(Context& c, const Exchange& x, std::vector<PreparedInput>& prepared) {
+  std::vector<image::Patches> inputs;
+  for (PreparedInput& p : prepared) inputs.push_back(std::move(p.patches));
+  // The cache holds every deepstack output, so a request that fills it asks for them.
+  const bool deepstack = x.r.deepstack || (c.cache && !c.model.config.deepstack.empty());
+  std::string refused;
+  std::shared_ptr<Job> job = c.batcher.submit(std::move(inputs), deepstack, refused);
+  if (!job) reject(503, "queue_full", refused + "; retry later");
+  std::string error;
+  switch (c.batcher.wait(*job, x.deadline, error)) {
+    case Batcher::Wait::TIMED_OUT:
+      reject(504, "timeout", fmt::format("not encoded within {} s (--request-timeout)", c.opt.request_timeout_s));
+    case Batcher::Wait::FAILED:
+      reject(500, "encoder_error", error);
+    case Batcher::Wait::DONE:
+      break;
+  }
+  return job;
+}
+
+// The encoded items' rows, sampling and timings on their reply items; new cache entries written.
+void collect(Context& c, Exchange& x, const std::vector<size_t>& which, const std::vector<PreparedInput>& prepared,
+             const Job& job) {
+  const int O = c.model.config.out_hidden;
+  for (size_t j = 0; j < which.size(); ++j) {
+    ReplyItem& it = x.items[which[j]];
+    const InputResult& o = job.outputs[j];
+    it.grid = job.inputs[j].grid;
+    it.clip = prepared[j].clip;
+    it.rows.merged = o.merged(O);
+    for (size_t k = 0; k < o.forward->deepstack.size(); ++k) it.rows.deepstack.push_back(o.deepstack(k, O));
+    it.timings = {{"decode", prepared[j].decode_ms}, {"preprocess", prepared[j].preprocess_ms}, {"queue", o.queue_ms},
+                  {"forward", o.forward_ms}};
+    it.batch = {{"images", o.batch_inputs}, {"tokens", o.batch_tokens}};
+    if (!c.cache) continue;
+    try {
+      c.cache->store(it.key, it.rows, it.grid, c.model.config);
+    } catch (const Error& e) {
+      reject(500, "ec_cache_write_failed", fmt::format("{}: {}", x.r.names[which[j]], e.what()));
+    }
+  }
+}
+
+// The JSON reply, written out member by member: the embeddings (megabytes of base64 per item) are
+// appended as they are, never passed through the JSON writer's per-character escaping; everything
+// else is dumped by nlohmann. With the encoder cache, embeddings only if asked for.
+std::string json_reply(const Context& c, const Exchange& x, double total_ms) {
+  const EncodeRequest& r = x.r;
+  const auto open_object = [](const json& j) {  // the object's text without its closing brace
+    std::string t = dump(j);
+    t.pop_back();
+    return t;
+  };
+  const auto append_value = [&](std::string& out, std::span<const uint16_t> v) {
+    if (!r.as_base64) {
+      out += dump(json(widen_bf16(v)));
+      return;
+    }
+    out += '"';
+    base64_append(out, reinterpret_cast<const uint8_t*>(v.data()), v.size() * 2);  // [A-Za-z0-9+/=]: no escaping
+    out += '"';
+  };
+  std::string out;
+  if (r.as_base64 && x.embeddings) {  // one allocation: the base64 text plus room for each item's few fields
+    size_t bytes = 0;
+    for (const ReplyItem& it : x.items)
+      bytes += (1 + (r.deepstack ? it.rows.deepstack.size() : 0)) * base64_size(it.rows.merged.size() * 2) + 1024;
+    out.reserve(bytes + 1024);
+  }
+  out += open_object({{"object", "list"}, {"model", c.opt.model}, {"encoding", r.as_base64 ? "base64" : "float"},
+                      {"dtype", r.as_base64 ? "bf16" : "float32"}});
+  out += ",\"data\":[";
+  for (size_t i = 0; i < x.items.size(); ++i) {
+    const ReplyItem& it = x.items[i];
+    if (i) out += ',';
+    json head = {{"index", i}, {"type", input_kind_name(it.kind)}, {"grid_thw", it.grid},
+                 {"num_tokens", visual_tokens(c.model.config, it.grid)}, {"hidden_size", c.model.config.out_hidden}};
+    if (it.clip) {
+      head["fps"] = it.clip->fps;
+      head["frame_indices"] = it.clip->frame_indices;
+      head["timestamps"] = it.clip->timestamps;
+    }
+    if (c.cache) {
+      head["uuid"] = it.key;
+      head["cached"] = it.cached;
+    }
+    out += open_object(head);
+    if (x.embeddings) {
+      out += ",\"embeddings\":";
+      append_value(out, it.rows.merged);
+      if (r.deepstack) {
+        out += ",\"deepstack\":[";
+        for (size_t k = 0; k < it.rows.deepstack.size(); ++k) {
+          if (k) out += ',';
+          append_value(out, it.rows.deepstack[k]);
+        }
+        out += ']';
+      }
+    }
+    out += ",\"timings_ms\":" + dump(it.timings) + ",\"batch\":" + dump(it.batch) + "}";
+  }
+  out += "],\"timings_ms\":" + dump(json{{"total", total_ms}}) + "}";
+  return out;
+}
+
+// The safetensors file `fovea encode -o` writes for these items (OutputTensors): BF16 tensors straight
+// from the bf16 rows, or, with "encoding": "float", F32 ones (those values widened, as in the float
+// JSON reply; see request.h); deepstack only if asked for; the per-item timings (and cache keys) in
+// the metadata.
+std::string safetensors_reply(const Context& c, const Exchange& x) {
+  OutputTensors out(c.model.config);
+  out.meta = {{"model", c.opt.model}, {"dtype", dtype_name(c.engine.dtype)}, {"device", device_name(c.engine.device)}};
+  for (const ReplyItem& it : x.items) {
+    const Bf16Rows rows{it.rows.merged, x.r.deepstack ? it.rows.deepstack : std::vector<std::span<const uint16_t>>{}};
+    const std::string p =
+        out.add(it.kind, it.grid, rows, /*widen=*/!x.r.as_base64, it.clip);
+    out.meta[p + ".timings_ms"] = dump(it.timings);
+    if (c.cache) {
+      out.meta[p + ".uuid"] = it.key;
+      out.meta[p + ".cached"] = it.cached ? "true" : "false";
+    }
+  }
+  return safetensors_bytes("reply", out.tensors(), out.meta);
+}
+
+}  // namespace
+
+http::Response encode(Context& c, http::Request& req) {
+  Clock::time_point mark = Clock::now();
+  const auto phase_ended = [&](Phase p) {
+    c.metrics.add_phase(p, seconds_since(std::exchange(mark, Clock::now())));
+  };
+  Exchange x;
+  x.deadline = req.received + from_seconds(c.opt.request_timeout_s);
+  if (Clock::now() > x.deadline)
+    reject(504, "timeout", fmt::format("not started within {} s (--request-timeout)", c.opt.request_timeout_s));
+  x.r = parse_encode_request(req.body, c.opt.max_images_per_request, c.opt.model);
+  std::string().swap(req.body);
+  x.items.resize(x.r.payloads.size());
+  const std::vector<InputKind> kinds = settle_kinds(x.r);
+  for (size_t i = 0; i < kinds.size(); ++i) x.items[i].kind = kinds[i];
+  x.octet = req.header("accept").find("application/octet-stream") != std::string_view::npos;
+  // Embeddings: always without the cache and in safetensors replies; with the cache, if asked for.
+  x.embeddings = x.octet || (c.cache ? x.r.return_embeddings == 1 : x.r.return_embeddings != 0);
+  if (c.cache) find_cached(c, x);
+  std::vector<size_t> misses;  // the items to encode
+  for (size_t i = 0; i < x.items.size(); ++i)
+    if (!x.items[i].cached) misses.push_back(i);
+  phase_ended(Phase::PARSE);
+  std::vector<PreparedInput> prepared = prepare(c, x, misses);
+  phase_ended(Phase::DECODE);
+  std::shared_ptr<Job> job;  // holds the forwards' outputs the reply's rows view
+  if (!misses.empty()) {
+    job = run_job(c, x, prepared);
+    collect(c, x, misses, prepared, *job);
+  }
+  phase_ended(Phase::ENCODER);
+  http::Response res = x.octet ? http::Response{200, "application/octet-stream", safetensors_reply(c, x), {}}
+                               : http::Response{200, "application/json", json_reply(c, x, ms_since(req.received)), {}};
+  phase_ended(Phase::REPLY);
+  return res;
+}
+
+}  // namespace fovea::server

@@ -1,0 +1,49 @@
+// POST /v1/encode: what the handlers share (Context), the handler, and the JSON replies every
+// endpoint uses. The engine does the work (fovea/pipeline.h); this layer adds HTTP: the request's
+// deadline, the decode-memory budget, the encoder cache's keys, the queue, and the reply's formats.
+#pragma once
+#include <ctime>
+
+#include <nlohmann/json.hpp>
+
+#include "fovea/ec-cache.h"
+#include "fovea/model.h"
+#include "fovea/pipeline.h"
+#include "fovea/serve.h"
+#include "server/batcher.h"
+#include "server/budget.h"
+#include "server/http.h"
+#include "server/metrics.h"
+#include "server/request.h"
+
+namespace fovea::server {
+
+using json = nlohmann::ordered_json;  // replies keep the order fields are written in
+
+// What the handlers share. The batcher, model and engine outlive the HTTP server.
+struct Context {
+  Context(const ServeOptions& o, const qwen3vl::Model& m, const EngineConfig& e, InputConfig in, Batcher& b)
+      : opt(o), model(m), engine(e), inputs(std::move(in)), batcher(b), decode_budget(o.max_decode_bytes) {}
+  const ServeOptions& opt;
+  const qwen3vl::Model& model;
+  const EngineConfig& engine;
+  const InputConfig inputs;
+  Batcher& batcher;
+  ByteBudget decode_budget;
+  Metrics metrics;
+  const http::Server* http = nullptr;
+  EcCache* cache = nullptr;  // --ec-storage-path
+  int64_t started_unix = std::time(nullptr);
+};
+
+// POST /v1/encode with its body; every failure throws ApiError. Adds the time of each of its phases
+// to the metrics as it ends.
+http::Response encode(Context& c, http::Request& req);
+
+// JSON text; invalid UTF-8 (from a client's bytes echoed in a message) becomes U+FFFD, never a throw.
+std::string dump(const json& j);
+http::Response json_response(int status, const json& body);
+// {"error": {"message", "type", "code"}}.
+http::Response error_response(const ApiError& e);
+
+}  // namespace fovea::server
