@@ -74,9 +74,8 @@ class Encoder {
   // pixels [N, patch_dim] fp32, rounded to bf16 into the staging and uploaded (enqueued).
   void upload_pixels(const std::vector<float>& pixels, cudaStream_t stream);
   void forward(cudaStream_t stream);
-  // Host-side bookkeeping after a forward (calibration: sync, copy rings, maybe write the file).
-  void after_forward(cudaStream_t stream);
-  // Copies the device rings and scales into the scale book (dynamic and calibrate modes; syncs).
+  // Copies the device rings and scales into the scale book (dynamic and calibrate modes; syncs). The
+  // calibration step after a forward (ScaleBook::after_forward) is the caller's: EncoderRunner's.
   void sync_scales(cudaStream_t stream);
   // Enqueues the copy of the outputs (merged, then each deepstack output if asked for, each
   // [N/4, out_hidden] bf16) and of the FP8 rings into pinned memory, and returns its ticket; two

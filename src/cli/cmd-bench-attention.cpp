@@ -80,262 +80,387 @@ std::vector<AttnDtype> parse_dtypes(const std::string& s) {
 
 nlohmann::ordered_json num(double x) { return std::isfinite(x) ? nlohmann::ordered_json(x) : nlohmann::ordered_json(nullptr); }
 
-int run_bench_cuda(const Args& a, const VarlenShape& shape, const std::vector<int>& seqlens,
-                   const std::vector<AttnDtype>& dtypes, const std::vector<float>& qkv, const std::vector<Fp8Scheme>& schemes);
-
-int run_bench(const Args& a) {
-  if (a.device != "cpu" && a.device != "cuda") fail("--device: '{}' is not one of cpu, cuda", a.device);
-  const auto dist = parse_dist(a.dist);
-  if (!dist) fail("--dist: '{}' is not one of normal, outliers, channels", a.dist);
-  const std::vector<Fp8Scheme> schemes = parse_schemes(a.fp8_schemes);
-  if (a.heads < 1) fail("--heads must be >= 1, got {}", a.heads);
-  if (a.head_dim < 1) fail("--head-dim must be >= 1, got {}", a.head_dim);
-  const std::vector<AttnDtype> dtypes = parse_dtypes(a.dtypes);
-  const std::vector<int> seqlens = parse_int_list(a.seqlens, "--seqlens", 1);
-  const VarlenShape shape = varlen_from_seqlens(seqlens, a.heads, a.head_dim);
-
+// What both devices bench: the parsed flags and one packed varlen batch.
+struct Bench {
+  const Args& a;
+  VarlenShape shape;
+  std::vector<int> seqlens;
+  std::vector<AttnDtype> dtypes;
+  std::vector<Fp8Scheme> schemes;
   // Q, K, V as one fused [N, 3, H, hd] buffer (how the encoder's qkv GEMM lays them out); bf16 values.
-  const int64_t N = shape.total_tokens(), H = a.heads, hd = a.head_dim;
-  const std::vector<float> qkv = random_qkv(N, int(H), int(hd), *dist, a.seed);
-  if (a.device == "cuda") {
-    for (const Fp8Scheme& f : schemes)
-      if (std::string(f.name) != "tensor" && std::string(f.name) != "robust")
-        fail("--fp8-scheme {}: the FOVEA kernels run tensor and robust (--device cpu emulates the others)", f.name);
-    return run_bench_cuda(a, shape, seqlens, dtypes, qkv, schemes);
-  }
-  auto view = [&](int i) { return ThdView<const float>{qkv.data() + i * H * hd, 3 * H * hd, hd}; };
-  const auto q = view(0), k = view(1), v = view(2);
+  std::vector<float> qkv;
+};
 
+// Q (which 0), K (1) or V (2) of a fused [N, 3, H, hd] buffer.
+ThdView<const float> qkv_view(const std::vector<float>& qkv, int which, int64_t H, int64_t hd) {
+  return ThdView<const float>{qkv.data() + which * H * hd, 3 * H * hd, hd};
+}
+
+void write_json(const std::string& path, const nlohmann::ordered_json& doc) {
+  write_file_atomic(path, doc.dump(2) + "\n", "--json");
+  fmt::print("wrote {}\n", path);
+}
+
+// ---- --device cpu: the BF16 and FP8 emulations against the fp64 reference --------------------------
+
+struct CpuInputs {
+  const VarlenShape& shape;
+  ThdView<const float> q, k, v;
+};
+
+// One CPU attention into `out`; wall ms.
+double timed_attention(const CpuInputs& in, const cpu::RefOptions& o, std::vector<double>& out) {
+  const Clock::time_point t0 = Clock::now();
+  cpu::attention(in.shape, in.q, in.k, in.v, o, out.data());
+  return ms_since(t0);
+}
+
+// A table row: BF16 once, FP8 once per scale scheme.
+struct CpuRun {
+  AttnDtype dtype;
+  const Fp8Scheme* scheme;  // FP8 only
+};
+
+std::vector<CpuRun> cpu_runs(const Bench& b) {
+  std::vector<CpuRun> runs;
+  for (AttnDtype d : b.dtypes) {
+    if (d != AttnDtype::FP8) runs.push_back({d, nullptr});
+    else
+      for (const Fp8Scheme& sc : b.schemes) runs.push_back({d, &sc});
+  }
+  return runs;
+}
+
+// Runs one row against `ref`, prints it, and returns its JSON entry.
+nlohmann::ordered_json cpu_row(const Bench& b, const CpuInputs& in, const CpuRun& run, const std::vector<double>& ref,
+                               std::vector<double>& out) {
+  const AttnDtype d = run.dtype;
+  cpu::RefOptions o;
+  o.threads = b.a.threads;
+  o.mode = d == AttnDtype::FP8 ? cpu::RefMode::FP8 : cpu::RefMode::BF16;
+  nlohmann::ordered_json entry = {{"dtype", dtype_name(d)}, {"backend", "CPU"}};
+  if (d == AttnDtype::FP8) {
+    // Current scaling, as dynamic mode does it on the first forward: s = amax / 448, per tensor,
+    // then the scheme's finer scales where it has them.
+    ScaleBook book = ScaleBook::dynamic(1);
+    o.fp8_scales = book.record(0, amax(in.shape, in.q), amax(in.shape, in.k), amax(in.shape, in.v));
+    o.fp8_fine = cpu::current_fine_scales(in.shape, in.q, in.k, in.v, run.scheme->parts);
+    entry["fp8_scheme"] = run.scheme->name;
+    entry["scales"] = {{"q", o.fp8_scales.q}, {"k", o.fp8_scales.k}, {"v", o.fp8_scales.v}};
+    entry["p_scheme"] = {{"p_scale", o.p.p_scale}, {"block_n", o.p.block_n}, {"reverse_kv", o.p.reverse_kv}};
+  }
+  const double ms = timed_attention(in, o, out);
+  const ErrorStats e = compare(out.data(), ref.data(), int64_t(ref.size()));
+  fmt::print("{:<6} | {:<13} | {:<8} | {:>12.4e} | {:>12.4e} | {:>12.4e} | {:>10.1f}\n", dtype_name(d),
+             run.scheme ? run.scheme->name : "", "CPU", e.rel_l2, e.max_abs, e.mean_abs, ms);
+  entry["rel_l2"] = num(e.rel_l2);
+  entry["max_abs"] = num(e.max_abs);
+  entry["mean_abs"] = num(e.mean_abs);
+  entry["nonfinite"] = e.nonfinite;
+  entry["ms"] = ms;
+  return entry;
+}
+
+int run_bench_cpu(const Bench& b) {
+  const Args& a = b.a;
+  const int64_t N = b.shape.total_tokens(), H = a.heads, hd = a.head_dim;
+  const CpuInputs in{b.shape, qkv_view(b.qkv, 0, H, hd), qkv_view(b.qkv, 1, H, hd), qkv_view(b.qkv, 2, H, hd)};
   fmt::print("fovea bench attention | device cpu | seqlens {} ({} segments, {} tokens) | heads {} | head_dim {} | "
              "dist {} | seed {}\n",
-             a.seqlens, shape.num_segments(), N, H, hd, a.dist, a.seed);
-  auto timed = [&](const cpu::RefOptions& o, std::vector<double>& out) {
-    const Clock::time_point t0 = Clock::now();
-    cpu::attention(shape, q, k, v, o, out.data());
-    return ms_since(t0);
-  };
+             a.seqlens, b.shape.num_segments(), N, H, hd, a.dist, a.seed);
   std::vector<double> ref(size_t(N * H * hd)), out(ref.size());
   cpu::RefOptions exact;
   exact.threads = a.threads;
-  const double ref_ms = timed(exact, ref);
+  const double ref_ms = timed_attention(in, exact, ref);
 
   nlohmann::ordered_json results = nlohmann::ordered_json::array();
   fmt::print("{:<6} | {:<13} | {:<8} | {:>12} | {:>12} | {:>12} | {:>10}\n", "dtype", "fp8 scheme", "backend",
              "rel_l2", "max_abs", "mean_abs", "ms");
   fmt::print("{:<6} | {:<13} | {:<8} | {:>12} | {:>12} | {:>12} | {:>10.1f}\n", "fp64", "", "CPU", "(reference)", "", "",
              ref_ms);
-  struct Run {
-    AttnDtype dtype;
-    const Fp8Scheme* scheme;  // FP8 only
-  };
-  std::vector<Run> runs;
-  for (AttnDtype d : dtypes) {
-    if (d != AttnDtype::FP8) runs.push_back({d, nullptr});
-    else
-      for (const Fp8Scheme& sc : schemes) runs.push_back({d, &sc});
-  }
-  for (const Run& run : runs) {
-    const AttnDtype d = run.dtype;
-    cpu::RefOptions o;
-    o.threads = a.threads;
-    o.mode = d == AttnDtype::FP8 ? cpu::RefMode::FP8 : cpu::RefMode::BF16;
-    nlohmann::ordered_json entry = {{"dtype", dtype_name(d)}, {"backend", "CPU"}};
-    if (d == AttnDtype::FP8) {
-      // Current scaling, as dynamic mode does it on the first forward: s = amax / 448, per tensor,
-      // then the scheme's finer scales where it has them.
-      ScaleBook book = ScaleBook::dynamic(1);
-      o.fp8_scales = book.record(0, amax(shape, q), amax(shape, k), amax(shape, v));
-      o.fp8_fine = cpu::current_fine_scales(shape, q, k, v, run.scheme->parts);
-      entry["fp8_scheme"] = run.scheme->name;
-      entry["scales"] = {{"q", o.fp8_scales.q}, {"k", o.fp8_scales.k}, {"v", o.fp8_scales.v}};
-      entry["p_scheme"] = {{"p_scale", o.p.p_scale}, {"block_n", o.p.block_n}, {"reverse_kv", o.p.reverse_kv}};
-    }
-    const double ms = timed(o, out);
-    const ErrorStats e = compare(out.data(), ref.data(), int64_t(ref.size()));
-    fmt::print("{:<6} | {:<13} | {:<8} | {:>12.4e} | {:>12.4e} | {:>12.4e} | {:>10.1f}\n", dtype_name(d),
-               run.scheme ? run.scheme->name : "", "CPU", e.rel_l2, e.max_abs, e.mean_abs, ms);
-    entry["rel_l2"] = num(e.rel_l2);
-    entry["max_abs"] = num(e.max_abs);
-    entry["mean_abs"] = num(e.mean_abs);
-    entry["nonfinite"] = e.nonfinite;
-    entry["ms"] = ms;
-    results.push_back(entry);
-  }
+  for (const CpuRun& run : cpu_runs(b)) results.push_back(cpu_row(b, in, run, ref, out));
   if (!a.json_path.empty()) {
     const nlohmann::ordered_json doc = {
-        {"bench", "attention"}, {"device", "cpu"},    {"seqlens", seqlens},     {"heads", H},
-        {"head_dim", hd},       {"dist", a.dist},     {"seed", a.seed},         {"flops", shape.flops()},
+        {"bench", "attention"}, {"device", "cpu"},    {"seqlens", b.seqlens},   {"heads", H},
+        {"head_dim", hd},       {"dist", a.dist},     {"seed", a.seed},         {"flops", b.shape.flops()},
         {"reference_ms", ref_ms}, {"results", results}};
-    write_file_atomic(a.json_path, doc.dump(2) + "\n", "--json");
-    fmt::print("wrote {}\n", a.json_path);
+    write_json(a.json_path, doc);
   }
   return 0;
 }
 
+int run_bench_cuda(const Bench& b);
+
+int run_bench(const Args& a) {
+  if (a.device != "cpu" && a.device != "cuda") fail("--device: '{}' is not one of cpu, cuda", a.device);
+  const auto dist = parse_dist(a.dist);
+  if (!dist) fail("--dist: '{}' is not one of normal, outliers, channels", a.dist);
+  std::vector<Fp8Scheme> schemes = parse_schemes(a.fp8_schemes);
+  if (a.heads < 1) fail("--heads must be >= 1, got {}", a.heads);
+  if (a.head_dim < 1) fail("--head-dim must be >= 1, got {}", a.head_dim);
+  std::vector<AttnDtype> dtypes = parse_dtypes(a.dtypes);
+  std::vector<int> seqlens = parse_int_list(a.seqlens, "--seqlens", 1);
+  const VarlenShape shape = varlen_from_seqlens(seqlens, a.heads, a.head_dim);
+  const Bench b{a, shape, std::move(seqlens), std::move(dtypes), std::move(schemes),
+                random_qkv(shape.total_tokens(), a.heads, a.head_dim, *dist, a.seed)};
+  if (a.device == "cuda") {
+    for (const Fp8Scheme& f : b.schemes)
+      if (std::string(f.name) != "tensor" && std::string(f.name) != "robust")
+        fail("--fp8-scheme {}: the FOVEA kernels run tensor and robust (--device cpu emulates the others)", f.name);
+    return run_bench_cuda(b);
+  }
+  return run_bench_cpu(b);
+}
+
 #if FOVEA_HAVE_CUDA
 
-int run_bench_cuda(const Args& a, const VarlenShape& shape, const std::vector<int>& seqlens,
-                   const std::vector<AttnDtype>& dtypes, const std::vector<float>& qkv, const std::vector<Fp8Scheme>& schemes) {
-  // --backend: a comma list of FOVEA and CUDNN (FLASHINFER); CUDNN runs the BF16 rows only.
+// ---- --device cuda: the GPU kernels, timed, against the fp64 reference on head 0 --------------------
+
+// --backend: a comma list of FOVEA and CUDNN (FLASHINFER); CUDNN runs the BF16 rows only.
+std::vector<AttnBackend> parse_backends(const std::string& list) {
   std::vector<AttnBackend> backends;
-  for (const std::string& name : split_list(a.backend)) {
+  for (const std::string& name : split_list(list)) {
     const auto b = parse_backend(name);
     if (!b || (*b != AttnBackend::FOVEA && *b != AttnBackend::CUDNN))
       fail("--backend: '{}' is not one of FOVEA, CUDNN (FLASHINFER)", name);
     backends.push_back(*b);
   }
   if (backends.empty()) fail("--backend: empty list");
-  if (a.reps < 1) fail("--reps must be >= 1, got {}", a.reps);
-  const SystemInfo sys = query_system();
-  for (const AttnBackend b : backends)
-    for (const AttnDtype d : dtypes)
-      if (b == AttnBackend::FOVEA || d == AttnDtype::BF16)
-        if (auto why = backend_unsupported(b, d, Device::CUDA, sys)) fail("--device cuda --backend {}: {}", backend_name(b), *why);
-  const int64_t N = shape.total_tokens(), H = shape.heads, hd = shape.head_dim;
+  return backends;
+}
 
-  // Inputs: the fused bf16 qkv and 2D RoPE tables; the fp32 rotated copy feeds the reference.
+// A host vector copied into new device memory.
+template <class T>
+cuda::DeviceBuffer<T> upload(const std::vector<T>& host) {
+  cuda::DeviceBuffer<T> d(host.size());
+  FOVEA_CUDA_CHECK(cudaMemcpy(d.data(), host.data(), d.bytes(), cudaMemcpyHostToDevice));
+  return d;
+}
+
+// The inputs on the device (fused bf16 qkv, 2D RoPE tables) and the output.
+struct DeviceInputs {
+  cuda::DeviceBuffer<uint16_t> qkv, out;
+  cuda::DeviceBuffer<float> cos, sin;
+  std::vector<float> rot;  // host: the fp32 qkv with RoPE applied, for the reference and the scales
+};
+
+DeviceInputs upload_inputs(const Bench& b) {
   std::vector<float> cos, sin;
-  rope_tables_grid(shape, cos, sin);
-  std::vector<uint16_t> qkv16(qkv.size());
-  for (size_t i = 0; i < qkv.size(); ++i) qkv16[i] = bf16_from_float(qkv[i]);
-  cuda::DeviceBuffer<uint16_t> d_qkv(qkv16.size()), d_out(size_t(N * H * hd));
-  cuda::DeviceBuffer<float> d_cos(cos.size()), d_sin(sin.size());
-  FOVEA_CUDA_CHECK(cudaMemcpy(d_qkv.data(), qkv16.data(), d_qkv.bytes(), cudaMemcpyHostToDevice));
-  FOVEA_CUDA_CHECK(cudaMemcpy(d_cos.data(), cos.data(), d_cos.bytes(), cudaMemcpyHostToDevice));
-  FOVEA_CUDA_CHECK(cudaMemcpy(d_sin.data(), sin.data(), d_sin.bytes(), cudaMemcpyHostToDevice));
-  std::vector<float> rot = qkv;
-  apply_rope_qk(shape, cos, sin, rot);
+  rope_tables_grid(b.shape, cos, sin);
+  std::vector<uint16_t> qkv16(b.qkv.size());
+  for (size_t i = 0; i < b.qkv.size(); ++i) qkv16[i] = bf16_from_float(b.qkv[i]);
+  const size_t out_size = size_t(b.shape.total_tokens() * b.shape.heads * b.shape.head_dim);
+  DeviceInputs in{upload(qkv16), cuda::DeviceBuffer<uint16_t>(out_size), upload(cos), upload(sin), b.qkv};
+  apply_rope_qk(b.shape, cos, sin, in.rot);
+  return in;
+}
 
-  // Error against fp64 on head 0 (the reference is O(sum S^2) on the CPU: skipped past 2^28).
+// Error against fp64 on head 0 (the reference is O(sum S^2) on the CPU: skipped past 2^28).
+bool check_head0(const Bench& b) {
   double s2 = 0;
-  for (int n : seqlens) s2 += double(n) * n;
-  const bool check = a.check && s2 <= double(1 << 28);
-  VarlenShape one = shape;
+  for (int n : b.seqlens) s2 += double(n) * n;
+  return b.a.check && s2 <= double(1 << 28);
+}
+
+std::vector<double> head0_reference(const Bench& b, const std::vector<float>& rot) {
+  const int64_t H = b.shape.heads, hd = b.shape.head_dim;
+  VarlenShape one = b.shape;
   one.heads = 1;
-  auto all = [&](int w) { return ThdView<const float>{rot.data() + w * H * hd, 3 * H * hd, hd}; };
-  std::vector<double> ref;
-  if (check) {
-    ref.resize(size_t(N * hd));
-    cpu::attention(one, all(0), all(1), all(2), {}, ref.data());  // heads = 1: head 0 of each view
+  std::vector<double> ref(size_t(b.shape.total_tokens() * hd));
+  cpu::attention(one, qkv_view(rot, 0, H, hd), qkv_view(rot, 1, H, hd), qkv_view(rot, 2, H, hd), {},
+                 ref.data());  // heads = 1: head 0 of each view
+  return ref;
+}
+
+// The FP8 rows' scales in device memory. Static ones are current scaling of these inputs over all
+// heads (what calibration with margin 1 would give); dynamic ones start fresh and record on the device.
+struct BenchScales {
+  cuda::DeviceBuffer<float> fixed;     // per tensor, static: q, k, v
+  cuda::DeviceBuffer<LayerAmax> amax;  // per tensor, dynamic
+  // The robust scheme's arrays (k_mean, q_head, k_head, v_channel), two sets: 0 static, 1 the one
+  // the dynamic runs fill.
+  std::vector<cuda::DeviceBuffer<float>> fine;
+  cuda::DeviceFineHistory history;  // the dynamic runs record into a history, as the encoder's layers do
+
+  cuda::FineArrays fine_arrays(int set) const {
+    return cuda::FineArrays{fine[size_t(4 * set)].data(), fine[size_t(4 * set + 1)].data(),
+                            fine[size_t(4 * set + 2)].data(), fine[size_t(4 * set + 3)].data()};
   }
-  // Static scales for the benchmark: current scaling of these inputs over all heads (what calibration
-  // with margin 1 would give).
-  const QkvScales st_all = ScaleBook::dynamic(1).record(0, amax(shape, all(0)), amax(shape, all(1)), amax(shape, all(2)));
-  cuda::DeviceBuffer<float> d_fixed(3);
-  cuda::DeviceBuffer<LayerAmax> d_amax(1);
-  const float fixed[3] = {st_all.q, st_all.k, st_all.v};
-  FOVEA_CUDA_CHECK(cudaMemcpy(d_fixed.data(), fixed, sizeof fixed, cudaMemcpyHostToDevice));
+  cuda::DeviceScales static_scales(bool robust) const {
+    cuda::DeviceScales sc;
+    if (robust) sc.fine = fine_arrays(0);
+    else sc.fixed = fixed.data();
+    return sc;
+  }
+  cuda::DeviceScales dynamic_scales(bool robust) const {
+    cuda::DeviceScales sc;
+    if (robust) {
+      sc.fine = fine_arrays(1);
+      sc.fine_current = true;
+      sc.fine_ring = history.ring();
+    } else {
+      sc.dynamic = amax.data();
+    }
+    return sc;
+  }
+};
+
+BenchScales make_scales(const Bench& b, const std::vector<float>& rot) {
+  const int64_t H = b.shape.heads, hd = b.shape.head_dim;
+  auto all = [&](int w) { return qkv_view(rot, w, H, hd); };
+  const QkvScales st_all =
+      ScaleBook::dynamic(1).record(0, amax(b.shape, all(0)), amax(b.shape, all(1)), amax(b.shape, all(2)));
   LayerAmax fresh;
   for (auto& t : fresh.t) amax_history_reset(t);
-  FOVEA_CUDA_CHECK(cudaMemcpy(d_amax.data(), &fresh, sizeof fresh, cudaMemcpyHostToDevice));
-  // The robust scheme: static arrays from these inputs likewise (cpu::current_fine_scales), and a
-  // second set the dynamic runs fill on the device.
-  const cpu::Fp8Fine fine = cpu::current_fine_scales(shape, all(0), all(1), all(2), {true, true, true, false});
-  std::vector<cuda::DeviceBuffer<float>> d_fine;
+  BenchScales sc{upload(std::vector<float>{st_all.q, st_all.k, st_all.v}), upload(std::vector<LayerAmax>{fresh}), {},
+                 cuda::DeviceFineHistory{FineHistory(int(H), int(hd))}};
+  // Both robust sets start from these inputs' arrays (cpu::current_fine_scales).
+  const cpu::Fp8Fine fine = cpu::current_fine_scales(b.shape, all(0), all(1), all(2), {true, true, true, false});
   for (int set = 0; set < 2; ++set)
-    for (const std::vector<float>* v : {&fine.k_mean, &fine.q_head, &fine.k_head, &fine.v_channel}) {
-      d_fine.emplace_back(v->size());
-      FOVEA_CUDA_CHECK(cudaMemcpy(d_fine.back().data(), v->data(), d_fine.back().bytes(), cudaMemcpyHostToDevice));
+    for (const std::vector<float>* v : {&fine.k_mean, &fine.q_head, &fine.k_head, &fine.v_channel})
+      sc.fine.push_back(upload(*v));
+  return sc;
+}
+
+// A table row: one backend and dtype; FOVEA's FP8 once per scale scheme.
+struct CudaRun {
+  AttnDtype dtype;
+  bool robust;
+  AttnBackend backend;
+};
+
+std::vector<CudaRun> cuda_runs(const Bench& b, const std::vector<AttnBackend>& backends) {
+  std::vector<CudaRun> runs;
+  for (const AttnBackend be : backends)
+    for (AttnDtype d : b.dtypes) {
+      if (d != AttnDtype::FP8) runs.push_back({d, false, be});  // BF16 has no scale scheme
+      else if (be == AttnBackend::FOVEA)
+        for (const Fp8Scheme& f : b.schemes) runs.push_back({d, std::string(f.name) == "robust", be});
     }
-  // The dynamic runs record into a history, as the encoder's layers do.
-  const cuda::DeviceFineHistory d_history{FineHistory(int(H), int(hd))};
-  auto fine_arrays = [&](int set) {
-    return cuda::FineArrays{d_fine[size_t(4 * set)].data(), d_fine[size_t(4 * set + 1)].data(),
-                            d_fine[size_t(4 * set + 2)].data(), d_fine[size_t(4 * set + 3)].data()};
-  };
+  return runs;
+}
+
+std::unique_ptr<cuda::Attention> make_attention(const CudaRun& run, int heads, int head_dim) {
+#if FOVEA_HAVE_CUDNN
+  if (run.backend == AttnBackend::CUDNN) return cuda::make_cudnn_attention(run.dtype, heads, head_dim);
+#else
+  if (run.backend == AttnBackend::CUDNN) fail("--backend CUDNN: this fovea was built without cuDNN");
+#endif
+  return std::make_unique<cuda::FlashAttention>(run.dtype, heads, head_dim);
+}
+
+// What every row reads: the inputs, their scales, and the head-0 reference (empty unless `check`).
+struct CudaBench {
+  const Bench& b;
+  const DeviceInputs& in;
+  const BenchScales& scales;
+  bool check;
+  const std::vector<double>& ref;
+};
+
+void prepare(const CudaBench& c, cuda::Attention& attn, const cuda::DeviceScales& sc) {
+  const int64_t H = c.b.shape.heads, hd = c.b.shape.head_dim;
+  attn.prepare(c.in.qkv.data(), 3 * H * hd, c.in.cos.data(), c.in.sin.data(), sc, nullptr);
+}
+
+struct CudaTimes {
+  double prep_ms, prep_dyn_ms, attn_ms;  // medians
+};
+
+CudaTimes time_row(const CudaBench& c, cuda::Attention& attn, const cuda::DeviceScales& st,
+                   const cuda::DeviceScales& dyn, bool fp8) {
+  const Args& a = c.b.a;
+  CudaTimes t{};
+  t.prep_ms = cuda::median_ms([&] { prepare(c, attn, st); }, a.warmup, a.reps);
+  t.prep_dyn_ms = fp8 ? cuda::median_ms([&] { prepare(c, attn, dyn); }, a.warmup, a.reps) : t.prep_ms;
+  prepare(c, attn, st);
+  t.attn_ms = cuda::median_ms([&] { attn.attend(c.in.out.data(), nullptr); }, a.warmup, a.reps);
+  return t;
+}
+
+// Correctness on the static-scale path: poison, run once, compare head 0 (zeros when not checked).
+ErrorStats verify_row(const CudaBench& c, cuda::Attention& attn, const cuda::DeviceScales& st) {
+  FOVEA_CUDA_CHECK(cudaMemset(c.in.out.data(), 0xFF, c.in.out.bytes()));
+  prepare(c, attn, st);
+  attn.attend(c.in.out.data(), nullptr);
+  FOVEA_CUDA_CHECK(cudaDeviceSynchronize());
+  if (!c.check) return ErrorStats{};
+  const int64_t N = c.b.shape.total_tokens(), H = c.b.shape.heads, hd = c.b.shape.head_dim;
+  std::vector<uint16_t> out16(size_t(N * H * hd));
+  FOVEA_CUDA_CHECK(cudaMemcpy(out16.data(), c.in.out.data(), out16.size() * 2, cudaMemcpyDeviceToHost));
+  std::vector<double> out(size_t(N * hd));
+  for (int64_t t = 0; t < N; ++t)
+    for (int64_t i = 0; i < hd; ++i) out[size_t(t * hd + i)] = bf16_to_float(out16[size_t(t * H * hd + i)]);
+  return compare(out.data(), c.ref.data(), N * hd);
+}
+
+// Prints the row and returns its JSON entry (error fields "-" and null when not checked).
+nlohmann::ordered_json report_row(const CudaBench& c, const CudaRun& run, const CudaTimes& t, const ErrorStats& e) {
+  const AttnDtype d = run.dtype;
+  const bool fp8 = d == AttnDtype::FP8, cudnn = run.backend == AttnBackend::CUDNN, check = c.check;
+  // FP8 rows name the scheme: "fp8" is per-tensor (vLLM's), "fp8-r" the robust one; "cudnn" is the
+  // CUDNN backend's BF16.
+  const std::string label = cudnn ? "cudnn" : run.robust ? "fp8-r" : dtype_name(d);
+  const double tflops = c.b.shape.flops() / (t.attn_ms * 1e-3) / 1e12;
+  const std::string rel = check ? fmt::format("{:.3e}", e.rel_l2) : "-", mx = check ? fmt::format("{:.3e}", e.max_abs) : "-";
+  fmt::print("{:<6} | {:>9.4f} | {:>8.1f} | {:>12.4f} | {:>13.4f} | {:>10.4f} | {:>10} | {:>10}\n", label,
+             t.attn_ms, tflops, t.prep_ms, t.prep_dyn_ms, t.attn_ms + t.prep_ms, rel, mx);
+  nlohmann::ordered_json entry = {{"dtype", dtype_name(d)},     {"backend", backend_name(run.backend)}, {"attn_ms", t.attn_ms},
+                                  {"fp8_scheme", fp8 ? (run.robust ? "robust" : "tensor") : "-"},
+                                  {"tflops", tflops},           {"prepare_ms", t.prep_ms},  {"prepare_dynamic_ms", t.prep_dyn_ms},
+                                  {"total_ms", t.attn_ms + t.prep_ms}};
+  entry["rel_l2"] = num(check ? e.rel_l2 : NAN);  // null when not checked
+  entry["max_abs"] = num(check ? e.max_abs : NAN);
+  entry["checked_heads"] = check ? 1 : 0;
+  return entry;
+}
+
+nlohmann::ordered_json cuda_row(const CudaBench& c, const CudaRun& run) {
+  const std::unique_ptr<cuda::Attention> attn = make_attention(run, c.b.shape.heads, c.b.shape.head_dim);
+  attn->plan(c.b.shape.cu_seqlens);
+  const cuda::DeviceScales st = c.scales.static_scales(run.robust), dyn = c.scales.dynamic_scales(run.robust);
+  const CudaTimes t = time_row(c, *attn, st, dyn, run.dtype == AttnDtype::FP8);
+  return report_row(c, run, t, verify_row(c, *attn, st));
+}
+
+int run_bench_cuda(const Bench& b) {
+  const Args& a = b.a;
+  const std::vector<AttnBackend> backends = parse_backends(a.backend);
+  if (a.reps < 1) fail("--reps must be >= 1, got {}", a.reps);
+  const SystemInfo sys = query_system();
+  for (const AttnBackend be : backends)
+    for (const AttnDtype d : b.dtypes)
+      if (be == AttnBackend::FOVEA || d == AttnDtype::BF16)
+        if (auto why = backend_unsupported(be, d, Device::CUDA, sys)) fail("--device cuda --backend {}: {}", backend_name(be), *why);
+  const int64_t N = b.shape.total_tokens(), H = b.shape.heads, hd = b.shape.head_dim;
+
+  const DeviceInputs in = upload_inputs(b);
+  const bool check = check_head0(b);
+  const std::vector<double> ref = check ? head0_reference(b, in.rot) : std::vector<double>{};
+  const BenchScales scales = make_scales(b, in.rot);
 
   const GpuInfo& gpu = sys.gpus.at(0);
   fmt::print("fovea bench attention | device cuda ({}) | backend FOVEA | seqlens {} ({} segments, {} tokens) | heads {} | "
              "head_dim {} | dist {} | seed {} | median of {}\n",
-             gpu.name, a.seqlens, shape.num_segments(), N, H, hd, a.dist, a.seed, a.reps);
+             gpu.name, a.seqlens, b.shape.num_segments(), N, H, hd, a.dist, a.seed, a.reps);
   fmt::print("{:<6} | {:>9} | {:>8} | {:>12} | {:>13} | {:>10} | {:>10} | {:>10}\n", "dtype", "attn ms", "TFLOP/s",
              "prep ms", "prep dyn ms", "total ms", "rel_l2", "max_abs");
+  const CudaBench c{b, in, scales, check, ref};
   nlohmann::ordered_json results = nlohmann::ordered_json::array();
-  struct Run {
-    AttnDtype dtype;
-    bool robust;
-    AttnBackend backend;
-  };
-  std::vector<Run> runs;
-  for (const AttnBackend b : backends)
-    for (AttnDtype d : dtypes) {
-      if (d != AttnDtype::FP8) runs.push_back({d, false, b});  // BF16 has no scale scheme
-      else if (b == AttnBackend::FOVEA)
-        for (const Fp8Scheme& f : schemes) runs.push_back({d, std::string(f.name) == "robust", b});
-    }
-  for (const auto& [d, robust, backend] : runs) {
-    const bool fp8 = d == AttnDtype::FP8, cudnn = backend == AttnBackend::CUDNN;
-    // FP8 rows name the scheme: "fp8" is per-tensor (vLLM's), "fp8-r" the robust one; "cudnn" is the
-    // CUDNN backend's BF16.
-    const std::string label = cudnn ? "cudnn" : robust ? "fp8-r" : dtype_name(d);
-#if FOVEA_HAVE_CUDNN
-    const std::unique_ptr<cuda::Attention> attn_ptr =
-        cudnn ? cuda::make_cudnn_attention(d, int(H), int(hd)) : std::make_unique<cuda::FlashAttention>(d, int(H), int(hd));
-#else
-    if (cudnn) fail("--backend CUDNN: this fovea was built without cuDNN");
-    const std::unique_ptr<cuda::Attention> attn_ptr = std::make_unique<cuda::FlashAttention>(d, int(H), int(hd));
-#endif
-    cuda::Attention& attn = *attn_ptr;
-    attn.plan(shape.cu_seqlens);
-    cuda::DeviceScales st_scales, dyn_scales;
-    if (robust) {
-      st_scales.fine = fine_arrays(0);
-      dyn_scales.fine = fine_arrays(1);
-      dyn_scales.fine_current = true;
-      dyn_scales.fine_ring = d_history.ring();
-    } else {
-      st_scales.fixed = d_fixed.data();
-      dyn_scales.dynamic = d_amax.data();
-    }
-    auto prep = [&](const cuda::DeviceScales& sc) { attn.prepare(d_qkv.data(), 3 * H * hd, d_cos.data(), d_sin.data(), sc, nullptr); };
-    const double prep_ms = cuda::median_ms([&] { prep(st_scales); }, a.warmup, a.reps);
-    const double prep_dyn_ms = fp8 ? cuda::median_ms([&] { prep(dyn_scales); }, a.warmup, a.reps) : prep_ms;
-    prep(st_scales);
-    const double attn_ms = cuda::median_ms([&] { attn.attend(d_out.data(), nullptr); }, a.warmup, a.reps);
-    // Correctness on the static-scale path: poison, run once, compare head 0.
-    FOVEA_CUDA_CHECK(cudaMemset(d_out.data(), 0xFF, d_out.bytes()));
-    prep(st_scales);
-    attn.attend(d_out.data(), nullptr);
-    FOVEA_CUDA_CHECK(cudaDeviceSynchronize());
-    ErrorStats e{};
-    if (check) {
-      std::vector<uint16_t> out16(size_t(N * H * hd));
-      FOVEA_CUDA_CHECK(cudaMemcpy(out16.data(), d_out.data(), out16.size() * 2, cudaMemcpyDeviceToHost));
-      std::vector<double> out(size_t(N * hd));
-      for (int64_t t = 0; t < N; ++t)
-        for (int64_t i = 0; i < hd; ++i) out[size_t(t * hd + i)] = bf16_to_float(out16[size_t(t * H * hd + i)]);
-      e = compare(out.data(), ref.data(), N * hd);
-    }
-    const double tflops = shape.flops() / (attn_ms * 1e-3) / 1e12;
-    const std::string rel = check ? fmt::format("{:.3e}", e.rel_l2) : "-", mx = check ? fmt::format("{:.3e}", e.max_abs) : "-";
-    fmt::print("{:<6} | {:>9.4f} | {:>8.1f} | {:>12.4f} | {:>13.4f} | {:>10.4f} | {:>10} | {:>10}\n", label,
-               attn_ms, tflops, prep_ms, prep_dyn_ms, attn_ms + prep_ms, rel, mx);
-    nlohmann::ordered_json entry = {{"dtype", dtype_name(d)},     {"backend", backend_name(backend)}, {"attn_ms", attn_ms},
-                                    {"fp8_scheme", fp8 ? (robust ? "robust" : "tensor") : "-"},
-                                    {"tflops", tflops},           {"prepare_ms", prep_ms},  {"prepare_dynamic_ms", prep_dyn_ms},
-                                    {"total_ms", attn_ms + prep_ms}};
-    entry["rel_l2"] = num(check ? e.rel_l2 : NAN);  // null when not checked
-    entry["max_abs"] = num(check ? e.max_abs : NAN);
-    entry["checked_heads"] = check ? 1 : 0;
-    results.push_back(entry);
-  }
+  for (const CudaRun& run : cuda_runs(b, backends)) results.push_back(cuda_row(c, run));
   if (!a.json_path.empty()) {
     const nlohmann::ordered_json doc = {{"bench", "attention"}, {"device", "cuda"},  {"gpu", gpu.name},
-                                        {"seqlens", seqlens},    {"heads", H},        {"head_dim", hd},
-                                        {"dist", a.dist},        {"seed", a.seed},    {"flops", shape.flops()},
+                                        {"seqlens", b.seqlens},  {"heads", H},        {"head_dim", hd},
+                                        {"dist", a.dist},        {"seed", a.seed},    {"flops", b.shape.flops()},
                                         {"reps", a.reps},        {"results", results}};
-    write_file_atomic(a.json_path, doc.dump(2) + "\n", "--json");
-    fmt::print("wrote {}\n", a.json_path);
+    write_json(a.json_path, doc);
   }
   return 0;
 }
 
 #else
 
-int run_bench_cuda(const Args&, const VarlenShape&, const std::vector<int>&, const std::vector<AttnDtype>&,
-                   const std::vector<float>&, const std::vector<Fp8Scheme>&) {
-  fail("--device cuda: this fovea was built without CUDA");
-}
+int run_bench_cuda(const Bench&) { fail("--device cuda: this fovea was built without CUDA"); }
 
 #endif
 

@@ -205,13 +205,6 @@ void Encoder::sync_scales(cudaStream_t stream) {
   FOVEA_CUDA_CHECK(cudaStreamSynchronize(stream));
 }
 
-void Encoder::after_forward(cudaStream_t stream) {
-  Impl& m = *impl_;
-  if ((!m.amax && m.fine_hist.empty()) || m.opt.scales->mode() != ScaleMode::CALIBRATE) return;
-  sync_scales(stream);
-  m.opt.scales->after_forward();
-}
-
 std::vector<float> linear_on_gpu(const Linear& l, const std::vector<float>& x, int64_t rows, bool fp8,
                                  const std::vector<float>* residual, bool gelu) {
   if (rows <= 0 || int64_t(x.size()) != rows * l.in) fail_cat("linear_on_gpu: ", x.size(), " values for ", rows, " rows of ", l.in);
