@@ -81,7 +81,8 @@ gpu_state() {
 photos_dir() {
   local d
   d=$(realpath -m -- "$1")
-  ls "$d"/*.jpg "$d"/*.png > /dev/null 2>&1 ||
+  # Any .jpg or .png will do (ls of both globs fails when either matches nothing).
+  [ -n "$(find "$d" -maxdepth 1 -type f \( -name '*.jpg' -o -name '*.png' \) -print -quit 2>/dev/null)" ] ||
     die "no photographs in $d: run tools/fetch-photos.sh (Debian's mate-backgrounds into data/photos) or set PHOTOS=DIR"
   echo "$d"
 }
