@@ -77,16 +77,15 @@ video::VideoLimits clip_limits(const InputConfig& cfg, const PrepareHooks& hooks
   return lim;
 }
 
-// Runs step on p, keeping what it throws as p's error; then the done hook, whatever happened.
+// Runs step on p, keeping what it throws as p's error.
 template <class F>
-void guarded(PreparedInput& p, size_t i, const PrepareHooks& hooks, F&& step) {
+void guarded(PreparedInput& p, F&& step) {
   try {
     step();
   } catch (...) {
     p.patches = {};
     p.error = std::current_exception();
   }
-  if (hooks.done) hooks.done(i);
 }
 
 }  // namespace
@@ -137,7 +136,7 @@ std::vector<PreparedInput> prepare_inputs(const std::vector<std::string>& names,
     const size_t i = size_t(k);
     PreparedInput& p = out[i];
     bool clip = false;
-    guarded(p, i, {}, [&] {
+    guarded(p, [&] {
       const auto t = Clock::now();
       std::vector<uint8_t> b = bytes(i);
       p.kind = input_kind(b);
@@ -153,17 +152,18 @@ std::vector<PreparedInput> prepare_inputs(const std::vector<std::string>& names,
       p.patches = image::preprocess(img, cfg.image, /*raw=*/true);
       p.preprocess_ms = ms_since(t2);
     });
-    if (!clip && hooks.done) hooks.done(i);
+    if (!clip && hooks.done) hooks.done(i);  // a clip is done after its decode below
   });
   // Clips: one after another, each decoding on every core; a clip whose read failed is done already.
   for (size_t i = 0; i < n; ++i) {
     if (out[i].kind != InputKind::VIDEO || out[i].error) continue;
-    guarded(out[i], i, hooks, [&] {
+    guarded(out[i], [&] {
       std::vector<uint8_t> b = std::move(clips[i]);
       const video::VideoLimits lim = clip_limits(cfg, hooks);
       if (hooks.planned) hooks.planned(i, plan_clip(video::probe_clip(b, names[i], lim, cfg.image), cfg));
       out[i] = prepare_clip(video::decode_clip(b, names[i], cfg.video, lim, cfg.image));
     });
+    if (hooks.done) hooks.done(i);
   }
   return out;
 }
