@@ -60,7 +60,7 @@ TEST(Pipeline, PrepareInputsKeepsEachInputsErrorAndMatchesPreprocess) {
     plans[i] = p;
     planned[i]++;
   };
-  hooks.done = [&](size_t i) { done[i]++; };
+  hooks.done = [&](size_t i, const PreparedInput&) { done[i]++; };
   const std::vector<PreparedInput> p = prepare_inputs(names, [&](size_t i) {
     if (i == 1) fail("input one cannot be read");
     return files[i];

@@ -871,7 +871,7 @@ TEST_F(Serve, BadRequestsGetTheRight4xxAndTheServerKeepsServing) {
        "image 'images[1]': aspect ratio 1x300 is over 200:1"},
       {"number as image", with({42}), 400, "invalid_image", "images[0]: expected a data URL or base64 string"},
       {"clip over --max-video-seconds", with({good, b64(clip)}), 400, "invalid_video",
-       "video 'images[1]': over 25 frames at 12 fps, longer than the limit of 2 s (--max-video-seconds)"},
+       "video 'images[1]': over 24 frames at 12 fps, longer than the limit of 2 s (--max-video-seconds)"},
       {"remote URL", with({"https://example.com/cat.png"}), 400, "invalid_image", "not fetched"},
       {"text content part", with({{{"type", "text"}, {"text", "hi"}}}), 400, "invalid_image", "image_url"},
       {"bad encoding", json{{"images", {good}}, {"encoding", "hex"}}.dump(), 400, "invalid_request", "\"encoding\""},

@@ -89,18 +89,32 @@ struct PreparedInput {
 
 // What the caller of prepare_inputs hooks in (serve: its decode-memory budget and deadline).
 struct PrepareHooks {
+  // Called before a clip's container is opened, with the bytes opening it may hold at most
+  // (video::container_cost: the demuxer's index, buffers and the packets kept); what it throws is
+  // that input's error. The clip's planned call follows; its peak_bytes replaces this figure.
+  std::function<void(size_t, int64_t)> opening;
   // Called with each input's plan before a pixel of it is decoded; what it throws is that input's error.
   std::function<void(size_t, const InputPlan&)> planned;
-  // Called once input i is preprocessed or has failed, whatever happened (exactly once each).
-  std::function<void(size_t)> done;
-  // A clip's decoding stops here (its limits' deadline_seconds still applies).
+  // Called once input i is preprocessed or has failed, whatever happened (exactly once each), with
+  // what it became (its patches, or its error).
+  std::function<void(size_t, const PreparedInput&)> done;
+  // A clip's opening and decoding stop here (its limits' deadline_seconds still applies): one
+  // absolute time for the whole clip.
   std::optional<Clock::time_point> deadline;
+  // Once an input fails, the inputs not yet decoded are not decoded: they come back with neither
+  // patches nor an error of their own (serve: one failure fails the request).
+  bool all_or_nothing = false;
 };
 
+// The bytes an input's patches hold.
+int64_t patch_bytes(const image::Patches& p);
+
 // Inputs 0..n-1, input i named names[i] in messages: bytes(i) gives its encoded bytes (called once,
-// on a worker thread; what it throws is that input's error). Every input is read and its kind taken
-// first; then the images decode and preprocess in parallel (fovea::parallel_for), then the clips one
-// after another (each decodes on every core). One input's failure never stops the others.
+// on a worker thread; what it throws is that input's error). Every input is read, its kind taken and
+// planned from its header first, in parallel (a clip is opened once, video::open_clip, and decoded
+// later from what that kept); then the images decode and preprocess in parallel
+// (fovea::parallel_for), then the clips one after another (each on the caller's share of the cores,
+// ThreadCap). One input's failure never stops the others (unless all_or_nothing).
 std::vector<PreparedInput> prepare_inputs(const std::vector<std::string>& names,
                                           const std::function<std::vector<uint8_t>(size_t)>& bytes,
                                           const InputConfig& cfg, const PrepareHooks& hooks = {});

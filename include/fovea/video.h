@@ -7,12 +7,14 @@
 // Every bad input is a fovea::Error naming the clip.
 #pragma once
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <string>
 #include <string_view>
 #include <utility>
 #include <vector>
 
+#include "fovea/clock.h"
 #include "fovea/image.h"
 
 namespace fovea::video {
@@ -67,6 +69,10 @@ struct ClipInfo {
   // The video packets' pts, sorted: frame i is shown at frame_pts[i]. Empty when a packet has none,
   // two share one, or one is marked discard (an edit list): decoding then counts frames instead.
   std::vector<int64_t> frame_pts;
+  // One frame as the decoder holds it: the stream's pixel format at the header's size, its planes
+  // padded as FFmpeg pads them (3 bytes a pixel when the header does not name the format).
+  int64_t decoder_frame_bytes = 0;
+  int64_t packet_bytes = 0;  // the video packets open_clip keeps for decoding (data and bookkeeping)
 };
 
 // numpy.linspace(0, total - 1, n).round(): n frame indices over a clip of `total` frames.
@@ -86,19 +92,25 @@ std::vector<double> patch_timestamps(const std::vector<int64_t>& indices, double
 // merge-window order within each temporal patch, columns (c, t, py, px). grid = {T', h/p, w/p}.
 image::Patches patchify_frames(const std::vector<image::Rgb8>& frames, const VideoConfig& cfg);
 
+// Frames a decoder may hold besides one per thread: the most reference frames any whitelisted codec
+// keeps (16 for H.264 and HEVC), the frame being output and one held back for reordering.
+constexpr int64_t kDecoderHeldFrames = 18;
+
 // What preprocessing a clip will give, from its header alone (no frame decoded): the sampled
-// frames, the size they are resized to, the grid, the timestamps, and the memory decode_clip holds
-// at its peak (the resized frames, the fp32 patches, two native frames per core: one batch being
-// resized while the next decodes). An
-// encoder-cache hit needs nothing more; the server reserves peak_bytes before decoding.
+// frames, the size they are resized to, the grid, the timestamps, and the memory decoding holds at
+// its peak: the kept packets, the decoder's frame pool (one frame per decoding thread plus
+// kDecoderHeldFrames; decode_opened refuses a frame past it), the resized frames, the fp32 patches,
+// and two batches of native RGB frames, one per thread each (one batch resizing while the next
+// decodes). An encoder-cache hit needs nothing more; the server reserves peak_bytes before decoding.
 struct ClipPlan {
   std::vector<int64_t> indices;
   int height = 0, width = 0;  // every sampled frame's size after resizing
   qwen3vl::GridThw grid{};
   std::vector<double> timestamps;
-  int64_t resized_bytes = 0, patch_bytes = 0, native_frame_bytes = 0;
-  int64_t peak_bytes(int decoding_threads) const {
-    return resized_bytes + patch_bytes + 2 * int64_t(decoding_threads) * native_frame_bytes;  // two batches: one resizing
+  int64_t resized_bytes = 0, patch_bytes = 0, native_frame_bytes = 0, packet_bytes = 0, decoder_frame_bytes = 0;
+  int64_t decoder_bytes(int threads) const { return (threads + kDecoderHeldFrames) * decoder_frame_bytes; }
+  int64_t peak_bytes(int threads) const {
+    return packet_bytes + decoder_bytes(threads) + resized_bytes + patch_bytes + 2 * int64_t(threads) * native_frame_bytes;
   }
 };
 ClipPlan plan_clip(const ClipInfo& info, const VideoConfig& cfg);
@@ -129,17 +141,53 @@ bool looks_like_video(std::span<const uint8_t> bytes);
 bool video_supported();
 std::string ffmpeg_versions();  // "libavformat 59.27.100, libavcodec ..." or "" without
 
-// Reads the container's header and counts the video stream's packets: no frame is decoded. Throws
-// "video '<name>': ..." for an unknown or refused container or codec, no video stream, an empty or
-// over-limit size, a frame over limits.max_frame_pixels, a clip over limits.max_seconds or
-// kMaxFrames, a file over limits.max_encoded_bytes, or the deadline.
+// What opening a container costs FFmpeg before fovea sees a frame, from the bytes alone
+// (src/video/mp4-tables.cpp). MP4/MOV sample tables are walked first: a table box must hold the
+// entries it lists, samples of one constant size cannot outnumber the file's bytes, nor a fragment's
+// samples, and the index the demuxer will build (a sample each, copied once per edit) must stay
+// under kMaxIndexEntries; anything else throws "video '<name>': ...". open_bytes bounds the memory
+// of opening and probing: that index, the demuxer's buffers and the packets kept.
+constexpr int64_t kMaxIndexEntries = int64_t(1) << 21;
+constexpr int64_t kIndexEntryBytes = 96;                   // FFmpeg's index entry, sample size, times, edits' copies
+constexpr int64_t kContainerBaseBytes = int64_t(4) << 20;  // the demuxer's buffers and state
+struct ContainerCost {
+  int64_t index_entries = 0;
+  int64_t open_bytes = 0;
+};
+ContainerCost container_cost(std::span<const uint8_t> bytes, const std::string& name);
+
+// A clip opened once: its header read, its video packets counted, their timestamps listed and the
+// packets kept (at most open_bytes of them), the container closed again. decode_opened decodes from
+// the kept packets, so a clip is demuxed once whatever the passes.
+struct OpenedClip {
+  ClipInfo info;
+  int64_t max_frame_pixels = 0;  // the pixel limit it was opened under: its decoder's too
+  struct Packets;
+  std::shared_ptr<const Packets> packets;
+};
+
+// Opens a clip (container_cost's checks first): throws "video '<name>': ..." for an unknown or
+// refused container or codec, no video stream, an empty or over-limit size, a frame over
+// limits.max_frame_pixels, a clip over limits.max_seconds or kMaxFrames, a file over
+// limits.max_encoded_bytes, packets past open_bytes, or the deadline (one absolute time for the
+// whole clip: opening and decoding share it).
+OpenedClip open_clip(std::span<const uint8_t> bytes, const std::string& name, const VideoLimits& limits,
+                     const image::PreprocessConfig& image_budget, Clock::time_point deadline);
+Clock::time_point deadline_of(const VideoLimits& limits);  // now + limits.deadline_seconds
+
+// open_clip's ClipInfo (its own deadline from limits).
 ClipInfo probe_clip(std::span<const uint8_t> bytes, const std::string& name, const VideoLimits& limits = {},
                     const image::PreprocessConfig& image_budget = {});
 
-// probe, sample, decode: each sampled frame is converted to RGB (libswscale, the colour matrix and
-// range the stream is tagged with, BT.601 limited range when it is not; bilinear chroma), resized
-// to smart_resize_video's size as it is decoded, then patchified. At most one decoded frame per
-// core is held beside the resized ones (limits.max_bytes_in_flight).
+// Sample, decode, resize, patchify an opened clip: each sampled frame is converted to RGB
+// (libswscale, the colour matrix and range the stream is tagged with, BT.601 limited range when it
+// is not; bilinear chroma), resized to smart_resize_video's size as it is decoded, then patchified.
+// Decoding uses the calling thread's ThreadCap share of the cores (FFmpeg's frame threads and the
+// resizes). The decoder is told the pixel limit, and a frame whose size is not the header's, or one
+// past the plan's frame pool (ClipPlan::decoder_bytes), is refused before it is allocated. At most
+// one decoded frame per thread is held beside the resized ones (limits.max_bytes_in_flight).
+Clip decode_opened(const OpenedClip& clip, const VideoConfig& cfg, const VideoLimits& limits, Clock::time_point deadline);
+// open_clip then decode_opened, with one deadline.
 Clip decode_clip(std::span<const uint8_t> bytes, const std::string& name, const VideoConfig& cfg,
                  const VideoLimits& limits = {}, const image::PreprocessConfig& image_budget = {});
 Clip decode_clip_file(const std::string& path, const VideoConfig& cfg, const VideoLimits& limits = {},

@@ -2,8 +2,13 @@
 // and decode + preprocess of a list of inputs.
 #include <algorithm>
 #include <array>
-#include <fstream>
+#include <atomic>
+#include <cerrno>
+#include <cstring>
 #include <random>
+
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include "fovea/clock.h"
 #include "fovea/error.h"
@@ -20,10 +25,16 @@ InputKind input_kind(std::span<const uint8_t> head) {
 }
 
 InputKind file_input_kind(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  std::array<char, 512> head{};
-  f.read(head.data(), head.size());
-  return input_kind({reinterpret_cast<const uint8_t*>(head.data()), size_t(f.gcount())});
+  // A FIFO or a device is refused here, at once: a blocking open would wait for a writer forever.
+  struct stat st {};
+  const int fd = open_regular_file(path, "input", &st);
+  std::array<uint8_t, 512> head{};
+  ssize_t n;
+  do n = ::pread(fd, head.data(), head.size(), 0);
+  while (n < 0 && errno == EINTR);
+  ::close(fd);
+  if (n < 0) fail("input '{}': cannot read it: {}", path, std::strerror(errno));
+  return input_kind({head.data(), size_t(n)});
 }
 
 InputConfig load_input_config(const std::string& model, const image::PreprocessOverrides& image,
@@ -36,6 +47,10 @@ size_t max_input_bytes(const InputConfig& cfg) { return std::max(image::kMaxEnco
 std::vector<uint8_t> read_input(const std::string& path, const InputConfig& cfg) {
   const std::string s = read_file(path, "input", max_input_bytes(cfg));
   return {s.begin(), s.end()};
+}
+
+int64_t patch_bytes(const image::Patches& p) {
+  return int64_t(p.pixels.size() * sizeof(float) + p.raw.size());
 }
 
 namespace {
@@ -56,25 +71,28 @@ InputPlan plan_image(std::span<const uint8_t> bytes, const std::string& name, co
 }
 
 InputPlan plan_clip(const video::ClipInfo& info, const InputConfig& cfg) {
-  const video::ClipPlan plan = video::plan_clip(info, cfg.video);
-  InputPlan p;
-  p.kind = InputKind::VIDEO;
-  p.grid = plan.grid;
-  p.tokens = tokens_of(p.grid, cfg.video.merge);
-  // Frames beyond the in-flight bound wait for room: decoding never holds more than that.
-  p.peak_bytes = std::min(plan.peak_bytes(hardware_threads()), cfg.limits.max_bytes_in_flight);
-  p.clip = ClipSampling{plan.indices, plan.timestamps, info.fps};
-  return p;
+  try {
+    const video::ClipPlan plan = video::plan_clip(info, cfg.video);
+    InputPlan p;
+    p.kind = InputKind::VIDEO;
+    p.grid = plan.grid;
+    p.tokens = tokens_of(p.grid, cfg.video.merge);
+    // Native frames beyond the in-flight bound wait for room (decode_opened batches fewer): what
+    // decoding holds at once is the packets, the decoder's pool and at most that bound.
+    const int threads = std::max(1, ThreadCap::current());
+    const int64_t frames = plan.peak_bytes(threads) - plan.packet_bytes - plan.decoder_bytes(threads);
+    p.peak_bytes = plan.packet_bytes + plan.decoder_bytes(threads) + std::min(frames, cfg.limits.max_bytes_in_flight);
+    p.clip = ClipSampling{plan.indices, plan.timestamps, info.fps};
+    return p;
+  } catch (const Error& e) {  // sampling and smart_resize errors do not name the clip
+    fail("video '{}': {}", info.name, e.what());
+  }
 }
 
-// The limits of one clip's decode: its deadline no later than the caller's.
-video::VideoLimits clip_limits(const InputConfig& cfg, const PrepareHooks& hooks) {
-  video::VideoLimits lim = cfg.limits;
-  if (hooks.deadline) {
-    const double left = seconds_between(Clock::now(), *hooks.deadline);
-    lim.deadline_seconds = std::min(lim.deadline_seconds, std::max(1e-3, left));
-  }
-  return lim;
+// The deadline of one clip: its limits' from now, no later than the caller's.
+Clock::time_point clip_deadline(const InputConfig& cfg, const PrepareHooks& hooks) {
+  const Clock::time_point own = video::deadline_of(cfg.limits);
+  return hooks.deadline ? std::min(own, *hooks.deadline) : own;
 }
 
 // Runs step on p, keeping what it throws as p's error.
@@ -92,7 +110,7 @@ void guarded(PreparedInput& p, F&& step) {
 
 InputPlan probe_input(std::span<const uint8_t> bytes, const std::string& name, const InputConfig& cfg) {
   if (input_kind(bytes) == InputKind::IMAGE) return plan_image(bytes, name, cfg);
-  return plan_clip(video::probe_clip(bytes, name, cfg.limits, cfg.image), cfg);
+  return plan_clip(video::open_clip(bytes, name, cfg.limits, cfg.image, video::deadline_of(cfg.limits)).info, cfg);
 }
 
 std::string PreparedInput::error_message() const {
@@ -125,45 +143,88 @@ PreparedInput prepare_clip(video::Clip&& clip) {
   return p;
 }
 
+namespace {
+
+// One input between the steps of prepare_inputs: an image's bytes, or a clip opened.
+struct Pending {
+  std::vector<uint8_t> bytes;
+  std::optional<video::OpenedClip> clip;
+  Clock::time_point deadline;
+  double read_ms = 0;
+};
+
+// Reads input i, takes its kind and plans it from its header (a clip is opened: its packets kept,
+// its bytes dropped). The hooks hear of it before anything is decoded.
+void plan_input(size_t i, const std::string& name, const std::function<std::vector<uint8_t>(size_t)>& bytes,
+                const InputConfig& cfg, const PrepareHooks& hooks, PreparedInput& p, Pending& w) {
+  const auto t = Clock::now();
+  w.bytes = bytes(i);
+  p.kind = input_kind(w.bytes);
+  if (p.kind == InputKind::IMAGE) {
+    if (hooks.planned) hooks.planned(i, plan_image(w.bytes, name, cfg));
+  } else {
+    w.deadline = clip_deadline(cfg, hooks);
+    if (hooks.opening) hooks.opening(i, video::container_cost(w.bytes, name).open_bytes);
+    w.clip = video::open_clip(w.bytes, name, cfg.limits, cfg.image, w.deadline);
+    std::vector<uint8_t>().swap(w.bytes);
+    if (hooks.planned) hooks.planned(i, plan_clip(w.clip->info, cfg));
+  }
+  w.read_ms = ms_since(t);
+}
+
+void decode_image(const std::string& name, const InputConfig& cfg, PreparedInput& p, Pending& w) {
+  const auto t = Clock::now();
+  const image::Rgb8 img = image::decode_memory(w.bytes, name, cfg.image);
+  std::vector<uint8_t>().swap(w.bytes);
+  p.decode_ms = w.read_ms + ms_since(t);
+  const auto t2 = Clock::now();
+  p.patches = image::preprocess(img, cfg.image, /*raw=*/true);
+  p.preprocess_ms = ms_since(t2);
+}
+
+}  // namespace
+
 std::vector<PreparedInput> prepare_inputs(const std::vector<std::string>& names,
                                           const std::function<std::vector<uint8_t>(size_t)>& bytes,
                                           const InputConfig& cfg, const PrepareHooks& hooks) {
   const size_t n = names.size();
   std::vector<PreparedInput> out(n);
-  std::vector<std::vector<uint8_t>> clips(n);  // a clip's bytes, held for the second pass
-  // Images: read, plan, decode and preprocess, one task each. Clips: read and kept.
+  std::vector<Pending> work(n);
+  std::atomic<bool> failed{false};
+  const auto finish = [&](size_t i) {  // the input's last step: done, and with all_or_nothing, the rest skip
+    if (out[i].error) failed = true;
+    if (hooks.done) hooks.done(i, out[i]);
+    work[i] = {};
+  };
+  // Every input read and planned (clips opened) first, in parallel: the hooks admit or refuse them
+  // all before a pixel is decoded.
   parallel_for(int64_t(n), [&](int64_t k) {
     const size_t i = size_t(k);
-    PreparedInput& p = out[i];
-    bool clip = false;
-    guarded(p, [&] {
-      const auto t = Clock::now();
-      std::vector<uint8_t> b = bytes(i);
-      p.kind = input_kind(b);
-      if ((clip = p.kind == InputKind::VIDEO)) {
-        clips[i] = std::move(b);
-        return;
-      }
-      if (hooks.planned) hooks.planned(i, plan_image(b, names[i], cfg));
-      const image::Rgb8 img = image::decode_memory(b, names[i], cfg.image);
-      std::vector<uint8_t>().swap(b);
-      p.decode_ms = ms_since(t);
-      const auto t2 = Clock::now();
-      p.patches = image::preprocess(img, cfg.image, /*raw=*/true);
-      p.preprocess_ms = ms_since(t2);
-    });
-    if (!clip && hooks.done) hooks.done(i);  // a clip is done after its decode below
+    guarded(out[i], [&] { plan_input(i, names[i], bytes, cfg, hooks, out[i], work[i]); });
+    if (out[i].error) finish(i);
   });
-  // Clips: one after another, each decoding on every core; a clip whose read failed is done already.
+  const auto skipped = [&](size_t i) {
+    if (out[i].error) return true;  // done already
+    if (!(hooks.all_or_nothing && failed)) return false;
+    finish(i);  // no error of its own: another input's stopped it
+    return true;
+  };
+  // Images: decoded and preprocessed in parallel.
+  parallel_for(int64_t(n), [&](int64_t k) {
+    const size_t i = size_t(k);
+    if (out[i].kind != InputKind::IMAGE || skipped(i)) return;
+    guarded(out[i], [&] { decode_image(names[i], cfg, out[i], work[i]); });
+    finish(i);
+  });
+  // Clips: one after another, each decoding on the caller's share of the cores.
   for (size_t i = 0; i < n; ++i) {
-    if (out[i].kind != InputKind::VIDEO || out[i].error) continue;
+    if (out[i].kind != InputKind::VIDEO || skipped(i)) continue;
     guarded(out[i], [&] {
-      std::vector<uint8_t> b = std::move(clips[i]);
-      const video::VideoLimits lim = clip_limits(cfg, hooks);
-      if (hooks.planned) hooks.planned(i, plan_clip(video::probe_clip(b, names[i], lim, cfg.image), cfg));
-      out[i] = prepare_clip(video::decode_clip(b, names[i], cfg.video, lim, cfg.image));
+      const double open_ms = work[i].read_ms;
+      out[i] = prepare_clip(video::decode_opened(*work[i].clip, cfg.video, cfg.limits, work[i].deadline));
+      out[i].decode_ms += open_ms;
     });
-    if (hooks.done) hooks.done(i);
+    finish(i);
   }
   return out;
 }

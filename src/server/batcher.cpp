@@ -48,7 +48,45 @@ Batcher::Batcher(const qwen3vl::Model& model, const EngineConfig& cfg, const std
 
 Batcher::~Batcher() { stop(); }
 
-std::shared_ptr<Job> Batcher::submit(std::vector<image::Patches> inputs, bool deepstack, std::string& refused) {
+std::string Batcher::full_for(int64_t tokens, bool counted, int64_t own) const {
+  if (stopping_) return "the server is stopping";
+  if (replicas_up() == 0) return "no encoder device is up (every replica failed; see the server's log)";
+  const size_t requests = queue_.size() + admitted_requests_ - (counted ? 1 : 0);  // others than this one
+  if (requests >= max_queue_)
+    return fmt::format("the encoder queue is full ({} requests waiting or being decoded, --max-queue)", requests);
+  const int64_t others = queued_tokens() + admitted_tokens_ - own;
+  if (requests > 0 && others + own + tokens > max_queue_tokens_)
+    return fmt::format("the encoder queue holds {} visual tokens (requests waiting or being decoded); this request's {} "
+                       "would pass --max-queue-tokens {}", others, own + tokens, max_queue_tokens_);
+  return "";
+}
+
+void Batcher::release(Admission& a) {
+  if (!a.counted_) return;
+  admitted_tokens_ -= a.tokens_;
+  --admitted_requests_;
+  a.counted_ = false;
+  a.tokens_ = 0;
+}
+
+Batcher::Admission::~Admission() {
+  std::lock_guard lk(b_.mu_);
+  b_.release(*this);
+}
+
+bool Batcher::admit(Admission& a, int64_t tokens, std::string& refused) {
+  std::lock_guard lk(mu_);
+  refused = full_for(tokens, a.counted_, a.tokens_);
+  if (!refused.empty()) return false;
+  if (!a.counted_) ++admitted_requests_;
+  a.counted_ = true;
+  a.tokens_ += tokens;
+  admitted_tokens_ += tokens;
+  return true;
+}
+
+std::shared_ptr<Job> Batcher::submit(std::vector<image::Patches> inputs, bool deepstack, std::string& refused,
+                                     Admission* admitted) {
   auto job = std::make_shared<Job>();
   job->deepstack = deepstack;
   job->outputs.resize(inputs.size());
@@ -58,24 +96,13 @@ std::shared_ptr<Job> Batcher::submit(std::vector<image::Patches> inputs, bool de
   for (const auto& p : job->inputs) tokens += visual_tokens(model_.config, p.grid);
   {
     std::lock_guard lk(mu_);
-    if (stopping_) {
-      refused = "the server is stopping";
-      return nullptr;
+    if (admitted && admitted->counted_) {
+      release(*admitted);  // its room becomes the job's
+      if (stopping_ || replicas_up() == 0) refused = full_for(0, false, 0);
+    } else {
+      refused = full_for(tokens, false, 0);
     }
-    if (replicas_up() == 0) {
-      refused = "no encoder device is up (every replica failed; see the server's log)";
-      return nullptr;
-    }
-    if (queue_.size() >= max_queue_) {
-      refused = fmt::format("the encoder queue is full ({} requests waiting, --max-queue)", queue_.size());
-      return nullptr;
-    }
-    const int64_t waiting = queued_tokens();
-    if (!queue_.empty() && waiting + tokens > max_queue_tokens_) {
-      refused = fmt::format("the encoder queue holds {} visual tokens; this request's {} would pass --max-queue-tokens {}",
-                            waiting, tokens, max_queue_tokens_);
-      return nullptr;
-    }
+    if (!refused.empty()) return nullptr;
     queue_.push_back(job);
   }
   queued_.notify_one();

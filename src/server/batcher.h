@@ -88,11 +88,34 @@ class Batcher {
           int64_t max_queue_tokens, int64_t max_batch_tokens);
   ~Batcher();  // stop()
 
+  // Room in the queue held for a request whose inputs are still being decoded: admitted from their
+  // headers, its tokens count against max_queue_tokens (and it against max_queue) from then on, so
+  // a request the queue cannot take is refused before its decoding, not after. Released when it is
+  // submitted or when the Admission goes.
+  class Admission {
+   public:
+    explicit Admission(Batcher& b) : b_(b) {}
+    ~Admission();
+    Admission(const Admission&) = delete;
+    Admission& operator=(const Admission&) = delete;
+
+   private:
+    friend class Batcher;
+    Batcher& b_;
+    bool counted_ = false;  // guarded by the Batcher's mutex
+    int64_t tokens_ = 0;
+  };
+  // Adds `tokens` to the request's admission; false, with the reason in `refused`, if the queue
+  // cannot take them (the rules of submit, counting the queue's jobs and every admission held).
+  bool admit(Admission& a, int64_t tokens, std::string& refused);
+
   // Queues a request; nullptr, with the reason in `refused`, if max_queue requests are already
   // waiting, if its visual tokens would take the queue past max_queue_tokens (an empty queue takes
-  // any request), or if the worker stopped. The deepstack features are copied back from the device
-  // only for forwards with a job that asked for them (each is as large as the visual tokens).
-  std::shared_ptr<Job> submit(std::vector<image::Patches> inputs, bool deepstack, std::string& refused);
+  // any request), or if the worker stopped. A request admitted (`admitted`) was checked then: only a
+  // stop refuses it now. The deepstack features are copied back from the device only for forwards
+  // with a job that asked for them (each is as large as the visual tokens).
+  std::shared_ptr<Job> submit(std::vector<image::Patches> inputs, bool deepstack, std::string& refused,
+                              Admission* admitted = nullptr);
 
   enum class Wait { DONE, FAILED, TIMED_OUT };
   // Blocks until the job is done, failed (`error` says why), or the deadline passed (the job is
@@ -131,6 +154,10 @@ class Batcher {
   };
   void worker(Replica& r, std::promise<void>& ready);
   std::vector<Slot> take_batch();  // with mu_ held
+  // With mu_ held: why the queue cannot take a request of `tokens` more (or "" if it can); `own`
+  // is what the request holds already (an admission), not counted against itself.
+  std::string full_for(int64_t tokens, bool counted, int64_t own) const;
+  void release(Admission& a);  // with mu_ held
   int64_t queued_tokens() const;   // with mu_ held: visual tokens of the inputs not yet taken
   struct Started {  // a forward in flight
     std::vector<Slot> slots;
@@ -165,6 +192,8 @@ class Batcher {
   std::condition_variable queued_;  // workers: something to do, or stop
   std::condition_variable done_;    // waiters: some job progressed
   std::deque<std::shared_ptr<Job>> queue_;
+  int64_t admitted_tokens_ = 0;   // held by admissions not yet submitted
+  size_t admitted_requests_ = 0;
   bool stopping_ = false;
   std::vector<std::unique_ptr<Replica>> replicas_;
 };

@@ -120,53 +120,89 @@ void find_cached(Context& c, Exchange& x) {
   }
 }
 
-// Decodes and preprocesses the items `which` (fovea::prepare_inputs). Each reserves the memory its
-// decode holds at its peak (from its header) before a pixel is decoded, waiting for room until the
-// deadline, and gives it back once preprocessed. Requests decoding at once share the cores.
-std::vector<PreparedInput> prepare(Context& c, Exchange& x, const std::vector<size_t>& which) {
+// What one request holds while its items are prepared: decode memory from --max-decode-bytes, per
+// item, and room in the encoder queue (admitted from the items' headers). Both go back when it goes.
+struct Holds {
+  Holds(Context& c, const Exchange& x, const std::vector<size_t>& which)
+      : c(c), x(x), which(which), bytes(which.size(), 0), admission(c.batcher) {
+    for (const size_t i : which) names.push_back(x.r.names[i]);
+  }
+  ~Holds() {
+    for (size_t j = 0; j < bytes.size(); ++j) hold(j, 0);
+  }
+  // Holds `want` bytes for item j (more: waits for room until the deadline; less: gives some back).
+  // Item j's hooks run one after another on one thread; items run on several.
+  void hold(size_t j, int64_t want) {
+    if (want < bytes[j]) {
+      c.decode_budget.release(bytes[j] - want);
+      bytes[j] = want;
+      return;
+    }
+    if (want == bytes[j]) return;
+    ByteBudget& budget = c.decode_budget;
+    if (want > budget.capacity())
+      throw ApiError{400, invalid_item_code(kind(j)),
+                     fmt::format("{} '{}' needs {} bytes to decode, more than the server's {} (--max-decode-bytes)",
+                                 input_kind_name(kind(j)), names[j], want, budget.capacity())};
+    if (!budget.acquire(want - bytes[j], x.deadline))
+      throw ApiError{503, "server_busy",
+                     fmt::format("{} '{}': no room to decode it before the request's deadline (the server's images "
+                                 "and clips being decoded hold {} of {} bytes, --max-decode-bytes)",
+                                 input_kind_name(kind(j)), names[j], budget.used(), budget.capacity())};
+    bytes[j] = want;
+  }
+  void admit(size_t j, const InputPlan& p) {
+    std::string refused;
+    if (!c.batcher.admit(admission, p.tokens, refused))
+      throw ApiError{503, "queue_full", fmt::format("{} '{}': {}; retry later", input_kind_name(p.kind), names[j], refused)};
+  }
+  InputKind kind(size_t j) const { return x.items[which[j]].kind; }
+  Context& c;
+  const Exchange& x;
+  const std::vector<size_t> which;
+  std::vector<std::string> names;
+  std::vector<int64_t> bytes;  // held per item
+  Batcher::Admission admission;
+};
+
+// Decodes and preprocesses the items `which` (fovea::prepare_inputs). Each item is admitted to the
+// encoder queue from its header and reserves the memory its decode holds at its peak before a pixel
+// is decoded (a clip: what opening it may cost, before it is opened), waiting for room until the
+// deadline; once preprocessed it keeps its patches' bytes until they are queued. Requests decoding
+// at once share the cores (clips' FFmpeg threads and resizes too).
+std::vector<PreparedInput> prepare(Context& c, Exchange& x, Holds& holds) {
   static std::atomic<int> decoding{0};
   struct Count {
     Count() { ++decoding; }
     ~Count() { --decoding; }
   } counted;
   ThreadCap cap(hardware_threads() / std::max(1, decoding.load()));
-  std::vector<std::string> names;
-  for (const size_t i : which) names.push_back(x.r.names[i]);
-  std::vector<int64_t> held(which.size(), 0);
   PrepareHooks hooks;
   hooks.deadline = x.deadline;
+  hooks.all_or_nothing = true;
+  hooks.opening = [&](size_t j, int64_t bytes) { holds.hold(j, bytes); };
   hooks.planned = [&](size_t j, const InputPlan& p) {
-    ByteBudget& budget = c.decode_budget;
-    if (p.peak_bytes > budget.capacity())
-      throw ApiError{400, invalid_item_code(p.kind),
-                     fmt::format("{} '{}': grid ({}, {}, {}) needs {} bytes to decode, more than the server's {} "
-                                 "(--max-decode-bytes)", input_kind_name(p.kind), names[j], p.grid[0], p.grid[1],
-                                 p.grid[2], p.peak_bytes, budget.capacity())};
-    if (!budget.acquire(p.peak_bytes, x.deadline))
-      throw ApiError{503, "server_busy",
-                     fmt::format("{} '{}': no room to decode it before the request's deadline (the server's images "
-                                 "and clips being decoded hold {} of {} bytes, --max-decode-bytes)",
-                                 input_kind_name(p.kind), names[j], budget.used(), budget.capacity())};
-    held[j] = p.peak_bytes;
+    holds.admit(j, p);
+    holds.hold(j, p.peak_bytes);
   };
-  hooks.done = [&](size_t j) {
-    if (held[j]) c.decode_budget.release(std::exchange(held[j], 0));
-  };
+  hooks.done = [&](size_t j, const PreparedInput& p) { holds.hold(j, p.error ? 0 : patch_bytes(p.patches)); };
   std::vector<PreparedInput> out =
-      prepare_inputs(names, [&](size_t j) { return item_bytes(x.r, which[j]); }, c.inputs, hooks);
+      prepare_inputs(holds.names, [&](size_t j) { return item_bytes(x.r, holds.which[j]); }, c.inputs, hooks);
   for (size_t j = 0; j < out.size(); ++j)
-    if (out[j].error) reject_item(c, out[j], names[j], x.deadline);
+    if (out[j].error) reject_item(c, out[j], holds.names[j], x.deadline);
   return out;
 }
 
-// Queues the prepared items and waits for their forwards; the job holds their outputs.
-std::shared_ptr<Job> run_job(Context& c, const Exchange& x, std::vector<PreparedInput>& prepared) {
+// Queues the prepared items (the room admitted for them becomes theirs; their decode bytes go back)
+// and waits for their forwards; the job holds their outputs.
+std::shared_ptr<Job> run_job(Context& c, const Exchange& x, std::vector<PreparedInput>& prepared, Holds& holds) {
   std::vector<image::Patches> inputs;
   for (PreparedInput& p : prepared) inputs.push_back(std::move(p.patches));
   // The cache holds every deepstack output, so a request that fills it asks for them.
   const bool deepstack = x.r.deepstack || (c.cache && !c.model.config.deepstack.empty());
   std::string refused;
-  std::shared_ptr<Job> job = c.batcher.submit(std::move(inputs), deepstack, refused);
+  std::shared_ptr<Job> job = c.batcher.submit(std::move(inputs), deepstack, refused, &holds.admission);
+  for (size_t j = 0; j < prepared.size(); ++j) holds.hold(j, 0);
   if (!job) reject(503, "queue_full", refused + "; retry later");
   std::string error;
   switch (c.batcher.wait(*job, x.deadline, error)) {
@@ -309,11 +345,12 @@ http::Response encode(Context& c, http::Request& req) {
   for (size_t i = 0; i < x.items.size(); ++i)
     if (!x.items[i].cached) misses.push_back(i);
   phase_ended(Phase::PARSE);
-  std::vector<PreparedInput> prepared = prepare(c, x, misses);
+  Holds holds(c, x, misses);
+  std::vector<PreparedInput> prepared = prepare(c, x, holds);
   phase_ended(Phase::DECODE);
   std::shared_ptr<Job> job;  // holds the forwards' outputs the reply's rows view
   if (!misses.empty()) {
-    job = run_job(c, x, prepared);
+    job = run_job(c, x, prepared, holds);
     collect(c, x, misses, prepared, *job);
   }
   phase_ended(Phase::ENCODER);

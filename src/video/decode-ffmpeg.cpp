@@ -13,6 +13,8 @@
 extern "C" {
 #include <libavcodec/avcodec.h>
 #include <libavformat/avformat.h>
+#include <libavutil/common.h>
+#include <libavutil/imgutils.h>
 #include <libavutil/log.h>
 #include <libavutil/pixdesc.h>
 #include <libswscale/swscale.h>
@@ -100,15 +102,28 @@ struct Demuxer {
   int stream = -1;
   const AVCodec* codec = nullptr;
 
-  Demuxer(std::span<const uint8_t> bytes, const std::string& name, Clock::time_point deadline) {
+  Demuxer(std::span<const uint8_t> bytes, const std::string& name, Clock::time_point deadline, int64_t max_pixels) {
     try {
-      open(bytes, name, deadline);
+      open(bytes, name, deadline, max_pixels);
     } catch (...) {
       close();  // a constructor that throws runs no destructor: what open() allocated is freed here
       throw;
     }
   }
-  void open(std::span<const uint8_t> bytes, const std::string& name, Clock::time_point deadline) {
+  void find_stream_info(const std::string& name, int64_t max_pixels) {
+    fmt->codec_whitelist = av_strdup(kCodecs);
+    fmt->probesize = std::min<int64_t>(fmt->probesize, int64_t(8) << 20);
+    // Each stream's probing decoder: one thread, frames no larger than the pixel limit.
+    std::vector<AVDictionary*> opts(fmt->nb_streams, nullptr);
+    for (AVDictionary*& o : opts) {
+      av_dict_set_int(&o, "max_pixels", max_pixels, 0);
+      av_dict_set(&o, "threads", "1", 0);
+    }
+    const int e = avformat_find_stream_info(fmt, opts.empty() ? nullptr : opts.data());
+    for (AVDictionary*& o : opts) av_dict_free(&o);
+    if (e < 0) fail("video '{}': reading its stream parameters: {}", name, av_error(e));
+  }
+  void open(std::span<const uint8_t> bytes, const std::string& name, Clock::time_point deadline, int64_t max_pixels) {
     init_ffmpeg();
     last_log.clear();
     src = {bytes, 0, deadline};
@@ -133,16 +148,14 @@ struct Demuxer {
       fail("video '{}': not a video fovea reads (MP4/MOV, WebM/MKV, AVI, MPEG-TS, FLV, Ogg): {}", name, av_error(err));
     }
     stream = av_find_best_stream(fmt, AVMEDIA_TYPE_VIDEO, -1, -1, nullptr, 0);
+    // Containers that create their streams as packets come (FLV), and headers without the frame size
+    // (some MPEG-TS): read the first packets to learn them, decoders whitelisted and bounded.
+    if (stream < 0 || fmt->streams[stream]->codecpar->width <= 0 || fmt->streams[stream]->codecpar->height <= 0) {
+      find_stream_info(name, max_pixels);
+      stream = av_find_best_stream(fmt, AVMEDIA_TYPE_VIDEO, -1, -1, nullptr, 0);
+    }
     if (stream < 0) fail("video '{}': the {} container has no video stream", name, fmt->iformat->name);
     AVCodecParameters* par = fmt->streams[stream]->codecpar;
-    if (par->width <= 0 || par->height <= 0) {
-      // Headers without the frame size (rare: some MPEG-TS): probe the stream, decoders whitelisted.
-      fmt->codec_whitelist = av_strdup(kCodecs);
-      for (unsigned i = 0; i < fmt->nb_streams; ++i)
-        if (int(i) != stream) fmt->streams[i]->discard = AVDISCARD_ALL;
-      const int e = avformat_find_stream_info(fmt, nullptr);
-      if (e < 0) fail("video '{}': reading its stream parameters: {}", name, av_error(e));
-    }
     for (unsigned i = 0; i < fmt->nb_streams; ++i)
       if (int(i) != stream) fmt->streams[i]->discard = AVDISCARD_ALL;
     codec = avcodec_find_decoder(par->codec_id);
@@ -166,8 +179,60 @@ struct Packet {
   ~Packet() { av_packet_free(&p); }
 };
 
-ClipInfo probe_with(Demuxer& d, const std::string& name, const VideoLimits& limits, const image::PreprocessConfig& budget) {
-  ClipInfo info;
+}  // namespace
+
+// The video packets of a clip, kept back to back with FFmpeg's padding after each, and what each
+// packet was (its place, timestamps and flags): enough to send them to a decoder again.
+struct OpenedClip::Packets {
+  struct Record {
+    size_t offset = 0;
+    int size = 0, flags = 0;
+    int64_t pts = 0, dts = 0, duration = 0;
+  };
+  std::vector<uint8_t> data;
+  std::vector<Record> records;
+  AVCodecParameters* par = nullptr;
+  AVRational time_base{1, 1};
+  Packets() : par(avcodec_parameters_alloc()) {}
+  ~Packets() { avcodec_parameters_free(&par); }
+  Packets(const Packets&) = delete;
+  Packets& operator=(const Packets&) = delete;
+  static constexpr int64_t kRecordBytes = int64_t(sizeof(Record)) + AV_INPUT_BUFFER_PADDING_SIZE;
+  int64_t bytes() const { return int64_t(data.size()) + int64_t(records.size()) * int64_t(sizeof(Record)); }
+  void keep(const AVPacket* p) {
+    records.push_back({data.size(), p->size, p->flags, p->pts, p->dts, p->duration});
+    data.insert(data.end(), p->data, p->data + p->size);
+    data.insert(data.end(), AV_INPUT_BUFFER_PADDING_SIZE, 0);
+  }
+};
+
+namespace {
+
+// The frame rate: the stream's average rate, its base rate, or the packets' own timestamps (a
+// Matroska file without DefaultDuration), else 24 (transformers' fallback).
+double frame_rate(const AVStream* st, const std::vector<int64_t>& sorted_pts) {
+  AVRational r = st->avg_frame_rate;
+  if (r.num <= 0 || r.den <= 0) r = st->r_frame_rate;
+  if (r.num > 0 && r.den > 0) return av_q2d(r);
+  if (sorted_pts.size() >= 2 && sorted_pts.back() > sorted_pts.front()) {
+    const double span = double(sorted_pts.back() - sorted_pts.front()) * av_q2d(st->time_base);
+    if (span > 0) return double(sorted_pts.size() - 1) / span;
+  }
+  return 24.0;
+}
+
+// A frame as the decoder holds it: its planes at the header's size, padded as FFmpeg pads them.
+int64_t decoder_frame_bytes(const AVCodecParameters* par) {
+  const int w = FFALIGN(par->width, 64) + 64, h = FFALIGN(par->height, 64) + 64;
+  const int n = par->format >= 0 ? av_image_get_buffer_size(AVPixelFormat(par->format), w, h, 64) : -1;
+  return n > 0 ? int64_t(n) : int64_t(w) * h * 3;
+}
+
+// Reads the container's header, then every packet: the video stream's are counted, their pts
+// listed and the packets kept (within the room open_bytes left after the index).
+OpenedClip probe(Demuxer& d, const std::string& name, const VideoLimits& limits, int64_t max_px, int64_t room) {
+  OpenedClip c;
+  ClipInfo& info = c.info;
   info.name = name;
   info.container = d.fmt->iformat->name;
   const AVCodecParameters* par = d.st()->codecpar;
@@ -175,14 +240,17 @@ ClipInfo probe_with(Demuxer& d, const std::string& name, const VideoLimits& limi
   info.width = par->width;
   info.height = par->height;
   if (info.width <= 0 || info.height <= 0) fail("video '{}': its frame size {}x{} is empty", name, info.width, info.height);
-  const int64_t max_px = limits.max_frame_pixels > 0 ? limits.max_frame_pixels : image::image_pixel_limit(budget);
   if (int64_t(info.width) * info.height > max_px)
     fail("video '{}': frames of {}x{} exceed the limit of {} pixels (--max-image-pixels)", name, info.width, info.height, max_px);
-  AVRational r = d.st()->avg_frame_rate;
-  if (r.num <= 0 || r.den <= 0) r = d.st()->r_frame_rate;
-  info.fps = r.num > 0 && r.den > 0 ? av_q2d(r) : 24.0;  // transformers' fallback
-  if (!(info.fps >= 0.01 && info.fps <= 1000)) fail("video '{}': its frame rate {} is not in [0.01, 1000]", name, info.fps);
-  const int64_t cap = std::min<int64_t>(kMaxTotalFrames, int64_t(limits.max_seconds * info.fps) + 1);
+  info.decoder_frame_bytes = decoder_frame_bytes(par);
+  auto packets = std::make_shared<OpenedClip::Packets>();
+  if (avcodec_parameters_copy(packets->par, par) < 0) fail("video '{}': out of memory reading its header", name);
+  packets->time_base = d.st()->time_base;
+  // Frames past the limit's length stop the count at once where the header gives the rate.
+  const double header_fps = frame_rate(d.st(), {});
+  const bool rate_known = d.st()->avg_frame_rate.num > 0 || d.st()->r_frame_rate.num > 0;
+  const int64_t cap = rate_known ? std::min<int64_t>(kMaxTotalFrames, int64_t(limits.max_seconds * header_fps + 1e-6))
+                                 : kMaxTotalFrames;
   bool pts_usable = true;
   Packet pkt;
   for (;;) {
@@ -195,22 +263,28 @@ ClipInfo probe_with(Demuxer& d, const std::string& name, const VideoLimits& limi
     if (pkt.p->stream_index == d.stream) {
       if (++info.frames > cap)
         fail("video '{}': over {} frames at {:.3g} fps, longer than the limit of {} s (--max-video-seconds)", name, cap,
-             info.fps, limits.max_seconds);
+             header_fps, limits.max_seconds);
       pts_usable = pts_usable && pkt.p->pts != AV_NOPTS_VALUE && !(pkt.p->flags & AV_PKT_FLAG_DISCARD);
       if (pts_usable) info.frame_pts.push_back(pkt.p->pts);
+      packets->keep(pkt.p);
+      if (packets->bytes() + int64_t(info.frame_pts.capacity() * sizeof(int64_t)) > room)
+        fail("video '{}': its packets take more than the {} bytes its size allows", name, room);
     }
     av_packet_unref(pkt.p);
   }
   if (info.frames == 0) fail("video '{}': its video stream has no frames", name);
   std::sort(info.frame_pts.begin(), info.frame_pts.end());
+  info.fps = pts_usable ? frame_rate(d.st(), info.frame_pts) : header_fps;
+  if (!(info.fps >= 0.01 && info.fps <= 1000)) fail("video '{}': its frame rate {} is not in [0.01, 1000]", name, info.fps);
   if (!pts_usable || std::adjacent_find(info.frame_pts.begin(), info.frame_pts.end()) != info.frame_pts.end())
     std::vector<int64_t>().swap(info.frame_pts);
   info.seconds = double(info.frames) / info.fps;
-  return info;
-}
-
-Clock::time_point deadline_of(const VideoLimits& l) {
-  return Clock::now() + from_seconds(std::max(0.0, l.deadline_seconds));
+  if (info.seconds > limits.max_seconds * (1 + 1e-9))
+    fail("video '{}': {} frames at {:.3g} fps last {:.4g} s, longer than the limit of {} s (--max-video-seconds)", name,
+         info.frames, info.fps, info.seconds, limits.max_seconds);
+  info.packet_bytes = packets->bytes() + int64_t(info.frame_pts.size() * sizeof(int64_t));
+  c.packets = std::move(packets);
+  return c;
 }
 
 void check_size(std::span<const uint8_t> bytes, const std::string& name, const VideoLimits& limits) {
@@ -219,137 +293,262 @@ void check_size(std::span<const uint8_t> bytes, const std::string& name, const V
     fail("video '{}': {} bytes, over the limit of {}", name, bytes.size(), limits.max_encoded_bytes);
 }
 
-// One decoding pass over the clip, handing over the frames at `indices` (sorted; repeats allowed) as
-// RGB at their decoded size: take(j, frame) for j = 0, 1, ... in order, on this thread.
+// The decoder's frames, counted as the decoder asks for them (AVCodecContext::get_buffer2): a frame
+// whose size is not the header's, or one past the pool's bytes, is refused before it is allocated.
+struct FramePool {
+  int width = 0, height = 0;
+  int64_t capacity = 0;
+  std::atomic<int64_t> used{0};
+  std::atomic<int> refused{0};  // 1: a size change, 2: over the pool
+  int refused_width = 0, refused_height = 0;
+};
+
+bool counted_codec(AVCodecID id) {
+  return id == AV_CODEC_ID_H264 || id == AV_CODEC_ID_HEVC || id == AV_CODEC_ID_VP8 || id == AV_CODEC_ID_VP9 ||
+         id == AV_CODEC_ID_MJPEG;
+}
+
+struct Held {  // one frame's buffer as handed out: the pool's own buffer and its bytes
+  FramePool* pool;
+  AVBufferRef* buf;
+  int64_t bytes;
+};
+
+void give_back(void* opaque, uint8_t*) {
+  auto* h = static_cast<Held*>(opaque);
+  h->pool->used -= h->bytes;
+  av_buffer_unref(&h->buf);
+  delete h;
+}
+
+int get_frame_buffer(AVCodecContext* ctx, AVFrame* f, int flags) {
+  auto* pool = static_cast<FramePool*>(ctx->opaque);
+  // The decoder asks for its coded size: the header's, rounded up to whole macroblocks or coding units.
+  if (f->width < pool->width || f->height < pool->height || f->width > pool->width + 128 || f->height > pool->height + 128) {
+    pool->refused_width = f->width;
+    pool->refused_height = f->height;
+    pool->refused = 1;
+    return AVERROR_INVALIDDATA;
+  }
+  const int n = av_image_get_buffer_size(AVPixelFormat(f->format), FFALIGN(f->width, 64) + 64, FFALIGN(f->height, 64) + 64, 64);
+  const int64_t bytes = n > 0 ? n : int64_t(f->width) * f->height * 8;
+  if (pool->used.fetch_add(bytes) + bytes > pool->capacity) {
+    pool->used -= bytes;
+    pool->refused = 2;
+    return AVERROR(ENOMEM);
+  }
+  if (const int e = avcodec_default_get_buffer2(ctx, f, flags); e < 0) {
+    pool->used -= bytes;
+    return e;
+  }
+  // The frame's first buffer is wrapped: when the last reference to it goes, its bytes go back.
+  auto* h = new Held{pool, f->buf[0], bytes};
+  AVBufferRef* wrapped = av_buffer_create(h->buf->data, h->buf->size, give_back, h, 0);
+  if (!wrapped) {
+    delete h;
+    pool->used -= bytes;
+    av_frame_unref(f);  // the frame still holds the pool's buffer
+    return AVERROR(ENOMEM);
+  }
+  f->buf[0] = wrapped;
+  return 0;
+}
+
+// A decoder for the kept packets: the stream's codec with its pixel limit and frame pool, and the
+// RGB conversion of the frames it gives.
+class Decoder {
+ public:
+  Decoder(const OpenedClip& clip, int threads, int64_t pool_bytes, int64_t max_pixels) : info_(clip.info) {
+    try {
+      open(clip, threads, pool_bytes, max_pixels);
+    } catch (...) {
+      close();  // a constructor that throws runs no destructor
+      throw;
+    }
+  }
+  ~Decoder() { close(); }
+  Decoder(const Decoder&) = delete;
+  Decoder& operator=(const Decoder&) = delete;
+
+  // Sends one packet (nullptr: the end) and hands each frame it completes to out(frame); stops
+  // early when out returns false. Throws naming the clip for a corrupt stream or a refused frame.
+  template <class Out>
+  void send(const AVPacket* p, int64_t at, Out&& out) {
+    if (const int s = avcodec_send_packet(ctx_, p); s < 0 && s != AVERROR(EAGAIN) && s != AVERROR_EOF) failed(s, at);
+    for (;;) {
+      const int e = avcodec_receive_frame(ctx_, frame_);
+      if (e == AVERROR(EAGAIN) || e == AVERROR_EOF) return;
+      if (e < 0) failed(e, at);
+      const bool more = out(frame_);
+      av_frame_unref(frame_);
+      if (!more) return;
+    }
+  }
+  void skip_unreferenced(bool skip) { ctx_->skip_frame = skip ? AVDISCARD_NONREF : AVDISCARD_DEFAULT; }
+
+  // The frame as RGB at its own size (the stream's colour matrix and range).
+  image::Rgb8 rgb(const AVFrame* f, int64_t at);
+
+ private:
+  void open(const OpenedClip& clip, int threads, int64_t pool_bytes, int64_t max_pixels) {
+    const std::string& name = info_.name;
+    const AVCodecParameters* par = clip.packets->par;
+    const AVCodec* codec = avcodec_find_decoder(par->codec_id);
+    if (!codec) fail("video '{}': no decoder for its {} video", name, info_.codec);
+    if (!(ctx_ = avcodec_alloc_context3(codec)) || !(frame_ = av_frame_alloc()) || avcodec_parameters_to_context(ctx_, par) < 0)
+      fail("video '{}': out of memory opening its decoder", name);
+    pool_.width = info_.width;
+    pool_.height = info_.height;
+    pool_.capacity = pool_bytes;
+    ctx_->opaque = &pool_;
+    // The frame pool is counted for the codecs that hold many or large frames. The MPEG-1/2/4 and
+    // H.263 decoders refuse a custom allocator for small frames (a 2x2 clip fails), so they keep
+    // FFmpeg's: they hold a few frames, each bounded by max_pixels below like every codec's.
+    if (counted_codec(par->codec_id)) ctx_->get_buffer2 = get_frame_buffer;  // decoders without their own allocator (libdav1d) keep theirs
+    ctx_->max_pixels = max_pixels;
+    ctx_->thread_count = std::max(1, threads);
+    ctx_->pkt_timebase = clip.packets->time_base;
+    ctx_->codec_whitelist = av_strdup(kCodecs);
+    if (const int e = avcodec_open2(ctx_, codec, nullptr); e < 0)
+      fail("video '{}': cannot decode its {} video: {}", name, info_.codec, av_error(e));
+  }
+  void close() {
+    av_frame_free(&frame_);
+    sws_freeContext(sws_);
+    sws_ = nullptr;
+    avcodec_free_context(&ctx_);  // before pool_: the decoder's frames give their bytes back to it
+  }
+  [[noreturn]] void failed(int e, int64_t at) const {
+    const std::string& name = info_.name;
+    if (pool_.refused == 1)
+      fail("video '{}': a frame of {}x{} where the stream said {}x{} (a size change mid-stream is not supported)", name,
+           pool_.refused_width, pool_.refused_height, info_.width, info_.height);
+    if (pool_.refused == 2)
+      fail("video '{}': its decoder holds more than {} bytes of frames ({} threads and {} reference frames of {}x{}); "
+           "the stream keeps more frames than its codec allows", name, pool_.capacity, ctx_->thread_count, kDecoderHeldFrames,
+           info_.width, info_.height);
+    fail("video '{}': corrupt {} video near frame {}: {}", name, info_.codec, at, av_error(e));
+  }
+  const ClipInfo& info_;
+  AVCodecContext* ctx_ = nullptr;
+  AVFrame* frame_ = nullptr;
+  SwsContext* sws_ = nullptr;
+  std::vector<uint8_t> rows_;  // RGB rows with room to spare, for widths libswscale cannot pack
+  FramePool pool_;
+};
+
+image::Rgb8 Decoder::rgb(const AVFrame* f, int64_t at) {
+  const std::string& name = info_.name;
+  if (f->width != info_.width || f->height != info_.height)  // a decoder with its own allocator
+    fail("video '{}': frame {} is {}x{}, the stream said {}x{} (a size change mid-stream is not supported)", name, at,
+         f->width, f->height, info_.width, info_.height);
+  const auto pf = AVPixelFormat(f->format);
+  sws_ = sws_getCachedContext(sws_, f->width, f->height, pf, f->width, f->height, AV_PIX_FMT_RGB24, SWS_BILINEAR, nullptr,
+                              nullptr, nullptr);
+  if (!sws_) fail("video '{}': cannot convert its {} frames to RGB", name, av_get_pix_fmt_name(pf) ? av_get_pix_fmt_name(pf) : "?");
+  // The stream's colour matrix (BT.601 when untagged, libswscale's default) and range (limited
+  // unless tagged full or a yuvj format), to full-range RGB.
+  const int cs = f->colorspace == AVCOL_SPC_UNSPECIFIED || f->colorspace == AVCOL_SPC_RGB ? SWS_CS_DEFAULT : int(f->colorspace);
+  const AVPixFmtDescriptor* desc = av_pix_fmt_desc_get(pf);
+  const bool full = f->color_range == AVCOL_RANGE_JPEG || (desc && std::strncmp(desc->name, "yuvj", 4) == 0);
+  if (desc && !(desc->flags & AV_PIX_FMT_FLAG_RGB))
+    sws_setColorspaceDetails(sws_, sws_getCoefficients(cs), full ? 1 : 0, sws_getCoefficients(SWS_CS_DEFAULT), 1, 0, 1 << 16,
+                             1 << 16);
+  image::Rgb8 out;
+  out.width = f->width;
+  out.height = f->height;
+  out.name = name;
+  // libswscale's SIMD paths for yuv420p/yuv422p convert whole groups of 16 pixels. With rows packed
+  // back to back, a width that is not a multiple of 16 either leaves a row's last pixels unconverted
+  // (width % 16 in 1..7) or writes up to 45 bytes past the frame (8..15) (measured on FFmpeg 5.1,
+  // widths 1-1100; an 854x480 clip is one). Such frames are converted into rows with 64 bytes or
+  // more to spare (the last row's overrun included), then packed.
+  const size_t row = size_t(out.width) * 3;
+  out.data.resize(row * out.height);
+  const bool packed = out.width % 16 == 0;
+  const int stride = packed ? int(row) : int((row + 63) / 64 * 64 + 64);
+  if (!packed) rows_.resize(size_t(stride) * out.height);
+  uint8_t* dst[4] = {packed ? out.data.data() : rows_.data(), nullptr, nullptr, nullptr};
+  const int strides[4] = {stride, 0, 0, 0};
+  if (sws_scale(sws_, f->data, f->linesize, 0, f->height, dst, strides) != f->height)
+    fail("video '{}': converting frame {} to RGB failed", name, at);
+  if (!packed)
+    for (int y = 0; y < out.height; ++y) std::memcpy(out.data.data() + row * y, rows_.data() + size_t(stride) * y, row);
+  return out;
+}
+
+// How one clip is decoded: its deadline, the threads its decoder may use, its frame pool's bytes.
+struct DecodeEnv {
+  Clock::time_point deadline;
+  int threads = 1;
+  int64_t pool_bytes = 0, max_pixels = 0;
+  double deadline_seconds = 0;  // for the message
+};
+
+// One decoding pass over the kept packets, handing over the frames at `indices` (sorted; repeats
+// allowed) as RGB at their decoded size: take(j, frame) for j = 0, 1, ... in order, on this thread.
 // skip (with info.frame_pts): a packet whose frame is not sampled is sent with skip_frame = NONREF,
 // so the decoder drops it when no other frame refers to it (most B-frames: on a 60 s x264 clip 785
 // of 1800 frames, and 40% of the decoding time), and each decoded frame is placed by its pts.
 // Returns the frames decoded, or -1, having stopped, if a frame is not where the probe's pts put it
 // (a pts the probe did not list, one placed before its predecessor, or one past a sampled frame
 // that never came: a decoder dropping frames): the caller then decodes again, counting.
-int64_t decode_pass(std::span<const uint8_t> bytes, const ClipInfo& info, const std::vector<int64_t>& indices,
-                 const VideoLimits& limits, const std::function<void(size_t, image::Rgb8&&)>& take, bool skip) {
-  const std::string& name = info.name;
+int64_t decode_pass(const OpenedClip& clip, const std::vector<int64_t>& indices, const DecodeEnv& env,
+                    const std::function<void(size_t, image::Rgb8&&)>& take, bool skip) {
+  const ClipInfo& info = clip.info;
+  const std::vector<int64_t>& pts = info.frame_pts;
   std::vector<char> sampled;
   if (skip) {
-    sampled.assign(info.frame_pts.size(), 0);
+    sampled.assign(pts.size(), 0);
     for (const int64_t i : indices) sampled[size_t(i)] = 1;
   }
-  const auto index_of = [&](int64_t pts) -> int64_t {  // the frame shown at pts, or -1
-    const auto it = std::lower_bound(info.frame_pts.begin(), info.frame_pts.end(), pts);
-    return it != info.frame_pts.end() && *it == pts ? int64_t(it - info.frame_pts.begin()) : -1;
+  const auto index_of = [&](int64_t t) -> int64_t {  // the frame shown at t, or -1
+    const auto it = std::lower_bound(pts.begin(), pts.end(), t);
+    return it != pts.end() && *it == t ? int64_t(it - pts.begin()) : -1;
   };
+  Decoder dec(clip, env.threads, env.pool_bytes, env.max_pixels);
   bool misplaced = false;
   int64_t last_at = -1;  // frames come out in presentation order, so their pts indices rise
-  Demuxer d(bytes, name, deadline_of(limits));
-  AVCodecContext* ctx = avcodec_alloc_context3(d.codec);
-  if (!ctx) fail("video '{}': out of memory opening its decoder", name);
-  struct Owned {
-    AVCodecContext*& c;
-    AVFrame* f = av_frame_alloc();
-    SwsContext* sws = nullptr;
-    std::vector<uint8_t> rows{};  // RGB rows with room to spare, for widths libswscale cannot pack
-    ~Owned() {
-      av_frame_free(&f);
-      sws_freeContext(sws);
-      avcodec_free_context(&c);
-    }
-  } own{ctx};
-  avcodec_parameters_to_context(ctx, d.st()->codecpar);
-  ctx->thread_count = 0;  // FFmpeg picks (the cores)
-  ctx->codec_whitelist = av_strdup(kCodecs);
-  if (const int e = avcodec_open2(ctx, d.codec, nullptr); e < 0)
-    fail("video '{}': cannot decode its {} video: {}", name, info.codec, av_error(e));
   size_t j = 0;
   int64_t k = 0;  // frames decoded so far, in presentation order
-  const auto frame_out = [&]() {
-    AVFrame* f = own.f;
-    if (f->width != info.width || f->height != info.height)
-      fail("video '{}': frame {} is {}x{}, the stream said {}x{} (a size change mid-stream is not supported)", name, k,
-           f->width, f->height, info.width, info.height);
+  const auto out = [&](const AVFrame* f) {
     const int64_t at = skip ? index_of(f->pts) : k;  // this frame's index in presentation order
-    if (skip && (at <= last_at || (j < indices.size() && at > indices[j]))) {
-      misplaced = true;
-      return;
-    }
+    if (skip && (at <= last_at || (j < indices.size() && at > indices[j]))) return !(misplaced = true);
     last_at = at;
     if (j < indices.size() && indices[j] == at) {
-      const auto pf = AVPixelFormat(f->format);
-      own.sws = sws_getCachedContext(own.sws, f->width, f->height, pf, f->width, f->height, AV_PIX_FMT_RGB24, SWS_BILINEAR,
-                                     nullptr, nullptr, nullptr);
-      if (!own.sws) fail("video '{}': cannot convert its {} frames to RGB", name, av_get_pix_fmt_name(pf) ? av_get_pix_fmt_name(pf) : "?");
-      // The stream's colour matrix (BT.601 when untagged, libswscale's default) and range (limited
-      // unless tagged full or a yuvj format), to full-range RGB.
-      const int cs = f->colorspace == AVCOL_SPC_UNSPECIFIED || f->colorspace == AVCOL_SPC_RGB ? SWS_CS_DEFAULT : int(f->colorspace);
-      const AVPixFmtDescriptor* desc = av_pix_fmt_desc_get(pf);
-      const bool full = f->color_range == AVCOL_RANGE_JPEG || (desc && std::strncmp(desc->name, "yuvj", 4) == 0);
-      if (desc && !(desc->flags & AV_PIX_FMT_FLAG_RGB))
-        sws_setColorspaceDetails(own.sws, sws_getCoefficients(cs), full ? 1 : 0, sws_getCoefficients(SWS_CS_DEFAULT), 1, 0,
-                                 1 << 16, 1 << 16);
-      image::Rgb8 rgb;
-      rgb.width = f->width;
-      rgb.height = f->height;
-      rgb.name = name;
-      // libswscale's SIMD paths for yuv420p/yuv422p convert whole groups of 16 pixels. With rows
-      // packed back to back, a width that is not a multiple of 16 either leaves a row's last pixels
-      // unconverted (width % 16 in 1..7) or writes up to 45 bytes past the frame (8..15) (measured on
-      // FFmpeg 5.1, widths 1-1100; an 854x480 clip is one). Such frames are converted into rows with
-      // 64 bytes or more to spare (the last row's overrun included), then packed.
-      const size_t row = size_t(rgb.width) * 3;
-      rgb.data.resize(row * rgb.height);
-      const bool packed = rgb.width % 16 == 0;
-      const int stride = packed ? int(row) : int((row + 63) / 64 * 64 + 64);
-      if (!packed) own.rows.resize(size_t(stride) * rgb.height);
-      uint8_t* dst[4] = {packed ? rgb.data.data() : own.rows.data(), nullptr, nullptr, nullptr};
-      const int strides[4] = {stride, 0, 0, 0};
-      if (sws_scale(own.sws, f->data, f->linesize, 0, f->height, dst, strides) != f->height)
-        fail("video '{}': converting frame {} to RGB failed", name, at);
-      if (!packed)
-        for (int y = 0; y < rgb.height; ++y) std::memcpy(rgb.data.data() + row * y, own.rows.data() + size_t(stride) * y, row);
+      image::Rgb8 rgb = dec.rgb(f, at);
       while (j + 1 < indices.size() && indices[j + 1] == at) take(j++, image::Rgb8(rgb));
       take(j++, std::move(rgb));
     }
     ++k;
-  };
-  const auto drain = [&]() {
-    for (;;) {
-      const int e = avcodec_receive_frame(ctx, own.f);
-      if (e == AVERROR(EAGAIN) || e == AVERROR_EOF) return;
-      if (e < 0) fail("video '{}': corrupt {} video at frame {}: {}", name, info.codec, k, av_error(e));
-      frame_out();
-      av_frame_unref(own.f);
-      if (misplaced) return;
-      if (Clock::now() > d.src.deadline)
-        fail("video '{}': decoding took longer than the limit of {} s", name, limits.deadline_seconds);
-    }
+    if (Clock::now() > env.deadline)
+      fail("video '{}': decoding took longer than the limit of {:.3g} s", info.name, env.deadline_seconds);
+    return true;
   };
   Packet pkt;
-  while (j < indices.size()) {
-    const int e = av_read_frame(d.fmt, pkt.p);
-    if (e == AVERROR_EOF) break;
-    if (e < 0) {
-      if (Clock::now() > d.src.deadline) fail("video '{}': decoding took longer than the limit of {} s", name, limits.deadline_seconds);
-      fail("video '{}': corrupt {} container: {}", name, info.container, av_error(e));
+  const OpenedClip::Packets& kept = *clip.packets;
+  for (size_t n = 0; n < kept.records.size() && j < indices.size() && !misplaced; ++n) {
+    const OpenedClip::Packets::Record& r = kept.records[n];
+    pkt.p->data = const_cast<uint8_t*>(kept.data.data() + r.offset);  // sent as is: the decoder copies it
+    pkt.p->size = r.size;
+    pkt.p->pts = r.pts;
+    pkt.p->dts = r.dts;
+    pkt.p->duration = r.duration;
+    pkt.p->flags = r.flags;
+    if (skip) {  // the setting travels with the packet (frame threads copy it at submission)
+      const int64_t at = index_of(r.pts);
+      dec.skip_unreferenced(at >= 0 && !sampled[size_t(at)]);
     }
-    if (pkt.p->stream_index == d.stream) {
-      if (skip) {  // the setting travels with the packet (frame threads copy it at submission)
-        const int64_t at = index_of(pkt.p->pts);
-        ctx->skip_frame = at >= 0 && !sampled[size_t(at)] ? AVDISCARD_NONREF : AVDISCARD_DEFAULT;
-      }
-      const int s = avcodec_send_packet(ctx, pkt.p);
-      if (s < 0 && s != AVERROR(EAGAIN)) fail("video '{}': corrupt {} video at frame {}: {}", name, info.codec, k, av_error(s));
-      drain();
-    }
-    av_packet_unref(pkt.p);
-    if (misplaced) return -1;
+    dec.send(pkt.p, k, out);
+    if (Clock::now() > env.deadline)
+      fail("video '{}': decoding took longer than the limit of {:.3g} s", info.name, env.deadline_seconds);
   }
-  if (j < indices.size()) {
-    avcodec_send_packet(ctx, nullptr);  // flush the frames the decoder holds back
-    drain();
-  }
+  pkt.p->data = nullptr;  // the Packet frees its own, not ours
+  pkt.p->size = 0;
+  if (j < indices.size() && !misplaced) dec.send(nullptr, k, out);  // flush the frames the decoder holds back
   if (skip && (misplaced || j < indices.size())) return -1;
   if (j < indices.size())
-    fail("video '{}': the container lists {} frames, but decoding gave {} (frame {} was asked for)", name, info.frames, k,
+    fail("video '{}': the container lists {} frames, but decoding gave {} (frame {} was asked for)", info.name, info.frames, k,
          indices[j]);
   return k;
 }
@@ -357,12 +556,72 @@ int64_t decode_pass(std::span<const uint8_t> bytes, const ClipInfo& info, const 
 // Decodes the frames at `indices` (see decode_pass): skipping the frames nobody sampled where the
 // probe placed every frame by its pts, counting every frame where it did not or where that failed.
 // Returns the frames decoded.
-int64_t decode_indices(std::span<const uint8_t> bytes, const ClipInfo& info, const std::vector<int64_t>& indices,
-                       const VideoLimits& limits, const std::function<void(size_t, image::Rgb8&&)>& take) {
-  if (!info.frame_pts.empty() && int64_t(info.frame_pts.size()) == info.frames)
-    if (const int64_t n = decode_pass(bytes, info, indices, limits, take, true); n >= 0) return n;
-  return decode_pass(bytes, info, indices, limits, take, false);
+int64_t decode_indices(const OpenedClip& clip, const std::vector<int64_t>& indices, const DecodeEnv& env,
+                       const std::function<void(size_t, image::Rgb8&&)>& take) {
+  if (!clip.info.frame_pts.empty() && int64_t(clip.info.frame_pts.size()) == clip.info.frames)
+    if (const int64_t n = decode_pass(clip, indices, env, take, true); n >= 0) return n;
+  return decode_pass(clip, indices, env, take, false);
 }
+
+int64_t max_frame_pixels(const VideoLimits& limits, const image::PreprocessConfig& budget) {
+  return limits.max_frame_pixels > 0 ? limits.max_frame_pixels : image::image_pixel_limit(budget);
+}
+
+DecodeEnv env_of(const ClipInfo& info, const VideoLimits& limits, int64_t max_pixels, Clock::time_point deadline) {
+  DecodeEnv env;
+  env.deadline = deadline;
+  env.threads = std::max(1, ThreadCap::current());
+  env.pool_bytes = (env.threads + kDecoderHeldFrames) * info.decoder_frame_bytes;
+  env.max_pixels = max_pixels;  // the pixel limit: no codec allocates a frame past it, whatever the header said
+  env.deadline_seconds = limits.deadline_seconds;
+  return env;
+}
+
+// Resizes batches of decoded frames on other threads while the next batch decodes (see decode_opened).
+class Resizer {
+ public:
+  Resizer(size_t frames, int h, int w, int64_t batch) : sized_(frames), h_(h), w_(w), batch_(batch) {}
+  ~Resizer() {
+    if (resizing_.valid()) resizing_.wait();  // it writes into sized_
+  }
+  void add(size_t j, image::Rgb8&& f) {
+    pending_.frames.push_back(std::move(f));
+    pending_.at.push_back(j);
+    if (int64_t(pending_.frames.size()) >= batch_) flush();
+  }
+  std::vector<image::Rgb8> finish() {
+    flush();
+    flush();  // the last batch's resize
+    return std::move(sized_);
+  }
+
+ private:
+  void flush() {
+    if (resizing_.valid()) resizing_.get();
+    if (pending_.frames.empty()) return;
+    // The resize thread keeps the caller's share of the cores (ThreadCap is per thread).
+    resizing_ = std::async(std::launch::async, [this, cap = ThreadCap::current(), b = std::move(pending_)]() mutable {
+      ThreadCap capped(cap);
+      // Resized in place, then placed one by one: a batch may name a frame twice (a pass that gave
+      // up on pts placement hands its frames over again), and two threads must never write one slot.
+      parallel_for(int64_t(b.frames.size()), [&](int64_t i) {
+        image::Rgb8& f = b.frames[size_t(i)];
+        if (f.height != h_ || f.width != w_) f = image::resize_bicubic(f, h_, w_);
+      });
+      for (size_t i = 0; i < b.frames.size(); ++i) sized_[b.at[i]] = std::move(b.frames[i]);
+    });
+    pending_ = {};
+  }
+  struct Batch {
+    std::vector<image::Rgb8> frames;
+    std::vector<size_t> at;
+  };
+  std::vector<image::Rgb8> sized_;
+  const int h_, w_;
+  const int64_t batch_;
+  Batch pending_;
+  std::future<void> resizing_;  // the previous batch's resize
+};
 
 }  // namespace
 
@@ -374,16 +633,27 @@ std::string ffmpeg_versions() {
                      v(swscale_version()));
 }
 
+OpenedClip open_clip(std::span<const uint8_t> bytes, const std::string& name, const VideoLimits& limits,
+                     const image::PreprocessConfig& budget, Clock::time_point deadline) {
+  check_size(bytes, name, limits);
+  const ContainerCost cost = container_cost(bytes, name);
+  const int64_t max_px = max_frame_pixels(limits, budget);
+  Demuxer d(bytes, name, deadline, max_px);
+  OpenedClip c = probe(d, name, limits, max_px, cost.open_bytes - cost.index_entries * kIndexEntryBytes);
+  c.max_frame_pixels = max_px;
+  return c;
+}
+
 ClipInfo probe_clip(std::span<const uint8_t> bytes, const std::string& name, const VideoLimits& limits,
                     const image::PreprocessConfig& budget) {
-  check_size(bytes, name, limits);
-  Demuxer d(bytes, name, deadline_of(limits));
-  return probe_with(d, name, limits, budget);
+  return open_clip(bytes, name, limits, budget, deadline_of(limits)).info;
 }
 
 std::vector<image::Rgb8> decode_frames(std::span<const uint8_t> bytes, const std::string& name,
                                        const std::vector<int64_t>& indices, const VideoLimits& limits) {
-  const ClipInfo info = probe_clip(bytes, name, limits);
+  const Clock::time_point deadline = deadline_of(limits);
+  const OpenedClip clip = open_clip(bytes, name, limits, {}, deadline);
+  const ClipInfo& info = clip.info;
   for (size_t i = 0; i < indices.size(); ++i)
     if (indices[i] < 0 || indices[i] >= info.frames || (i && indices[i] < indices[i - 1]))
       fail("video '{}': frame indices must be sorted within 0..{}", name, info.frames - 1);
@@ -392,62 +662,31 @@ std::vector<image::Rgb8> decode_frames(std::span<const uint8_t> bytes, const std
     fail("video '{}': {} frames of {}x{} need {} bytes, over the limit of {}", name, indices.size(), info.width, info.height,
          bytes_needed, limits.max_bytes_in_flight);
   std::vector<image::Rgb8> out(indices.size());
-  decode_indices(bytes, info, indices, limits, [&](size_t j, image::Rgb8&& f) { out[j] = std::move(f); });
+  decode_indices(clip, indices, env_of(info, limits, clip.max_frame_pixels, deadline), [&](size_t j, image::Rgb8&& f) { out[j] = std::move(f); });
   return out;
 }
 
-Clip decode_clip(std::span<const uint8_t> bytes, const std::string& name, const VideoConfig& cfg, const VideoLimits& limits,
-                 const image::PreprocessConfig& budget) {
+Clip decode_opened(const OpenedClip& clip, const VideoConfig& cfg, const VideoLimits& limits, Clock::time_point deadline) {
   const auto t0 = Clock::now();
+  const std::string& name = clip.info.name;
   Clip c;
-  c.info = probe_clip(bytes, name, limits, budget);
+  c.info = clip.info;
   try {
     const ClipPlan plan = plan_clip(c.info, cfg);
     c.indices = plan.indices;
-    const int h = plan.height, w = plan.width;
+    const DecodeEnv env = env_of(c.info, limits, clip.max_frame_pixels, deadline);
     // Decoding (this thread, and FFmpeg's frame threads) and resizing (the cores) overlap: each batch
     // of decoded frames is resized on the other threads while the next batch decodes. Memory: the
     // resized frames, the patches, and two batches of native frames (one resizing, one filling).
     const int64_t room = limits.max_bytes_in_flight - plan.resized_bytes - plan.patch_bytes;
-    const int64_t batch = std::min<int64_t>(std::max(1, hardware_threads()), room / (2 * plan.native_frame_bytes));
+    const int64_t batch = std::min<int64_t>(env.threads, room / (2 * plan.native_frame_bytes));
     if (batch < 1)
-      fail("{} frames resized to {}x{} with frames of {}x{} decoding need more than the limit of {} bytes", c.indices.size(), w,
-           h, c.info.width, c.info.height, limits.max_bytes_in_flight);
-    std::vector<image::Rgb8> sized(c.indices.size());
-    struct Batch {
-      std::vector<image::Rgb8> frames;
-      std::vector<size_t> at;
-    };
-    Batch pending;
-    std::future<void> resizing;  // the previous batch's resize
-    Clock::time_point decoded_at;
-    const auto flush = [&] {
-      if (resizing.valid()) resizing.get();
-      if (pending.frames.empty()) return;
-      resizing = std::async(std::launch::async, [&sized, h, w, b = std::move(pending)]() mutable {
-        // Resized in place, then placed one by one: a batch may name a frame twice (a pass that gave
-        // up on pts placement hands its frames over again), and two threads must never write one slot.
-        parallel_for(int64_t(b.frames.size()), [&](int64_t i) {
-          image::Rgb8& f = b.frames[size_t(i)];
-          if (f.height != h || f.width != w) f = image::resize_bicubic(f, h, w);
-        });
-        for (size_t i = 0; i < b.frames.size(); ++i) sized[b.at[i]] = std::move(b.frames[i]);
-      });
-      pending = {};
-    };
-    try {
-      c.frames_decoded = decode_indices(bytes, c.info, c.indices, limits, [&](size_t j, image::Rgb8&& f) {
-        pending.frames.push_back(std::move(f));
-        pending.at.push_back(j);
-        if (int64_t(pending.frames.size()) >= batch) flush();
-      });
-      decoded_at = Clock::now();
-      flush();
-      flush();  // the last batch's resize
-    } catch (...) {
-      if (resizing.valid()) resizing.wait();  // it writes into `sized`
-      throw;
-    }
+      fail("{} frames resized to {}x{} with frames of {}x{} decoding need more than the limit of {} bytes", c.indices.size(),
+           plan.width, plan.height, c.info.width, c.info.height, limits.max_bytes_in_flight);
+    Resizer resizer(c.indices.size(), plan.height, plan.width, batch);
+    c.frames_decoded = decode_indices(clip, c.indices, env, [&](size_t j, image::Rgb8&& f) { resizer.add(j, std::move(f)); });
+    const Clock::time_point decoded_at = Clock::now();
+    const std::vector<image::Rgb8> sized = resizer.finish();
     c.timestamps = plan.timestamps;
     c.patches = patchify_frames(sized, cfg);
     // Resizing overlaps decoding, so the stages are wall time: decode_ms until the last frame is
@@ -459,6 +698,17 @@ Clip decode_clip(std::span<const uint8_t> bytes, const std::string& name, const 
     if (std::string_view(e.what()).starts_with("video '")) throw;
     fail("video '{}': {}", name, e.what());
   }
+  return c;
+}
+
+Clip decode_clip(std::span<const uint8_t> bytes, const std::string& name, const VideoConfig& cfg, const VideoLimits& limits,
+                 const image::PreprocessConfig& budget) {
+  const auto t0 = Clock::now();
+  const Clock::time_point deadline = deadline_of(limits);
+  const OpenedClip clip = open_clip(bytes, name, limits, budget, deadline);
+  const double open_ms = ms_since(t0);
+  Clip c = decode_opened(clip, cfg, limits, deadline);
+  c.decode_ms += open_ms;
   return c;
 }
 

@@ -17,6 +17,13 @@ std::string ffmpeg_versions() { return ""; }
 ClipInfo probe_clip(std::span<const uint8_t>, const std::string& name, const VideoLimits&, const image::PreprocessConfig&) {
   unsupported(name);
 }
+OpenedClip open_clip(std::span<const uint8_t>, const std::string& name, const VideoLimits&, const image::PreprocessConfig&,
+                     Clock::time_point) {
+  unsupported(name);
+}
+Clip decode_opened(const OpenedClip& clip, const VideoConfig&, const VideoLimits&, Clock::time_point) {
+  unsupported(clip.info.name);
+}
 Clip decode_clip(std::span<const uint8_t>, const std::string& name, const VideoConfig&, const VideoLimits&,
                  const image::PreprocessConfig&) {
   unsupported(name);

@@ -140,12 +140,15 @@ std::pair<int, int> smart_resize_video(int64_t frames, int height, int width, co
   const int factor = cfg.patch * cfg.merge, tf = cfg.temporal;
   if (frames < tf) fail("{} frame(s): a clip needs at least temporal_patch_size = {}", frames, tf);
   if (height <= 0 || width <= 0) fail("frame size {}x{} is empty", width, height);
+  const auto aspect_over = [](double h, double w, double limit) { return std::max(h, w) / std::min(h, w) > limit; };
   if (height < factor || width < factor) {  // scaled up to `factor` on its short side first (transformers' int())
+    // A ratio past 201 fails below however int() rounds; refused first, the scaled side never overflows.
+    if (aspect_over(height, width, 201)) fail("aspect ratio {}x{} is over 200:1", width, height);
     const double s = std::max(double(factor) / height, double(factor) / width);
     height = int(height * s);
     width = int(width * s);
   }
-  if (double(std::max(height, width)) / std::min(height, width) > 200) fail("aspect ratio {}x{} is over 200:1", width, height);
+  if (aspect_over(height, width, 200)) fail("aspect ratio {}x{} is over 200:1", width, height);
   int64_t h = int64_t(std::nearbyint(double(height) / factor)) * factor;
   int64_t w = int64_t(std::nearbyint(double(width) / factor)) * factor;
   const int64_t t = int64_t(std::nearbyint(double(frames) / tf)) * tf;
@@ -183,6 +186,8 @@ ClipPlan plan_clip(const ClipInfo& info, const VideoConfig& cfg) {
   p.resized_bytes = frames * p.height * p.width * 3;
   p.patch_bytes = padded * cfg.temporal * p.height * p.width * 3 * int64_t(sizeof(float));
   p.native_frame_bytes = int64_t(info.width) * info.height * 3;
+  p.packet_bytes = info.packet_bytes;
+  p.decoder_frame_bytes = info.decoder_frame_bytes;
   return p;
 }
 
@@ -251,6 +256,8 @@ bool looks_like_video(std::span<const uint8_t> b) {
          (at(0, "RIFF") && at(8, "AVI ")) || at(0, "FLV") || at(0, "OggS") ||
          (b.size() >= 377 && b[0] == 0x47 && b[188] == 0x47 && b[376] == 0x47);              // MPEG-TS
 }
+
+Clock::time_point deadline_of(const VideoLimits& l) { return Clock::now() + from_seconds(std::max(0.0, l.deadline_seconds)); }
 
 Clip decode_clip_file(const std::string& path, const VideoConfig& cfg, const VideoLimits& limits,
                       const image::PreprocessConfig& image_budget) {
