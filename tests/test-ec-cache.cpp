@@ -1,13 +1,18 @@
 // The encoder cache in vLLM's layout (fovea/ec-cache.h) and SHA-256 (fovea/sha256.h): the file's
 // name, tensor, dtype, shape and column order read back with fovea's safetensors reader; atomic
 // writes under a polling reader; a write that fails leaves nothing; the byte budget evicts the least
-// recently written or read of fovea's files and never another writer's; a restart rebuilds it.
+// recently written or read of fovea's files and never another writer's; a restart rebuilds it. And
+// the folder as a trust boundary: symlinks planted below it are never written, read or deleted
+// through, and files others delete leave the accounting.
 #include <signal.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
 
+#include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <filesystem>
+#include <fstream>
 #include <random>
 #include <thread>
 
@@ -72,6 +77,32 @@ qwen3vl::VisionConfig config_with(int out_hidden, size_t deepstack) {
   c.out_hidden = out_hidden;
   c.deepstack.assign(deepstack, 0);
   return c;
+}
+
+// Small entries for the tests of what the folder holds: 8 tokens of 16 values, one deepstack output.
+constexpr size_t kTokens = 8;
+const qwen3vl::GridThw kGrid{1, 2, int(kTokens) * 2};
+void store_small(EcCache& cache, const std::string& key, unsigned seed = 1) {
+  cache.store(key, random_outputs(kTokens, 16, 1, seed).view(), kGrid, config_with(16, 1));
+}
+int64_t small_entry_bytes(const TempDir& dir) {  // one small entry's file size, from a cache of its own
+  EcCache probe(dir.file("size-probe"), 0);
+  store_small(probe, "x");
+  return probe.stats().bytes;
+}
+// A file marked as fovea's, of the small entries' shape: what someone could plant outside the cache
+// folder and point a symlink in it at (fovea must still never read, write or delete it).
+std::string plant_fovea_file(const fs::path& p) {
+  fs::create_directories(p.parent_path());
+  const std::vector<uint8_t> values(kTokens * 32 * 2, 7);
+  write_safetensors(p.string(), {{"ec_cache", DType::BF16, {int64_t(kTokens), 32}, values, {}}}, {{"writer", "fovea"}});
+  return test::slurp(p);
+}
+std::vector<std::string> names_in(const fs::path& folder) {  // hidden ones included, sorted
+  std::vector<std::string> names;
+  for (const auto& e : fs::directory_iterator(folder)) names.push_back(e.path().filename().string());
+  std::sort(names.begin(), names.end());
+  return names;
 }
 
 // The file as vLLM's consumer reads it: one tensor "ec_cache", BF16, [tokens, O * (1 + k)], each row
@@ -163,11 +194,13 @@ TEST(EcCache, ReaderNeverSeesAPartialFile) {
   EXPECT_EQ(partial, 0);
 }
 
-// A write that fails part way (here: the file-size limit, as a full disk would) is an error naming
-// the file, and leaves neither the file nor a temporary one.
+// A write that fails part way (here: the file-size limit, as a full disk would; it holds for root
+// too) is an error naming the file, and leaves neither the file nor a temporary one, nor the <key>
+// folder the store made; a folder that was there before stays.
 TEST(EcCache, FailedWriteLeavesNothing) {
   TempDir dir;
   EcCache cache(dir.file("c"), 0);
+  fs::create_directories(fs::path(dir.file("c")) / "was-there");
   struct sigaction ignore {}, old {};
   ignore.sa_handler = SIG_IGN;
   sigaction(SIGXFSZ, &ignore, &old);
@@ -176,17 +209,41 @@ TEST(EcCache, FailedWriteLeavesNothing) {
   rlimit small = saved;
   small.rlim_cur = 4096;
   setrlimit(RLIMIT_FSIZE, &small);
-  const std::string msg = error_of([&] {
-    cache.store("big", random_outputs(512, 64, 3, 1).view(), {1, 2, 2}, config_with(64, 3));
-  });
+  const auto big = random_outputs(512, 64, 3, 1);
+  const std::string msg = error_of([&] { cache.store("big", big.view(), {1, 2, 2}, config_with(64, 3)); });
+  const std::string msg2 = error_of([&] { cache.store("was-there", big.view(), {1, 2, 2}, config_with(64, 3)); });
   setrlimit(RLIMIT_FSIZE, &saved);
   sigaction(SIGXFSZ, &old, nullptr);
   EXPECT_HAS(msg, "encoder_cache.safetensors");
   EXPECT_HAS(msg, "write failed");
-  std::vector<std::string> left;
-  for (const auto& e : fs::directory_iterator(fs::path(dir.file("c")) / "big")) left.push_back(e.path().filename().string());
-  EXPECT_TRUE(left.empty()) << left.front();
+  EXPECT_HAS(msg2, "write failed");
+  EXPECT_FALSE(fs::exists(fs::path(dir.file("c")) / "big"));  // the folder this store made, gone with it
+  EXPECT_EQ(names_in(fs::path(dir.file("c")) / "was-there"), std::vector<std::string>{});  // kept, empty
   EXPECT_FALSE(cache.lookup("big"));
+  EXPECT_EQ(cache.stats().files, 0);
+  EXPECT_EQ(cache.stats().writes, 0u);
+}
+
+// Writes that fail however the caller runs (root included): a plain file under the key's name, a
+// folder under the entry file's name. Each is an error naming the path; nothing is left behind,
+// and nothing that was there is touched.
+TEST(EcCache, FailedStoreOnWhatIsThereLeavesNothing) {
+  TempDir dir;
+  const fs::path root = dir.file("c");
+  EcCache cache(root.string(), 0);
+  std::ofstream(root / "plain") << "someone's file";
+  const std::string msg = error_of([&] { store_small(cache, "plain"); });
+  EXPECT_HAS(msg, (root / "plain").string());
+  EXPECT_HAS(msg, "is not a folder");
+  EXPECT_EQ(test::slurp(root / "plain"), "someone's file");
+  fs::create_directories(root / "k" / "encoder_cache.safetensors");
+  const std::string msg2 = error_of([&] { store_small(cache, "k"); });
+  EXPECT_HAS(msg2, cache.path_of("k"));
+  EXPECT_HAS(msg2, "is a folder");
+  EXPECT_EQ(names_in(root / "k"), std::vector<std::string>{"encoder_cache.safetensors"});  // no temporary file
+  EXPECT_EQ(names_in(root), (std::vector<std::string>{"k", "plain"}));
+  EXPECT_FALSE(cache.lookup("plain"));
+  EXPECT_FALSE(cache.lookup("k"));
   EXPECT_EQ(cache.stats().files, 0);
 }
 
@@ -254,6 +311,169 @@ TEST(EcCache, BudgetEvictsLeastRecentlyUsedAndRestartRebuilds) {
     EXPECT_TRUE(fs::exists(cache.path_of("vllm-own")));
     EXPECT_EQ(cache.stats().files, 1);
   }
+}
+
+// The folder is shared, so what is below it may have been planted. A <key> that is a symlink (to a
+// folder or to a file) outside is never written or read through: store() refuses, naming it;
+// lookup() is a miss even where a file of fovea's lies behind it; the start-up scan skips it.
+TEST(EcCache, SymlinkedKeyIsNeverWrittenOrReadThrough) {
+  TempDir dir;
+  const fs::path root = dir.file("c"), outside = dir.file("outside");
+  const std::string in_folder = plant_fovea_file(outside / "encoder_cache.safetensors");
+  const std::string a_file = plant_fovea_file(dir.file("outside-file"));
+  fs::create_directories(root);
+  fs::create_directory_symlink(outside, root / "to-folder");
+  fs::create_symlink(dir.file("outside-file"), root / "to-file");
+  EcCache cache(root.string(), 0);
+  EXPECT_EQ(cache.stats().files, 0);  // not counted as fovea's, nor as another writer's
+  EXPECT_EQ(cache.stats().foreign_files, 0);
+  for (const std::string key : {"to-folder", "to-file"}) {
+    SCOPED_TRACE(key);
+    EXPECT_FALSE(cache.lookup(key));
+    EXPECT_HAS(error_of([&] { cache.load(key, kGrid, config_with(16, 1)); }), "symbolic link");
+    const std::string msg = error_of([&] { store_small(cache, key); });
+    EXPECT_HAS(msg, (root / key).string());
+    EXPECT_HAS(msg, "symbolic link");
+    EXPECT_TRUE(fs::is_symlink(root / key));
+  }
+  EXPECT_EQ(test::slurp(outside / "encoder_cache.safetensors"), in_folder);
+  EXPECT_EQ(names_in(outside), std::vector<std::string>{"encoder_cache.safetensors"});  // no temporary file
+  EXPECT_EQ(test::slurp(dir.file("outside-file")), a_file);
+  const EcCache::Stats s = cache.stats();
+  EXPECT_EQ(s.files, 0);
+  EXPECT_EQ(s.writes, 0u);
+  EXPECT_EQ(s.hits, 0u);
+}
+
+// An encoder_cache.safetensors that is a symlink, in a real <key> folder: not a hit, not read, not
+// written through and not replaced; the scan counts it nowhere.
+TEST(EcCache, SymlinkedEntryFileIsNeverWrittenOrReadThrough) {
+  TempDir dir;
+  const fs::path root = dir.file("c"), target = dir.file("outside.safetensors");
+  const std::string planted = plant_fovea_file(target);
+  fs::create_directories(root / "k");
+  fs::create_symlink(target, root / "k" / "encoder_cache.safetensors");
+  EcCache cache(root.string(), 0);
+  EXPECT_EQ(cache.stats().files, 0);
+  EXPECT_EQ(cache.stats().foreign_files, 0);
+  EXPECT_FALSE(cache.lookup("k"));
+  EXPECT_HAS(error_of([&] { cache.load("k", kGrid, config_with(16, 1)); }), "symbolic link");
+  const std::string msg = error_of([&] { store_small(cache, "k"); });
+  EXPECT_HAS(msg, cache.path_of("k"));
+  EXPECT_HAS(msg, "symbolic link");
+  EXPECT_TRUE(fs::is_symlink(root / "k" / "encoder_cache.safetensors"));
+  EXPECT_EQ(names_in(root / "k"), std::vector<std::string>{"encoder_cache.safetensors"});  // no temporary file
+  EXPECT_EQ(test::slurp(target), planted);
+}
+
+// Eviction never deletes through a symlink: entries of fovea's swapped for symlinks to files marked
+// as fovea's outside the folder (a <key> folder, or the file itself) are skipped by the scan after a
+// restart and dropped from the books, not deleted, when swapped in while the cache runs.
+TEST(EcCache, EvictionNeverDeletesThroughSymlinks) {
+  TempDir dir;
+  const fs::path root = dir.file("c"), outside = dir.file("outside");
+  const int64_t one = small_entry_bytes(dir);
+  {
+    EcCache cache(root.string(), 0);
+    for (const std::string key : {"a", "b", "c"}) store_small(cache, key);
+  }
+  const std::string a = plant_fovea_file(outside / "a" / "encoder_cache.safetensors");
+  const std::string b = plant_fovea_file(outside / "b.safetensors");
+  fs::remove_all(root / "a");
+  fs::create_directory_symlink(outside / "a", root / "a");
+  fs::remove(root / "b" / "encoder_cache.safetensors");
+  fs::create_symlink(outside / "b.safetensors", root / "b" / "encoder_cache.safetensors");
+  {
+    EcCache cache(root.string(), one + one / 2);  // room for one entry: evicts at start-up if it counts more
+    EXPECT_EQ(cache.stats().files, 1);
+    EXPECT_TRUE(fs::exists(cache.path_of("c")));
+    store_small(cache, "d");
+    EXPECT_FALSE(fs::exists(cache.path_of("c")));
+    EXPECT_EQ(cache.stats().evictions, 1u);
+  }
+  EXPECT_EQ(test::slurp(outside / "a" / "encoder_cache.safetensors"), a);
+  EXPECT_EQ(test::slurp(outside / "b.safetensors"), b);
+  {  // swapped while the cache runs: the oldest entry becomes a symlink to an outside file of fovea's
+    EcCache cache(root.string(), 2 * one + one / 2);
+    store_small(cache, "e");
+    fs::remove_all(root / "d");
+    fs::create_directory_symlink(outside / "a", root / "d");
+    store_small(cache, "f");
+    store_small(cache, "g");
+    EXPECT_EQ(test::slurp(outside / "a" / "encoder_cache.safetensors"), a);
+    EXPECT_TRUE(fs::is_symlink(root / "d"));
+    EXPECT_EQ(cache.stats().files, 2);
+  }
+}
+
+// Only what is below DIR is untrusted: DIR itself may be reached through a symlink (the operator's
+// choice), and the cache works there as anywhere.
+TEST(EcCache, DirItselfMayBeASymlink) {
+  TempDir dir;
+  fs::create_directories(dir.file("real"));
+  fs::create_directory_symlink(dir.file("real"), dir.file("link"));
+  {
+    EcCache cache(dir.file("link"), 0);
+    store_small(cache, "a");
+    EXPECT_TRUE(cache.lookup("a"));
+  }
+  EXPECT_TRUE(fs::is_regular_file(fs::path(dir.file("real")) / "a" / "encoder_cache.safetensors"));
+  EcCache again(dir.file("link"), 0);
+  EXPECT_EQ(again.stats().files, 1);
+  EXPECT_EQ(again.load("a", kGrid, config_with(16, 1)).rows.merged.size(), kTokens * 16);
+}
+
+// The start-up scan does not follow a symlinked <key> folder: a stale temporary file in the folder
+// outside that it points to stays, as does the file a stale-looking symlink in a real folder names.
+TEST(EcCache, StartupScanFollowsNoSymlink) {
+  TempDir dir;
+  const fs::path root = dir.file("c"), outside = dir.file("outside");
+  const auto an_hour_ago = fs::file_time_type::clock::now() - std::chrono::hours(1);
+  const fs::path old_tmp = outside / ".encoder_cache.safetensors.tmp.OLD123";
+  fs::create_directories(outside);
+  std::ofstream(old_tmp) << "someone's";
+  fs::last_write_time(old_tmp, an_hour_ago);
+  fs::create_directories(root / "k");
+  fs::create_directory_symlink(outside, root / "x");
+  const fs::path link_tmp = root / "k" / ".encoder_cache.safetensors.tmp.LNK123";
+  fs::create_symlink(old_tmp, link_tmp);
+  EcCache cache(root.string(), 0);
+  EXPECT_TRUE(fs::exists(old_tmp));
+  EXPECT_TRUE(fs::is_symlink(link_tmp));
+  EXPECT_EQ(cache.stats().files, 0);
+}
+
+// Files others delete leave the accounting at the next look: stats() re-checks what it counts, and
+// eviction re-checks before deciding, so a deleted entry frees the budget instead of one of fovea's.
+TEST(EcCache, ExternalDeletionShowsInStatsAndBudget) {
+  TempDir dir;
+  const fs::path root = dir.file("c");
+  const int64_t one = small_entry_bytes(dir);
+  EcCache cache(root.string(), 2 * one + one / 2);  // room for two
+  store_small(cache, "a");
+  store_small(cache, "b");
+  plant_fovea_file(root / "other" / "encoder_cache.safetensors");
+  EXPECT_TRUE(cache.lookup("other"));  // found after start-up: counted as another writer's
+  EcCache::Stats s = cache.stats();
+  EXPECT_EQ(s.files, 2);
+  EXPECT_EQ(s.bytes, 2 * one);
+  EXPECT_EQ(s.foreign_files, 1);
+  fs::remove(cache.path_of("b"));
+  fs::remove_all(root / "other");
+  std::this_thread::sleep_for(std::chrono::milliseconds(1100));  // the re-check runs at most once a second
+  s = cache.stats();
+  EXPECT_EQ(s.files, 1);
+  EXPECT_EQ(s.bytes, one);
+  EXPECT_EQ(s.foreign_files, 0);
+  fs::remove_all(root / "a");  // gone unseen, then a store goes over the budget as it was counted
+  std::this_thread::sleep_for(std::chrono::milliseconds(1100));
+  store_small(cache, "c");
+  store_small(cache, "d");
+  s = cache.stats();
+  EXPECT_EQ(s.evictions, 0u);
+  EXPECT_EQ(s.files, 2);
+  EXPECT_TRUE(fs::exists(cache.path_of("c")));
+  EXPECT_TRUE(fs::exists(cache.path_of("d")));
 }
 
 }  // namespace

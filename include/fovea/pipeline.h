@@ -70,8 +70,14 @@ struct InputPlan {
   qwen3vl::GridThw grid{};
   int64_t tokens = 0;
   int64_t peak_bytes = 0;
+  // What it holds from its plan until it is queued (a clip's packets, then its patches): preparing a
+  // list holds these for every input, and one input's peak beyond them at a time.
+  int64_t held_bytes = 0;
   std::optional<ClipSampling> clip;  // set for a clip
 };
+// What preparing these inputs holds at its peak (prepare_inputs' order: the images decode at once,
+// then the clips one after another, every input keeping its held_bytes until it is queued).
+int64_t prepare_peak_bytes(const std::vector<InputPlan>& plans);
 // Throws fovea::Error naming the input for anything unreadable or over a limit.
 InputPlan probe_input(std::span<const uint8_t> bytes, const std::string& name, const InputConfig& cfg);
 
@@ -90,11 +96,14 @@ struct PreparedInput {
 // What the caller of prepare_inputs hooks in (serve: its decode-memory budget and deadline).
 struct PrepareHooks {
   // Called before a clip's container is opened, with the bytes opening it may hold at most
-  // (video::container_cost: the demuxer's index, buffers and the packets kept); what it throws is
-  // that input's error. The clip's planned call follows; its peak_bytes replaces this figure.
+  // (video::container_cost: the demuxer's index and buffers, the packets kept), and again with 0
+  // once it is open (or failed); what it throws is that input's error.
   std::function<void(size_t, int64_t)> opening;
   // Called with each input's plan before a pixel of it is decoded; what it throws is that input's error.
   std::function<void(size_t, const InputPlan&)> planned;
+  // Called once every input is planned and before any is decoded, with prepare_peak_bytes of the
+  // plans of those not failed; what it throws fails them all.
+  std::function<void(int64_t)> all_planned;
   // Called once input i is preprocessed or has failed, whatever happened (exactly once each), with
   // what it became (its patches, or its error).
   std::function<void(size_t, const PreparedInput&)> done;

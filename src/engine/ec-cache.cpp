@@ -1,15 +1,20 @@
 // vLLM's encoder-cache files (see fovea/ec-cache.h).
 #include "fovea/ec-cache.h"
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
-#include <chrono>
-#include <ctime>
+#include <cerrno>
 #include <cstring>
+#include <ctime>
 #include <filesystem>
+#include <memory>
+#include <optional>
+#include <random>
+#include <utility>
 #include <vector>
 
 #include <fmt/format.h>
@@ -28,39 +33,243 @@ namespace {
 
 constexpr const char* kWriterKey = "writer";
 constexpr const char* kWriter = "fovea";
-// write_safetensors' temporary files: ".<name>.tmp.XXXXXX" beside the target (fovea/io.h).
+// The temporary files: ".<name>.tmp.XXXXXX" beside the target, the pattern of write_file_atomic
+// (fovea/io.h), which fovea wrote entries with before; a crash's leftovers of either are recognised.
 const std::string kTempPrefix = std::string(".") + kEcCacheFile + ".tmp.";
-constexpr auto kStaleTemp = std::chrono::minutes(10);
+constexpr int64_t kStaleTempNs = int64_t(10) * 60 * 1000000000;  // ten minutes
 
-// Whether the safetensors file at `path` says fovea wrote it (its header's __metadata__). Any file
-// that cannot be read as one, or with a header over 1 MiB, is not fovea's.
-bool written_by_fovea(const std::string& path) {
+// A file descriptor this scope owns.
+class Fd {
+ public:
+  explicit Fd(int fd = -1) : fd_(fd) {}
+  ~Fd() { reset(); }
+  Fd(Fd&& o) noexcept : fd_(std::exchange(o.fd_, -1)) {}
+  Fd& operator=(Fd&& o) noexcept {
+    if (this != &o) {
+      reset();
+      fd_ = std::exchange(o.fd_, -1);
+    }
+    return *this;
+  }
+  int get() const { return fd_; }
+  int release() { return std::exchange(fd_, -1); }
+  explicit operator bool() const { return fd_ >= 0; }
+
+ private:
+  void reset() {
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = -1;
+  }
+  int fd_;
+};
+
+// Everything below DIR is opened by these two, which follow no symlink: O_NOFOLLOW refuses a
+// symlink as the last component, and names are single components (ec_key_problem), so there is no
+// other. O_NONBLOCK: a FIFO planted as the file must not block the open.
+Fd open_folder_at(int at, const std::string& name) {
+  return Fd(::openat(at, name.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
+}
+Fd open_file_at(int at, const std::string& name) {
+  return Fd(::openat(at, name.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC));
+}
+
+// Why opening `name` in `at` failed with `err`, in words. O_DIRECTORY | O_NOFOLLOW reports a symlink
+// as ENOTDIR, so the name is looked at again (without following it) to say what it is.
+std::string refusal(int at, const std::string& name, int err, bool want_folder) {
   struct stat st {};
-  int fd = -1;
+  const std::string plain = fmt::format("cannot be opened: {}", std::strerror(err));
+  if (err == ENOENT || ::fstatat(at, name.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0) return plain;
+  if (S_ISLNK(st.st_mode)) return "is a symbolic link, and fovea follows none inside the cache folder";
+  if (want_folder && !S_ISDIR(st.st_mode)) return "is not a folder";
+  if (!want_folder && S_ISDIR(st.st_mode)) return "is a folder, not a file";
+  if (!want_folder && !S_ISREG(st.st_mode)) return "is not a regular file";
+  return plain;
+}
+
+// The entry file of one key as it is now, reached from DIR with no symlink followed: its folder
+// and its stat, or no folder / no regular file (gone, a symlink, something else).
+struct EntryNow {
+  Fd folder;
+  std::optional<struct stat> file;
+};
+EntryNow entry_now(int dir_fd, const std::string& key) {
+  EntryNow e{open_folder_at(dir_fd, key), std::nullopt};
+  struct stat st {};
+  if (e.folder && ::fstatat(e.folder.get(), kEcCacheFile, &st, AT_SYMLINK_NOFOLLOW) == 0 && S_ISREG(st.st_mode))
+    e.file = st;
+  return e;
+}
+
+// The names in the folder `at` (not "." or "..") into `names`: 0, or the errno of the failure. The
+// folder is listed through a descriptor of its own (fdopendir takes it), so `at` stays as it was.
+int names_in(int at, std::vector<std::string>& names) {
+  Fd fd(::openat(at, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+  DIR* d = fd ? ::fdopendir(fd.get()) : nullptr;
+  if (!d) return errno;
+  fd.release();
+  const std::unique_ptr<DIR, int (*)(DIR*)> closing(d, ::closedir);
+  for (;;) {
+    errno = 0;
+    const dirent* e = ::readdir(d);
+    if (!e) return errno;
+    const std::string_view n = e->d_name;
+    if (n != "." && n != "..") names.emplace_back(n);
+  }
+}
+
+// Whether the safetensors file open as `fd` (`st` its fstat) says fovea wrote it (its header's
+// __metadata__). A file that cannot be read as one, or with a header over 1 MiB, is not fovea's.
+bool written_by_fovea(int fd, const struct stat& st, const std::string& path) {
+  uint8_t len8[8];
+  if (!S_ISREG(st.st_mode) || ::pread(fd, len8, 8, 0) != 8) return false;
+  uint64_t n = 0;
+  for (int i = 7; i >= 0; --i) n = n << 8 | len8[i];
+  if (n == 0 || n > (1u << 20) || n + 8 > uint64_t(st.st_size)) return false;
+  std::string head(n, '\0');
+  if (::pread(fd, head.data(), n, 8) != ssize_t(n)) return false;
   try {
-    fd = open_regular_file(path, "encoder cache file", &st);
+    const nlohmann::json j = parse_json_bounded(head, {}, path);
+    const auto m = j.find("__metadata__");
+    return m != j.end() && m->is_object() && m->value(kWriterKey, std::string()) == kWriter;
   } catch (const Error&) {
     return false;
   }
-  uint8_t len8[8];
-  bool ours = false;
-  if (::pread(fd, len8, 8, 0) == 8) {
-    uint64_t n = 0;
-    for (int i = 7; i >= 0; --i) n = n << 8 | len8[i];
-    if (n > 0 && n <= (1u << 20) && n + 8 <= uint64_t(st.st_size)) {
-      std::string head(n, '\0');
-      if (::pread(fd, head.data(), n, 8) == ssize_t(n)) {
-        try {
-          const nlohmann::json j = parse_json_bounded(head, {}, path);
-          const auto m = j.find("__metadata__");
-          ours = m != j.end() && m->is_object() && m->value(kWriterKey, std::string()) == kWriter;
-        } catch (const Error&) {
-        }
-      }
-    }
+}
+
+int64_t mtime_ns(const struct stat& st) { return int64_t(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec; }
+
+// Removes the crash leftovers in one key's folder: regular temporary files older than ten minutes
+// (a live writer's fresh one stays; a symlink with that name is not ours and is left alone).
+void remove_stale_temps(int folder_fd) {
+  std::vector<std::string> names;
+  if (names_in(folder_fd, names) != 0) return;
+  timespec now{};
+  ::clock_gettime(CLOCK_REALTIME, &now);
+  const int64_t now_ns = int64_t(now.tv_sec) * 1000000000 + now.tv_nsec;
+  for (const std::string& name : names) {
+    struct stat st {};
+    if (name.rfind(kTempPrefix, 0) != 0 || ::fstatat(folder_fd, name.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0) continue;
+    if (S_ISREG(st.st_mode) && now_ns - mtime_ns(st) > kStaleTempNs) ::unlinkat(folder_fd, name.c_str(), 0);
   }
-  ::close(fd);
-  return ours;
+}
+
+// A fresh temporary file in `folder_fd`, created exclusively (O_EXCL: never an existing file, nor
+// through a symlink planted under the name); its name goes to *name. -1 with errno on failure.
+int create_temp(int folder_fd, std::string* name) {
+  static constexpr char kChars[] = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789";
+  thread_local std::mt19937_64 rng(std::random_device{}());
+  for (int attempt = 0; attempt < 100; ++attempt) {
+    *name = kTempPrefix;
+    for (int i = 0; i < 6; ++i) *name += kChars[rng() % (sizeof(kChars) - 1)];
+    const int fd = ::openat(folder_fd, name->c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
+    if (fd >= 0 || errno != EEXIST) return fd;
+  }
+  errno = EEXIST;
+  return -1;
+}
+
+// Writes `bytes` as the entry file in `folder_fd` atomically: a temporary file beside it, fsync,
+// rename over the name (renameat replaces a name; it never writes through one). On any failure the
+// temporary file is removed and fovea::Error names `path`, the step and the reason.
+void write_entry(int folder_fd, const std::string& path, const std::string& bytes) {
+  std::string tmp;
+  Fd fd(create_temp(folder_fd, &tmp));
+  if (!fd) fail("encoder cache file '{}': cannot create a temporary file beside it: {}", path, std::strerror(errno));
+  auto abandon = [&](const char* step) {
+    const int err = errno;
+    fd = Fd();
+    ::unlinkat(folder_fd, tmp.c_str(), 0);
+    fail("encoder cache file '{}': {}: {}", path, step, std::strerror(err));
+  };
+  if (::fchmod(fd.get(), 0644) != 0) abandon("cannot set permissions");  // readable by the consumer whatever the umask
+  for (size_t done = 0; done < bytes.size();) {
+    const ssize_t n = ::write(fd.get(), bytes.data() + done, bytes.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) abandon("write failed");
+    done += size_t(n);
+  }
+  if (::fsync(fd.get()) != 0) abandon("fsync failed");
+  if (::close(fd.release()) != 0) abandon("close failed");
+  if (::renameat(folder_fd, tmp.c_str(), folder_fd, kEcCacheFile) != 0)
+    abandon("cannot move the temporary file into place");
+}
+
+// Refuses to replace what must not be replaced at the entry's name: a symlink (another writer's, and
+// possibly a trap) or a folder. A regular file there is replaced (an older entry for the key). A
+// symlink planted after this check is replaced by the rename, which never follows it.
+void check_entry_name(int folder_fd, const std::string& path) {
+  struct stat st {};
+  if (::fstatat(folder_fd, kEcCacheFile, &st, AT_SYMLINK_NOFOLLOW) != 0) return;  // not there: fine
+  if (S_ISLNK(st.st_mode))
+    fail("encoder cache file '{}': is a symbolic link; fovea neither writes through nor replaces one", path);
+  if (S_ISDIR(st.st_mode)) fail("encoder cache file '{}': is a folder, not a file", path);
+}
+
+// The whole entry file open as `fd`, at most max_bytes long; `path` names it in errors.
+std::string read_all(int fd, const std::string& path, size_t max_bytes) {
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) fail("encoder cache file '{}': cannot stat: {}", path, std::strerror(errno));
+  if (!S_ISREG(st.st_mode)) fail("encoder cache file '{}': is not a regular file", path);
+  if (uint64_t(st.st_size) > max_bytes)
+    fail("encoder cache file '{}': {} bytes, larger than the limit of {} bytes", path, uint64_t(st.st_size), max_bytes);
+  std::string out(size_t(st.st_size), '\0');
+  size_t done = 0;
+  for (;;) {  // on until EOF: a file may have grown since fstat; the bound holds either way
+    if (done == out.size()) out.resize(std::min(max_bytes + 1, out.size() + (size_t(1) << 16)));
+    const ssize_t n = ::read(fd, out.data() + done, out.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) fail("encoder cache file '{}': read error: {}", path, std::strerror(errno));
+    if (n == 0) break;
+    done += size_t(n);
+    if (done > max_bytes)
+      fail("encoder cache file '{}': larger than the limit of {} bytes (it grew while being read)", path, max_bytes);
+  }
+  out.resize(done);
+  return out;
+}
+
+// DIR, made if missing and opened once. Its own path may pass through symlinks (the operator's
+// choice); only what is below it is untrusted.
+int open_cache_folder(const std::string& dir, int64_t max_bytes) {
+  if (max_bytes < 0) fail("encoder cache: a byte budget of {} (0 means no bound)", max_bytes);
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0)
+    fail("encoder cache '{}': not a folder and cannot be made one ({})", dir, ec ? ec.message() : std::strerror(errno));
+  return fd;
+}
+
+// The key's folder, made if missing (*made: whether this call made it), opened with no symlink
+// followed: a symlink or a plain file under the key's name is refused, never written through.
+Fd make_key_folder(int dir_fd, const std::string& dir, const std::string& key, bool* made) {
+  const std::string folder = (fs::path(dir) / key).string();
+  *made = ::mkdirat(dir_fd, key.c_str(), 0777) == 0;
+  if (!*made && errno != EEXIST) fail("encoder cache: cannot make the folder '{}': {}", folder, std::strerror(errno));
+  Fd fd = open_folder_at(dir_fd, key);
+  if (!fd) {
+    const std::string why = refusal(dir_fd, key, errno, true);
+    if (*made) ::unlinkat(dir_fd, key.c_str(), AT_REMOVEDIR);
+    fail("encoder cache: '{}' {}; fovea does not write there", folder, why);
+  }
+  return fd;
+}
+
+// The whole entry file of `key`, at most max_bytes, reached from DIR with no symlink followed.
+std::string read_entry(int dir_fd, const std::string& dir, const std::string& key, size_t max_bytes) {
+  const fs::path folder_path = fs::path(dir) / key;
+  const std::string path = (folder_path / kEcCacheFile).string();
+  const Fd folder = open_folder_at(dir_fd, key);
+  if (!folder) {
+    const int err = errno;
+    fail("encoder cache file '{}': '{}' {}", path, folder_path.string(), refusal(dir_fd, key, err, true));
+  }
+  const Fd file = open_file_at(folder.get(), kEcCacheFile);
+  if (!file) {
+    const int err = errno;
+    fail("encoder cache file '{}': {}", path, refusal(folder.get(), kEcCacheFile, err, false));
+  }
+  return read_all(file.get(), path, max_bytes);
 }
 
 }  // namespace
@@ -94,124 +303,12 @@ std::vector<uint16_t> ec_cache_rows(const Bf16Rows& t, int out_hidden) {
   return out;
 }
 
-EcCache::EcCache(std::string dir, int64_t max_bytes) : dir_(std::move(dir)), max_bytes_(max_bytes) {
-  if (max_bytes_ < 0) fail("encoder cache: a byte budget of {} (0 means no bound)", max_bytes_);
-  std::error_code ec;
-  fs::create_directories(dir_, ec);
-  if (!fs::is_directory(dir_, ec)) fail("encoder cache '{}': not a folder and cannot be made one ({})", dir_, ec.message());
-  struct Found {
-    std::string key;
-    int64_t bytes;
-    fs::file_time_type mtime;
-  };
-  std::vector<Found> found;
-  const auto now = fs::file_time_type::clock::now();
-  for (fs::directory_iterator it(dir_, ec), end; !ec && it != end; it.increment(ec)) {
-    if (!it->is_directory(ec)) continue;
-    const std::string key = it->path().filename().string();
-    if (!ec_key_problem(key).empty()) continue;
-    for (fs::directory_iterator f(it->path(), ec); !ec && f != end; f.increment(ec)) {
-      const std::string name = f->path().filename().string();
-      if (name.rfind(kTempPrefix, 0) == 0 && f->is_regular_file(ec) && now - f->last_write_time(ec) > kStaleTemp)
-        fs::remove(f->path(), ec);
-    }
-    ec.clear();
-    // A file that vanishes while the folder is read (another process evicting) is skipped.
-    std::error_code gone;
-    const std::string path = path_of(key);
-    if (!fs::is_regular_file(path, gone)) continue;
-    if (!written_by_fovea(path)) {
-      foreign_[key] = true;
-      continue;
-    }
-    const auto bytes = fs::file_size(path, gone);
-    const auto mtime = fs::last_write_time(path, gone);
-    if (!gone) found.push_back({key, int64_t(bytes), mtime});
-  }
-  if (ec) fail("encoder cache '{}': cannot read the folder: {}", dir_, ec.message());
-  std::sort(found.begin(), found.end(), [](const Found& a, const Found& b) { return a.mtime < b.mtime; });
-  if (!found.empty()) {
-    const auto newest = std::chrono::file_clock::to_sys(found.back().mtime);
-    last_stamp_ns_ = std::chrono::duration_cast<std::chrono::nanoseconds>(newest.time_since_epoch()).count();
-  }
-  for (const Found& f : found) {
-    own_[f.key] = {f.bytes, ++tick_};
-    by_age_[tick_] = f.key;
-    stats_.bytes += f.bytes;
-  }
-  std::lock_guard lk(mu_);
-  evict_over_budget("");
-}
 
-std::string EcCache::path_of(const std::string& key) const { return (fs::path(dir_) / key / kEcCacheFile).string(); }
+namespace {
 
-void EcCache::touch(const std::string& key) {
-  Entry& e = own_.at(key);
-  by_age_.erase(e.tick);
-  e.tick = ++tick_;
-  by_age_[e.tick] = key;
-}
-
-void EcCache::stamp(const std::string& path) {
-  timespec now{};
-  ::clock_gettime(CLOCK_REALTIME, &now);
-  const int64_t ns = std::max(int64_t(now.tv_sec) * 1000000000 + now.tv_nsec, last_stamp_ns_ + 1000);
-  last_stamp_ns_ = ns;
-  const timespec times[2] = {{ns / 1000000000, ns % 1000000000}, {ns / 1000000000, ns % 1000000000}};
-  ::utimensat(AT_FDCWD, path.c_str(), times, 0);  // best effort: only the order after a restart rests on it
-}
-
-void EcCache::forget(const std::string& key) {
-  const auto it = own_.find(key);
-  if (it == own_.end()) return;
-  stats_.bytes -= it->second.bytes;
-  by_age_.erase(it->second.tick);
-  own_.erase(it);
-}
-
-void EcCache::evict_over_budget(const std::string& keep) {
-  while (max_bytes_ > 0 && stats_.bytes > max_bytes_ && !by_age_.empty()) {
-    const std::string key = by_age_.begin()->second;
-    if (key == keep) {
-      if (by_age_.size() == 1) break;  // the newest entry alone is over the budget: kept
-      touch(key);
-      continue;
-    }
-    std::error_code ec;
-    fs::remove(path_of(key), ec);
-    fs::remove(fs::path(dir_) / key, ec);  // the folder, if nothing else is in it
-    forget(key);
-    stats_.evictions += 1;
-  }
-  stats_.files = int64_t(own_.size());
-  stats_.foreign_files = int64_t(foreign_.size());
-}
-
-bool EcCache::lookup(const std::string& key) {
-  const std::string path = path_of(key);
-  std::error_code ec;
-  const bool exists = fs::is_regular_file(path, ec);
-  std::lock_guard lk(mu_);
-  if (!exists) {
-    forget(key);  // removed by someone else
-    stats_.misses += 1;
-    stats_.files = int64_t(own_.size());
-    return false;
-  }
-  stats_.hits += 1;
-  if (own_.count(key)) {
-    touch(key);
-    stamp(path);
-  } else if (!foreign_.count(key)) {
-    foreign_[key] = true;  // another writer's file
-    stats_.foreign_files = int64_t(foreign_.size());
-  }
-  return true;
-}
-
-void EcCache::store(const std::string& key, const Bf16Rows& t, const qwen3vl::GridThw& grid,
-                    const qwen3vl::VisionConfig& c) {
-  if (const std::string why = ec_key_problem(key); !why.empty()) fail("encoder cache key {}: {}", quote_for_error(key), why);
+// The entry's file, in memory: the one tensor "ec_cache" and fovea's mark in the metadata.
+std::string entry_bytes(const Bf16Rows& t, const qwen3vl::GridThw& grid, const qwen3vl::VisionConfig& c,
+                        const std::string& path) {
   const std::vector<uint16_t> rows = ec_cache_rows(t, c.out_hidden);
   const int64_t width = int64_t(c.out_hidden) * int64_t(1 + t.deepstack.size());
   TensorToWrite tensor{kEcCacheTensor, DType::BF16, {int64_t(rows.size()) / width, width}, {}, {}};
@@ -219,30 +316,208 @@ void EcCache::store(const std::string& key, const Bf16Rows& t, const qwen3vl::Gr
   const std::map<std::string, std::string> meta = {
       {kWriterKey, kWriter}, {"grid_thw", fmt::format("[{}, {}, {}]", grid[0], grid[1], grid[2])},
       {"layout", "merger output, then deepstack 0..k-1, along the last dimension"}};
-  std::error_code ec;
-  const fs::path folder = fs::path(dir_) / key;
-  fs::create_directories(folder, ec);
-  if (!fs::is_directory(folder, ec)) fail("encoder cache: cannot make the folder '{}' ({})", folder.string(), ec.message());
-  const std::string path = path_of(key);
-  write_safetensors(path, {tensor}, meta);  // atomic; throws naming the file
-  const int64_t bytes = int64_t(fs::file_size(path, ec));
-  std::lock_guard lk(mu_);
+  return safetensors_bytes(path, {tensor}, meta);
+}
+
+}  // namespace
+
+EcCache::EcCache(std::string dir, int64_t max_bytes)
+    : dir_(std::move(dir)), max_bytes_(max_bytes), dir_fd_(open_cache_folder(dir_, max_bytes)) {
+  try {
+    scan();
+    std::lock_guard lk(mu_);
+    evict_over_budget("");
+  } catch (...) {
+    ::close(dir_fd_);  // a constructor that throws runs no destructor
+    throw;
+  }
+}
+
+EcCache::~EcCache() { ::close(dir_fd_); }
+
+std::string EcCache::path_of(const std::string& key) const { return (fs::path(dir_) / key / kEcCacheFile).string(); }
+
+void EcCache::scan() {
+  std::vector<std::string> names;
+  if (const int err = names_in(dir_fd_, names); err != 0)
+    fail("encoder cache '{}': cannot read the folder: {}", dir_, std::strerror(err));
+  std::vector<Found> found;
+  for (const std::string& key : names) scan_key(key, found);
+  std::sort(found.begin(), found.end(), [](const Found& a, const Found& b) { return a.mtime_ns < b.mtime_ns; });
+  if (!found.empty()) last_stamp_ns_ = found.back().mtime_ns;
+  for (const Found& f : found) book_.add(f.key, f.bytes);
+}
+
+// One name in DIR at start-up. A real folder named like a key has its crash leftovers removed and
+// its file, if a regular one, counted as fovea's or another writer's; a symlink (to a folder or to
+// a file) is skipped, never followed, and so is anything else.
+void EcCache::scan_key(const std::string& key, std::vector<Found>& found) {
+  if (!ec_key_problem(key).empty()) return;
+  const Fd folder = open_folder_at(dir_fd_, key);
+  if (!folder) return;  // a symlink, a plain file, or gone meanwhile (another process evicting)
+  remove_stale_temps(folder.get());
+  const Fd file = open_file_at(folder.get(), kEcCacheFile);
+  struct stat st {};
+  if (!file || ::fstat(file.get(), &st) != 0 || !S_ISREG(st.st_mode)) return;
+  if (written_by_fovea(file.get(), st, path_of(key)))
+    found.push_back({key, int64_t(st.st_size), mtime_ns(st)});
+  else
+    book_.foreign.insert(key);
+}
+
+void EcCache::Book::add(const std::string& key, int64_t n) {
   forget(key);
-  foreign_.erase(key);
-  own_[key] = {bytes, 0};
-  touch(key);
-  stamp(path);
-  stats_.bytes += bytes;
+  own[key] = {n, ++tick};
+  by_age[tick] = key;
+  bytes += n;
+}
+
+void EcCache::Book::touch(const std::string& key) {
+  Entry& e = own.at(key);
+  by_age.erase(e.tick);
+  e.tick = ++tick;
+  by_age[e.tick] = key;
+}
+
+void EcCache::Book::forget(const std::string& key) {
+  foreign.erase(key);
+  const auto it = own.find(key);
+  if (it == own.end()) return;
+  bytes -= it->second.bytes;
+  by_age.erase(it->second.tick);
+  own.erase(it);
+}
+
+void EcCache::stamp(int folder_fd) {
+  timespec now{};
+  ::clock_gettime(CLOCK_REALTIME, &now);
+  const int64_t ns = std::max(int64_t(now.tv_sec) * 1000000000 + now.tv_nsec, last_stamp_ns_ + 1000);
+  last_stamp_ns_ = ns;
+  const timespec times[2] = {{ns / 1000000000, ns % 1000000000}, {ns / 1000000000, ns % 1000000000}};
+  // Best effort: only the order after a restart rests on it. AT_SYMLINK_NOFOLLOW: a symlink put in
+  // the file's place meanwhile gets its own time changed, never its target's.
+  ::utimensat(folder_fd, kEcCacheFile, times, AT_SYMLINK_NOFOLLOW);
+}
+
+// The accounting rule's re-check (fovea/ec-cache.h): every entry's file looked at once, without
+// following symlinks; what is gone (or no longer a regular file there) leaves the books, and
+// fovea's files count at their size now.
+void EcCache::recheck() const {
+  // At most once a second: a full cache under load stores often, and each store would otherwise
+  // walk every entry (quadratic), as would a scrape storm.
+  const auto now_ns = std::chrono::steady_clock::now().time_since_epoch().count();
+  if (last_recheck_ns_ && now_ns - last_recheck_ns_ < kRecheckNs) return;
+  last_recheck_ns_ = now_ns;
+  std::vector<std::string> gone;
+  for (auto& [key, e] : book_.own) {
+    const EntryNow now = entry_now(dir_fd_, key);
+    if (!now.file) {
+      gone.push_back(key);
+      continue;
+    }
+    book_.bytes += int64_t(now.file->st_size) - e.bytes;
+    e.bytes = int64_t(now.file->st_size);
+  }
+  for (const std::string& key : book_.foreign)
+    if (!entry_now(dir_fd_, key).file) gone.push_back(key);
+  for (const std::string& key : gone) book_.forget(key);
+}
+
+void EcCache::evict_over_budget(const std::string& keep) {
+  if (max_bytes_ == 0 || book_.bytes <= max_bytes_) return;
+  recheck();  // files others deleted free the budget before any of fovea's goes
+  while (book_.bytes > max_bytes_ && !book_.by_age.empty()) {
+    const std::string key = book_.by_age.begin()->second;
+    if (key == keep) {
+      if (book_.by_age.size() == 1) break;  // the newest entry alone is over the budget: kept
+      book_.touch(key);
+      continue;
+    }
+    evict(key);
+  }
+}
+
+// Deletes one of fovea's entries after reading, through a descriptor, that the file there is still a
+// regular file fovea wrote. One replaced by another writer's joins theirs (never deleted); one gone,
+// or now a symlink or inside one, only leaves the books.
+void EcCache::evict(const std::string& key) {
+  const std::string path = path_of(key);
+  const Fd folder = open_folder_at(dir_fd_, key);
+  const Fd file = folder ? open_file_at(folder.get(), kEcCacheFile) : Fd();
+  struct stat st {}, named {};
+  const bool regular = file && ::fstat(file.get(), &st) == 0 && S_ISREG(st.st_mode);
+  book_.forget(key);
+  if (!regular) return;
+  if (!written_by_fovea(file.get(), st, path)) {
+    book_.foreign.insert(key);
+    return;
+  }
+  // POSIX has no unlink through a descriptor: checking that the name still holds the file just read
+  // narrows the window in which another writer's rename could put its own file there; it cannot
+  // close it.
+  if (::fstatat(folder.get(), kEcCacheFile, &named, AT_SYMLINK_NOFOLLOW) != 0 || named.st_dev != st.st_dev ||
+      named.st_ino != st.st_ino)
+    return;
+  if (::unlinkat(folder.get(), kEcCacheFile, 0) != 0) {
+    warn(fmt::format("encoder cache: cannot evict '{}': {}", path, std::strerror(errno)));
+    return;
+  }
+  ::unlinkat(dir_fd_, key.c_str(), AT_REMOVEDIR);  // the folder, if nothing else is in it (a symlink is not one)
+  stats_.evictions += 1;
+}
+
+bool EcCache::lookup(const std::string& key) {
+  // A key that cannot name an entry is a miss: looked up, ".." or "a/b" would leave the folder.
+  EntryNow now;
+  if (ec_key_problem(key).empty()) now = entry_now(dir_fd_, key);
+  std::lock_guard lk(mu_);
+  if (!now.file) {
+    book_.forget(key);  // removed by someone else, or nothing fovea reads
+    stats_.misses += 1;
+    return false;
+  }
+  stats_.hits += 1;
+  if (book_.own.count(key)) {
+    book_.touch(key);
+    stamp(now.folder.get());
+  } else {
+    book_.foreign.insert(key);  // another writer's file
+  }
+  return true;
+}
+
+void EcCache::store(const std::string& key, const Bf16Rows& t, const qwen3vl::GridThw& grid,
+                    const qwen3vl::VisionConfig& c) {
+  if (const std::string why = ec_key_problem(key); !why.empty()) fail("encoder cache key {}: {}", quote_for_error(key), why);
+  const std::string path = path_of(key);
+  int64_t size = 0;
+  bool made = false;
+  const Fd folder = make_key_folder(dir_fd_, dir_, key, &made);
+  try {
+    const std::string bytes = entry_bytes(t, grid, c, path);
+    check_entry_name(folder.get(), path);
+    write_entry(folder.get(), path, bytes);
+    size = int64_t(bytes.size());
+  } catch (...) {
+    // Nothing of a failed store stays: its folder goes too if this store made it (rmdir removes it
+    // only while empty, so whatever another writer put there meanwhile keeps it).
+    if (made) ::unlinkat(dir_fd_, key.c_str(), AT_REMOVEDIR);
+    throw;
+  }
+  std::lock_guard lk(mu_);
+  book_.add(key, size);
+  stamp(folder.get());
   stats_.writes += 1;
   evict_over_budget(key);
 }
 
 EcEntry EcCache::load(const std::string& key, const qwen3vl::GridThw& grid, const qwen3vl::VisionConfig& c,
                       bool with_deepstack) const {
+  if (const std::string why = ec_key_problem(key); !why.empty()) fail("encoder cache key {}: {}", quote_for_error(key), why);
   const int64_t tokens = visual_tokens(c, grid), O = c.out_hidden, parts = 1 + int64_t(c.deepstack.size());
   const int64_t width = O * parts;
   const std::string path = path_of(key);
-  const std::string bytes = read_file(path, "encoder cache file", size_t(tokens * width * 2) + (1 << 20));
+  const std::string bytes = read_entry(dir_fd_, dir_, key, size_t(tokens * width * 2) + (1 << 20));
   const std::vector<TensorInfo> ts = parse_safetensors(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size(), path);
   if (ts.size() != 1 || ts[0].name != kEcCacheTensor)
     fail("encoder cache file '{}': holds {} tensor(s), not the one tensor '{}'", path, ts.size(), kEcCacheTensor);
@@ -266,7 +541,12 @@ EcEntry EcCache::load(const std::string& key, const qwen3vl::GridThw& grid, cons
 
 EcCache::Stats EcCache::stats() const {
   std::lock_guard lk(mu_);
-  return stats_;
+  recheck();
+  Stats s = stats_;
+  s.bytes = book_.bytes;
+  s.files = int64_t(book_.own.size());
+  s.foreign_files = int64_t(book_.foreign.size());
+  return s;
 }
 
 }  // namespace fovea

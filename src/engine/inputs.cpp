@@ -64,9 +64,14 @@ namespace {
 InputPlan plan_image(std::span<const uint8_t> bytes, const std::string& name, const InputConfig& cfg) {
   const image::ImageInfo info = image::probe(bytes, name, cfg.image);
   InputPlan p;
-  p.grid = image::resized_grid(info.height, info.width, cfg.image);
+  try {
+    p.grid = image::resized_grid(info.height, info.width, cfg.image);
+  } catch (const Error& e) {  // the resize's errors (an aspect ratio over 200) do not name the image
+    fail("image '{}': {}", name, e.what());
+  }
   p.tokens = tokens_of(p.grid, cfg.image.merge);
   p.peak_bytes = image::decode_peak_bytes(info, cfg.image);
+  p.held_bytes = int64_t(p.grid[0]) * p.grid[1] * p.grid[2] * 3 * cfg.image.patch * cfg.image.patch;  // raw patches
   return p;
 }
 
@@ -82,6 +87,7 @@ InputPlan plan_clip(const video::ClipInfo& info, const InputConfig& cfg) {
     const int threads = std::max(1, ThreadCap::current());
     const int64_t frames = plan.peak_bytes(threads) - plan.packet_bytes - plan.decoder_bytes(threads);
     p.peak_bytes = plan.packet_bytes + plan.decoder_bytes(threads) + std::min(frames, cfg.limits.max_bytes_in_flight);
+    p.held_bytes = std::max(plan.packet_bytes, plan.patch_bytes);  // packets until decoded, then the patches
     p.clip = ClipSampling{plan.indices, plan.timestamps, info.fps};
     return p;
   } catch (const Error& e) {  // sampling and smart_resize errors do not name the clip
@@ -111,6 +117,18 @@ void guarded(PreparedInput& p, F&& step) {
 InputPlan probe_input(std::span<const uint8_t> bytes, const std::string& name, const InputConfig& cfg) {
   if (input_kind(bytes) == InputKind::IMAGE) return plan_image(bytes, name, cfg);
   return plan_clip(video::open_clip(bytes, name, cfg.limits, cfg.image, video::deadline_of(cfg.limits)).info, cfg);
+}
+
+int64_t prepare_peak_bytes(const std::vector<InputPlan>& plans) {
+  int64_t held = 0, images = 0, clip = 0;
+  for (const InputPlan& p : plans) {
+    held += p.held_bytes;
+    if (p.kind == InputKind::IMAGE)
+      images += p.peak_bytes - p.held_bytes;  // decoded at once
+    else
+      clip = std::max(clip, p.peak_bytes - p.held_bytes);  // one at a time
+  }
+  return held + std::max(images, clip);
 }
 
 std::string PreparedInput::error_message() const {
@@ -147,6 +165,7 @@ namespace {
 
 // One input between the steps of prepare_inputs: an image's bytes, or a clip opened.
 struct Pending {
+  InputPlan plan;
   std::vector<uint8_t> bytes;
   std::optional<video::OpenedClip> clip;
   Clock::time_point deadline;
@@ -161,13 +180,22 @@ void plan_input(size_t i, const std::string& name, const std::function<std::vect
   w.bytes = bytes(i);
   p.kind = input_kind(w.bytes);
   if (p.kind == InputKind::IMAGE) {
-    if (hooks.planned) hooks.planned(i, plan_image(w.bytes, name, cfg));
+    w.plan = plan_image(w.bytes, name, cfg);
+    if (hooks.planned) hooks.planned(i, w.plan);
   } else {
     w.deadline = clip_deadline(cfg, hooks);
     if (hooks.opening) hooks.opening(i, video::container_cost(w.bytes, name).open_bytes);
+    struct Opened {  // the opening hook hears 0 once the clip is open or failed
+      const PrepareHooks& h;
+      size_t i;
+      ~Opened() {
+        if (h.opening) h.opening(i, 0);
+      }
+    } opened{hooks, i};
     w.clip = video::open_clip(w.bytes, name, cfg.limits, cfg.image, w.deadline);
     std::vector<uint8_t>().swap(w.bytes);
-    if (hooks.planned) hooks.planned(i, plan_clip(w.clip->info, cfg));
+    w.plan = plan_clip(w.clip->info, cfg);
+    if (hooks.planned) hooks.planned(i, w.plan);
   }
   w.read_ms = ms_since(t);
 }
@@ -203,6 +231,20 @@ std::vector<PreparedInput> prepare_inputs(const std::vector<std::string>& names,
     guarded(out[i], [&] { plan_input(i, names[i], bytes, cfg, hooks, out[i], work[i]); });
     if (out[i].error) finish(i);
   });
+  if (hooks.all_planned) {  // the plans of the inputs still standing, and what preparing them holds
+    std::vector<InputPlan> plans;
+    for (size_t i = 0; i < n; ++i)
+      if (!out[i].error) plans.push_back(work[i].plan);
+    try {
+      if (!plans.empty()) hooks.all_planned(prepare_peak_bytes(plans));
+    } catch (...) {
+      for (size_t i = 0; i < n; ++i)
+        if (!out[i].error) {
+          out[i].error = std::current_exception();
+          finish(i);
+        }
+    }
+  }
   const auto skipped = [&](size_t i) {
     if (out[i].error) return true;  // done already
     if (!(hooks.all_or_nothing && failed)) return false;

@@ -120,55 +120,65 @@ void find_cached(Context& c, Exchange& x) {
   }
 }
 
-// What one request holds while its items are prepared: decode memory from --max-decode-bytes, per
-// item, and room in the encoder queue (admitted from the items' headers). Both go back when it goes.
+// What one request holds while its items are prepared: room in the encoder queue (admitted item by
+// item from their headers) and decode memory from --max-decode-bytes: while a clip is opened, what
+// opening it may cost; then, once every item is planned, what preparing them all holds at its peak,
+// in one reservation (a request never waits for memory while it holds some: no two requests can
+// each hold part of the budget and wait for the rest). Everything goes back when it is submitted or
+// fails.
 struct Holds {
   Holds(Context& c, const Exchange& x, const std::vector<size_t>& which)
-      : c(c), x(x), which(which), bytes(which.size(), 0), admission(c.batcher) {
+      : c(c), x(x), which(which), opening(which.size(), 0), admission(c.batcher) {
     for (const size_t i : which) names.push_back(x.r.names[i]);
   }
   ~Holds() {
-    for (size_t j = 0; j < bytes.size(); ++j) hold(j, 0);
+    release();
+    for (int64_t& b : opening) c.decode_budget.release(std::exchange(b, 0));
   }
-  // Holds `want` bytes for item j (more: waits for room until the deadline; less: gives some back).
-  // Item j's hooks run one after another on one thread; items run on several.
-  void hold(size_t j, int64_t want) {
-    if (want < bytes[j]) {
-      c.decode_budget.release(bytes[j] - want);
-      bytes[j] = want;
+  // Waits for `bytes` of the budget until the deadline; `what` names what they are for.
+  void acquire(int64_t bytes, InputKind kind, const std::string& what) {
+    ByteBudget& budget = c.decode_budget;
+    if (bytes > budget.capacity())
+      throw ApiError{400, invalid_item_code(kind),
+                     fmt::format("{} needs {} bytes to decode, more than the server's {} (--max-decode-bytes)", what, bytes,
+                                 budget.capacity())};
+    if (!budget.acquire(bytes, x.deadline))
+      throw ApiError{503, "server_busy",
+                     fmt::format("{}: no room to decode before the request's deadline (the server's images and clips being "
+                                 "decoded hold {} of {} bytes, --max-decode-bytes)", what, budget.used(), budget.capacity())};
+  }
+  void open(size_t j, int64_t bytes) {  // item j's hooks run one after another on one thread
+    if (bytes == 0) {
+      c.decode_budget.release(std::exchange(opening[j], 0));
       return;
     }
-    if (want == bytes[j]) return;
-    ByteBudget& budget = c.decode_budget;
-    if (want > budget.capacity())
-      throw ApiError{400, invalid_item_code(kind(j)),
-                     fmt::format("{} '{}' needs {} bytes to decode, more than the server's {} (--max-decode-bytes)",
-                                 input_kind_name(kind(j)), names[j], want, budget.capacity())};
-    if (!budget.acquire(want - bytes[j], x.deadline))
-      throw ApiError{503, "server_busy",
-                     fmt::format("{} '{}': no room to decode it before the request's deadline (the server's images "
-                                 "and clips being decoded hold {} of {} bytes, --max-decode-bytes)",
-                                 input_kind_name(kind(j)), names[j], budget.used(), budget.capacity())};
-    bytes[j] = want;
+    acquire(bytes, InputKind::VIDEO, fmt::format("video '{}': opening it", names[j]));
+    opening[j] = bytes;
   }
   void admit(size_t j, const InputPlan& p) {
     std::string refused;
     if (!c.batcher.admit(admission, p.tokens, refused))
       throw ApiError{503, "queue_full", fmt::format("{} '{}': {}; retry later", input_kind_name(p.kind), names[j], refused)};
   }
-  InputKind kind(size_t j) const { return x.items[which[j]].kind; }
+  void all(int64_t bytes) {
+    const bool one = names.size() == 1;
+    acquire(bytes, x.items[which[0]].kind,
+            one ? fmt::format("{} '{}'", input_kind_name(x.items[which[0]].kind), names[0])
+                : fmt::format("the request's {} inputs", names.size()));
+    held = bytes;
+  }
+  void release() { c.decode_budget.release(std::exchange(held, 0)); }
   Context& c;
   const Exchange& x;
   const std::vector<size_t> which;
   std::vector<std::string> names;
-  std::vector<int64_t> bytes;  // held per item
+  std::vector<int64_t> opening;  // per clip, while it is opened
+  int64_t held = 0;              // the request's, from its plans until it is submitted
   Batcher::Admission admission;
 };
 
-// Decodes and preprocesses the items `which` (fovea::prepare_inputs). Each item is admitted to the
-// encoder queue from its header and reserves the memory its decode holds at its peak before a pixel
-// is decoded (a clip: what opening it may cost, before it is opened), waiting for room until the
-// deadline; once preprocessed it keeps its patches' bytes until they are queued. Requests decoding
+// Decodes and preprocesses the items `which` (fovea::prepare_inputs), admitted to the encoder queue
+// and to the decode budget from their headers before a pixel is decoded (Holds). Requests decoding
 // at once share the cores (clips' FFmpeg threads and resizes too).
 std::vector<PreparedInput> prepare(Context& c, Exchange& x, Holds& holds) {
   static std::atomic<int> decoding{0};
@@ -180,12 +190,9 @@ std::vector<PreparedInput> prepare(Context& c, Exchange& x, Holds& holds) {
   PrepareHooks hooks;
   hooks.deadline = x.deadline;
   hooks.all_or_nothing = true;
-  hooks.opening = [&](size_t j, int64_t bytes) { holds.hold(j, bytes); };
-  hooks.planned = [&](size_t j, const InputPlan& p) {
-    holds.admit(j, p);
-    holds.hold(j, p.peak_bytes);
-  };
-  hooks.done = [&](size_t j, const PreparedInput& p) { holds.hold(j, p.error ? 0 : patch_bytes(p.patches)); };
+  hooks.opening = [&](size_t j, int64_t bytes) { holds.open(j, bytes); };
+  hooks.planned = [&](size_t j, const InputPlan& p) { holds.admit(j, p); };
+  hooks.all_planned = [&](int64_t bytes) { holds.all(bytes); };
   std::vector<PreparedInput> out =
       prepare_inputs(holds.names, [&](size_t j) { return item_bytes(x.r, holds.which[j]); }, c.inputs, hooks);
   for (size_t j = 0; j < out.size(); ++j)
@@ -202,7 +209,7 @@ std::shared_ptr<Job> run_job(Context& c, const Exchange& x, std::vector<Prepared
   const bool deepstack = x.r.deepstack || (c.cache && !c.model.config.deepstack.empty());
   std::string refused;
   std::shared_ptr<Job> job = c.batcher.submit(std::move(inputs), deepstack, refused, &holds.admission);
-  for (size_t j = 0; j < prepared.size(); ++j) holds.hold(j, 0);
+  holds.release();
   if (!job) reject(503, "queue_full", refused + "; retry later");
   std::string error;
   switch (c.batcher.wait(*job, x.deadline, error)) {

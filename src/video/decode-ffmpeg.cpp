@@ -38,12 +38,14 @@ constexpr int64_t kMaxTotalFrames = int64_t(1) << 22;  // whatever the frame rat
 // FFmpeg's own log lines are kept, not printed: the last error-level line of this thread goes into
 // the error message.
 thread_local std::string last_log;
+thread_local bool over_max_pixels = false;  // FFmpeg refused a frame over max_pixels ("Picture size ... is invalid")
 void log_callback(void*, int level, const char* format, va_list args) {
   if (level > AV_LOG_ERROR) return;
   char line[256];
   std::vsnprintf(line, sizeof line, format, args);
   last_log = line;
   while (!last_log.empty() && (last_log.back() == '\n' || last_log.back() == ' ')) last_log.pop_back();
+  if (last_log.starts_with("Picture size")) over_max_pixels = true;
 }
 void init_ffmpeg() {
   static std::once_flag once;
@@ -303,11 +305,6 @@ struct FramePool {
   int refused_width = 0, refused_height = 0;
 };
 
-bool counted_codec(AVCodecID id) {
-  return id == AV_CODEC_ID_H264 || id == AV_CODEC_ID_HEVC || id == AV_CODEC_ID_VP8 || id == AV_CODEC_ID_VP9 ||
-         id == AV_CODEC_ID_MJPEG;
-}
-
 struct Held {  // one frame's buffer as handed out: the pool's own buffer and its bytes
   FramePool* pool;
   AVBufferRef* buf;
@@ -401,11 +398,14 @@ class Decoder {
     pool_.height = info_.height;
     pool_.capacity = pool_bytes;
     ctx_->opaque = &pool_;
-    // The frame pool is counted for the codecs that hold many or large frames. The MPEG-1/2/4 and
-    // H.263 decoders refuse a custom allocator for small frames (a 2x2 clip fails), so they keep
-    // FFmpeg's: they hold a few frames, each bounded by max_pixels below like every codec's.
-    if (counted_codec(par->codec_id)) ctx_->get_buffer2 = get_frame_buffer;  // decoders without their own allocator (libdav1d) keep theirs
+    // The frame pool is counted wherever the decoder takes its frames from get_buffer2 (every
+    // whitelisted codec but libdav1d, which keeps its own pool: bounded by max_pixels alone). Those
+    // counted refuse a frame of another size than the header's themselves, before FFmpeg's pixel
+    // check (which has the less clear message) would; the others keep that check at the pixel limit.
+    if (codec->capabilities & AV_CODEC_CAP_DR1) ctx_->get_buffer2 = get_frame_buffer;
     ctx_->max_pixels = max_pixels;
+    max_pixels_ = max_pixels;
+    over_max_pixels = false;
     ctx_->thread_count = std::max(1, threads);
     ctx_->pkt_timebase = clip.packets->time_base;
     ctx_->codec_whitelist = av_strdup(kCodecs);
@@ -427,6 +427,9 @@ class Decoder {
       fail("video '{}': its decoder holds more than {} bytes of frames ({} threads and {} reference frames of {}x{}); "
            "the stream keeps more frames than its codec allows", name, pool_.capacity, ctx_->thread_count, kDecoderHeldFrames,
            info_.width, info_.height);
+    if (over_max_pixels)  // FFmpeg's own check of max_pixels, before it allocated the frame
+      fail("video '{}': its stream holds frames larger than the limit of {} pixels (--max-image-pixels), though its "
+           "header says {}x{}", name, max_pixels_, info_.width, info_.height);
     fail("video '{}': corrupt {} video near frame {}: {}", name, info_.codec, at, av_error(e));
   }
   const ClipInfo& info_;
@@ -435,6 +438,7 @@ class Decoder {
   SwsContext* sws_ = nullptr;
   std::vector<uint8_t> rows_;  // RGB rows with room to spare, for widths libswscale cannot pack
   FramePool pool_;
+  int64_t max_pixels_ = 0;
 };
 
 image::Rgb8 Decoder::rgb(const AVFrame* f, int64_t at) {
