@@ -2,11 +2,13 @@
 // decoders behind fovea's whitelist, memory reader and limits): any bytes give a clip or a
 // fovea::Error naming it, never a crash, a hang or an unbounded allocation. Seeds: fuzz/corpus/video/
 // (tiny H.264/MP4, VP9/WebM, MPEG-4/AVI clips, and a 34x18 H.264 one: widths libswscale converts
-// only into padded rows); small limits keep every run fast.
+// only into padded rows; the hostile and honest clips of tests/hostile/clips.py: sample-table bombs,
+// frame-size lies, one clip per container).
 #include <cstdlib>
 #include <string>
 
 #include "fovea/error.h"
+#include "fovea/threads.h"
 #include "fovea/video.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
@@ -15,11 +17,14 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   cfg.min_pixels = 4096;
   cfg.max_pixels = 65536;
   cfg.max_frames = 8;
+  // Sample tables up to the real limits (the default --max-video-seconds; the index is bounded by
+  // kMaxIndexEntries whatever the length) and frames up to 4 MP, decoded on one thread: the frame
+  // pool (19 frames) stays within the fuzzer's memory limit.
   video::VideoLimits lim;
-  lim.max_frame_pixels = int64_t(1) << 18;
-  lim.max_seconds = 60;
-  lim.max_bytes_in_flight = int64_t(64) << 20;
+  lim.max_frame_pixels = int64_t(1) << 22;
+  lim.max_bytes_in_flight = int64_t(256) << 20;
   lim.deadline_seconds = 5;
+  ThreadCap one(1);
   try {
     const video::Clip c = video::decode_clip({data, size}, "fuzz", cfg, lim);
     const auto& g = c.patches.grid;

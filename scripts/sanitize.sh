@@ -2,15 +2,16 @@
 # The sanitizer stage of the test command (scripts/test.sh runs it after the normal tests): one clang
 # build of the CPU parts with ASan + UBSan and libFuzzer coverage (build-san), the CPU tests under the
 # sanitizers, then every fuzz harness for a bounded time (scripts/fuzz.sh).
-#   scripts/sanitize.sh                  FOVEA_FUZZ_SECONDS per harness (default 60), 2 at a time
+#   scripts/sanitize.sh                  FOVEA_FUZZ_SECONDS per harness (default 50), 2 at a time
 #   FOVEA_FUZZ_SECONDS=0 scripts/sanitize.sh     build and tests only
 # Measured on 2 cores (2026-12-01, CPU time / 2 where other work shared the machine): build 11 min
-# (20 CPU-min), CPU tests 2.5 min, fuzzing 7 min (14 harnesses x 60 s, 2 at a time).
+# (20 CPU-min), CPU tests 2.5 min, fuzzing 7 min (14 harnesses x 60 s, 2 at a time; 16 harnesses x
+# 50 s since 2026-12-04, the same 7 min).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh  # clang, libclang-rt-14-dev (the sanitizer and libFuzzer runtimes), llvm-14 (symbolizer)
 build=${FOVEA_SAN_BUILD:-build-san}
-seconds=${FOVEA_FUZZ_SECONDS:-60}
+seconds=${FOVEA_FUZZ_SECONDS:-50}
 
 # -O2 with line tables: symbolized reports at near-release speed; no NDEBUG, so asserts stay on.
 cmake -S . -B "$build" -G Ninja -DCMAKE_CXX_COMPILER=clang++ -DCMAKE_BUILD_TYPE=RelWithDebInfo \

@@ -1,11 +1,13 @@
 // Tests of the fovea command (docs/architecture.md §Engine configuration): scales inspect, info with the engine flags and their
 // option errors (docs/fp8.md §Engine options), and bench attention on the CPU. Runs the built binary (FOVEA_BIN).
+#include <sys/stat.h>
 #include <sys/wait.h>
 
 #include "image-encode.h"
 
 #include <algorithm>
 #include <array>
+#include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
@@ -66,6 +68,18 @@ class Cli : public ::testing::Test {
   Result run(const std::string& args) const {
     const fs::path out = io / "stdout", err = io / "stderr";
     const std::string cmd = std::string("'") + FOVEA_BIN + "' " + args + " >'" + out.string() + "' 2>'" + err.string() + "'";
+    const int status = std::system(cmd.c_str());
+    Result r;
+    r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+    r.out = slurp(out);
+    r.err = slurp(err);
+    return r;
+  }
+  // `timeout SECONDS fovea ARGS`: a command that hangs exits 124 instead.
+  Result run_within(int seconds, const std::string& args) const {
+    const fs::path out = io / "stdout", err = io / "stderr";
+    const std::string cmd = "timeout " + std::to_string(seconds) + " '" + FOVEA_BIN + "' " + args + " >'" + out.string() +
+                            "' 2>'" + err.string() + "'";
     const int status = std::system(cmd.c_str());
     Result r;
     r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
@@ -705,6 +719,29 @@ TEST_F(Cli, EncodeFillsTheEncoderCacheWithClips) {
       wrong += std::memcmp(v + row * O * int64_t(parts.size()) + int64_t(p) * O,
                            reinterpret_cast<const uint16_t*>(parts[p]->data) + row * O, size_t(O) * 2) != 0;
   EXPECT_EQ(wrong, 0);
+}
+
+// A FIFO or a device given as an input is refused at once on every path of `fovea encode` (-o, and
+// the encoder cache with each key from the file name, which reads nothing before preparing): a
+// blocking open of a FIFO waits for a writer forever, /dev/zero never ends. `timeout 10` makes a
+// regression fail instead of hanging.
+TEST_F(Cli, EncodeRefusesFifosAndDevicesAtOnce) {
+  const std::string fifo = file("clip.mp4");
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  for (const std::string& input : {fifo, std::string("/dev/zero")}) {
+    for (const std::string& out : {" -o " + q(file("out.safetensors")),
+                                   " --ec-storage-path " + q(file("cache")) + " --uuid-from filename"}) {
+      SCOPED_TRACE(input + out);
+      const auto t0 = std::chrono::steady_clock::now();
+      const Result r = run_within(10, "encode synthetic:tiny --device cpu " + q(input) + out);
+      const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      EXPECT_NE(r.code, 0);
+      EXPECT_NE(r.code, 124) << "timed out";
+      EXPECT_HAS(r.err, "'" + input + "': is not a regular file");
+      EXPECT_LT(s, 5.0 * fovea::test::kTimeScale);
+    }
+  }
+  EXPECT_FALSE(fs::exists(file("out.safetensors")));
 }
 
 }  // namespace

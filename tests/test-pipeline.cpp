@@ -1,8 +1,13 @@
 // Tests of the pipeline every command and the server share (fovea/pipeline.h): inputs prepared
 // from their bytes with errors kept per input, packing into forwards, splitting, the per-input
 // tensors, and the CPU encoder run on a packed batch against the same inputs run one by one.
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <atomic>
 #include <chrono>
+#include <cstdlib>
 #include <mutex>
 #include <set>
 #include <thread>
@@ -110,6 +115,67 @@ TEST(Pipeline, PrepareInputsKeepsEachInputsErrorAndMatchesPreprocess) {
   EXPECT_EQ(input_kind(files[0]), InputKind::IMAGE);
   EXPECT_EQ(input_kind(files[clip]), InputKind::VIDEO);
   EXPECT_STREQ(input_kind_name(InputKind::VIDEO), "video");
+}
+
+#if FOVEA_HAVE_VIDEO
+// Every clip's error names the clip, the plan's too (sampling and smart_resize say nothing of the
+// clip themselves): a clip of one frame (fewer than the temporal patch) and one of 4000x16 (an aspect
+// ratio over 200:1), through prepare_inputs and probe_input.
+TEST(Pipeline, EveryClipErrorNamesItsClip) {
+  TempDir dir;
+  const auto make = [&](const std::string& name, const std::string& size, const std::string& args) {
+    const std::string path = dir.file(name);
+    const std::string cmd = "ffmpeg -v error -y -f lavfi -i testsrc2=size=" + size + ":rate=10:duration=1 " + args +
+                            " -c:v libx264 -pix_fmt yuv420p -preset ultrafast '" + path + "'";
+    EXPECT_EQ(std::system(cmd.c_str()), 0) << "the ffmpeg command line (Debian package ffmpeg) is needed: " << cmd;
+    const std::string s = slurp(path);
+    return std::vector<uint8_t>(s.begin(), s.end());
+  };
+  const std::vector<std::vector<uint8_t>> files = {make("one-frame.mp4", "64x48", "-frames:v 1"),
+                                                   make("thin.mp4", "4000x16", "-frames:v 2")};
+  ASSERT_FALSE(files[0].empty());
+  ASSERT_FALSE(files[1].empty());
+  InputConfig cfg = load_input_config("synthetic:tiny");
+  cfg.limits.max_frame_pixels = int64_t(1) << 26;  // past the pixel check: the plan refuses it
+  const std::vector<std::string> names = {"one-frame.mp4", "thin.mp4"};
+  const std::vector<PreparedInput> p = prepare_inputs(names, [&](size_t i) { return files[i]; }, cfg);
+  ASSERT_EQ(p.size(), 2u);
+  for (size_t i = 0; i < 2; ++i) {
+    SCOPED_TRACE(names[i]);
+    EXPECT_EQ(p[i].kind, InputKind::VIDEO);
+    ASSERT_TRUE(p[i].error);
+    EXPECT_EQ(p[i].error_message().rfind("video '" + names[i] + "': ", 0), 0u) << p[i].error_message();
+    const std::string probed = error_of([&] { probe_input(files[i], names[i], cfg); });
+    EXPECT_EQ(probed.rfind("video '" + names[i] + "': ", 0), 0u) << probed;
+  }
+  EXPECT_HAS(p[0].error_message(), "temporal_patch_size");
+  EXPECT_HAS(p[1].error_message(), "aspect ratio");
+}
+#endif
+
+// file_input_kind opens without blocking: a FIFO (a blocking open waits for a writer forever) and a
+// device are refused at once. On a build that blocks, a writer comes after 3 s, so the test fails
+// instead of hanging.
+TEST(Pipeline, FileInputKindRefusesFifosAndDevicesAtOnce) {
+  TempDir dir;
+  const std::string fifo = dir.file("clip.mp4");
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  std::atomic<bool> returned{false};
+  std::thread writer([&] {
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(3);
+    while (!returned && std::chrono::steady_clock::now() < until) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    if (returned) return;
+    const int fd = ::open(fifo.c_str(), O_WRONLY | O_NONBLOCK);  // a blocked reader is there: this opens
+    if (fd >= 0) ::close(fd);
+  });
+  const auto t0 = std::chrono::steady_clock::now();
+  const std::string msg = error_of([&] { file_input_kind(fifo); });
+  returned = true;
+  writer.join();
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 1.0 * kTimeScale);
+  EXPECT_HAS(msg, "'" + fifo + "': is not a regular file (a FIFO)");
+  EXPECT_HAS(error_of([] { file_input_kind("/dev/zero"); }), "'/dev/zero': is not a regular file (a device)");
+  EXPECT_HAS(error_of([&] { read_input(fifo, load_input_config("synthetic:tiny")); }), "is not a regular file");
 }
 
 // Forwards of at most N tokens, in order, never splitting an input; one larger than N runs alone.

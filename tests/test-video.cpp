@@ -553,3 +553,431 @@ TEST(VideoGolden, DecodedClipsGiveTransformersGrids) {
 }
 
 #endif
+
+// ---- issue 28: hostile containers, frame-size lies, one deadline --------------------------------
+
+namespace {
+
+// A tiny ISO BMFF writer: boxes, full boxes, and an MP4 of one video track whose sample tables are
+// given (src/video/mp4-tables.cpp reads moov/trak/mdia/hdlr/minf/stbl, edts/elst, moof/traf/trun).
+namespace mp4 {
+std::string u32(uint32_t v) {
+  const char b[4] = {char(v >> 24), char(v >> 16), char(v >> 8), char(v)};
+  return {b, 4};
+}
+std::string u64(uint64_t v) { return u32(uint32_t(v >> 32)) + u32(uint32_t(v)); }
+std::string box(const char* type, const std::string& body) { return u32(uint32_t(8 + body.size())) + std::string(type, 4) + body; }
+std::string full(const char* type, uint32_t version_flags, const std::string& body) { return box(type, u32(version_flags) + body); }
+std::string ftyp() { return box("ftyp", "isom" + u32(512) + "isomiso2mp41"); }
+std::string hdlr(const char* handler) { return full("hdlr", 0, u32(0) + std::string(handler, 4) + std::string(13, '\0')); }
+std::string stts(uint32_t samples) { return full("stts", 0, u32(1) + u32(samples) + u32(512)); }
+std::string stsc() { return full("stsc", 0, u32(1) + u32(1) + u32(1) + u32(1)); }
+std::string stsz(uint32_t size, uint32_t count) { return full("stsz", 0, u32(size) + u32(count)); }  // one size: no entries
+std::string stco(uint32_t offset) { return full("stco", 0, u32(1) + u32(offset)); }
+// An edit list of `edits` entries (version 0: 12 bytes each), each over the whole track.
+std::string edts(uint32_t edits) {
+  std::string e = u32(edits);
+  for (uint32_t i = 0; i < edits; ++i) e += u32(1000) + u32(0) + u32(0x00010000);
+  return box("edts", full("elst", 0, e));
+}
+std::string track(const std::string& tables, const std::string& edits = "") {
+  return box("trak", edits + box("mdia", hdlr("vide") + box("minf", box("stbl", tables))));
+}
+// ftyp, a moov of one video track with these tables (and edits), then `after` (moof, mdat, free...).
+std::string file(const std::string& tables, const std::string& edits = "", const std::string& after = "") {
+  return ftyp() + box("moov", track(tables, edits)) + after;
+}
+std::string honest_tables(uint32_t samples) { return stts(samples) + stsc() + stsz(1, samples) + stco(0); }
+// A fragment: moof (mfhd, traf (tfhd, then `traf_tail`)).
+std::string moof(const std::string& traf_tail) {
+  return box("moof", full("mfhd", 0, u32(1)) + box("traf", full("tfhd", 0x020000, u32(1)) + traf_tail));
+}
+// A trun of `count` samples: flags 0x000001 (a data offset, nothing per sample).
+std::string trun(uint32_t count) { return full("trun", 0x000001, u32(count) + u32(0)); }
+std::string padding(const char* type, size_t n) { return box(type, std::string(n, '\0')); }
+}  // namespace mp4
+
+// What container_cost throws for these bytes, checked to be what decode_clip and probe_clip throw
+// too, before FFmpeg opens the file (at once).
+std::string refused_tables(const std::string& bytes, const std::string& name) {
+  const std::string msg = error_of([&] { container_cost(span_of(bytes), name); });
+  EXPECT_EQ(msg.rfind("video '" + name + "': ", 0), 0u) << msg;
+#if FOVEA_HAVE_VIDEO
+  const auto t0 = Clock::now();
+  EXPECT_EQ(error_of([&] { decode_clip(span_of(bytes), name, VideoConfig{}); }), msg);
+  EXPECT_EQ(error_of([&] { probe_clip(span_of(bytes), name); }), msg);
+  EXPECT_LT(seconds_since(t0), 0.5 * kTimeScale);
+#endif
+  return msg;
+}
+
+// The ffmpeg command line's clip of testsrc2 (size "WxH", rate, seconds) encoded with `args`, written
+// into dir as `name`: its bytes ("" and a test failure if ffmpeg failed).
+std::string ffmpeg_clip(const std::filesystem::path& dir, const std::string& name, const std::string& size, double rate,
+                        double seconds, const std::string& args) {
+  const std::string path = (dir / name).string();
+  const std::string cmd = fmt::format("ffmpeg -v error -y -f lavfi -i testsrc2=size={}:rate={}:duration={} {} '{}'", size,
+                                      rate, seconds, args, path);
+  EXPECT_EQ(std::system(cmd.c_str()), 0) << "the ffmpeg command line (Debian package ffmpeg) is needed: " << cmd;
+  return slurp(path);
+}
+
+constexpr const char* kX264 = "-c:v libx264 -pix_fmt yuv420p";
+
+// The body of the first box of this type in a file (found by its type's bytes; tiny ffmpeg clips
+// hold no such text elsewhere), or npos.
+size_t body_of(const std::string& bytes, const char* type) {
+  const size_t at = bytes.find(std::string(type, 4));
+  return at == std::string::npos || at < 4 ? std::string::npos : at + 4;
+}
+void put32(std::string& bytes, size_t at, uint32_t v) { bytes.replace(at, 4, mp4::u32(v)); }
+
+}  // namespace
+
+// Honest synthetic tables give their index: a sample each, copied once per edit.
+TEST(VideoMp4Tables, HonestSyntheticTablesGiveTheirIndex) {
+  const ContainerCost plain = container_cost(span_of(mp4::file(mp4::honest_tables(100), "", mp4::padding("mdat", 100))), "a.mp4");
+  EXPECT_EQ(plain.index_entries, 100);
+  EXPECT_GE(plain.open_bytes, 100 * kIndexEntryBytes + kContainerBaseBytes);
+  const ContainerCost edited =
+      container_cost(span_of(mp4::file(mp4::honest_tables(100), mp4::edts(3), mp4::padding("mdat", 100))), "b.mp4");
+  EXPECT_EQ(edited.index_entries, 300);
+  // Fragments: the moov's empty tables, then runs of 10 and 5 samples.
+  const std::string frag = mp4::file(mp4::honest_tables(0), "", mp4::moof(mp4::trun(10)) + mp4::moof(mp4::trun(5)) +
+                                                                   mp4::padding("mdat", 64));
+  EXPECT_EQ(container_cost(span_of(frag), "frag.mp4").index_entries, 15);
+  // 16 boxes deep is allowed.
+  std::string deep = mp4::padding("free", 4);
+  for (int i = 0; i < 16; ++i) deep = mp4::box("moov", deep);
+  EXPECT_NO_THROW(container_cost(span_of(mp4::ftyp() + deep), "deep16.mp4"));
+  // Not ISO BMFF: nothing walked, the base cost only.
+  const std::string webm = clip_bytes("vp9.webm");
+  const ContainerCost w = container_cost(span_of(webm), "vp9.webm");
+  EXPECT_EQ(w.index_entries, 0);
+  EXPECT_EQ(w.open_bytes, 2 * int64_t(webm.size()) + kContainerBaseBytes);
+}
+
+// Sample-table bombs and broken boxes, built box by box: refused before FFmpeg sees them, by a
+// message naming the clip and the box.
+TEST(VideoMp4Tables, SyntheticBombsAreRefusedNamingTheBox) {
+  using namespace mp4;
+  // stsz: one size of 1 byte, 80 million samples, in a file of about 1 KB.
+  EXPECT_HAS(refused_tables(file(stts(1) + stsc() + stsz(1, 80'000'000) + stco(0), "", padding("free", 1000)), "stsz.mp4"),
+             "stsz box lists 80000000 samples of 1 bytes in a file of");
+  // 2000 edits over 10,000 one-byte samples (the file holds them): 20 million index entries.
+  EXPECT_HAS(refused_tables(file(honest_tables(10'000), edts(2000), padding("free", 16'000)), "elst.mp4"),
+             "video 'elst.mp4': its sample tables describe 20000000 samples");
+  // A fragment's run with no per-sample fields claiming 80 million samples.
+  EXPECT_HAS(refused_tables(file(honest_tables(0), "", moof(trun(80'000'000)) + padding("mdat", 64)), "trun.mp4"),
+             "trun box lists 80000000 samples in a file of");
+  // Per-sample fields (a duration each: flags 0x100) that the box cannot hold.
+  EXPECT_HAS(refused_tables(file(honest_tables(0), "", moof(full("trun", 0x000101, u32(1000) + u32(0) + u32(1))) +
+                                                         padding("mdat", 4096)), "trun2.mp4"),
+             "trun box lists 1000 samples of 4 bytes in");
+  // A chunk table of 500 million entries in 12 bytes.
+  EXPECT_HAS(refused_tables(file(stts(1) + stsc() + stsz(1, 1) + full("stco", 0, u32(500'000'000) + u32(0)), "",
+                                 padding("free", 100)), "stco.mp4"),
+             "stco box lists 500000000 entries of 4 bytes in 12 bytes");
+  // 17 boxes deep.
+  std::string deep = padding("free", 4);
+  for (int i = 0; i < 17; ++i) deep = box("moov", deep);
+  EXPECT_HAS(refused_tables(ftyp() + deep, "deep.mp4"), "boxes nested deeper than 16");
+  // A box smaller than its own header: 32-bit size 4, and a 64-bit size 12 (its header is 16).
+  EXPECT_HAS(refused_tables(ftyp() + u32(4) + "moov" + std::string(64, '\0'), "small.mp4"), "moov box smaller than its header");
+  EXPECT_HAS(refused_tables(ftyp() + u32(1) + "moov" + u64(12) + std::string(64, '\0'), "small64.mp4"),
+             "moov box smaller than its header");
+  // Inside the sample table too.
+  EXPECT_HAS(refused_tables(file(stts(1) + u32(6) + "stsz" + std::string(32, '\0')), "small-stsz.mp4"),
+             "stsz box smaller than its header");
+  // Counts that would wrap 64 bits: 2^20 runs of 2^24 samples each (each within the file's bytes) and
+  // one more, under 2^20 edits: (2^44 + 1) x 2^20 = 2^64 + 2^20, which wrapped to 2^20 and passed.
+  std::string runs;
+  for (int i = 0; i < (1 << 20); ++i) runs += trun(1u << 24);
+  runs += trun(1);
+  EXPECT_HAS(refused_tables(file(honest_tables(0), edts(1u << 20), moof(runs) + padding("mdat", 16)), "wrap.mp4"),
+             "video 'wrap.mp4': its sample tables describe 4611686018427387904 samples");
+  // Encrypted: a fragment's sample encryption box.
+  EXPECT_HAS(refused_tables(file(honest_tables(0), "", moof(trun(1) + full("senc", 0, u32(0))) + padding("mdat", 16)),
+                            "senc.mp4"),
+             "an encrypted MP4 (senc box)");
+}
+
+#if FOVEA_HAVE_VIDEO
+
+// The same bombs made by editing real ffmpeg-made MP4s in place (as tests/hostile/clips.py does).
+TEST(VideoMp4Tables, EditedFfmpegClipsAreRefusedNamingTheBox) {
+  TempDir dir;
+  const std::string plain = ffmpeg_clip(dir.path, "plain.mp4", "32x32", 10, 1, kX264);
+  const std::string frag =
+      ffmpeg_clip(dir.path, "frag.mp4", "32x32", 10, 1, std::string(kX264) + " -movflags frag_keyframe+empty_moov+default_base_moof");
+  ASSERT_FALSE(plain.empty());
+  ASSERT_FALSE(frag.empty());
+  EXPECT_EQ(container_cost(span_of(plain), "plain.mp4").index_entries, 10);
+  EXPECT_GE(container_cost(span_of(frag), "frag.mp4").index_entries, 10);
+
+  std::string stsz = plain;
+  const size_t z = body_of(stsz, "stsz");
+  ASSERT_NE(z, std::string::npos);
+  put32(stsz, z + 4, 1);            // one size for every sample: 1 byte
+  put32(stsz, z + 8, 80'000'000);  // and 80 million of them
+  EXPECT_HAS(refused_tables(stsz, "stsz-bomb.mp4"),
+             fmt::format("stsz box lists 80000000 samples of 1 bytes in a file of {}", stsz.size()));
+
+  std::string stco = plain;
+  const size_t c = body_of(stco, "stco");
+  ASSERT_NE(c, std::string::npos);
+  put32(stco, c + 4, 500'000'000);
+  EXPECT_HAS(refused_tables(stco, "stco-overrun.mp4"), "stco box lists 500000000 entries of 4 bytes in");
+
+  std::string trun = frag;
+  const size_t t = body_of(trun, "trun");
+  ASSERT_NE(t, std::string::npos);
+  ASSERT_TRUE(uint8_t(trun[t + 3]) & 1) << "ffmpeg's trun has a data offset";
+  put32(trun, t, 0x000001);          // no per-sample fields
+  put32(trun, t + 4, 80'000'000);    // the count; the data offset stays where it was
+  EXPECT_HAS(refused_tables(trun, "trun-bomb.mp4"), fmt::format("trun box lists 80000000 samples in a file of {} bytes", trun.size()));
+}
+
+// Honest files: the committed clips and ffmpeg's MP4, MOV and fragmented MP4 are opened as before,
+// their index a sample each.
+TEST(VideoMp4Tables, RealClipsAreAcceptedWithTheirFrameCount) {
+  for (const char* f : {"h264.mp4", "bt709.mp4", "pts-swapped.mp4", "vp9.webm"}) {
+    SCOPED_TRACE(f);
+    const std::string bytes = clip_bytes(f);
+    const ContainerCost cost = container_cost(span_of(bytes), f);
+    const ClipInfo info = probe_clip(span_of(bytes), f);
+    EXPECT_EQ(cost.index_entries, std::string_view(f).ends_with(".mp4") ? info.frames : 0);  // WebM has no sample tables
+    EXPECT_GT(cost.open_bytes, 0);
+  }
+  TempDir dir;
+  const struct {
+    const char* name;
+    std::string args;
+    bool fragmented;
+  } made[] = {{"made.mp4", kX264, false},
+              {"made.mov", kX264, false},
+              {"frag.mp4", std::string(kX264) + " -movflags frag_keyframe+empty_moov+default_base_moof", true}};
+  for (const auto& m : made) {
+    SCOPED_TRACE(m.name);
+    const std::string bytes = ffmpeg_clip(dir.path, m.name, "64x48", 10, 1, m.args);
+    ASSERT_FALSE(bytes.empty());
+    ContainerCost cost;
+    EXPECT_NO_THROW(cost = container_cost(span_of(bytes), m.name));
+    const ClipInfo info = probe_clip(span_of(bytes), m.name);
+    EXPECT_EQ(info.frames, 10);
+    if (m.fragmented) {
+      EXPECT_GE(cost.index_entries, info.frames);
+    } else {
+      EXPECT_EQ(cost.index_entries, info.frames);
+    }
+    EXPECT_GT(cost.open_bytes, 0);
+  }
+}
+
+// One clip per container fovea reads, 10 frames of 64x48: each decodes, its grid the plan's. FLV
+// creates its streams as packets come: it used to fail with "has no video stream".
+struct ContainerCase {
+  const char* ext;
+  const char* args;
+  const char* container;  // a part of FFmpeg's demuxer name
+  const char* codec;
+};
+class VideoContainers : public ::testing::TestWithParam<ContainerCase> {};
+
+TEST_P(VideoContainers, TenFramesDecodeToThePlannedGrid) {
+  const ContainerCase& c = GetParam();
+  struct Scratch {  // TempDir would name it by the suite, whose name has a '/'
+    std::filesystem::path path;
+    explicit Scratch(const std::string& ext) : path(std::filesystem::path(FOVEA_TEST_TMP) / ("test-video.container-" + ext)) {
+      std::filesystem::remove_all(path);
+      std::filesystem::create_directories(path);
+    }
+    ~Scratch() {
+      std::error_code ec;
+      std::filesystem::remove_all(path, ec);
+    }
+  } dir(c.ext);
+  const std::string name = std::string("clip.") + c.ext;
+  const std::string bytes = ffmpeg_clip(dir.path, name, "64x48", 10, 1, c.args);
+  ASSERT_FALSE(bytes.empty());
+  EXPECT_TRUE(looks_like_video(span_of(bytes)));
+  const VideoConfig cfg;
+  const ClipInfo info = probe_clip(span_of(bytes), name);
+  EXPECT_EQ(info.frames, 10);
+  EXPECT_EQ(info.width, 64);
+  EXPECT_EQ(info.height, 48);
+  EXPECT_NEAR(info.fps, 10, 0.01);
+  EXPECT_HAS(info.container, c.container);
+  EXPECT_EQ(info.codec, c.codec);
+  const ClipPlan plan = plan_clip(info, cfg);
+  Clip clip;
+  ASSERT_NO_THROW(clip = decode_clip(span_of(bytes), name, cfg));
+  EXPECT_EQ(clip.info.frames, 10);
+  EXPECT_EQ(clip.indices, plan.indices);
+  EXPECT_EQ(clip.indices, (std::vector<int64_t>{0, 3, 6, 9}));  // 1 s at 2 fps: min_frames 4
+  EXPECT_EQ(clip.patches.grid, plan.grid);
+  EXPECT_EQ(clip.patches.grid, (qwen3vl::GridThw{2, plan.height / 16, plan.width / 16}));
+  EXPECT_EQ(clip.patches.pixels.size(), size_t(plan.grid[0]) * plan.grid[1] * plan.grid[2] * 1536);
+}
+
+// Ogg at -q:v 10: at libtheora's -q:v 5 one of these frames is coded as an empty packet (a repeat),
+// which the Ogg demuxer never returns: 9 packets, and the rate taken from their span (8.9 fps).
+INSTANTIATE_TEST_SUITE_P(
+    EveryContainer, VideoContainers,
+    ::testing::Values(ContainerCase{"mp4", "-c:v libx264 -pix_fmt yuv420p", "mp4", "h264"},
+                      ContainerCase{"mov", "-c:v libx264 -pix_fmt yuv420p", "mov", "h264"},
+                      ContainerCase{"mkv", "-c:v libx264 -pix_fmt yuv420p", "matroska", "h264"},
+                      ContainerCase{"webm", "-c:v libvpx-vp9 -b:v 200k", "webm", "vp9"},
+                      ContainerCase{"avi", "-c:v mpeg4 -q:v 4", "avi", "mpeg4"},
+                      ContainerCase{"ts", "-c:v libx264 -pix_fmt yuv420p", "mpegts", "h264"},
+                      ContainerCase{"flv", "-c:v libx264 -pix_fmt yuv420p", "flv", "h264"},
+                      ContainerCase{"ogg", "-c:v libtheora -q:v 10", "ogg", "theora"}),
+    [](const ::testing::TestParamInfo<ContainerCase>& i) { return std::string(i.param.ext); });
+
+// A Matroska header saying 16x16 over 512x512 H.264 frames: the decoder's frame is refused before
+// it is allocated, naming both sizes.
+TEST(VideoSizeLies, MatroskaHeaderSmallerThanItsFrames) {
+  TempDir dir;
+  std::string bytes = ffmpeg_clip(dir.path, "lie.mkv", "512x512", 10, 0.2, std::string(kX264) + " -preset ultrafast");
+  ASSERT_FALSE(bytes.empty());
+  for (const char* element : {"\xB0\x82", "\xBA\x82"}) {  // PixelWidth, PixelHeight: 2-byte unsigned 512
+    const size_t at = bytes.find(std::string(element, 2) + std::string("\x02\x00", 2));
+    ASSERT_NE(at, std::string::npos);
+    bytes.replace(at + 2, 2, std::string("\x00\x10", 2));
+  }
+  const ClipInfo info = probe_clip(span_of(bytes), "lie.mkv");
+  EXPECT_EQ(info.width, 16);
+  EXPECT_EQ(info.height, 16);
+  const std::string msg = error_of([&] { decode_clip(span_of(bytes), "lie.mkv", VideoConfig{}); });
+  EXPECT_HAS(msg, "video 'lie.mkv': a frame of 512x512 where the stream said 16x16");
+}
+
+// An MPEG-TS whose stream grows from 64x48 to 256x256 (two files end to end): refused at the first
+// frame of the new size, before it is allocated.
+TEST(VideoSizeLies, TransportStreamThatGrowsMidway) {
+  TempDir dir;
+  const std::string small = ffmpeg_clip(dir.path, "small.ts", "64x48", 10, 1, kX264);
+  const std::string large = ffmpeg_clip(dir.path, "large.ts", "256x256", 10, 0.3, std::string(kX264) + " -preset ultrafast");
+  ASSERT_FALSE(small.empty());
+  ASSERT_FALSE(large.empty());
+  const std::string bytes = small + large;
+  const ClipInfo info = probe_clip(span_of(bytes), "grows.ts");
+  EXPECT_EQ(info.width, 64);
+  EXPECT_EQ(info.height, 48);
+  VideoConfig every;
+  every.sample_frames = false;  // the large frames are sampled too
+  const std::string msg = error_of([&] { decode_clip(span_of(bytes), "grows.ts", every); });
+  EXPECT_HAS(msg, "video 'grows.ts': a frame of 256x256 where the stream said 64x48 (a size change mid-stream is not supported)");
+}
+
+// An AVI whose avih and strf say 16x16 over a 512x512 MJPEG frame, under a pixel limit of 100,000:
+// refused before the frame is allocated, by the frame pool or by FFmpeg's own pixel check.
+TEST(VideoSizeLies, AviHeaderSmallerThanItsMjpegFrame) {
+  TempDir dir;
+  std::string bytes = ffmpeg_clip(dir.path, "lie.avi", "512x512", 10, 0.2, "-c:v mjpeg -q:v 31");
+  ASSERT_FALSE(bytes.empty());
+  const size_t avih = bytes.find("avih"), strf = bytes.find("strf");
+  ASSERT_NE(avih, std::string::npos);
+  ASSERT_NE(strf, std::string::npos);
+  const std::string le16x16("\x10\0\0\0\x10\0\0\0", 8);
+  bytes.replace(avih + 8 + 32, 8, le16x16);  // dwWidth, dwHeight
+  bytes.replace(strf + 8 + 4, 8, le16x16);   // biWidth, biHeight
+  VideoLimits limits;
+  limits.max_frame_pixels = 100'000;
+  const ClipInfo info = probe_clip(span_of(bytes), "lie.avi", limits);
+  EXPECT_EQ(info.width, 16);
+  EXPECT_EQ(info.height, 16);
+  const std::string msg = error_of([&] { decode_clip(span_of(bytes), "lie.avi", VideoConfig{}, limits); });
+  EXPECT_HAS(msg, "video 'lie.avi': ");
+  EXPECT_TRUE(msg.find("a frame of 512x512 where the stream said 16x16") != std::string::npos ||
+              msg.find("larger than the limit of 100000 pixels") != std::string::npos)
+      << msg;
+}
+
+// Matroska without DefaultDuration: the frame rate comes from the packets' timestamps (it was 24,
+// transformers' fallback, and the clip 7.5 s long).
+TEST(VideoFrameRate, MatroskaWithoutDefaultDurationKeepsItsRate) {
+  TempDir dir;
+  std::string bytes = ffmpeg_clip(dir.path, "60fps.mkv", "64x48", 60, 3, kX264);
+  ASSERT_FALSE(bytes.empty());
+  const size_t at = bytes.find(std::string("\x23\xE3\x83", 3));  // DefaultDuration
+  ASSERT_NE(at, std::string::npos);
+  ASSERT_TRUE(uint8_t(bytes[at + 3]) & 0x80) << "a 1-byte size";
+  const size_t n = uint8_t(bytes[at + 3]) & 0x7F;
+  // An EBML Void of the same length: ID 0xEC, 1-byte size n + 2.
+  bytes.replace(at, 4 + n, std::string(1, '\xEC') + char(0x80 | (n + 2)) + std::string(n + 2, '\0'));
+  ASSERT_EQ(bytes.find(std::string("\x23\xE3\x83", 3)), std::string::npos);
+  const ClipInfo info = probe_clip(span_of(bytes), "60fps.mkv");
+  EXPECT_EQ(info.frames, 180);
+  EXPECT_NEAR(info.fps, 60, 0.5);
+  EXPECT_NEAR(info.seconds, 3, 0.05);
+}
+
+// --max-video-seconds: a clip exactly as long as the limit is accepted; one frame more is not.
+TEST(VideoMaxSeconds, AClipOneFrameOverTheLimitIsRefused) {
+  const std::string bytes = clip_bytes("h264.mp4");  // 36 frames at 12 fps
+  VideoLimits exact;
+  exact.max_seconds = 36.0 / 12;
+  EXPECT_EQ(probe_clip(span_of(bytes), "exact.mp4", exact).frames, 36);
+  EXPECT_NO_THROW(decode_clip(span_of(bytes), "exact.mp4", VideoConfig{}, exact));
+  VideoLimits shorter;
+  shorter.max_seconds = 35.0 / 12;
+  EXPECT_HAS(error_of([&] { probe_clip(span_of(bytes), "over.mp4", shorter); }), "--max-video-seconds");
+  EXPECT_HAS(error_of([&] { decode_clip(span_of(bytes), "over.mp4", VideoConfig{}, shorter); }), "video 'over.mp4'");
+}
+
+// One absolute deadline for the whole clip: decode_opened given one already past stops at once, and
+// a clip decoded twice (its pts mislead the first pass) does not get a second deadline.
+TEST(VideoDeadline, OneAbsoluteDeadlineForOpeningAndEveryPass) {
+  const std::string bytes = clip_bytes("h264.mp4");
+  const VideoLimits limits;
+  const OpenedClip clip = open_clip(span_of(bytes), "late.mp4", limits, {}, deadline_of(limits));
+  const Clock::time_point past = Clock::now() - std::chrono::milliseconds(1);
+  auto t0 = Clock::now();
+  const std::string msg = error_of([&] { decode_opened(clip, VideoConfig{}, limits, past); });
+  EXPECT_HAS(msg, "video 'late.mp4'");
+  EXPECT_HAS(msg, "longer than the limit");
+  EXPECT_LT(seconds_since(t0), 0.5 * kTimeScale);
+  // The swapped clip needs two passes; its deadline 1 ms away holds for both.
+  const std::string swapped = clip_bytes("pts-swapped.mp4");
+  const OpenedClip two = open_clip(span_of(swapped), "swapped.mp4", limits, {}, deadline_of(limits));
+  t0 = Clock::now();
+  const std::string msg2 = error_of([&] { decode_opened(two, VideoConfig{}, limits, Clock::now() + std::chrono::milliseconds(1)); });
+  EXPECT_HAS(msg2, "video 'swapped.mp4'");
+  EXPECT_HAS(msg2, "longer than the limit");
+  EXPECT_LT(seconds_since(t0), 0.5 * kTimeScale);
+  // With room, the same opened clip decodes (opening kept its packets: nothing is read again).
+  EXPECT_NO_THROW(decode_opened(two, VideoConfig{}, limits, deadline_of(limits)));
+}
+
+// The plan counts the packets kept and the decoder's frames: more decoding threads, more memory.
+TEST(VideoPlan, PeakCountsPacketsAndTheDecodersFrames) {
+  const std::string bytes = clip_bytes("h264.mp4");
+  const ClipInfo info = probe_clip(span_of(bytes), "h264.mp4");
+  EXPECT_GT(info.packet_bytes, 0);
+  EXPECT_LT(info.packet_bytes, 3 * int64_t(bytes.size()));
+  EXPECT_GE(info.decoder_frame_bytes, int64_t(info.width) * info.height * 3 / 2);  // yuv420p at least
+  const ClipPlan plan = plan_clip(info, VideoConfig{});
+  EXPECT_EQ(plan.packet_bytes, info.packet_bytes);
+  EXPECT_EQ(plan.decoder_frame_bytes, info.decoder_frame_bytes);
+  EXPECT_EQ(plan.decoder_bytes(1), (1 + kDecoderHeldFrames) * info.decoder_frame_bytes);
+  EXPECT_GT(plan.peak_bytes(4), plan.peak_bytes(1));
+  EXPECT_GE(plan.peak_bytes(1), plan.packet_bytes + plan.decoder_bytes(1) + plan.resized_bytes + plan.patch_bytes);
+}
+
+#endif
+
+// smart_resize_video with a side under 32 scales it up first: a ratio far over 200 used to overflow
+// int there (undefined behaviour) instead of being refused.
+TEST(VideoResize, ExtremeAspectRatiosAreRefusedNotOverflowed) {
+  const VideoConfig c;
+  EXPECT_HAS(error_of([&] { smart_resize_video(4, 1, 67108864, c); }), "aspect ratio");
+  EXPECT_HAS(error_of([&] { smart_resize_video(4, 67108864, 1, c); }), "aspect ratio");
+  EXPECT_HAS(error_of([&] { smart_resize_video(4, 1, 201 * 16, c); }), "aspect ratio");
+  // 2 x 400 (ratio 200, the most allowed), as transformers' smart_resize: scaled by 32 / 2 = 16 to
+  // 32 x 6400; 4 frames of that (819200) are over the budget of 786432, so beta = sqrt(819200 /
+  // 786432) = 1.0206, h = max(32, floor(32 / beta / 32) * 32) = 32, w = floor(6400 / beta / 32) * 32
+  // = 195 * 32 = 6240.
+  EXPECT_EQ(smart_resize_video(4, 2, 400, c), (std::pair{32, 6240}));
+  EXPECT_EQ(smart_resize_video(4, 400, 2, c), (std::pair{6240, 32}));
+}

@@ -162,6 +162,7 @@ ContainerCost container_cost(std::span<const uint8_t> bytes, const std::string& 
 struct OpenedClip {
   ClipInfo info;
   int64_t max_frame_pixels = 0;  // the pixel limit it was opened under: its decoder's too
+  Clock::time_point opened_at;   // when opening began (a deadline's message says how long it gave)
   struct Packets;
   std::shared_ptr<const Packets> packets;
 };

@@ -217,7 +217,17 @@ double frame_rate(const AVStream* st, const std::vector<int64_t>& sorted_pts) {
   if (r.num <= 0 || r.den <= 0) r = st->r_frame_rate;
   if (r.num > 0 && r.den > 0) return av_q2d(r);
   if (sorted_pts.size() >= 2 && sorted_pts.back() > sorted_pts.front()) {
-    const double span = double(sorted_pts.back() - sorted_pts.front()) * av_q2d(st->time_base);
+    // Every step a multiple of the smallest: the smallest is one frame (a frame the demuxer dropped,
+    // as Ogg drops Theora's empty packets, makes a double step). Else the mean over the span (a
+    // millisecond time base at 60 fps steps 16 and 17).
+    int64_t step = 0;
+    for (size_t i = 1; i < sorted_pts.size(); ++i)
+      if (const int64_t d = sorted_pts[i] - sorted_pts[i - 1]; d > 0 && (step == 0 || d < step)) step = d;
+    bool multiples = step > 0;
+    for (size_t i = 1; multiples && i < sorted_pts.size(); ++i) multiples = (sorted_pts[i] - sorted_pts[i - 1]) % step == 0;
+    const double tb = av_q2d(st->time_base);
+    if (multiples && step * tb > 0) return 1.0 / (double(step) * tb);
+    const double span = double(sorted_pts.back() - sorted_pts.front()) * tb;
     if (span > 0) return double(sorted_pts.size() - 1) / span;
   }
   return 24.0;
@@ -486,7 +496,7 @@ struct DecodeEnv {
   Clock::time_point deadline;
   int threads = 1;
   int64_t pool_bytes = 0, max_pixels = 0;
-  double deadline_seconds = 0;  // for the message
+  double deadline_seconds = 0;  // for the message: from the clip's opening to its deadline
 };
 
 // One decoding pass over the kept packets, handing over the frames at `indices` (sorted; repeats
@@ -526,7 +536,7 @@ int64_t decode_pass(const OpenedClip& clip, const std::vector<int64_t>& indices,
     }
     ++k;
     if (Clock::now() > env.deadline)
-      fail("video '{}': decoding took longer than the limit of {:.3g} s", info.name, env.deadline_seconds);
+      fail("video '{}': opening and decoding took longer than the limit of {:.3g} s", info.name, env.deadline_seconds);
     return true;
   };
   Packet pkt;
@@ -545,7 +555,7 @@ int64_t decode_pass(const OpenedClip& clip, const std::vector<int64_t>& indices,
     }
     dec.send(pkt.p, k, out);
     if (Clock::now() > env.deadline)
-      fail("video '{}': decoding took longer than the limit of {:.3g} s", info.name, env.deadline_seconds);
+      fail("video '{}': opening and decoding took longer than the limit of {:.3g} s", info.name, env.deadline_seconds);
   }
   pkt.p->data = nullptr;  // the Packet frees its own, not ours
   pkt.p->size = 0;
@@ -571,13 +581,14 @@ int64_t max_frame_pixels(const VideoLimits& limits, const image::PreprocessConfi
   return limits.max_frame_pixels > 0 ? limits.max_frame_pixels : image::image_pixel_limit(budget);
 }
 
-DecodeEnv env_of(const ClipInfo& info, const VideoLimits& limits, int64_t max_pixels, Clock::time_point deadline) {
+DecodeEnv env_of(const OpenedClip& clip, int64_t max_pixels, Clock::time_point deadline) {
+  const ClipInfo& info = clip.info;
   DecodeEnv env;
   env.deadline = deadline;
   env.threads = std::max(1, ThreadCap::current());
   env.pool_bytes = (env.threads + kDecoderHeldFrames) * info.decoder_frame_bytes;
   env.max_pixels = max_pixels;  // the pixel limit: no codec allocates a frame past it, whatever the header said
-  env.deadline_seconds = limits.deadline_seconds;
+  env.deadline_seconds = seconds_between(clip.opened_at, deadline);
   return env;
 }
 
@@ -639,12 +650,14 @@ std::string ffmpeg_versions() {
 
 OpenedClip open_clip(std::span<const uint8_t> bytes, const std::string& name, const VideoLimits& limits,
                      const image::PreprocessConfig& budget, Clock::time_point deadline) {
+  const Clock::time_point opened_at = Clock::now();
   check_size(bytes, name, limits);
   const ContainerCost cost = container_cost(bytes, name);
   const int64_t max_px = max_frame_pixels(limits, budget);
   Demuxer d(bytes, name, deadline, max_px);
   OpenedClip c = probe(d, name, limits, max_px, cost.open_bytes - cost.index_entries * kIndexEntryBytes);
   c.max_frame_pixels = max_px;
+  c.opened_at = opened_at;
   return c;
 }
 
@@ -666,7 +679,7 @@ std::vector<image::Rgb8> decode_frames(std::span<const uint8_t> bytes, const std
     fail("video '{}': {} frames of {}x{} need {} bytes, over the limit of {}", name, indices.size(), info.width, info.height,
          bytes_needed, limits.max_bytes_in_flight);
   std::vector<image::Rgb8> out(indices.size());
-  decode_indices(clip, indices, env_of(info, limits, clip.max_frame_pixels, deadline), [&](size_t j, image::Rgb8&& f) { out[j] = std::move(f); });
+  decode_indices(clip, indices, env_of(clip, clip.max_frame_pixels, deadline), [&](size_t j, image::Rgb8&& f) { out[j] = std::move(f); });
   return out;
 }
 
@@ -678,7 +691,7 @@ Clip decode_opened(const OpenedClip& clip, const VideoConfig& cfg, const VideoLi
   try {
     const ClipPlan plan = plan_clip(c.info, cfg);
     c.indices = plan.indices;
-    const DecodeEnv env = env_of(c.info, limits, clip.max_frame_pixels, deadline);
+    const DecodeEnv env = env_of(clip, clip.max_frame_pixels, deadline);
     // Decoding (this thread, and FFmpeg's frame threads) and resizing (the cores) overlap: each batch
     // of decoded frames is resized on the other threads while the next batch decodes. Memory: the
     // resized frames, the patches, and two batches of native frames (one resizing, one filling).

@@ -50,9 +50,10 @@ class Walker {
 
   ContainerCost run() {
     walk(bytes_.data(), bytes_.size(), 0);
+    uint64_t entries = loose_fragment_samples_;
+    for (const Track& t : tracks_) entries = saturated((unsigned __int128)entries + entries_of(t));
     ContainerCost c;
-    for (const Track& t : tracks_) c.index_entries += entries_of(t);
-    c.index_entries += loose_fragment_samples_;
+    c.index_entries = int64_t(entries);
     if (c.index_entries > kMaxIndexEntries)
       fail("video '{}': its sample tables describe {} samples (edits included); the limit is {}", name_, c.index_entries,
            kMaxIndexEntries);
@@ -63,11 +64,15 @@ class Walker {
  private:
   // What FFmpeg's index holds for a track: an entry per sample (uncompressed audio with unit deltas:
   // one per chunk and per 1024 samples), copied once per edit.
-  uint64_t entries_of(const Track& t) const {
+  // In 128 bits and saturated below 2^62: counts and edits are 32-bit each, and a file may hold
+  // many runs, so neither the product nor the sums may wrap.
+  static uint64_t entries_of(const Track& t) {
     const bool by_chunk = std::memcmp(t.handler, "soun", 4) == 0 && t.sample_size > 0 && t.unit_deltas;
-    const uint64_t samples = (by_chunk ? t.chunks + t.samples / 1024 : t.samples) + t.fragment_samples;
-    return samples * std::max<uint64_t>(1, t.edits);
+    const unsigned __int128 samples = (by_chunk ? t.chunks + t.samples / 1024 : t.samples) + (unsigned __int128)t.fragment_samples;
+    return saturated(samples * std::max<uint64_t>(1, t.edits));
   }
+  static constexpr uint64_t kCeiling = uint64_t(1) << 62;
+  static uint64_t saturated(unsigned __int128 n) { return n > kCeiling ? kCeiling : uint64_t(n); }
 
   [[noreturn]] void bad(const std::string& what) const { fail("video '{}': corrupt MP4 sample table: {}", name_, what); }
 
@@ -170,10 +175,9 @@ class Walker {
       bad(fmt::format("trun box lists {} samples of {} bytes in {} bytes", count, per_sample, b.size));
     // Each sample of a run lies in the file: a run cannot hold more samples than the file has bytes.
     if (count > bytes_.size()) bad(fmt::format("trun box lists {} samples in a file of {} bytes", count, bytes_.size()));
-    if (tracks_.empty())
-      loose_fragment_samples_ += count;
-    else
-      tracks_.back().fragment_samples += count;  // fragments follow the moov: counted against its last track
+    // Fragments follow the moov: counted against its last track. Saturated, as entries_of is.
+    uint64_t& sum = tracks_.empty() ? loose_fragment_samples_ : tracks_.back().fragment_samples;
+    sum = saturated((unsigned __int128)sum + count);
   }
 
   std::span<const uint8_t> bytes_;
