@@ -6,7 +6,7 @@
 
 It makes the clips of tests/hostile/clips.py, starts `fovea serve synthetic:tiny --device cpu --port 0`
 with a small decode budget and queue (--max-decode-bytes 256 MiB, --max-image-pixels 1000000,
---max-queue-tokens 16384) and sends them:
+--max-queue-tokens 16384, --max-batch-tokens 4096) and sends them:
 
     bombs      each sample-table bomb alone and four at once: 400 invalid_video within 2 s
     lies       each frame-size lie (4096x4096 behind a 16x16 header; a TS growing to 2048x2048)
@@ -20,12 +20,14 @@ with a small decode budget and queue (--max-decode-bytes 256 MiB, --max-image-pi
 
 After every case the main server's peak RSS (VmHWM in /proc/PID/status) must stay within
 
-    bound = RSS after startup + 1.1 x --max-decode-bytes + --max-queue-tokens x 24 KiB
+    bound = RSS after startup + 1.1 x --max-decode-bytes
+            + (--max-queue-tokens + 2 x --max-batch-tokens) x 24 KiB
             + 3 x the bodies of one case's requests + 256 MiB
 
-(the decode budget with 10%; the queued inputs' fp32 pixels, 1536 floats x 4 patches a token; each
-body as received, decoded from base64 and as packets; threads, allocator slack and the tiny
-encoder's forward, as the hostile-client suite allows). The exit code is 1 if any case fails, 2 if the server did not start.
+(the decode budget with 10%; the fp32 pixels of the queued inputs and of the two forwards a worker
+has in flight, 1536 floats x 4 patches a token; each body as received, decoded from base64 and as
+packets; threads, allocator slack and the tiny encoder's activations, as the hostile-client suite
+allows). The exit code is 1 if any case fails, 2 if the server did not start.
 """
 import argparse
 import base64
@@ -126,8 +128,8 @@ class Suite:
         srv = self.main
         if srv is not None and srv.alive():
             hwm = srv.kib("VmHWM")
-            bound = (srv.start_kib + int(1.1 * self.args.decode_bytes / 1024) + self.args.queue_tokens * 24
-                     + 3 * body_bytes // 1024 + 256 * 1024)
+            bound = (srv.start_kib + int(1.1 * self.args.decode_bytes / 1024)
+                     + (self.args.queue_tokens + 2 * self.args.batch_tokens) * 24 + 3 * body_bytes // 1024 + 256 * 1024)
             observed += ", VmHWM %d MiB (bound %d)" % (hwm // 1024, bound // 1024)
             ok = ok and hwm <= bound
         elif srv is not None:
@@ -230,7 +232,8 @@ class Suite:
         cases = ["bombs", "lies", "honest", "deadline", "overload"]
         chosen = self.args.only.split(",") if self.args.only else cases
         self.main = Server(self.args.fovea, ["--max-decode-bytes", str(self.args.decode_bytes), "--max-image-pixels", "1000000",
-                                             "--max-queue-tokens", str(self.args.queue_tokens), "--request-timeout", "60"])
+                                             "--max-queue-tokens", str(self.args.queue_tokens),
+                                             "--max-batch-tokens", str(self.args.batch_tokens), "--request-timeout", "60"])
         print("server: RSS after startup %d MiB" % (self.main.start_kib // 1024))
         try:
             for c in cases:
@@ -247,6 +250,7 @@ def main():
     p.add_argument("--only", default="", help="comma-separated cases: bombs, lies, honest, deadline, overload")
     p.add_argument("--decode-bytes", type=int, default=256 * MiB, help="--max-decode-bytes of the servers")
     p.add_argument("--queue-tokens", type=int, default=16384, help="--max-queue-tokens of the main server")
+    p.add_argument("--batch-tokens", type=int, default=4096, help="--max-batch-tokens of the main server")
     p.add_argument("--clients", type=int, default=64)
     p.add_argument("--clips", type=int, default=16)
     p.add_argument("--json", help="write the rows here")
