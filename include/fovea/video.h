@@ -92,6 +92,10 @@ std::vector<double> patch_timestamps(const std::vector<int64_t>& indices, double
 // merge-window order within each temporal patch, columns (c, t, py, px). grid = {T', h/p, w/p}.
 image::Patches patchify_frames(const std::vector<image::Rgb8>& frames, const VideoConfig& cfg);
 
+// The threads a clip's decoder uses: the calling thread's share of the cores (ThreadCap), at most
+// 16 (FFmpeg's own ceiling for frame threads: more buy little, and each holds a frame).
+int decoding_threads();
+
 // Frames a decoder may hold besides one per thread: the most reference frames any whitelisted codec
 // keeps (16 for H.264 and HEVC), the frame being output and one held back for reordering.
 constexpr int64_t kDecoderHeldFrames = 18;

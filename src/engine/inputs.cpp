@@ -84,7 +84,7 @@ InputPlan plan_clip(const video::ClipInfo& info, const InputConfig& cfg) {
     p.tokens = tokens_of(p.grid, cfg.video.merge);
     // Native frames beyond the in-flight bound wait for room (decode_opened batches fewer): what
     // decoding holds at once is the packets, the decoder's pool and at most that bound.
-    const int threads = std::max(1, ThreadCap::current());
+    const int threads = video::decoding_threads();
     const int64_t frames = plan.peak_bytes(threads) - plan.packet_bytes - plan.decoder_bytes(threads);
     p.peak_bytes = plan.packet_bytes + plan.decoder_bytes(threads) + std::min(frames, cfg.limits.max_bytes_in_flight);
     p.held_bytes = std::max(plan.packet_bytes, plan.patch_bytes);  // packets until decoded, then the patches

@@ -585,7 +585,7 @@ DecodeEnv env_of(const OpenedClip& clip, int64_t max_pixels, Clock::time_point d
   const ClipInfo& info = clip.info;
   DecodeEnv env;
   env.deadline = deadline;
-  env.threads = std::max(1, ThreadCap::current());
+  env.threads = decoding_threads();
   env.pool_bytes = (env.threads + kDecoderHeldFrames) * info.decoder_frame_bytes;
   env.max_pixels = max_pixels;  // the pixel limit: no codec allocates a frame past it, whatever the header said
   env.deadline_seconds = seconds_between(clip.opened_at, deadline);

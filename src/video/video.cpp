@@ -257,6 +257,8 @@ bool looks_like_video(std::span<const uint8_t> b) {
          (b.size() >= 377 && b[0] == 0x47 && b[188] == 0x47 && b[376] == 0x47);              // MPEG-TS
 }
 
+int decoding_threads() { return std::clamp(ThreadCap::current(), 1, 16); }
+
 Clock::time_point deadline_of(const VideoLimits& l) { return Clock::now() + from_seconds(std::max(0.0, l.deadline_seconds)); }
 
 Clip decode_clip_file(const std::string& path, const VideoConfig& cfg, const VideoLimits& limits,
