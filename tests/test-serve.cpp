@@ -671,6 +671,95 @@ TEST_F(Serve, EncoderCacheForVllm) {
 // The safetensors reply is BF16 by default, the very bits of the base64 JSON reply and of `fovea
 // encode -o` (bf16 by default) on the same image; with "encoding": "float" it is F32, those bits
 // widened exactly, as in the float JSON reply. grid_thw is F32 in every file.
+// vLLM's EPD proxy in front of fovea serve, replayed from its documented rules (not its code): it
+// posts each group of image parts to POST /v1/chat/completions with uuid = sha256(URL string), then
+// rewrites every part for the prefill/decode instance from the reply's ec_transfer_params: the entry
+// of a key that is the part's uuid, or the entry whose item_indices hold the part's position; a part
+// without metadata would be sent raw (the consumer then encodes it itself: a silent loss). The
+// consumer loads DIR/<uuid>/encoder_cache.safetensors and sizes it from the grid: t*h*w/4 rows.
+TEST_F(Serve, ChatCompletionsIsVllmsEncodeInstance) {
+  const fs::path cache = dir_ / "ec-chat";
+  fs::remove_all(cache);
+  ServerProcess server(dir_, {"--ec-storage-path", cache.string()});
+  ASSERT_GT(server.port(), 0);
+  auto cli = client(server.port());
+  const auto url_of = [](const TestImage& im) { return "data:" + im.mime + ";base64," + b64(im.bytes); };
+  const auto key_of = [](const std::string& url) {
+    return fovea::sha256_hex({reinterpret_cast<const uint8_t*>(url.data()), url.size()});
+  };
+  // The proxy's request for a group of images (a repeated one included), and its rewrite.
+  const auto proxy = [&](const std::vector<const TestImage*>& group, const json& extra) {
+    json parts = json::array();
+    for (const TestImage* im : group)
+      parts.push_back({{"type", "image_url"}, {"image_url", {{"url", url_of(*im)}}}, {"uuid", key_of(url_of(*im))}});
+    json body = {{"model", nullptr}, {"messages", {{{"role", "user"}, {"content", parts}}}}, {"stream", false}};
+    for (const auto& [k, v] : extra.items()) body[k] = v;
+    httplib::Headers h = {{"x-request-id", "req-1:0:abcdef"}};
+    return cli->Post("/v1/chat/completions", h, body.dump(), "application/json");
+  };
+  const auto check_rewrite = [&](const httplib::Result& r, const std::vector<const TestImage*>& group) {
+    ASSERT_TRUE(r && r->status == 200) << (r ? r->body : "no reply");
+    const json doc = json::parse(r->body);
+    EXPECT_EQ(doc["object"], "chat.completion");
+    EXPECT_EQ(doc["choices"][0]["message"]["content"], "");
+    int64_t tokens = 0;
+    for (const TestImage* im : group) tokens += im->tokens;
+    EXPECT_EQ(doc["usage"]["prompt_tokens"], tokens);
+    const json& params = doc["ec_transfer_params"];
+    for (size_t i = 0; i < group.size(); ++i) {
+      const std::string uuid = key_of(url_of(*group[i]));
+      const json* entry = params.contains(uuid) ? &params[uuid] : nullptr;
+      for (const auto& [k, v] : params.items())
+        for (const auto& at : v["item_indices"])
+          if (at == i && !entry) entry = &v;
+      ASSERT_NE(entry, nullptr) << "part " << i << " would reach vLLM raw";
+      bool listed = false;
+      for (const auto& at : (*entry)["item_indices"]) listed = listed || at == i;
+      EXPECT_TRUE(listed) << "part " << i;
+      const json& grid = (*entry)["metadata"]["image_grid_thw"];
+      EXPECT_EQ(grid, json(group[i]->grid));
+      const auto ck = fovea::Checkpoint::open((cache / uuid / "encoder_cache.safetensors").string());
+      const fovea::TensorInfo* t = ck.find("ec_cache");
+      ASSERT_NE(t, nullptr);
+      EXPECT_EQ(t->shape[0], grid[0].get<int64_t>() * grid[1].get<int64_t>() * grid[2].get<int64_t>() / 4);
+      EXPECT_EQ(t->shape[1], 48 * 3);  // merged, then both deepstack outputs
+    }
+  };
+  const TestImage &a = image(0), &b = image(1), &c = image(2);
+  check_rewrite(proxy({&a}, json::object()), {&a});
+  check_rewrite(proxy({&b, &c, &b}, json::object()), {&b, &c, &b});  // b twice: one entry, both positions
+  check_rewrite(proxy({&a, &c}, json::object()), {&a, &c});          // both cached now
+  // A client's own chat request: text parts and messages beside the images, its own uuid kept.
+  json own = {{"model", "synthetic:tiny"}, {"max_tokens", 64}, {"temperature", 0},
+              {"messages", {{{"role", "system"}, {"content", "be brief"}},
+                            {{"role", "user"}, {"content", {{{"type", "text"}, {"text", "what is this?"}},
+                                                            {{"type", "image_url"}, {"image_url", {{"url", url_of(a)}}},
+                                                             {"uuid", "client-key"}}}}}}}};
+  auto r = cli->Post("/v1/chat/completions", own.dump(), "application/json");
+  ASSERT_TRUE(r && r->status == 200) << (r ? r->body : "no reply");
+  EXPECT_EQ(json::parse(r->body)["ec_transfer_params"]["client-key"]["item_indices"], json::array({0}));
+  EXPECT_TRUE(fs::exists(cache / "client-key" / "encoder_cache.safetensors"));
+  // What would make vLLM look elsewhere, or what it cannot be: refused naming the field.
+  for (const auto& [extra, says] : std::vector<std::pair<json, std::string>>{
+           {{{"stream", true}}, "\"stream\""},
+           {{{"mm_processor_kwargs", {{"max_pixels", 1000}}}}, "\"mm_processor_kwargs\""},
+           {{{"media_io_kwargs", {{"video", {{"num_frames", 8}}}}}}, "\"media_io_kwargs\""},
+           {{{"ec_transfer_params", {{"consumer_zmq", "tcp://x"}}}}, "push-based"}}) {
+    const ErrorReply e = error_of(proxy({&a}, extra));
+    EXPECT_EQ(e.status, 400) << extra.dump();
+    EXPECT_NE(e.message.find(says), std::string::npos) << e.message;
+  }
+  json video = {{"messages", {{{"role", "user"}, {"content", {{{"type", "video_url"}, {"video_url", {{"url", "data:video/mp4;base64,AAAA"}}}}}}}}}};
+  EXPECT_EQ(error_of(cli->Post("/v1/chat/completions", video.dump(), "application/json")).code, "invalid_video");
+  json text_only = {{"messages", {{{"role", "user"}, {"content", "hello"}}}}};
+  EXPECT_EQ(error_of(cli->Post("/v1/chat/completions", text_only.dump(), "application/json")).status, 400);
+  ServerProcess no_cache(dir_, {});
+  ASSERT_GT(no_cache.port(), 0);
+  const ErrorReply e = error_of(client(no_cache.port())->Post("/v1/chat/completions", own.dump(), "application/json"));
+  EXPECT_EQ(e.status, 400);
+  EXPECT_NE(e.message.find("--ec-storage-path"), std::string::npos) << e.message;
+}
+
 TEST_F(Serve, SafetensorsReplyIsBf16UnlessFloatIsAsked) {
   ServerProcess server(dir_, {});
   ASSERT_GT(server.port(), 0);

@@ -60,6 +60,7 @@ struct Exchange {
   Clock::time_point deadline;
   bool embeddings = true;  // the reply carries embeddings
   bool octet = false;      // a safetensors reply
+  std::shared_ptr<Job> job;  // holds the forwards' outputs the reply's rows view
 };
 
 // The item's bytes; its base64 text is freed unless keep (it may be decoded again).
@@ -330,23 +331,15 @@ std::string safetensors_reply(const Context& c, const Exchange& x) {
 
 }  // namespace
 
-http::Response encode(Context& c, http::Request& req) {
-  Clock::time_point mark = Clock::now();
-  const auto phase_ended = [&](Phase p) {
-    c.metrics.add_phase(p, seconds_since(std::exchange(mark, Clock::now())));
-  };
-  Exchange x;
-  x.deadline = req.received + from_seconds(c.opt.request_timeout_s);
-  if (Clock::now() > x.deadline)
-    reject(504, "timeout", fmt::format("not started within {} s (--request-timeout)", c.opt.request_timeout_s));
-  x.r = parse_encode_request(req.body, c.opt.max_images_per_request, c.opt.model);
-  std::string().swap(req.body);
+namespace {
+
+// The items of x.r encoded (or found in the cache), their rows and timings on x.items, new cache
+// entries written. Adds each phase's time to the metrics as it ends (`mark`: when the last one ended).
+void encode_items(Context& c, Exchange& x, Clock::time_point& mark) {
+  const auto phase_ended = [&](Phase p) { c.metrics.add_phase(p, seconds_since(std::exchange(mark, Clock::now()))); };
   x.items.resize(x.r.payloads.size());
   const std::vector<InputKind> kinds = settle_kinds(x.r);
   for (size_t i = 0; i < kinds.size(); ++i) x.items[i].kind = kinds[i];
-  x.octet = req.header("accept").find("application/octet-stream") != std::string_view::npos;
-  // Embeddings: always without the cache and in safetensors replies; with the cache, if asked for.
-  x.embeddings = x.octet || (c.cache ? x.r.return_embeddings == 1 : x.r.return_embeddings != 0);
   if (c.cache) find_cached(c, x);
   std::vector<size_t> misses;  // the items to encode
   for (size_t i = 0; i < x.items.size(); ++i)
@@ -355,15 +348,82 @@ http::Response encode(Context& c, http::Request& req) {
   Holds holds(c, x, misses);
   std::vector<PreparedInput> prepared = prepare(c, x, holds);
   phase_ended(Phase::DECODE);
-  std::shared_ptr<Job> job;  // holds the forwards' outputs the reply's rows view
   if (!misses.empty()) {
-    job = run_job(c, x, prepared, holds);
-    collect(c, x, misses, prepared, *job);
+    x.job = run_job(c, x, prepared, holds);
+    collect(c, x, misses, prepared, *x.job);
   }
   phase_ended(Phase::ENCODER);
+}
+
+Clock::time_point deadline_of(const Context& c, const http::Request& req) {
+  const Clock::time_point deadline = req.received + from_seconds(c.opt.request_timeout_s);
+  if (Clock::now() > deadline)
+    reject(504, "timeout", fmt::format("not started within {} s (--request-timeout)", c.opt.request_timeout_s));
+  return deadline;
+}
+
+// vLLM's EPD proxy reads ec_transfer_params alone: per cache key, the grid its embeds reference takes
+// and the item's positions in this request (a key repeated lists each). The rest is a minimal
+// OpenAI chat.completion: nothing generated, the visual tokens as the prompt's usage.
+std::string chat_reply(const Context& c, const Exchange& x, const std::string& request_id) {
+  json params = json::object();
+  int64_t tokens = 0;
+  for (size_t i = 0; i < x.items.size(); ++i) {
+    const ReplyItem& it = x.items[i];
+    tokens += visual_tokens(c.model.config, it.grid);
+    json& entry = params[it.key];
+    if (entry.empty()) entry = {{"metadata", {{"image_grid_thw", it.grid}}}, {"item_indices", json::array()}};
+    entry["item_indices"].push_back(i);
+  }
+  const json reply = {
+      {"id", "chatcmpl-" + request_id},
+      {"object", "chat.completion"},
+      {"created", std::time(nullptr)},
+      {"model", c.opt.model},
+      {"choices", json::array({{{"index", 0},
+                                {"message", {{"role", "assistant"}, {"content", ""}}},
+                                {"logprobs", nullptr},
+                                {"finish_reason", "stop"}}})},
+      {"usage", {{"prompt_tokens", tokens}, {"completion_tokens", 0}, {"total_tokens", tokens}}},
+      {"ec_transfer_params", std::move(params)}};
+  return dump(reply);
+}
+
+}  // namespace
+
+http::Response encode(Context& c, http::Request& req) {
+  Clock::time_point mark = Clock::now();
+  Exchange x;
+  x.deadline = deadline_of(c, req);
+  x.r = parse_encode_request(req.body, c.opt.max_images_per_request, c.opt.model);
+  std::string().swap(req.body);
+  x.octet = req.header("accept").find("application/octet-stream") != std::string_view::npos;
+  // Embeddings: always without the cache and in safetensors replies; with the cache, if asked for.
+  x.embeddings = x.octet || (c.cache ? x.r.return_embeddings == 1 : x.r.return_embeddings != 0);
+  encode_items(c, x, mark);
   http::Response res = x.octet ? http::Response{200, "application/octet-stream", safetensors_reply(c, x), {}}
                                : http::Response{200, "application/json", json_reply(c, x, ms_since(req.received)), {}};
-  phase_ended(Phase::REPLY);
+  c.metrics.add_phase(Phase::REPLY, seconds_since(mark));
+  return res;
+}
+
+http::Response chat(Context& c, http::Request& req) {
+  Clock::time_point mark = Clock::now();
+  if (!c.cache)
+    reject(400, "invalid_request",
+           "POST /v1/chat/completions is the encode instance of vLLM's disaggregated encoder: it writes the encoder "
+           "cache, so start fovea serve with --ec-storage-path (POST /v1/encode returns embeddings)");
+  Exchange x;
+  x.deadline = deadline_of(c, req);
+  x.r = parse_chat_request(req.body, c.opt.max_images_per_request, c.opt.model);
+  std::string().swap(req.body);
+  x.embeddings = false;
+  encode_items(c, x, mark);
+  static std::atomic<uint64_t> replies{0};
+  std::string id(req.header("x-request-id").substr(0, 128));
+  if (id.empty()) id = fmt::format("{:x}-{}", c.started_unix, replies++);
+  http::Response res{200, "application/json", chat_reply(c, x, id), {}};
+  c.metrics.add_phase(Phase::REPLY, seconds_since(mark));
   return res;
 }
 

@@ -39,6 +39,12 @@ struct Context {
 // POST /v1/encode with its body; every failure throws ApiError. Adds the time of each of its phases
 // to the metrics as it ends.
 http::Response encode(Context& c, http::Request& req);
+// POST /v1/chat/completions: vLLM's EPD proxy's request to an encode instance (request.h,
+// parse_chat_request). Needs the encoder cache: writes each item's file under its key (its uuid, or
+// the sha256 of its URL string: the proxy's key) and answers a minimal chat.completion whose
+// "ec_transfer_params" gives, per key, {"metadata": {"image_grid_thw": [t, h, w]}, "item_indices":
+// [positions in this request]}, cache hits included.
+http::Response chat(Context& c, http::Request& req);
 
 // JSON text; invalid UTF-8 (from a client's bytes echoed in a message) becomes U+FFFD, never a throw.
 std::string dump(const json& j);

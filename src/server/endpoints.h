@@ -12,8 +12,9 @@ struct Endpoint {
   std::string_view method, path;
 };
 
-inline constexpr std::array<Endpoint, 5> kEndpoints = {{
+inline constexpr std::array<Endpoint, 6> kEndpoints = {{
     {"POST", "/v1/encode"},
+    {"POST", "/v1/chat/completions"},
     {"GET", "/health"},
     {"GET", "/ready"},
     {"GET", "/v1/models"},

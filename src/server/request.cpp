@@ -212,6 +212,88 @@ EncodeRequest parse_encode_request(std::string_view body, size_t max_images, con
   return r;
 }
 
+namespace {
+
+// A body's top-level fields that change which file vLLM looks for, and why: refused by name.
+const char* changes_vllm_key(std::string_view key) {
+  if (key == "mm_processor_kwargs" || key == "media_io_kwargs")
+    return "vLLM hashes these into its encoder-cache identifier (with the model id), so a file fovea writes under "
+           "the item's uuid would never be found; send the request without them (and start vLLM without defaults "
+           "for them)";
+  if (key == "ec_transfer_params")
+    return "push-based encoder-cache connectors (Mooncake's consumer_zmq) are not supported: fovea writes the shared "
+           "folder that vLLM's ECExampleConnector reads";
+  return nullptr;
+}
+
+// One message's content parts into r: image_url parts become items, text parts are skipped, anything
+// else is refused naming it.
+void add_message_parts(EncodeRequest& r, json& content, const std::string& where, const Lifted& lifted) {
+  if (content.is_string() || content.is_null()) return;  // text only
+  if (!content.is_array()) reject(400, "invalid_request", where + " must be a string or an array of content parts");
+  for (size_t k = 0; k < content.size(); ++k) {
+    json& part = content[k];
+    const std::string at = fmt::format("{}[{}]", where, k);
+    const auto type = part.is_object() ? part.find("type") : part.end();
+    const std::string t = part.is_object() && type != part.end() && type->is_string() ? type->get<std::string>() : "";
+    if (t == "text") continue;
+    if (t == "video_url")
+      reject(400, "invalid_video",
+             at + ": clips are not encoded on this endpoint yet (the metadata vLLM's Qwen3-VL video_embeds takes is "
+                  "not verified); send clips to POST /v1/encode");
+    if (t != "image_url")
+      reject(400, "invalid_request",
+             fmt::format("{}: a content part of type {} (accepted: text, image_url)", at, quote_for_error(t)));
+    add_item(r, part, at, ItemKind::IMAGE, lifted);
+  }
+}
+
+}  // namespace
+
+EncodeRequest parse_chat_request(std::string_view body, size_t max_images, const std::string& model) {
+  JsonLimits lim;  // messages nest one level deeper than /v1/encode's items, and carry text
+  lim.max_bytes = body.size();
+  lim.max_depth = 8;
+  lim.max_elements = 256 + 8 * max_images;
+  lim.max_object_keys = 64;
+  lim.max_string_bytes = body.size();
+  const Lifted lifted = lift_long_strings(body);
+  json doc;
+  try {
+    doc = parse_json_bounded(lifted.parts.empty() ? body : std::string_view(lifted.skeleton), lim, "the request body");
+  } catch (const Error& e) {
+    reject(400, "invalid_json", e.what());
+  }
+  if (!doc.is_object()) reject(400, "invalid_request", "the body must be a JSON object with a \"messages\" array");
+  for (auto& [key, value] : doc.items()) {
+    if (const char* why = changes_vllm_key(key))
+      reject(400, "unsupported_field", fmt::format("\"{}\": {}", key, why));
+    if (key == "stream" && value != false)
+      reject(400, "unsupported_field", "\"stream\": an encode instance answers once, when the files are written; send "
+                                       "\"stream\": false (vLLM's EPD proxy does)");
+    if (key == "model" && !value.is_null() && value != model)
+      reject(404, "model_not_found",
+             fmt::format("model {} is not served here; this server serves \"{}\"", quote_for_error(value), model));
+  }
+  const auto messages = doc.find("messages");
+  if (messages == doc.end() || !messages->is_array() || messages->empty())
+    reject(400, "invalid_request", "the body needs a non-empty \"messages\" array");
+  EncodeRequest r;
+  r.return_embeddings = 0;
+  for (size_t m = 0; m < messages->size(); ++m) {
+    json& msg = (*messages)[m];
+    const std::string where = fmt::format("messages[{}]", m);
+    if (!msg.is_object()) reject(400, "invalid_request", where + " must be an object {\"role\", \"content\"}");
+    const auto content = msg.find("content");
+    if (content != msg.end()) add_message_parts(r, *content, where + ".content", lifted);
+    if (r.payloads.size() > max_images)
+      reject(400, "too_many_images",
+             fmt::format("more than {} images in one request (--max-images-per-request)", max_images));
+  }
+  if (r.payloads.empty()) reject(400, "invalid_request", "the messages hold no image_url part: nothing to encode");
+  return r;
+}
+
 const char* invalid_item_code(InputKind k) { return k == InputKind::VIDEO ? "invalid_video" : "invalid_image"; }
 
 std::vector<InputKind> settle_kinds(const EncodeRequest& r) {

@@ -80,14 +80,14 @@ class Service final : public http::Handler {
     if (req.header("content-type").starts_with("multipart/"))
       return error_response({415, "unsupported_media_type",
                              "multipart bodies are not accepted: POST the JSON object (application/json)"});
-    return std::nullopt;  // POST /v1/encode: read the body, then handle()
+    return std::nullopt;  // POST /v1/encode or /v1/chat/completions: read the body, then handle()
   }
 
   http::Response handle(http::Request& req) override {
     const Clock::time_point t0 = req.received;
     http::Response res;
     try {
-      res = encode(c_, req);
+      res = req.path == "/v1/chat/completions" ? chat(c_, req) : encode(c_, req);
     } catch (const ApiError& e) {
       res = error_response(e);
       if (e.status == 503) res.headers.push_back({"Retry-After", "1"});
