@@ -753,11 +753,22 @@ TEST_F(Serve, ChatCompletionsIsVllmsEncodeInstance) {
   EXPECT_EQ(error_of(cli->Post("/v1/chat/completions", video.dump(), "application/json")).code, "invalid_video");
   json text_only = {{"messages", {{{"role", "user"}, {"content", "hello"}}}}};
   EXPECT_EQ(error_of(cli->Post("/v1/chat/completions", text_only.dump(), "application/json")).status, 400);
-  ServerProcess no_cache(dir_, {});
+  // Without the cache the endpoint says what it needs; --served-model-name is the name requests give.
+  ServerProcess no_cache(dir_, {"--served-model-name", "Qwen/Qwen3-VL-8B-Instruct"});
   ASSERT_GT(no_cache.port(), 0);
-  const ErrorReply e = error_of(client(no_cache.port())->Post("/v1/chat/completions", own.dump(), "application/json"));
+  auto other = client(no_cache.port());
+  const ErrorReply e = error_of(other->Post("/v1/chat/completions", own.dump(), "application/json"));
   EXPECT_EQ(e.status, 400);
   EXPECT_NE(e.message.find("--ec-storage-path"), std::string::npos) << e.message;
+  r = other->Get("/v1/models");
+  ASSERT_TRUE(r && r->status == 200);
+  EXPECT_EQ(json::parse(r->body)["data"][0]["id"], "Qwen/Qwen3-VL-8B-Instruct");
+  json named = {{"model", "Qwen/Qwen3-VL-8B-Instruct"}, {"images", {image_item(a, 0)}}};
+  r = other->Post("/v1/encode", named.dump(), "application/json");
+  ASSERT_TRUE(r && r->status == 200) << (r ? r->body : "no reply");
+  EXPECT_EQ(json::parse(r->body)["model"], "Qwen/Qwen3-VL-8B-Instruct");
+  named["model"] = "synthetic:tiny";
+  EXPECT_EQ(error_of(other->Post("/v1/encode", named.dump(), "application/json")).status, 404);
 }
 
 TEST_F(Serve, SafetensorsReplyIsBf16UnlessFloatIsAsked) {

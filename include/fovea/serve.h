@@ -4,6 +4,8 @@
 //                     content parts; clips and images packed into the same forwards) -> visual tokens
 //                     as JSON (bf16 base64 or float lists) or, with Accept: application/octet-stream,
 //                     the safetensors file `fovea encode -o` would write
+//   POST /v1/chat/completions   with --ec-storage-path: vLLM's EPD proxy's request to an encode
+//                     instance; writes vLLM's encoder-cache files, answers their grids
 //   GET  /health (live: an encoder replica is up), GET /ready (taking requests: not stopping, queue
 //   not full), GET /v1/models, GET /metrics (Prometheus; per-replica series by device)
 // Every failure of a request is answered with {"error": {"message", "type", "code"}} and an HTTP
@@ -38,6 +40,10 @@ struct HttpLimits {
 
 struct ServeOptions {
   std::string model;  // checkpoint folder or synthetic:<preset>
+  // --served-model-name (vLLM's flag): the name requests give in "model" and replies carry; "" means
+  // the MODEL argument itself.
+  std::string served_model_name;
+  const std::string& served_name() const { return served_model_name.empty() ? model : served_model_name; }
   std::string host = "127.0.0.1";
   int port = 8000;                           // 0: any free port (the one taken is printed)
   int64_t max_batch_tokens = 16384;          // visual tokens per forward (an image larger runs alone)

@@ -6,9 +6,11 @@
 namespace fovea::cli {
 
 void add_serve(CLI::App& app, Runner& runner) {
-  auto* cmd = app.add_subcommand("serve", "HTTP encoder service: POST /v1/encode, /health, /v1/models, /metrics");
+  auto* cmd = app.add_subcommand("serve", "HTTP encoder service: POST /v1/encode, POST /v1/chat/completions (vLLM's encode instance), /health, /v1/models, /metrics");
   auto o = std::make_shared<server::ServeOptions>();
   cmd->add_option("MODEL", o->model, "checkpoint folder or synthetic:<preset>")->required();
+  cmd->add_option("--served-model-name", o->served_model_name,
+                  "the model name requests give (\"model\") and replies carry, as vLLM's flag (default: MODEL)");
   cmd->add_option("--host", o->host, "address to listen on")->capture_default_str();
   cmd->add_option("--port", o->port, "port to listen on; 0 picks a free one (printed)")->capture_default_str();
   cmd->add_option("--max-batch-tokens", o->max_batch_tokens,

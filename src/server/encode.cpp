@@ -273,7 +273,7 @@ std::string json_reply(const Context& c, const Exchange& x, double total_ms) {
       bytes += (1 + (r.deepstack ? it.rows.deepstack.size() : 0)) * base64_size(it.rows.merged.size() * 2) + 1024;
     out.reserve(bytes + 1024);
   }
-  out += open_object({{"object", "list"}, {"model", c.opt.model}, {"encoding", r.as_base64 ? "base64" : "float"},
+  out += open_object({{"object", "list"}, {"model", c.opt.served_name()}, {"encoding", r.as_base64 ? "base64" : "float"},
                       {"dtype", r.as_base64 ? "bf16" : "float32"}});
   out += ",\"data\":[";
   for (size_t i = 0; i < x.items.size(); ++i) {
@@ -315,7 +315,7 @@ std::string json_reply(const Context& c, const Exchange& x, double total_ms) {
 // the metadata.
 std::string safetensors_reply(const Context& c, const Exchange& x) {
   OutputTensors out(c.model.config);
-  out.meta = {{"model", c.opt.model}, {"dtype", dtype_name(c.engine.dtype)}, {"device", device_name(c.engine.device)}};
+  out.meta = {{"model", c.opt.served_name()}, {"dtype", dtype_name(c.engine.dtype)}, {"device", device_name(c.engine.device)}};
   for (const ReplyItem& it : x.items) {
     const Bf16Rows rows{it.rows.merged, x.r.deepstack ? it.rows.deepstack : std::vector<std::span<const uint16_t>>{}};
     const std::string p =
@@ -379,7 +379,7 @@ std::string chat_reply(const Context& c, const Exchange& x, const std::string& r
       {"id", "chatcmpl-" + request_id},
       {"object", "chat.completion"},
       {"created", std::time(nullptr)},
-      {"model", c.opt.model},
+      {"model", c.opt.served_name()},
       {"choices", json::array({{{"index", 0},
                                 {"message", {{"role", "assistant"}, {"content", ""}}},
                                 {"logprobs", nullptr},
@@ -395,7 +395,7 @@ http::Response encode(Context& c, http::Request& req) {
   Clock::time_point mark = Clock::now();
   Exchange x;
   x.deadline = deadline_of(c, req);
-  x.r = parse_encode_request(req.body, c.opt.max_images_per_request, c.opt.model);
+  x.r = parse_encode_request(req.body, c.opt.max_images_per_request, c.opt.served_name());
   std::string().swap(req.body);
   x.octet = req.header("accept").find("application/octet-stream") != std::string_view::npos;
   // Embeddings: always without the cache and in safetensors replies; with the cache, if asked for.
@@ -415,7 +415,7 @@ http::Response chat(Context& c, http::Request& req) {
            "cache, so start fovea serve with --ec-storage-path (POST /v1/encode returns embeddings)");
   Exchange x;
   x.deadline = deadline_of(c, req);
-  x.r = parse_chat_request(req.body, c.opt.max_images_per_request, c.opt.model);
+  x.r = parse_chat_request(req.body, c.opt.max_images_per_request, c.opt.served_name());
   std::string().swap(req.body);
   x.embeddings = false;
   encode_items(c, x, mark);

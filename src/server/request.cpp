@@ -112,6 +112,22 @@ std::string item_payload(json& url_value, const std::string& where, const Lifted
 // One item of "images" or "videos" into r: its base64 text (moved out of the document), its kind,
 // its uuid and its URL's prefix. `kind` is what its array says ("videos": VIDEO); a content part's
 // type says it too ({"type": "image_url", "image_url": ...} or {"type": "video_url", "video_url": ...}).
+// The body (its long strings lifted out) parsed with the bounded reader: nesting at most 8 deep, at
+// most max_elements values and max_keys keys an object.
+json parse_body(std::string_view body, const Lifted& lifted, size_t max_elements, size_t max_keys) {
+  JsonLimits lim;
+  lim.max_bytes = body.size();
+  lim.max_depth = 8;
+  lim.max_elements = max_elements;
+  lim.max_object_keys = max_keys;
+  lim.max_string_bytes = body.size();
+  try {
+    return parse_json_bounded(lifted.parts.empty() ? body : std::string_view(lifted.skeleton), lim, "the request body");
+  } catch (const Error& e) {
+    reject(400, "invalid_json", e.what());
+  }
+}
+
 void add_item(EncodeRequest& r, json& item, const std::string& where, ItemKind kind, const Lifted& lifted) {
   json* url = &item;
   std::string uuid;
@@ -150,19 +166,8 @@ void add_item(EncodeRequest& r, json& item, const std::string& where, ItemKind k
 EncodeRequest parse_encode_request(std::string_view body, size_t max_images, const std::string& model) {
   // A valid request nests 4 deep ({"images": [{"image_url": {"url": ...}}]}) and holds a few values
   // per image; anything far beyond that is refused before it is built.
-  JsonLimits lim;
-  lim.max_bytes = body.size();
-  lim.max_depth = 8;
-  lim.max_elements = 64 + 8 * max_images;
-  lim.max_object_keys = 16;
-  lim.max_string_bytes = body.size();
   const Lifted lifted = lift_long_strings(body);
-  json doc;
-  try {
-    doc = parse_json_bounded(lifted.parts.empty() ? body : std::string_view(lifted.skeleton), lim, "the request body");
-  } catch (const Error& e) {
-    reject(400, "invalid_json", e.what());
-  }
+  json doc = parse_body(body, lifted, 64 + 8 * max_images, 16);
   if (!doc.is_object()) reject(400, "invalid_request", "the body must be a JSON object with an \"images\" or \"videos\" array");
   EncodeRequest r;
   for (auto& [key, value] : doc.items()) {
@@ -251,19 +256,10 @@ void add_message_parts(EncodeRequest& r, json& content, const std::string& where
 }  // namespace
 
 EncodeRequest parse_chat_request(std::string_view body, size_t max_images, const std::string& model) {
-  JsonLimits lim;  // messages nest one level deeper than /v1/encode's items, and carry text
-  lim.max_bytes = body.size();
-  lim.max_depth = 8;
-  lim.max_elements = 256 + 8 * max_images;
-  lim.max_object_keys = 64;
-  lim.max_string_bytes = body.size();
+  // Messages nest two levels deeper than /v1/encode's items (6: messages, a message, its content, a
+  // part, its image_url, the url), and carry text and a client's other fields.
   const Lifted lifted = lift_long_strings(body);
-  json doc;
-  try {
-    doc = parse_json_bounded(lifted.parts.empty() ? body : std::string_view(lifted.skeleton), lim, "the request body");
-  } catch (const Error& e) {
-    reject(400, "invalid_json", e.what());
-  }
+  json doc = parse_body(body, lifted, 256 + 8 * max_images, 64);
   if (!doc.is_object()) reject(400, "invalid_request", "the body must be a JSON object with a \"messages\" array");
   for (auto& [key, value] : doc.items()) {
     if (const char* why = changes_vllm_key(key))

@@ -1,6 +1,6 @@
 // `fovea serve`: the endpoints and the server's lifecycle (see fovea/serve.h). The HTTP layer
-// (http.h) reads a request; POST /v1/encode's body is handled on a worker thread (encode.h); the
-// other endpoints answer from the request's head.
+// (http.h) reads a request; the bodies of POST /v1/encode and POST /v1/chat/completions are handled
+// on a worker thread (encode.h); the other endpoints answer from the request's head.
 #include "fovea/serve.h"
 
 #include <signal.h>
@@ -71,12 +71,12 @@ class Service final : public http::Handler {
       return json_response(200, {{"status", "ready"}});
     }
     if (req.path == "/v1/models") {
-      const json model = {{"id", c_.opt.model}, {"object", "model"}, {"created", c_.started_unix}, {"owned_by", "fovea"}};
+      const json model = {{"id", c_.opt.served_name()}, {"object", "model"}, {"created", c_.started_unix}, {"owned_by", "fovea"}};
       return json_response(200, {{"object", "list"}, {"data", json::array({model})}});
     }
     if (req.path == "/metrics")
       return http::Response{200, "text/plain; version=0.0.4; charset=utf-8",
-                            c_.metrics.render(c_.opt.model, c_.engine, c_.batcher, int64_t(c_.http->in_flight()), c_.cache), {}};
+                            c_.metrics.render(c_.opt.served_name(), c_.engine, c_.batcher, int64_t(c_.http->in_flight()), c_.cache), {}};
     if (req.header("content-type").starts_with("multipart/"))
       return error_response({415, "unsupported_media_type",
                              "multipart bodies are not accepted: POST the JSON object (application/json)"});
