@@ -65,21 +65,14 @@ class Cli : public ::testing::Test {
   }
 
   // Runs `fovea ARGS` (ARGS is shell text); returns the exit code, stdout and stderr.
-  Result run(const std::string& args) const {
-    const fs::path out = io / "stdout", err = io / "stderr";
-    const std::string cmd = std::string("'") + FOVEA_BIN + "' " + args + " >'" + out.string() + "' 2>'" + err.string() + "'";
-    const int status = std::system(cmd.c_str());
-    Result r;
-    r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-    r.out = slurp(out);
-    r.err = slurp(err);
-    return r;
-  }
+  Result run(const std::string& args) const { return run_with("", args); }
   // `timeout SECONDS fovea ARGS`: a command that hangs exits 124 instead.
   Result run_within(int seconds, const std::string& args) const {
+    return run_with("timeout " + std::to_string(seconds) + " ", args);
+  }
+  Result run_with(const std::string& prefix, const std::string& args) const {
     const fs::path out = io / "stdout", err = io / "stderr";
-    const std::string cmd = "timeout " + std::to_string(seconds) + " '" + FOVEA_BIN + "' " + args + " >'" + out.string() +
-                            "' 2>'" + err.string() + "'";
+    const std::string cmd = prefix + "'" + FOVEA_BIN + "' " + args + " >'" + out.string() + "' 2>'" + err.string() + "'";
     const int status = std::system(cmd.c_str());
     Result r;
     r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;

@@ -233,11 +233,12 @@ double frame_rate(const AVStream* st, const std::vector<int64_t>& sorted_pts) {
   return 24.0;
 }
 
-// A frame as the decoder holds it: its planes at the header's size, padded as FFmpeg pads them.
-int64_t decoder_frame_bytes(const AVCodecParameters* par) {
-  const int w = FFALIGN(par->width, 64) + 64, h = FFALIGN(par->height, 64) + 64;
-  const int n = par->format >= 0 ? av_image_get_buffer_size(AVPixelFormat(par->format), w, h, 64) : -1;
-  return n > 0 ? int64_t(n) : int64_t(w) * h * 3;
+// A frame as a decoder holds it: its planes in that pixel format, padded as FFmpeg pads them; for a
+// format not known, `unknown` bytes a pixel.
+int64_t padded_frame_bytes(int format, int width, int height, int unknown) {
+  const int w = FFALIGN(width, 64) + 64, h = FFALIGN(height, 64) + 64;
+  const int n = format >= 0 ? av_image_get_buffer_size(AVPixelFormat(format), w, h, 64) : -1;
+  return n > 0 ? int64_t(n) : int64_t(w) * h * unknown;
 }
 
 // Reads the container's header, then every packet: the video stream's are counted, their pts
@@ -254,7 +255,7 @@ OpenedClip probe(Demuxer& d, const std::string& name, const VideoLimits& limits,
   if (info.width <= 0 || info.height <= 0) fail("video '{}': its frame size {}x{} is empty", name, info.width, info.height);
   if (int64_t(info.width) * info.height > max_px)
     fail("video '{}': frames of {}x{} exceed the limit of {} pixels (--max-image-pixels)", name, info.width, info.height, max_px);
-  info.decoder_frame_bytes = decoder_frame_bytes(par);
+  info.decoder_frame_bytes = padded_frame_bytes(par->format, par->width, par->height, 3);
   auto packets = std::make_shared<OpenedClip::Packets>();
   if (avcodec_parameters_copy(packets->par, par) < 0) fail("video '{}': out of memory reading its header", name);
   packets->time_base = d.st()->time_base;
@@ -337,8 +338,7 @@ int get_frame_buffer(AVCodecContext* ctx, AVFrame* f, int flags) {
     pool->refused = 1;
     return AVERROR_INVALIDDATA;
   }
-  const int n = av_image_get_buffer_size(AVPixelFormat(f->format), FFALIGN(f->width, 64) + 64, FFALIGN(f->height, 64) + 64, 64);
-  const int64_t bytes = n > 0 ? n : int64_t(f->width) * f->height * 8;
+  const int64_t bytes = padded_frame_bytes(f->format, f->width, f->height, 8);
   if (pool->used.fetch_add(bytes) + bytes > pool->capacity) {
     pool->used -= bytes;
     pool->refused = 2;
