@@ -749,8 +749,29 @@ TEST_F(Serve, ChatCompletionsIsVllmsEncodeInstance) {
     EXPECT_EQ(e.status, 400) << extra.dump();
     EXPECT_NE(e.message.find(says), std::string::npos) << e.message;
   }
-  json video = {{"messages", {{{"role", "user"}, {"content", {{{"type", "video_url"}, {"video_url", {{"url", "data:video/mp4;base64,AAAA"}}}}}}}}}};
-  EXPECT_EQ(error_of(cli->Post("/v1/chat/completions", video.dump(), "application/json")).code, "invalid_video");
+  // A clip, alone in its request as the proxy sends one: the metadata vLLM's Qwen3-VL video_embeds
+  // takes (the grid, and one timestamp per temporal patch for the prompt's "<t seconds>" text).
+  const std::string clip_url =
+      "data:video/mp4;base64," + b64(slurp(fs::path(FOVEA_SOURCE_DIR) / "tests/data/video/h264.mp4"));
+  const auto clip_request = [&](const std::string& url) {
+    const json part = {{"type", "video_url"}, {"video_url", {{"url", url}}}, {"uuid", key_of(url)}};
+    return json{{"model", nullptr}, {"messages", {{{"role", "user"}, {"content", {part}}}}}, {"stream", false}}.dump();
+  };
+  for (int pass = 0; pass < 2; ++pass) {  // encoded, then found in the cache: the same reply
+    r = cli->Post("/v1/chat/completions", clip_request(clip_url), "application/json");
+    ASSERT_TRUE(r && r->status == 200) << (r ? r->body : "no reply");
+    const json doc = json::parse(r->body);
+    const json& meta = doc["ec_transfer_params"][key_of(clip_url)]["metadata"];
+    EXPECT_EQ(meta["video_grid_thw"], json::array({3, 8, 12}));  // 6 frames sampled at 2 fps, 192x128
+    ASSERT_EQ(meta["timestamps"].size(), 3u);                     // one per temporal patch
+    EXPECT_NEAR(meta["timestamps"][1].get<double>(), (14 + 21) / 24.0, 1e-9);
+    EXPECT_FALSE(meta.contains("image_grid_thw"));
+    EXPECT_EQ(doc["usage"]["prompt_tokens"], 3 * 8 * 12 / 4);
+    const auto ck = fovea::Checkpoint::open((cache / key_of(clip_url) / "encoder_cache.safetensors").string());
+    EXPECT_EQ(ck.find("ec_cache")->shape, (std::vector<int64_t>{3 * 8 * 12 / 4, 48 * 3}));
+  }
+  EXPECT_EQ(error_of(cli->Post("/v1/chat/completions", clip_request("data:video/mp4;base64,AAAA"), "application/json")).code,
+            "invalid_video");
   json text_only = {{"messages", {{{"role", "user"}, {"content", "hello"}}}}};
   EXPECT_EQ(error_of(cli->Post("/v1/chat/completions", text_only.dump(), "application/json")).status, 400);
   // Without the cache the endpoint says what it needs; --served-model-name is the name requests give.

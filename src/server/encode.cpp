@@ -362,8 +362,16 @@ Clock::time_point deadline_of(const Context& c, const http::Request& req) {
   return deadline;
 }
 
-// vLLM's EPD proxy reads ec_transfer_params alone: per cache key, the grid its embeds reference takes
-// and the item's positions in this request (a key repeated lists each). The rest is a minimal
+// What vLLM's Qwen3-VL takes beside an item's embeddings, as the proxy puts it in the rewritten
+// image_embeds / video_embeds part: the grid, and for a clip one timestamp (seconds) per temporal
+// patch, from which the prompt's "<t seconds>" text before each patch's tokens is written.
+json embeds_metadata(const ReplyItem& it) {
+  if (it.kind != InputKind::VIDEO) return {{"image_grid_thw", it.grid}};
+  return {{"video_grid_thw", it.grid}, {"timestamps", it.clip ? it.clip->timestamps : std::vector<double>{}}};
+}
+
+// vLLM's EPD proxy reads ec_transfer_params alone: per cache key, the metadata its embeds reference
+// takes and the item's positions in this request (a key repeated lists each). The rest is a minimal
 // OpenAI chat.completion: nothing generated, the visual tokens as the prompt's usage.
 std::string chat_reply(const Context& c, const Exchange& x, const std::string& request_id) {
   json params = json::object();
@@ -372,7 +380,7 @@ std::string chat_reply(const Context& c, const Exchange& x, const std::string& r
     const ReplyItem& it = x.items[i];
     tokens += visual_tokens(c.model.config, it.grid);
     json& entry = params[it.key];
-    if (entry.empty()) entry = {{"metadata", {{"image_grid_thw", it.grid}}}, {"item_indices", json::array()}};
+    if (entry.empty()) entry = {{"metadata", embeds_metadata(it)}, {"item_indices", json::array()}};
     entry["item_indices"].push_back(i);
   }
   const json reply = {

@@ -231,8 +231,8 @@ const char* changes_vllm_key(std::string_view key) {
   return nullptr;
 }
 
-// One message's content parts into r: image_url parts become items, text parts are skipped, anything
-// else is refused naming it.
+// One message's content parts into r: image_url and video_url parts become items, text parts are
+// skipped, anything else is refused naming it.
 void add_message_parts(EncodeRequest& r, json& content, const std::string& where, const Lifted& lifted) {
   if (content.is_string() || content.is_null()) return;  // text only
   if (!content.is_array()) reject(400, "invalid_request", where + " must be a string or an array of content parts");
@@ -242,14 +242,10 @@ void add_message_parts(EncodeRequest& r, json& content, const std::string& where
     const auto type = part.is_object() ? part.find("type") : part.end();
     const std::string t = part.is_object() && type != part.end() && type->is_string() ? type->get<std::string>() : "";
     if (t == "text") continue;
-    if (t == "video_url")
-      reject(400, "invalid_video",
-             at + ": clips are not encoded on this endpoint yet (the metadata vLLM's Qwen3-VL video_embeds takes is "
-                  "not verified); send clips to POST /v1/encode");
-    if (t != "image_url")
+    if (t != "image_url" && t != "video_url")
       reject(400, "invalid_request",
-             fmt::format("{}: a content part of type {} (accepted: text, image_url)", at, quote_for_error(t)));
-    add_item(r, part, at, ItemKind::IMAGE, lifted);
+             fmt::format("{}: a content part of type {} (accepted: text, image_url, video_url)", at, quote_for_error(t)));
+    add_item(r, part, at, t == "video_url" ? ItemKind::VIDEO : ItemKind::IMAGE, lifted);
   }
 }
 
@@ -286,7 +282,8 @@ EncodeRequest parse_chat_request(std::string_view body, size_t max_images, const
       reject(400, "too_many_images",
              fmt::format("more than {} images in one request (--max-images-per-request)", max_images));
   }
-  if (r.payloads.empty()) reject(400, "invalid_request", "the messages hold no image_url part: nothing to encode");
+  if (r.payloads.empty())
+    reject(400, "invalid_request", "the messages hold no image_url or video_url part: nothing to encode");
   return r;
 }
 

@@ -52,10 +52,10 @@ EncodeRequest parse_encode_request(std::string_view body, size_t max_images, con
 // POST /v1/chat/completions as vLLM's EPD proxy sends it to an encode instance (and a client's own
 // chat request of that shape): {"model"?, "messages": [{"role", "content": [parts]}], "stream"?: false,
 // ...}. image_url parts are the items (with their "uuid", as /v1/encode takes them), in document
-// order, named "messages[m].content[k]"; text parts are skipped; other OpenAI fields are ignored.
-// Refused with 400 naming the field and why: "stream": true, mm_processor_kwargs and
-// media_io_kwargs (vLLM rehashes its key with them: fovea's file would never be found),
-// ec_transfer_params (push connectors), video_url parts (not yet), other part types.
+// order, named "messages[m].content[k]"; so are video_url parts; text parts are skipped; other OpenAI
+// fields are ignored. Refused with 400 naming the field and why: "stream": true, mm_processor_kwargs
+// and media_io_kwargs (vLLM rehashes its key with them: fovea's file would never be found),
+// ec_transfer_params (push connectors), other part types.
 EncodeRequest parse_chat_request(std::string_view body, size_t max_images, const std::string& model);
 
 // Each item's kind: its first bytes decide (fovea::input_kind); an item the request called an image
