@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Load test for `fovea serve`: POST /v1/encode at several concurrencies, report throughput and latency.
+"""Load test for `fovea serve` (POST /v1/encode or /v1/chat/completions) at several concurrencies: throughput, latency.
 
 Python standard library only. Images come from a folder (--images DIR: .jpg/.jpeg/.png/.webp/.bmp/.gif) or
 are generated as PNGs (--generate N --size WxH). For each concurrency, that many client threads send
@@ -29,9 +29,34 @@ On a CPU, against synthetic:tiny:
 
     build/fovea serve synthetic:tiny --device cpu --port 8000 --max-pixels 65536 &
     python3 bench/serve-load.py --generate 8 --size 320x240 --concurrency 1,4,16 --requests 200
+
+--endpoint chat sends vLLM's encode-instance request instead, POST /v1/chat/completions (the server
+needs --ec-storage-path): {"model", "messages": [{"role": "user", "content": [--images-per-request
+image_url parts]}], "stream": false}. Its reply carries no embeddings and no per-image timings, so
+the per-image line is left out; usage.prompt_tokens (mean per request) and the /metrics phases are
+printed instead. A request counts as answered only if it is a 200 whose ec_transfer_params has one
+entry per key of the request, each with the item_indices of that key's parts; anything else is an
+error. The table, the JSON and their fields are those of encode mode, with "endpoint" recorded, so
+the two endpoints compare side by side against one server started with --ec-storage-path:
+
+    build/fovea serve synthetic:tiny --device cpu --port 8000 --ec-storage-path /dev/shm/ec --ec-storage-max-bytes 1000000000 &
+    python3 bench/serve-load.py --endpoint encode --generate 8 --size 320x240 --concurrency 1,4 --json encode.json
+    python3 bench/serve-load.py --endpoint chat --generate 8 --size 320x240 --concurrency 1,4 --json chat.json
+
+Keys (--unique-keys): a server with an encoder cache encodes an image only once per key (the part's
+"uuid", else the sha256 of its URL), so a load that cycles through a few images would measure cache
+hits after its first round. With --unique-keys every image part carries a "uuid" of its own
+(load-<pid>-<time>-<level>-<request>-<part>), and every request is really encoded and written. Its
+default: on with --endpoint chat; in encode mode, on when the server has an encoder cache (its
+/metrics export fovea_ec_cache_bytes) and off otherwise, where a key changes nothing and the bodies
+stay the bare data URLs they always were (which other servers, e.g. bench/hf-serve-peer.py, take).
+--no-unique-keys measures cache hits on purpose. Each level's encoder-cache hits, misses and writes
+(from /metrics) are printed. Unique keys write one file per image: bound the folder with
+--ec-storage-max-bytes (an 8B-model image at the FullHD budget is ~67 MB) or empty it afterwards.
 """
 import argparse
 import base64
+import hashlib
 import http.client
 import json
 import multiprocessing
@@ -150,12 +175,12 @@ def per_image_timings(body):
     return out
 
 
-def request_timed(server, body, headers):
+def request_timed(server, path, body, headers):
     """(status, reply body, ms to the reply's head, ms reading its body) on a new connection."""
     conn = http.client.HTTPConnection(server.host, server.port, timeout=server.timeout)
     try:
         t0 = time.perf_counter()
-        conn.request("POST", "/v1/encode", body=body, headers=headers)
+        conn.request("POST", path, body=body, headers=headers)
         r = conn.getresponse()
         t1 = time.perf_counter()
         data = r.read()
@@ -164,16 +189,83 @@ def request_timed(server, body, headers):
         conn.close()
 
 
+ENDPOINTS = {"encode": "/v1/encode", "chat": "/v1/chat/completions"}
+# Stands for a part's uuid in a body made once; '@' occurs neither in base64 nor in the JSON around it.
+KEY_MARK = "@KEY@"
+# In every key of this run: keys differ from an earlier run's, whose files may still be in the folder.
+RUN_ID = f"{os.getpid()}-{int(time.time())}"
+
+
+class Body:
+    """One request's body, made once (json.dumps of megabytes of base64 is slow), with a slot for the
+    uuid of each part when keys are unique: a request only joins the pieces with its own keys."""
+
+    def __init__(self, payload, urls, images, clips):
+        self.pieces = json.dumps(payload).encode().split(f'"{KEY_MARK}"'.encode())
+        self.counts = (images, clips)
+        self.size = len(urls)
+        # The key the server gives a part without a uuid: the sha256 of its URL string (vLLM's proxy's rule).
+        self.hashes = [hashlib.sha256(u.encode()).hexdigest() for u in urls]
+
+    def fill(self, keys):
+        """The body's bytes with these keys in its uuid slots (a body without slots ignores them)."""
+        out = [self.pieces[0]]
+        for key, piece in zip(keys, self.pieces[1:]):
+            out += [b'"' + key.encode() + b'"', piece]
+        return b"".join(out)
+
+
+def part(kind, url, unique):
+    """An OpenAI content part {"type": "image_url", "image_url": {"url": ...}}, with a uuid slot if unique."""
+    p = {"type": kind, kind: {"url": url}}
+    if unique:
+        p["uuid"] = KEY_MARK
+    return p
+
+
+def request_keys(body, tag, i, unique):
+    """The keys of request i of a level (tag): uuids of its own with unique keys (a safe folder name:
+    [A-Za-z0-9._-]), else those the server derives from the URLs."""
+    if unique:
+        return [f"load-{RUN_ID}-{tag}-{i}-{m}" for m in range(body.size)]
+    return body.hashes
+
+
+def check_chat_reply(reply, keys):
+    """(None, usage.prompt_tokens) for a chat reply whose ec_transfer_params has one entry per key of
+    the request, each with its parts' item_indices and a [t, h, w] grid; else (what is wrong, 0)."""
+    want = {}
+    for index, key in enumerate(keys):
+        want.setdefault(key, []).append(index)
+    try:
+        doc = json.loads(reply)  # small: a chat reply carries no embeddings
+        params, tokens = doc["ec_transfer_params"], doc["usage"]["prompt_tokens"]
+        if not isinstance(params, dict) or set(params) != set(want):
+            return f"ec_transfer_params has {len(params)} keys, not the request's {len(want)}", 0
+        for key, indices in want.items():
+            meta = params[key]["metadata"]
+            grid = meta.get("image_grid_thw") or meta["video_grid_thw"]  # a clip: its grid and timestamps
+            if params[key]["item_indices"] != indices or len(grid) != 3 or min(grid) < 1:
+                return f"ec_transfer_params[{key!r}] is {json.dumps(params[key])[:160]}, not item_indices {indices}", 0
+        if not isinstance(tokens, int) or tokens < 1:
+            return f"usage.prompt_tokens is {tokens!r}", 0
+        return None, tokens
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        return f"reply without ec_transfer_params or usage ({type(e).__name__}: {e})", 0
+
+
 # What the clients of one process share; set in the parent before the client processes are forked.
 _LEVEL = {}
 
 
-def clients(indices, concurrency):
-    """Sends the requests `indices` (into the bodies) from `concurrency` threads; their raw results."""
-    server, bodies, headers, counts = (_LEVEL[k] for k in ("server", "bodies", "headers", "counts"))
+def clients(indices, concurrency, tag):
+    """Sends the requests `indices` (into the bodies) of level `tag` from `concurrency` threads; their raw results."""
+    server, bodies, headers, path, unique = (_LEVEL[k] for k in ("server", "bodies", "headers", "path", "unique"))
+    chat = path == ENDPOINTS["chat"]
     lock = threading.Lock()
     todo = list(reversed(indices))
-    out = {"latencies": [], "head_ms": [], "read_ms": [], "errors": {}, "stages": {}, "first_error": None, "images": 0, "clips": 0}
+    out = {"latencies": [], "head_ms": [], "read_ms": [], "errors": {}, "stages": {}, "first_error": None, "images": 0,
+           "clips": 0, "prompt_tokens": []}
 
     def client():
         while True:
@@ -181,17 +273,24 @@ def clients(indices, concurrency):
                 if not todo:
                     return
                 i = todo.pop()
+            body = bodies[i % len(bodies)]
+            images, clips = body.counts
+            keys = request_keys(body, tag, i, unique)
+            data = body.fill(keys)  # before the clock starts: the client's copying is not the server's time
             t0 = time.perf_counter()
             head_ms = read_ms = 0.0
             try:
-                status, body, head_ms, read_ms = request_timed(server, bodies[i % len(bodies)], headers)
-                images, clips = counts[i % len(bodies)]
+                status, reply, head_ms, read_ms = request_timed(server, path, data, headers)
             except (OSError, http.client.HTTPException) as e:
-                status, body = type(e).__name__, b""
+                status, reply = type(e).__name__, b""
             ms = (time.perf_counter() - t0) * 1000
-            per_image = []  # the server's own per-image stage times (JSON replies)
-            if status == 200 and body[:1] == b"{":
-                per_image = per_image_timings(body)
+            per_image, problem, tokens = [], None, 0  # the server's own per-image stage times (JSON encode replies)
+            if status == 200 and chat:
+                problem, tokens = check_chat_reply(reply, keys)
+                if problem:  # a 200 that does not list the request's keys is a failed request
+                    status = "bad ec_transfer_params"
+            elif status == 200 and reply[:1] == b"{":
+                per_image = per_image_timings(reply)
                 if len(per_image) != images + clips:  # a reply without its items' timings is an error
                     status = f"reply with {len(per_image)} item timings, not {images + clips}"
             with lock:
@@ -204,10 +303,12 @@ def clients(indices, concurrency):
                     out["latencies"].append(ms)
                     out["head_ms"].append(head_ms)
                     out["read_ms"].append(read_ms)
+                    if chat:
+                        out["prompt_tokens"].append(tokens)
                 else:
                     out["errors"][str(status)] = out["errors"].get(str(status), 0) + 1
                     if out["first_error"] is None:
-                        out["first_error"] = f"{status} {body[:300].decode(errors='replace')}"
+                        out["first_error"] = f"{status} {problem or reply[:300].decode(errors='replace')}"
 
     threads = [threading.Thread(target=client) for _ in range(concurrency)]
     for t in threads:
@@ -218,34 +319,37 @@ def clients(indices, concurrency):
 
 
 PHASES = ("read", "wait", "parse", "decode", "encoder", "reply", "write")
+EC_COUNTERS = ("hits", "misses", "writes")
 
 
-def run_level(server, pool, processes, concurrency, total):
+def run_level(server, pool, processes, concurrency, total, tag):
     """Sends `total` requests from `concurrency` threads spread over up to `processes` processes
-    (the pool's); returns the level's statistics."""
+    (the pool's); returns the level's statistics. tag names the level in the requests' keys."""
     p = max(1, min(processes, concurrency))
-    shares = [(list(range(k, total, p)), concurrency // p + (1 if k < concurrency % p else 0)) for k in range(p)]
+    shares = [(list(range(k, total, p)), concurrency // p + (1 if k < concurrency % p else 0), tag) for k in range(p)]
     before = server.metrics()
     start = time.perf_counter()
     parts = pool.starmap(clients, shares) if pool and p > 1 else [clients(*shares[0])]
     wall = time.perf_counter() - start
     after = server.metrics()
-    merged = {"latencies": [], "head_ms": [], "read_ms": [], "errors": {}, "stages": {}, "images": 0, "clips": 0}
-    for part in parts:
-        merged["images"] += part["images"]
-        merged["clips"] += part["clips"]
-        for k in ("latencies", "head_ms", "read_ms"):
-            merged[k] += part[k]
-        for k, n in part["errors"].items():
+    merged = {"latencies": [], "head_ms": [], "read_ms": [], "errors": {}, "stages": {}, "images": 0, "clips": 0,
+              "prompt_tokens": []}
+    for share in parts:
+        merged["images"] += share["images"]
+        merged["clips"] += share["clips"]
+        for k in ("latencies", "head_ms", "read_ms", "prompt_tokens"):
+            merged[k] += share[k]
+        for k, n in share["errors"].items():
             merged["errors"][k] = merged["errors"].get(k, 0) + n
-        for k, v in part["stages"].items():
+        for k, v in share["stages"].items():
             merged["stages"].setdefault(k, []).extend(v)
-    first_error = next((part["first_error"] for part in parts if part["first_error"]), None)
+    first_error = next((share["first_error"] for share in parts if share["first_error"]), None)
     if first_error:  # show one error's reply
         print(f"serve-load: first error: {first_error}", file=sys.stderr)
     names = ["fovea_tokens_encoded_total", "fovea_inputs_encoded_total", "fovea_encoder_forwards_total",
              "fovea_encoder_forward_seconds_total", "fovea_request_duration_seconds_count"]
     names += [f'fovea_encode_phase_seconds_total{{phase="{ph}"}}' for ph in PHASES]
+    names += [f"fovea_ec_cache_{k}_total" for k in EC_COUNTERS]
     # Images and clips encoded: fovea_inputs_encoded_total, or from servers before its rename (and the
     # peer) fovea_images_encoded_total, which counted the same.
     inputs = "fovea_inputs_encoded_total" if "fovea_inputs_encoded_total" in after else "fovea_images_encoded_total"
@@ -256,6 +360,7 @@ def run_level(server, pool, processes, concurrency, total):
     handled = delta["fovea_request_duration_seconds_count"]
     mean = lambda v: sum(v) / len(v) if v else float("nan")
     return {
+        "endpoint": _LEVEL["path"],
         "concurrency": concurrency,
         "client_processes": p,
         "requests": total,
@@ -277,12 +382,96 @@ def run_level(server, pool, processes, concurrency, total):
                                   for ph in PHASES} if handled else {}),
         "client_mean_ms": {"latency": mean(merged["latencies"]), "to_head": mean(merged["head_ms"]),
                            "read_body": mean(merged["read_ms"])},
+        # Chat replies only: usage.prompt_tokens, the visual tokens of a request (cache hits included).
+        "prompt_tokens_per_request": mean(merged["prompt_tokens"]) if merged["prompt_tokens"] else None,
+        # The encoder cache over the level (a server without one: None): hits mean images not encoded.
+        "ec_cache": ({k: delta[f"fovea_ec_cache_{k}_total"] for k in EC_COUNTERS} | {"bytes": after["fovea_ec_cache_bytes"]}
+                     if "fovea_ec_cache_bytes" in after else None),
     }
+
+
+def make_bodies(args, images, clips, model, unique):
+    """The bodies the requests cycle through: one per image (its --images-per-request images from it
+    on), and with --videos a clip's body after every --video-every - 1 of them."""
+    k = args.images_per_request
+    bodies = []
+    for i in range(len(images)):
+        urls = [images[(i + m) % len(images)] for m in range(k)]
+        if args.endpoint == "chat":  # what vLLM's EPD proxy sends an encode instance
+            payload = {"model": model, "messages": [{"role": "user", "content": [part("image_url", u, unique) for u in urls]}],
+                       "stream": False}
+        elif unique:
+            payload = {"images": [part("image_url", u, True) for u in urls], "encoding": args.encoding}
+        else:  # the bare data URLs this script always sent
+            payload = {"images": urls, "encoding": args.encoding}
+        bodies.append(Body(payload, urls, k, 0))
+    if not clips:
+        return bodies
+    if args.video_every < 1:
+        sys.exit("serve-load: --video-every must be >= 1")
+    def clip_payload(c):
+        if args.endpoint == "chat":  # alone in its request, as the proxy sends a clip
+            return {"model": model, "messages": [{"role": "user", "content": [part("video_url", c, unique)]}], "stream": False}
+        return {"videos": [part("video_url", c, True) if unique else c], "encoding": args.encoding}
+
+    clip_bodies = [Body(clip_payload(c), [c], 0, 1) for c in clips]
+    n = max(len(bodies), len(clips) * (args.video_every - 1))
+    mixed = []  # a clip's body after every video_every - 1 image bodies, cycling through both
+    for i in range(n + len(clips)):
+        if i % args.video_every == args.video_every - 1 or args.video_every == 1:
+            mixed.append(clip_bodies[(i // args.video_every) % len(clips)])
+        else:
+            mixed.append(bodies[i % len(bodies)])
+    return mixed
+
+
+def warm_up(server, args, bodies, headers, path, unique):
+    """Sends --warmup requests, unmeasured; exits on the first that fails (a server without
+    --ec-storage-path answers a chat request 400, saying so)."""
+    for i in range(args.warmup):
+        body = bodies[i % len(bodies)]
+        keys = request_keys(body, "warmup", i, unique)
+        status, reply = server.request("POST", path, body.fill(keys), headers)
+        problem = check_chat_reply(reply, keys)[0] if status == 200 and args.endpoint == "chat" else None
+        if status != 200 or problem:
+            sys.exit(f"serve-load: warm-up request answered {status}: {problem or reply[:300].decode(errors='replace')}")
+
+
+def print_level(r, args, clips):
+    """The level's row of the table and the lines below it."""
+    c = r["concurrency"]
+    print(f"serve-load | {c:>11} | {r['requests']:>8} | {sum(r['errors'].values()):>6} | {r['images_per_s']:>8.1f} | "
+          f"{r['tokens_per_s']:>8.0f} | {r['p50_ms']:>6.1f} | {r['p99_ms']:>6.1f} | {r['images_per_forward']:>14.2f} | {100 * r['forward_busy']:>11.0f}%",
+          flush=True)
+    if clips:
+        print(f"serve-load |   clips/s {r['clips_per_s']:.2f} (one request in {args.video_every} sends a clip)", flush=True)
+    if r["server_stage_mean_ms"]:
+        print("serve-load |   server, mean ms per image: " +
+              ", ".join(f"{k} {v:.1f}" for k, v in r["server_stage_mean_ms"].items()), flush=True)
+    elif r["prompt_tokens_per_request"] is not None:  # a chat reply has no per-image times: what it has
+        print(f"serve-load |   server, per image: not in chat replies; usage.prompt_tokens {r['prompt_tokens_per_request']:.0f} "
+              "per request", flush=True)
+    if r["server_phase_mean_ms"]:
+        print("serve-load |   server, mean ms per request: " +
+              ", ".join(f"{k} {v:.1f}" for k, v in r["server_phase_mean_ms"].items()), flush=True)
+    if r["ec_cache"]:
+        e = r["ec_cache"]
+        print(f"serve-load |   encoder cache: {e['hits']:.0f} hits, {e['misses']:.0f} misses, {e['writes']:.0f} writes; "
+              f"{e['bytes'] / 1e6:.1f} MB of fovea's files in the folder", flush=True)
+    print(f"serve-load |   client ({r['client_processes']} processes), mean ms: " +
+          ", ".join(f"{k} {v:.1f}" for k, v in r["client_mean_ms"].items()), flush=True)
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--url", default="http://127.0.0.1:8000")
+    ap.add_argument("--endpoint", choices=tuple(ENDPOINTS), default="encode",
+                    help="encode: POST /v1/encode; chat: POST /v1/chat/completions, vLLM's encode instance "
+                         "(the server needs --ec-storage-path)")
+    ap.add_argument("--unique-keys", action=argparse.BooleanOptionalAction, default=None,
+                    help="a uuid of its own for every image part, so that a server with an encoder cache encodes "
+                         "every request (default: on with --endpoint chat; with encode, on when the server has an "
+                         "encoder cache)")
     ap.add_argument("--images", help="folder of images to send (default: generated PNGs)")
     ap.add_argument("--generate", type=int, default=8, help="generated images (without --images)")
     ap.add_argument("--size", default="640x480", help="size of generated images, WxH")
@@ -304,72 +493,52 @@ def main():
     levels = [int(c) for c in args.concurrency.split(",")]
     if min(levels) < 1 or args.requests < 1 or args.images_per_request < 1 or args.processes < 0:
         sys.exit("serve-load: --concurrency, --requests and --images-per-request must be >= 1, --processes >= 0")
+    if args.endpoint == "chat" and (args.octet_stream or args.encoding != "base64"):
+        # The encode instance answers a small JSON chat.completion (no embeddings).
+        sys.exit("serve-load: --endpoint chat takes no --octet-stream or --encoding")
 
     server = Server(args.url, args.timeout)
     status, models = server.request("GET", "/v1/models")
     if status != 200:
         sys.exit(f"serve-load: GET /v1/models answered {status}")
     model = json.loads(models)["data"][0]["id"]
+    has_cache = "fovea_ec_cache_bytes" in server.metrics()
+    unique = args.unique_keys if args.unique_keys is not None else (args.endpoint == "chat" or has_cache)
+    path = ENDPOINTS[args.endpoint]
     images = load_images(args)
     k = args.images_per_request
-    bodies = [json.dumps({"images": [images[(i + m) % len(images)] for m in range(k)], "encoding": args.encoding}).encode()
-              for i in range(len(images))]
-    counts = [(k, 0)] * len(bodies)  # (images, clips) per body
     clips = load_clips(args.videos) if args.videos else []
-    if clips:  # a clip's body after every video_every - 1 image bodies, cycling through both
-        if args.video_every < 1:
-            sys.exit("serve-load: --video-every must be >= 1")
-        n = max(len(bodies), len(clips) * (args.video_every - 1))
-        mixed, mixed_counts = [], []
-        for i in range(n + len(clips)):
-            if i % args.video_every == args.video_every - 1 or args.video_every == 1:
-                c = clips[(i // args.video_every) % len(clips)]
-                mixed.append(json.dumps({"videos": [c], "encoding": args.encoding}).encode())
-                mixed_counts.append((0, 1))
-            else:
-                mixed.append(bodies[i % len(bodies)])
-                mixed_counts.append((k, 0))
-        bodies, counts = mixed, mixed_counts
+    bodies = make_bodies(args, images, clips, model, unique)
     headers = {"Content-Type": "application/json"}
     if args.octet_stream:
         headers["Accept"] = "application/octet-stream"
 
-    for i in range(args.warmup):
-        status, body = server.request("POST", "/v1/encode", bodies[i % len(bodies)], headers)
-        if status != 200:
-            sys.exit(f"serve-load: warm-up request answered {status}: {body[:300].decode(errors='replace')}")
+    warm_up(server, args, bodies, headers, path, unique)
 
-    _LEVEL.update(server=server, bodies=bodies, headers=headers, counts=counts)
+    _LEVEL.update(server=server, bodies=bodies, headers=headers, path=path, unique=unique)
     processes = args.processes or min(8, (max(levels) + 3) // 4)
     # Forked now, after the bodies are made: the client processes share them and wait for work.
     pool = multiprocessing.get_context("fork").Pool(processes) if processes > 1 else None
 
-    replies = f"safetensors {'f32' if args.encoding == 'float' else 'bf16'}" if args.octet_stream else args.encoding
-    print(f"serve-load | {args.url} | model {model} | {len(images)} images, {k} per request | {replies} replies"
-          + (f" | {len(clips)} clips, one request in {args.video_every}" if clips else ""))
+    if args.endpoint == "chat":
+        replies = "chat.completion"
+    else:
+        replies = f"safetensors {'f32' if args.encoding == 'float' else 'bf16'}" if args.octet_stream else args.encoding
+    keys = " | a uuid per image part" if unique else " | keys repeat: encoder-cache hits" if has_cache else ""
+    print(f"serve-load | {args.url} | POST {path} | model {model} | {len(images)} images, {k} per request | {replies} replies"
+          + keys + (f" | {len(clips)} clips, one request in {args.video_every}" if clips else ""))
     print("serve-load | concurrency | requests | errors | images/s | tokens/s | p50 ms | p99 ms | images/forward | forward busy")
     results = []
-    for c in levels:
-        r = run_level(server, pool, args.processes or min(8, (c + 3) // 4), c, args.requests)
+    for n, c in enumerate(levels):
+        r = run_level(server, pool, args.processes or min(8, (c + 3) // 4), c, args.requests, f"L{n}")
         results.append(r)
-        print(f"serve-load | {c:>11} | {r['requests']:>8} | {sum(r['errors'].values()):>6} | {r['images_per_s']:>8.1f} | "
-              f"{r['tokens_per_s']:>8.0f} | {r['p50_ms']:>6.1f} | {r['p99_ms']:>6.1f} | {r['images_per_forward']:>14.2f} | {100 * r['forward_busy']:>11.0f}%",
-              flush=True)
-        if clips:
-            print(f"serve-load |   clips/s {r['clips_per_s']:.2f} (one request in {args.video_every} sends a clip)", flush=True)
-        if r["server_stage_mean_ms"]:
-            print("serve-load |   server, mean ms per image: " +
-                  ", ".join(f"{k} {v:.1f}" for k, v in r["server_stage_mean_ms"].items()), flush=True)
-        if r["server_phase_mean_ms"]:
-            print("serve-load |   server, mean ms per request: " +
-                  ", ".join(f"{k} {v:.1f}" for k, v in r["server_phase_mean_ms"].items()), flush=True)
-        print(f"serve-load |   client ({r['client_processes']} processes), mean ms: " +
-              ", ".join(f"{k} {v:.1f}" for k, v in r["client_mean_ms"].items()), flush=True)
+        print_level(r, args, clips)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"url": args.url, "model": model, "images": len(images), "images_per_request": k,
-                       "clips": len(clips), "video_every": args.video_every if clips else 0,
-                       "encoding": args.encoding, "octet_stream": args.octet_stream, "results": results}, f, indent=2)
+            json.dump({"url": args.url, "endpoint": path, "unique_keys": unique, "model": model, "images": len(images),
+                       "images_per_request": k, "clips": len(clips), "video_every": args.video_every if clips else 0,
+                       "encoding": args.encoding if args.endpoint == "encode" else None,
+                       "octet_stream": args.octet_stream, "results": results}, f, indent=2)
     if pool:
         pool.close()
         pool.join()

@@ -9,7 +9,10 @@
 #      FILE, FILE made once per run by `fovea bench calibration` on these images), bench/serve-load.py
 #      at each concurrency in $LEVELS (images/s, p50/p99, images per forward, forward busy from
 #      /metrics), the server's threads sampled during each level (bench/thread-sample.py), GPU memory
-#      sampled meanwhile (nvidia-smi), the server's peak RSS (VmHWM), SIGTERM and its exit code;
+#      sampled meanwhile (nvidia-smi), the server's peak RSS (VmHWM), SIGTERM and its exit code; with
+#      ENDPOINTS="encode chat", each fovea dtype runs twice: POST /v1/encode (embeddings in the
+#      replies, no cache), then vLLM's encode instance, POST /v1/chat/completions (server "fovea-chat":
+#      --ec-storage-path under /dev/shm, files written, small replies; every image part a fresh key);
 #   2. with PEER=1, the same load against bench/hf-serve-peer.py (transformers, BF16; needs torch and
 #      transformers);
 #   3. with BOUND=1, the GPU bound: `fovea bench encoder` at the bench resolution nearest the load's
@@ -23,7 +26,7 @@
 # Examples:
 #   BUDGETS=2073600 bench/serve-matrix.sh                    # FullHD: fovea BF16, FP8 static, the peer, the bound
 #   BUDGETS=8294400 PEER=0 bench/serve-matrix.sh build/fovea # 4K, fovea only
-# Other knobs: LEVELS (1,4,16,64), REQUESTS per level (64 up to 4 MP budgets, 32 above), WARMUP (4),
+# Other knobs: ENDPOINTS (encode; "encode chat" adds the encode-instance runs), LEVELS (1,4,16,64), REQUESTS per level (64 up to 4 MP budgets, 32 above), WARMUP (4),
 # NIMAGES (8), MAX_BATCH_TOKENS (16384, fovea serve's default, used by both servers), SCALES (an
 # existing scale file: no calibration), MODEL (synthetic:qwen3-vl-8b), PHOTOS, PEER_ARGS (more
 # hf-serve-peer.py flags), BENCH_REPS (5); and FOVEA, CUDNN_LIB, OUT, PYTHON (scripts/lib-gpu.sh).
@@ -42,6 +45,8 @@ BUDGETS=${BUDGETS:-${BUDGET:-2073600 8294400}}
 DTYPES=${DTYPES-bf16 fp8-static}
 [ "$DTYPES" = none ] && DTYPES=""
 LEVELS=${LEVELS:-1,4,16,64}
+ENDPOINTS=${ENDPOINTS:-encode}
+LOAD_ARGS=""
 PEER=${PEER:-1}
 BOUND=${BOUND:-1}
 NIMAGES=${NIMAGES:-8}
@@ -95,7 +100,7 @@ load_test() {
     t=$SECONDS
     # Where the CPU goes 3 to 6 s into the level: the server's threads by name, the machine, the clients.
     $PY bench/thread-sample.py --pid $pid --delay 3 --window 3 --also serve-load.py > "$OUT/threads-$name-c$c.txt" 2>&1 &
-    timeout $cut $PY bench/serve-load.py --url "$url" --images "$IMG_DIR" --concurrency $c --requests $REQ \
+    timeout $cut $PY bench/serve-load.py --url "$url" --images "$IMG_DIR" --concurrency $c --requests $REQ $LOAD_ARGS \
       --warmup $([ $first = 1 ] && echo $WARMUP || echo 0) --json "$OUT/load-$name-c$c.json" 2>&1 |
       grep -E "^serve-load \| +[0-9]|mean ms|first error|answered|Error"
     [ -f "$OUT/load-$name-c$c.json" ] && loads+=(--load "$OUT/load-$name-c$c.json") || echo "   concurrency $c: no result (cut at $cut s?)"
@@ -114,8 +119,8 @@ load_test() {
     gpu_baseline_mib=${base:-null} exit_code=$rc max_batch_tokens=$MAX_BATCH_TOKENS "gpu=$GPU" "model=$model"
 }
 
-run_fovea() {  # BUDGET DTYPE
-  local budget=$1 dt=$2 flags t base
+run_fovea() {  # BUDGET DTYPE [ENDPOINT: encode | chat]
+  local budget=$1 dt=$2 endpoint=${3:-encode} flags t base name=fovea-$2-$1 server=fovea ec=""
   case $dt in
     bf16) flags="--mm-encoder-attn-dtype bf16" ;;
     fp8|fp8-dynamic) flags="--mm-encoder-attn-dtype fp8" ;;
@@ -127,12 +132,20 @@ run_fovea() {  # BUDGET DTYPE
   # The queue limits sized to the load (fovea's defaults, 64 requests and 65536 tokens, would answer
   # 503 queue_full to 4K images at concurrency 16): every client's request may wait.
   local queue="--max-queue $(( MAX_LEVEL > 64 ? MAX_LEVEL : 64 )) --max-queue-tokens $(( MAX_LEVEL * IMG_TOKENS > 65536 ? MAX_LEVEL * IMG_TOKENS : 65536 ))"
-  say "fovea serve $M $flags --max-pixels $budget --max-batch-tokens $MAX_BATCH_TOKENS $queue"
-  need 60 "fovea $dt at budget $budget" || return
+  if [ "$endpoint" = chat ]; then  # the encode instance: files in RAM as a one-host deployment keeps them
+    ec=$(mktemp -d "$([ -w /dev/shm ] && echo /dev/shm || echo "$WORK")/fovea-ec.XXXXXX")
+    flags="$flags --ec-storage-path $ec --ec-storage-min-age 0"
+    name=fovea-$dt-chat-$budget server=fovea-chat
+  fi
+  say "fovea serve $M $flags --max-pixels $budget --max-batch-tokens $MAX_BATCH_TOKENS $queue ($endpoint)"
+  need 60 "fovea $dt $endpoint at budget $budget" || return
   base=$(gpu_used); t=$SECONDS
-  start_server "$FOVEA" "$OUT/fovea-$dt-$budget.log" $M $flags --max-pixels $budget --max-batch-tokens $MAX_BATCH_TOKENS $queue || return
+  start_server "$FOVEA" "$OUT/$name.log" $M $flags --max-pixels $budget --max-batch-tokens $MAX_BATCH_TOKENS $queue || return
   echo "   listening on $url after $((SECONDS - t)) s; $(curl -s $url/metrics | grep -E '^fovea_(engine_info|fp8_scale_mode)' | tr '\n' ' ')"
-  load_test fovea-$dt-$budget fovea $dt $budget $((SECONDS - t)) "$base" "$M"
+  LOAD_ARGS=$([ "$endpoint" = chat ] && echo "--endpoint chat")
+  load_test $name $server $dt $budget $((SECONDS - t)) "$base" "$M"
+  LOAD_ARGS=""
+  [ -n "$ec" ] && echo "   encoder cache: $(find "$ec" -name encoder_cache.safetensors | wc -l) files, $(du -sh "$ec" | cut -f1)" && rm -rf "$ec"
 }
 
 run_peer() {  # BUDGET
@@ -186,7 +199,7 @@ for budget in $BUDGETS; do
       echo "   [$(elapsed) s] calibration took $((SECONDS - t)) s"
     fi
   fi
-  for dt in $DTYPES; do run_fovea $budget $dt; done
+  for dt in $DTYPES; do for ep in $ENDPOINTS; do run_fovea $budget $dt $ep; done; done
   [ "$PEER" = 1 ] && run_peer $budget
   [ "$BOUND" = 1 ] && run_bound $budget
 done

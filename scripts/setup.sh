@@ -9,6 +9,7 @@ pkgs=(cmake ninja-build g++ pkg-config
       libcpp-httplib-dev   # the HTTP client of the serve tests (test-only)
       libjpeg62-turbo-dev libpng-dev libgif-dev libwebp-dev zlib1g-dev  # image decoders (static archives)
       libavformat-dev libavcodec-dev libswscale-dev libavutil-dev  # video decoding (FFmpeg's libraries)
+      libcurl4-openssl-dev # fovea serve's http(s) media URLs (--allowed-media-domains)
       ffmpeg               # the video tests make and decode clips with its command line (test-only)
       haproxy              # the deployment test puts two servers behind it (test-only; docs/deploy.md)
       clang libclang-rt-14-dev llvm-14 python3)  # the sanitizer/fuzz build, its symbolizer, the hostile suite

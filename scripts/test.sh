@@ -14,6 +14,7 @@ cmake --build build -j "$(nproc)"
 # (The output is captured first: grep -q would close the pipe early, and pipefail would see SIGPIPE.)
 info=$(build/fovea info 2>&1 || true)
 grep -q "^video: yes" <<<"$info" || { echo "test: the build has no video decoding (FFmpeg's -dev packages not found)"; exit 1; }
+grep -q "^http media: yes" <<<"$info" || { echo "test: the build cannot fetch http(s) media (libcurl's -dev package not found)"; exit 1; }
 ctest --test-dir build -LE "gpu|photos" --output-on-failure -j "$(nproc)"
 if [ "${FOVEA_SKIP_SANITIZE:-0}" = 1 ]; then
   echo "test: FOVEA_SKIP_SANITIZE=1: the sanitizer and fuzz stage is skipped"

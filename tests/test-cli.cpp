@@ -675,8 +675,35 @@ TEST_F(Cli, EncodeFillsVllmsEncoderCache) {
   EXPECT_EQ(r.code, 0) << r.err;
   EXPECT_HAS(r.out, "3 written, 0 already there, 1 repeated");
   EXPECT_TRUE(fs::exists(fs::path(cache) / "img1.png" / "encoder_cache.safetensors"));
+  // The proxy's keys: the sha256 of the URL a client sends, a data URL of the file or its file:// URL.
+  const auto hash = [](const std::string& t) { return fovea::sha256_hex({reinterpret_cast<const uint8_t*>(t.data()), t.size()}); };
+  const auto base64 = [](const std::string& in) {  // RFC 4648, written here as the test's own oracle
+    const char* abc = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    std::string out;
+    for (size_t i = 0; i < in.size(); i += 3) {
+      uint32_t v = uint32_t(uint8_t(in[i])) << 16;
+      if (i + 1 < in.size()) v |= uint32_t(uint8_t(in[i + 1])) << 8;
+      if (i + 2 < in.size()) v |= uint8_t(in[i + 2]);
+      const size_t n = std::min<size_t>(3, in.size() - i);  // bytes in this group: n + 1 characters, then '='
+      for (size_t k = 0; k < 4; ++k) out += k <= n ? abc[(v >> (18 - 6 * k)) & 63] : '=';
+    }
+    return out;
+  };
+  r = run("encode synthetic:tiny --device cpu " + q(images[0]) + " --ec-storage-path " + q(cache) + " --uuid-from data-url");
+  EXPECT_EQ(r.code, 0) << r.err;
+  EXPECT_TRUE(fs::exists(fs::path(cache) / hash("data:image/png;base64," + base64(slurp(images[0]))) / "encoder_cache.safetensors"));
+  const std::string spaced = write("a b%.png", slurp(images[1]));
+  r = run("encode synthetic:tiny --device cpu " + q(spaced) + " --ec-storage-path " + q(cache) + " --uuid-from file-url");
+  EXPECT_EQ(r.code, 0) << r.err;
+  std::string as_uri = "file://";
+  as_uri += fs::absolute(spaced).parent_path().string();
+  as_uri += "/a%20b%25.png";
+  EXPECT_TRUE(fs::exists(fs::path(cache) / hash(as_uri) / "encoder_cache.safetensors")) << as_uri;
+  expect_one_line_error(run("encode synthetic:tiny --device cpu " + q(write("x.raw", slurp(images[0]))) + " --ec-storage-path " +
+                            q(cache) + " --uuid-from data-url"),
+                        "is not one it knows");
   expect_one_line_error(run("encode synthetic:tiny --device cpu" + list + " --ec-storage-path " + q(cache) + " --uuid-from md5"),
-                        "--uuid-from: 'md5' is not one of sha256, filename");
+                        "--uuid-from: 'md5' is not one of sha256, filename, data-url, file-url");
   expect_one_line_error(run("encode synthetic:tiny --device cpu" + list + " --ec-storage-path " + q(cache) + " -o x.safetensors"),
                         "two different outputs");
 }

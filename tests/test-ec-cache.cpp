@@ -3,7 +3,9 @@
 // writes under a polling reader; a write that fails leaves nothing; the byte budget evicts the least
 // recently written or read of fovea's files and never another writer's; a restart rebuilds it. And
 // the folder as a trust boundary: symlinks planted below it are never written, read or deleted
-// through, and files others delete leave the accounting.
+// through, and files others delete leave the accounting. And --ec-storage-min-age: entries used
+// less than that ago are never evicted, a store they keep out is refused before writing anything,
+// and the race counters (refused, young kept, vanished, load failures) count.
 #include <signal.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
@@ -11,8 +13,10 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <random>
 #include <thread>
 
@@ -474,6 +478,180 @@ TEST(EcCache, ExternalDeletionShowsInStatsAndBudget) {
   EXPECT_EQ(s.files, 2);
   EXPECT_TRUE(fs::exists(cache.path_of("c")));
   EXPECT_TRUE(fs::exists(cache.path_of("d")));
+}
+
+
+// --ec-storage-min-age: a negative or non-finite age is an error naming the flag, at the cache too.
+TEST(EcCacheMinAge, NegativeOrNonFiniteIsAnError) {
+  TempDir dir;
+  for (const double bad : {-1.0, -0.001, std::nan(""), std::numeric_limits<double>::infinity()}) {
+    SCOPED_TRACE(bad);
+    EXPECT_HAS(error_of([&] { check_ec_min_age(bad); }), "--ec-storage-min-age");
+    EXPECT_HAS(error_of([&] { EcCache(dir.file("c"), 0, bad); }), "--ec-storage-min-age");
+  }
+  check_ec_min_age(0);
+  check_ec_min_age(1e300);  // finite: forever, in effect
+  EcCache(dir.file("c"), 0, 1e300);
+}
+
+// Entries used less than min_age ago are never evicted: a store they keep from fitting the budget
+// is refused with EcCacheFull, before anything is written (no file, no temporary file, no <key>
+// folder; a folder that was there stays, empty) and without evicting anything; its message says
+// what the young files hold, the budget and both flags. A lone entry bigger than the whole budget
+// is still stored when nothing else is there, but not beside a young one.
+TEST(EcCacheMinAge, YoungEntriesAreKeptAndAStoreTheyFillIsRefused) {
+  TempDir dir;
+  const fs::path root = dir.file("c");
+  const int64_t one = small_entry_bytes(dir), budget = 2 * one + one / 2;  // room for two
+  EcCache cache(root.string(), budget, 3600);
+  store_small(cache, "a");
+  store_small(cache, "b");
+  fs::create_directories(root / "was-there");
+  for (const std::string key : {"c", "was-there"}) {
+    SCOPED_TRACE(key);
+    std::string msg;
+    try {
+      store_small(cache, key);
+    } catch (const EcCacheFull& e) {
+      msg = e.what();
+    }
+    EXPECT_HAS(msg, cache.path_of(key));
+    EXPECT_HAS(msg, fmt::format("hold {} bytes", 2 * one));
+    EXPECT_HAS(msg, fmt::format("budget of {} bytes", budget));
+    EXPECT_HAS(msg, "--ec-storage-max-bytes");
+    EXPECT_HAS(msg, "--ec-storage-min-age");
+  }
+  EXPECT_EQ(names_in(root), (std::vector<std::string>{"a", "b", "was-there"}));
+  EXPECT_EQ(names_in(root / "was-there"), std::vector<std::string>{});
+  EXPECT_EQ(names_in(root / "a"), std::vector<std::string>{"encoder_cache.safetensors"});
+  store_small(cache, "a", 2);  // replacing a young entry frees its own bytes: fits
+  EcCache::Stats s = cache.stats();
+  EXPECT_EQ(s.files, 2);
+  EXPECT_EQ(s.writes, 3u);
+  EXPECT_EQ(s.evictions, 0u);
+  EXPECT_EQ(s.refused, 2u);
+  EXPECT_EQ(s.young_kept, 2u);  // plain LRU would have evicted a, once per refused store
+  // The lone-entry rule: bigger than the whole budget, stored when nothing else is there...
+  EcCache small(dir.file("small"), one / 2, 3600);
+  store_small(small, "x");
+  EXPECT_TRUE(fs::exists(small.path_of("x")));
+  // ...but not beside a young entry, however large.
+  EXPECT_THROW(store_small(small, "y"), EcCacheFull);
+  EXPECT_FALSE(fs::exists(fs::path(dir.file("small")) / "y"));
+  EXPECT_EQ(small.stats().files, 1);
+}
+
+// With min_age 0 the budget is plain LRU, as before: nothing is refused or kept.
+TEST(EcCacheMinAge, ZeroIsPlainLru) {
+  TempDir dir;
+  const int64_t one = small_entry_bytes(dir);
+  EcCache cache(dir.file("c"), 2 * one + one / 2, 0);
+  for (const std::string key : {"a", "b", "c", "d"}) store_small(cache, key);
+  EXPECT_FALSE(fs::exists(cache.path_of("a")));
+  EXPECT_FALSE(fs::exists(cache.path_of("b")));
+  const EcCache::Stats s = cache.stats();
+  EXPECT_EQ(s.files, 2);
+  EXPECT_EQ(s.evictions, 2u);
+  EXPECT_EQ(s.refused, 0u);
+  EXPECT_EQ(s.young_kept, 0u);
+}
+
+// Age counts from the last write or hit: an entry is evictable once min_age has passed, a hit
+// protects it again for min_age, and a refused store leaves old entries alone.
+TEST(EcCacheMinAge, OldEntriesGoAndAHitProtectsAgain) {
+  TempDir dir;
+  const double min_age = 0.5 * test::kTimeScale;
+  const auto past_min_age = std::chrono::duration<double>(min_age + 0.1);
+  const int64_t one = small_entry_bytes(dir);
+  EcCache cache(dir.file("c"), 2 * one + one / 2, min_age);  // room for two
+  store_small(cache, "a");
+  store_small(cache, "b");
+  EXPECT_THROW(store_small(cache, "c"), EcCacheFull);
+  std::this_thread::sleep_for(past_min_age);  // a and b are old now
+  EXPECT_TRUE(cache.lookup("a"));             // a is young again
+  store_small(cache, "c");                    // b, old, goes
+  EXPECT_FALSE(fs::exists(cache.path_of("b")));
+  EXPECT_THROW(store_small(cache, "d"), EcCacheFull);  // a (the hit) and c are young
+  EXPECT_TRUE(fs::exists(cache.path_of("a")));
+  std::this_thread::sleep_for(past_min_age);
+  EXPECT_TRUE(cache.lookup("c"));  // c young, a old: a store c alone keeps from fitting is refused...
+  EXPECT_THROW(cache.store("big", random_outputs(kTokens * 2, 16, 1, 9).view(), {1, 2, int(kTokens) * 4},
+                           config_with(16, 1)),
+               EcCacheFull);
+  EXPECT_TRUE(fs::exists(cache.path_of("a")));  // ...and a, old, is not evicted for nothing
+  store_small(cache, "d");                      // one that fits once a goes: a goes
+  EXPECT_FALSE(fs::exists(cache.path_of("a")));
+  const EcCache::Stats s = cache.stats();
+  EXPECT_EQ(s.evictions, 2u);
+  EXPECT_EQ(s.refused, 3u);
+  EXPECT_EQ(s.files, 2);
+}
+
+// After a restart an entry's age is its mtime's (stamped at each write and hit) on the wall clock:
+// files just written are young and stay, even over a smaller budget; one last used an hour ago goes.
+TEST(EcCacheMinAge, RestartDatesEntriesByMtime) {
+  TempDir dir;
+  const fs::path root = dir.file("c");
+  const int64_t one = small_entry_bytes(dir);
+  {
+    EcCache cache(root.string(), 0, 3600);
+    store_small(cache, "a");
+    store_small(cache, "b");
+  }
+  {
+    EcCache cache(root.string(), one + one / 2, 3600);  // room for one
+    const EcCache::Stats s = cache.stats();
+    EXPECT_EQ(s.files, 2);
+    EXPECT_EQ(s.evictions, 0u);
+    EXPECT_EQ(s.young_kept, 1u);  // plain LRU would have evicted a
+  }
+  const auto an_hour_ago = fs::file_time_type::clock::now() - std::chrono::hours(1);
+  fs::last_write_time(root / "a" / "encoder_cache.safetensors", an_hour_ago);
+  EcCache cache(root.string(), one + one / 2, 3600);
+  EXPECT_FALSE(fs::exists(cache.path_of("a")));
+  EXPECT_TRUE(fs::exists(cache.path_of("b")));
+  EXPECT_EQ(cache.stats().evictions, 1u);
+}
+
+// The race counters: fovea's files found gone or replaced by someone else (by lookup, the re-check,
+// load and eviction), once each; load() calls that throw.
+TEST(EcCacheMinAge, CountersCountVanishedFilesAndLoadFailures) {
+  TempDir dir;
+  const fs::path root = dir.file("c");
+  const qwen3vl::VisionConfig cfg = config_with(16, 1);
+  const int64_t one = small_entry_bytes(dir);
+  EcCache cache(root.string(), 0);
+  for (const std::string key : {"a", "b", "c", "d", "e"}) store_small(cache, key);
+  fs::remove(cache.path_of("a"));
+  fs::remove_all(root / "b");
+  EXPECT_FALSE(cache.lookup("a"));
+  EXPECT_FALSE(cache.lookup("a"));
+  EXPECT_EQ(cache.stats().vanished, 2u);  // a by the first lookup, once; b by stats' first re-check
+  const std::string good = test::slurp(cache.path_of("c"));
+  std::ofstream(cache.path_of("c"), std::ios::binary | std::ios::trunc) << good.substr(0, good.size() / 2);
+  EXPECT_THROW(cache.load("c", kGrid, cfg), Error);  // damaged, still there: a failure, not vanished
+  fs::remove(cache.path_of("d"));
+  EXPECT_THROW(cache.load("d", kGrid, cfg), Error);  // gone: both
+  const std::vector<uint8_t> values(kTokens * 32 * 2, 7);  // another writer's file, no mark, in e's place
+  write_safetensors(cache.path_of("e"), {{"ec_cache", DType::BF16, {int64_t(kTokens), 32}, values, {}}});
+  EXPECT_EQ(cache.load("e", kGrid, cfg).rows.merged.size(), kTokens * 16);  // read, and now another writer's
+  EcCache::Stats s = cache.stats();
+  EXPECT_EQ(s.vanished, 4u);
+  EXPECT_EQ(s.load_failures, 2u);
+  EXPECT_EQ(s.files, 1);  // c
+  EXPECT_EQ(s.foreign_files, 1);  // e
+  // Eviction finding its file replaced by another writer's: not deleted, counted.
+  EcCache budget(dir.file("b"), 2 * one + one / 2, 0);
+  store_small(budget, "x");
+  store_small(budget, "y");
+  write_safetensors(budget.path_of("x"), {{"ec_cache", DType::BF16, {int64_t(kTokens), 32}, values, {}}});
+  store_small(budget, "z");
+  EXPECT_TRUE(fs::exists(budget.path_of("x")));
+  s = budget.stats();
+  EXPECT_EQ(s.vanished, 1u);
+  EXPECT_EQ(s.evictions, 0u);
+  EXPECT_EQ(s.foreign_files, 1);
+  EXPECT_EQ(s.files, 2);
 }
 
 }  // namespace

@@ -171,7 +171,11 @@ TEST(EncodeRequest, RefusesMalformedRequests) {
   EXPECT_EQ(error_of("{\"images\": []}").code, "invalid_request");
   EXPECT_EQ(error_of("{\"images\": [\"QUJD\"], \"images\": [\"QUJD\"]}").code, "invalid_json");  // duplicate key
   EXPECT_EQ(error_of("{\"images\": [\"QUJD\", \"QUJD\"]}", 1).code, "too_many_images");
-  EXPECT_EQ(error_of("{\"images\": [\"http://example.com/a.png\"]}").code, "invalid_image");
+  {  // a URL is kept whole, to be read (or refused) by the server: not base64, never a payload
+    const auto r = parse_encode_request("{\"images\": [\"http://example.com/a.png\", \"file:///m/b.png\", \"QUJD\"]}", 4, "m");
+    EXPECT_EQ(r.remote_urls, (std::vector<std::string>{"http://example.com/a.png", "file:///m/b.png", ""}));
+    EXPECT_EQ(r.payloads, (std::vector<std::string>{"", "", "QUJD"}));
+  }
   EXPECT_EQ(error_of("{\"images\": [\"data:image/png,QUJD\"]}").code, "invalid_image");
   EXPECT_EQ(error_of("{\"images\": [{\"type\": \"image_url\"}]}").code, "invalid_image");
   EXPECT_EQ(error_of("{\"images\": [7]}").code, "invalid_image");

@@ -594,6 +594,8 @@ TEST_F(Serve, EncoderCacheForVllm) {
     EXPECT_EQ(metric(m, "fovea_ec_cache_misses_total"), 2);
     EXPECT_EQ(metric(m, "fovea_ec_cache_files"), 2);
     EXPECT_GT(metric(m, "fovea_ec_cache_bytes"), 0);
+    for (const std::string series : {"refused_total", "young_kept_total", "vanished_total", "load_failures_total"})
+      EXPECT_HAS(m, "\nfovea_ec_cache_" + series + " 0\n");  // there, and nothing counted yet
     // A damaged entry (another writer's truncated file): asked for its embeddings, the image is
     // encoded and written again, not a 500.
     {
@@ -607,6 +609,7 @@ TEST_F(Serve, EncoderCacheForVllm) {
       EXPECT_LE(max_rel_error(bf16_values(doc["data"][0]["embeddings"]), a.embeddings), kBf16Ulp);
       EXPECT_EQ(file_columns("uuid-a", a.tokens)[0], bf16_values(doc["data"][0]["embeddings"]));  // written again
       EXPECT_EQ(metric(get_metrics(server.port()), "fovea_images_encoded_total"), encoded + 1);
+      EXPECT_EQ(metric(get_metrics(server.port()), "fovea_ec_cache_load_failures_total"), 1);
     }
     // uuids that cannot be one folder name are refused, naming the image.
     for (const std::string& bad : std::vector<std::string>{"../up", "a/b", "..", std::string(256, 'u')}) {
@@ -650,7 +653,8 @@ TEST_F(Serve, EncoderCacheForVllm) {
   {  // restarted with a budget of exactly the two files: it finds both, then evicts the least recently used
     const int64_t budget = int64_t(fs::file_size(cache / "uuid-a" / "encoder_cache.safetensors") +
                                    fs::file_size(cache / key_b / "encoder_cache.safetensors"));
-    ServerProcess server(dir_, {"--ec-storage-path", cache.string(), "--ec-storage-max-bytes", std::to_string(budget)});
+    ServerProcess server(dir_, {"--ec-storage-path", cache.string(), "--ec-storage-max-bytes", std::to_string(budget),
+                                "--ec-storage-min-age", "0"});  // the files were just written: no protection, to evict
     ASSERT_GT(server.port(), 0);
     EXPECT_EQ(metric(get_metrics(server.port()), "fovea_ec_cache_files"), 2);
     auto cli = client(server.port());
@@ -790,6 +794,118 @@ TEST_F(Serve, ChatCompletionsIsVllmsEncodeInstance) {
   EXPECT_EQ(json::parse(r->body)["model"], "Qwen/Qwen3-VL-8B-Instruct");
   named["model"] = "synthetic:tiny";
   EXPECT_EQ(error_of(other->Post("/v1/encode", named.dump(), "application/json")).status, 404);
+}
+
+// Items by URL, as vLLM's encode instance takes them, opt-in: file:// only below
+// --allowed-local-media-path (no way out by "..", a symlink or a percent-escape), http(s):// only
+// from --allowed-media-domains, here a loopback server (so with --allow-private-media-urls), each
+// redirect checked again, sizes and times bounded; every failure a 400 naming the item and the URL.
+// A URL item's key is the sha256 of the URL string, as the proxy's; its file is written under it.
+TEST_F(Serve, UrlItemsAreReadOnlyWhereAllowed) {
+  const fs::path media = dir_ / "media", outside = dir_ / "outside.png", cache = dir_ / "ec-urls";
+  fs::remove_all(media);
+  fs::remove_all(cache);
+  fs::create_directories(media / "sub");
+  const TestImage& a = image(0);
+  std::ofstream(media / "sub" / "a b.png", std::ios::binary) << a.bytes;
+  std::ofstream(outside, std::ios::binary) << a.bytes;
+  fs::create_symlink(outside, media / "out-link.png");
+  fs::create_symlink("sub/a b.png", media / "in-link.png");             // relative, staying inside: followed
+  fs::create_symlink(media / "sub" / "a b.png", media / "abs-link.png");  // absolute: never followed
+  ::mkfifo((media / "fifo.png").c_str(), 0600);
+  std::ofstream(media / "big.png", std::ios::binary) << std::string(300 << 10, 'x');
+
+  httplib::Server web;  // the loopback HTTP server
+  web.Get("/a.png", [&](const httplib::Request&, httplib::Response& res) { res.set_content(a.bytes, "image/png"); });
+  web.Get("/hop/(\\d+)", [&](const httplib::Request& q, httplib::Response& res) {
+    const int n = std::stoi(q.matches[1]);
+    res.set_redirect(n == 0 ? "/a.png" : "/hop/" + std::to_string(n - 1));
+  });
+  int port = 0;
+  web.Get("/away", [&](const httplib::Request&, httplib::Response& res) {  // to a host not allowed
+    res.set_redirect("http://localhost:" + std::to_string(port) + "/a.png");
+  });
+  web.Get("/big", [&](const httplib::Request&, httplib::Response& res) { res.set_content(std::string(300 << 10, 'x'), "image/png"); });
+  web.Get("/slow", [&](const httplib::Request&, httplib::Response& res) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(2500));
+    res.set_content(a.bytes, "image/png");
+  });
+  port = web.bind_to_any_port("127.0.0.1");
+  ASSERT_GT(port, 0);
+  std::thread serving([&] { web.listen_after_bind(); });
+  struct Stop {
+    httplib::Server& web;
+    std::thread& serving;
+    ~Stop() {
+      web.stop();
+      serving.join();
+    }
+  } stop{web, serving};
+  const std::string site = "http://127.0.0.1:" + std::to_string(port);
+
+  ServerProcess server(dir_, {"--ec-storage-path", cache.string(), "--allowed-local-media-path", media.string(),
+                              "--allowed-media-domains", "127.0.0.1", "--allow-private-media-urls",
+                              "--media-fetch-timeout", "1", "--max-body-bytes", std::to_string(256 << 10)});
+  ASSERT_GT(server.port(), 0);
+  auto cli = client(server.port());
+  const auto chat = [&](const std::string& url) {
+    const json part = {{"type", "image_url"}, {"image_url", {{"url", url}}}};
+    const json body = {{"messages", {{{"role", "user"}, {"content", {part}}}}}};
+    return cli->Post("/v1/chat/completions", body.dump(), "application/json");
+  };
+  const auto key_of = [](const std::string& url) {
+    return fovea::sha256_hex({reinterpret_cast<const uint8_t*>(url.data()), url.size()});
+  };
+  for (const std::string& url : {"file://" + (media / "sub" / "a%20b.png").string(), "file://" + (media / "in-link.png").string(),
+                                 "file://localhost" + (media / "sub" / ".." / "sub" / "a%20b.png").string(),
+                                 site + "/a.png", site + "/hop/3"}) {
+    const auto r = chat(url);
+    ASSERT_TRUE(r && r->status == 200) << url << ": " << (r ? r->body : "no reply");
+    EXPECT_EQ(json::parse(r->body)["ec_transfer_params"][key_of(url)]["metadata"]["image_grid_thw"], json(a.grid)) << url;
+    EXPECT_TRUE(fs::exists(cache / key_of(url) / "encoder_cache.safetensors")) << url;
+  }
+  // /v1/encode takes them too, and its embeddings are the inline image's.
+  const json enc = {{"images", {site + "/a.png"}}, {"return_embeddings", true}};
+  auto r = cli->Post("/v1/encode", enc.dump(), "application/json");
+  ASSERT_TRUE(r && r->status == 200) << (r ? r->body : "no reply");
+  EXPECT_LE(max_rel_error(bf16_values(json::parse(r->body)["data"][0]["embeddings"]), a.embeddings), kBf16Ulp);
+  for (const auto& [url, says] : std::vector<std::pair<std::string, std::string>>{
+           {"file://" + (media / ".." / "outside.png").string(), "leads out"},
+           {"file://" + (media / "out-link.png").string(), "leads out"},
+           {"file://" + (media / "abs-link.png").string(), "absolute symlink"},
+           {"file://" + outside.string(), "not below --allowed-local-media-path"},
+           {"file://" + (media / "sub" / "a%00b.png").string(), "file:///absolute/path"},
+           {"file://" + (media / "missing.png").string(), "no such file"},
+           {"file://" + (media / "fifo.png").string(), "not a regular file"},
+           {"file://" + (media / "sub").string(), "not a regular file"},
+           {"file://" + (media / "big.png").string(), "--max-body-bytes"},
+           {"file://other-host" + (media / "sub" / "a%20b.png").string(), "file:///absolute/path"},
+           {site + "/nothing", "HTTP 404"},
+           {site + "/hop/9", "more than 5 redirects"},
+           {site + "/big", "--max-body-bytes"},
+           {site + "/slow", "--media-fetch-timeout"},
+           {"http://localhost:" + std::to_string(port) + "/a.png", "not in --allowed-media-domains"},
+           {site + "/away", "not in --allowed-media-domains"},
+           {"ftp://127.0.0.1/a.png", "not a URL fovea reads"}}) {
+    const ErrorReply e = error_of(chat(url));
+    EXPECT_EQ(e.status, 400) << url << ": " << e.message;
+    EXPECT_EQ(e.code, "invalid_url") << url;
+    EXPECT_NE(e.message.find(says), std::string::npos) << url << ": " << e.message;
+    EXPECT_NE(e.message.find("messages[0].content[0]"), std::string::npos) << e.message;
+  }
+  EXPECT_EQ(server.stop(SIGTERM), 0) << server.err();
+  {  // without the flags nothing is read; public-only fetching refuses the loopback server
+    ServerProcess plain(dir_, {"--ec-storage-path", cache.string(), "--allowed-media-domains", "*"});
+    ASSERT_GT(plain.port(), 0);
+    cli = client(plain.port());
+    EXPECT_NE(error_of(chat("file://" + (media / "in-link.png").string())).message.find("--allowed-local-media-path"),
+              std::string::npos);
+    const ErrorReply e = error_of(chat(site + "/a.png"));
+    EXPECT_EQ(e.code, "invalid_url");
+    EXPECT_NE(e.message.find("loopback or private"), std::string::npos) << e.message;
+    EXPECT_NE(error_of(chat("http://169.254.169.254/latest/meta-data")).message.find("link-local"), std::string::npos);
+    EXPECT_EQ(plain.stop(SIGTERM), 0);
+  }
 }
 
 TEST_F(Serve, SafetensorsReplyIsBf16UnlessFloatIsAsked) {
@@ -993,7 +1109,8 @@ TEST_F(Serve, BadRequestsGetTheRight4xxAndTheServerKeepsServing) {
       {"number as image", with({42}), 400, "invalid_image", "images[0]: expected a data URL or base64 string"},
       {"clip over --max-video-seconds", with({good, b64(clip)}), 400, "invalid_video",
        "video 'images[1]': over 24 frames at 12 fps, longer than the limit of 2 s (--max-video-seconds)"},
-      {"remote URL", with({"https://example.com/cat.png"}), 400, "invalid_image", "not fetched"},
+      {"remote URL", with({"https://example.com/cat.png"}), 400, "invalid_url", "--allowed-media-domains"},
+      {"file URL", with({"file:///etc/passwd"}), 400, "invalid_url", "--allowed-local-media-path"},
       {"text content part", with({{{"type", "text"}, {"text", "hi"}}}), 400, "invalid_image", "image_url"},
       {"bad encoding", json{{"images", {good}}, {"encoding", "hex"}}.dump(), 400, "invalid_request", "\"encoding\""},
       {"unknown field", json{{"images", {good}}, {"return_deepstacks", true}}.dump(), 400, "invalid_request",

@@ -15,7 +15,8 @@
 #              then fovea's preprocessing against them (test-processor-golden, from the build of FOVEA)
 #   ec-cache   fovea fills vLLM's encoder cache for three photographs (FullHD budget, BF16 then FP8);
 #              tools/ec-cache-vllm.py loads each file as vLLM's ECExampleConnector does, splits it as
-#              vLLM's Qwen3-VL model does, and compares every part with transformers
+#              vLLM's Qwen3-VL model does, and compares every part with transformers; then the same
+#              through `fovea serve`'s POST /v1/chat/completions, posted as vLLM's EPD proxy posts them
 # Nothing in the tree is written: golden files made here come back in $OUT/golden.tar. Exit 0 when
 # every check passes. Environment: PARTS, PHOTOS (default data/photos: tools/fetch-photos.sh), and
 # FOVEA, FOVEA_BUILD, CUDNN_LIB, OUT, PYTHON (scripts/lib-gpu.sh).
@@ -107,6 +108,24 @@ if [[ $PARTS == *ec-cache* ]]; then
     "$FOVEA" encode "$M" "${imgs[@]}" --ec-storage-path "$C" --max-pixels 2073600 --mm-encoder-attn-dtype $dt 2>&1 | tail -3
     "$FOVEA" encode "$M" "${imgs[@]}" --ec-storage-path "$C" --max-pixels 2073600 --mm-encoder-attn-dtype $dt 2>&1 | tail -1
     check "ec-cache $dt" timeout 600 $PY tools/ec-cache-vllm.py --model "$M" --cache "$C" --max-pixels 2073600 "${imgs[@]}"
+    echo "-- fovea serve as vLLM's encode instance, $dt: the images posted as the EPD proxy posts them"
+    C=$WORK/ec-chat-$dt
+    "$FOVEA" serve "$M" --port 0 --ec-storage-path "$C" --max-pixels 2073600 --mm-encoder-attn-dtype $dt \
+      >"$OUT/serve-ec-$dt.log" 2>&1 &
+    spid=$!
+    port=""
+    for _ in $(seq 1 600); do
+      port=$(sed -n 's/.*listening on http:\/\/[^ ]*:\([0-9]*\).*/\1/p' "$OUT/serve-ec-$dt.log" | head -1)
+      [ -n "$port" ] || ! kill -0 $spid 2>/dev/null && break
+      sleep 0.5
+    done
+    if [ -n "$port" ]; then
+      check "ec-cache via chat $dt" timeout 600 $PY tools/ec-cache-vllm.py --model "$M" --cache "$C" --max-pixels 2073600 \
+        --via-chat "http://127.0.0.1:$port" "${imgs[@]}"
+    else
+      echo "   fovea serve did not start (log: $OUT/serve-ec-$dt.log)"; failed+=("ec-cache via chat $dt (no server)")
+    fi
+    kill $spid 2>/dev/null; wait $spid 2>/dev/null
   done
 fi
 

@@ -3,8 +3,14 @@
 
     python3 tools/ec-cache-vllm.py --model CHECKPOINT --cache DIR [--max-pixels N] IMAGE...
 
+    python3 tools/ec-cache-vllm.py --model CHECKPOINT --cache DIR --via-chat http://HOST:PORT IMAGE...
+
 For each image file (cached by `fovea encode CHECKPOINT IMAGE... --ec-storage-path DIR`, keys
---uuid-from sha256, the default):
+--uuid-from sha256, the default; or, with --via-chat, by a running `fovea serve CHECKPOINT
+--ec-storage-path DIR`, to which the images are first posted as vLLM's EPD proxy posts them: one
+POST /v1/chat/completions holding every image as a data URL whose "uuid" is the sha256 of that URL
+string, the reply's ec_transfer_params checked for each image's key, grid and position, and the
+file then looked up under that key):
   - the file is loaded as vLLM's ECExampleConnector loads it:
     safetensors.torch.load_file(DIR/<sha256>/encoder_cache.safetensors, device="cuda")["ec_cache"];
   - it is split as vLLM's Qwen3-VL model splits it: torch.split(x, [O, O * k], dim=-1), then the
@@ -17,10 +23,12 @@ ratio; the grid and the shape must match exactly. Exit 1 if any ratio passes --m
 the encoder conformance test's bound) or any shape or grid differs.
 """
 import argparse
+import base64
 import hashlib
 import json
 import os
 import sys
+import urllib.request
 
 import torch
 import transformers
@@ -47,6 +55,33 @@ def outputs(model, pixels, grid):
     return [got[k] for k in sorted(got)]
 
 
+MIME = {".jpg": "image/jpeg", ".jpeg": "image/jpeg", ".png": "image/png", ".webp": "image/webp", ".gif": "image/gif"}
+
+
+def data_url(path):
+    with open(path, "rb") as f:
+        payload = base64.b64encode(f.read()).decode()
+    return f"data:{MIME[os.path.splitext(path)[1].lower()]};base64,{payload}"
+
+
+def post_as_proxy(server, paths):
+    """One encode-instance request as vLLM's EPD proxy sends it; returns {path: key} and the reply's
+    ec_transfer_params (entries checked against the keys and positions)."""
+    urls = [data_url(p) for p in paths]
+    keys = [hashlib.sha256(u.encode()).hexdigest() for u in urls]
+    parts = [{"type": "image_url", "image_url": {"url": u}, "uuid": k} for u, k in zip(urls, keys)]
+    body = json.dumps({"model": None, "messages": [{"role": "user", "content": parts}], "stream": False}).encode()
+    req = urllib.request.Request(server.rstrip("/") + "/v1/chat/completions", data=body,
+                                 headers={"Content-Type": "application/json", "x-request-id": "conformance:0:000000"})
+    with urllib.request.urlopen(req, timeout=600) as r:
+        reply = json.loads(r.read())
+    params = reply.get("ec_transfer_params") or {}
+    for i, k in enumerate(keys):
+        if k not in params or i not in params[k].get("item_indices", []):
+            raise SystemExit(f"ec-cache-vllm: the reply has no entry for {paths[i]} (key {k[:12]}...) at position {i}")
+    return dict(zip(paths, keys)), params
+
+
 def rel_l2(a, ref):
     return ((a.float() - ref).norm() / ref.norm()).item()
 
@@ -58,6 +93,8 @@ def main():
     ap.add_argument("--min-pixels", type=int, default=0, help="0: the checkpoint's")
     ap.add_argument("--max-pixels", type=int, default=0, help="0: the checkpoint's")
     ap.add_argument("--max-ratio", type=float, default=1.5)
+    ap.add_argument("--via-chat", metavar="URL",
+                    help="a fovea serve writing DIR: post the images to its POST /v1/chat/completions first")
     ap.add_argument("images", nargs="+")
     a = ap.parse_args()
     with open(os.path.join(a.model, "config.json")) as f:
@@ -90,9 +127,10 @@ def main():
     print(f"transformers {transformers.__version__}, torch {torch.__version__}, processor {type(proc).__name__}, "
           f"out_hidden {O}, deepstack {k}")
     bad = 0
+    chat_keys, params = post_as_proxy(a.via_chat, a.images) if a.via_chat else ({}, {})
     for path in a.images:
         with open(path, "rb") as f:
-            key = hashlib.sha256(f.read()).hexdigest()
+            key = chat_keys.get(path) or hashlib.sha256(f.read()).hexdigest()
         file = os.path.join(a.cache, key, "encoder_cache.safetensors")
         x = load_file(file, device="cuda")["ec_cache"]  # as ECExampleConnector loads it
         merged, multiscale = torch.split(x, [O, O * k], dim=-1)  # as vLLM's Qwen3-VL splits it
@@ -103,6 +141,8 @@ def main():
         hf16 = outputs(model_bf16, enc["pixel_values"].cuda().to(torch.bfloat16), grid)
         tokens = int(grid.prod().item()) // 4
         shape_ok = x.dtype == torch.bfloat16 and tuple(x.shape) == (tokens, O * (1 + k))
+        if params:  # the grid the proxy would put in the image_embeds part sizes the consumer's placeholder
+            shape_ok = shape_ok and params[key]["metadata"]["image_grid_thw"] == grid.tolist()[0]
         print(f"{os.path.basename(path)}: key {key[:12]}..., ec_cache {x.dtype} {tuple(x.shape)}, "
               f"grid {grid.tolist()[0]}, {tokens} tokens: {'shape ok' if shape_ok else 'SHAPE MISMATCH'}")
         bad += not shape_ok

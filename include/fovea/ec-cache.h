@@ -9,6 +9,30 @@
 // what it wrote within a byte budget, evicting the least recently written or read first; files it
 // did not write are counted and never deleted. The state is rebuilt from the folder when it opens.
 //
+// Eviction rule. vLLM's consumer checks a file's existence when its scheduler takes the request and
+// loads it later in a worker (after the proxy's round trip, prefill and its queue), so an entry
+// fovea wrote or found (a hit) less than `min_age` ago is young and never evicted. Age counts from
+// the end of the last write or from the last hit (lookup(), which precedes the reply by at most the
+// request's own time), on the steady clock; an entry found by the start-up scan counts from its
+// mtime (stamped at each write and hit) against the wall clock, a future mtime as now. A store
+// builds its file in memory first, so its exact size is known, then decides under the lock, before
+// writing anything:
+//   - fovea's files (the key's current file excepted: it is replaced), the stores in flight and
+//     this one fit the budget: it writes;
+//   - else, if evicting old entries can make them fit, or nothing but old entries is there besides
+//     the new one (a lone entry bigger than the whole budget is still stored): it evicts old entries,
+//     least recently used first, only as many as needed, then writes;
+//   - else (young entries, stores in flight or entries another store is replacing hold so much that
+//     this one cannot fit): it throws EcCacheFull, having written and evicted nothing. Old entries
+//     stay: evicting them for a store that does not happen would only lose hits, and the next store
+//     that fits takes them.
+// A store's bytes stay reserved from that decision until its file is in place, and the key it
+// writes is never evicted meanwhile, so concurrent stores never overshoot together. Old entries
+// evicted for a store whose write then fails (a full disk) stay evicted: they were the next to go.
+// Refused stores, young entries that plain LRU would have evicted, fovea's files found gone or
+// replaced by another writer, and failed loads are counted (Stats). With min_age 0 nothing is young
+// and the rule is plain LRU.
+//
 // The folder is a trust boundary: it is shared (vLLM, other hosts), so anything below DIR may have
 // been planted. DIR is opened once (its own path may hold symlinks: the operator's choice) and every
 // entry is reached from that handle with no symlink followed below it (openat with O_NOFOLLOW,
@@ -19,14 +43,14 @@
 // writer's). Eviction deletes a file only after finding fovea's mark in it, read through a
 // descriptor of the file at that name.
 //
-// Accounting follows the folder, not only what this process did: a key whose file is found gone
-// (or no longer a regular file reached without symlinks) is dropped from the books by whatever
-// operation looks at it: lookup() of that key, eviction of it, and a full re-check (per entry: its
-// folder opened without following, one fstatat; linear in the entries, under the lock) that
-// stats() and eviction (before deciding anything, once over the budget) run at most once a second,
-// so files deleted by others free the budget before any of fovea's is evicted. The re-check also
-// takes each of fovea's files at its current size. So stats() counts a file that is gone for at
-// most a second.
+// Accounting follows the folder, not only what this process did: a key whose file is found gone (or
+// no longer a regular file reached without symlinks) is dropped from the books by whatever
+// operation looks at it: lookup() or a failed load() of that key, eviction of it, and a full
+// re-check (per entry: its folder opened without following, one fstatat; linear in the entries,
+// under the lock) that stats() and eviction (before deciding anything, once over the budget) run at
+// most once a second, so files deleted by others free the budget before any of fovea's is evicted.
+// The re-check also takes each of fovea's files at its current size. So stats() counts a file that
+// is gone for at most a second.
 #pragma once
 #include <cstdint>
 #include <map>
@@ -37,10 +61,18 @@
 #include <unordered_set>
 #include <vector>
 
+#include "fovea/error.h"
 #include "fovea/model.h"
 #include "fovea/pipeline.h"
 
 namespace fovea {
+
+// A store refused because young entries (see the eviction rule) fill the byte budget: nothing was
+// written. The caller may retry later, when they have aged.
+class EcCacheFull : public Error {
+ public:
+  using Error::Error;
+};
 
 inline constexpr const char* kEcCacheFile = "encoder_cache.safetensors";
 inline constexpr const char* kEcCacheTensor = "ec_cache";
@@ -52,6 +84,9 @@ std::string ec_key_problem(std::string_view key);
 // One input's rows as the consumer loads them: [tokens, out_hidden * (1 + k)] bf16 bits, the
 // merger's output then each deepstack output, row by row.
 std::vector<uint16_t> ec_cache_rows(const Bf16Rows& t, int out_hidden);
+
+// Throws fovea::Error naming --ec-storage-min-age unless `seconds` is finite and not negative.
+void check_ec_min_age(double seconds);
 
 // An entry read back, in the engine's layout: `rows` views `values` (merged [tokens, out_hidden],
 // then each deepstack output asked for). Moving it keeps the views valid; copying is not allowed.
@@ -68,11 +103,13 @@ struct EcEntry {
 class EcCache {
  public:
   // Opens the cache in `dir` (created if missing) holding at most `max_bytes` of fovea's files (0:
-  // no bound). Reads the folder: fovea's files, ordered by when they were last written or read
+  // no bound), never evicting one used less than `min_age_s` seconds ago (0: no protection; see the
+  // eviction rule). Reads the folder: fovea's files, ordered by when they were last written or read
   // (their mtime); other files, counted only; fovea's temporary files older than ten minutes (a
-  // crash's leftovers) are removed; symlinks are skipped, never followed. Throws fovea::Error if
-  // the folder cannot be made, opened or read.
-  EcCache(std::string dir, int64_t max_bytes);
+  // crash's leftovers) are removed; symlinks are skipped, never followed; then evicts old entries
+  // down to the budget (young ones stay, even over it). Throws fovea::Error if the folder cannot be
+  // made, opened or read, or for a negative or non-finite min_age_s.
+  EcCache(std::string dir, int64_t max_bytes, double min_age_s = 0);
   ~EcCache();
   EcCache(const EcCache&) = delete;
   EcCache& operator=(const EcCache&) = delete;
@@ -85,15 +122,19 @@ class EcCache {
   // one of fovea's marks it read (its mtime too, so the order survives a restart). Counts hits and
   // misses.
   bool lookup(const std::string& key);
-  // Writes one input's entry (replacing a regular file there), then evicts fovea's least recently
-  // used entries until what it holds fits the budget; the new entry stays even if it alone does not
-  // fit. Throws fovea::Error naming the path and the problem (a full disk, a symlinked key or file,
-  // a key that is not a folder); a failed store leaves no temporary file, and removes the <key>
-  // folder if it made it (and nothing else has been put there).
+  // Writes one input's entry (replacing a regular file there), after evicting as many of fovea's
+  // least recently used old entries as the budget needs (the eviction rule); the new entry stays
+  // even if it alone does not fit. Throws EcCacheFull, having written and evicted nothing, when
+  // young entries keep the budget from fitting it; fovea::Error naming the path and the problem (a
+  // full disk, a symlinked key or file, a key that is not a folder); a failed store leaves no
+  // temporary file, and removes the <key> folder if it made it (and nothing else has been put
+  // there).
   void store(const std::string& key, const Bf16Rows& t, const qwen3vl::GridThw& grid, const qwen3vl::VisionConfig& c);
   // An entry read back and checked (the one tensor "ec_cache", BF16, [tokens of grid, out_hidden x
   // (1 + deepstack outputs)]), cut into the merger output and, if asked for, the deepstack outputs.
-  // Throws fovea::Error for a missing, symlinked or malformed entry.
+  // Throws fovea::Error for a missing, symlinked or malformed entry (counted: load_failures; the
+  // caller encodes again). A file of fovea's found gone, or read back without fovea's mark, leaves
+  // its books (vanished).
   EcEntry load(const std::string& key, const qwen3vl::GridThw& grid, const qwen3vl::VisionConfig& c,
                bool with_deepstack = true) const;
 
@@ -101,6 +142,12 @@ class EcCache {
     int64_t bytes = 0, files = 0;  // fovea's files
     int64_t foreign_files = 0;     // files it found and did not write
     uint64_t hits = 0, misses = 0, writes = 0, evictions = 0;
+    uint64_t refused = 0;        // stores refused with EcCacheFull
+    uint64_t vanished = 0;       // fovea's files found gone or replaced by another writer, once each
+    uint64_t load_failures = 0;  // load() calls that threw
+    // Entries plain LRU would have evicted (to fit a store, or at start-up) but that were kept as
+    // young: per entry, per store refused or eviction pass.
+    uint64_t young_kept = 0;
   };
   // Re-checks every entry it counts first (see the accounting rule above).
   Stats stats() const;
@@ -111,15 +158,16 @@ class EcCache {
   struct Book {
     struct Entry {
       int64_t bytes = 0;
-      uint64_t tick = 0;  // recency: larger is more recent
+      uint64_t tick = 0;    // recency: larger is more recent
+      int64_t used_ns = 0;  // steady clock, of the last write or hit (young entries: min_age_)
     };
     std::unordered_map<std::string, Entry> own;  // fovea's files
     std::map<uint64_t, std::string> by_age;       // tick -> key, oldest first
     std::unordered_set<std::string> foreign;      // other writers' files
     int64_t bytes = 0;                            // of fovea's files
     uint64_t tick = 0;
-    void add(const std::string& key, int64_t bytes);  // as the most recently used
-    void touch(const std::string& key);                // the most recently used now
+    void add(const std::string& key, int64_t bytes, int64_t used_ns);  // as the most recently used
+    void touch(const std::string& key, int64_t used_ns);                // the most recently used now
     void forget(const std::string& key);               // whoever's it was
   };
 
@@ -130,8 +178,20 @@ class EcCache {
   void scan();                                             // the constructor's reading of the folder
   void scan_key(const std::string& key, std::vector<Found>& found);
   void recheck() const;                                    // with mu_ held: the accounting rule's re-check
-  void evict_over_budget(const std::string& keep);         // with mu_ held
+  // With mu_ held: what fovea's files would hold with `size` bytes written as `key` (its file now
+  // replaced) beside the stores in flight.
+  int64_t held_with(const std::string& key, int64_t size) const;
+  bool young(const Book::Entry& e, int64_t now_ns) const { return now_ns - e.used_ns < min_age_ns_; }
+  int64_t kept_bytes(const std::string& key) const;        // with mu_ held: what no eviction frees
+  void make_room(const std::string& key, int64_t size);    // with mu_ held: the eviction rule's decision
+  uint64_t evict_for(const std::string& key, int64_t size, bool dry);  // with mu_ held
+  [[noreturn]] void refuse(const std::string& key, int64_t size, int64_t kept);  // with mu_ held
   void evict(const std::string& key);                      // with mu_ held: one entry, if still fovea's
+  void forget_vanished(const std::string& key) const;      // with mu_ held: one of fovea's found gone
+  void note_load(const std::string& key, bool loaded, bool marked) const;  // the books after a load
+  // load() without the counting; *marked: whether the file carries fovea's mark.
+  EcEntry read_back(const std::string& key, const qwen3vl::GridThw& grid, const qwen3vl::VisionConfig& c,
+                    bool with_deepstack, bool* marked) const;
   // With mu_ held: sets the modification time of the file in `folder_fd` to now, strictly later than
   // any time this cache set before, so the recency order survives a restart even where the clock is
   // coarse.
@@ -139,13 +199,16 @@ class EcCache {
 
   const std::string dir_;
   const int64_t max_bytes_;
+  const int64_t min_age_ns_;  // entries used more recently are young: never evicted
   const int dir_fd_;  // DIR, opened once; everything below it is reached from here
   mutable std::mutex mu_;
   mutable Book book_;
   int64_t last_stamp_ns_ = 0;  // the latest modification time stamp() set or found
   static constexpr int64_t kRecheckNs = 1'000'000'000;  // re-checks at most once a second
   mutable int64_t last_recheck_ns_ = 0;                  // steady clock, of the last re-check
-  Stats stats_;                // the counters (bytes and files are the book's)
+  int64_t pending_bytes_ = 0;  // reserved by stores between their decision and their file in place
+  std::unordered_map<std::string, int> writing_;  // their keys (stores of each): never evicted meanwhile
+  mutable Stats stats_;        // the counters (bytes and files are the book's); load() counts too
 };
 
 }  // namespace fovea

@@ -16,6 +16,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "fovea/engine.h"
 #include "fovea/image.h"
@@ -59,10 +60,25 @@ struct ServeOptions {
   int64_t max_decode_bytes = int64_t(2) << 30;  // images being decoded and preprocessed; more wait
   std::string ec_storage_path;                  // vLLM's encoder cache folder (fovea/ec-cache.h); "" = none
   int64_t ec_storage_max_bytes = 0;             // bound on fovea's files there (0: none)
+  double ec_storage_min_age_s = 300;            // files used more recently are never evicted (0: none)
+  // Items given by URL (server/media-url.h): file:// below this folder ("" = none, vLLM's flag);
+  // http(s):// from these hosts (vLLM's flag; "*" = any; none = no fetching), public addresses only
+  // unless allow_private_media_urls; each fetch within media_fetch_timeout_s.
+  std::string allowed_local_media_path;
+  std::vector<std::string> allowed_media_domains;
+  bool allow_private_media_urls = false;
+  double media_fetch_timeout_s = 30;
   std::string devices;  // --devices 0,1,... | all: one encoder replica per GPU ("": one, on GPU 0)
   int workers = 1;      // --workers N: encoder replicas on the CPU (--device cpu)
   EngineOptions engine;
 };
+
+// Whether this build fetches http(s) media URLs (libcurl was found at build time).
+bool http_media_supported();
+
+// The key vLLM's EPD proxy gives an item sent as a data URL: the sha256 (hex) of
+// "data:<media_type>;base64,<bytes in standard base64>", the string it hashes.
+std::string data_url_key(const std::string& media_type, const std::vector<uint8_t>& bytes);
 
 // Runs the server until SIGINT or SIGTERM; returns the exit code. Startup errors (options, model,
 // engine, port) throw fovea::Error.

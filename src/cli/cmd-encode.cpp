@@ -5,6 +5,7 @@
 // fp32 with --output-dtype f32); this command prints tokens and per-stage times and writes the file.
 // Unreadable inputs are reported and skipped; the exit code says whether any failed.
 #include <algorithm>
+#include <cstring>
 #include <filesystem>
 #include <future>
 #include <map>
@@ -18,6 +19,7 @@
 #include "fovea/error.h"
 #include "fovea/pipeline.h"
 #include "fovea/safetensors.h"
+#include "fovea/serve.h"
 #include "fovea/sha256.h"
 
 namespace fovea::cli {
@@ -31,7 +33,8 @@ struct Args {
   std::string output_dtype = "bf16";
   std::string ec_path;              // --ec-storage-path: fill vLLM's encoder cache instead of -o
   int64_t ec_max_bytes = 0;         // --ec-storage-max-bytes (0: no bound)
-  std::string uuid_from = "sha256";  // --uuid-from: sha256 (of the file's bytes) or filename
+  double ec_min_age_s = 300;        // --ec-storage-min-age (0: no protection)
+  std::string uuid_from = "sha256";  // --uuid-from: sha256, filename, data-url or file-url (cache_key)
   int64_t max_batch_tokens = 16384;  // visual tokens per forward when filling the cache
   image::PreprocessOverrides preprocess;  // 0: the checkpoint's preprocessor_config.json
   video::VideoOverrides video;           // 0: the checkpoint's video_preprocessor_config.json
@@ -72,12 +75,43 @@ std::vector<PreparedInput> prepare_files(const std::vector<std::string>& paths, 
   return out;
 }
 
-// --ec-storage-path: each input's key, the sha256 of the file's bytes or its file name; "" for an
-// input reported as failed.
+// The media type a client names a file by in its data URL: Python's mimetypes.guess_type for the
+// extension ("" if it is not one of these).
+std::string media_type_of(const std::filesystem::path& p) {
+  static const std::map<std::string, std::string> types = {
+      {".jpg", "image/jpeg"},  {".jpeg", "image/jpeg"},      {".png", "image/png"},         {".gif", "image/gif"},
+      {".webp", "image/webp"}, {".bmp", "image/bmp"},        {".tif", "image/tiff"},        {".tiff", "image/tiff"},
+      {".mp4", "video/mp4"},   {".mov", "video/quicktime"},  {".webm", "video/webm"},       {".avi", "video/x-msvideo"},
+      {".mkv", "video/x-matroska"}};
+  std::string ext = p.extension().string();
+  for (char& ch : ext) ch = char(std::tolower(static_cast<unsigned char>(ch)));
+  const auto it = types.find(ext);
+  return it == types.end() ? "" : it->second;
+}
+
+// "file://" and the absolute path, percent-encoded as Python's pathlib.Path.as_uri() writes it
+// (letters, digits, "_.-~/" kept).
+std::string file_url(const std::filesystem::path& p) {
+  std::string out = "file://";
+  for (const char ch : std::filesystem::absolute(p).string()) {
+    const auto u = static_cast<unsigned char>(ch);
+    if (std::isalnum(u) || std::strchr("_.-~/", ch)) out += ch;
+    else out += fmt::format("%{:02X}", u);
+  }
+  return out;
+}
+
+// --ec-storage-path: each input's key (--uuid-from): the sha256 of the file's bytes; its file name;
+// or the sha256 of the URL a client sends for it, which vLLM's EPD proxy takes as the key: a data URL
+// of the file (data-url) or its file:// URL (file-url, for a server with --allowed-local-media-path).
 std::string cache_key(const Args& a, size_t i, const InputConfig& in) {
-  if (a.uuid_from == "filename") return std::filesystem::path(a.images[i]).filename().string();
+  const std::filesystem::path path(a.images[i]);
+  if (a.uuid_from == "filename") return path.filename().string();
+  const auto hash = [](const std::string& s) { return sha256_hex({reinterpret_cast<const uint8_t*>(s.data()), s.size()}); };
+  if (a.uuid_from == "file-url") return hash(file_url(path));
   const std::vector<uint8_t> bytes = read_input(a.images[i], in);
-  return sha256_hex(bytes);
+  if (a.uuid_from == "sha256") return sha256_hex(bytes);
+  return server::data_url_key(media_type_of(path), bytes);  // a known type: fill_ec_cache checked
 }
 
 struct CacheWork {
@@ -167,13 +201,18 @@ void encode_group(const Args& a, EncoderRunner& runner, const qwen3vl::VisionCon
 // the current one runs), packed into forwards of at most --max-batch-tokens and written as each
 // forward ends.
 int fill_ec_cache(const Args& a, const EngineConfig& cfg) {
-  if (a.uuid_from != "sha256" && a.uuid_from != "filename")
-    fail("encode: --uuid-from: '{}' is not one of sha256, filename", a.uuid_from);
+  if (a.uuid_from != "sha256" && a.uuid_from != "filename" && a.uuid_from != "data-url" && a.uuid_from != "file-url")
+    fail("encode: --uuid-from: '{}' is not one of sha256, filename, data-url, file-url", a.uuid_from);
+  for (const std::string& p : a.images)
+    if (a.uuid_from == "data-url" && media_type_of(p).empty())
+      fail("encode: --uuid-from data-url: input '{}': its data URL's media type comes from its extension, and '{}' is "
+           "not one it knows (.jpg .jpeg .png .gif .webp .bmp .tif .tiff .mp4 .mov .webm .avi .mkv)",
+           p, std::filesystem::path(p).extension().string());
   if (!a.out.empty()) fail("encode: -o and --ec-storage-path are two different outputs; give one of them");
   if (a.max_batch_tokens < 1) fail("encode: --max-batch-tokens must be at least 1, not {}", a.max_batch_tokens);
   const auto t0 = Clock::now();
   const InputConfig in = load_input_config(a.model, a.preprocess, a.video);
-  EcCache cache(a.ec_path, a.ec_max_bytes);
+  EcCache cache(a.ec_path, a.ec_max_bytes, a.ec_min_age_s);
   CacheWork w = plan_cache_fill(a, cache, in);
   fmt::print(stderr, "encoder cache {}: {} inputs, {} already there, {} repeated, {} to encode\n", a.ec_path,
              a.images.size(), w.cached, w.repeated, w.todo.size());
@@ -315,8 +354,17 @@ void add_encode(CLI::App& app, Runner& runner) {
   cmd->add_option("--ec-storage-max-bytes", a->ec_max_bytes,
                   "bound the bytes of the cache files fovea wrote there, least recently used first (0: none)")
       ->capture_default_str();
+  cmd->add_option("--ec-storage-min-age", a->ec_min_age_s,
+                  "seconds a cache file fovea wrote or found (a hit) is kept from eviction after that use: vLLM checks the "
+                  "file when it schedules the request and reads it later, and the proxy's round trip, prefill and the "
+                  "consumer's queue happen in between; filling past --ec-storage-max-bytes with younger files is an "
+                  "error, as their eviction would be (0: no protection)")
+      ->capture_default_str();
   cmd->add_option("--uuid-from", a->uuid_from,
-                  "each image's key (the uuid a client sends to vLLM): sha256 (hex, of the file's bytes) or filename")
+                  "each input's key, and who finds it: sha256 (of the file's bytes) or filename: a client that sends "
+                  "that as the part's uuid; data-url: vLLM's EPD proxy, for a client sending the file as "
+                  "data:<type by extension>;base64,<standard base64, no line breaks>; file-url: the proxy, for a client "
+                  "sending file://<absolute path, percent-encoded as Python's Path.as_uri()>")
       ->capture_default_str();
   cmd->add_option("--max-batch-tokens", a->max_batch_tokens, "visual tokens per forward when filling the cache")
       ->capture_default_str();

@@ -2,6 +2,7 @@
 #include <fmt/format.h>
 
 #include "cli/commands.h"
+#include "fovea/serve.h"
 #include "fovea/video.h"
 
 namespace fovea::cli {
@@ -25,6 +26,9 @@ void add_info(CLI::App& app, Runner& run) {
                                                  sys.cudnn_version / 100 % 100, sys.cudnn_version % 100)
                                    : "");
       fmt::print("video: {}\n", video::video_supported() ? "yes (" + video::ffmpeg_versions() + ")" : "no (built without FFmpeg's libraries)");
+      fmt::print("http media: {}\n", server::http_media_supported()
+                                         ? "yes (fovea serve --allowed-media-domains; libcurl)"
+                                         : "no (built without libcurl: fovea serve refuses http(s) URLs)");
       if (sys.gpus.empty()) fmt::print("GPUs: none ({})\n", sys.gpu_error);
       for (const auto& g : sys.gpus) {
         fmt::print("GPU {}: {}, sm_{}{}, {} SMs, {:.1f} GiB\n", g.index, g.name, g.cc_major, g.cc_minor, g.sms,

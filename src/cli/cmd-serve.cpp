@@ -1,9 +1,36 @@
 // fovea serve MODEL [--host 127.0.0.1] [--port 8000] [limits] [engine flags]: the HTTP encoder
 // service (src/server/). Runs until SIGINT or SIGTERM, then finishes the requests in flight.
 #include "cli/commands.h"
+#include "fovea/ec-cache.h"
 #include "fovea/serve.h"
 
 namespace fovea::cli {
+
+namespace {
+
+// vLLM's encoder cache (fovea/ec-cache.h): where, how many bytes, how long a used file is kept.
+void add_ec_storage_flags(CLI::App* cmd, server::ServeOptions& o) {
+  cmd->add_option("--ec-storage-path", o.ec_storage_path,
+                  "write each image's encoder outputs to vLLM's encoder cache in this folder (its ECExampleConnector's "
+                  "shared_storage_path): DIR/<uuid>/encoder_cache.safetensors; images already there are not encoded");
+  cmd->add_option("--ec-storage-max-bytes", o.ec_storage_max_bytes,
+                  "bound the bytes of the cache files fovea wrote there, least recently written or read first (0: none)")
+      ->capture_default_str();
+  cmd->add_option("--ec-storage-min-age", o.ec_storage_min_age_s,
+                  "seconds a cache file fovea wrote or found (a hit) is kept from eviction after that use: vLLM checks the "
+                  "file when it schedules the request and reads it later, and the proxy's round trip, prefill and the "
+                  "consumer's queue happen in between; a write that only younger files keep from fitting "
+                  "--ec-storage-max-bytes is refused (0: no protection)")
+      ->capture_default_str();
+}
+
+// The server, once the flags the parser cannot check are (before the model loads).
+int run_serve(const server::ServeOptions& o) {
+  check_ec_min_age(o.ec_storage_min_age_s);
+  return server::serve(o);
+}
+
+}  // namespace
 
 void add_serve(CLI::App& app, Runner& runner) {
   auto* cmd = app.add_subcommand("serve", "HTTP encoder service: POST /v1/encode, POST /v1/chat/completions (vLLM's encode instance), /health, /v1/models, /metrics");
@@ -26,11 +53,19 @@ void add_serve(CLI::App& app, Runner& runner) {
       ->capture_default_str();
   cmd->add_option("--max-images-per-request", o->max_images_per_request, "more images in one request are answered 400")
       ->capture_default_str();
-  cmd->add_option("--ec-storage-path", o->ec_storage_path,
-                  "write each image's encoder outputs to vLLM's encoder cache in this folder (its ECExampleConnector's "
-                  "shared_storage_path): DIR/<uuid>/encoder_cache.safetensors; images already there are not encoded");
-  cmd->add_option("--ec-storage-max-bytes", o->ec_storage_max_bytes,
-                  "bound the bytes of the cache files fovea wrote there, least recently written or read first (0: none)")
+  add_ec_storage_flags(cmd, *o);
+  cmd->add_option("--allowed-local-media-path", o->allowed_local_media_path,
+                  "read file:// image and video URLs, only below this folder (no escape by .. or symlinks), as vLLM's "
+                  "flag (default: file:// URLs are refused)");
+  cmd->add_option("--allowed-media-domains", o->allowed_media_domains,
+                  "fetch http(s):// image and video URLs from these hosts (comma-separated, exact names; * for any), "
+                  "as vLLM's flag; unlike vLLM, none given means no fetching")
+      ->delimiter(',');
+  cmd->add_flag("--allow-private-media-urls", o->allow_private_media_urls,
+                "let fetched URLs reach loopback and private addresses (10/8, 172.16/12, 192.168/16, fc00::/7, ...); "
+                "link-local ones, where cloud metadata services answer, are never fetched");
+  cmd->add_option("--media-fetch-timeout", o->media_fetch_timeout_s,
+                  "seconds one URL's fetch may take, redirects included (also bounded by --request-timeout)")
       ->capture_default_str();
   add_preprocess_flags(cmd, o->preprocess);
   add_video_flags(cmd, o->video);
@@ -71,7 +106,7 @@ void add_serve(CLI::App& app, Runner& runner) {
                   "sending), then stop accepting and finish the requests in flight")
       ->capture_default_str();
   add_engine_flags(cmd, o->engine);
-  cmd->callback([&runner, o] { runner = [o] { return server::serve(*o); }; });
+  cmd->callback([&runner, o] { runner = [o] { return run_serve(*o); }; });
 }
 
 }  // namespace fovea::cli

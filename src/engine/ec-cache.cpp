@@ -8,6 +8,8 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
+#include <cmath>
 #include <cstring>
 #include <ctime>
 #include <filesystem>
@@ -117,16 +119,17 @@ int names_in(int at, std::vector<std::string>& names) {
   }
 }
 
-// Whether the safetensors file open as `fd` (`st` its fstat) says fovea wrote it (its header's
-// __metadata__). A file that cannot be read as one, or with a header over 1 MiB, is not fovea's.
-bool written_by_fovea(int fd, const struct stat& st, const std::string& path) {
-  uint8_t len8[8];
-  if (!S_ISREG(st.st_mode) || ::pread(fd, len8, 8, 0) != 8) return false;
+// A safetensors header's length (its first 8 bytes, little-endian), if it is one fovea reads for its
+// mark: at most 1 MiB, within the file's `size` bytes.
+std::optional<uint64_t> header_length(const uint8_t len8[8], uint64_t size) {
   uint64_t n = 0;
   for (int i = 7; i >= 0; --i) n = n << 8 | len8[i];
-  if (n == 0 || n > (1u << 20) || n + 8 > uint64_t(st.st_size)) return false;
-  std::string head(n, '\0');
-  if (::pread(fd, head.data(), n, 8) != ssize_t(n)) return false;
+  if (n == 0 || n > (1u << 20) || n + 8 > size) return std::nullopt;
+  return n;
+}
+
+// Whether a safetensors header (its JSON) says fovea wrote the file (its __metadata__).
+bool header_marks_fovea(std::string_view head, const std::string& path) {
   try {
     const nlohmann::json j = parse_json_bounded(head, {}, path);
     const auto m = j.find("__metadata__");
@@ -136,6 +139,36 @@ bool written_by_fovea(int fd, const struct stat& st, const std::string& path) {
   }
 }
 
+// Whether the safetensors file open as `fd` (`st` its fstat) says fovea wrote it. A file that
+// cannot be read as one, or with a header over 1 MiB, is not fovea's.
+bool written_by_fovea(int fd, const struct stat& st, const std::string& path) {
+  uint8_t len8[8];
+  if (!S_ISREG(st.st_mode) || ::pread(fd, len8, 8, 0) != 8) return false;
+  const std::optional<uint64_t> n = header_length(len8, uint64_t(st.st_size));
+  if (!n) return false;
+  std::string head(*n, '\0');
+  return ::pread(fd, head.data(), *n, 8) == ssize_t(*n) && header_marks_fovea(head, path);
+}
+
+// The same, for a whole file read into memory.
+bool bytes_by_fovea(std::string_view file, const std::string& path) {
+  if (file.size() < 8) return false;
+  const std::optional<uint64_t> n = header_length(reinterpret_cast<const uint8_t*>(file.data()), file.size());
+  return n && header_marks_fovea(file.substr(8, *n), path);
+}
+
+// The two clocks: the steady one orders recency in this process (it never jumps); the wall clock is
+// what mtimes are, for the entries the start-up scan finds.
+int64_t steady_ns() {
+  using namespace std::chrono;
+  return duration_cast<nanoseconds>(steady_clock::now().time_since_epoch()).count();
+}
+int64_t wall_ns() {
+  timespec now{};
+  ::clock_gettime(CLOCK_REALTIME, &now);
+  return int64_t(now.tv_sec) * 1000000000 + now.tv_nsec;
+}
+
 int64_t mtime_ns(const struct stat& st) { return int64_t(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec; }
 
 // Removes the crash leftovers in one key's folder: regular temporary files older than ten minutes
@@ -143,9 +176,7 @@ int64_t mtime_ns(const struct stat& st) { return int64_t(st.st_mtim.tv_sec) * 10
 void remove_stale_temps(int folder_fd) {
   std::vector<std::string> names;
   if (names_in(folder_fd, names) != 0) return;
-  timespec now{};
-  ::clock_gettime(CLOCK_REALTIME, &now);
-  const int64_t now_ns = int64_t(now.tv_sec) * 1000000000 + now.tv_nsec;
+  const int64_t now_ns = wall_ns();
   for (const std::string& name : names) {
     struct stat st {};
     if (name.rfind(kTempPrefix, 0) != 0 || ::fstatat(folder_fd, name.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0) continue;
@@ -255,6 +286,23 @@ Fd make_key_folder(int dir_fd, const std::string& dir, const std::string& key, b
   return fd;
 }
 
+// Writes `bytes` as `key`'s entry file, making its folder if missing; returns the folder. Nothing of
+// a failed write stays: its folder goes too if this call made it (rmdir removes it only while
+// empty, so whatever another writer put there meanwhile keeps it).
+Fd write_key(int dir_fd, const std::string& dir, const std::string& key, const std::string& path,
+             const std::string& bytes) {
+  bool made = false;
+  Fd folder = make_key_folder(dir_fd, dir, key, &made);
+  try {
+    check_entry_name(folder.get(), path);
+    write_entry(folder.get(), path, bytes);
+  } catch (...) {
+    if (made) ::unlinkat(dir_fd, key.c_str(), AT_REMOVEDIR);
+    throw;
+  }
+  return folder;
+}
+
 // The whole entry file of `key`, at most max_bytes, reached from DIR with no symlink followed.
 std::string read_entry(int dir_fd, const std::string& dir, const std::string& key, size_t max_bytes) {
   const fs::path folder_path = fs::path(dir) / key;
@@ -284,6 +332,12 @@ std::string ec_key_problem(std::string_view key) {
     if (u < 0x20 || u == 0x7F) return fmt::format("it contains the control byte 0x{:02X}", unsigned(u));
   }
   return "";
+}
+
+void check_ec_min_age(double seconds) {
+  if (!std::isfinite(seconds) || seconds < 0)
+    fail("--ec-storage-min-age {}: not a number of seconds of at least 0 (0: cache files get no protection "
+         "from eviction)", seconds);
 }
 
 std::vector<uint16_t> ec_cache_rows(const Bf16Rows& t, int out_hidden) {
@@ -319,14 +373,27 @@ std::string entry_bytes(const Bf16Rows& t, const qwen3vl::GridThw& grid, const q
   return safetensors_bytes(path, {tensor}, meta);
 }
 
+// min_age in nanoseconds, checked; beyond 1e9 s (31 years) it is forever, and the clocks' int64 stays
+// far from overflowing.
+int64_t min_age_ns(double seconds) {
+  check_ec_min_age(seconds);
+  return int64_t(std::min(seconds, 1e9) * 1e9);
+}
+
 }  // namespace
 
-EcCache::EcCache(std::string dir, int64_t max_bytes)
-    : dir_(std::move(dir)), max_bytes_(max_bytes), dir_fd_(open_cache_folder(dir_, max_bytes)) {
+EcCache::EcCache(std::string dir, int64_t max_bytes, double min_age_s)
+    : dir_(std::move(dir)),
+      max_bytes_(max_bytes),
+      min_age_ns_(min_age_ns(min_age_s)),
+      dir_fd_(open_cache_folder(dir_, max_bytes)) {
   try {
     scan();
     std::lock_guard lk(mu_);
-    evict_over_budget("");
+    if (max_bytes_ != 0 && book_.bytes > max_bytes_) {
+      recheck();
+      stats_.young_kept += evict_for("", 0, /*dry=*/false);  // young ones stay, even over the budget
+    }
   } catch (...) {
     ::close(dir_fd_);  // a constructor that throws runs no destructor
     throw;
@@ -345,7 +412,10 @@ void EcCache::scan() {
   for (const std::string& key : names) scan_key(key, found);
   std::sort(found.begin(), found.end(), [](const Found& a, const Found& b) { return a.mtime_ns < b.mtime_ns; });
   if (!found.empty()) last_stamp_ns_ = found.back().mtime_ns;
-  for (const Found& f : found) book_.add(f.key, f.bytes);
+  // Each file's age is its mtime's (stamped at its last write or hit) on the wall clock, carried to
+  // the steady clock; a future mtime (another host's clock) counts as now, not as years of youth.
+  const int64_t steady = steady_ns(), wall = wall_ns();
+  for (const Found& f : found) book_.add(f.key, f.bytes, steady - std::max<int64_t>(0, wall - f.mtime_ns));
 }
 
 // One name in DIR at start-up. A real folder named like a key has its crash leftovers removed and
@@ -365,17 +435,18 @@ void EcCache::scan_key(const std::string& key, std::vector<Found>& found) {
     book_.foreign.insert(key);
 }
 
-void EcCache::Book::add(const std::string& key, int64_t n) {
+void EcCache::Book::add(const std::string& key, int64_t n, int64_t used_ns) {
   forget(key);
-  own[key] = {n, ++tick};
+  own[key] = {n, ++tick, used_ns};
   by_age[tick] = key;
   bytes += n;
 }
 
-void EcCache::Book::touch(const std::string& key) {
+void EcCache::Book::touch(const std::string& key, int64_t used_ns) {
   Entry& e = own.at(key);
   by_age.erase(e.tick);
   e.tick = ++tick;
+  e.used_ns = used_ns;
   by_age[e.tick] = key;
 }
 
@@ -389,9 +460,7 @@ void EcCache::Book::forget(const std::string& key) {
 }
 
 void EcCache::stamp(int folder_fd) {
-  timespec now{};
-  ::clock_gettime(CLOCK_REALTIME, &now);
-  const int64_t ns = std::max(int64_t(now.tv_sec) * 1000000000 + now.tv_nsec, last_stamp_ns_ + 1000);
+  const int64_t ns = std::max(wall_ns(), last_stamp_ns_ + 1000);
   last_stamp_ns_ = ns;
   const timespec times[2] = {{ns / 1000000000, ns % 1000000000}, {ns / 1000000000, ns % 1000000000}};
   // Best effort: only the order after a restart rests on it. AT_SYMLINK_NOFOLLOW: a symlink put in
@@ -405,10 +474,10 @@ void EcCache::stamp(int folder_fd) {
 void EcCache::recheck() const {
   // At most once a second: a full cache under load stores often, and each store would otherwise
   // walk every entry (quadratic), as would a scrape storm.
-  const auto now_ns = std::chrono::steady_clock::now().time_since_epoch().count();
+  const int64_t now_ns = steady_ns();
   if (last_recheck_ns_ && now_ns - last_recheck_ns_ < kRecheckNs) return;
   last_recheck_ns_ = now_ns;
-  std::vector<std::string> gone;
+  std::vector<std::string> gone, gone_foreign;
   for (auto& [key, e] : book_.own) {
     const EntryNow now = entry_now(dir_fd_, key);
     if (!now.file) {
@@ -419,22 +488,79 @@ void EcCache::recheck() const {
     e.bytes = int64_t(now.file->st_size);
   }
   for (const std::string& key : book_.foreign)
-    if (!entry_now(dir_fd_, key).file) gone.push_back(key);
-  for (const std::string& key : gone) book_.forget(key);
+    if (!entry_now(dir_fd_, key).file) gone_foreign.push_back(key);
+  for (const std::string& key : gone) forget_vanished(key);
+  for (const std::string& key : gone_foreign) book_.forget(key);
 }
 
-void EcCache::evict_over_budget(const std::string& keep) {
-  if (max_bytes_ == 0 || book_.bytes <= max_bytes_) return;
-  recheck();  // files others deleted free the budget before any of fovea's goes
-  while (book_.bytes > max_bytes_ && !book_.by_age.empty()) {
-    const std::string key = book_.by_age.begin()->second;
-    if (key == keep) {
-      if (book_.by_age.size() == 1) break;  // the newest entry alone is over the budget: kept
-      book_.touch(key);
-      continue;
-    }
-    evict(key);
+void EcCache::forget_vanished(const std::string& key) const {
+  book_.forget(key);
+  stats_.vanished += 1;
+}
+
+int64_t EcCache::held_with(const std::string& key, int64_t size) const {
+  const auto it = book_.own.find(key);
+  return book_.bytes - (it == book_.own.end() ? 0 : it->second.bytes) + pending_bytes_ + size;
+}
+
+// The bytes of fovea's entries other than `key` that no eviction may free now: the young ones and
+// those another store is replacing, beside the stores in flight. Young entries are the most recent
+// (recency and use times rise together), so that walk goes back from the newest and stops at the
+// first old one.
+int64_t EcCache::kept_bytes(const std::string& key) const {
+  const int64_t now = steady_ns();
+  int64_t n = pending_bytes_;
+  for (auto it = book_.by_age.rbegin(); it != book_.by_age.rend(); ++it) {
+    const Book::Entry& e = book_.own.at(it->second);
+    if (!young(e, now)) break;
+    if (it->second != key) n += e.bytes;
   }
+  for (const auto& [k, stores] : writing_)
+    if (const auto it = book_.own.find(k); k != key && it != book_.own.end() && !young(it->second, now))
+      n += it->second.bytes;
+  return n;
+}
+
+// The eviction rule's decision for a store of `size` bytes as `key` (fovea/ec-cache.h): fits, fits
+// once old entries go (they go now, before the write), or refused with nothing evicted.
+void EcCache::make_room(const std::string& key, int64_t size) {
+  if (max_bytes_ == 0 || held_with(key, size) <= max_bytes_) return;
+  recheck();  // files others deleted free the budget before any of fovea's goes
+  const int64_t kept = kept_bytes(key);
+  if (kept > 0 && kept + size > max_bytes_) refuse(key, size, kept);
+  stats_.young_kept += evict_for(key, size, /*dry=*/false);
+}
+
+// Walks fovea's entries least recently used first, as plain LRU would to fit `size` bytes as `key`,
+// and returns how many of those it would take are young (kept). Unless `dry`, evicts the old ones
+// it takes. Skipped: `key` (replaced by the store) and entries being written by other stores.
+uint64_t EcCache::evict_for(const std::string& key, int64_t size, bool dry) {
+  const int64_t now = steady_ns();
+  int64_t passed = 0;  // bytes of the entries taken but not evicted
+  uint64_t kept = 0;
+  for (auto it = book_.by_age.begin(); it != book_.by_age.end() && held_with(key, size) - passed > max_bytes_;) {
+    const std::string k = (it++)->second;  // on first: evict() erases k's place in by_age
+    if (k == key || writing_.count(k)) continue;
+    const Book::Entry& e = book_.own.at(k);
+    if (young(e, now) || dry) {
+      kept += young(e, now);
+      passed += e.bytes;
+    } else {
+      evict(k);
+    }
+  }
+  return kept;
+}
+
+void EcCache::refuse(const std::string& key, int64_t size, int64_t kept) {
+  stats_.refused += 1;
+  stats_.young_kept += evict_for(key, size, /*dry=*/true);
+  throw EcCacheFull(fmt::format(
+      "encoder cache: not storing '{}' ({} bytes): fovea's files used less than {:g} s ago (and stores in flight) "
+      "hold {} bytes of the budget of {} bytes (--ec-storage-max-bytes), and --ec-storage-min-age keeps them (vLLM "
+      "may not have loaded them yet); nothing was written or evicted. Raise --ec-storage-max-bytes, or lower "
+      "--ec-storage-min-age",
+      path_of(key), size, double(min_age_ns_) / 1e9, kept, max_bytes_));
 }
 
 // Deletes one of fovea's entries after reading, through a descriptor, that the file there is still a
@@ -446,18 +572,18 @@ void EcCache::evict(const std::string& key) {
   const Fd file = folder ? open_file_at(folder.get(), kEcCacheFile) : Fd();
   struct stat st {}, named {};
   const bool regular = file && ::fstat(file.get(), &st) == 0 && S_ISREG(st.st_mode);
-  book_.forget(key);
-  if (!regular) return;
-  if (!written_by_fovea(file.get(), st, path)) {
-    book_.foreign.insert(key);
-    return;
-  }
+  const bool ours = regular && written_by_fovea(file.get(), st, path);
   // POSIX has no unlink through a descriptor: checking that the name still holds the file just read
   // narrows the window in which another writer's rename could put its own file there; it cannot
   // close it.
-  if (::fstatat(folder.get(), kEcCacheFile, &named, AT_SYMLINK_NOFOLLOW) != 0 || named.st_dev != st.st_dev ||
-      named.st_ino != st.st_ino)
+  const bool still = ours && ::fstatat(folder.get(), kEcCacheFile, &named, AT_SYMLINK_NOFOLLOW) == 0 &&
+                     named.st_dev == st.st_dev && named.st_ino == st.st_ino;
+  if (!still) {
+    forget_vanished(key);  // gone, or replaced by another writer (not by fovea: its own writes are skipped)
+    if (regular && !ours) book_.foreign.insert(key);
     return;
+  }
+  book_.forget(key);
   if (::unlinkat(folder.get(), kEcCacheFile, 0) != 0) {
     warn(fmt::format("encoder cache: cannot evict '{}': {}", path, std::strerror(errno)));
     return;
@@ -472,13 +598,14 @@ bool EcCache::lookup(const std::string& key) {
   if (ec_key_problem(key).empty()) now = entry_now(dir_fd_, key);
   std::lock_guard lk(mu_);
   if (!now.file) {
-    book_.forget(key);  // removed by someone else, or nothing fovea reads
+    if (book_.own.count(key)) forget_vanished(key);  // removed by someone else, or nothing fovea reads
+    book_.forget(key);
     stats_.misses += 1;
     return false;
   }
   stats_.hits += 1;
   if (book_.own.count(key)) {
-    book_.touch(key);
+    book_.touch(key, steady_ns());  // young again: vLLM checks it now and loads it later
     stamp(now.folder.get());
   } else {
     book_.foreign.insert(key);  // another writer's file
@@ -490,34 +617,68 @@ void EcCache::store(const std::string& key, const Bf16Rows& t, const qwen3vl::Gr
                     const qwen3vl::VisionConfig& c) {
   if (const std::string why = ec_key_problem(key); !why.empty()) fail("encoder cache key {}: {}", quote_for_error(key), why);
   const std::string path = path_of(key);
-  int64_t size = 0;
-  bool made = false;
-  const Fd folder = make_key_folder(dir_fd_, dir_, key, &made);
+  // The file is built before anything is written: its exact size decides whether it may be.
+  const std::string bytes = entry_bytes(t, grid, c, path);
+  const int64_t size = int64_t(bytes.size());
+  const auto done = [&] {  // with mu_ held: the store's reservation returned
+    pending_bytes_ -= size;
+    if (--writing_[key] == 0) writing_.erase(key);
+  };
+  {
+    std::lock_guard lk(mu_);
+    make_room(key, size);  // EcCacheFull: nothing written, nothing evicted
+    pending_bytes_ += size;
+    writing_[key] += 1;
+  }
+  Fd folder;
   try {
-    const std::string bytes = entry_bytes(t, grid, c, path);
-    check_entry_name(folder.get(), path);
-    write_entry(folder.get(), path, bytes);
-    size = int64_t(bytes.size());
+    folder = write_key(dir_fd_, dir_, key, path, bytes);
   } catch (...) {
-    // Nothing of a failed store stays: its folder goes too if this store made it (rmdir removes it
-    // only while empty, so whatever another writer put there meanwhile keeps it).
-    if (made) ::unlinkat(dir_fd_, key.c_str(), AT_REMOVEDIR);
+    std::lock_guard lk(mu_);
+    done();
     throw;
   }
   std::lock_guard lk(mu_);
-  book_.add(key, size);
+  done();
+  book_.add(key, size, steady_ns());
   stamp(folder.get());
   stats_.writes += 1;
-  evict_over_budget(key);
 }
 
 EcEntry EcCache::load(const std::string& key, const qwen3vl::GridThw& grid, const qwen3vl::VisionConfig& c,
                       bool with_deepstack) const {
+  EcEntry e;
+  bool marked = false;
+  try {
+    e = read_back(key, grid, c, with_deepstack, &marked);
+  } catch (...) {
+    note_load(key, false, false);
+    throw;
+  }
+  note_load(key, true, marked);
+  return e;
+}
+
+// What a load tells of the books: a failure is counted, and if fovea's file is gone that is looked
+// at (outside the lock) and counted too; a file of fovea's read back without its mark was replaced
+// by another writer's, which joins theirs.
+void EcCache::note_load(const std::string& key, bool loaded, bool marked) const {
+  const bool gone = !loaded && ec_key_problem(key).empty() && !entry_now(dir_fd_, key).file;
+  std::lock_guard lk(mu_);
+  if (!loaded) stats_.load_failures += 1;
+  if (!book_.own.count(key) || !(gone || (loaded && !marked))) return;
+  forget_vanished(key);
+  if (loaded) book_.foreign.insert(key);
+}
+
+EcEntry EcCache::read_back(const std::string& key, const qwen3vl::GridThw& grid, const qwen3vl::VisionConfig& c,
+                           bool with_deepstack, bool* marked) const {
   if (const std::string why = ec_key_problem(key); !why.empty()) fail("encoder cache key {}: {}", quote_for_error(key), why);
   const int64_t tokens = visual_tokens(c, grid), O = c.out_hidden, parts = 1 + int64_t(c.deepstack.size());
   const int64_t width = O * parts;
   const std::string path = path_of(key);
   const std::string bytes = read_entry(dir_fd_, dir_, key, size_t(tokens * width * 2) + (1 << 20));
+  *marked = bytes_by_fovea(bytes, path);
   const std::vector<TensorInfo> ts = parse_safetensors(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size(), path);
   if (ts.size() != 1 || ts[0].name != kEcCacheTensor)
     fail("encoder cache file '{}': holds {} tensor(s), not the one tensor '{}'", path, ts.size(), kEcCacheTensor);

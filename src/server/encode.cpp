@@ -31,6 +31,12 @@ const char* error_type(int status) {
 }
 }  // namespace
 
+std::string data_url_key(const std::string& media_type, const std::vector<uint8_t>& bytes) {
+  std::string url = "data:" + media_type + ";base64,";
+  base64_append(url, bytes.data(), bytes.size());
+  return sha256_hex({reinterpret_cast<const uint8_t*>(url.data()), url.size()});
+}
+
 http::Response error_response(const ApiError& e) {
   return json_response(e.status, {{"error", {{"message", e.message}, {"type", error_type(e.status)}, {"code", e.code}}}});
 }
@@ -61,10 +67,32 @@ struct Exchange {
   bool embeddings = true;  // the reply carries embeddings
   bool octet = false;      // a safetensors reply
   std::shared_ptr<Job> job;  // holds the forwards' outputs the reply's rows view
+  struct Held {              // room the URL items' bytes took in Context::fetch_budget
+    ByteBudget* budget = nullptr;
+    int64_t bytes = 0;
+    ~Held() {
+      if (budget) budget->release(bytes);
+    }
+  } fetched;
 };
 
-// The item's bytes; its base64 text is freed unless keep (it may be decoded again).
+// The bytes of the items given by file:// or http(s):// URL (media-url.h), read one after another
+// within the request's deadline.
+void read_remote(Context& c, Exchange& x) {
+  EncodeRequest& r = x.r;
+  r.fetched.resize(r.payloads.size());
+  x.fetched.budget = &c.fetch_budget;
+  for (size_t i = 0; i < r.remote_urls.size(); ++i) {
+    if (r.remote_urls[i].empty()) continue;
+    if (!c.media) reject(400, "invalid_url", r.names[i] + ": this server reads no URLs");
+    r.fetched[i] = c.media->read(r.remote_urls[i], r.names[i], x.deadline, c.fetch_budget, x.fetched.bytes);
+  }
+}
+
+// The item's bytes; its base64 text (or what was read from its URL) is freed unless keep (it may be
+// decoded again).
 std::vector<uint8_t> item_bytes(EncodeRequest& r, size_t i, bool keep = false) {
+  if (!r.remote_urls[i].empty()) return keep ? r.fetched[i] : std::move(r.fetched[i]);
   try {
     std::vector<uint8_t> bytes = base64_decode(r.payloads[i], r.names[i]);
     if (!keep) std::string().swap(r.payloads[i]);
@@ -81,7 +109,8 @@ void find_cached(Context& c, Exchange& x) {
   EncodeRequest& r = x.r;
   for (size_t i = 0; i < x.items.size(); ++i) {
     ReplyItem& it = x.items[i];
-    const std::string url = r.uuids[i].empty() ? r.url_prefixes[i] + r.payloads[i] : "";
+    const std::string url =
+        !r.uuids[i].empty() ? "" : !r.remote_urls[i].empty() ? r.remote_urls[i] : r.url_prefixes[i] + r.payloads[i];
     it.key = r.uuids[i].empty() ? sha256_hex({reinterpret_cast<const uint8_t*>(url.data()), url.size()}) : r.uuids[i];
     if (!(it.cached = c.cache->lookup(it.key))) continue;
     const auto t = Clock::now();
@@ -99,8 +128,12 @@ void find_cached(Context& c, Exchange& x) {
       it.loaded = c.cache->load(it.key, it.grid, c.model.config, r.deepstack);
       it.rows = it.loaded.rows;
       std::string().swap(r.payloads[i]);
+      if (!r.fetched.empty()) std::vector<uint8_t>().swap(r.fetched[i]);
     } catch (const Error&) {
-      it = ReplyItem{it.kind, {}, it.key};
+      ReplyItem again;  // encoded after all
+      again.kind = it.kind;
+      again.key = std::move(it.key);
+      it = std::move(again);
     }
   }
 }
@@ -241,6 +274,8 @@ void collect(Context& c, Exchange& x, const std::vector<size_t>& which, const st
     if (!c.cache) continue;
     try {
       c.cache->store(it.key, it.rows, it.grid, c.model.config);
+    } catch (const EcCacheFull& e) {  // every file it could evict may still be read by vLLM: retry later
+      reject(503, "ec_cache_full", fmt::format("{}: {}", x.r.names[which[j]], e.what()));
     } catch (const Error& e) {
       reject(500, "ec_cache_write_failed", fmt::format("{}: {}", x.r.names[which[j]], e.what()));
     }
@@ -338,6 +373,7 @@ namespace {
 void encode_items(Context& c, Exchange& x, Clock::time_point& mark) {
   const auto phase_ended = [&](Phase p) { c.metrics.add_phase(p, seconds_since(std::exchange(mark, Clock::now()))); };
   x.items.resize(x.r.payloads.size());
+  read_remote(c, x);
   const std::vector<InputKind> kinds = settle_kinds(x.r);
   for (size_t i = 0; i < kinds.size(); ++i) x.items[i].kind = kinds[i];
   if (c.cache) find_cached(c, x);

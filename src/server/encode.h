@@ -13,6 +13,7 @@
 #include "server/batcher.h"
 #include "server/budget.h"
 #include "server/http.h"
+#include "server/media-url.h"
 #include "server/metrics.h"
 #include "server/request.h"
 
@@ -23,16 +24,24 @@ using json = nlohmann::ordered_json;  // replies keep the order fields are writt
 // What the handlers share. The batcher, model and engine outlive the HTTP server.
 struct Context {
   Context(const ServeOptions& o, const qwen3vl::Model& m, const EngineConfig& e, InputConfig in, Batcher& b)
-      : opt(o), model(m), engine(e), inputs(std::move(in)), batcher(b), decode_budget(o.max_decode_bytes) {}
+      : opt(o),
+        model(m),
+        engine(e),
+        inputs(std::move(in)),
+        batcher(b),
+        decode_budget(o.max_decode_bytes),
+        fetch_budget(int64_t(o.http.max_body_bytes_in_flight)) {}
   const ServeOptions& opt;
   const qwen3vl::Model& model;
   const EngineConfig& engine;
   const InputConfig inputs;
   Batcher& batcher;
   ByteBudget decode_budget;
+  ByteBudget fetch_budget;  // the bytes of URL items being read and held, as request bodies are (media-url.h)
   Metrics metrics;
   const http::Server* http = nullptr;
   EcCache* cache = nullptr;  // --ec-storage-path
+  const MediaSources* media = nullptr;  // file:// and http(s):// items (null: data URLs and base64 only)
   int64_t started_unix = std::time(nullptr);
 };
 

@@ -139,6 +139,18 @@ void render_cache(std::string& out, const EcCache::Stats& s) {
   sample(out, "fovea_ec_cache_writes_total", "counter", "Encoder cache files written.", s.writes);
   sample(out, "fovea_ec_cache_evictions_total", "counter",
          "Encoder cache files fovea deleted to stay within --ec-storage-max-bytes.", s.evictions);
+  sample(out, "fovea_ec_cache_refused_total", "counter",
+         "Encoder cache writes refused (nothing written) because files used less than --ec-storage-min-age ago "
+         "fill --ec-storage-max-bytes.",
+         s.refused);
+  sample(out, "fovea_ec_cache_young_kept_total", "counter",
+         "Encoder cache files least-recently-used eviction would have deleted but kept, used less than "
+         "--ec-storage-min-age ago (per file, per write or start-up).",
+         s.young_kept);
+  sample(out, "fovea_ec_cache_vanished_total", "counter",
+         "Encoder cache files of fovea's found deleted or replaced by someone else.", s.vanished);
+  sample(out, "fovea_ec_cache_load_failures_total", "counter",
+         "Encoder cache files that could not be read back (the image was encoded again).", s.load_failures);
 }
 
 }  // namespace

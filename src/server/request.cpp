@@ -80,10 +80,21 @@ const std::string_view* lifted_part(const std::string& v, const Lifted& l) {
 // The error code of a malformed item: invalid_video for what is said to be a video, else invalid_image.
 const char* item_code(ItemKind kind) { return kind == ItemKind::VIDEO ? "invalid_video" : "invalid_image"; }
 
+// Whether the item is a URL to read (file://, http://, https://: media-url.h, which refuses other
+// schemes by name) rather than carried in the body: a scheme, then ':' (never in base64).
+bool is_remote(std::string_view s) {
+  const size_t colon = s.find(':');
+  if (colon == 0 || colon == std::string_view::npos || colon > 16 || !std::isalpha(static_cast<unsigned char>(s[0])))
+    return false;
+  return std::all_of(s.begin(), s.begin() + colon,
+                     [](char ch) { return std::isalnum(static_cast<unsigned char>(ch)) || ch == '+' || ch == '-' || ch == '.'; });
+}
+
 // An item's URL string as its base64 text; `prefix` gets what was cut (a data URL's head), and a
-// data URL's media type (image/..., video/...) sets `kind` where the request did not.
+// data URL's media type (image/..., video/...) sets `kind` where the request did not. A URL to read
+// goes to `remote` whole, and the base64 text is "".
 std::string item_payload(json& url_value, const std::string& where, const Lifted& lifted, std::string& prefix,
-                         ItemKind& kind) {
+                         std::string& remote, ItemKind& kind) {
   json* url = &url_value;
   if (!url->is_string())
     reject(400, item_code(kind), fmt::format("{}: expected a data URL or base64 string, got {}", where, url->type_name()));
@@ -103,8 +114,10 @@ std::string item_payload(json& url_value, const std::string& where, const Lifted
     s.erase(0, comma + 1);
     return s;
   }
-  if (s.starts_with("http://") || s.starts_with("https://"))
-    reject(400, item_code(kind), where + ": URLs are not fetched; send the image or video inline as a data URL or base64");
+  if (is_remote(s)) {
+    remote = std::move(s);
+    return "";
+  }
   if (s.empty()) reject(400, item_code(kind), where + ": empty string");
   return s;
 }
@@ -156,7 +169,8 @@ void add_item(EncodeRequest& r, json& item, const std::string& where, ItemKind k
   }
   r.uuids.push_back(std::move(uuid));
   r.url_prefixes.emplace_back();
-  r.payloads.push_back(item_payload(*url, where, lifted, r.url_prefixes.back(), kind));
+  r.remote_urls.emplace_back();
+  r.payloads.push_back(item_payload(*url, where, lifted, r.url_prefixes.back(), r.remote_urls.back(), kind));
   r.kinds.push_back(kind);
   r.names.push_back(where);
 }
@@ -294,11 +308,16 @@ std::vector<InputKind> settle_kinds(const EncodeRequest& r) {
   for (size_t i = 0; i < kinds.size(); ++i) {
     const std::string& b64 = r.payloads[i];
     std::vector<uint8_t> head;
-    try {  // 512 characters are 384 bytes, past every magic number input_kind reads
-      head = base64_decode(std::string_view(b64).substr(0, std::min<size_t>(b64.size(), 512) & ~size_t(3)), r.names[i]);
-    } catch (const Error&) {  // whitespace inside, or bad base64: decoding the item will say which
-      kinds[i] = r.kinds[i] == ItemKind::VIDEO ? InputKind::VIDEO : InputKind::IMAGE;
-      continue;
+    if (!r.remote_urls[i].empty()) {  // read already
+      const std::vector<uint8_t>& bytes = r.fetched.at(i);
+      head.assign(bytes.begin(), bytes.begin() + std::min<size_t>(bytes.size(), 384));
+    } else {
+      try {  // 512 characters are 384 bytes, past every magic number input_kind reads
+        head = base64_decode(std::string_view(b64).substr(0, std::min<size_t>(b64.size(), 512) & ~size_t(3)), r.names[i]);
+      } catch (const Error&) {  // whitespace inside, or bad base64: decoding the item will say which
+        kinds[i] = r.kinds[i] == ItemKind::VIDEO ? InputKind::VIDEO : InputKind::IMAGE;
+        continue;
+      }
     }
     kinds[i] = input_kind(head);
     if (r.kinds[i] == ItemKind::VIDEO && kinds[i] != InputKind::VIDEO)

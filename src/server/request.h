@@ -3,6 +3,7 @@
 // is built, so a hostile body costs time linear in its length and little memory beyond it.
 #pragma once
 #include <cstddef>
+#include <cstdint>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -37,6 +38,10 @@ struct EncodeRequest {
   // URL string as sent, as vLLM's EPD proxy does), and its data URL's prefix through the ','
   // ("" for bare base64), so that string can be hashed after the prefix is cut.
   std::vector<std::string> uuids, url_prefixes;
+  // Per item: its file:// or http(s):// URL, read before it is decoded (media-url.h); "" for an item
+  // carried in the body. Its payload is then "" and its key the sha256 of this string.
+  std::vector<std::string> remote_urls;
+  std::vector<std::vector<uint8_t>> fetched;  // per item: a remote item's bytes, once the handler read them
   int return_embeddings = -1;  // "return_embeddings": 1 or 0; -1 when absent (then: not with the encoder cache)
 };
 

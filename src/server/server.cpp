@@ -24,6 +24,7 @@
 #include "server/encode.h"
 #include "server/endpoints.h"
 #include "server/http.h"
+#include "server/media-url.h"
 #include "server/metrics.h"
 
 namespace fovea::server {
@@ -194,6 +195,7 @@ std::vector<ReplicaSpec> replica_specs(const ServeOptions& o, const EngineConfig
 
 int serve(const ServeOptions& o) {
   check_options(o);
+  const MediaSources media(o);
   const SystemInfo sys = query_system();
   const EngineConfig engine = resolve_engine(o.engine, sys);
   const std::vector<ReplicaSpec> replicas = replica_specs(o, engine, sys);
@@ -203,10 +205,11 @@ int serve(const ServeOptions& o) {
   InputConfig inputs = load_input_config(o.model, o.preprocess, o.video);
   const qwen3vl::Model model = qwen3vl::load_model(o.model);
   std::optional<EcCache> cache;
-  if (!o.ec_storage_path.empty()) cache.emplace(o.ec_storage_path, o.ec_storage_max_bytes);
+  if (!o.ec_storage_path.empty()) cache.emplace(o.ec_storage_path, o.ec_storage_max_bytes, o.ec_storage_min_age_s);
   Batcher batcher(model, engine, replicas, o.max_queue, o.max_queue_tokens, o.max_batch_tokens);
   Context c(o, model, engine, std::move(inputs), batcher);
   if (cache) c.cache = &*cache;
+  c.media = &media;
   Service service(c);
 
   struct sigaction ignore {};
@@ -231,11 +234,13 @@ int serve(const ServeOptions& o) {
   if (cache) {
     const EcCache::Stats s = cache->stats();
     fmt::print("fovea serve: encoder cache {} (vLLM's ECExampleConnector layout): {} files of fovea's ({:.1f} MB{}), "
-               "{} of other writers\n",
+               "{} of other writers{}\n",
                o.ec_storage_path, s.files, double(s.bytes) / 1e6,
                o.ec_storage_max_bytes ? fmt::format(" of at most {:.1f}", double(o.ec_storage_max_bytes) / 1e6) : "",
-               s.foreign_files);
+               s.foreign_files,
+               o.ec_storage_min_age_s > 0 ? fmt::format("; none used in the last {:g} s is evicted", o.ec_storage_min_age_s) : "");
   }
+  fmt::print("fovea serve: URL items: data: always; {}\n", media.describe());
   const bool v6 = o.host.find(':') != std::string::npos;
   fmt::print("fovea serve: listening on http://{}{}{}:{}\n", v6 ? "[" : "", o.host, v6 ? "]" : "", server.port());
   std::fflush(stdout);

@@ -9,9 +9,14 @@ the whole suite takes about 25 s against a conforming server, under 3 minutes ot
 
 It starts `fovea serve synthetic:tiny --device cpu --port 0` (four instances: the main one, one with
 short deadlines, two for shutdown), reads the "listening on http://HOST:PORT" line, runs every case
-and prints `case | expected | observed | ok`. The exit code is 1 if any case fails: the server died
-(crash), a case ran past its time bound (hang), a request got no reply (lost reply), a reply had the
-wrong status, or the main server's peak RSS (VmHWM in /proc/PID/status, read at the end) exceeded
+and prints `case | expected | observed | ok`. The main instance also serves POST /v1/chat/completions
+(vLLM's encode instance): it runs with --ec-storage-path ROOT/cache in the working folder ROOT/cwd,
+ROOT a temporary folder the suite creates and removes, so that the chat cases can check what was
+written where (a uuid such as "../x" must create nothing, in the cache or beside it); its load-case
+encodes carry unique uuids, so that they are encoded, not cache hits. The exit code is 1 if any case
+fails: the server died (crash), a case ran past its time bound (hang), a request got no reply (lost
+reply), a reply had the wrong status, or the main server's peak RSS (VmHWM in /proc/PID/status, read
+at the end) exceeded
 
     bound = RSS after startup + 2 x --max-body-bytes + --max-decode-bytes + 256 MiB
 
@@ -26,12 +31,15 @@ The server flags (--server-args replaces the limits; the per-instance flags are 
 """
 import argparse
 import base64
+import hashlib
+import itertools
 import json
 import os
 import random
 import re
 import resource
 import shlex
+import shutil
 import signal
 import socket
 import struct
@@ -50,7 +58,7 @@ DEFAULT_SERVER_ARGS = ("--max-body-bytes 67108864 --max-decode-bytes 134217728 -
                        "--max-connections 1024 --max-queue 256 --header-timeout 30 --body-timeout 30 "
                        "--keep-alive-timeout 30 --min-pixels 1024 --max-pixels 65536")
 NEW_FLAGS = {"--max-decode-bytes", "--max-header-bytes", "--max-connections", "--header-timeout",
-             "--body-timeout", "--keep-alive-timeout"}
+             "--body-timeout", "--keep-alive-timeout", "--ec-storage-path"}  # the last: issue 29's chat endpoint
 # Per instance, on top of the limits: short deadlines for the deadline cases (the main instance keeps
 # its slow clients open for the whole load case), few threads and small forwards for shutdown.
 INSTANCE_ARGS = {
@@ -285,6 +293,26 @@ def encode_body(images, **extra):
     return json.dumps(dict(images=images, **extra)).encode()
 
 
+CHAT = "/v1/chat/completions"
+
+
+def image_part(url, uuid=None):
+    """An OpenAI image_url content part; uuid names its encoder cache entry (else the server hashes the URL)."""
+    part = dict(type="image_url", image_url=dict(url=url))
+    if uuid is not None:
+        part["uuid"] = uuid
+    return part
+
+
+def chat_body(parts=None, messages=None, **extra):
+    """What vLLM's EPD proxy sends an encode instance: one user message holding the parts (or these messages)."""
+    if messages is None:
+        messages = [dict(role="user", content=parts)]
+    body = dict(model=None, messages=messages, stream=False)
+    body.update(extra)  # may replace "stream"
+    return json.dumps(body).encode()
+
+
 # ---- the server ----------------------------------------------------------------------------------------
 
 def parse_flags(text):
@@ -312,6 +340,8 @@ def rss_kib(pid, field):
 
 
 STARTED = []  # every server process; those still running when the suite exits are killed
+# The temporary folder of the main instance's encoder cache (ROOT/cache) and working folder (ROOT/cwd).
+EC_ROOT = None
 
 
 def kill_started():
@@ -319,6 +349,19 @@ def kill_started():
         if p.poll() is None:
             p.kill()
             p.wait()
+    if EC_ROOT:  # after the servers: none of them writes there any more
+        shutil.rmtree(EC_ROOT, ignore_errors=True)
+
+
+def make_ec_root():
+    """ROOT, with cache/ and cwd/ in it: on /dev/shm where it can be written (a tmpfs, the encoder cache's
+    usual home; on a disk, deleting the load case's few thousand cache folders takes seconds), else in
+    the system's temporary folder."""
+    shm = "/dev/shm"
+    root = tempfile.mkdtemp(prefix="fovea-hostile-", dir=shm if os.access(shm, os.W_OK) else None)
+    for sub in ("cache", "cwd"):
+        os.mkdir(os.path.join(root, sub))
+    return root
 
 
 class Server:
@@ -326,6 +369,11 @@ class Server:
         self.opts = opts
         self.flags = dict(parse_flags(opts.server_args))
         self.flags.update(parse_flags(INSTANCE_ARGS[instance]))
+        # The main instance keeps vLLM's encoder cache (and so serves the chat endpoint) in the suite's folder.
+        self.cwd = None
+        if instance == "main":
+            self.flags["--ec-storage-path"] = os.path.join(EC_ROOT, "cache")
+            self.cwd = os.path.join(EC_ROOT, "cwd")  # a file written relative to it still lands under EC_ROOT
         if opts.legacy:
             self.flags = {k: v for k, v in self.flags.items() if k not in NEW_FLAGS}
         self.instance = instance
@@ -338,8 +386,14 @@ class Server:
         v = self.flags.get(name)
         return float(v) if v is not None else default
 
+    def ec_dir(self):
+        """The encoder cache folder (--ec-storage-path), or None (the instance has none)."""
+        return self.flags.get("--ec-storage-path")
+
     def args(self):
-        a = [self.opts.fovea, "serve", self.opts.model, "--device", "cpu", "--host", HOST, "--port", "0"]
+        # Absolute: the main instance runs in a folder of its own (a bare name is looked up in PATH).
+        fovea = os.path.abspath(self.opts.fovea) if os.sep in self.opts.fovea else self.opts.fovea
+        a = [fovea, "serve", self.opts.model, "--device", "cpu", "--host", HOST, "--port", "0"]
         for k, v in self.flags.items():
             a += [k] if v is None else [k, v]
         return a
@@ -348,7 +402,8 @@ class Server:
         self.err = tempfile.TemporaryFile()
         self.out = []
         self.port = 0
-        self.proc = subprocess.Popen(self.args(), stdout=subprocess.PIPE, stderr=self.err, stdin=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(self.args(), stdout=subprocess.PIPE, stderr=self.err, stdin=subprocess.DEVNULL,
+                                     cwd=self.cwd)
         STARTED.append(self.proc)
         got = threading.Event()
 
@@ -426,10 +481,10 @@ def expect_status(r, statuses, code=None):
     return r.describe(), ok
 
 
-def bad_request(name, body, status, code, expected=None):
-    @case(name, "main", expected or "%d %s" % (status, code), 10)
+def bad_request(name, body, status, code, expected=None, path="/v1/encode", instance="main"):
+    @case(name, instance, expected or "%d %s" % (status, code), 10)
     def run(ctx):
-        r, _ = exchange(ctx.srv.port, request("POST", "/v1/encode", body() if callable(body) else body), 10 * ctx.t)
+        r, _ = exchange(ctx.srv.port, request("POST", path, body() if callable(body) else body), 10 * ctx.t)
         return expect_status(r, {status}, code)
 
 
@@ -640,6 +695,171 @@ def c_half_close(ctx):
     return r.describe(), r.status == 200 and b'"data"' in r.body
 
 
+# ---- POST /v1/chat/completions: vLLM's encode instance (main server, --ec-storage-path ROOT/cache) ----
+
+def tree(root):
+    """Every folder and file under root (relative paths; symlinks not followed)."""
+    out = set()
+    for folder, dirs, files in os.walk(root):
+        out.update(os.path.relpath(os.path.join(folder, n), root) for n in dirs + files)
+    return out
+
+
+def cache_file(ctx, key):
+    return os.path.join(ctx.srv.ec_dir(), key, "encoder_cache.safetensors")
+
+
+def safetensors_names(path):
+    """The tensor names of a safetensors file (its JSON header), or None if it is not one."""
+    try:
+        with open(path, "rb") as f:
+            n = struct.unpack("<Q", f.read(8))[0]
+            return set(json.loads(f.read(n))) - {"__metadata__"} if n < MiB else None
+    except (OSError, ValueError, struct.error):
+        return None
+
+
+def half(body):
+    return body[:len(body) // 2]
+
+
+def chat(ctx, body, seconds=10, path=CHAT):
+    if not ctx.srv.ec_dir():  # --legacy: no encoder cache, no chat endpoint to test
+        raise NoReply("the main server has no --ec-storage-path (--legacy)")
+    return exchange(ctx.srv.port, request("POST", path, body), seconds * ctx.t)
+
+
+def chat_request(name, body, statuses, codes, expected, bound=10, path=CHAT):
+    """A body the server must refuse with one of these statuses and codes, writing nothing."""
+    @case(name, "main", expected, bound)
+    def run(ctx):
+        before = tree(EC_ROOT)
+        r, _ = chat(ctx, body() if callable(body) else body, bound, path)
+        created = sorted(tree(EC_ROOT) - before)
+        ok = r.status in statuses and r.error_code() in codes and not created
+        return r.describe() + ("; created %s" % ", ".join(created[:3]) if created else ""), ok
+
+
+def chat_refused(name, body, status, code, bound=10, path=CHAT):
+    chat_request(name, body, {status}, {code}, "%d %s, nothing written" % (status, code), bound, path)
+
+
+# Nesting past the limit of 8, where the proxy's body nests deepest: inside a message, and as a part's URL.
+chat_refused("chat: nested arrays, depth 10^5, in messages", lambda: b'{"messages": [' + ARRAYS + b']}',
+             400, "invalid_json")
+chat_refused("chat: nested objects, depth 10^5, as image_url.url",
+             lambda: b'{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": ' +
+             OBJECTS + b'}}]}]}', 400, "invalid_json")
+chat_refused("chat: 17 image parts in one message (> 16)", lambda: chat_body([image_part(good())] * 17),
+             400, "too_many_images")
+chat_refused("chat: 17 messages of one image part (> 16)",
+             lambda: chat_body(messages=[dict(role="user", content=[image_part(good())])] * 17), 400, "too_many_images")
+# 10^5 entries: the JSON value limit (counted while scanning; 384 values on the chat endpoint) refuses
+# them before the image count; either refusal is right, a slow one is not.
+TINY = "data:image/png;base64,AA=="
+for _what, _body in (("image parts", lambda: chat_body([image_part(TINY)] * 100000)),
+                     ("messages", lambda: chat_body(messages=[dict(role="user", content=[image_part(TINY)])] * 100000)),
+                     ("text parts", lambda: chat_body([dict(type="text", text="x")] * 100000 + [image_part(good())]))):
+    chat_request("chat: 10^5 %s" % _what, _body, {400}, {"invalid_json", "too_many_images"},
+                 "400 invalid_json or too_many_images in < 2 s, nothing written", 2)
+
+
+def with_field(name, value):
+    """A good chat body plus one top-level field."""
+    return lambda: chat_body([image_part(good())], **{name: value})
+
+
+# Fields that would make vLLM look for the file under another key, or that ask for what an encode
+# instance does not do (stream, the push connector): refused, naming the field.
+for _name, _value in (("stream", True), ("mm_processor_kwargs", {"max_pixels": 4096}), ("media_io_kwargs", {}),
+                      ("ec_transfer_params", {})):
+    chat_refused("chat: %s" % json.dumps({_name: _value})[1:-1], with_field(_name, _value), 400, "unsupported_field")
+chat_refused("chat: truncated body (half a good one)", lambda: half(chat_body([image_part(good(), "truncated")])),
+             400, "invalid_json")
+chat_refused("chat: invalid JSON", b'{"messages": [}', 400, "invalid_json")
+chat_refused("chat: PNG 16384x16384 (780 KB of zeros)", lambda: chat_body([image_part(data_url(bomb_png()))]),
+             400, "invalid_image")
+
+
+# A uuid is a folder name under the cache: anything that would leave it (or not be one name) is refused,
+# and nothing is created anywhere under ROOT (the cache, the server's working folder, beside them).
+def bad_uuid(label, uuid):
+    """uuid: a string, or a function of ROOT (known once the suite runs)."""
+    def body():
+        return chat_body([image_part(good(), uuid(EC_ROOT) if callable(uuid) else uuid)])
+    chat_refused("chat: uuid %s" % label, body, 400, "invalid_uuid", 5)
+
+
+for _label, _uuid in (("../x", "../x"), ("a/b", "a/b"), ("..", ".."), (".", "."), ("a\\b", "a\\b"),
+                      ("300 bytes", "u" * 300), ("control byte 0x01", "a\x01b"), ("NUL", "a\x00b"),
+                      ("absolute path", lambda root: os.path.join(root, "abs"))):
+    bad_uuid(_label, _uuid)
+chat_refused("encode: uuid ../x", lambda: encode_body([image_part(good(), "../x")]), 400, "invalid_uuid", 5,
+             "/v1/encode")
+
+
+@case("chat: text part past --max-body-bytes (chunked)", "main", "413 body_too_large", 15)
+def c_chat_413(ctx):
+    n = int(ctx.srv.flag("--max-body-bytes", 64 * MiB)) + MiB
+    head = ("POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
+            "Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n" % (CHAT, HOST)).encode()
+    opening = b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "'
+    chunk = b"%x\r\n" % MiB + b"a" * MiB + b"\r\n"  # the text goes on: the server must count, not wait for its end
+    stream = [b"%x\r\n" % len(opening) + opening + b"\r\n"] + [chunk] * (n // MiB) + [b"0\r\n\r\n"]
+    r, sent = exchange(ctx.srv.port, head, 15 * ctx.t, iter(stream))
+    obs, ok = expect_status(r, {413}, "body_too_large")
+    return "%s after %d MiB sent" % (obs, sent // MiB), ok
+
+
+def check_ec_reply(ctx, r, want):
+    """Problems of a 200 chat reply: ec_transfer_params must map each key of want to its item_indices
+    with a [t, h, w] grid, and DIR/<key>/encoder_cache.safetensors must hold ec_cache."""
+    if r.status != 200:
+        return [r.describe()]
+    try:
+        doc = json.loads(r.body)
+        params, tokens = doc["ec_transfer_params"], doc["usage"]["prompt_tokens"]
+    except (ValueError, KeyError, TypeError) as e:
+        return ["200 without ec_transfer_params/usage (%r)" % e]
+    problems = [] if set(params) == set(want) else ["keys %s, not %s" % (sorted(params), sorted(want))]
+    for key, indices in want.items():
+        entry = params.get(key) or {}
+        grid = (entry.get("metadata") or {}).get("image_grid_thw")
+        if entry.get("item_indices") != indices or not (isinstance(grid, list) and len(grid) == 3):
+            problems.append("%s: %s" % (key[:16], json.dumps(entry)[:100]))
+        if safetensors_names(cache_file(ctx, key)) != {"ec_cache"}:
+            problems.append("no encoder_cache.safetensors with ec_cache under %s" % key[:16])
+    if not isinstance(tokens, int) or tokens < 1:
+        problems.append("usage.prompt_tokens %r" % tokens)
+    return problems
+
+
+@case("chat: good request (uuid, URL hash, repeat, text part)", "main",
+      "200, ec_transfer_params per key, the files under the keys", 10)
+def c_chat_good(ctx):
+    other = data_url(noise_png(48, 64, 11))
+    uuid = "hostile-good-%d" % os.getpid()
+    parts = [dict(type="text", text="describe"), image_part(good(), uuid), image_part(other), image_part(good(), uuid)]
+    r, _ = chat(ctx, chat_body(parts))
+    # item_indices count image parts only (the text part is skipped); a part without uuid is keyed by
+    # the sha256 of its URL string, as vLLM's proxy keys it.
+    want = {uuid: [0, 2], hashlib.sha256(other.encode()).hexdigest(): [1]}
+    problems = check_ec_reply(ctx, r, want)
+    return (r.describe() + ("; " + "; ".join(problems) if problems else ", 2 keys, files written")), not problems
+
+
+@case("chat: 16 MiB text part + an image", "main", "200 (text ignored), the file under the key", 10)
+def c_chat_big_text(ctx):
+    uuid = "hostile-big-text-%d" % os.getpid()
+    r, _ = chat(ctx, chat_body([dict(type="text", text="a" * (16 * MiB)), image_part(good(), uuid)]))
+    problems = check_ec_reply(ctx, r, {uuid: [0]})
+    return r.describe() + ("; " + "; ".join(problems) if problems else ""), not problems
+
+
+bad_request("chat without --ec-storage-path", lambda: chat_body([image_part(good())]), 400, "invalid_request",
+            path=CHAT, instance="deadlines")
+
+
 def probe_main(port, count, interval_ms, timeout_ms):
     """--probe: GET /health on a new connection every interval_ms, count times; prints the latencies
     (ms; null for no 200 within timeout_ms) as JSON. A process of its own: the load's threads in the
@@ -713,11 +933,16 @@ def c_load(ctx):
     done, bad, lock = [0], [], threading.Lock()
     go, stop_encodes = threading.Barrier(201), threading.Event()
 
+    keyed = ctx.srv.ec_dir() is not None
+
     def encode(i):
         go.wait()
-        while True:
+        for n in itertools.count():
+            # A uuid of its own: the main instance has an encoder cache, and a repeated key would be a
+            # cache hit, not an encode under load (--legacy: no cache, the bare data URL as before).
+            body = encode_body([image_part(images[i % 8], "load-%d-%d" % (i, n)) if keyed else images[i % 8]])
             try:
-                status = exchange(port, request("POST", "/v1/encode", encode_body([images[i % 8]])), 20 * t)[0].status
+                status = exchange(port, request("POST", "/v1/encode", body), 20 * t)[0].status
             except (NoReply, OSError) as e:
                 status = str(e)
             with lock:
@@ -934,7 +1159,7 @@ def run_case(ctx, name, bound, f):
 
 
 def main():
-    global GOOD
+    global GOOD, EC_ROOT
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     here = os.path.dirname(os.path.abspath(__file__))
@@ -953,6 +1178,7 @@ def main():
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 8192), hard))  # the server inherits it too
     GOOD = noise_png(64, 64, 7)
+    EC_ROOT = make_ec_root()
     only = [s.strip().lower() for s in opts.only.split(",") if s.strip()]
     cases = [c for c in CASES if not only or any(s in c[0].lower() for s in only)]
     rows, started = [], time.monotonic()
