@@ -12,7 +12,8 @@
 #      sampled meanwhile (nvidia-smi), the server's peak RSS (VmHWM), SIGTERM and its exit code; with
 #      ENDPOINTS="encode chat", each fovea dtype runs twice: POST /v1/encode (embeddings in the
 #      replies, no cache), then vLLM's encode instance, POST /v1/chat/completions (server "fovea-chat":
-#      --ec-storage-path under /dev/shm, files written, small replies; every image part a fresh key);
+#      --ec-storage-path under /dev/shm when it has 32 GB free, files written, small replies; every
+#      image part a fresh key);
 #   2. with PEER=1, the same load against bench/hf-serve-peer.py (transformers, BF16; needs torch and
 #      transformers);
 #   3. with BOUND=1, the GPU bound: `fovea bench encoder` at the bench resolution nearest the load's
@@ -133,7 +134,9 @@ run_fovea() {  # BUDGET DTYPE [ENDPOINT: encode | chat]
   # 503 queue_full to 4K images at concurrency 16): every client's request may wait.
   local queue="--max-queue $(( MAX_LEVEL > 64 ? MAX_LEVEL : 64 )) --max-queue-tokens $(( MAX_LEVEL * IMG_TOKENS > 65536 ? MAX_LEVEL * IMG_TOKENS : 65536 ))"
   if [ "$endpoint" = chat ]; then  # the encode instance: files in RAM as a one-host deployment keeps them
-    ec=$(mktemp -d "$([ -w /dev/shm ] && echo /dev/shm || echo "$WORK")/fovea-ec.XXXXXX")
+    local shm_gb
+    shm_gb=$(df --output=avail -BG /dev/shm 2>/dev/null | tail -1 | tr -dc 0-9)
+    ec=$(mktemp -d "$([ -w /dev/shm ] && [ "${shm_gb:-0}" -ge 32 ] && echo /dev/shm || echo "$WORK")/fovea-ec.XXXXXX")
     flags="$flags --ec-storage-path $ec --ec-storage-min-age 0"
     name=fovea-$dt-chat-$budget server=fovea-chat
   fi

@@ -81,10 +81,6 @@ inline constexpr const char* kEcCacheTensor = "ec_cache";
 // '/', '\\', NUL or other control byte (below 0x20, or 0x7F), and neither "." nor "..".
 std::string ec_key_problem(std::string_view key);
 
-// One input's rows as the consumer loads them: [tokens, out_hidden * (1 + k)] bf16 bits, the
-// merger's output then each deepstack output, row by row.
-std::vector<uint16_t> ec_cache_rows(const Bf16Rows& t, int out_hidden);
-
 // Throws fovea::Error naming --ec-storage-min-age unless `seconds` is finite and not negative.
 void check_ec_min_age(double seconds);
 

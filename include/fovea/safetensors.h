@@ -76,5 +76,10 @@ void write_safetensors(const std::string& path, const std::vector<TensorToWrite>
 // The same file's bytes, in memory (`fovea serve` replies with them); `name` is used in errors.
 std::string safetensors_bytes(const std::string& name, const std::vector<TensorToWrite>& tensors,
                               const std::map<std::string, std::string>& metadata = {});
+// Only the file's head (header length, header, padding), from the tensors' names, dtypes and shapes
+// (their data is not looked at); `data_bytes` gets what the data takes after it, in the given order.
+// For writers that lay the data out themselves, straight after it.
+std::string safetensors_header(const std::string& name, const std::vector<TensorToWrite>& tensors,
+                               const std::map<std::string, std::string>& metadata, size_t* data_bytes);
 
 }  // namespace fovea

@@ -340,37 +340,35 @@ void check_ec_min_age(double seconds) {
          "from eviction)", seconds);
 }
 
-std::vector<uint16_t> ec_cache_rows(const Bf16Rows& t, int out_hidden) {
-  const size_t O = size_t(out_hidden), parts = 1 + t.deepstack.size(), W = O * parts;
+namespace {
+
+// The entry file's bytes: the safetensors head, then the one tensor's rows (merger output, then each
+// deepstack output) written straight into the same buffer, so a 67 MB entry costs one buffer and one
+// pass over the rows, not three (the server writes one per image, on the reply's path).
+std::string entry_bytes(const Bf16Rows& t, const qwen3vl::GridThw& grid, const qwen3vl::VisionConfig& c,
+                        const std::string& path) {
+  const size_t O = size_t(c.out_hidden), parts = 1 + t.deepstack.size(), W = O * parts;
   if (O == 0 || t.merged.size() % O != 0) fail("encoder cache: {} values are not rows of {}", t.merged.size(), O);
   const size_t rows = t.merged.size() / O;
   for (const auto& d : t.deepstack)
     if (d.size() != t.merged.size()) fail("encoder cache: a deepstack output has {} values, not {}", d.size(), t.merged.size());
-  std::vector<uint16_t> out(rows * W);
+  const TensorToWrite tensor{kEcCacheTensor, DType::BF16, {int64_t(rows), int64_t(W)}, {}, {}};
+  const std::map<std::string, std::string> meta = {
+      {kWriterKey, kWriter}, {"grid_thw", fmt::format("[{}, {}, {}]", grid[0], grid[1], grid[2])},
+      {"layout", "merger output, then deepstack 0..k-1, along the last dimension"}};
+  size_t data = 0;
+  std::string out = safetensors_header(path, {tensor}, meta, &data);
+  const size_t head = out.size();
+  out.resize(head + data);
+  char* dst = out.data() + head;
   parallel_ranges(int64_t(rows), 256, [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r)
       for (size_t p = 0; p < parts; ++p) {
         const std::span<const uint16_t> src = p == 0 ? t.merged : t.deepstack[p - 1];
-        std::memcpy(out.data() + size_t(r) * W + p * O, src.data() + size_t(r) * O, O * 2);
+        std::memcpy(dst + (size_t(r) * W + p * O) * 2, src.data() + size_t(r) * O, O * 2);
       }
   });
   return out;
-}
-
-
-namespace {
-
-// The entry's file, in memory: the one tensor "ec_cache" and fovea's mark in the metadata.
-std::string entry_bytes(const Bf16Rows& t, const qwen3vl::GridThw& grid, const qwen3vl::VisionConfig& c,
-                        const std::string& path) {
-  const std::vector<uint16_t> rows = ec_cache_rows(t, c.out_hidden);
-  const int64_t width = int64_t(c.out_hidden) * int64_t(1 + t.deepstack.size());
-  TensorToWrite tensor{kEcCacheTensor, DType::BF16, {int64_t(rows.size()) / width, width}, {}, {}};
-  tensor.view = {reinterpret_cast<const uint8_t*>(rows.data()), rows.size() * 2};
-  const std::map<std::string, std::string> meta = {
-      {kWriterKey, kWriter}, {"grid_thw", fmt::format("[{}, {}, {}]", grid[0], grid[1], grid[2])},
-      {"layout", "merger output, then deepstack 0..k-1, along the last dimension"}};
-  return safetensors_bytes(path, {tensor}, meta);
 }
 
 // min_age in nanoseconds, checked; beyond 1e9 s (31 years) it is forever, and the clocks' int64 stays

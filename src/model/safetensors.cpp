@@ -348,8 +348,13 @@ std::map<std::string, std::string> parse_checkpoint_index(std::string_view text,
   return out;
 }
 
-std::string safetensors_bytes(const std::string& path, const std::vector<TensorToWrite>& tensors,
-                              const std::map<std::string, std::string>& metadata) {
+namespace {
+
+// The file's head (8 bytes of header length, the JSON header, spaces up to an 8-byte boundary) for
+// tensors laid out in order; `data_bytes` gets the bytes their data takes after it. With check_data,
+// each tensor's data must be the size its shape and dtype say.
+std::string header_of(const std::string& path, const std::vector<TensorToWrite>& tensors,
+                      const std::map<std::string, std::string>& metadata, bool check_data, size_t* data_bytes) {
   nlohmann::ordered_json header = nlohmann::ordered_json::object();  // keeps the given tensor order
   if (!metadata.empty()) header["__metadata__"] = metadata;
   size_t offset = 0;
@@ -361,7 +366,7 @@ std::string safetensors_bytes(const std::string& path, const std::vector<TensorT
         numel > std::numeric_limits<int64_t>::max() / 4)
       fail("safetensors file '{}': tensor '{}': invalid shape {}", path, t.name, shape_str(t.shape));
     const size_t want = size_t(numel) * elem_size(t.dtype);
-    if (t.data().size() != want)
+    if (check_data && t.data().size() != want)
       fail("safetensors file '{}': tensor '{}' has {} bytes, but shape {} of {} needs {}", path, t.name,
            t.data().size(), shape_str(t.shape), dtype_str(t.dtype), want);
     header[t.name] = {{"dtype", dtype_str(t.dtype)}, {"shape", t.shape}, {"data_offsets", {offset, offset + want}}};
@@ -371,8 +376,23 @@ std::string safetensors_bytes(const std::string& path, const std::vector<TensorT
   text.append((8 - text.size() % 8) % 8, ' ');  // spaces are JSON whitespace; data starts 8-aligned
   std::string out(8, '\0');
   for (int i = 0; i < 8; ++i) out[i] = char((uint64_t(text.size()) >> (8 * i)) & 0xFF);
-  out.reserve(8 + text.size() + offset);
   out += text;
+  *data_bytes = offset;
+  return out;
+}
+
+}  // namespace
+
+std::string safetensors_header(const std::string& name, const std::vector<TensorToWrite>& tensors,
+                               const std::map<std::string, std::string>& metadata, size_t* data_bytes) {
+  return header_of(name, tensors, metadata, false, data_bytes);
+}
+
+std::string safetensors_bytes(const std::string& path, const std::vector<TensorToWrite>& tensors,
+                              const std::map<std::string, std::string>& metadata) {
+  size_t data = 0;
+  std::string out = header_of(path, tensors, metadata, true, &data);
+  out.reserve(out.size() + data);
   for (const TensorToWrite& t : tensors) out.append(reinterpret_cast<const char*>(t.data().data()), t.data().size());
   return out;
 }
