@@ -15,8 +15,8 @@
 // the end of the last write or from the last hit (lookup(), which precedes the reply by at most the
 // request's own time), on the steady clock; an entry found by the start-up scan counts from its
 // mtime (stamped at each write and hit) against the wall clock, a future mtime as now. A store
-// builds its file in memory first, so its exact size is known, then decides under the lock, before
-// writing anything:
+// knows its file's exact size before writing (the header is built first; the rows are streamed
+// into the file a few at a time), and decides under the lock, before writing anything:
 //   - fovea's files (the key's current file excepted: it is replaced), the stores in flight and
 //     this one fit the budget: it writes;
 //   - else, if evicting old entries can make them fit, or nothing but old entries is there besides

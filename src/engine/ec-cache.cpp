@@ -199,10 +199,48 @@ int create_temp(int folder_fd, std::string* name) {
   return -1;
 }
 
-// Writes `bytes` as the entry file in `folder_fd` atomically: a temporary file beside it, fsync,
-// rename over the name (renameat replaces a name; it never writes through one). On any failure the
-// temporary file is removed and fovea::Error names `path`, the step and the reason.
-void write_entry(int folder_fd, const std::string& path, const std::string& bytes) {
+// Writes all of [data, data + n) to fd; false (errno set) if a write fails.
+bool write_all(int fd, const char* data, size_t n) {
+  for (size_t done = 0; done < n;) {
+    const ssize_t w = ::write(fd, data + done, n - done);
+    if (w < 0 && errno == EINTR) continue;
+    if (w < 0) return false;
+    done += size_t(w);
+  }
+  return true;
+}
+
+// An entry's file before it is written: the safetensors head, then the one tensor's rows (merger
+// output, then each deepstack output), interleaved a few rows at a time into a small buffer as they
+// are written. The server writes one per image (67 MB for the 8B model at FullHD) on the reply's
+// path: a whole-file buffer would cost a fresh 67 MB of page faults per image, more than the write.
+struct EntryFile {
+  std::string head;
+  const Bf16Rows* rows = nullptr;
+  size_t O = 0, parts = 0, count = 0;  // row width per part, parts, rows
+  int64_t size() const { return int64_t(head.size() + count * O * parts * 2); }
+  bool write_to(int fd) const {
+    if (!write_all(fd, head.data(), head.size())) return false;
+    const size_t row_bytes = O * parts * 2, step = std::max<size_t>(1, (size_t(2) << 20) / row_bytes);
+    thread_local std::vector<char> chunk;  // reused: its pages are touched once per thread
+    chunk.resize(step * row_bytes);
+    for (size_t r0 = 0; r0 < count; r0 += step) {
+      const size_t n = std::min(step, count - r0);
+      for (size_t r = 0; r < n; ++r)
+        for (size_t p = 0; p < parts; ++p) {
+          const std::span<const uint16_t> src = p == 0 ? rows->merged : rows->deepstack[p - 1];
+          std::memcpy(chunk.data() + r * row_bytes + p * O * 2, src.data() + (r0 + r) * O, O * 2);
+        }
+      if (!write_all(fd, chunk.data(), n * row_bytes)) return false;
+    }
+    return true;
+  }
+};
+
+// Writes the entry file in `folder_fd` atomically: a temporary file beside it, fsync, rename over
+// the name (renameat replaces a name; it never writes through one). On any failure the temporary
+// file is removed and fovea::Error names `path`, the step and the reason.
+void write_entry(int folder_fd, const std::string& path, const EntryFile& entry) {
   std::string tmp;
   Fd fd(create_temp(folder_fd, &tmp));
   if (!fd) fail("encoder cache file '{}': cannot create a temporary file beside it: {}", path, std::strerror(errno));
@@ -213,12 +251,7 @@ void write_entry(int folder_fd, const std::string& path, const std::string& byte
     fail("encoder cache file '{}': {}: {}", path, step, std::strerror(err));
   };
   if (::fchmod(fd.get(), 0644) != 0) abandon("cannot set permissions");  // readable by the consumer whatever the umask
-  for (size_t done = 0; done < bytes.size();) {
-    const ssize_t n = ::write(fd.get(), bytes.data() + done, bytes.size() - done);
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) abandon("write failed");
-    done += size_t(n);
-  }
+  if (!entry.write_to(fd.get())) abandon("write failed");
   if (::fsync(fd.get()) != 0) abandon("fsync failed");
   if (::close(fd.release()) != 0) abandon("close failed");
   if (::renameat(folder_fd, tmp.c_str(), folder_fd, kEcCacheFile) != 0)
@@ -286,16 +319,16 @@ Fd make_key_folder(int dir_fd, const std::string& dir, const std::string& key, b
   return fd;
 }
 
-// Writes `bytes` as `key`'s entry file, making its folder if missing; returns the folder. Nothing of
-// a failed write stays: its folder goes too if this call made it (rmdir removes it only while
-// empty, so whatever another writer put there meanwhile keeps it).
+// Writes `key`'s entry file, making its folder if missing; returns the folder. Nothing of a failed
+// write stays: its folder goes too if this call made it (rmdir removes it only while empty, so
+// whatever another writer put there meanwhile keeps it).
 Fd write_key(int dir_fd, const std::string& dir, const std::string& key, const std::string& path,
-             const std::string& bytes) {
+             const EntryFile& entry) {
   bool made = false;
   Fd folder = make_key_folder(dir_fd, dir, key, &made);
   try {
     check_entry_name(folder.get(), path);
-    write_entry(folder.get(), path, bytes);
+    write_entry(folder.get(), path, entry);
   } catch (...) {
     if (made) ::unlinkat(dir_fd, key.c_str(), AT_REMOVEDIR);
     throw;
@@ -342,33 +375,21 @@ void check_ec_min_age(double seconds) {
 
 namespace {
 
-// The entry file's bytes: the safetensors head, then the one tensor's rows (merger output, then each
-// deepstack output) written straight into the same buffer, so a 67 MB entry costs one buffer and one
-// pass over the rows, not three (the server writes one per image, on the reply's path).
-std::string entry_bytes(const Bf16Rows& t, const qwen3vl::GridThw& grid, const qwen3vl::VisionConfig& c,
-                        const std::string& path) {
-  const size_t O = size_t(c.out_hidden), parts = 1 + t.deepstack.size(), W = O * parts;
-  if (O == 0 || t.merged.size() % O != 0) fail("encoder cache: {} values are not rows of {}", t.merged.size(), O);
-  const size_t rows = t.merged.size() / O;
+// The entry file for one input's rows (checked: whole rows, deepstack outputs as long as the merger's).
+EntryFile entry_file(const Bf16Rows& t, const qwen3vl::GridThw& grid, const qwen3vl::VisionConfig& c,
+                     const std::string& path) {
+  EntryFile e{{}, &t, size_t(c.out_hidden), 1 + t.deepstack.size(), 0};
+  if (e.O == 0 || t.merged.size() % e.O != 0) fail("encoder cache: {} values are not rows of {}", t.merged.size(), e.O);
+  e.count = t.merged.size() / e.O;
   for (const auto& d : t.deepstack)
     if (d.size() != t.merged.size()) fail("encoder cache: a deepstack output has {} values, not {}", d.size(), t.merged.size());
-  const TensorToWrite tensor{kEcCacheTensor, DType::BF16, {int64_t(rows), int64_t(W)}, {}, {}};
+  const TensorToWrite tensor{kEcCacheTensor, DType::BF16, {int64_t(e.count), int64_t(e.O * e.parts)}, {}, {}};
   const std::map<std::string, std::string> meta = {
       {kWriterKey, kWriter}, {"grid_thw", fmt::format("[{}, {}, {}]", grid[0], grid[1], grid[2])},
       {"layout", "merger output, then deepstack 0..k-1, along the last dimension"}};
   size_t data = 0;
-  std::string out = safetensors_header(path, {tensor}, meta, &data);
-  const size_t head = out.size();
-  out.resize(head + data);
-  char* dst = out.data() + head;
-  parallel_ranges(int64_t(rows), 256, [&](int64_t b, int64_t e) {
-    for (int64_t r = b; r < e; ++r)
-      for (size_t p = 0; p < parts; ++p) {
-        const std::span<const uint16_t> src = p == 0 ? t.merged : t.deepstack[p - 1];
-        std::memcpy(dst + (size_t(r) * W + p * O) * 2, src.data() + size_t(r) * O, O * 2);
-      }
-  });
-  return out;
+  e.head = safetensors_header(path, {tensor}, meta, &data);
+  return e;
 }
 
 // min_age in nanoseconds, checked; beyond 1e9 s (31 years) it is forever, and the clocks' int64 stays
@@ -615,9 +636,9 @@ void EcCache::store(const std::string& key, const Bf16Rows& t, const qwen3vl::Gr
                     const qwen3vl::VisionConfig& c) {
   if (const std::string why = ec_key_problem(key); !why.empty()) fail("encoder cache key {}: {}", quote_for_error(key), why);
   const std::string path = path_of(key);
-  // The file is built before anything is written: its exact size decides whether it may be.
-  const std::string bytes = entry_bytes(t, grid, c, path);
-  const int64_t size = int64_t(bytes.size());
+  // The file's exact size is known before anything is written: it decides whether it may be.
+  const EntryFile entry = entry_file(t, grid, c, path);
+  const int64_t size = entry.size();
   const auto done = [&] {  // with mu_ held: the store's reservation returned
     pending_bytes_ -= size;
     if (--writing_[key] == 0) writing_.erase(key);
@@ -630,7 +651,7 @@ void EcCache::store(const std::string& key, const Bf16Rows& t, const qwen3vl::Gr
   }
   Fd folder;
   try {
-    folder = write_key(dir_fd_, dir_, key, path, bytes);
+    folder = write_key(dir_fd_, dir_, key, path, entry);
   } catch (...) {
     std::lock_guard lk(mu_);
     done();
