@@ -404,6 +404,8 @@ def make_bodies(args, images, clips, model, unique):
             payload = {"images": [part("image_url", u, True) for u in urls], "encoding": args.encoding}
         else:  # the bare data URLs this script always sent
             payload = {"images": urls, "encoding": args.encoding}
+        if args.deepstack and args.endpoint == "encode":
+            payload["return_deepstack"] = True
         bodies.append(Body(payload, urls, k, 0))
     if not clips:
         return bodies
@@ -480,6 +482,9 @@ def main():
     ap.add_argument("--warmup", type=int, default=4, help="requests sent first, not measured")
     ap.add_argument("--images-per-request", type=int, default=1)
     ap.add_argument("--encoding", choices=("base64", "float"), default="base64")
+    ap.add_argument("--deepstack", action="store_true",
+                    help="POST /v1/encode asks for the deepstack outputs too (\"return_deepstack\": true): 4x the "
+                         "bytes per image out of the GPU, as the encoder cache's files hold")
     ap.add_argument("--octet-stream", action="store_true",
                     help="ask for safetensors replies (BF16 tensors; F32 with --encoding float)")
     ap.add_argument("--timeout", type=float, default=600, help="client socket timeout, seconds")

@@ -27,7 +27,8 @@
 # Examples:
 #   BUDGETS=2073600 bench/serve-matrix.sh                    # FullHD: fovea BF16, FP8 static, the peer, the bound
 #   BUDGETS=8294400 PEER=0 bench/serve-matrix.sh build/fovea # 4K, fovea only
-# Other knobs: ENDPOINTS (encode; "encode chat" adds the encode-instance runs), LEVELS (1,4,16,64), REQUESTS per level (64 up to 4 MP budgets, 32 above), WARMUP (4),
+# Other knobs: ENDPOINTS (encode; "encode chat" adds the encode-instance runs), LOAD_EXTRA (more
+# serve-load.py flags for every run, e.g. --deepstack), LEVELS (1,4,16,64), REQUESTS per level (64 up to 4 MP budgets, 32 above), WARMUP (4),
 # NIMAGES (8), MAX_BATCH_TOKENS (16384, fovea serve's default, used by both servers), SCALES (an
 # existing scale file: no calibration), MODEL (synthetic:qwen3-vl-8b), PHOTOS, PEER_ARGS (more
 # hf-serve-peer.py flags), BENCH_REPS (5); and FOVEA, CUDNN_LIB, OUT, PYTHON (scripts/lib-gpu.sh).
@@ -101,7 +102,7 @@ load_test() {
     t=$SECONDS
     # Where the CPU goes 3 to 6 s into the level: the server's threads by name, the machine, the clients.
     $PY bench/thread-sample.py --pid $pid --delay 3 --window 3 --also serve-load.py > "$OUT/threads-$name-c$c.txt" 2>&1 &
-    timeout $cut $PY bench/serve-load.py --url "$url" --images "$IMG_DIR" --concurrency $c --requests $REQ $LOAD_ARGS \
+    timeout $cut $PY bench/serve-load.py --url "$url" --images "$IMG_DIR" --concurrency $c --requests $REQ $LOAD_ARGS ${LOAD_EXTRA:-} \
       --warmup $([ $first = 1 ] && echo $WARMUP || echo 0) --json "$OUT/load-$name-c$c.json" 2>&1 |
       grep -E "^serve-load \| +[0-9]|mean ms|first error|answered|Error"
     [ -f "$OUT/load-$name-c$c.json" ] && loads+=(--load "$OUT/load-$name-c$c.json") || echo "   concurrency $c: no result (cut at $cut s?)"
