@@ -12,6 +12,7 @@ pkgs=(cmake ninja-build g++ pkg-config
       libcurl4-openssl-dev # fovea serve's http(s) media URLs (--allowed-media-domains)
       ffmpeg               # the video tests make and decode clips with its command line (test-only)
       haproxy              # the deployment test puts two servers behind it (test-only; docs/deploy.md)
+      python3-numpy        # the C ABI's test through the Python package (python/tests/test_capi.py)
       clang libclang-rt-14-dev llvm-14 python3)  # the sanitizer/fuzz build, its symbolizer, the hostile suite
 missing=()
 for p in "${pkgs[@]}"; do

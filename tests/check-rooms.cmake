@@ -20,7 +20,7 @@ if(NOT DEFINED MIN_FILES)
   set(MIN_FILES 50)
 endif()
 
-set(rooms core fp8 attention model image video engine server cli)
+set(rooms core fp8 attention model image video engine server cli capi)
 set(rank_core 0)
 set(rank_fp8 1)
 set(rank_attention 2)
@@ -30,6 +30,7 @@ set(rank_video 5)
 set(rank_engine 6)
 set(rank_server 7)
 set(rank_cli 7)  # beside server
+set(rank_capi 7)  # the C ABI (libfovea_attn.so), beside server and cli
 
 # Each public header's room: the room that implements it, or for a header-only one, the lowest room
 # it fits (what it includes) that matches what it is. A new header must be added here.
@@ -53,6 +54,7 @@ set(public_video video.h)
 set(public_engine engine.h pipeline.h ec-cache.h)
 set(public_server serve.h)
 set(public_cli "")
+set(public_capi fovea_attn.h)  # C, includes nothing of fovea's
 foreach(room ${rooms})
   foreach(h ${public_${room}})
     set(room_of_${h} ${room})

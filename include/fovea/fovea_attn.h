@@ -1,0 +1,126 @@
+/* fovea/fovea_attn.h: the C ABI of fovea's attention (libfovea_attn.so; docs/python.md).
+ *
+ * Packed varlen ("THD") non-causal attention over segments, in BF16 or FP8 (E4M3 Q, K, V and P with
+ * per-tensor scales), for callers that are not C++: the Python package's ctypes layer, torch ops,
+ * other runtimes. Plain C: no C++ types, no exceptions cross it; every call returns a status and a
+ * failing call leaves a message for fovea_attn_last_error().
+ *
+ * One handle per (dtype, heads, head_dim, device). Its life:
+ *   fovea_attn_create -> fovea_attn_plan (per batch shape: host segment offsets; may allocate; not
+ *   capturable) -> fovea_attn_prepare or fovea_attn_prepare_fused -> fovea_attn_attend, repeated;
+ *   prepare and attend make no host synchronization and can be captured in a CUDA graph once the
+ *   handle has been planned (and, for fovea_attn_prepare, run once) outside the capture.
+ * A handle is used by one thread and one stream at a time; it keeps scratch memory of its own (the
+ * padded, quantized Q, K and V^T) between prepare and attend.
+ *
+ * Devices: device >= 0 is a CUDA device (every pointer is device memory of that device; `stream` is
+ * a cudaStream_t, NULL for the legacy default stream). FOVEA_ATTN_DEVICE_CPU runs the CPU reference
+ * (the emulation the GPU kernels are tested against) on host memory, for tests without a GPU.
+ * Backends follow the fovea command's rules and messages: AUTO is FOVEA on Hopper (sm_90) and CUDNN
+ * (BF16 only, cuDNN 9.15+) on other GPUs; FP8 needs FOVEA.
+ *
+ * Tensors are bf16 (as uint16 bits) [tokens, heads, head_dim] views: strides in elements, the last
+ * dimension contiguous. */
+#ifndef FOVEA_FOVEA_ATTN_H
+#define FOVEA_FOVEA_ATTN_H
+
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Bumped on any incompatible change of a signature, a struct or a constant below. */
+#define FOVEA_ATTN_ABI_VERSION 1
+
+typedef enum {
+  FOVEA_ATTN_OK = 0,
+  FOVEA_ATTN_INVALID = 1,     /* a bad argument: shape, stride, pointer, order of calls */
+  FOVEA_ATTN_UNSUPPORTED = 2, /* valid, but not on this build, GPU or backend (FP8 off Hopper, ...) */
+  FOVEA_ATTN_RUNTIME = 3,     /* CUDA, cuDNN or file I/O failed */
+} fovea_attn_status;
+
+typedef enum { FOVEA_ATTN_BF16 = 1, FOVEA_ATTN_FP8 = 2 } fovea_attn_dtype;
+typedef enum { FOVEA_ATTN_AUTO = 0, FOVEA_ATTN_FOVEA = 1, FOVEA_ATTN_CUDNN = 2, FOVEA_ATTN_CPU = 3 } fovea_attn_backend;
+#define FOVEA_ATTN_DEVICE_CPU (-1)
+
+/* How prepare finds the FP8 scales (dequantization scales: x8 = sat(rne(x / s))). */
+typedef enum {
+  FOVEA_ATTN_SCALES_NONE = 0,    /* BF16 */
+  FOVEA_ATTN_SCALES_STATIC = 1,  /* `fixed`: float[3] (q, k, v) */
+  FOVEA_ATTN_SCALES_DYNAMIC = 2, /* `state`: a fovea_attn_amax_state, recorded and read in place */
+} fovea_attn_scale_mode;
+
+typedef struct {
+  int32_t mode;       /* fovea_attn_scale_mode */
+  const float* fixed; /* STATIC: in the handle's memory (device memory for a GPU handle) */
+  void* state;        /* DYNAMIC: a fovea_attn_amax_state in the handle's memory */
+} fovea_attn_scales;
+
+/* Dynamic scaling of one tensor: the last 16 finite amax values (max |x|); a forward records its
+ * own amax, then quantizes with s = max(ring) / 448, floored at FLT_MIN (it cannot overflow).
+ * Non-finite amax values are counted and never enter the ring. */
+#define FOVEA_ATTN_HISTORY_LEN 16
+typedef struct {
+  float ring[FOVEA_ATTN_HISTORY_LEN];
+  int32_t pos;        /* next slot */
+  int32_t filled;     /* valid slots */
+  uint32_t updates;   /* forwards recorded, finite or not */
+  uint32_t nonfinite; /* non-finite amax values ignored */
+  float scale;        /* the scale of the latest forward */
+} fovea_attn_amax_history;
+typedef struct {
+  fovea_attn_amax_history t[3]; /* q, k, v */
+} fovea_attn_amax_state;        /* 252 bytes, 4-byte aligned */
+
+typedef struct {
+  void* data;           /* bf16 */
+  int64_t stride_token; /* elements between tokens */
+  int64_t stride_head;  /* elements between heads */
+} fovea_attn_view;
+
+typedef struct fovea_attn fovea_attn;
+
+int32_t fovea_attn_abi_version(void);  /* FOVEA_ATTN_ABI_VERSION of the library */
+const char* fovea_attn_version(void);  /* fovea's version, e.g. "0.1.0" */
+/* The message of the calling thread's last failing call ("" if none); valid until its next call. */
+const char* fovea_attn_last_error(void);
+
+/* A fresh dynamic state (empty rings, scales at the floor), written to host memory. */
+void fovea_attn_amax_state_init(fovea_attn_amax_state* state);
+
+int32_t fovea_attn_create(int32_t dtype, int32_t backend, int32_t heads, int32_t head_dim, int32_t device,
+                          fovea_attn** out);
+void fovea_attn_destroy(fovea_attn* h); /* NULL is a no-op */
+int32_t fovea_attn_backend_of(const fovea_attn* h); /* the resolved backend */
+
+/* cu_seqlens: host int32 [num_segments + 1], 0 = cu[0] < cu[1] < ... = total tokens. */
+int32_t fovea_attn_plan(fovea_attn* h, const int32_t* cu_seqlens, int32_t num_segments, void* stream);
+
+/* Q, K, V as three views (after RoPE). softmax_scale: 0 for 1/sqrt(head_dim), the only scale the
+ * kernels take; any other value is refused. */
+int32_t fovea_attn_prepare(fovea_attn* h, const fovea_attn_view* q, const fovea_attn_view* k,
+                           const fovea_attn_view* v, const fovea_attn_scales* scales, float softmax_scale,
+                           void* stream);
+/* fovea's fused path: the qkv projection's output [tokens, 3, heads, head_dim] (token stride in
+ * elements, >= 3 * heads * head_dim, a multiple of 8; 16-byte aligned) and Qwen3-VL's 2D RoPE
+ * tables fp32 [tokens, head_dim / 2] (the angle of columns d and d + head_dim / 2), or both NULL. */
+int32_t fovea_attn_prepare_fused(fovea_attn* h, const void* qkv, int64_t token_stride, const float* rope_cos,
+                                 const float* rope_sin, const fovea_attn_scales* scales, void* stream);
+/* The output of the last prepare, bf16 [tokens, heads, head_dim]. */
+int32_t fovea_attn_attend(fovea_attn* h, const fovea_attn_view* out, void* stream);
+
+/* ---- scale files (vLLM's format: {"<layer prefix>": {"q": s, "k": s, "v": s}, ...}) ---------------
+ * Read: every layer 0..num_layers-1 must be present (keys name the block: "...blocks.<i>..."). */
+int32_t fovea_attn_scale_file_read(const char* path, int32_t num_layers, float* qkv /* [num_layers * 3] */);
+/* Written atomically (a temporary file, then rename), with fovea's layer names. */
+int32_t fovea_attn_scale_file_write(const char* path, int32_t num_layers, const float* qkv);
+/* Calibration: s * margin per layer from host copies of the layers' dynamic states, as fovea's own
+ * calibration computes it; a layer whose ring is empty is an error naming it. */
+int32_t fovea_attn_calibrated_scales(const fovea_attn_amax_state* states, int32_t num_layers, float margin,
+                                     float* qkv /* [num_layers * 3] */);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* FOVEA_FOVEA_ATTN_H */

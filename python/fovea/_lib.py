@@ -1,0 +1,136 @@
+"""ctypes binding of libfovea_attn.so (include/fovea/fovea_attn.h): the one place that knows the C ABI.
+
+The library is found, in order: $FOVEA_ATTN_LIB (a path); a copy inside this package
+(fovea/_lib/libfovea_attn.so*, for wheels that carry it); the build folder of the source tree this
+package sits in (../build); the system loader (libfovea_attn.so.1 on LD_LIBRARY_PATH or ldconfig's
+paths). Its ABI version must be the one this module was written for.
+"""
+import ctypes
+import glob
+import os
+import threading
+
+ABI_VERSION = 1
+
+OK, INVALID, UNSUPPORTED, RUNTIME = 0, 1, 2, 3
+BF16, FP8 = 1, 2
+AUTO, FOVEA, CUDNN, CPU = 0, 1, 2, 3
+BACKEND_NAMES = {AUTO: "AUTO", FOVEA: "FOVEA", CUDNN: "CUDNN", CPU: "CPU"}
+DEVICE_CPU = -1
+SCALES_NONE, SCALES_STATIC, SCALES_DYNAMIC = 0, 1, 2
+HISTORY_LEN = 16
+
+
+class FoveaError(RuntimeError):
+    """A call into libfovea_attn failed; the message is the library's."""
+
+    def __init__(self, status, message):
+        super().__init__(message)
+        self.status = status
+
+
+class FoveaUnsupportedError(FoveaError):
+    """Valid, but not on this build, GPU or backend (FP8 off Hopper, a head_dim the kernels lack)."""
+
+
+class AmaxHistory(ctypes.Structure):
+    _fields_ = [("ring", ctypes.c_float * HISTORY_LEN), ("pos", ctypes.c_int32), ("filled", ctypes.c_int32),
+                ("updates", ctypes.c_uint32), ("nonfinite", ctypes.c_uint32), ("scale", ctypes.c_float)]
+
+
+class AmaxState(ctypes.Structure):
+    """One layer's dynamic-scaling state (q, k, v): 252 bytes, 4-byte aligned."""
+    _fields_ = [("t", AmaxHistory * 3)]
+
+
+class View(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_void_p), ("stride_token", ctypes.c_int64), ("stride_head", ctypes.c_int64)]
+
+
+class Scales(ctypes.Structure):
+    _fields_ = [("mode", ctypes.c_int32), ("fixed", ctypes.c_void_p), ("state", ctypes.c_void_p)]
+
+
+assert ctypes.sizeof(AmaxState) == 252
+
+
+def _candidates():
+    env = os.environ.get("FOVEA_ATTN_LIB")
+    if env:
+        return [env]  # given explicitly: nothing else is tried
+    here = os.path.dirname(os.path.abspath(__file__))
+    found = sorted(glob.glob(os.path.join(here, "_lib", "libfovea_attn.so*")))
+    found += [os.path.join(here, "..", "..", "build", "libfovea_attn.so")]
+    return found + ["libfovea_attn.so.1"]
+
+
+_lock = threading.Lock()
+_lib = None
+
+
+def _declare(lib):
+    i32, i64, vp, f32 = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+    handle_p = ctypes.POINTER(vp)
+    sigs = {
+        "fovea_attn_abi_version": (i32, []),
+        "fovea_attn_version": (ctypes.c_char_p, []),
+        "fovea_attn_last_error": (ctypes.c_char_p, []),
+        "fovea_attn_amax_state_init": (None, [ctypes.POINTER(AmaxState)]),
+        "fovea_attn_create": (i32, [i32, i32, i32, i32, i32, handle_p]),
+        "fovea_attn_destroy": (None, [vp]),
+        "fovea_attn_backend_of": (i32, [vp]),
+        "fovea_attn_plan": (i32, [vp, ctypes.POINTER(i32), i32, vp]),
+        "fovea_attn_prepare": (i32, [vp, ctypes.POINTER(View), ctypes.POINTER(View), ctypes.POINTER(View),
+                                     ctypes.POINTER(Scales), f32, vp]),
+        "fovea_attn_prepare_fused": (i32, [vp, vp, i64, vp, vp, ctypes.POINTER(Scales), vp]),
+        "fovea_attn_attend": (i32, [vp, ctypes.POINTER(View), vp]),
+        "fovea_attn_scale_file_read": (i32, [ctypes.c_char_p, i32, ctypes.POINTER(f32)]),
+        "fovea_attn_scale_file_write": (i32, [ctypes.c_char_p, i32, ctypes.POINTER(f32)]),
+        "fovea_attn_calibrated_scales": (i32, [ctypes.POINTER(AmaxState), i32, f32, ctypes.POINTER(f32)]),
+    }
+    for name, (res, args) in sigs.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = res, args
+
+
+def lib():
+    """The loaded library (loaded once, on first use)."""
+    global _lib
+    with _lock:
+        if _lib is not None:
+            return _lib
+        errors = []
+        for path in _candidates():
+            if os.sep in path and not os.path.exists(path):
+                errors.append(f"{path}: no such file")
+                continue
+            try:
+                candidate = ctypes.CDLL(path)
+            except OSError as e:
+                errors.append(f"{path}: {e}")
+                continue
+            try:
+                _declare(candidate)
+            except AttributeError as e:
+                errors.append(f"{path}: not fovea's attention library ({e})")
+                continue
+            version = candidate.fovea_attn_abi_version()
+            if version != ABI_VERSION:
+                raise ImportError(f"fovea: {path} has ABI version {version}; this package speaks version "
+                                  f"{ABI_VERSION} (rebuild the library or reinstall the package from the same checkout)")
+            _lib = candidate
+            return _lib
+        raise ImportError("fovea: libfovea_attn.so not found (build it with CMake and set FOVEA_ATTN_LIB to its "
+                          "path; docs/python.md). Tried:\n  " + "\n  ".join(errors))
+
+
+def check(status):
+    """Raises the library's last error for a failing status."""
+    if status == OK:
+        return
+    message = lib().fovea_attn_last_error().decode("utf-8", "replace")
+    raise (FoveaUnsupportedError if status == UNSUPPORTED else FoveaError)(status, message)
+
+
+def version():
+    return lib().fovea_attn_version().decode()

@@ -1,0 +1,260 @@
+"""fovea's attention as torch ops (torch.library custom ops with fake kernels; docs/python.md).
+
+    out = fovea.torch.varlen_attention(q, k, v, cu_seqlens)                      # BF16
+    out = fovea.torch.varlen_attention(q, k, v, cu_seqlens, descale=d)           # FP8, static scales
+    out = fovea.torch.varlen_attention(q, k, v, cu_seqlens, amax_state=s)        # FP8, dynamic scaling
+
+q, k, v: [total_tokens, heads, head_dim] bf16 on one device (last dimension contiguous, any other
+strides: views of a fused qkv output are read in place); cu_seqlens: int32 [segments + 1]; returns
+[total_tokens, heads, head_dim] bf16. descale: float32 [3] (q, k, v dequantization scales); amax_state:
+a 252-byte tensor (ScaleBook makes them) that the op updates in place (its 16-entry amax history).
+
+The ops are torch.ops.fovea.varlen_attention and torch.ops.fovea.varlen_attention_dynamic, opaque to
+torch.compile (no graph break) with fake kernels for tracing; the dynamic op declares its mutation,
+so the state can live in a CUDA graph. Planning (tile lists, TMA maps) needs the segment offsets on
+the host: a CPU cu_seqlens is read directly; a device one is read once per tensor (a host sync) and
+remembered for that tensor while it is unchanged, so the layers of one forward share the read.
+Inside a CUDA graph capture nothing can be read: the shape must have run once before the capture.
+"""
+import collections
+import threading
+import weakref
+
+import torch
+
+from . import _lib
+from . import attention as _fa
+
+__all__ = ["varlen_attention", "ScaleBook", "FoveaError", "FoveaUnsupportedError", "clear_cache", "remember_offsets"]
+
+FoveaError, FoveaUnsupportedError = _lib.FoveaError, _lib.FoveaUnsupportedError
+STATE_INTS = _fa.STATE_BYTES // 4
+_CACHE_SIZE = 16
+
+_lock = threading.Lock()
+_handles = collections.OrderedDict()  # (device, dtype, heads, head_dim, cu) -> [Attention, pinned]
+_seen = {}                           # id(tensor) -> (weakref, version, host offsets)
+_by_address = {}                     # (device, address, numel) -> host offsets last read there
+
+
+def clear_cache():
+    """Drops every planned handle not used in a CUDA graph capture, and the remembered offsets."""
+    with _lock:
+        for key in [k for k, v in _handles.items() if not v[1]]:
+            del _handles[key]
+        _seen.clear()
+        _by_address.clear()
+
+
+def _capturing(t):
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def _remember_address(address, host):  # with _lock held
+    if len(_by_address) >= 256:
+        _by_address.clear()
+    _by_address[address] = host
+
+
+def _normalized(cu):
+    # vLLM pads cu_seqlens with repeats (empty segments) for its encoder CUDA graphs: they hold no token.
+    out = [cu[0]]
+    for x in cu[1:]:
+        if x != out[-1]:
+            out.append(x)
+    return tuple(out)
+
+
+def _host_offsets(cu):
+    if cu.device.type == "cpu":
+        return _normalized([int(x) for x in cu.tolist()])
+    try:
+        version = cu._version
+    except RuntimeError:  # an inference tensor keeps no version: read it every time
+        version = None
+    key = id(cu)
+    with _lock:
+        hit = _seen.get(key)
+        if hit and version is not None and hit[0]() is cu and hit[1] == version:
+            return hit[2]
+    address = (cu.device.index, cu.data_ptr(), cu.numel())
+    if _capturing(cu):
+        with _lock:
+            if address in _by_address:
+                return _by_address[address]
+        raise RuntimeError("fovea: cu_seqlens is on the GPU and cannot be read during a CUDA graph capture; run the "
+                           "same call once before capturing (or pass cu_seqlens on the CPU)")
+    host = _normalized([int(x) for x in cu.tolist()])
+    with _lock:
+        if version is not None:
+            _seen[key] = (weakref.ref(cu, lambda _, k=key: _seen.pop(k, None)), version, host)
+        _remember_address(address, host)
+    return host
+
+
+def _handle(device, fp8, heads, head_dim, cu, stream):
+    key = (str(device), fp8, heads, head_dim, cu)
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    with _lock:
+        entry = _handles.get(key)
+        if entry:
+            _handles.move_to_end(key)
+            entry[1] = entry[1] or capturing  # a graph holds its buffers: never evicted
+            return entry[0]
+    if capturing:
+        raise RuntimeError("fovea: this attention shape was not planned before the CUDA graph capture (planning "
+                           "allocates); run the same call once before capturing")
+    att = _fa.Attention("fp8" if fp8 else "bf16", heads, head_dim,
+                        device="cpu" if device.type == "cpu" else device.index)
+    att.plan(cu, stream)
+    with _lock:
+        _handles[key] = [att, False]
+        unpinned = [k for k, v in _handles.items() if not v[1]]
+        for old in unpinned[:max(0, len(unpinned) - _CACHE_SIZE)]:
+            del _handles[old]
+    return att
+
+
+def _check(q, k, v, cu):
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.dtype != torch.bfloat16:
+            raise TypeError(f"fovea: {name} must be bfloat16, got {x.dtype}")
+        if x.dim() != 3 or x.stride(2) != 1:
+            raise ValueError(f"fovea: {name} must be [tokens, heads, head_dim] with the last dimension contiguous, "
+                             f"got shape {tuple(x.shape)} strides {x.stride()}")
+        if x.device != q.device:
+            raise ValueError(f"fovea: {name} is on {x.device}, q on {q.device}")
+    if k.shape != q.shape or v.shape != q.shape:
+        raise ValueError(f"fovea: q, k, v shapes differ: {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)} "
+                         "(no grouped-query attention)")
+    if cu.dtype != torch.int32 or cu.dim() != 1 or cu.numel() < 2:
+        raise ValueError(f"fovea: cu_seqlens must be int32 [segments + 1], got {cu.dtype} {tuple(cu.shape)}")
+
+
+def _run(q, k, v, cu_seqlens, descale, state, softmax_scale):
+    _check(q, k, v, cu_seqlens)
+    n, heads, head_dim = q.shape
+    out = torch.empty((n, heads, head_dim), dtype=torch.bfloat16, device=q.device)
+    if n == 0:
+        return out
+    cu = _host_offsets(cu_seqlens)
+    if cu[0] != 0 or cu[-1] != n:
+        raise ValueError(f"fovea: cu_seqlens must run from 0 to the token count {n}, got {cu[0]} .. {cu[-1]}")
+    scales = None
+    if descale is not None:
+        if descale.dtype != torch.float32 or descale.numel() != 3 or not descale.is_contiguous() or descale.device != q.device:
+            raise ValueError("fovea: descale must be a contiguous float32 tensor of 3 values (q, k, v) on q's device")
+        scales = _fa.Scales(fixed=descale.data_ptr())
+    if state is not None:
+        if state.numel() * state.element_size() != _fa.STATE_BYTES or not state.is_contiguous() or state.device != q.device:
+            raise ValueError(f"fovea: amax_state must be a contiguous {_fa.STATE_BYTES}-byte tensor on q's device "
+                             "(ScaleBook makes them)")
+        scales = _fa.Scales(state=state.data_ptr())
+    stream = torch.cuda.current_stream(q.device).cuda_stream if q.is_cuda else 0
+    att = _handle(q.device, scales is not None, heads, head_dim, cu, stream)
+    att.prepare(*[(x.data_ptr(), x.stride(0), x.stride(1)) for x in (q, k, v)], scales=scales,
+                softmax_scale=softmax_scale, stream=stream)
+    att.attend((out.data_ptr(), heads * head_dim, head_dim), stream)
+    return out
+
+
+@torch.library.custom_op("fovea::varlen_attention", mutates_args=())
+def _varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                      descale: torch.Tensor | None, softmax_scale: float) -> torch.Tensor:
+    return _run(q, k, v, cu_seqlens, descale, None, softmax_scale)
+
+
+@_varlen_attention.register_fake
+def _(q, k, v, cu_seqlens, descale, softmax_scale):
+    return q.new_empty(q.shape, dtype=torch.bfloat16)
+
+
+@torch.library.custom_op("fovea::varlen_attention_dynamic", mutates_args=("amax_state",))
+def _varlen_attention_dynamic(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                              amax_state: torch.Tensor, softmax_scale: float) -> torch.Tensor:
+    return _run(q, k, v, cu_seqlens, None, amax_state, softmax_scale)
+
+
+@_varlen_attention_dynamic.register_fake
+def _(q, k, v, cu_seqlens, amax_state, softmax_scale):
+    return q.new_empty(q.shape, dtype=torch.bfloat16)
+
+
+def varlen_attention(q, k, v, cu_seqlens, max_seqlen=None, *, softmax_scale=None, descale=None, amax_state=None):
+    """Packed varlen attention, non-causal within each segment. max_seqlen is accepted for
+    flash_attn_varlen_func's callers and not needed. softmax_scale: None or 1/sqrt(head_dim)."""
+    del max_seqlen
+    if descale is not None and amax_state is not None:
+        raise ValueError("fovea: give descale (static FP8) or amax_state (dynamic FP8), not both")
+    scale = 0.0 if softmax_scale is None else float(softmax_scale)
+    if amax_state is not None:
+        return torch.ops.fovea.varlen_attention_dynamic(q, k, v, cu_seqlens, amax_state, scale)
+    return torch.ops.fovea.varlen_attention(q, k, v, cu_seqlens, descale, scale)
+
+
+class ScaleBook(torch.nn.Module):
+    """The FP8 scales of a model's attention layers as device tensors (module buffers, so a compiled
+    graph treats them as static state):
+      "dynamic"   amax_state [layers, 63] int32, one 252-byte state per layer, updated by every forward;
+      "static"    descale [layers, 3] float32, read from `path` (vLLM's scale file);
+      "calibrate" dynamic, and after 16 complete forwards maybe_save() writes `path` (s x margin).
+    layer(i) gives the keyword arguments of varlen_attention for layer i."""
+
+    def __init__(self, num_layers, mode="dynamic", path=None, margin=1.5, device="cuda"):
+        super().__init__()
+        if mode not in ("dynamic", "static", "calibrate"):
+            raise ValueError(f"fovea: ScaleBook mode {mode!r} is not one of dynamic, static, calibrate")
+        if mode != "dynamic" and not path:
+            raise ValueError(f"fovea: ScaleBook mode {mode!r} needs a path (the scale file to "
+                             f"{'read' if mode == 'static' else 'write'})")
+        self.mode, self.path, self.margin, self.num_layers = mode, path, float(margin), int(num_layers)
+        self.saved = False
+        if mode == "static":
+            rows = _fa.read_scale_file(path, self.num_layers)
+            self.register_buffer("descale", torch.tensor(rows, dtype=torch.float32, device=device))
+        else:
+            raw = bytearray(_fa.fresh_state_bytes() * self.num_layers)
+            state = torch.frombuffer(raw, dtype=torch.int32).reshape(self.num_layers, STATE_INTS)
+            self.register_buffer("amax_state", state.to(device))
+
+    def layer(self, i):
+        return {"descale": self.descale[i]} if self.mode == "static" else {"amax_state": self.amax_state[i]}
+
+    def states(self):
+        """The layers' dynamic states on the host (fovea._lib.AmaxState: .t[0..2].ring, .filled, .scale...)."""
+        raw = self.amax_state.cpu().numpy().tobytes()
+        return [_fa.state_from_bytes(raw[i * _fa.STATE_BYTES:(i + 1) * _fa.STATE_BYTES]) for i in range(self.num_layers)]
+
+    def complete_forwards(self):
+        return min(min(t.updates for t in st.t) for st in self.states())
+
+    def calibrated(self, margin=None):
+        """[[q, k, v], ...]: max(ring) / 448 x margin per layer (an error names a layer that saw no finite input)."""
+        return _fa.calibrated_scales([bytes(s) for s in self.states()], self.margin if margin is None else margin)
+
+    def save(self, path=None, margin=None):
+        _fa.write_scale_file(path or self.path, self.calibrated(margin))
+
+    def maybe_save(self):
+        """Calibration: writes the file once, after the 16th complete forward; True that once."""
+        if self.mode != "calibrate" or self.saved or self.complete_forwards() < _lib.HISTORY_LEN:
+            return False
+        self.save()
+        self.saved = True
+        return True
+
+
+def remember_offsets(cu, host):
+    """Tells the ops the host values of a device cu_seqlens they will see (vLLM's plugin: the offsets
+    are on the host when the tensor is made), so no call reads them back."""
+    host = _normalized([int(x) for x in host])
+    try:
+        version = cu._version
+    except RuntimeError:
+        version = None
+    with _lock:
+        if version is not None:
+            key = id(cu)
+            _seen[key] = (weakref.ref(cu, lambda _, k=key: _seen.pop(k, None)), version, host)
+        if cu.is_cuda:
+            _remember_address((cu.device.index, cu.data_ptr(), cu.numel()), host)

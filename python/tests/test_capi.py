@@ -1,0 +1,264 @@
+"""The C ABI through the package's ctypes layer, on the CPU reference (no GPU, no torch): numpy only.
+
+Run: FOVEA_ATTN_LIB=build/libfovea_attn.so PYTHONPATH=python python3 -m unittest discover -s python/tests -p 'test_capi*.py'
+The oracle is an fp64 attention written here in numpy; inputs are fresh random bf16 values in
+ragged segments, read through strided views; outputs start poisoned with NaN.
+"""
+import ctypes
+import ctypes.util
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import unittest
+
+import numpy as np
+
+from fovea import _lib, attention as fa
+
+NAN_BF16 = 0x7FC0
+HEADER = os.path.join(os.path.dirname(__file__), "..", "..", "include", "fovea", "fovea_attn.h")
+
+
+def to_bf16(x):
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    return ((u + (((u >> 16) & 1) + 0x7FFF)) >> 16).astype(np.uint16)
+
+
+def from_bf16(b):
+    return (b.astype(np.uint32) << 16).view(np.float32)
+
+
+def ref_attention(q, k, v, cu):
+    """fp64 attention of [N, H, D] float arrays over segments cu."""
+    q, k, v = (x.astype(np.float64) for x in (q, k, v))
+    out = np.zeros_like(q)
+    scale = 1.0 / np.sqrt(q.shape[2])
+    for a, b in zip(cu[:-1], cu[1:]):
+        s = np.einsum("qhd,khd->hqk", q[a:b], k[a:b]) * scale
+        p = np.exp(s - s.max(axis=2, keepdims=True))
+        p /= p.sum(axis=2, keepdims=True)
+        out[a:b] = np.einsum("hqk,khd->qhd", p, v[a:b])
+    return out
+
+
+def rel_l2(out, ref):
+    return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+
+
+class Batch:
+    """Fresh inputs: q in a head-major buffer [H, N, D], k contiguous [N, H, D], v a view of a fused
+    [N, 3, H, D] buffer, all bf16; segments ragged."""
+
+    def __init__(self, seqlens, heads=3, head_dim=72, seed=0, scale=(1.0, 1.0, 1.0)):
+        rng = np.random.default_rng(seed)
+        self.cu = [0] + list(np.cumsum(seqlens))
+        n, self.heads, self.head_dim = self.cu[-1], heads, head_dim
+        self.n = n
+        qf, kf, vf = (rng.standard_normal((n, heads, head_dim)) * s for s in scale)
+        self.q_buf = to_bf16(qf.transpose(1, 0, 2))             # [H, N, D]
+        self.k_buf = to_bf16(kf)                                # [N, H, D]
+        self.fused = np.zeros((n, 3, heads, head_dim), np.uint16)
+        self.fused[:, 0], self.fused[:, 1], self.fused[:, 2] = to_bf16(qf), self.k_buf, to_bf16(vf)
+        self.q, self.k, self.v = (from_bf16(self.fused[:, w]) for w in range(3))
+
+    def views(self):
+        d, h, n = self.head_dim, self.heads, self.n
+        q = (self.q_buf.ctypes.data, d, n * d)
+        k = (self.k_buf.ctypes.data, h * d, d)
+        v = (self.fused.ctypes.data + 2 * h * d * 2, 3 * h * d, d)
+        return q, k, v
+
+    def out(self, pad=0):
+        buf = np.full((self.n, self.heads * self.head_dim + pad), NAN_BF16, np.uint16)
+        return buf, (buf.ctypes.data, self.heads * self.head_dim + pad, self.head_dim)
+
+    def read(self, buf):
+        return from_bf16(buf[:, :self.heads * self.head_dim].reshape(self.n, self.heads, self.head_dim))
+
+
+def run(batch, dtype="bf16", scales=None, pad=0, att=None):
+    att = att or fa.Attention(dtype, batch.heads, batch.head_dim, device="cpu")
+    att.plan(batch.cu)
+    att.prepare(*batch.views(), scales=scales)
+    buf, view = batch.out(pad)
+    att.attend(view)
+    return buf
+
+
+class Abi(unittest.TestCase):
+    def test_version_and_exports_match_the_header(self):
+        self.assertEqual(_lib.lib().fovea_attn_abi_version(), _lib.ABI_VERSION)
+        with open(HEADER) as f:
+            text = f.read()
+        self.assertIn(f"#define FOVEA_ATTN_ABI_VERSION {_lib.ABI_VERSION}", text)
+        declared = set(re.findall(r"\b(fovea_attn_[a-z_]+)\(", text))
+        path = os.environ.get("FOVEA_ATTN_LIB") or ctypes.util.find_library("fovea_attn")
+        nm = subprocess.run(["nm", "-D", "--defined-only", path], check=True, capture_output=True, text=True).stdout
+        exported = {m.split("@")[0] for m in re.findall(r" T (\S+)", nm)}
+        self.assertEqual(exported, declared, "the library exports exactly the header's functions")
+        self.assertTrue(all(s.startswith("fovea_attn_") for s in exported))
+
+    def test_missing_library_is_a_clear_import_error(self):
+        env = dict(os.environ, FOVEA_ATTN_LIB="/nonexistent/libfovea_attn.so")
+        r = subprocess.run([sys.executable, "-c", "from fovea import attention as a; a.Attention('bf16', 1, 64, 'cpu')"],
+                           env=env, capture_output=True, text=True)
+        self.assertNotEqual(r.returncode, 0)
+        self.assertIn("libfovea_attn.so not found", r.stderr)
+        self.assertIn("/nonexistent/libfovea_attn.so: no such file", r.stderr)
+
+
+class Cpu(unittest.TestCase):
+    def test_bf16_views_match_fp64(self):
+        for hd in (64, 72, 80, 128):
+            b = Batch([37, 130, 1, 64], heads=2, head_dim=hd, seed=hd)
+            out = b.read(run(b))
+            self.assertFalse(np.isnan(out).any())
+            err = rel_l2(out, ref_attention(b.q, b.k, b.v, b.cu))
+            self.assertLess(err, 8e-3, f"hd {hd}")
+
+    def test_fp8_static_is_quantized_and_close(self):
+        b = Batch([100, 29, 150], seed=3)
+        ref = ref_attention(b.q, b.k, b.v, b.cu)
+        amax = [float(np.abs(x).max()) for x in (b.q, b.k, b.v)]
+        fixed = (ctypes.c_float * 3)(*[a / 448 for a in amax])
+        out8 = b.read(run(b, "fp8", fa.Scales(fixed=ctypes.addressof(fixed))))
+        out16 = b.read(run(b))
+        self.assertFalse(np.isnan(out8).any())
+        e8, e16 = rel_l2(out8, ref), rel_l2(out16, ref)
+        self.assertLess(e8, 0.08)
+        self.assertGreater(e8, 2 * e16, "FP8 must actually quantize")
+
+    def test_fp8_dynamic_records_history_and_matches_static(self):
+        b = Batch([64, 90], seed=4, scale=(2.0, 0.5, 3.0))
+        state = _lib.AmaxState.from_buffer_copy(fa.fresh_state_bytes())
+        att = fa.Attention("fp8", b.heads, b.head_dim, device="cpu")
+        dyn = fa.Scales(state=ctypes.addressof(state))
+        first = run(b, "fp8", dyn, att=att)
+        amax = [float(np.abs(x).max()) for x in (b.q, b.k, b.v)]
+        for i in range(3):
+            t = state.t[i]
+            self.assertEqual((t.filled, t.pos, t.updates, t.nonfinite), (1, 1, 1, 0))
+            self.assertEqual(t.ring[0], np.float32(amax[i]))
+            self.assertEqual(t.scale, np.float32(np.float32(amax[i]) / np.float32(448)))
+        fixed = (ctypes.c_float * 3)(*[state.t[i].scale for i in range(3)])
+        static = run(b, "fp8", fa.Scales(fixed=ctypes.addressof(fixed)))
+        np.testing.assert_array_equal(first, static)
+        for _ in range(17):
+            run(b, "fp8", dyn, att=att)
+        self.assertEqual((state.t[0].filled, state.t[0].updates, state.t[0].pos), (16, 18, 18 % 16))
+
+    def test_fused_path_applies_rope(self):
+        b = Batch([50, 77], heads=2, head_dim=64, seed=5)
+        rng = np.random.default_rng(6)
+        ang = rng.uniform(-3, 3, (b.n, b.head_dim // 2)).astype(np.float32)
+        cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+        att = fa.Attention("bf16", b.heads, b.head_dim, device="cpu")
+        att.plan(b.cu)
+        att.prepare_fused(b.fused.ctypes.data, 3 * b.heads * b.head_dim, cos.ctypes.data, sin.ctypes.data)
+        buf, view = b.out()
+        att.attend(view)
+        half = b.head_dim // 2
+
+        def rope(x):
+            x1, x2 = x[..., :half], x[..., half:]
+            c, s = cos[:, None, :], sin[:, None, :]
+            return np.concatenate([np.float32(x1 * c) - np.float32(x2 * s), np.float32(x2 * c) + np.float32(x1 * s)], -1)
+
+        ref = ref_attention(rope(b.q), rope(b.k), b.v, b.cu)
+        self.assertLess(rel_l2(b.read(buf), ref), 8e-3)
+        # Without tables the fused path is the views path, bit for bit.
+        att.prepare_fused(b.fused.ctypes.data, 3 * b.heads * b.head_dim)
+        buf2, view2 = b.out()
+        att.attend(view2)
+        np.testing.assert_array_equal(buf2, run(b))
+
+    def test_strided_output_leaves_the_padding(self):
+        b = Batch([20, 33], seed=7)
+        padded = run(b, pad=24)
+        np.testing.assert_array_equal(padded[:, -24:], NAN_BF16)
+        np.testing.assert_array_equal(padded[:, :-24], run(b))
+
+
+class Errors(unittest.TestCase):
+    def assertFails(self, cls, text, fn, *args, **kw):
+        with self.assertRaises(cls) as cm:
+            fn(*args, **kw)
+        self.assertIn(text, str(cm.exception))
+
+    def test_bad_calls_name_the_problem(self):
+        b = Batch([10, 12], heads=2, head_dim=64)
+        att = fa.Attention("bf16", 2, 64, device="cpu")
+        self.assertFails(_lib.FoveaError, "prepare before plan", att.prepare, *b.views())
+        self.assertFails(_lib.FoveaError, "cu_seqlens", att.plan, [0, 5, 5, 9])
+        att.plan(b.cu)
+        self.assertFails(_lib.FoveaError, "attend before prepare", att.attend, b.out()[1])
+        self.assertFails(_lib.FoveaUnsupportedError, "1/sqrt(head_dim)", att.prepare, *b.views(), softmax_scale=0.2)
+        fixed = (ctypes.c_float * 3)(1, 1, 1)
+        self.assertFails(_lib.FoveaError, "FP8 scales given to a BF16", att.prepare, *b.views(),
+                         scales=fa.Scales(fixed=ctypes.addressof(fixed)))
+        q, k, v = b.views()
+        self.assertFails(_lib.FoveaError, "overlap", att.prepare, (q[0], 8, 8), k, v)
+        att8 = fa.Attention("fp8", 2, 64, device="cpu")
+        att8.plan(b.cu)
+        self.assertFails(_lib.FoveaError, "static or dynamic scales", att8.prepare, *b.views())
+        self.assertFails(_lib.FoveaError, "head_dim", fa.Attention, "bf16", 2, 63, device="cpu")
+        self.assertFails(_lib.FoveaUnsupportedError, "runs on a GPU", fa.Attention, "bf16", 2, 64, device="cpu",
+                         backend="fovea")
+
+    def test_a_gpu_handle_without_a_gpu_says_why(self):
+        with self.assertRaises(_lib.FoveaError) as cm:
+            fa.Attention("fp8", 16, 72, device=0)
+        self.assertRegex(str(cm.exception), "built without CUDA|GPU\\(s\\) visible")
+
+
+class ScaleFiles(unittest.TestCase):
+    def test_round_trip_and_vllm_keys(self):
+        with tempfile.TemporaryDirectory() as d:
+            p = os.path.join(d, "scales.json")
+            fa.write_scale_file(p, [[0.5, 0.25, 0.125], [1.0, 2.0, 4.0]])
+            self.assertEqual(fa.read_scale_file(p, 2), [[0.5, 0.25, 0.125], [1.0, 2.0, 4.0]])
+            self.assertEqual(os.listdir(d), ["scales.json"], "no temporary file left")
+            v = os.path.join(d, "vllm.json")
+            with open(v, "w") as f:
+                json.dump({"visual.blocks.1.attn.attn": {"q_scale": 3.0, "k_scale": 2.0, "v_scale": 1.0},
+                           "visual.blocks.0.attn.attn": {"q": 0.5, "k": 0.5, "v": 0.5}}, f)
+            self.assertEqual(fa.read_scale_file(v, 2), [[0.5, 0.5, 0.5], [3.0, 2.0, 1.0]])
+            with self.assertRaises(_lib.FoveaError) as cm:
+                fa.read_scale_file(v, 3)
+            self.assertIn("2", str(cm.exception))
+            with open(v, "w") as f:
+                f.write('{"visual.blocks.0.attn.attn": {"q": -1, "k": 1, "v": 1}}')
+            with self.assertRaises(_lib.FoveaError) as cm:
+                fa.read_scale_file(v, 1)
+            self.assertIn(v, str(cm.exception))
+            with self.assertRaises(_lib.FoveaError):
+                fa.write_scale_file(p, [[0.5, float("nan"), 1.0]])
+            self.assertEqual(fa.read_scale_file(p, 2)[0], [0.5, 0.25, 0.125], "a refused write leaves the file")
+
+    def test_calibration_is_the_scale_books(self):
+        rng = np.random.default_rng(8)
+        states = []
+        for layer in range(2):
+            st = _lib.AmaxState.from_buffer_copy(fa.fresh_state_bytes())
+            b = Batch([40], heads=1, head_dim=64, seed=layer, scale=(1 + layer, 2, 3))
+            att = fa.Attention("fp8", 1, 64, device="cpu")
+            for _ in range(int(rng.integers(1, 20))):
+                run(b, "fp8", fa.Scales(state=ctypes.addressof(st)), att=att)
+            states.append(bytes(st))
+        got = fa.calibrated_scales(states, margin=1.5)
+        for layer, raw in enumerate(states):
+            st = fa.state_from_bytes(raw)
+            for i in range(3):
+                t = st.t[i]
+                want = np.float32(max(t.ring[:t.filled]) / np.float32(448)) * np.float32(1.5)
+                self.assertAlmostEqual(got[layer][i], float(want), delta=float(want) * 1e-6)
+        with self.assertRaises(_lib.FoveaError) as cm:
+            fa.calibrated_scales([states[0], fa.fresh_state_bytes()])
+        self.assertIn("1", str(cm.exception))
+
+
+if __name__ == "__main__":
+    unittest.main()

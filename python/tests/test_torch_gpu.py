@@ -1,0 +1,280 @@
+"""fovea.torch, fovea.transformers and fovea.vllm on a GPU (torch and transformers installed; FP8 needs Hopper).
+
+    FOVEA_ATTN_LIB=build/libfovea_attn.so PYTHONPATH=python python3 -m unittest python/tests/test_torch_gpu.py -v
+The oracles: fp64 attention (torch, per segment), the CPU emulation of the same kernel through the same
+op (CPU tensors run the reference), and transformers' own fp32 run. Bounds are the C++ GPU tests':
+error vs fp64 within 2x the emulation's (+1e-3 rel, +1e-2 abs), and within a quarter of it of the emulation.
+"""
+import copy
+import json
+import os
+import sys
+import tempfile
+import unittest
+
+import torch
+
+import fovea.torch as ft
+from fovea import attention as fa
+
+CUDA = torch.device("cuda")
+SEGMENTS = [1, 130, 777, 64, 1500]
+
+
+def inputs(seqlens, heads, hd, seed, scale=(1.0, 1.0, 1.0)):
+    """q, k contiguous [N, H, D]; v a strided view of a fused [N, 3, H, D] buffer (as transformers and vLLM pass it)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    n = sum(seqlens)
+    fused = torch.randn(n, 3, heads, hd, device=CUDA, generator=g)
+    for i, s in enumerate(scale):
+        fused[:, i] *= s
+    fused = fused.to(torch.bfloat16)
+    q, k = fused[:, 0].contiguous(), fused[:, 1].contiguous()
+    cu = torch.tensor([0] + list(torch.tensor(seqlens).cumsum(0)), dtype=torch.int32, device=CUDA)
+    return q, k, fused[:, 2], cu
+
+
+def ref64(q, k, v, cu):
+    out = torch.empty(q.shape, dtype=torch.float64, device=q.device)
+    c = cu.tolist()
+    for a, b in zip(c[:-1], c[1:]):
+        x = [t[a:b].double().transpose(0, 1) for t in (q, k, v)]
+        out[a:b] = torch.nn.functional.scaled_dot_product_attention(*x).transpose(0, 1)
+    return out
+
+
+def stats(out, ref):
+    d = out.double() - ref
+    return (d.norm() / ref.norm()).item(), d.abs().max().item()
+
+
+def on_cpu(fn, q, k, v, cu, **kw):
+    """The same op on CPU tensors: the kernel's emulation (fovea's CPU reference)."""
+    kw = {a: (b.cpu().clone() if torch.is_tensor(b) else b) for a, b in kw.items()}
+    return fn(q.cpu(), k.cpu(), v.cpu(), cu.cpu(), **kw), kw
+
+
+class Op(unittest.TestCase):
+    def check(self, what, out, emu, ref):
+        self.assertFalse(out.isnan().any().item(), what)
+        g_rel, g_max = stats(out, ref)
+        e_rel, e_max = stats(emu.to(CUDA), ref)
+        ve_rel, _ = stats(out, emu.to(CUDA).double())
+        print(f"{what:32s} gpu rel {g_rel:.3e} max {g_max:.3e} | emu rel {e_rel:.3e} | gpu-vs-emu rel {ve_rel:.3e}")
+        self.assertLessEqual(g_rel, 2 * e_rel + 1e-3, what)
+        self.assertLessEqual(g_max, 2 * e_max + 1e-2, what)
+        self.assertLessEqual(ve_rel, 0.25 * e_rel, what)
+
+    def test_bf16_and_fp8_against_fp64_and_emulation(self):
+        for hd in (64, 72, 80, 128):
+            q, k, v, cu = inputs(SEGMENTS, 4, hd, seed=hd, scale=(1.0, 2.0, 0.5))
+            ref = ref64(q, k, v, cu)
+            out = ft.varlen_attention(q, k, v, cu)
+            emu, _ = on_cpu(ft.varlen_attention, q, k, v, cu)
+            self.check(f"bf16 hd {hd}", out, emu, ref)
+            sdpa = torch.cat([torch.nn.functional.scaled_dot_product_attention(
+                *[t[a:b].transpose(0, 1) for t in (q, k, v)]).transpose(0, 1) for a, b in zip(cu.tolist()[:-1], cu.tolist()[1:])])
+            self.assertLessEqual(stats(out, ref)[0], 1.5 * stats(sdpa, ref)[0] + 1e-4, f"bf16 hd {hd} vs SDPA's error")
+            # FP8 dynamic: one forward from a fresh state, the GPU's state vs the emulation's.
+            book = ft.ScaleBook(1, "dynamic", device=CUDA)
+            emu8, kw = on_cpu(ft.varlen_attention, q, k, v, cu, amax_state=book.amax_state[0].clone())
+            out8 = ft.varlen_attention(q, k, v, cu, **book.layer(0))
+            self.check(f"fp8 dynamic hd {hd}", out8, emu8, ref)
+            self.assertTrue(torch.equal(book.amax_state[0].cpu(), kw["amax_state"]), "device state == emulation's state")
+            st = book.states()[0]
+            self.assertEqual([st.t[i].filled for i in range(3)], [1, 1, 1])
+            self.assertAlmostEqual(st.t[1].ring[0], k.abs().max().item(), places=6)
+            # FP8 static: the scales dynamic scaling chose, as a file would give them.
+            descale = torch.tensor([st.t[i].scale for i in range(3)], device=CUDA)
+            out_s = ft.varlen_attention(q, k, v, cu, descale=descale)
+            self.assertTrue(torch.equal(out_s, out8), "static with the same scales == dynamic")
+
+    def test_strided_head_major_inputs_and_padding_segments(self):
+        q, k, v, cu = inputs([300, 5, 200], 16, 72, seed=7)
+        qh = q.transpose(0, 1).contiguous().transpose(0, 1)  # head-major memory, [N, H, D] view
+        padded = torch.cat([cu, cu[-1:].repeat(3)])          # vLLM's CUDA-graph padding: empty segments
+        out = ft.varlen_attention(qh, k, v, padded)
+        self.assertTrue(torch.equal(out, ft.varlen_attention(q, k, v, cu)))
+
+    def test_errors_are_clear(self):
+        q, k, v, cu = inputs([64], 2, 72, seed=1)
+        with self.assertRaisesRegex(TypeError, "bfloat16"):
+            ft.varlen_attention(q.float(), k, v, cu)
+        with self.assertRaisesRegex(ValueError, "token count"):
+            ft.varlen_attention(q, k, v, torch.tensor([0, 63], dtype=torch.int32, device=CUDA))
+        with self.assertRaisesRegex(ft.FoveaUnsupportedError, "1/sqrt"):
+            ft.varlen_attention(q, k, v, cu, softmax_scale=0.5)
+        with self.assertRaisesRegex(ft.FoveaUnsupportedError, "head_dim"):
+            ft.varlen_attention(*(x[..., :48].contiguous() for x in (q, k, v)), cu, descale=torch.ones(3, device=CUDA))
+
+    def test_opcheck(self):
+        q, k, v, cu = inputs([40, 90], 2, 72, seed=2)
+        torch.library.opcheck(torch.ops.fovea.varlen_attention.default, (q, k, v, cu, None, 0.0))
+        torch.library.opcheck(torch.ops.fovea.varlen_attention.default, (q, k, v, cu, torch.full((3,), 0.01, device=CUDA), 0.0))
+        book = ft.ScaleBook(1, "dynamic", device=CUDA)
+        torch.library.opcheck(torch.ops.fovea.varlen_attention_dynamic.default, (q, k, v, cu, book.amax_state[0], 0.0))
+
+    def test_compile_fullgraph(self):
+        q, k, v, cu = inputs([333, 100], 16, 72, seed=3)
+
+        def f(q, k, v, cu, state):
+            a = ft.varlen_attention(q * 1.0, k, v, cu)
+            b = ft.varlen_attention(q, k, v, cu, amax_state=state)
+            return a.float() + b.float()
+
+        torch._dynamo.reset()
+        compiled = torch.compile(f, fullgraph=True)
+        s_eager, s_comp = (ft.ScaleBook(1, "dynamic", device=CUDA) for _ in range(2))
+        for _ in range(3):
+            want = f(q, k, v, cu, s_eager.amax_state[0])
+            got = compiled(q, k, v, cu, s_comp.amax_state[0])
+        self.assertTrue(torch.equal(got, want))
+        self.assertTrue(torch.equal(s_eager.amax_state, s_comp.amax_state), "the compiled graph mutates the state")
+        self.assertEqual(s_comp.states()[0].t[0].updates, 3)
+
+    def test_cuda_graph_replays_dynamic_scaling(self):
+        q, k, v, cu = inputs([500, 250], 16, 72, seed=4)
+        qs, ks, vs = q.clone(), k.clone(), v.clone()
+        book, twin = ft.ScaleBook(1, "dynamic", device=CUDA), ft.ScaleBook(1, "dynamic", device=CUDA)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm-up outside the capture: plans the shape
+            ft.varlen_attention(qs, ks, vs, cu, amax_state=book.amax_state[0])
+        torch.cuda.current_stream().wait_stream(stream)
+        book.amax_state.copy_(twin.amax_state)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = ft.varlen_attention(qs, ks, vs, cu, amax_state=book.amax_state[0])
+        for step, scale in enumerate((1.0, 3.0, 0.25, 2.0)):
+            qs.copy_(q * scale), ks.copy_(k * scale), vs.copy_(v * scale)
+            graph.replay()
+            want = ft.varlen_attention(q * scale, k * scale, (v * scale), cu, amax_state=twin.amax_state[0])
+            self.assertTrue(torch.equal(out, want), f"replay {step}")
+            self.assertTrue(torch.equal(book.amax_state, twin.amax_state), f"state after replay {step}")
+        self.assertEqual(book.states()[0].t[2].filled, 4)
+
+    def test_scale_book_static_and_calibration(self):
+        q, k, v, cu = inputs([200, 300], 16, 72, seed=5)
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "scales.json")
+            cal = ft.ScaleBook(2, "calibrate", path, device=CUDA)
+            for i in range(16):
+                self.assertFalse(os.path.exists(path))
+                for layer in range(2):
+                    ft.varlen_attention(q * (1 + i % 3), k, v, cu, **cal.layer(layer))
+                saved = cal.maybe_save()
+            self.assertTrue(saved)
+            with open(path) as f:
+                data = json.load(f)
+            self.assertEqual(sorted(data), ["visual.blocks.0.attn.attn", "visual.blocks.1.attn.attn"])
+            self.assertAlmostEqual(data["visual.blocks.0.attn.attn"]["q"], 3 * q.abs().max().item() / 448 * 1.5, places=6)
+            static = ft.ScaleBook(2, "static", path, device=CUDA)
+            self.assertEqual(static.descale.shape, (2, 3))
+            ft.varlen_attention(q, k, v, cu, **static.layer(1))
+
+
+def vision_model_8b(dtype, attn):
+    from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLVisionConfig
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
+    cfg = Qwen3VLVisionConfig(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, out_hidden_size=4096,
+                              num_position_embeddings=2304, deepstack_visual_indexes=[8, 16, 24])
+    cfg._attn_implementation = attn
+    torch.manual_seed(0)
+    return Qwen3VLVisionModel(cfg).to(CUDA, dtype).eval()
+
+
+def merged(out):
+    if hasattr(out, "pooler_output") and out.pooler_output is not None:
+        return out.pooler_output
+    return out[0] if isinstance(out, (tuple, list)) else out.last_hidden_state
+
+
+class Transformers(unittest.TestCase):
+    def test_vision_tower_packed_path_within_bf16_error(self):
+        import fovea.transformers as ftr
+        grids = torch.tensor([[1, 32, 40], [1, 24, 24], [2, 16, 20]], device=CUDA)
+        n = int((grids[:, 0] * grids[:, 1] * grids[:, 2]).sum())
+        px = torch.rand(n, 1536, device=CUDA, generator=torch.Generator(device="cuda").manual_seed(9)) * 2 - 1
+        fp32 = vision_model_8b(torch.float32, "sdpa")
+        with torch.no_grad():
+            ref = merged(fp32(px, grid_thw=grids)).double()
+            bf16 = copy.deepcopy(fp32).to(torch.bfloat16)
+            e_hf = stats(merged(bf16(px.bfloat16(), grid_thw=grids)), ref)[0]
+            ftr.enable(bf16)
+            e_fv = stats(merged(bf16(px.bfloat16(), grid_thw=grids)), ref)[0]
+            self.assertEqual(ftr.stats, {"packed_calls": 27, "single_calls": 0}, "the packed path ran")
+            fp8 = copy.deepcopy(fp32).to(torch.bfloat16)
+            ftr.enable(fp8, fp8="dynamic")
+            e_f8 = stats(merged(fp8(px.bfloat16(), grid_thw=grids)), ref)[0]
+        print(f"merged output vs fp32: transformers bf16 {e_hf:.3e}, fovea bf16 {e_fv:.3e} ({e_fv / e_hf:.2f}x), "
+              f"fovea fp8 dynamic {e_f8:.3e} ({e_f8 / e_hf:.2f}x)")
+        self.assertLessEqual(e_fv, 1.5 * e_hf)
+        self.assertLessEqual(e_f8, 1.5 * e_hf)
+
+
+class Vllm(unittest.TestCase):
+    """The plugin against a stub of exactly the vLLM hooks it uses (tests/vllm_stub): not vLLM itself."""
+
+    def setUp(self):
+        sys.path.insert(0, os.path.join(os.path.dirname(__file__), "vllm_stub"))
+        import vllm  # noqa: F401  (the stub)
+        import fovea.vllm as fv
+        fv._registered = False
+        vllm.reset()
+        self.vllm, self.fv = vllm, fv
+
+    def tearDown(self):
+        sys.path.pop(0)
+
+    def layer(self, i=0):
+        from vllm.model_executor.layers.attention.mm_encoder_attention import MMEncoderAttention
+        return MMEncoderAttention(num_heads=16, head_size=72, scale=72 ** -0.5, prefix=f"visual.blocks.{i}.attn.attn").to(CUDA)
+
+    def call(self, layer, seed):
+        import numpy as np
+        from vllm.model_executor.layers.attention.mm_encoder_attention import MMEncoderAttention
+        q, k, v, cu = inputs([100, 60, 340], 16, 72, seed=seed)
+        cu_dev = MMEncoderAttention.maybe_recompute_cu_seqlens(None, np.array(cu.tolist(), dtype=np.int32), 1152, 1, CUDA)
+        out = layer(q[None], k[None], v[None], cu_seqlens=cu_dev, max_seqlen=torch.tensor(340, dtype=torch.int32))
+        return out, (q, k, v, cu)
+
+    def test_bf16_layer_is_fovea_and_exact_to_the_op(self):
+        self.vllm.set_config(None)
+        self.fv.register()
+        layer = self.layer()
+        self.assertEqual(type(layer).__name__, "FoveaMMEncoderAttention")
+        out, (q, k, v, cu) = self.call(layer, 1)
+        self.assertEqual(out.shape, (1, 500, 16, 72))
+        self.assertTrue(torch.equal(out[0], ft.varlen_attention(q, k, v, cu)))
+
+    def test_fp8_static_dynamic_and_calibration(self):
+        with tempfile.TemporaryDirectory() as d:
+            scales = os.path.join(d, "s.json")
+            self.vllm.set_config(self.vllm.MultiModalConfig(mm_encoder_attn_dtype="fp8",
+                                                            mm_encoder_fp8_scale_save_path=scales))
+            self.fv.register()
+            layers = [self.layer(i) for i in range(2)]
+            for step in range(16):
+                self.assertFalse(os.path.exists(scales))
+                for layer in layers:
+                    out, _ = self.call(layer, step)
+                    self.assertFalse(out.isnan().any().item())
+            with open(scales) as f:
+                data = json.load(f)
+            self.assertEqual(sorted(data), ["visual.blocks.0.attn.attn", "visual.blocks.1.attn.attn"])
+            self.vllm.reset()
+            self.fv._registered = False
+            self.vllm.set_config(self.vllm.MultiModalConfig(mm_encoder_attn_dtype="fp8", mm_encoder_fp8_scale_path=scales))
+            self.fv.register()
+            layer = self.layer(1)
+            self.assertEqual(layer.fovea_descale.tolist(), [pytest_round(data["visual.blocks.1.attn.attn"][c]) for c in "qkv"])
+            out, (q, k, v, cu) = self.call(layer, 3)
+            self.assertTrue(torch.equal(out[0], ft.varlen_attention(q, k, v, cu, descale=layer.fovea_descale)))
+
+
+def pytest_round(x):
+    return float(torch.tensor(x, dtype=torch.float32))
+
+
+if __name__ == "__main__":
+    unittest.main(verbosity=2)

@@ -1,0 +1,1 @@
+from .mm_encoder_attention import MMEncoderAttention  # noqa: F401

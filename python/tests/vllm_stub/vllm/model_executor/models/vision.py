@@ -1,0 +1,3 @@
+def get_multimodal_config():
+    import vllm
+    return vllm._config

@@ -1,0 +1,478 @@
+// The C ABI of fovea's attention (include/fovea/fovea_attn.h): a thin layer over the backends the
+// encoder uses (cuda::Attention: FOVEA, CUDNN) and the CPU reference, with the engine's backend
+// rules. No exception crosses it: each entry point runs its body in `guarded`, which turns them into
+// status codes and the thread's last error.
+#include "fovea/fovea_attn.h"
+
+#include <cmath>
+#include <algorithm>
+#include <cstddef>
+#include <cstring>
+#include <optional>
+#include <sstream>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "fovea/attention.h"
+#include "fovea/bf16.h"
+#include "fovea/engine.h"
+#include "fovea/error.h"
+#include "fovea/rope.h"
+#include "fovea/scales.h"
+#include "fovea/system.h"
+#if FOVEA_HAVE_CUDA
+#include <cuda_runtime.h>
+
+#include "fovea/cuda-support.h"
+#endif
+
+namespace fovea {
+namespace {
+
+// LayerAmax is the ABI's fovea_attn_amax_state: the kernels update it in place.
+static_assert(sizeof(fovea_attn_amax_history) == sizeof(AmaxHistory));
+static_assert(offsetof(fovea_attn_amax_history, scale) == offsetof(AmaxHistory, scale));
+static_assert(offsetof(fovea_attn_amax_history, filled) == offsetof(AmaxHistory, filled));
+static_assert(sizeof(fovea_attn_amax_state) == sizeof(LayerAmax) && sizeof(LayerAmax) == 252);
+static_assert(FOVEA_ATTN_HISTORY_LEN == kAmaxHistoryLen);
+
+struct AbiError : Error {
+  int32_t code;
+  AbiError(int32_t c, const std::string& what) : Error(what), code(c) {}
+};
+template <class... Args>
+[[noreturn]] void refuse(int32_t code, const Args&... args) {
+  std::ostringstream s;
+  (s << ... << args);
+  throw AbiError(code, s.str());
+}
+
+thread_local std::string last_error;
+
+// Runs an entry point's body: OK, or the code of what it threw with its message kept. fovea's own
+// errors from below (planning, kernels, files) are FOVEA_ATTN_RUNTIME unless the body classified them.
+template <class F>
+int32_t guarded(const char* fn, F&& body) {
+  try {
+    body();
+    last_error.clear();
+    return FOVEA_ATTN_OK;
+  } catch (const AbiError& e) {
+    last_error = std::string(fn) + ": " + e.what();
+    return e.code;
+  } catch (const std::bad_alloc&) {
+    last_error = std::string(fn) + ": out of host memory";
+    return FOVEA_ATTN_RUNTIME;
+  } catch (const std::exception& e) {
+    last_error = std::string(fn) + ": " + e.what();
+    return FOVEA_ATTN_RUNTIME;
+  }
+}
+
+void need(bool ok, const char* what) {
+  if (!ok) refuse(FOVEA_ATTN_INVALID, what);
+}
+
+#if FOVEA_HAVE_CUDA
+// Makes the handle's GPU current for a call and restores the caller's (a torch process keeps its own).
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    FOVEA_CUDA_CHECK(cudaGetDevice(&prev_));
+    if (prev_ != device) FOVEA_CUDA_CHECK(cudaSetDevice(device));
+  }
+  ~DeviceGuard() { cudaSetDevice(prev_); }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int prev_ = 0;
+};
+#endif
+
+}  // namespace
+}  // namespace fovea
+
+using namespace fovea;
+
+struct fovea_attn {
+  AttnDtype dtype = AttnDtype::BF16;
+  AttnBackend backend = AttnBackend::CPU;
+  int heads = 0, head_dim = 0, device = FOVEA_ATTN_DEVICE_CPU;
+  VarlenShape shape;  // of the last plan
+  bool planned = false, prepared = false;
+  // CPU: the prepared inputs as fp32 [N, H, hd] and the options they are attended with.
+  std::vector<float> q, k, v;
+  cpu::RefOptions opt;
+#if FOVEA_HAVE_CUDA
+  std::unique_ptr<cuda::Attention> gpu;
+  cuda::DeviceBuffer<uint16_t> fused;  // [N, 3, H, hd]: three views gathered for prepare
+  cuda::DeviceBuffer<uint16_t> out;    // [N, H, hd]: attend's output when the caller's is strided
+#endif
+  int64_t row() const { return int64_t(heads) * head_dim; }
+};
+
+namespace fovea {
+namespace {
+
+AttnBackend resolve_backend(int32_t backend, AttnDtype dtype, int head_dim, int device) {
+  if (backend < FOVEA_ATTN_AUTO || backend > FOVEA_ATTN_CPU) refuse(FOVEA_ATTN_INVALID, "unknown backend ", backend);
+  const auto b = AttnBackend(backend);  // the enums share their order
+  static_assert(int(AttnBackend::AUTO) == FOVEA_ATTN_AUTO && int(AttnBackend::CPU) == FOVEA_ATTN_CPU);
+  if (device == FOVEA_ATTN_DEVICE_CPU) {
+    if (b != AttnBackend::AUTO && b != AttnBackend::CPU)
+      refuse(FOVEA_ATTN_UNSUPPORTED, "the ", backend_name(b), " backend runs on a GPU (device >= 0), not on the CPU");
+    return AttnBackend::CPU;
+  }
+  if (device < 0) refuse(FOVEA_ATTN_INVALID, "device ", device, " is neither a GPU index nor FOVEA_ATTN_DEVICE_CPU");
+  const SystemInfo all = query_system();
+  if (!all.cuda_built) refuse(FOVEA_ATTN_UNSUPPORTED, "this fovea was built without CUDA");
+  if (size_t(device) >= all.gpus.size())
+    refuse(FOVEA_ATTN_INVALID, "device ", device, ": ", all.gpus.size(), " GPU(s) visible", all.gpus.empty() ? " (" + all.gpu_error + ")" : "");
+  SystemInfo sys = all;  // the engine's rules look at GPU 0: this one
+  sys.gpus = {all.gpus[size_t(device)]};
+  const auto why = [&](AttnBackend c) -> std::optional<std::string> {
+    if (c == AttnBackend::FOVEA && !cuda::flash_supports_head_dim(head_dim))
+      return "the FOVEA kernels are built for head_dim 64, 72, 80 and 128, not " + std::to_string(head_dim);
+    return backend_unsupported(c, dtype, Device::CUDA, sys);
+  };
+  AttnBackend chosen = b;
+  if (b == AttnBackend::AUTO) chosen = !why(AttnBackend::FOVEA) || dtype == AttnDtype::FP8 ? AttnBackend::FOVEA : AttnBackend::CUDNN;
+  if (auto w = why(chosen)) refuse(FOVEA_ATTN_UNSUPPORTED, dtype_name(dtype), " attention on the ", backend_name(chosen), " backend: ", *w);
+  return chosen;
+}
+
+void check_view(const fovea_attn& h, const fovea_attn_view* v, const char* name) {
+  if (!v || !v->data) refuse(FOVEA_ATTN_INVALID, name, " is null");
+  if (v->stride_token <= 0 || v->stride_head <= 0)
+    refuse(FOVEA_ATTN_INVALID, name, ": strides must be > 0 (token ", v->stride_token, ", head ", v->stride_head, ")");
+  // Rows of one token (heads) and of consecutive tokens must not overlap.
+  const bool heads_inner = v->stride_head >= h.head_dim && v->stride_token >= v->stride_head * h.heads;
+  const bool tokens_inner = v->stride_token >= h.head_dim && v->stride_head >= v->stride_token * h.shape.total_tokens();
+  if (!heads_inner && !tokens_inner)
+    refuse(FOVEA_ATTN_INVALID, name, ": strides (token ", v->stride_token, ", head ", v->stride_head, ") overlap rows of ",
+           h.head_dim, " elements");
+}
+
+void check_scales(const fovea_attn& h, const fovea_attn_scales* s) {
+  const int32_t mode = s ? s->mode : FOVEA_ATTN_SCALES_NONE;
+  if (h.dtype == AttnDtype::BF16) {
+    if (mode != FOVEA_ATTN_SCALES_NONE) refuse(FOVEA_ATTN_INVALID, "FP8 scales given to a BF16 attention");
+    return;
+  }
+  if (mode == FOVEA_ATTN_SCALES_STATIC && !s->fixed) refuse(FOVEA_ATTN_INVALID, "static scales: `fixed` is null");
+  if (mode == FOVEA_ATTN_SCALES_DYNAMIC && !s->state) refuse(FOVEA_ATTN_INVALID, "dynamic scales: `state` is null");
+  if (mode != FOVEA_ATTN_SCALES_STATIC && mode != FOVEA_ATTN_SCALES_DYNAMIC)
+    refuse(FOVEA_ATTN_INVALID, "FP8 attention needs static or dynamic scales (mode ", mode, ")");
+}
+
+// ---- the CPU reference -----------------------------------------------------------------------------
+
+void cpu_gather(const fovea_attn& h, const fovea_attn_view& v, std::vector<float>& dst) {
+  const int64_t n = h.shape.total_tokens();
+  dst.resize(size_t(n * h.row()));
+  const auto* src = static_cast<const uint16_t*>(v.data);
+  for (int64_t t = 0; t < n; ++t)
+    for (int hh = 0; hh < h.heads; ++hh)
+      for (int d = 0; d < h.head_dim; ++d)
+        dst[size_t((t * h.heads + hh) * h.head_dim + d)] = bf16_to_float(src[t * v.stride_token + hh * v.stride_head + d]);
+}
+
+// The scales the CPU attends with: fixed, or this batch recorded into the host state first.
+void cpu_scales(fovea_attn& h, const fovea_attn_scales* s) {
+  h.opt.mode = h.dtype == AttnDtype::FP8 ? cpu::RefMode::FP8 : cpu::RefMode::BF16;
+  if (h.dtype != AttnDtype::FP8) return;
+  if (s->mode == FOVEA_ATTN_SCALES_STATIC) {
+    h.opt.fp8_scales = {s->fixed[0], s->fixed[1], s->fixed[2]};
+    return;
+  }
+  auto& st = *static_cast<LayerAmax*>(s->state);
+  const std::vector<float>* x[3] = {&h.q, &h.k, &h.v};
+  float sc[3];
+  for (int i = 0; i < 3; ++i)
+    sc[i] = amax_history_record(st.t[i], amax(h.shape, ThdView<const float>{x[i]->data(), h.row(), h.head_dim}));
+  h.opt.fp8_scales = {sc[0], sc[1], sc[2]};
+}
+
+void cpu_prepare_fused(fovea_attn& h, const void* qkv, int64_t stride, const float* cos, const float* sin) {
+  const int64_t n = h.shape.total_tokens(), row = h.row();
+  std::vector<float> all(size_t(n * 3 * row));
+  const auto* src = static_cast<const uint16_t*>(qkv);
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t i = 0; i < 3 * row; ++i) all[size_t(t * 3 * row + i)] = bf16_to_float(src[t * stride + i]);
+  if (cos) {
+    const size_t half = size_t(n) * size_t(h.head_dim / 2);
+    apply_rope_qk(h.shape, std::vector<float>(cos, cos + half), std::vector<float>(sin, sin + half), all);
+  }
+  std::vector<float>* dst[3] = {&h.q, &h.k, &h.v};
+  for (int w = 0; w < 3; ++w) {
+    dst[w]->resize(size_t(n * row));
+    for (int64_t t = 0; t < n; ++t)
+      std::copy_n(all.begin() + (t * 3 + w) * row, row, dst[w]->begin() + t * row);
+  }
+}
+
+void cpu_attend(fovea_attn& h, const fovea_attn_view& out) {
+  const ThdView<const float> q{h.q.data(), h.row(), h.head_dim}, k{h.k.data(), h.row(), h.head_dim},
+      v{h.v.data(), h.row(), h.head_dim};
+  std::vector<double> o(h.q.size());
+  cpu::attention(h.shape, q, k, v, h.opt, o.data());
+  auto* dst = static_cast<uint16_t*>(out.data);
+  for (int64_t t = 0; t < h.shape.total_tokens(); ++t)
+    for (int hh = 0; hh < h.heads; ++hh)
+      for (int d = 0; d < h.head_dim; ++d)
+        dst[t * out.stride_token + hh * out.stride_head + d] = bf16_from_float(float(o[size_t((t * h.heads + hh) * h.head_dim + d)]));
+}
+
+// ---- the GPU backends ------------------------------------------------------------------------------
+#if FOVEA_HAVE_CUDA
+cuda::DeviceScales device_scales(const fovea_attn_scales* s) {
+  cuda::DeviceScales ds;
+  if (s && s->mode == FOVEA_ATTN_SCALES_STATIC) ds.fixed = s->fixed;
+  if (s && s->mode == FOVEA_ATTN_SCALES_DYNAMIC) ds.dynamic = static_cast<LayerAmax*>(s->state);
+  return ds;
+}
+
+bool capturing(cudaStream_t stream) {
+  cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+  FOVEA_CUDA_CHECK(cudaStreamIsCapturing(stream, &st));
+  return st != cudaStreamCaptureStatusNone;
+}
+
+// Grows a scratch buffer outside a capture (an allocation cannot be captured).
+void ensure(cuda::DeviceBuffer<uint16_t>& buf, size_t count, cudaStream_t stream, const char* what) {
+  if (buf.count() >= count) return;
+  if (capturing(stream))
+    refuse(FOVEA_ATTN_INVALID, what, " needs a larger buffer, which cannot be allocated during a CUDA graph capture: "
+           "run this shape once before capturing it");
+  buf.reset(count);
+}
+
+// Copies a [N, H, hd] view into (dst_token_stride, contiguous heads) rows, or back: one 2D copy when
+// the view's heads are contiguous, else one per head. Async and capturable.
+void copy_rows(void* dst, int64_t dst_token, int64_t dst_head, const void* src, int64_t src_token, int64_t src_head,
+               int64_t n, int heads, int hd, cudaStream_t stream) {
+  constexpr size_t b = sizeof(uint16_t);
+  if (dst_head == hd && src_head == hd) {
+    FOVEA_CUDA_CHECK(cudaMemcpy2DAsync(dst, size_t(dst_token) * b, src, size_t(src_token) * b, size_t(heads) * hd * b,
+                                       size_t(n), cudaMemcpyDeviceToDevice, stream));
+    return;
+  }
+  for (int h = 0; h < heads; ++h)
+    FOVEA_CUDA_CHECK(cudaMemcpy2DAsync(static_cast<uint16_t*>(dst) + h * dst_head, size_t(dst_token) * b,
+                                       static_cast<const uint16_t*>(src) + h * src_head, size_t(src_token) * b,
+                                       size_t(hd) * b, size_t(n), cudaMemcpyDeviceToDevice, stream));
+}
+
+void gpu_prepare_views(fovea_attn& h, const fovea_attn_view* const (&x)[3], const fovea_attn_scales* s, cudaStream_t stream) {
+  const int64_t n = h.shape.total_tokens(), row = h.row();
+  ensure(h.fused, size_t(n * 3 * row), stream, "prepare from three views");
+  for (int w = 0; w < 3; ++w)
+    copy_rows(h.fused.data() + w * row, 3 * row, h.head_dim, x[w]->data, x[w]->stride_token, x[w]->stride_head, n,
+              h.heads, h.head_dim, stream);
+  h.gpu->prepare(h.fused.data(), 3 * row, nullptr, nullptr, device_scales(s), stream);
+}
+
+void gpu_attend(fovea_attn& h, const fovea_attn_view& out, cudaStream_t stream) {
+  const int64_t n = h.shape.total_tokens(), row = h.row();
+  const bool packed = out.stride_token == row && out.stride_head == h.head_dim &&
+                      reinterpret_cast<uintptr_t>(out.data) % 16 == 0;
+  if (packed) return h.gpu->attend(out.data, stream);
+  ensure(h.out, size_t(n * row), stream, "attend into a strided output");
+  h.gpu->attend(h.out.data(), stream);
+  copy_rows(out.data, out.stride_token, out.stride_head, h.out.data(), row, h.head_dim, n, h.heads, h.head_dim, stream);
+}
+#endif
+
+fovea_attn& handle(fovea_attn* h) {
+  if (!h) refuse(FOVEA_ATTN_INVALID, "the handle is null");
+  return *h;
+}
+
+}  // namespace
+}  // namespace fovea
+
+extern "C" {
+
+int32_t fovea_attn_abi_version(void) { return FOVEA_ATTN_ABI_VERSION; }
+const char* fovea_attn_version(void) { return FOVEA_VERSION; }
+const char* fovea_attn_last_error(void) { return last_error.c_str(); }
+
+void fovea_attn_amax_state_init(fovea_attn_amax_state* state) {
+  if (!state) return;
+  for (auto& t : state->t) amax_history_reset(*reinterpret_cast<AmaxHistory*>(&t));
+}
+
+int32_t fovea_attn_create(int32_t dtype, int32_t backend, int32_t heads, int32_t head_dim, int32_t device, fovea_attn** out) {
+  return guarded("fovea_attn_create", [&] {
+    need(out != nullptr, "`out` is null");
+    *out = nullptr;
+    if (dtype != FOVEA_ATTN_BF16 && dtype != FOVEA_ATTN_FP8) refuse(FOVEA_ATTN_INVALID, "unknown dtype ", dtype);
+    if (heads <= 0 || head_dim <= 0 || head_dim % 2 != 0)
+      refuse(FOVEA_ATTN_INVALID, "heads must be > 0 and head_dim even and > 0 (got ", heads, ", ", head_dim, ")");
+    auto h = std::make_unique<fovea_attn>();
+    h->dtype = dtype == FOVEA_ATTN_FP8 ? AttnDtype::FP8 : AttnDtype::BF16;
+    h->heads = heads, h->head_dim = head_dim, h->device = device;
+    h->backend = resolve_backend(backend, h->dtype, head_dim, device);
+#if FOVEA_HAVE_CUDA
+    if (h->backend != AttnBackend::CPU) {
+      DeviceGuard g(device);
+      if (h->backend == AttnBackend::FOVEA) h->gpu = std::make_unique<cuda::FlashAttention>(h->dtype, heads, head_dim);
+      else h->gpu = cuda::make_cudnn_attention(h->dtype, heads, head_dim);
+    }
+#endif
+    *out = h.release();
+  });
+}
+
+void fovea_attn_destroy(fovea_attn* h) {
+  if (!h) return;
+#if FOVEA_HAVE_CUDA
+  if (h->gpu) {
+    try {
+      DeviceGuard g(h->device);  // its buffers are freed on their own device
+      delete h;
+      return;
+    } catch (...) {
+    }
+  }
+#endif
+  delete h;
+}
+
+int32_t fovea_attn_backend_of(const fovea_attn* h) { return h ? int32_t(h->backend) : -1; }
+
+int32_t fovea_attn_plan(fovea_attn* hp, const int32_t* cu_seqlens, int32_t num_segments, void* stream) {
+  return guarded("fovea_attn_plan", [&] {
+    fovea_attn& h = handle(hp);
+    need(cu_seqlens != nullptr, "cu_seqlens is null");
+    if (num_segments <= 0) refuse(FOVEA_ATTN_INVALID, "num_segments must be > 0, got ", num_segments);
+    h.planned = h.prepared = false;
+    VarlenShape shape{std::vector<int32_t>(cu_seqlens, cu_seqlens + num_segments + 1), h.heads, h.head_dim};
+    try {
+      shape.validate();
+    } catch (const Error& e) {
+      refuse(FOVEA_ATTN_INVALID, e.what());
+    }
+#if FOVEA_HAVE_CUDA
+    if (h.gpu) {
+      DeviceGuard g(h.device);
+      h.gpu->plan(shape.cu_seqlens, static_cast<cudaStream_t>(stream));
+    }
+#endif
+    (void)stream;
+    h.shape = std::move(shape);
+    h.planned = true;
+  });
+}
+
+int32_t fovea_attn_prepare(fovea_attn* hp, const fovea_attn_view* q, const fovea_attn_view* k, const fovea_attn_view* v,
+                           const fovea_attn_scales* scales, float softmax_scale, void* stream) {
+  return guarded("fovea_attn_prepare", [&] {
+    fovea_attn& h = handle(hp);
+    if (!h.planned) refuse(FOVEA_ATTN_INVALID, "prepare before plan");
+    const float want = 1.0f / std::sqrt(float(h.head_dim));
+    if (softmax_scale != 0.0f && !(std::fabs(softmax_scale - want) <= 1e-6f * want))
+      refuse(FOVEA_ATTN_UNSUPPORTED, "softmax scale ", softmax_scale, ": the kernels take 1/sqrt(head_dim) = ", want, " only");
+    check_view(h, q, "q"), check_view(h, k, "k"), check_view(h, v, "v");
+    check_scales(h, scales);
+    h.prepared = false;
+#if FOVEA_HAVE_CUDA
+    if (h.gpu) {
+      DeviceGuard g(h.device);
+      gpu_prepare_views(h, {q, k, v}, scales, static_cast<cudaStream_t>(stream));
+      h.prepared = true;
+      return;
+    }
+#endif
+    (void)stream;
+    cpu_gather(h, *q, h.q), cpu_gather(h, *k, h.k), cpu_gather(h, *v, h.v);
+    cpu_scales(h, scales);
+    h.prepared = true;
+  });
+}
+
+int32_t fovea_attn_prepare_fused(fovea_attn* hp, const void* qkv, int64_t token_stride, const float* rope_cos,
+                                 const float* rope_sin, const fovea_attn_scales* scales, void* stream) {
+  return guarded("fovea_attn_prepare_fused", [&] {
+    fovea_attn& h = handle(hp);
+    if (!h.planned) refuse(FOVEA_ATTN_INVALID, "prepare before plan");
+    need(qkv != nullptr, "qkv is null");
+    if (bool(rope_cos) != bool(rope_sin)) refuse(FOVEA_ATTN_INVALID, "give both RoPE tables or neither");
+    if (token_stride < 3 * h.row() || token_stride % 8 != 0 || reinterpret_cast<uintptr_t>(qkv) % 16 != 0)
+      refuse(FOVEA_ATTN_INVALID, "qkv: token stride ", token_stride, " must be >= 3*heads*head_dim = ", 3 * h.row(),
+             " and a multiple of 8, and the buffer 16-byte aligned");
+    check_scales(h, scales);
+    h.prepared = false;
+#if FOVEA_HAVE_CUDA
+    if (h.gpu) {
+      DeviceGuard g(h.device);
+      h.gpu->prepare(qkv, token_stride, rope_cos, rope_sin, device_scales(scales), static_cast<cudaStream_t>(stream));
+      h.prepared = true;
+      return;
+    }
+#endif
+    (void)stream;
+    cpu_prepare_fused(h, qkv, token_stride, rope_cos, rope_sin);
+    cpu_scales(h, scales);
+    h.prepared = true;
+  });
+}
+
+int32_t fovea_attn_attend(fovea_attn* hp, const fovea_attn_view* out, void* stream) {
+  return guarded("fovea_attn_attend", [&] {
+    fovea_attn& h = handle(hp);
+    if (!h.prepared) refuse(FOVEA_ATTN_INVALID, "attend before prepare");
+    check_view(h, out, "out");
+#if FOVEA_HAVE_CUDA
+    if (h.gpu) {
+      DeviceGuard g(h.device);
+      gpu_attend(h, *out, static_cast<cudaStream_t>(stream));
+      return;
+    }
+#endif
+    (void)stream;
+    cpu_attend(h, *out);
+  });
+}
+
+int32_t fovea_attn_scale_file_read(const char* path, int32_t num_layers, float* qkv) {
+  return guarded("fovea_attn_scale_file_read", [&] {
+    need(path && qkv, "path or qkv is null");
+    if (num_layers <= 0 || num_layers > kMaxScaleLayers) refuse(FOVEA_ATTN_INVALID, "num_layers ", num_layers, " out of range");
+    const std::vector<QkvScales> s = scales_for_model(read_scale_file(path), num_layers);
+    for (int32_t i = 0; i < num_layers; ++i)
+      for (int j = 0; j < 3; ++j) qkv[3 * i + j] = s[size_t(i)][j];
+  });
+}
+
+int32_t fovea_attn_scale_file_write(const char* path, int32_t num_layers, const float* qkv) {
+  return guarded("fovea_attn_scale_file_write", [&] {
+    need(path && qkv, "path or qkv is null");
+    if (num_layers <= 0 || num_layers > kMaxScaleLayers) refuse(FOVEA_ATTN_INVALID, "num_layers ", num_layers, " out of range");
+    std::vector<QkvScales> s(static_cast<size_t>(num_layers));
+    for (int32_t i = 0; i < num_layers; ++i) {
+      s[size_t(i)] = {qkv[3 * i], qkv[3 * i + 1], qkv[3 * i + 2]};
+      for (int j = 0; j < 3; ++j)
+        if (!(std::isfinite(qkv[3 * i + j]) && qkv[3 * i + j] > 0))
+          refuse(FOVEA_ATTN_INVALID, "layer ", i, ": scale ", kQkvNames[j], " = ", qkv[3 * i + j], " is not a finite number > 0");
+    }
+    write_scale_file(path, s);
+  });
+}
+
+int32_t fovea_attn_calibrated_scales(const fovea_attn_amax_state* states, int32_t num_layers, float margin, float* qkv) {
+  return guarded("fovea_attn_calibrated_scales", [&] {
+    need(states && qkv, "states or qkv is null");
+    if (num_layers <= 0 || num_layers > kMaxScaleLayers) refuse(FOVEA_ATTN_INVALID, "num_layers ", num_layers, " out of range");
+    if (!(margin > 0) || !std::isfinite(margin)) refuse(FOVEA_ATTN_INVALID, "margin must be a finite number > 0, got ", margin);
+    ScaleBook book = ScaleBook::dynamic(num_layers);
+    for (int32_t i = 0; i < num_layers; ++i) std::memcpy(&book.amax_state()[size_t(i)], &states[i], sizeof(LayerAmax));
+    const std::vector<QkvScales> s = book.calibrated(margin);
+    for (int32_t i = 0; i < num_layers; ++i)
+      for (int j = 0; j < 3; ++j) qkv[3 * i + j] = s[size_t(i)][j];
+  });
+}
+
+}  // extern "C"
