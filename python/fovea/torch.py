@@ -19,6 +19,7 @@ Inside a CUDA graph capture nothing can be read: the shape must have run once be
 import collections
 import threading
 import weakref
+from typing import Optional
 
 import torch
 
@@ -160,7 +161,7 @@ def _run(q, k, v, cu_seqlens, descale, state, softmax_scale):
 
 @torch.library.custom_op("fovea::varlen_attention", mutates_args=())
 def _varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                      descale: torch.Tensor | None, softmax_scale: float) -> torch.Tensor:
+                      descale: Optional[torch.Tensor], softmax_scale: float) -> torch.Tensor:
     return _run(q, k, v, cu_seqlens, descale, None, softmax_scale)
 
 

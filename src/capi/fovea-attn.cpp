@@ -301,7 +301,11 @@ const char* fovea_attn_last_error(void) { return last_error.c_str(); }
 
 void fovea_attn_amax_state_init(fovea_attn_amax_state* state) {
   if (!state) return;
-  for (auto& t : state->t) amax_history_reset(*reinterpret_cast<AmaxHistory*>(&t));
+  for (auto& t : state->t) {
+    AmaxHistory h;
+    amax_history_reset(h);
+    std::memcpy(&t, &h, sizeof h);
+  }
 }
 
 int32_t fovea_attn_create(int32_t dtype, int32_t backend, int32_t heads, int32_t head_dim, int32_t device, fovea_attn** out) {
