@@ -4,7 +4,9 @@
     python3 bench/torch-peers.py --fovea build/fovea --lib build/libfovea_attn.so --resolutions HD,FullHD,4K
 transformers' Qwen3-VL-8B vision tower (random weights, BF16; bench/encoder-peers.py builds it), 3
 images per call, median ms of --reps after warm-ups (the compiled modes' include the compilation):
-  sdpa eager | sdpa torch.compile | fovea BF16 (eager) | fovea FP8 static (eager, compiled)
+  sdpa eager | sdpa torch.compile | fovea BF16 (eager) | fovea FP8 static (eager, compiled), through
+  transformers' attention interface (q, k, v after transformers' RoPE) and fused (fovea.transformers
+  .enable(fused=True): the qkv output and the RoPE tables straight to fovea)
 beside the fovea command's own encoder (bench encoder: BF16 and FP8 static, CUDA-graph replays).
 Then, at each resolution's token count, the op alone: GPU time per call, the host time of a call
 (the ctypes layer and the plan cache: what a call costs the CPU), the first call (planning), and the
@@ -154,6 +156,12 @@ def main():
             if not a.no_compile:
                 torch._dynamo.reset()
                 row["fovea_fp8_static_compile_ms"] = tower_ms(torch.compile(model), grid, warmup=3)
+            ftr.enable(model, fp8="static", scale_path=scales, fused=True)
+            row["fused_fp8_static_ms"] = tower_ms(model, grid)
+            if not a.no_compile:
+                torch._dynamo.reset()
+                row["fused_fp8_static_compile_ms"] = tower_ms(torch.compile(model), grid, warmup=3)
+            ftr.enable(model)  # back to the interface path for the next resolution's BF16
             row["cli_bf16_ms"], row["cli_fp8_static_ms"] = cli.get((r, "bf16")), cli.get((r, "fp8-static"))
             row.update(op_costs(grid[0] * grid[1] * grid[2]))
             rows.append(row)
@@ -163,15 +171,19 @@ def main():
         return fmt.format(x) if x else "-"
 
     print(f"\n{torch.cuda.get_device_name()} | transformers' Qwen3-VL-8B vision tower | {a.images} images | median ms")
-    print("| resolution | tokens | sdpa | sdpa compile | fovea BF16 | fovea FP8 static | fovea FP8 static compile | "
-          "fovea CLI BF16 | fovea CLI FP8 static | FP8 eager / sdpa | best FP8 / best sdpa |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| resolution | tokens | sdpa | sdpa compile | fovea BF16 | fovea FP8 static | FP8 static compile | "
+          "FP8 static fused | FP8 fused compile | fovea CLI BF16 | fovea CLI FP8 static | FP8 eager / sdpa eager | "
+          "FP8 fused eager / sdpa eager | best FP8 / best sdpa |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         sd = min(x for x in (r["sdpa_ms"], r.get("sdpa_compile_ms")) if x)
-        f8 = min(x for x in (r["fovea_fp8_static_ms"], r.get("fovea_fp8_static_compile_ms")) if x)
+        f8 = min(x for x in (r["fovea_fp8_static_ms"], r.get("fovea_fp8_static_compile_ms"), r["fused_fp8_static_ms"],
+                             r.get("fused_fp8_static_compile_ms")) if x)
         print(f"| {r['resolution']} | {r['tokens']} | {f(r['sdpa_ms'])} | {f(r.get('sdpa_compile_ms'))} | {f(r['fovea_bf16_ms'])} | "
-              f"{f(r['fovea_fp8_static_ms'])} | {f(r.get('fovea_fp8_static_compile_ms'))} | {f(r['cli_bf16_ms'])} | "
-              f"{f(r['cli_fp8_static_ms'])} | {f(r['sdpa_ms'] / r['fovea_fp8_static_ms'], '{:.2f}')}x | {f(sd / f8, '{:.2f}')}x |")
+              f"{f(r['fovea_fp8_static_ms'])} | {f(r.get('fovea_fp8_static_compile_ms'))} | {f(r['fused_fp8_static_ms'])} | "
+              f"{f(r.get('fused_fp8_static_compile_ms'))} | {f(r['cli_bf16_ms'])} | {f(r['cli_fp8_static_ms'])} | "
+              f"{f(r['sdpa_ms'] / r['fovea_fp8_static_ms'], '{:.2f}')}x | {f(r['sdpa_ms'] / r['fused_fp8_static_ms'], '{:.2f}')}x | "
+              f"{f(sd / f8, '{:.2f}')}x |")
     print("\nthe op alone, FP8 static, 16 heads, head_dim 72 (per layer):")
     print("| resolution | GPU ms per call (3 views) | fused qkv entry | host us per call | host / layer (FP8 eager) | first call ms |")
     print("|---|---|---|---|---|---|")

@@ -26,7 +26,7 @@ import torch
 from . import _lib
 from . import attention as _fa
 
-__all__ = ["varlen_attention", "ScaleBook", "FoveaError", "FoveaUnsupportedError", "clear_cache", "remember_offsets"]
+__all__ = ["varlen_attention", "varlen_attention_qkv", "ScaleBook", "FoveaError", "FoveaUnsupportedError", "clear_cache", "remember_offsets"]
 
 FoveaError, FoveaUnsupportedError = _lib.FoveaError, _lib.FoveaUnsupportedError
 STATE_INTS = _fa.STATE_BYTES // 4
@@ -132,31 +132,62 @@ def _check(q, k, v, cu):
         raise ValueError(f"fovea: cu_seqlens must be int32 [segments + 1], got {cu.dtype} {tuple(cu.shape)}")
 
 
-def _run(q, k, v, cu_seqlens, descale, state, softmax_scale):
-    _check(q, k, v, cu_seqlens)
-    n, heads, head_dim = q.shape
-    out = torch.empty((n, heads, head_dim), dtype=torch.bfloat16, device=q.device)
+def _scales(device, descale, state):
+    if descale is not None:
+        if descale.dtype != torch.float32 or descale.numel() != 3 or not descale.is_contiguous() or descale.device != device:
+            raise ValueError("fovea: descale must be a contiguous float32 tensor of 3 values (q, k, v) on q's device")
+        return _fa.Scales(fixed=descale.data_ptr())
+    if state is not None:
+        if state.numel() * state.element_size() != _fa.STATE_BYTES or not state.is_contiguous() or state.device != device:
+            raise ValueError(f"fovea: amax_state must be a contiguous {_fa.STATE_BYTES}-byte tensor on q's device "
+                             "(ScaleBook makes them)")
+        return _fa.Scales(state=state.data_ptr())
+    return None
+
+
+def _attend(device, n, heads, head_dim, cu_seqlens, scales, prepare):
+    """Plans (or finds the plan), runs `prepare(att, stream)`, attends into a fresh [n, heads, head_dim]."""
+    out = torch.empty((n, heads, head_dim), dtype=torch.bfloat16, device=device)
     if n == 0:
         return out
     cu = _host_offsets(cu_seqlens)
     if cu[0] != 0 or cu[-1] != n:
         raise ValueError(f"fovea: cu_seqlens must run from 0 to the token count {n}, got {cu[0]} .. {cu[-1]}")
-    scales = None
-    if descale is not None:
-        if descale.dtype != torch.float32 or descale.numel() != 3 or not descale.is_contiguous() or descale.device != q.device:
-            raise ValueError("fovea: descale must be a contiguous float32 tensor of 3 values (q, k, v) on q's device")
-        scales = _fa.Scales(fixed=descale.data_ptr())
-    if state is not None:
-        if state.numel() * state.element_size() != _fa.STATE_BYTES or not state.is_contiguous() or state.device != q.device:
-            raise ValueError(f"fovea: amax_state must be a contiguous {_fa.STATE_BYTES}-byte tensor on q's device "
-                             "(ScaleBook makes them)")
-        scales = _fa.Scales(state=state.data_ptr())
-    stream = torch.cuda.current_stream(q.device).cuda_stream if q.is_cuda else 0
-    att = _handle(q.device, scales is not None, heads, head_dim, cu, stream)
-    att.prepare(*[(x.data_ptr(), x.stride(0), x.stride(1)) for x in (q, k, v)], scales=scales,
-                softmax_scale=softmax_scale, stream=stream)
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    att = _handle(device, scales is not None, heads, head_dim, cu, stream)
+    prepare(att, stream)
     att.attend((out.data_ptr(), heads * head_dim, head_dim), stream)
     return out
+
+
+def _run(q, k, v, cu_seqlens, descale, state, softmax_scale):
+    _check(q, k, v, cu_seqlens)
+    n, heads, head_dim = q.shape
+    scales = _scales(q.device, descale, state)
+    views = [(x.data_ptr(), x.stride(0), x.stride(1)) for x in (q, k, v)]
+    return _attend(q.device, n, heads, head_dim, cu_seqlens, scales,
+                   lambda att, stream: att.prepare(*views, scales=scales, softmax_scale=softmax_scale, stream=stream))
+
+
+def _run_qkv(qkv, cu_seqlens, rope_cos, rope_sin, descale, state):
+    if qkv.dtype != torch.bfloat16 or qkv.dim() != 4 or qkv.shape[1] != 3:
+        raise ValueError(f"fovea: qkv must be bfloat16 [tokens, 3, heads, head_dim], got {qkv.dtype} {tuple(qkv.shape)}")
+    n, _, heads, head_dim = qkv.shape
+    if qkv.stride()[1:] != (heads * head_dim, head_dim, 1):
+        raise ValueError(f"fovea: qkv's (3, heads, head_dim) must be contiguous within a token, got strides {qkv.stride()}")
+    if (rope_cos is None) != (rope_sin is None):
+        raise ValueError("fovea: give both RoPE tables or neither")
+    for name, t in (("rope_cos", rope_cos), ("rope_sin", rope_sin)):
+        if t is not None and (t.dtype != torch.float32 or tuple(t.shape) != (n, head_dim // 2) or not t.is_contiguous()
+                              or t.device != qkv.device):
+            raise ValueError(f"fovea: {name} must be contiguous float32 [tokens, head_dim / 2] = [{n}, {head_dim // 2}] "
+                             f"on qkv's device, got {t.dtype} {tuple(t.shape)}")
+    if cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(f"fovea: cu_seqlens must be int32 [segments + 1], got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}")
+    scales = _scales(qkv.device, descale, state)
+    cos, sin = (0 if t is None else t.data_ptr() for t in (rope_cos, rope_sin))
+    return _attend(qkv.device, n, heads, head_dim, cu_seqlens, scales,
+                   lambda att, stream: att.prepare_fused(qkv.data_ptr(), qkv.stride(0), cos, sin, scales=scales, stream=stream))
 
 
 @torch.library.custom_op("fovea::varlen_attention", mutates_args=())
@@ -179,6 +210,40 @@ def _varlen_attention_dynamic(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 @_varlen_attention_dynamic.register_fake
 def _(q, k, v, cu_seqlens, amax_state, softmax_scale):
     return q.new_empty(q.shape, dtype=torch.bfloat16)
+
+
+@torch.library.custom_op("fovea::varlen_attention_qkv", mutates_args=())
+def _varlen_attention_qkv(qkv: torch.Tensor, cu_seqlens: torch.Tensor, rope_cos: Optional[torch.Tensor],
+                          rope_sin: Optional[torch.Tensor], descale: Optional[torch.Tensor]) -> torch.Tensor:
+    return _run_qkv(qkv, cu_seqlens, rope_cos, rope_sin, descale, None)
+
+
+@_varlen_attention_qkv.register_fake
+def _(qkv, cu_seqlens, rope_cos, rope_sin, descale):
+    return qkv.new_empty((qkv.shape[0], qkv.shape[2], qkv.shape[3]), dtype=torch.bfloat16)
+
+
+@torch.library.custom_op("fovea::varlen_attention_qkv_dynamic", mutates_args=("amax_state",))
+def _varlen_attention_qkv_dynamic(qkv: torch.Tensor, cu_seqlens: torch.Tensor, rope_cos: Optional[torch.Tensor],
+                                  rope_sin: Optional[torch.Tensor], amax_state: torch.Tensor) -> torch.Tensor:
+    return _run_qkv(qkv, cu_seqlens, rope_cos, rope_sin, None, amax_state)
+
+
+@_varlen_attention_qkv_dynamic.register_fake
+def _(qkv, cu_seqlens, rope_cos, rope_sin, amax_state):
+    return qkv.new_empty((qkv.shape[0], qkv.shape[2], qkv.shape[3]), dtype=torch.bfloat16)
+
+
+def varlen_attention_qkv(qkv, cu_seqlens, rope_cos=None, rope_sin=None, *, descale=None, amax_state=None):
+    """fovea's fused entry: the qkv projection's output [tokens, 3, heads, head_dim] bf16 (token stride
+    a multiple of 8 elements, 16-byte aligned) and Qwen3-VL's 2D RoPE tables, float32 [tokens,
+    head_dim / 2] (the angle of columns d and d + head_dim / 2), or neither: RoPE, quantization and
+    layout in one step, as fovea's own encoder runs it. Returns [tokens, heads, head_dim] bf16."""
+    if descale is not None and amax_state is not None:
+        raise ValueError("fovea: give descale (static FP8) or amax_state (dynamic FP8), not both")
+    if amax_state is not None:
+        return torch.ops.fovea.varlen_attention_qkv_dynamic(qkv, cu_seqlens, rope_cos, rope_sin, amax_state)
+    return torch.ops.fovea.varlen_attention_qkv(qkv, cu_seqlens, rope_cos, rope_sin, descale)
 
 
 def varlen_attention(q, k, v, cu_seqlens, max_seqlen=None, *, softmax_scale=None, descale=None, amax_state=None):

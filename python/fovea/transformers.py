@@ -15,6 +15,8 @@ therefore sets the vision config's implementation directly (what
 `model.set_attn_implementation({"vision_config": "fovea_flash"})` on the top-level model also does),
 rather than through from_pretrained's attn_implementation.
 """
+import types
+
 import torch
 
 from . import torch as fovea_torch
@@ -34,19 +36,47 @@ def attention_forward(module, query, key, value, attention_mask=None, scaling=No
         raise ValueError("fovea attention has no dropout (inference only)")
     if cu_seq_lens_k is not None and cu_seq_lens_k is not cu_seq_lens_q:
         raise ValueError("fovea attention needs the same segments for queries and keys")
-    book = getattr(module, "fovea_scales", None)
-    fp8 = book.layer(module.fovea_layer) if book is not None else {}
+    fp8 = _fp8_kwargs(module)
     b, _, s, _ = query.shape
+    counting = not torch.compiler.is_compiling()  # a counter read under torch.compile would be guarded on
     if cu_seq_lens_q is not None and b == 1:
-        stats["packed_calls"] += 1
+        if counting:
+            stats["packed_calls"] += 1
         out = fovea_torch.varlen_attention(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
                                            cu_seq_lens_q, softmax_scale=scaling, **fp8)
         return out.unsqueeze(0), None
-    stats["single_calls"] += 1
+    if counting:
+        stats["single_calls"] += 1
     cu = torch.arange(0, (b + 1) * s, s, dtype=torch.int32)  # each batch row one segment (host: no sync)
     flat = [x.transpose(1, 2).reshape(b * s, x.shape[1], x.shape[3]) for x in (query, key, value)]
     out = fovea_torch.varlen_attention(*flat, cu, softmax_scale=scaling, **fp8)
     return out.view(b, s, query.shape[1], query.shape[3]), None
+
+
+def _fp8_kwargs(module):
+    book = getattr(module, "fovea_scales", None)
+    return book.layer(module.fovea_layer) if book is not None else {}
+
+
+def _half_table(t, half):
+    # transformers' tables are [S, head_dim] with both halves equal (cat(freqs, freqs)); fovea's are
+    # [S, head_dim / 2] float32 (a model cast to bf16 casts them too: converted back exactly).
+    return t[:, :half].float().contiguous()
+
+
+def fused_forward(self, hidden_states, cu_seqlens, rotary_pos_emb=None, position_embeddings=None, **kwargs):
+    """Qwen3-VL / Qwen3.5 vision attention with fovea's fused entry: the qkv projection's output and the
+    RoPE tables go to fovea, which rotates, quantizes and lays them out in one step (transformers'
+    fp32 RoPE kernels and the per-tensor copies are skipped); then the output projection."""
+    s = hidden_states.shape[0]
+    qkv = self.qkv(hidden_states).view(s, 3, self.num_heads, -1)
+    cos, sin = position_embeddings
+    half = qkv.shape[-1] // 2
+    if not torch.compiler.is_compiling():
+        stats["packed_calls"] += 1
+    out = fovea_torch.varlen_attention_qkv(qkv, cu_seqlens, _half_table(cos, half), _half_table(sin, half),
+                                           **_fp8_kwargs(self))
+    return self.proj(out.reshape(s, -1))
 
 
 def register():
@@ -69,11 +99,14 @@ def _vision(model):
     raise ValueError(f"fovea: {type(model).__name__} has no Qwen3-VL-style vision tower (model.visual.blocks)")
 
 
-def enable(model, fp8=None, scale_path=None, margin=1.5):
+def enable(model, fp8=None, scale_path=None, margin=1.5, fused=False):
     """Runs the vision tower's attention on fovea: BF16 (fp8=None), or FP8 with "dynamic" scaling,
     "static" scales from scale_path (vLLM's file), or "calibrate" (dynamic; the book's maybe_save()
     writes scale_path after 16 complete forwards). Returns the ScaleBook (None for BF16), which is
-    registered on the tower as `fovea_scales` (its state moves with the model)."""
+    registered on the tower as `fovea_scales` (its state moves with the model).
+    fused=True also replaces each vision attention module's forward with fused_forward (fovea gets
+    the fused qkv and the RoPE tables); fused=False leaves transformers' forward and its RoPE in place
+    and takes the "fovea_flash" implementation's packed call."""
     register()
     vision = _vision(model)
     vision.config._attn_implementation = NAME
@@ -85,6 +118,10 @@ def enable(model, fp8=None, scale_path=None, margin=1.5):
     for i, block in enumerate(vision.blocks):
         attn = block.attn
         attn.fovea_layer = i
+        if fused:
+            attn.forward = types.MethodType(fused_forward, attn)
+        elif "forward" in attn.__dict__:
+            del attn.forward  # back to transformers' own
         # Not a submodule of each layer (the tower owns it): a plain attribute.
         object.__setattr__(attn, "fovea_scales", book)
     stats["packed_calls"] = stats["single_calls"] = 0

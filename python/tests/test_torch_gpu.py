@@ -89,6 +89,39 @@ class Op(unittest.TestCase):
             out_s = ft.varlen_attention(q, k, v, cu, descale=descale)
             self.assertTrue(torch.equal(out_s, out8), "static with the same scales == dynamic")
 
+    def test_fused_qkv_entry_applies_rope(self):
+        n_seg = [300, 5, 200]
+        for hd in (72, 128):
+            q, k, v, cu = inputs(n_seg, 4, hd, seed=11 + hd)
+            qkv = torch.stack([q, k, v], dim=1)
+            g = torch.Generator(device="cuda").manual_seed(hd)
+            ang = torch.rand(q.shape[0], hd // 2, device=CUDA, generator=g) * 6 - 3
+            cos, sin = ang.cos(), ang.sin()
+
+            def rope(x):  # transformers' formula, fp32, unfused
+                x = x.float()
+                x1, x2 = x[..., :hd // 2], x[..., hd // 2:]
+                c, s = cos[:, None], sin[:, None]
+                return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], -1)
+
+            ref = ref64(rope(q), rope(k), v, cu)
+            out = ft.varlen_attention_qkv(qkv, cu, cos, sin)
+            emu, _ = on_cpu(lambda *a, **kw: ft.varlen_attention_qkv(torch.stack(a[:3], 1), a[3], cos.cpu(), sin.cpu(), **kw),
+                            q, k, v, cu)
+            self.check(f"fused bf16 hd {hd}", out, emu, ref)
+            # RoPE'd in fp32 and rounded once: what transformers' RoPE then bf16 gives, bit for bit.
+            self.assertTrue(torch.equal(out, ft.varlen_attention(rope(q).bfloat16(), rope(k).bfloat16(), v, cu)))
+            book = ft.ScaleBook(1, "dynamic", device=CUDA)
+            emu8, kw = on_cpu(lambda *a, **kw: ft.varlen_attention_qkv(torch.stack(a[:3], 1), a[3], cos.cpu(), sin.cpu(), **kw),
+                              q, k, v, cu, amax_state=book.amax_state[0].clone())
+            out8 = ft.varlen_attention_qkv(qkv, cu, cos, sin, **book.layer(0))
+            self.check(f"fused fp8 dynamic hd {hd}", out8, emu8, ref)
+            self.assertTrue(torch.equal(book.amax_state[0].cpu(), kw["amax_state"]), "device state == emulation's state")
+        with self.assertRaisesRegex(ValueError, "rope_cos must be"):
+            ft.varlen_attention_qkv(qkv, cu, cos[:, :10].contiguous(), sin)
+        with self.assertRaisesRegex(ValueError, "both RoPE tables"):
+            ft.varlen_attention_qkv(qkv, cu, cos, None)
+
     def test_strided_head_major_inputs_and_padding_segments(self):
         q, k, v, cu = inputs([300, 5, 200], 16, 72, seed=7)
         qh = q.transpose(0, 1).contiguous().transpose(0, 1)  # head-major memory, [N, H, D] view
@@ -113,6 +146,11 @@ class Op(unittest.TestCase):
         torch.library.opcheck(torch.ops.fovea.varlen_attention.default, (q, k, v, cu, torch.full((3,), 0.01, device=CUDA), 0.0))
         book = ft.ScaleBook(1, "dynamic", device=CUDA)
         torch.library.opcheck(torch.ops.fovea.varlen_attention_dynamic.default, (q, k, v, cu, book.amax_state[0], 0.0))
+        qkv = torch.stack([q, k, v], dim=1)
+        cos, sin = torch.rand(2, q.shape[0], 36, device=CUDA).unbind(0)
+        torch.library.opcheck(torch.ops.fovea.varlen_attention_qkv.default, (qkv, cu, cos, sin, None))
+        torch.library.opcheck(torch.ops.fovea.varlen_attention_qkv.default, (qkv, cu, None, None, torch.full((3,), 0.01, device=CUDA)))
+        torch.library.opcheck(torch.ops.fovea.varlen_attention_qkv_dynamic.default, (qkv, cu, cos, sin, book.amax_state[0]))
 
     def test_compile_fullgraph(self):
         q, k, v, cu = inputs([333, 100], 16, 72, seed=3)
@@ -203,13 +241,21 @@ class Transformers(unittest.TestCase):
             ftr.enable(bf16)
             e_fv = stats(merged(bf16(px.bfloat16(), grid_thw=grids)), ref)[0]
             self.assertEqual(ftr.stats, {"packed_calls": 27, "single_calls": 0}, "the packed path ran")
+            unfused = merged(bf16(px.bfloat16(), grid_thw=grids))
+            ftr.enable(bf16, fused=True)
+            fused = merged(bf16(px.bfloat16(), grid_thw=grids))
+            self.assertEqual(ftr.stats, {"packed_calls": 27, "single_calls": 0}, "the fused forward ran")
+            self.assertTrue(torch.equal(fused, unfused), "fused RoPE in fovea == transformers' RoPE, bit for bit (BF16)")
             fp8 = copy.deepcopy(fp32).to(torch.bfloat16)
             ftr.enable(fp8, fp8="dynamic")
             e_f8 = stats(merged(fp8(px.bfloat16(), grid_thw=grids)), ref)[0]
+            ftr.enable(fp8, fp8="dynamic", fused=True)
+            e_f8f = stats(merged(fp8(px.bfloat16(), grid_thw=grids)), ref)[0]
         print(f"merged output vs fp32: transformers bf16 {e_hf:.3e}, fovea bf16 {e_fv:.3e} ({e_fv / e_hf:.2f}x), "
-              f"fovea fp8 dynamic {e_f8:.3e} ({e_f8 / e_hf:.2f}x)")
+              f"fovea fp8 dynamic {e_f8:.3e} ({e_f8 / e_hf:.2f}x), fused {e_f8f:.3e} ({e_f8f / e_hf:.2f}x)")
         self.assertLessEqual(e_fv, 1.5 * e_hf)
         self.assertLessEqual(e_f8, 1.5 * e_hf)
+        self.assertLessEqual(e_f8f, 1.5 * e_hf)
 
 
 class Vllm(unittest.TestCase):
