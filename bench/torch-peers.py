@@ -74,7 +74,7 @@ def fovea_cli():
 
 
 def calibrate(model, path):
-    ftr.enable(model, fp8="calibrate", scale_path=path)
+    ftr.enable(model, fp8="calibrate", scale_path=path, fused=False)
     grid = peers.GRIDS["HD"]
     n = a.images * grid[0] * grid[1] * grid[2]
     thw = torch.tensor([grid] * a.images, device="cuda")
@@ -116,6 +116,24 @@ def op_costs(tokens_per_image, heads=16, hd=72, calls=50):
         ft.varlen_attention(q, k, v, cu, descale=descale)
     host_us = (time.perf_counter() - t0) / calls * 1e6  # queued behind the GPU: the host's own time
     torch.cuda.synchronize()
+
+    def host_time(fn):  # the same, for one layer of the call's stack
+        fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        t = (time.perf_counter() - t0) / calls * 1e6
+        torch.cuda.synchronize()
+        return t
+
+    direct_us = host_time(lambda: ft._run(q, k, v, cu, descale, None, 0.0))  # without torch.library's dispatch
+    planned = ft._handle(q.device, True, heads, hd, tuple(range(0, n + 1, tokens_per_image)), 0)
+    views = [(x.data_ptr(), x.stride(0), x.stride(1)) for x in (q, k, v)]
+    o = torch.empty(n, heads, hd, device="cuda", dtype=torch.bfloat16)
+    sc0 = fa.Scales(fixed=descale.data_ptr())
+    st = torch.cuda.current_stream().cuda_stream
+    abi_us = host_time(lambda: (planned.prepare(*views, scales=sc0, stream=st), planned.attend((o.data_ptr(), heads * hd, hd), st)))
     att = fa.Attention("fp8", heads, hd, device=torch.cuda.current_device())
     att.plan(list(range(0, n + 1, tokens_per_image)))
     out = torch.empty(n, heads, hd, device="cuda", dtype=torch.bfloat16)
@@ -127,7 +145,8 @@ def op_costs(tokens_per_image, heads=16, hd=72, calls=50):
         att.attend((out.data_ptr(), heads * hd, hd), s)
 
     fused_ms = gpu_ms(fused)
-    return {"op_gpu_ms": view_ms, "op_host_us": host_us, "op_first_call_ms": first_ms, "op_fused_gpu_ms": fused_ms}
+    return {"op_gpu_ms": view_ms, "op_host_us": host_us, "op_first_call_ms": first_ms, "op_fused_gpu_ms": fused_ms,
+            "op_host_direct_us": direct_us, "op_host_abi_us": abi_us}
 
 
 def main():
@@ -148,9 +167,9 @@ def main():
                 torch._dynamo.reset()
                 row["sdpa_compile_ms"] = tower_ms(torch.compile(model), grid, warmup=3)
             print(f"{r}: fovea", file=sys.stderr)
-            ftr.enable(model)
+            ftr.enable(model, fused=False)
             row["fovea_bf16_ms"] = tower_ms(model, grid)
-            ftr.enable(model, fp8="static", scale_path=scales)
+            ftr.enable(model, fp8="static", scale_path=scales, fused=False)
             row["fovea_fp8_static_ms"] = tower_ms(model, grid)
             row["packed_calls"] = ftr.stats["packed_calls"]
             if not a.no_compile:
@@ -161,7 +180,7 @@ def main():
             if not a.no_compile:
                 torch._dynamo.reset()
                 row["fused_fp8_static_compile_ms"] = tower_ms(torch.compile(model), grid, warmup=3)
-            ftr.enable(model)  # back to the interface path for the next resolution's BF16
+            ftr.enable(model, fused=False)  # the interface path again for the next resolution's BF16
             row["cli_bf16_ms"], row["cli_fp8_static_ms"] = cli.get((r, "bf16")), cli.get((r, "fp8-static"))
             row.update(op_costs(grid[0] * grid[1] * grid[2]))
             rows.append(row)
@@ -185,12 +204,14 @@ def main():
               f"{f(r['sdpa_ms'] / r['fovea_fp8_static_ms'], '{:.2f}')}x | {f(r['sdpa_ms'] / r['fused_fp8_static_ms'], '{:.2f}')}x | "
               f"{f(sd / f8, '{:.2f}')}x |")
     print("\nthe op alone, FP8 static, 16 heads, head_dim 72 (per layer):")
-    print("| resolution | GPU ms per call (3 views) | fused qkv entry | host us per call | host / layer (FP8 eager) | first call ms |")
+    print("| resolution | GPU ms per call (3 views) | fused qkv entry | host us per call: op / without torch.library / "
+          "ctypes alone | host / layer (FP8 eager, fused) | first call ms |")
     print("|---|---|---|---|---|---|")
     for r in rows:
-        layer_ms = r["fovea_fp8_static_ms"] / 27
-        print(f"| {r['resolution']} | {r['op_gpu_ms']:.3f} | {r['op_fused_gpu_ms']:.3f} | {r['op_host_us']:.0f} | "
-              f"{100 * r['op_host_us'] / 1e3 / layer_ms:.1f}% | {r['op_first_call_ms']:.1f} |")
+        layer_ms = r["fused_fp8_static_ms"] / 27
+        print(f"| {r['resolution']} | {r['op_gpu_ms']:.3f} | {r['op_fused_gpu_ms']:.3f} | {r['op_host_us']:.0f} / "
+              f"{r['op_host_direct_us']:.0f} / {r['op_host_abi_us']:.0f} | {100 * r['op_host_us'] / 1e3 / layer_ms:.1f}% | "
+              f"{r['op_first_call_ms']:.1f} |")
     if a.json:
         json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows}, open(a.json, "w"), indent=1)
 

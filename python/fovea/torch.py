@@ -9,9 +9,12 @@ strides: views of a fused qkv output are read in place); cu_seqlens: int32 [segm
 [total_tokens, heads, head_dim] bf16. descale: float32 [3] (q, k, v dequantization scales); amax_state:
 a 252-byte tensor (ScaleBook makes them) that the op updates in place (its 16-entry amax history).
 
-The ops are torch.ops.fovea.varlen_attention and torch.ops.fovea.varlen_attention_dynamic, opaque to
-torch.compile (no graph break) with fake kernels for tracing; the dynamic op declares its mutation,
-so the state can live in a CUDA graph. Planning (tile lists, TMA maps) needs the segment offsets on
+    out = fovea.torch.varlen_attention_qkv(qkv, cu_seqlens, rope_cos, rope_sin, ...)  # fused qkv + RoPE
+
+The ops are torch.ops.fovea.varlen_attention[_dynamic] and varlen_attention_qkv[_dynamic], opaque to
+torch.compile (no graph break) with fake kernels for tracing; the dynamic ops declare their mutation,
+so the state can live in a CUDA graph. Plain eager calls (no compile, no dispatch mode, no gradient)
+run the same implementation without torch.library's dispatch, which costs ~30 us a call. Planning (tile lists, TMA maps) needs the segment offsets on
 the host: a CPU cu_seqlens is read directly; a device one is read once per tensor (a host sync) and
 remembered for that tensor while it is unchanged, so the layers of one forward share the read.
 Inside a CUDA graph capture nothing can be read: the shape must have run once before the capture.
@@ -94,7 +97,7 @@ def _host_offsets(cu):
 
 
 def _handle(device, fp8, heads, head_dim, cu, stream):
-    key = (str(device), fp8, heads, head_dim, cu)
+    key = (device.type, device.index, fp8, heads, head_dim, cu)
     capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
     with _lock:
         entry = _handles.get(key)
@@ -234,6 +237,17 @@ def _(qkv, cu_seqlens, rope_cos, rope_sin, amax_state):
     return qkv.new_empty((qkv.shape[0], qkv.shape[2], qkv.shape[3]), dtype=torch.bfloat16)
 
 
+_dispatch_stack = getattr(torch._C, "_len_torch_dispatch_stack", None)
+
+
+def _eager(*tensors):
+    """True where the op's implementation can be called directly: plain tensors needing no gradient, no
+    torch.compile tracing and no dispatch mode (fake tensors, export, profilers' modes) active. There
+    torch.library's dispatch adds ~30 us a call (bench/torch-peers.py) and nothing else."""
+    return (_dispatch_stack is not None and not torch.compiler.is_compiling() and _dispatch_stack() == 0 and
+            all(t is None or (type(t) is torch.Tensor and not t.requires_grad) for t in tensors))
+
+
 def varlen_attention_qkv(qkv, cu_seqlens, rope_cos=None, rope_sin=None, *, descale=None, amax_state=None):
     """fovea's fused entry: the qkv projection's output [tokens, 3, heads, head_dim] bf16 (token stride
     a multiple of 8 elements, 16-byte aligned) and Qwen3-VL's 2D RoPE tables, float32 [tokens,
@@ -241,6 +255,8 @@ def varlen_attention_qkv(qkv, cu_seqlens, rope_cos=None, rope_sin=None, *, desca
     layout in one step, as fovea's own encoder runs it. Returns [tokens, heads, head_dim] bf16."""
     if descale is not None and amax_state is not None:
         raise ValueError("fovea: give descale (static FP8) or amax_state (dynamic FP8), not both")
+    if _eager(qkv, cu_seqlens, rope_cos, rope_sin, descale, amax_state):
+        return _run_qkv(qkv, cu_seqlens, rope_cos, rope_sin, descale, amax_state)
     if amax_state is not None:
         return torch.ops.fovea.varlen_attention_qkv_dynamic(qkv, cu_seqlens, rope_cos, rope_sin, amax_state)
     return torch.ops.fovea.varlen_attention_qkv(qkv, cu_seqlens, rope_cos, rope_sin, descale)
@@ -253,6 +269,8 @@ def varlen_attention(q, k, v, cu_seqlens, max_seqlen=None, *, softmax_scale=None
     if descale is not None and amax_state is not None:
         raise ValueError("fovea: give descale (static FP8) or amax_state (dynamic FP8), not both")
     scale = 0.0 if softmax_scale is None else float(softmax_scale)
+    if _eager(q, k, v, cu_seqlens, descale, amax_state):
+        return _run(q, k, v, cu_seqlens, descale, amax_state, scale)
     if amax_state is not None:
         return torch.ops.fovea.varlen_attention_dynamic(q, k, v, cu_seqlens, amax_state, scale)
     return torch.ops.fovea.varlen_attention(q, k, v, cu_seqlens, descale, scale)

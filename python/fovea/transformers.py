@@ -5,6 +5,7 @@
     model = Qwen3VLForConditionalGeneration.from_pretrained(path, attn_implementation="sdpa", ...)
     fovea.transformers.enable(model)                    # the vision tower only; the text model keeps sdpa
     fovea.transformers.enable(model, fp8="static", scale_path="scales.json")   # or fp8="dynamic"
+    fovea.transformers.enable(model, fused=False)       # keep transformers' forward and RoPE
 
 The vision attention takes transformers' packed path (one call per layer over every image, with
 cu_seqlens) only for an implementation whose name contains "flash"; any other name gets one call per
@@ -14,8 +15,16 @@ to import a flash kernel for such a name when it validates it at model construct
 therefore sets the vision config's implementation directly (what
 `model.set_attn_implementation({"vision_config": "fovea_flash"})` on the top-level model also does),
 rather than through from_pretrained's attn_implementation.
+
+fused=True (the default) goes further: it replaces each vision attention module's forward, so fovea gets the qkv
+projection's output and the RoPE tables and rotates, quantizes and lays out Q, K and V in one step
+(transformers' fp32 RoPE kernels and copies are skipped; in BF16 the result is bit for bit the
+unfused one). Measured on an H200 (bench/RESULTS.md) it is the faster path by far; it depends on the
+module's attribute names (qkv, proj, num_heads) and its forward's arguments, which transformers 5.x
+share across Qwen3-VL and Qwen3.5.
 """
 import types
+import warnings
 
 import torch
 
@@ -99,14 +108,15 @@ def _vision(model):
     raise ValueError(f"fovea: {type(model).__name__} has no Qwen3-VL-style vision tower (model.visual.blocks)")
 
 
-def enable(model, fp8=None, scale_path=None, margin=1.5, fused=False):
+def enable(model, fp8=None, scale_path=None, margin=1.5, fused=True):
     """Runs the vision tower's attention on fovea: BF16 (fp8=None), or FP8 with "dynamic" scaling,
     "static" scales from scale_path (vLLM's file), or "calibrate" (dynamic; the book's maybe_save()
     writes scale_path after 16 complete forwards). Returns the ScaleBook (None for BF16), which is
     registered on the tower as `fovea_scales` (its state moves with the model).
-    fused=True also replaces each vision attention module's forward with fused_forward (fovea gets
-    the fused qkv and the RoPE tables); fused=False leaves transformers' forward and its RoPE in place
-    and takes the "fovea_flash" implementation's packed call."""
+    fused=True (the default) also replaces each vision attention module's forward with fused_forward
+    (fovea gets the fused qkv and the RoPE tables), where the module has the attributes it needs
+    (qkv, proj, num_heads; otherwise a warning, and the interface path); fused=False leaves
+    transformers' forward and its RoPE in place and takes the "fovea_flash" implementation's packed call."""
     register()
     vision = _vision(model)
     vision.config._attn_implementation = NAME
@@ -115,6 +125,10 @@ def enable(model, fp8=None, scale_path=None, margin=1.5, fused=False):
         device = next(vision.parameters()).device
         book = fovea_torch.ScaleBook(len(vision.blocks), fp8, scale_path, margin, device)
         vision.fovea_scales = book
+    if fused and not all(hasattr(b.attn, a) for b in vision.blocks for a in ("qkv", "proj", "num_heads")):
+        warnings.warn("fovea: this vision attention module lacks qkv / proj / num_heads: fused=True falls back to "
+                      "transformers' forward with the fovea_flash implementation")
+        fused = False
     for i, block in enumerate(vision.blocks):
         attn = block.attn
         attn.fovea_layer = i

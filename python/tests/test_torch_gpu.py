@@ -238,7 +238,7 @@ class Transformers(unittest.TestCase):
             ref = merged(fp32(px, grid_thw=grids)).double()
             bf16 = copy.deepcopy(fp32).to(torch.bfloat16)
             e_hf = stats(merged(bf16(px.bfloat16(), grid_thw=grids)), ref)[0]
-            ftr.enable(bf16)
+            ftr.enable(bf16, fused=False)
             e_fv = stats(merged(bf16(px.bfloat16(), grid_thw=grids)), ref)[0]
             self.assertEqual(ftr.stats, {"packed_calls": 27, "single_calls": 0}, "the packed path ran")
             unfused = merged(bf16(px.bfloat16(), grid_thw=grids))
@@ -247,7 +247,7 @@ class Transformers(unittest.TestCase):
             self.assertEqual(ftr.stats, {"packed_calls": 27, "single_calls": 0}, "the fused forward ran")
             self.assertTrue(torch.equal(fused, unfused), "fused RoPE in fovea == transformers' RoPE, bit for bit (BF16)")
             fp8 = copy.deepcopy(fp32).to(torch.bfloat16)
-            ftr.enable(fp8, fp8="dynamic")
+            ftr.enable(fp8, fp8="dynamic", fused=False)
             e_f8 = stats(merged(fp8(px.bfloat16(), grid_thw=grids)), ref)[0]
             ftr.enable(fp8, fp8="dynamic", fused=True)
             e_f8f = stats(merged(fp8(px.bfloat16(), grid_thw=grids)), ref)[0]
