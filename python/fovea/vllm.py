@@ -71,6 +71,11 @@ def register():
                 self.fovea_margin = float(getattr(cfg, "mm_encoder_fp8_scale_save_margin", 1.5))
                 layers.append(weakref.ref(self))
 
+        def process_weights_after_loading(self, act_dtype=None):
+            # vLLM's loader calls this on every MMEncoderAttention to load FP8 scales into the buffers
+            # its own constructor makes; this class made its state in its constructor.
+            return None
+
         @classmethod
         def maybe_recompute_cu_seqlens(cls, attn_backend, cu_seqlens, hidden_size, tp_size, device,
                                        fp8_padded_hidden_size=None):
