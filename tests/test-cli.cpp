@@ -641,7 +641,7 @@ TEST_F(Cli, EncodeFillsVllmsEncoderCache) {
   EXPECT_HAS(r.out, "3 written, 0 already there, 0 repeated, 1 failed");
   for (const auto& img : images) {
     const std::string bytes = slurp(img);
-    const std::string key = fovea::sha256_hex({reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size()});
+    const std::string key = fovea::sha256_hex(bytes);
     const fs::path path = fs::path(cache) / key / "encoder_cache.safetensors";
     ASSERT_TRUE(fs::exists(path)) << path;
     ASSERT_EQ(run("encode synthetic:tiny --device cpu " + q(img) + " -o " + q(file("one.safetensors"))).code, 0);
@@ -676,7 +676,7 @@ TEST_F(Cli, EncodeFillsVllmsEncoderCache) {
   EXPECT_HAS(r.out, "3 written, 0 already there, 1 repeated");
   EXPECT_TRUE(fs::exists(fs::path(cache) / "img1.png" / "encoder_cache.safetensors"));
   // The proxy's keys: the sha256 of the URL a client sends, a data URL of the file or its file:// URL.
-  const auto hash = [](const std::string& t) { return fovea::sha256_hex({reinterpret_cast<const uint8_t*>(t.data()), t.size()}); };
+  const auto hash = [](const std::string& t) { return fovea::sha256_hex(t); };
   const auto base64 = [](const std::string& in) {  // RFC 4648, written here as the test's own oracle
     const char* abc = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
     std::string out;
@@ -722,7 +722,7 @@ TEST_F(Cli, EncodeFillsTheEncoderCacheWithClips) {
   ASSERT_EQ(run("encode synthetic:tiny --device cpu " + q(clip) + " -o " + q(file("clip.safetensors"))).code, 0);
   const auto one = fovea::Checkpoint::open(file("clip.safetensors"));
   const std::string bytes = slurp(clip);
-  const std::string key = fovea::sha256_hex({reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size()});
+  const std::string key = fovea::sha256_hex(bytes);
   const auto ec = fovea::Checkpoint::open((fs::path(cache) / key / "encoder_cache.safetensors").string());
   const fovea::TensorInfo* t = ec.find("ec_cache");
   ASSERT_NE(t, nullptr);

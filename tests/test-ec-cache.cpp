@@ -40,6 +40,7 @@ std::span<const uint8_t> bytes_of(std::string_view s) { return {reinterpret_cast
 TEST(Sha256, KnownAnswers) {
   EXPECT_EQ(sha256_hex(bytes_of("")), "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855");
   EXPECT_EQ(sha256_hex(bytes_of("abc")), "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
+  EXPECT_EQ(sha256_hex(std::string_view("abc")), sha256_hex(bytes_of("abc"))) << "the text overload hashes the same bytes";
   EXPECT_EQ(sha256_hex(bytes_of("abcdbcdecdefdefgefghfghighijhijkijkljklmklmnlmnomnopnopq")),  // 56 bytes: two tail blocks
             "248d6a61d20638b8e5c026930c3e6039a33ce45964ff2167f6ecedd419db06c1");
   EXPECT_EQ(sha256_hex(bytes_of(std::string(1000000, 'a'))),

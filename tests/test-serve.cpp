@@ -552,7 +552,7 @@ TEST_F(Serve, EncoderCacheForVllm) {
   };
   const TestImage &a = image(0), &b = image(1), &c = image(2);
   const std::string url_b = "data:" + b.mime + ";base64," + b64(b.bytes);
-  const std::string key_b = fovea::sha256_hex({reinterpret_cast<const uint8_t*>(url_b.data()), url_b.size()});
+  const std::string key_b = fovea::sha256_hex(url_b);
   {
     ServerProcess server(dir_, {"--ec-storage-path", cache.string()});
     ASSERT_GT(server.port(), 0);
@@ -689,7 +689,7 @@ TEST_F(Serve, ChatCompletionsIsVllmsEncodeInstance) {
   auto cli = client(server.port());
   const auto url_of = [](const TestImage& im) { return "data:" + im.mime + ";base64," + b64(im.bytes); };
   const auto key_of = [](const std::string& url) {
-    return fovea::sha256_hex({reinterpret_cast<const uint8_t*>(url.data()), url.size()});
+    return fovea::sha256_hex(url);
   };
   // The proxy's request for a group of images (a repeated one included), and its rewrite.
   const auto proxy = [&](const std::vector<const TestImage*>& group, const json& extra) {
@@ -854,7 +854,7 @@ TEST_F(Serve, UrlItemsAreReadOnlyWhereAllowed) {
     return cli->Post("/v1/chat/completions", body.dump(), "application/json");
   };
   const auto key_of = [](const std::string& url) {
-    return fovea::sha256_hex({reinterpret_cast<const uint8_t*>(url.data()), url.size()});
+    return fovea::sha256_hex(url);
   };
   for (const std::string& url : {"file://" + (media / "sub" / "a%20b.png").string(), "file://" + (media / "in-link.png").string(),
                                  "file://localhost" + (media / "sub" / ".." / "sub" / "a%20b.png").string(),

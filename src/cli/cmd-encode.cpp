@@ -107,7 +107,7 @@ std::string file_url(const std::filesystem::path& p) {
 std::string cache_key(const Args& a, size_t i, const InputConfig& in) {
   const std::filesystem::path path(a.images[i]);
   if (a.uuid_from == "filename") return path.filename().string();
-  const auto hash = [](const std::string& s) { return sha256_hex({reinterpret_cast<const uint8_t*>(s.data()), s.size()}); };
+  const auto hash = [](const std::string& s) { return sha256_hex(s); };
   if (a.uuid_from == "file-url") return hash(file_url(path));
   const std::vector<uint8_t> bytes = read_input(a.images[i], in);
   if (a.uuid_from == "sha256") return sha256_hex(bytes);

@@ -70,4 +70,8 @@ std::string sha256_hex(std::span<const uint8_t> data) {
   return out;
 }
 
+std::string sha256_hex(std::string_view text) {
+  return sha256_hex(std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(text.data()), text.size()));
+}
+
 }  // namespace fovea

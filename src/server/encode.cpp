@@ -34,7 +34,7 @@ const char* error_type(int status) {
 std::string data_url_key(const std::string& media_type, const std::vector<uint8_t>& bytes) {
   std::string url = "data:" + media_type + ";base64,";
   base64_append(url, bytes.data(), bytes.size());
-  return sha256_hex({reinterpret_cast<const uint8_t*>(url.data()), url.size()});
+  return sha256_hex(url);
 }
 
 http::Response error_response(const ApiError& e) {
@@ -111,7 +111,7 @@ void find_cached(Context& c, Exchange& x) {
     ReplyItem& it = x.items[i];
     const std::string url =
         !r.uuids[i].empty() ? "" : !r.remote_urls[i].empty() ? r.remote_urls[i] : r.url_prefixes[i] + r.payloads[i];
-    it.key = r.uuids[i].empty() ? sha256_hex({reinterpret_cast<const uint8_t*>(url.data()), url.size()}) : r.uuids[i];
+    it.key = r.uuids[i].empty() ? sha256_hex(url) : r.uuids[i];
     if (!(it.cached = c.cache->lookup(it.key))) continue;
     const auto t = Clock::now();
     InputPlan plan;
