@@ -54,10 +54,24 @@ def _capturing(t):
     return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
-def _remember_address(address, host):  # with _lock held
-    if len(_by_address) >= 256:
-        _by_address.clear()
-    _by_address[address] = host
+def _version_of(cu):
+    try:
+        return cu._version
+    except RuntimeError:  # an inference tensor keeps no version: its offsets are read every time
+        return None
+
+
+def _remember(cu, version, host):
+    """Keeps a device cu_seqlens' host offsets: for the tensor while its version holds, and for its
+    address (what a CUDA graph capture, which cannot read it, looks up)."""
+    with _lock:
+        if version is not None:
+            key = id(cu)
+            _seen[key] = (weakref.ref(cu, lambda _, k=key: _seen.pop(k, None)), version, host)
+        if cu.is_cuda:
+            if len(_by_address) >= 256:
+                _by_address.clear()
+            _by_address[(cu.device.index, cu.data_ptr(), cu.numel())] = host
 
 
 def _normalized(cu):
@@ -72,10 +86,7 @@ def _normalized(cu):
 def _host_offsets(cu):
     if cu.device.type == "cpu":
         return _normalized([int(x) for x in cu.tolist()])
-    try:
-        version = cu._version
-    except RuntimeError:  # an inference tensor keeps no version: read it every time
-        version = None
+    version = _version_of(cu)
     key = id(cu)
     with _lock:
         hit = _seen.get(key)
@@ -89,10 +100,7 @@ def _host_offsets(cu):
         raise RuntimeError("fovea: cu_seqlens is on the GPU and cannot be read during a CUDA graph capture; run the "
                            "same call once before capturing (or pass cu_seqlens on the CPU)")
     host = _normalized([int(x) for x in cu.tolist()])
-    with _lock:
-        if version is not None:
-            _seen[key] = (weakref.ref(cu, lambda _, k=key: _seen.pop(k, None)), version, host)
-        _remember_address(address, host)
+    _remember(cu, version, host)
     return host
 
 
@@ -331,14 +339,4 @@ class ScaleBook(torch.nn.Module):
 def remember_offsets(cu, host):
     """Tells the ops the host values of a device cu_seqlens they will see (vLLM's plugin: the offsets
     are on the host when the tensor is made), so no call reads them back."""
-    host = _normalized([int(x) for x in host])
-    try:
-        version = cu._version
-    except RuntimeError:
-        version = None
-    with _lock:
-        if version is not None:
-            key = id(cu)
-            _seen[key] = (weakref.ref(cu, lambda _, k=key: _seen.pop(k, None)), version, host)
-        if cu.is_cuda:
-            _remember_address((cu.device.index, cu.data_ptr(), cu.numel()), host)
+    _remember(cu, _version_of(cu), _normalized([int(x) for x in host]))

@@ -285,6 +285,16 @@ void gpu_attend(fovea_attn& h, const fovea_attn_view& out, cudaStream_t stream) 
 }
 #endif
 
+void check_layers(int32_t num_layers) {
+  if (num_layers <= 0 || num_layers > kMaxScaleLayers) refuse(FOVEA_ATTN_INVALID, "num_layers ", num_layers, " out of range");
+}
+
+// Per-layer scales as the ABI's [layers * 3] floats.
+void write_rows(const std::vector<QkvScales>& s, float* qkv) {
+  for (size_t i = 0; i < s.size(); ++i)
+    for (int j = 0; j < 3; ++j) qkv[3 * i + size_t(j)] = s[i][j];
+}
+
 fovea_attn& handle(fovea_attn* h) {
   if (!h) refuse(FOVEA_ATTN_INVALID, "the handle is null");
   return *h;
@@ -444,17 +454,16 @@ int32_t fovea_attn_attend(fovea_attn* hp, const fovea_attn_view* out, void* stre
 int32_t fovea_attn_scale_file_read(const char* path, int32_t num_layers, float* qkv) {
   return guarded("fovea_attn_scale_file_read", [&] {
     need(path && qkv, "path or qkv is null");
-    if (num_layers <= 0 || num_layers > kMaxScaleLayers) refuse(FOVEA_ATTN_INVALID, "num_layers ", num_layers, " out of range");
+    check_layers(num_layers);
     const std::vector<QkvScales> s = scales_for_model(read_scale_file(path), num_layers);
-    for (int32_t i = 0; i < num_layers; ++i)
-      for (int j = 0; j < 3; ++j) qkv[3 * i + j] = s[size_t(i)][j];
+    write_rows(s, qkv);
   });
 }
 
 int32_t fovea_attn_scale_file_write(const char* path, int32_t num_layers, const float* qkv) {
   return guarded("fovea_attn_scale_file_write", [&] {
     need(path && qkv, "path or qkv is null");
-    if (num_layers <= 0 || num_layers > kMaxScaleLayers) refuse(FOVEA_ATTN_INVALID, "num_layers ", num_layers, " out of range");
+    check_layers(num_layers);
     std::vector<QkvScales> s(static_cast<size_t>(num_layers));
     for (int32_t i = 0; i < num_layers; ++i) {
       s[size_t(i)] = {qkv[3 * i], qkv[3 * i + 1], qkv[3 * i + 2]};
@@ -469,13 +478,12 @@ int32_t fovea_attn_scale_file_write(const char* path, int32_t num_layers, const 
 int32_t fovea_attn_calibrated_scales(const fovea_attn_amax_state* states, int32_t num_layers, float margin, float* qkv) {
   return guarded("fovea_attn_calibrated_scales", [&] {
     need(states && qkv, "states or qkv is null");
-    if (num_layers <= 0 || num_layers > kMaxScaleLayers) refuse(FOVEA_ATTN_INVALID, "num_layers ", num_layers, " out of range");
+    check_layers(num_layers);
     if (!(margin > 0) || !std::isfinite(margin)) refuse(FOVEA_ATTN_INVALID, "margin must be a finite number > 0, got ", margin);
     ScaleBook book = ScaleBook::dynamic(num_layers);
     for (int32_t i = 0; i < num_layers; ++i) std::memcpy(&book.amax_state()[size_t(i)], &states[i], sizeof(LayerAmax));
     const std::vector<QkvScales> s = book.calibrated(margin);
-    for (int32_t i = 0; i < num_layers; ++i)
-      for (int j = 0; j < 3; ++j) qkv[3 * i + j] = s[size_t(i)][j];
+    write_rows(s, qkv);
   });
 }
 
