@@ -8,6 +8,7 @@
 #include "fovea/attention.h"
 #include "fovea/bf16.h"
 #include "fovea/error.h"
+#include "fovea/flash-p.h"
 #include "fovea/fp8.h"
 #include "fovea/random.h"
 #include "fovea/rope.h"
@@ -198,21 +199,49 @@ TEST(AttentionRef, Fp8FollowsTheDocumentedScheme) {
   const auto out = x.run(o);
   auto deq = [&](int i, int t, int d) { return e4m3_to_float(e4m3_quantize(x.at(i, t, 0, d), o.fp8_scales[i])); };
   const float c = float(0.5 * M_LOG2E * double(o.fp8_scales.q) * double(o.fp8_scales.k));  // 1/sqrt(4) = 0.5
+  // fovea/flash-p.h: which keys take the polynomial (all 5 are in column pair 0), which P l sums.
+  const bool poly = fp8_poly_exp_pairs(4) & 1u;
   for (int i = 0; i < 5; ++i) {
-    float t[5], m = -INFINITY, l = 0, acc[4] = {0, 0, 0, 0};
+    float s[5], m = -INFINITY, l = 0, acc[4] = {0, 0, 0, 0};
     for (int j = 0; j < 5; ++j) {
-      float s = 0;
-      for (int d = 0; d < 4; ++d) s += deq(0, i, d) * deq(1, j, d);
-      m = std::max(m, t[j] = s * c);
+      s[j] = 0;
+      for (int d = 0; d < 4; ++d) s[j] += deq(0, i, d) * deq(1, j, d);
+      m = std::max(m, s[j]);
     }
+    m *= c;  // the row max of the raw scores, then scaled
     for (int j = 0; j < 5; ++j) {
-      const float p = std::exp2(t[j] - m);
-      l += p;
-      const float p8 = e4m3_to_float(e4m3_from_float(p * 256.0f));
+      const float arg = std::fma(s[j], c, -(m - 8.0f));  // P = 2^8 exp2(s c - m): one FMA
+      const float p = poly ? exp2_poly3(arg) : std::exp2(arg);
+      const float p8 = e4m3_to_float(e4m3_from_float(p));
+      l += fp8_tensor_row_sum(4) ? p8 : p;
       for (int d = 0; d < 4; ++d) acc[d] += p8 * deq(2, j, d);
     }
     for (int d = 0; d < 4; ++d)
-      EXPECT_EQ(out[size_t(i * 4 + d)], bf16_round(acc[d] * (o.fp8_scales.v / (256.0f * l)))) << i << "," << d;
+      EXPECT_EQ(out[size_t(i * 4 + d)], bf16_round(acc[d] * (o.fp8_scales.v / l))) << i << "," << d;
+  }
+}
+
+// The FMA-pipe exponential: within its stated error of exp2 over the kernel's argument range, the
+// same E4M3 P almost everywhere, -inf (a masked key) to a positive value E4M3 rounds to zero.
+TEST(FlashP, PolynomialExp2IsAccurateAndClamped) {
+  double worst = 0;
+  int64_t n = 0, cast_differs = 0;
+  for (float x = -40.0f; x <= 8.5f; x += 1.0f / 4096 + 1e-7f) {
+    const float p = exp2_poly3(x);
+    const double ref = std::exp2(double(x));
+    worst = std::max(worst, std::fabs(double(p) - ref) / ref);
+    cast_differs += e4m3_from_float(p) != e4m3_from_float(float(ref));
+    ++n;
+  }
+  EXPECT_LT(worst, 7.6e-5);
+  EXPECT_GT(worst, 7.0e-5);  // the minimax error is reached: the coefficients are the fitted ones
+  EXPECT_LT(double(cast_differs) / double(n), 2e-3) << cast_differs << " of " << n;
+  EXPECT_EQ(exp2_poly3(0.0f), 0.999928057f);
+  EXPECT_EQ(exp2_poly3(3.0f), 8 * 0.999928057f);  // integers: 2^j c0 exactly
+  for (float x : {-INFINITY, -1000.0f, -120.0f}) {
+    EXPECT_GT(exp2_poly3(x), 0.0f);
+    EXPECT_LT(exp2_poly3(x), std::ldexp(1.0f, -119));
+    EXPECT_EQ(e4m3_from_float(exp2_poly3(x)), 0);
   }
 }
 

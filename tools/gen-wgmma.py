@@ -6,7 +6,9 @@ generated rather than written by hand. Run: python3 tools/gen-wgmma.py > src/att
 """
 
 SS_N = [128]            # S = Q K^T: both operands from shared memory, 128 keys per block
-RS_N = [64, 72, 80, 128]  # O += P V^T: P from registers, N = head_dim
+# O += P V^T: P from registers, N = head_dim; FP8 also head_dim + 8 (V^T's 8 rows of ones give the
+# row sums of P in the accumulator's last 8 columns)
+RS_N = {"bf16": [64, 72, 80, 128], "e4m3": [64, 72, 80, 88, 128, 136]}
 TYPES = {"bf16": ("bf16", 16), "e4m3": ("e4m3", 32)}
 
 
@@ -48,7 +50,7 @@ def main():
     for t in TYPES:
         for n in SS_N:
             print(emit("ss", t, n))
-        for n in RS_N:
+        for n in RS_N[t]:
             print(emit("rs", t, n))
     print("}  // namespace fovea::cuda::wgmma")
 

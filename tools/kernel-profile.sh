@@ -9,6 +9,10 @@
 #              static): time and DRAM bytes per launch, against the copy bandwidth
 #   full       `ncu --set full` on one launch each of prepare and LayerNorm: throughputs, occupancy,
 #              excess sectors, bank conflicts, stall reasons
+#   pipes      the FP8 flash kernel ($PIPE_SHAPES, default "72:8192 128:8192"): each pipe's share of
+#              its peak (MUFU = xu), instructions executed per opcode and per pipe (which pipe F2FP
+#              issues to: compare xu's count with MUFU's and F2FP's), L2 throughput, and the SASS
+#              lines with the most warp-stall samples (tools/ncu-source-top.py)
 # Full reports in $OUT/ncu-*.txt; short lines on stdout. NCU (default ncu) names the profiler; ncu
 # may need root or the profiling permission (NVreg_RestrictProfilingToAdminUsers=0). Also FOVEA,
 # CUDNN_LIB, OUT (scripts/lib-gpu.sh). For FP8 TFLOP/s of several builds and tile choices without a
@@ -41,6 +45,24 @@ if [[ $PARTS == *flash* ]]; then
       grep -E "smsp__average_warps_issue_stalled_" "$OUT/ncu-$tag.txt" | awk '{print $NF, $1}' | sort -gr | head -7 | sed 's/^/     /'
       grep -E "==ERR|==WARNING|LibraryNotLoaded|not supported" "$OUT/ncu-$tag.txt" | head -3
     done
+  done
+fi
+
+if [[ $PARTS == *pipes* ]]; then
+  for spec in ${PIPE_SHAPES:-72:8192 128:8192}; do
+    hd=${spec%%:*} seqs=${spec#*:} tag="hd$hd-${seqs//,/x}-fp8"
+    say "flash kernel pipes: head_dim $hd, seqlens $seqs, fp8"
+    run=(bench attention --device cuda --head-dim "$hd" --seqlens "$seqs" --dtype fp8 --reps 1 --warmup 3 --check 0)
+    timeout 300 "$NCU" --clock-control none -k regex:flash --launch-skip 3 --launch-count 1 --print-metric-instances values \
+      --metrics 'regex:^sm__inst_executed_pipe_[a-z_]+\.(sum|avg\.pct_of_peak_sustained_active)$,regex:^sm__pipe_[a-z_]+_cycles_active\.avg\.pct_of_peak_sustained_active$,sass__inst_executed_per_opcode,lts__throughput.avg.pct_of_peak_sustained_elapsed,smsp__issue_active.avg.pct_of_peak_sustained_active,gpu__time_duration.sum' \
+      "$FOVEA" "${run[@]}" > "$OUT/ncu-pipes-$tag.txt" 2>&1
+    grep -E "sm__(inst_executed_pipe|pipe)_.*(pct|sum)|lts__throughput|issue_active|gpu__time" "$OUT/ncu-pipes-$tag.txt" |
+      awk '$NF != 0 && $NF != "0"' | sed 's/  */ /g' | head -60
+    grep -A2 "sass__inst_executed_per_opcode" "$OUT/ncu-pipes-$tag.txt" | head -4 | cut -c1-1500
+    timeout 300 "$NCU" --clock-control none -k regex:flash --launch-skip 3 --launch-count 1 --section SourceCounters \
+      --section WarpStateStats -f -o "$OUT/ncu-source-$tag" "$FOVEA" "${run[@]}" > /dev/null 2>&1
+    "$NCU" -i "$OUT/ncu-source-$tag.ncu-rep" --page source --print-source sass --csv > "$OUT/ncu-source-$tag.csv" 2>&1
+    python3 "$FOVEA_ROOT/tools/ncu-source-top.py" "$OUT/ncu-source-$tag.csv" --top 25
   done
 fi
 

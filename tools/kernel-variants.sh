@@ -7,7 +7,9 @@
 #   python3 tools/kernel-sweep.py --bins build/fovea,build/variants/mask0,build/variants/half3 --wgs auto,2,3
 # Each variant is written to $VARIANTS/NAME (default build/variants/NAME), and ptxas's spill lines are
 # printed for it. BUILD (default build) is a configured and built CUDA build folder (Ninja); it is
-# read, not changed, except for the variants folder when that lies inside it.
+# read, not changed, except for the variants folder when that lies inside it. SOURCE (default the
+# build's own source tree) compiles the two kernels from another checkout instead, e.g. an earlier
+# commit's for a "before" binary:  git worktree add /tmp/before HEAD~3; SOURCE=/tmp/before tools/kernel-variants.sh before=
 set -euo pipefail
 case "${1:-}" in -h|--help|"") awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "$0"; exit 0 ;; esac
 BUILD=$(realpath -- "${BUILD:-$(dirname "$0")/../build}")
@@ -23,6 +25,12 @@ compile_cmd() {
 }
 compile_flash=$(compile_cmd flash-fwd.cu)
 compile_prepare=$(compile_cmd prepare.cu)
+if [ -n "${SOURCE:-}" ]; then  # the build's source root in the compile lines -> SOURCE
+  root=$(sed -n 's/^CMAKE_HOME_DIRECTORY:INTERNAL=//p' CMakeCache.txt)
+  SOURCE=$(realpath -- "$SOURCE")
+  compile_flash=${compile_flash//$root\//$SOURCE\/}
+  compile_prepare=${compile_prepare//$root\//$SOURCE\/}
+fi
 link=$(ninja -t commands fovea | tail -1 | sed 's|^: && ||; s| && :$||; s| -o fovea | -o "$bin" |; s| libfovea_core.a | "$lib" |')
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT

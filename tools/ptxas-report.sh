@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Registers and spills of every CUDA kernel instance, from ptxas (`-Xptxas -v`), one line each:
 # compiles each .cu of the build once more with the build's own nvcc line (objects go to a temporary
-# folder; build/ is not touched). Needs a configured CUDA build in build/.
+# folder; the build is not touched). Needs a configured CUDA build: BUILD, default build/.
 #   tools/ptxas-report.sh            # all sources
 #   tools/ptxas-report.sh flash-fwd  # sources whose path contains "flash-fwd"
 set -euo pipefail
-cd "$(dirname "$0")/../build"
+cd "${BUILD:-$(dirname "$0")/../build}"
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 for target in $(ninja -t targets all | grep -oE '^[^:]*\.cu\.o' | grep -- "${1:-.}" | sort -u); do

@@ -70,8 +70,12 @@ const char* ref_mode_name(RefMode m);
 //     it is multiplied by p_scale = 256 before the E4M3 cast (E4M3's top binade is [256, 448), so
 //     p = 1 lands exactly on 256 and small p keep 3 mantissa bits down to 2^-6/256 = 2^-14 before
 //     going subnormal). The 256 is divided out of the output once, at the end.
-//   - The row sum l accumulates the fp32 p before quantization (as FA3 does), so the P quantization
-//     error does not move the normalizer.
+//   - The exponent argument is one FMA, s * scale - (m - log2 p_scale), s the raw score and m the
+//     row max of the scaled scores; exp2 is the hardware's (the emulation's std::exp2 stands for it)
+//     or, for the keys fovea/flash-p.h names, a degree-3 polynomial the emulation runs bit for bit.
+//   - The row sum l is the sum of the E4M3 P the PV product multiplies by (fovea/flash-p.h: made by
+//     the tensor cores), the normalizer consistent with the quantized P; at head_dim 80 it is the sum
+//     of the fp32 p before the cast.
 //   - KV blocks of block_n keys, aligned to the segment start, are visited last to first, so a large
 //     early key (an attention sink, usually the first patch) sets the row max last and does not
 //     flush the other blocks' P to zero in E4M3 before they are rescaled in fp32.

@@ -1,10 +1,17 @@
 // GPU: fovea's E4M3 encoder compiled for the device agrees with the hardware conversion
 // (cvt.rn.satfinite.e4m3x2.f32, which cuda_fp8.h uses on sm_89+) on all 2^32 floats, and the device
-// decoder agrees with the host decoder on all 256 codes. Label `gpu`: runs on the GPU machine.
+// decoder agrees with the host decoder on all 256 codes; the flash kernel's FMA-pipe exponential
+// (fovea/flash-p.h) gives the host's bits, and the MUFU's ex2.approx, which the emulation stands in for
+// with std::exp2, stays within 2^-21 of it. Label `gpu`: runs on the GPU machine.
 #include <cuda_fp8.h>
 #include <gtest/gtest.h>
 
+#include <cmath>
+#include <cstdio>
+#include <vector>
+
 #include "fovea/cuda-support.h"
+#include "fovea/flash-p.h"
 #include "fovea/fp8.h"
 
 using fovea::cuda::DeviceBuffer;
@@ -21,6 +28,15 @@ __global__ void compare_kernel(unsigned long long* bad, unsigned int* first) {
 }
 
 __global__ void decode_kernel(float* out) { out[threadIdx.x] = fovea::e4m3_to_float(uint8_t(threadIdx.x)); }
+
+__global__ void exp2_kernel(const float* x, float* poly, float* mufu, int n) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  poly[i] = fovea::exp2_poly3(x[i]);
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x[i]));  // as the flash kernel's ptx::exp2_approx
+  mufu[i] = y;
+}
 
 }  // namespace
 
@@ -50,4 +66,30 @@ TEST(Fp8Device, DecodeMatchesHost) {
     if (ref != ref) EXPECT_NE(h[c], h[c]) << c;
     else EXPECT_EQ(h[c], ref) << "code " << c;
   }
+}
+
+TEST(FlashPDevice, PolynomialGivesTheHostsBitsAndTheMufuStaysNearExp2) {
+  std::vector<float> x = {-INFINITY, -1000.0f, -120.5f, -0.0f, 0.0f, 0.5f, -0.5f, 8.0f, 8.5f};
+  for (float v = -126.0f; v <= 9.0f; v += 0.000173f) x.push_back(v);  // ~780k arguments, all rounding cases
+  const int n = int(x.size());
+  DeviceBuffer<float> dx{size_t(n)}, dpoly{size_t(n)}, dmufu{size_t(n)};
+  FOVEA_CUDA_CHECK(cudaMemcpy(dx.data(), x.data(), dx.bytes(), cudaMemcpyHostToDevice));
+  FOVEA_CUDA_CHECK(cudaMemset(dpoly.data(), 0xFF, dpoly.bytes()));  // poison
+  exp2_kernel<<<(n + 255) / 256, 256>>>(dx.data(), dpoly.data(), dmufu.data(), n);
+  FOVEA_CUDA_CHECK(cudaGetLastError());
+  std::vector<float> poly(x.size()), mufu(x.size());
+  FOVEA_CUDA_CHECK(cudaMemcpy(poly.data(), dpoly.data(), dpoly.bytes(), cudaMemcpyDeviceToHost));
+  FOVEA_CUDA_CHECK(cudaMemcpy(mufu.data(), dmufu.data(), dmufu.bytes(), cudaMemcpyDeviceToHost));
+  int64_t differ = 0;
+  double worst = 0;
+  for (int i = 0; i < n; ++i) {
+    differ += fovea::float_bits(poly[size_t(i)]) != fovea::float_bits(fovea::exp2_poly3(x[size_t(i)]));
+    if (x[size_t(i)] >= -100.0f) {
+      const double ref = std::exp2(double(x[size_t(i)]));
+      worst = std::max(worst, std::fabs(double(mufu[size_t(i)]) - ref) / ref);
+    }
+  }
+  EXPECT_EQ(differ, 0) << "of " << n;
+  EXPECT_LT(worst, std::ldexp(1.0, -21));
+  std::printf("ex2.approx relative error against exp2 on [-100, 9]: %.3g (2^%.1f)\n", worst, std::log2(worst));
 }

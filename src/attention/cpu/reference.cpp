@@ -8,6 +8,7 @@
 #include "fovea/attention.h"
 #include "fovea/bf16.h"
 #include "fovea/error.h"
+#include "fovea/flash-p.h"
 #include "fovea/fp8.h"
 #include "fovea/threads.h"
 
@@ -107,13 +108,22 @@ void row_exact(const float* q, ThdView<const float> k, ThdView<const float> v, i
 }
 
 // One query row as the flash kernel computes it: online softmax over KV blocks in fp32, P rounded
-// (bf16) or quantized (E4M3 x p_scale) before PV. q, k, v are the dense operand arrays.
+// (bf16) or quantized (E4M3, p_scale included) before PV. q, k, v are the dense operand arrays. As the
+// kernel does: the row max is taken over the raw scores, each exponent argument is one FMA,
+// s * scale - (m - log2 p_scale); FP8 takes exp2_poly3 for the keys fovea/flash-p.h names (bit for bit
+// as the kernel, given the same score) and std::exp2 for the others, which stands for the MUFU's
+// ex2.approx (relative error below 2^-22); FP8 sums P V and l per block and folds them with one FMA,
+// o = o * corr + block (two-level accumulation), its l being the sum of the E4M3 P when the kernel
+// sums on the tensor cores.
 void row_flash(const float* q, const float* k, const float* v, int64_t begin, int64_t end, int h, int heads,
                int hd, float qk_scale_log2, const float* out_scale, RefMode mode, const PScheme& ps,
-               std::vector<float>& t, std::vector<float>& acc, double* out) {
+               std::vector<float>& t, std::vector<float>& acc, std::vector<float>& block, double* out) {
   const int64_t len = end - begin;
   const int64_t nblocks = (len + ps.block_n - 1) / ps.block_n;
-  const float p_scale = mode == RefMode::FP8 ? ps.p_scale : 1.0f;
+  const bool fp8 = mode == RefMode::FP8;
+  const float p_shift = fp8 ? std::log2(ps.p_scale) : 0.0f;
+  const uint32_t poly = fp8 ? fp8_poly_exp_pairs(hd) : 0u;
+  const bool sum_quantized = fp8 && fp8_tensor_row_sum(hd);
   float m = -std::numeric_limits<float>::infinity();
   float l = 0.0f;
   std::fill(acc.begin(), acc.end(), 0.0f);
@@ -125,24 +135,32 @@ void row_flash(const float* q, const float* k, const float* v, int64_t begin, in
       const float* kr = k + (j * heads + h) * hd;
       float s = 0.0f;
       for (int d = 0; d < hd; ++d) s += q[d] * kr[d];
-      t[size_t(j - j0)] = s * qk_scale_log2;  // logits in log2 units
-      bmax = std::max(bmax, t[size_t(j - j0)]);
+      t[size_t(j - j0)] = s;
+      bmax = std::max(bmax, s);
     }
-    const float m_new = std::max(m, bmax);
+    const float m_new = std::max(m, bmax * qk_scale_log2);
     const float corr = std::exp2(m - m_new);  // 0 on the first block (m = -inf)
-    l *= corr;
-    for (auto& a : acc) a *= corr;
     m = m_new;
+    const float shift = m - p_shift;
+    if (!fp8)
+      for (auto& a : acc) a *= corr;
+    std::fill(block.begin(), block.end(), 0.0f);
+    float lb = 0.0f;
     for (int64_t j = j0; j < j1; ++j) {
-      const float p = std::exp2(t[size_t(j - j0)] - m);
-      l += p;
-      const float pq = mode == RefMode::FP8 ? e4m3_to_float(e4m3_from_float(p * p_scale)) : bf16_round(p);
+      const float arg = std::fma(t[size_t(j - j0)], qk_scale_log2, -shift);
+      const bool on_fma = (poly >> ((j - j0) % 128 / 8)) & 1u;
+      const float p = on_fma ? exp2_poly3(arg) : std::exp2(arg);
+      const float pq = fp8 ? e4m3_to_float(e4m3_from_float(p)) : bf16_round(p);
+      lb += sum_quantized ? pq : p;
       const float* vr = v + (j * heads + h) * hd;
-      for (int d = 0; d < hd; ++d) acc[size_t(d)] += pq * vr[d];
+      float* dst = fp8 ? block.data() : acc.data();
+      for (int d = 0; d < hd; ++d) dst[d] += pq * vr[d];
     }
+    l = std::fma(l, corr, lb);
+    if (fp8)
+      for (int d = 0; d < hd; ++d) acc[size_t(d)] = std::fma(acc[size_t(d)], corr, block[size_t(d)]);
   }
-  const float l_scaled = p_scale * l;
-  for (int d = 0; d < hd; ++d) out[d] = bf16_round(acc[size_t(d)] * (out_scale[d] / l_scaled));
+  for (int d = 0; d < hd; ++d) out[d] = bf16_round(acc[size_t(d)] * (out_scale[d] / l));
 }
 
 }  // namespace
@@ -204,14 +222,15 @@ void attention(const VarlenShape& sh, ThdView<const float> q, ThdView<const floa
     qk_scale_log2[size_t(h)] =
         float(scale * M_LOG2E * (fp8 ? double(sq[size_t(h) * hd]) * double(sk[size_t(h) * hd]) : 1.0));
   parallel_for(rows, [&](int64_t r) {
-    thread_local std::vector<float> t, acc;
+    thread_local std::vector<float> t, acc, block;
     t.resize(size_t(opt.p.block_n));
     acc.resize(size_t(hd));
+    block.resize(size_t(hd));
     const int64_t tok = r / H;
     const int h = int(r % H);
     const int sg = seg[size_t(tok)];
     row_flash(q8.data() + r * hd, k8.data(), v8.data(), sh.cu_seqlens[size_t(sg)], sh.cu_seqlens[size_t(sg) + 1],
-              h, H, hd, qk_scale_log2[size_t(h)], sv.data() + size_t(h) * hd, opt.mode, opt.p, t, acc, out + r * hd);
+              h, H, hd, qk_scale_log2[size_t(h)], sv.data() + size_t(h) * hd, opt.mode, opt.p, t, acc, block, out + r * hd);
   }, opt.threads, grain);
 }
 

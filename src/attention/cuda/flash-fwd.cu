@@ -11,32 +11,32 @@
 //       S = Q K^T   wgmma m64n128k{16|32}, A and B K-major in shared memory with a 32-byte swizzle:
 //                   one swizzle row = one wgmma K step, so head_dim 72 is padded only to 80 (bf16) or
 //                   96 (fp8) inside the prepare step's layout, never by a copy.
-//       softmax     online, fp32 registers, exp2 on the MUFU. FP8 P = 2^8 * exp2(s - m) cast to E4M3
-//                   (attention.h's PScheme: p_scale 256; 128-key blocks visited last to first, so the
-//                   only partial block, the segment's last, is masked in the prologue and a leading
-//                   sink key does not flush the other blocks' P); the row sum adds the fp32 P.
-//       O += P V    wgmma m64n{hd}k{16|32}, P straight from registers (the FP8 k32 A fragment matches
+//       softmax     online, fp32 registers: the exponent argument is one FFMA (raw score times the
+//                   scale, minus the shifted row max), exp2 on the MUFU or, for the column pairs
+//                   fovea/flash-p.h names, a degree-3 polynomial on the FMA pipe. FP8 P = 2^8 *
+//                   exp2(s - m) cast to E4M3 (attention.h's PScheme: 128-key blocks visited last to
+//                   first, so the only partial block, the segment's last, is masked in the prologue
+//                   and a leading sink key does not flush the other blocks' P).
+//       O += P V    wgmma m64n{N}k{16|32}, P straight from registers (the FP8 k32 A fragment matches
 //                   the accumulator because V^T's keys are permuted by the prepare step: layout.cuh),
-//                   V^T K-major in shared memory with a 128-byte swizzle, N = head_dim exactly.
+//                   V^T K-major in shared memory with a 128-byte swizzle. N = head_dim, plus 8 for
+//                   FP8 where flash-p.h's fp8_tensor_row_sum holds: V^T's stages carry 8 rows of
+//                   E4M3 ones (written once), so P V's last 8 columns are the row sum l of the E4M3
+//                   P, folded with O; otherwise l adds the fp32 P on the FMA pipe.
 //                   FP8 accumulates two-level: each block's PV in a fresh accumulator, folded into O
 //                   in fp32 with one FFMA per element, O lagging one rescale behind (kTwoLevel below:
 //                   the FP8 wgmma's own accumulation is not fp32).
-//     Overlap: inside a warpgroup, softmax of block i runs while PV of block i-1 is on the tensor
-//     cores (O is folded after that PV lands); across warpgroups, GEMM issue is round-robin through
-//     named barriers (FlashAttention-3's ping-pong), so one warpgroup's softmax hides another's GEMMs.
-//   - epilogue: O / l (times the V descale for FP8) to bf16, stored straight into out [N, H, hd]
-//     rows that belong to the segment.
+//     Overlap: BF16 and 2-warpgroup FP8: inside a warpgroup, softmax of block i runs while PV of
+//     block i-1 is on the tensor cores (O is folded after that PV lands); BF16 GEMM issue also goes
+//     round-robin between warpgroups through named barriers (FlashAttention-3's ping-pong). FP8 with
+//     3 warpgroups runs PV, fold, S, softmax in series inside each warpgroup (S, P and both
+//     accumulators then fit in 160 registers) and leaves the interleaving of the three warpgroups to
+//     the warp schedulers: measured faster than either overlap (docs/kernels.md).
+//   - epilogue: O / l (times the V descale for FP8: one division a row with per-tensor scales) to
+//     bf16, stored straight into out [N, H, hd] rows that belong to the segment.
 // Scales are read from device memory at run time, so a dynamic-scaling forward replays in a graph.
-//
-// Measured (H200, 16 heads, attention alone, TFLOP/s = 4 S^2 hd H / t, the plan's tile choice,
-// 2026-12-02; 3x3520 is three segments, the others one):
-//                 S 1024   3x3520   S 8192   S 32640   |  hd 128:  S 8192   S 16384
-//   FP8  hd 72      227      534      539       622     |  FP8        888       924
-//   BF16 hd 72      225      415      481       475     |  BF16       680       624
-// What limits it: at FP8 hd 72, issue slots in the softmax (per KV block a thread issues 64 FMNMX,
-// 64 FFMA, 64 MUFU, 64 FADD, 32 F2FP and the 36-FFMA fold), not the tensor cores; the 3-warpgroup
-// FP8 instances at hd 72 / 80 spill 84 / 152 bytes (160 registers hold S, P, O and the in-flight PV
-// accumulator, 152 of them, plus addresses). docs/kernels.md has how it got here and what was tried.
+// Measured rates, profiles and what limits the kernel: docs/kernels.md; every instance compiles
+// without spills (tools/ptxas-report.sh).
 
 #include <atomic>
 
@@ -45,31 +45,32 @@
 #include "attention/cuda/layout.cuh"
 #include "attention/cuda/ptx.cuh"
 #include "attention/cuda/wgmma-ops.cuh"
+#include "fovea/flash-p.h"
 
 namespace fovea::cuda {
 
 namespace {
 
-// Which of the 16 column pairs of a thread's S row take exp2 on the FMA pipe in FP8 (bit j: pair j),
-// as packed f16 (ptx::exp2m14_f16x2); the others run on the MUFU in fp32. None by default: the f16
-// exponent argument moves P across E4M3 rounding boundaries often enough that the kernel leaves its
-// CPU emulation by more than the GPU tests allow (docs/kernels.md). Builds may set the masks for A/B
-// runs.
-#ifndef FOVEA_FP8_FMA_EXP_MASK_2WG
-#define FOVEA_FP8_FMA_EXP_MASK_2WG 0
+// Compile-time switches of the kernel's schedule, for A/B runs (tools/kernel-variants.sh); the
+// defaults are the measured best (docs/kernels.md):
+//   FOVEA_FLASH_PINGPONG_FP8  FlashAttention-3's ping-pong between consumer warpgroups in the FP8
+//                             kernels (the BF16 kernels always take turns).
+//   FOVEA_FLASH_SERIAL3       FP8 with 3 consumer warpgroups: PV, its fold, then S, with no overlap
+//                             inside a warpgroup (the other two warpgroups hide its softmax), so S,
+//                             P and both accumulators fit in 160 registers without spilling.
+#ifndef FOVEA_FLASH_PINGPONG_FP8
+#define FOVEA_FLASH_PINGPONG_FP8 0
 #endif
-#ifndef FOVEA_FP8_FMA_EXP_MASK_3WG
-#define FOVEA_FP8_FMA_EXP_MASK_3WG 0
+#ifndef FOVEA_FLASH_SERIAL3
+#define FOVEA_FLASH_SERIAL3 1
 #endif
-constexpr unsigned fma_exp_mask(bool fp8, int head_dim, int consumers) {
-  if (!fp8 || head_dim > 80) return 0;
-  return consumers == 3 ? FOVEA_FP8_FMA_EXP_MASK_3WG : FOVEA_FP8_FMA_EXP_MASK_2WG;
-}
 
 template <bool kFp8, int kHeadDim, int kConsumerWgs>
 struct FlashCfg {
   static constexpr int kConsumers = kConsumerWgs;
-  static constexpr unsigned kFmaExpMask = fma_exp_mask(kFp8, kHeadDim, kConsumerWgs);
+  static constexpr uint32_t kPolyPairs = kFp8 ? fp8_poly_exp_pairs(kHeadDim) : 0u;  // flash-p.h
+  static constexpr bool kTcSum = kFp8 && fp8_tensor_row_sum(kHeadDim);  // V^T's 8 rows of ones: l in P V's last columns
+  static constexpr int kPvN = kHeadDim + (kTcSum ? 8 : 0);  // PV's N, the accumulator's columns
   static constexpr int kBlockM = 64 * kConsumers, kBlockN = layout::kBlockN;
   static constexpr int kKStep = layout::kstep(kFp8);
   static constexpr int kHdPad = layout::head_dim_pad(kHeadDim, kFp8);
@@ -80,8 +81,9 @@ struct FlashCfg {
   static constexpr int kKBytes = kChunks * kKChunkBytes;
   static constexpr int kVChunkKeys = kFp8 ? 128 : 64;  // keys in one 128-byte V^T row
   static constexpr int kVChunks = kBlockN / kVChunkKeys;
-  static constexpr int kVChunkBytes = kHeadDim * 128;
+  static constexpr int kVChunkBytes = kPvN * 128;
   static constexpr int kVBytes = kVChunks * kVChunkBytes;
+  static constexpr int kVLoadBytes = kVChunks * kHeadDim * 128;  // what TMA writes (not the ones)
   static constexpr int kSmemLimit = 227 * 1024;  // per CTA on H100/H200
   static constexpr int smem_bytes(int stages) { return 1024 + kQBytes + stages * (kKBytes + kVBytes) + 8 * (2 * stages + 1); }
   static constexpr int kStages = smem_bytes(3) <= kSmemLimit ? 3 : 2;  // 3 fit up to bf16 hd 128 (225 KB)
@@ -107,7 +109,9 @@ __device__ __forceinline__ void mma_pv(float (&d)[N / 2], const uint32_t (&a)[4]
     if constexpr (N == 64) wgmma::wgmma_rs_e4m3_n64(d, a, db, scale_d);
     else if constexpr (N == 72) wgmma::wgmma_rs_e4m3_n72(d, a, db, scale_d);
     else if constexpr (N == 80) wgmma::wgmma_rs_e4m3_n80(d, a, db, scale_d);
-    else wgmma::wgmma_rs_e4m3_n128(d, a, db, scale_d);
+    else if constexpr (N == 88) wgmma::wgmma_rs_e4m3_n88(d, a, db, scale_d);
+    else if constexpr (N == 128) wgmma::wgmma_rs_e4m3_n128(d, a, db, scale_d);
+    else wgmma::wgmma_rs_e4m3_n136(d, a, db, scale_d);
   } else {
     if constexpr (N == 64) wgmma::wgmma_rs_bf16_n64(d, a, db, scale_d);
     else if constexpr (N == 72) wgmma::wgmma_rs_bf16_n72(d, a, db, scale_d);
@@ -146,6 +150,15 @@ __global__ void __launch_bounds__(FlashCfg<kFp8, kHeadDim, kConsumerWgs>::kThrea
     ptx::mbar_init(q_full, 1);
     ptx::fence_barrier_init();
   }
+  if constexpr (C::kTcSum) {  // E4M3 1.0 in V^T's rows head_dim .. head_dim + 7 of every stage, once
+    constexpr int kPieces = C::kStages * C::kVChunks * 8 * 128 / 16;
+    for (int i = threadIdx.x; i < kPieces; i += C::kThreads) {
+      const int chunk = i / 64;  // 1024 bytes a chunk's ones
+      *reinterpret_cast<uint4*>(sV + chunk * C::kVChunkBytes + kHeadDim * 128 + (i % 64) * 16) =
+          make_uint4(0x38383838u, 0x38383838u, 0x38383838u, 0x38383838u);
+    }
+    ptx::fence_proxy_async();  // the wgmma reads them through the async proxy
+  }
   __syncthreads();
 
   if (wg == 0) {  // ---------------------------------------------------------------- producer
@@ -160,7 +173,7 @@ __global__ void __launch_bounds__(FlashCfg<kFp8, kHeadDim, kConsumerWgs>::kThrea
       for (int i = 0; i < n_blocks; ++i) {
         const int n = n_blocks - 1 - i, s = i % C::kStages;
         if (i >= C::kStages) ptx::mbar_wait(&empty[s], ((i / C::kStages) & 1) ^ 1);
-        ptx::mbar_arrive_expect_tx(&full[s], C::kKBytes + C::kVBytes);
+        ptx::mbar_arrive_expect_tx(&full[s], C::kKBytes + C::kVLoadBytes);
         const int key0 = pad_begin + n * C::kBlockN;
         for (int c = 0; c < C::kChunks; ++c)
           ptx::tma_load_3d(sK + s * C::kKBytes + c * C::kKChunkBytes, &tm_k, &full[s], c * C::kKStep, key0, head);
@@ -175,9 +188,10 @@ __global__ void __launch_bounds__(FlashCfg<kFp8, kHeadDim, kConsumerWgs>::kThrea
   ptx::setmaxnreg_inc<C::kConsumerRegs>();
   const int cw = wg - 1;  // consumer warpgroup: query rows cw*64 .. cw*64+63 of the tile
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32, t = lane % 4, g = lane / 4;
-  float o[kHeadDim / 2];
+  constexpr int kPvN = C::kPvN;
+  float o[kPvN / 2];
 #pragma unroll
-  for (int i = 0; i < kHeadDim / 2; ++i) o[i] = 0.f;
+  for (int i = 0; i < kPvN / 2; ++i) o[i] = 0.f;
   float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
   const int scale_head = p.fine ? head : 0;  // the robust scheme's Q and K scales are per head
   const float qk_scale = kFp8 ? p.softmax_scale_log2 * p.q_scale[scale_head] * p.k_scale[scale_head] : p.softmax_scale_log2;
@@ -200,31 +214,31 @@ __global__ void __launch_bounds__(FlashCfg<kFp8, kHeadDim, kConsumerWgs>::kThrea
   // holds blocks < i-1 relative to the row max of block i-2), so PV_{i-1}, made with block i-1's max,
   // is added exactly when O reaches that max. The epilogue applies the last factor.
   constexpr bool kTwoLevel = kFp8;
-  float opv[kHeadDim / 2];
+  float opv[kPvN / 2];
+  constexpr bool kSerial = kTwoLevel && C::kConsumers == 3 && FOVEA_FLASH_SERIAL3;
 
+  // Shared-memory descriptors, made once: a descriptor's low 14 bits are the address / 16, so a tile's
+  // chunk or stage is the base descriptor plus its byte offset / 16 (smem < 256 KB: no carry out).
+  const uint64_t q_desc = ptx::kmajor_desc(sQ + cw * 64 * 32, 256, ptx::kSwizzle32B);
+  const uint64_t k_desc = ptx::kmajor_desc(sK, 256, ptx::kSwizzle32B);
+  const uint64_t v_desc = ptx::kmajor_desc(sV, 1024, ptx::kSwizzle128B);
   auto issue_qk = [&](int s) {
 #pragma unroll
-    for (int c = 0; c < C::kChunks; ++c) {
-      const uint64_t da = ptx::kmajor_desc(sQ + c * C::kQChunkBytes + cw * 64 * 32, 256, ptx::kSwizzle32B);
-      const uint64_t db = ptx::kmajor_desc(sK + s * C::kKBytes + c * C::kKChunkBytes, 256, ptx::kSwizzle32B);
-      mma_qk<kFp8>(sacc, da, db, c > 0);
-    }
+    for (int c = 0; c < C::kChunks; ++c)
+      mma_qk<kFp8>(sacc, q_desc + c * (C::kQChunkBytes >> 4), k_desc + ((s * C::kKBytes + c * C::kKChunkBytes) >> 4), c > 0);
     ptx::wgmma_commit();
   };
   auto issue_pv = [&](int s) {
 #pragma unroll
     for (int kc = 0; kc < kPSteps; ++kc) {
-      const uint8_t* v = kFp8 ? sV + s * C::kVBytes + kc * 32
-                              : sV + s * C::kVBytes + (kc / 4) * C::kVChunkBytes + (kc % 4) * 32;
-      mma_pv<kFp8, kHeadDim>(kTwoLevel ? opv : o, pa[kc], ptx::kmajor_desc(v, 1024, ptx::kSwizzle128B),
-                             kTwoLevel ? int(kc > 0) : 1);
+      const int v_off = kFp8 ? s * C::kVBytes + kc * 32 : s * C::kVBytes + (kc / 4) * C::kVChunkBytes + (kc % 4) * 32;
+      mma_pv<kFp8, kPvN>(kTwoLevel ? opv : o, pa[kc], v_desc + (v_off >> 4), kTwoLevel ? int(kc > 0) : 1);
     }
     ptx::wgmma_commit();
   };
   // Online softmax of sacc in place (P = exp2(s * scale - m), times 256 for FP8); corr[r] is the
-  // factor by which the row's previous O and l shrink. FP8: a column pair whose kFmaExpMask bit is
-  // set holds its two P as packed f16 in the bits of its first float (sacc[4j + 2r]), the pair's
-  // exponent argument being shifted by 14 and clamped at 0 on the way to f16 (exp2m14_f16x2).
+  // factor by which the row's previous O and l shrink. FP8: the column pairs whose kPolyPairs bit is
+  // set take exp2_poly3 on the FMA pipe, the others the MUFU (the emulation does the same).
   auto softmax = [&] {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {  // rows g and g + 8 of this warp's 16
@@ -238,32 +252,23 @@ __global__ void __launch_bounds__(FlashCfg<kFp8, kHeadDim, kConsumerWgs>::kThrea
       row_max[r] = m_new;
       const float shift = m_new - kPShift;
       float sum = 0.f;
-      uint32_t sum_h = 0;  // f16x2 sum of the FMA-pipe pairs
 #pragma unroll
-      for (int j = 0; j < 16; ++j) {
-        float* x = sacc + 4 * j + 2 * r;
-        if (kFp8 && ((C::kFmaExpMask >> j) & 1)) {
-          const uint32_t y = ptx::pack_f16x2_relu(fmaf(x[0], qk_scale, 14.f - shift), fmaf(x[1], qk_scale, 14.f - shift));
-          const uint32_t pv = ptx::exp2m14_f16x2(y);
-          x[0] = __uint_as_float(pv);
-          sum_h = ptx::add_f16x2(sum_h, pv);
-        } else {
+      for (int j = 0; j < 16; ++j)
 #pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            x[e] = ptx::exp2_approx(fmaf(x[e], qk_scale, -shift));
-            sum += x[e];
-          }
+        for (int e = 0; e < 2; ++e) {
+          float& x = sacc[4 * j + 2 * r + e];
+          const float arg = fmaf(x, qk_scale, -shift);
+          x = (C::kPolyPairs >> j) & 1 ? exp2_poly3(arg) : ptx::exp2_approx(arg);
+          if (!C::kTcSum) sum += x;
         }
-      }
-      if (kFp8 && C::kFmaExpMask) sum += ptx::sum_f16x2(sum_h);
-      row_sum[r] = row_sum[r] * corr[r] + sum;
+      if (!C::kTcSum) row_sum[r] = row_sum[r] * corr[r] + sum;
     }
   };
   // Plain chains: tree reductions for the row max / sum and a vote to skip this rescale were slower
   // (docs/kernels.md).
   auto rescale_o = [&] {
 #pragma unroll
-    for (int j = 0; j < kHeadDim / 8; ++j)
+    for (int j = 0; j < kPvN / 8; ++j)
 #pragma unroll
       for (int r = 0; r < 2; ++r)
 #pragma unroll
@@ -278,14 +283,10 @@ __global__ void __launch_bounds__(FlashCfg<kFp8, kHeadDim, kConsumerWgs>::kThrea
     for (int kc = 0; kc < kPSteps; ++kc) {
       if constexpr (kFp8) {
         // Register i of the k32 A fragment: row r = i % 2, column pairs j = 4 kc + 2 (i / 2) and j + 1.
-        auto pair = [&](int j, int r) -> uint32_t {
-          const float* x = sacc + 4 * j + 2 * r;
-          return ((C::kFmaExpMask >> j) & 1) ? ptx::e4m3x2_of_f16x2(__float_as_uint(x[0])) : ptx::e4m3x2_of_f32(x[0], x[1]);
-        };
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-          const int j = 4 * kc + 2 * (i / 2), r = i % 2;
-          pa[kc][i] = pair(j, r) | (pair(j + 1, r) << 16);
+          const float* x = sacc + 4 * (4 * kc + 2 * (i / 2)) + 2 * (i % 2);
+          pa[kc][i] = ptx::pack_e4m3x4(x[0], x[1], x[4], x[5]);
         }
       } else {
         const float* q = sacc + 8 * kc;
@@ -303,10 +304,13 @@ __global__ void __launch_bounds__(FlashCfg<kFp8, kHeadDim, kConsumerWgs>::kThrea
   // warpgroup w's turn (256 threads: w waits, its predecessor arrives); warpgroup 0 starts.
   const int my_turn = 1 + cw, next_turn = 1 + (cw + 1) % C::kConsumers;
   const bool is_last_wg = cw == C::kConsumers - 1;
-  if (is_last_wg) ptx::named_bar_arrive(1, 256);
-  auto take_turn = [&] { ptx::named_bar_sync(my_turn, 256); };
+  constexpr bool kPingPong = !kFp8 || FOVEA_FLASH_PINGPONG_FP8;
+  if (kPingPong && is_last_wg) ptx::named_bar_arrive(1, 256);
+  auto take_turn = [&] {
+    if (kPingPong) ptx::named_bar_sync(my_turn, 256);
+  };
   auto pass_turn = [&](bool last) {
-    if (!(last && is_last_wg)) ptx::named_bar_arrive(next_turn, 256);  // nobody waits after the end
+    if (kPingPong && !(last && is_last_wg)) ptx::named_bar_arrive(next_turn, 256);  // nobody waits after the end
   };
 
   ptx::mbar_wait(q_full, 0);
@@ -330,6 +334,30 @@ __global__ void __launch_bounds__(FlashCfg<kFp8, kHeadDim, kConsumerWgs>::kThrea
   pack_p();
   for (int i = 1; i < n_blocks; ++i) {
     const int s = i % C::kStages, s_prev = (i - 1) % C::kStages;
+    if constexpr (kSerial) {
+      // PV_{i-1}, its fold, then S_i: P, the PV accumulator and S are never live together.
+      take_turn();
+      ptx::wgmma_fence();
+      issue_pv(s_prev);
+      pass_turn(false);
+      ptx::wgmma_wait<0>();
+      ptx::fence_regs(o);
+      ptx::fence_regs(opv);
+      ptx::mbar_arrive(&empty[s_prev]);
+      corr_prev[0] = corr[0];
+      corr_prev[1] = corr[1];
+      rescale_o();
+      ptx::mbar_wait(&full[s], (i / C::kStages) & 1);
+      take_turn();
+      ptx::wgmma_fence();
+      issue_qk(s);
+      pass_turn(false);
+      ptx::wgmma_wait<0>();
+      ptx::fence_regs(sacc);
+      softmax();
+      pack_p();
+      continue;
+    }
     ptx::mbar_wait(&full[s], (i / C::kStages) & 1);
     take_turn();
     ptx::wgmma_fence();
@@ -365,22 +393,28 @@ __global__ void __launch_bounds__(FlashCfg<kFp8, kHeadDim, kConsumerWgs>::kThrea
   // read again (the barriers above order memory), so none of them holds a register through the loop.
   // V's descale: one per tensor, or (robust scheme) one per output column of this head.
   const float* v_scale = kFp8 ? p.v_scale + (p.fine ? blockIdx.y * kHeadDim : 0) : nullptr;
-  const int v_step = p.fine ? 1 : 0;
   const int2 tile_e = p.tiles[blockIdx.x];
   const int seg_begin_e = p.cu_seqlens[tile_e.x], seg_len_e = p.cu_seqlens[tile_e.x + 1] - seg_begin_e;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     float sum = row_sum[r];
-    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+    if constexpr (C::kTcSum) {
+      sum = o[4 * (kHeadDim / 8) + 2 * r];  // every one of the last 8 columns holds the row's l
+    } else {
+      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+    }
     const int row = tile_e.y * C::kBlockM + cw * 64 + warp * 16 + g + 8 * r;
     if (row < seg_len_e) {
       __nv_bfloat16* dst = p.out + (int64_t(seg_begin_e + row) * p.heads + blockIdx.y) * kHeadDim;
+      // One division a row with per-tensor scales (the same bits as one per column: s / l);
+      // per-channel V scales divide per column, as the emulation does: o * (s_c / l).
+      const float inv = kFp8 ? v_scale[0] / sum : 1.f / sum;
 #pragma unroll
       for (int j = 0; j < kHeadDim / 8; ++j) {
         const int col = 8 * j + 2 * t;
-        const float inv0 = kFp8 ? v_scale[col * v_step] / sum : 1.f / sum;  // as the emulation: o * (s_c / l)
-        const float inv1 = kFp8 ? v_scale[(col + 1) * v_step] / sum : inv0;
+        const float inv0 = kFp8 && p.fine ? v_scale[col] / sum : inv;
+        const float inv1 = kFp8 && p.fine ? v_scale[col + 1] / sum : inv;
         *reinterpret_cast<uint32_t*>(dst + col) = ptx::pack_bf16x2(o[4 * j + 2 * r] * inv0, o[4 * j + 2 * r + 1] * inv1);
       }
     }

@@ -135,14 +135,14 @@ __global__ void __launch_bounds__(kThreads) qkv_amax_kernel(PrepareArgs a) {
   const int64_t n = a.total_tokens;
   unsigned int m[3] = {0, 0, 0};  // |x| as float bits: non-negative floats order like unsigned ints,
                                   // and inf / NaN bits sort above every finite value
-  for (int64_t t = int64_t(blockIdx.x) * kThreads + threadIdx.x; t < n; t += int64_t(gridDim.x) * kThreads) {
+  // q, k and v one after the other: one row in registers at a time (all three at once spilled at hd 128)
 #pragma unroll
-    for (int w = 0; w < 3; ++w)
+  for (int w = 0; w < 3; ++w)
+    for (int64_t t = int64_t(blockIdx.x) * kThreads + threadIdx.x; t < n; t += int64_t(gridDim.x) * kThreads)
       for_row_groups<kHeadDim>(a, int(t), head, w, w < 2, [&](int, const float (&x1)[4], const float (&x2)[4]) {
 #pragma unroll
         for (int j = 0; j < 4; ++j) m[w] = max(m[w], max(__float_as_uint(fabsf(x1[j])), __float_as_uint(fabsf(x2[j]))));
       });
-  }
 #pragma unroll
   for (int w = 0; w < 3; ++w) {
 #pragma unroll
@@ -280,7 +280,7 @@ __global__ void __launch_bounds__(kStatThreads) fine_stats_kernel(PrepareArgs a,
       const double sum = __ldcg(&f.k_sum[cell]);
       const float hi = from_ordered_bits(__ldcg(&f.k_max[cell])), lo = -from_ordered_bits(__ldcg(&f.k_neg_max[cell]));
       const float va = __uint_as_float(__ldcg(&f.v_amax[cell]));
-      const float v_prev = hist ? __ldcg(&f.v_prev[pick][cell]) : 0.f;
+      const float v_prev = hist ? __ldcg(&(pick ? f.v_prev[1] : f.v_prev[0])[cell]) : 0.f;  // no indexing of a parameter array (it would copy to the stack)
       const bool total = hist && keep;
       const double t_sum = total ? ring.k_sum[cell] : 0.0;
       const float t_hi = total ? ring.k_hi[cell] : 0.f, t_lo = total ? ring.k_lo[cell] : 0.f;
@@ -300,7 +300,8 @@ __global__ void __launch_bounds__(kStatThreads) fine_stats_kernel(PrepareArgs a,
     for (int o = 16; o > 0; o /= 2) dev = fmaxf(dev, __shfl_xor_sync(0xffffffffu, dev, o));
     if (lane == 0) {
       const float qa = __uint_as_float(__ldcg(&f.q_amax[h]));
-      const float q_prev = hist ? __ldcg(&f.q_prev[pick][h]) : 0.f, k_prev = hist ? __ldcg(&f.k_prev[pick][h]) : 0.f;
+      const float q_prev = hist ? __ldcg(&(pick ? f.q_prev[1] : f.q_prev[0])[h]) : 0.f;
+      const float k_prev = hist ? __ldcg(&(pick ? f.k_prev[1] : f.k_prev[0])[h]) : 0.f;
       out.k_head[h] = fine_ring_scale(k_prev, keep, dev);
       out.q_head[h] = fine_ring_scale(q_prev, keep, qa);
       if (hist && keep) ring.k[slot * a.heads + h] = dev, ring.q[slot * a.heads + h] = qa;

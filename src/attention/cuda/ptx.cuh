@@ -42,6 +42,11 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
       : "memory");
 }
 
+// Orders this thread's generic-proxy shared-memory writes before later async-proxy reads (wgmma, TMA).
+__device__ __forceinline__ void fence_proxy_async() {
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
 // ---- named barriers (bar 0 is __syncthreads) --------------------------------------------------------
 __device__ __forceinline__ void named_bar_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
@@ -99,36 +104,6 @@ __device__ __forceinline__ float exp2_approx(float x) {
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
 }
-// 2^(y - 14) for both halves of a packed f16x2 y in [0, 29.5), two results per instruction on the FMA
-// pipe: j = round(y) by the 1537 magic (f16 values in [1024, 2048) step by 1, so the sum's low
-// mantissa bits are 1 + j), f = y - j in [-0.5, 0.5], 2^f by a degree-2 minimax polynomial (relative
-// error 2^-8.6 evaluated in f16: P's E4M3 cast then rounds as if it were exact, but for about 1% of
-// values at a rounding boundary), times 2^(j - 14) made from those bits: exponent field j + 1.
-// 7 instructions for 2 exponentials (the f32 version above takes 8 for 1). The caller clamps y >= 0
-// (cvt's .relu), so an input of -inf gives 2^-14, which the E4M3 cast of P rounds to zero.
-__device__ __forceinline__ uint32_t exp2m14_f16x2(uint32_t y) {
-  uint32_t t, j, f, p, r;
-  asm("add.rn.f16x2 %0, %1, %2;" : "=r"(t) : "r"(y), "r"(0x66016601u));   // 1537 + j in each half
-  asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(j) : "r"(t), "r"(0x66016601u));   // j, exactly
-  asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(f) : "r"(y), "r"(j));
-  asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(p) : "r"(0x33A133A1u), "r"(f), "r"(0x39A139A1u));  // 0.2384 f + 0.7036
-  asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(p) : "r"(p), "r"(f), "r"(0x3C003C00u));            // (..) f + 1
-  const uint32_t scale = (t << 10) & 0xFC00FC00u;  // each half's low 6 bits (1 + j) into its exponent
-  asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(p), "r"(scale));
-  return r;
-}
-// Two floats to packed f16x2 (lo in the low half), negatives and -inf clamped to 0.
-__device__ __forceinline__ uint32_t pack_f16x2_relu(float lo, float hi) {
-  uint32_t r;
-  asm("cvt.rn.relu.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-  return r;
-}
-// f16x2 to two E4M3 (RNE, saturating) in 16 bits, lo in the low byte.
-__device__ __forceinline__ uint16_t e4m3x2_of_f16x2(uint32_t h) {
-  uint16_t r;
-  asm("cvt.rn.satfinite.e4m3x2.f16x2 %0, %1;" : "=h"(r) : "r"(h));
-  return r;
-}
 // Two floats to two E4M3 (RNE, saturating) in 16 bits, lo in the low byte.
 // Before sm_89 (no FP8 conversion instruction) fovea's own codec, which equals it on every float
 // (test-fp8-device).
@@ -141,16 +116,6 @@ __device__ __forceinline__ uint16_t e4m3x2_of_f32(float lo, float hi) {
   return uint16_t(e4m3_from_float(lo) | (uint16_t(e4m3_from_float(hi)) << 8));
 #endif
 }
-// The sum of a packed f16x2's halves, in fp32.
-__device__ __forceinline__ float sum_f16x2(uint32_t h) {
-  return __half2float(__ushort_as_half(uint16_t(h))) + __half2float(__ushort_as_half(uint16_t(h >> 16)));
-}
-__device__ __forceinline__ uint32_t add_f16x2(uint32_t a, uint32_t b) {
-  uint32_t r;
-  asm("add.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
-  return r;
-}
-
 // Two floats to packed bf16x2, lo in the low half.
 __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
   uint32_t r;
