@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """The SASS lines of one kernel with the most warp-stall samples, and the samples summed by opcode,
-from Nsight Compute's source page as CSV (a report made with --section SourceCounters):
+and the instructions executed summed by opcode, from Nsight Compute's source page as CSV (a report
+made with --section SourceCounters):
 
     ncu -i REPORT.ncu-rep --page source --print-source sass --csv > src.csv
     python3 tools/ncu-source-top.py src.csv [--top 25]
@@ -47,12 +48,16 @@ def main():
         return 1
     data = [(number(r[samples]) or 0.0, r) for r in rows]
     total = sum(s for s, _ in data) or 1.0
-    by_op = collections.Counter()
+    by_op, ex_op = collections.Counter(), collections.Counter()
     for s, r in data:
-        op = re.sub(r"^@!?U?P\w+\s+", "", r[source].strip()).split(" ")[0]
-        by_op[op.split(".")[0]] += s
+        op = re.sub(r"^@!?U?P\w+\s+", "", r[source].strip()).split(" ")[0].split(".")[0]
+        by_op[op] += s
+        ex_op[op] += number(r.get(executed, 0)) or 0.0 if executed else 0.0
     print(f"   warp-stall samples: {int(total)}; by opcode (share of samples):")
     print("     " + ", ".join(f"{op} {100 * s / total:.1f}%" for op, s in by_op.most_common(14)))
+    if executed:  # to set against the per-pipe counts (which pipe an opcode issues to)
+        print("   warp instructions executed by opcode:")
+        print("     " + ", ".join(f"{op} {int(n):,}" for op, n in ex_op.most_common(16)))
     print(f"   top {a.top} SASS lines (share of samples, executed, largest stall reasons):")
     for s, r in sorted(data, key=lambda x: -x[0])[: a.top]:
         why = sorted(((number(r[c]) or 0.0, c) for c in reasons), reverse=True)[:2]
