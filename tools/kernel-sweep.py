@@ -3,7 +3,7 @@
 choices (FOVEA_FLASH_WARPGROUPS: auto, 2 or 3 consumer warpgroups) on the same shapes, one table.
 Needs a Hopper GPU.
 
-    python3 tools/kernel-sweep.py --bins build/fovea,build/variants/mask0 --wgs auto,2,3
+    python3 tools/kernel-sweep.py --bins build/fovea,build/variants/notc --wgs auto,2,3
 Shapes are "S1+S2:hd" (a packed batch of segments). TFLOP/s = 4 * sum(S^2) * hd * H / attention time.
 A binary named "before" is run with the planner's choice only (a build without the runtime switch).
 """

@@ -3,8 +3,8 @@
 # (flash-fwd.cu and prepare.cu compiled again with extra flags, everything else reused from a CUDA
 # build), for A/B runs with tools/kernel-sweep.py or bench/ab.sh:
 #   tools/kernel-variants.sh NAME=FLAGS [NAME=FLAGS ...]
-#   tools/kernel-variants.sh mask0=-DFOVEA_FP8_FMA_EXP_MASK_2WG=0 half3="-DFOVEA_FP8_FMA_EXP_MASK_3WG=0xAAAA"
-#   python3 tools/kernel-sweep.py --bins build/fovea,build/variants/mask0,build/variants/half3 --wgs auto,2,3
+#   tools/kernel-variants.sh p2=-DFOVEA_FP8_POLY_EXP_PAIRS=0x0101u notc=-DFOVEA_FP8_TC_ROW_SUM=0
+#   python3 tools/kernel-sweep.py --bins build/fovea,build/variants/p2,build/variants/notc --wgs auto,2,3
 # Each variant is written to $VARIANTS/NAME (default build/variants/NAME), and ptxas's spill lines are
 # printed for it. BUILD (default build) is a configured and built CUDA build folder (Ninja); it is
 # read, not changed, except for the variants folder when that lies inside it. SOURCE (default the
