@@ -112,7 +112,7 @@ void row_exact(const float* q, ThdView<const float> k, ThdView<const float> v, i
 // kernel does: the row max is taken over the raw scores, each exponent argument is one FMA,
 // s * scale - (m - log2 p_scale); FP8 takes exp2_poly3 for the keys fovea/flash-p.h names (bit for bit
 // as the kernel, given the same score) and std::exp2 for the others, which stands for the MUFU's
-// ex2.approx (relative error below 2^-22); FP8 sums P V and l per block and folds them with one FMA,
+// ex2.approx (relative error below 2^-21, tests/gpu); FP8 sums P V and l per block and folds them with one FMA,
 // o = o * corr + block (two-level accumulation), its l being the sum of the E4M3 P when the kernel
 // sums on the tensor cores.
 void row_flash(const float* q, const float* k, const float* v, int64_t begin, int64_t end, int h, int heads,
