@@ -97,10 +97,24 @@ struct PScheme {
 //   rotate_qk  Q and K are multiplied by one orthonormal hd x hd matrix (the DCT-II) before
 //              quantization: q.k is unchanged, and a channel that dominates a head is spread over
 //              all of them (the FlashAttention-3 paper's "incoherent processing").
+//   qk_pair    [H * hd/2]: per rotary pair p (channels p and p + hd/2, the two RoPE rotates
+//              together), Q's pair is multiplied by qk_pair[p] and K's (after k_mean) by its
+//              reciprocal before quantization. A rotation commutes with a scalar on its pair, so
+//              every score is unchanged whatever the positions; powers of two keep it exact in fp32
+//              too. Not with rotate_qk. (CPU emulation only: docs/fp8.md §Outlier channels measures
+//              that it moves no error, E4M3 being floating point.)
+//   qk_wide    [H * hd/2]: 1 where rotary pair p of Q and K is not quantized but kept in bf16, its
+//              share of the scores summed in fp32 (an exact split of q . k into two sums); the
+//              per-head Q / K scales then cover the other pairs only. Not with rotate_qk. (CPU
+//              emulation only, to measure before a kernel takes it.)
 struct Fp8Fine {
-  std::vector<float> k_mean, q_head, k_head, v_channel;
+  std::vector<float> k_mean, q_head, k_head, v_channel, qk_pair;
+  std::vector<uint8_t> qk_wide;
   bool rotate_qk = false;
-  bool empty() const { return k_mean.empty() && q_head.empty() && k_head.empty() && v_channel.empty() && !rotate_qk; }
+  bool empty() const {
+    return k_mean.empty() && q_head.empty() && k_head.empty() && v_channel.empty() && qk_pair.empty() &&
+           qk_wide.empty() && !rotate_qk;
+  }
 };
 
 struct RefOptions {
@@ -114,14 +128,23 @@ struct RefOptions {
 
 // Which parts of Fp8Fine a scheme uses.
 struct Fp8FineParts {
-  bool smooth_k = false, per_head_qk = false, per_channel_v = false, rotate_qk = false;
+  bool smooth_k = false, per_head_qk = false, per_channel_v = false, rotate_qk = false, smooth_qk_pairs = false;
+  int wide_pairs = 0;  // per head, this many rotary pairs with the largest amax_q * amax_k stay bf16 (qk_wide)
 };
+// One rotary pair's smoothing factor from the pair's amax in Q and in K: the power of two nearest
+// sqrt(k_amax / q_amax) (SmoothQuant's migration strength 1/2: both sides end at sqrt(q_amax k_amax)),
+// within [2^-kQkPairMaxLog2, 2^kQkPairMaxLog2]; 1 where either amax is 0.
+constexpr int kQkPairMaxLog2 = 6;
+float qk_pair_factor(float q_amax, float k_amax);
 // The orthonormal DCT-II matrix of order n, row-major: row i is basis vector i.
 std::vector<float> dct_matrix(int n);
 // The fine scales dynamic scaling would use for this batch ("current scaling", like the per-tensor
 // s = amax / 448 of a first forward): k_mean = K's mean over every token of the batch (one vector for
 // all segments: exact, see Fp8Fine), then amax / 448 per head of Q and of K - k_mean, and per channel
-// of V, each floored at kMinScale. Non-finite inputs throw, naming the tensor.
+// of V, each floored at kMinScale. With smooth_qk_pairs, qk_pair[p] = qk_pair_factor(amax of Q's
+// pair p, amax of K's pair p after k_mean), and the per-head amaxes are those of the smoothed Q and
+// K. With wide_pairs, qk_wide marks each head's wide_pairs pairs of largest amax_q * amax_k (after
+// k_mean), and the per-head amaxes leave them out. Non-finite inputs throw, naming the tensor.
 Fp8Fine current_fine_scales(const VarlenShape& shape, ThdView<const float> q, ThdView<const float> k,
                             ThdView<const float> v, Fp8FineParts parts);
 

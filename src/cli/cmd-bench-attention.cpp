@@ -36,6 +36,7 @@ struct Args {
   int threads = 0;
   std::string json_path;
   std::string fp8_schemes = "tensor";
+  bool rope = false;  // CPU: RoPE on q and k first (the GPU bench always applies it)
 };
 
 // FP8 scale schemes the CPU bench compares (fovea/attention.h, Fp8Fine): per-tensor (vLLM's), and
@@ -52,6 +53,10 @@ constexpr Fp8Scheme kFp8Schemes[] = {
     {"robust", {true, true, true}},
     {"rotate", {false, false, false, true}},
     {"robust+rotate", {true, true, true, true}},
+    {"pairs", {false, true, false, false, true}},
+    {"robust+pairs", {true, true, true, false, true}},
+    {"robust+wide4", {true, true, true, false, false, 4}},
+    {"robust+wide8", {true, true, true, false, false, 8}},
 };
 
 std::vector<Fp8Scheme> parse_schemes(const std::string& s) {
@@ -60,7 +65,9 @@ std::vector<Fp8Scheme> parse_schemes(const std::string& s) {
     const Fp8Scheme* found = nullptr;
     for (const Fp8Scheme& f : kFp8Schemes)
       if (item == f.name) found = &f;
-    if (!found) fail("--fp8-scheme: '{}' is not one of tensor, smooth-k, per-head, per-channel-v, robust, rotate, robust+rotate", item);
+    if (!found)
+      fail("--fp8-scheme: '{}' is not one of tensor, smooth-k, per-head, per-channel-v, robust, rotate, robust+rotate, "
+           "pairs, robust+pairs, robust+wide4, robust+wide8", item);
     out.push_back(*found);
   }
   if (out.empty()) fail("--fp8-scheme: empty list");
@@ -164,10 +171,18 @@ nlohmann::ordered_json cpu_row(const Bench& b, const CpuInputs& in, const CpuRun
 int run_bench_cpu(const Bench& b) {
   const Args& a = b.a;
   const int64_t N = b.shape.total_tokens(), H = a.heads, hd = a.head_dim;
-  const CpuInputs in{b.shape, qkv_view(b.qkv, 0, H, hd), qkv_view(b.qkv, 1, H, hd), qkv_view(b.qkv, 2, H, hd)};
+  std::vector<float> roped;  // --rope: q and k rotated with the GPU bench's tables
+  if (a.rope) {
+    std::vector<float> cos, sin;
+    rope_tables_grid(b.shape, cos, sin);
+    roped = b.qkv;
+    apply_rope_qk(b.shape, cos, sin, roped);
+  }
+  const std::vector<float>& qkv = a.rope ? roped : b.qkv;
+  const CpuInputs in{b.shape, qkv_view(qkv, 0, H, hd), qkv_view(qkv, 1, H, hd), qkv_view(qkv, 2, H, hd)};
   fmt::print("fovea bench attention | device cpu | seqlens {} ({} segments, {} tokens) | heads {} | head_dim {} | "
-             "dist {} | seed {}\n",
-             a.seqlens, b.shape.num_segments(), N, H, hd, a.dist, a.seed);
+             "dist {}{} | seed {}\n",
+             a.seqlens, b.shape.num_segments(), N, H, hd, a.dist, a.rope ? " | rope" : "", a.seed);
   std::vector<double> ref(size_t(N * H * hd)), out(ref.size());
   cpu::RefOptions exact;
   exact.threads = a.threads;
@@ -182,7 +197,8 @@ int run_bench_cpu(const Bench& b) {
   if (!a.json_path.empty()) {
     const nlohmann::ordered_json doc = {
         {"bench", "attention"}, {"device", "cpu"},    {"seqlens", b.seqlens},   {"heads", H},
-        {"head_dim", hd},       {"dist", a.dist},     {"seed", a.seed},         {"flops", b.shape.flops()},
+        {"head_dim", hd},       {"dist", a.dist},     {"rope", a.rope},         {"seed", a.seed},
+        {"flops", b.shape.flops()},
         {"reference_ms", ref_ms}, {"results", results}};
     write_json(a.json_path, doc);
   }
@@ -194,7 +210,7 @@ int run_bench_cuda(const Bench& b);
 int run_bench(const Args& a) {
   if (a.device != "cpu" && a.device != "cuda") fail("--device: '{}' is not one of cpu, cuda", a.device);
   const auto dist = parse_dist(a.dist);
-  if (!dist) fail("--dist: '{}' is not one of normal, outliers, channels", a.dist);
+  if (!dist) fail("--dist: '{}' is not one of normal, outliers, channels, key-channels", a.dist);
   std::vector<Fp8Scheme> schemes = parse_schemes(a.fp8_schemes);
   if (a.heads < 1) fail("--heads must be >= 1, got {}", a.heads);
   if (a.head_dim < 1) fail("--head-dim must be >= 1, got {}", a.head_dim);
@@ -474,7 +490,7 @@ void add_bench_attention(CLI::App* bench, Runner& run) {
   cmd->add_option("--heads", a->heads, "attention heads")->capture_default_str();
   cmd->add_option("--head-dim", a->head_dim, "head dimension")->capture_default_str();
   cmd->add_option("--dist", a->dist, "input distribution: normal | outliers (N(0,1) + N(0,100)*Bernoulli(0.001)) | "
-                  "channels (outlier channels per head in Q, K and V)")
+                  "channels (outlier channels per head in Q, K and V) | key-channels (K's outlier channels larger than Q's, apart)")
       ->capture_default_str();
   cmd->add_option("--dtype", a->dtypes, "comma list of dtypes: bf16, fp8")->capture_default_str();
   cmd->add_option("--device", a->device, "cpu (the reference emulations) or cuda (the GPU kernels)")
@@ -489,7 +505,11 @@ void add_bench_attention(CLI::App* bench, Runner& run) {
   cmd->add_option("--json", a->json_path, "write the results as JSON to this file");
   cmd->add_option("--fp8-scheme", a->fp8_schemes,
                   "comma list of FP8 scale schemes: tensor (vLLM's), smooth-k, per-head, per-channel-v, robust (all three; these two on the GPU too), "
-                  "rotate (Q and K times an orthonormal DCT), robust+rotate")
+                  "rotate (Q and K times an orthonormal DCT), robust+rotate, pairs (Q and K rescaled per rotary pair, "
+                  "per-head scales), robust+pairs, robust+wide4 / robust+wide8 (each head's 4 / 8 rotary pairs of "
+                  "largest amax_q * amax_k kept in bf16)")
+      ->capture_default_str();
+  cmd->add_option("--rope", a->rope, "--device cpu: apply RoPE to q and k first (the GPU bench always does)")
       ->capture_default_str();
   cmd->callback([&run, a] { run = [a] { return run_bench(*a); }; });
 }

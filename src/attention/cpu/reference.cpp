@@ -33,8 +33,13 @@ std::vector<float> dct_matrix(int n) {
 
 namespace {
 
-// The row FP8 quantizes for Q or K: x - shift, then R (x - shift) when rot is given (fp32, in order).
-void fp8_input_row(const float* x, const float* shift, const float* rot, int hd, float* out) {
+// The row FP8 quantizes for Q or K: x - shift, times mul where given (the qk_pair smoothing), then
+// R (x - shift) when rot is given (fp32, in order; mul and rot never come together).
+void fp8_input_row(const float* x, const float* shift, const float* mul, const float* rot, int hd, float* out) {
+  if (mul) {
+    for (int d = 0; d < hd; ++d) out[d] = (x[d] - shift[d]) * mul[d];
+    return;
+  }
   if (!rot) {
     for (int d = 0; d < hd; ++d) out[d] = x[d] - shift[d];
     return;
@@ -51,9 +56,12 @@ void fp8_input_row(const float* x, const float* shift, const float* rot, int hd,
 
 // Inputs as the kernel sees them, dense [tokens, heads, hd] floats: bf16-rounded or E4M3-decoded
 // (without the scale: the descales are applied to S and to the output, as in the kernel). FP8:
-// element (h, d) is quantized as x - shift[h * hd + d] with scale[h * hd + d].
+// element (h, d) is quantized as (x - shift[h * hd + d]) * mul[h * hd + d] (mul where not empty)
+// with scale[h * hd + d]; where wide[h * hd + d] is set it is rounded to bf16 instead (and divided
+// by the scale, which the score's descale multiplies back).
 std::vector<float> operand(const VarlenShape& sh, ThdView<const float> x, RefMode mode, const std::vector<float>& scale,
-                           const std::vector<float>& shift, const float* rot) {
+                           const std::vector<float>& shift, const std::vector<float>& mul, const float* rot,
+                           const std::vector<uint8_t>& wide = {}) {
   const int64_t n = sh.total_tokens();
   const int hd = sh.head_dim;
   std::vector<float> out(size_t(n) * sh.heads * hd), row(static_cast<size_t>(hd));
@@ -64,11 +72,52 @@ std::vector<float> operand(const VarlenShape& sh, ThdView<const float> x, RefMod
         for (int d = 0; d < hd; ++d) o[d] = bf16_round(x.row(t, h)[d]);
         continue;
       }
-      fp8_input_row(x.row(t, h), shift.data() + size_t(h) * hd, rot, hd, row.data());
+      fp8_input_row(x.row(t, h), shift.data() + size_t(h) * hd, mul.empty() ? nullptr : mul.data() + size_t(h) * hd,
+                    rot, hd, row.data());
       const float* s = scale.data() + size_t(h) * hd;
-      for (int d = 0; d < hd; ++d) o[d] = e4m3_to_float(e4m3_quantize(row[size_t(d)], s[d]));
+      const uint8_t* w = wide.empty() ? nullptr : wide.data() + size_t(h) * hd;
+      for (int d = 0; d < hd; ++d)
+        o[d] = w && w[d] ? bf16_round(row[size_t(d)]) / s[d] : e4m3_to_float(e4m3_quantize(row[size_t(d)], s[d]));
     }
   return out;
+}
+
+// Q's and K's per-(head, channel) multipliers from qk_pair [H * hd/2]: channel p and p + hd/2 of head h
+// take qk_pair[h * hd/2 + p] (Q) and its fp32 reciprocal (K). Throws unless the size fits, every
+// factor is finite and > 0, and rotate_qk is off.
+void pair_multipliers(const Fp8Fine& fine, int H, int hd, std::vector<float>& q_mul, std::vector<float>& k_mul) {
+  const size_t pairs = size_t(H) * size_t(hd / 2);
+  if (hd % 2 != 0 || fine.qk_pair.size() != pairs)
+    fail("attention: qk_pair holds {} values, not {} ({} heads x {} rotary pairs)", fine.qk_pair.size(), pairs, H, hd / 2);
+  if (fine.rotate_qk) fail("attention: qk_pair and rotate_qk cannot be combined");
+  q_mul.assign(size_t(H) * hd, 1.0f);
+  k_mul.assign(size_t(H) * hd, 1.0f);
+  for (int h = 0; h < H; ++h)
+    for (int p = 0; p < hd / 2; ++p) {
+      const float f = fine.qk_pair[size_t(h) * (hd / 2) + p];
+      if (!std::isfinite(f) || !(f > 0)) fail("attention: qk_pair must be finite and > 0, got {}", f);
+      for (int c : {p, p + hd / 2}) {
+        q_mul[size_t(h) * hd + c] = f;
+        k_mul[size_t(h) * hd + c] = 1.0f / f;
+      }
+    }
+}
+
+// qk_wide [H * hd/2] as a per-(head, channel) mask. Throws unless the size fits, every entry is 0 or
+// 1, and rotate_qk is off.
+std::vector<uint8_t> wide_channels(const Fp8Fine& fine, int H, int hd) {
+  const size_t pairs = size_t(H) * size_t(hd / 2);
+  if (hd % 2 != 0 || fine.qk_wide.size() != pairs)
+    fail("attention: qk_wide holds {} values, not {} ({} heads x {} rotary pairs)", fine.qk_wide.size(), pairs, H, hd / 2);
+  if (fine.rotate_qk) fail("attention: qk_wide and rotate_qk cannot be combined");
+  std::vector<uint8_t> m(size_t(H) * hd, 0);
+  for (int h = 0; h < H; ++h)
+    for (int p = 0; p < hd / 2; ++p) {
+      const uint8_t w = fine.qk_wide[size_t(h) * (hd / 2) + p];
+      if (w > 1) fail("attention: qk_wide entries are 0 or 1, got {}", int(w));
+      m[size_t(h) * hd + p] = m[size_t(h) * hd + p + hd / 2] = w;
+    }
+  return m;
 }
 
 // The per-(head, channel) scale of one tensor: the fine vector where given ([H] or [H * hd]), else
@@ -212,11 +261,14 @@ void attention(const VarlenShape& sh, ThdView<const float> q, ThdView<const floa
   } else if (!fine.empty()) {
     fail("attention: fine FP8 scales given for {} mode", ref_mode_name(opt.mode));
   }
+  std::vector<float> q_mul, k_mul;
+  if (fp8 && !fine.qk_pair.empty()) pair_multipliers(fine, H, hd, q_mul, k_mul);
+  const std::vector<uint8_t> wide = fp8 && !fine.qk_wide.empty() ? wide_channels(fine, H, hd) : std::vector<uint8_t>();
   const std::vector<float> rot = fp8 && fine.rotate_qk ? dct_matrix(hd) : std::vector<float>();
   const float* r = rot.empty() ? nullptr : rot.data();
-  const std::vector<float> q8 = operand(sh, q, opt.mode, sq, zeros, r);
-  const std::vector<float> k8 = operand(sh, k, opt.mode, sk, k_shift, r);
-  const std::vector<float> v8 = operand(sh, v, opt.mode, sv, zeros, nullptr);
+  const std::vector<float> q8 = operand(sh, q, opt.mode, sq, zeros, q_mul, r, wide);
+  const std::vector<float> k8 = operand(sh, k, opt.mode, sk, k_shift, k_mul, r, wide);
+  const std::vector<float> v8 = operand(sh, v, opt.mode, sv, zeros, {}, nullptr);
   std::vector<float> qk_scale_log2(static_cast<size_t>(H));  // per head: the Q and K descales fold into the score scale
   for (int h = 0; h < H; ++h)
     qk_scale_log2[size_t(h)] =
@@ -232,6 +284,12 @@ void attention(const VarlenShape& sh, ThdView<const float> q, ThdView<const floa
     row_flash(q8.data() + r * hd, k8.data(), v8.data(), sh.cu_seqlens[size_t(sg)], sh.cu_seqlens[size_t(sg) + 1],
               h, H, hd, qk_scale_log2[size_t(h)], sv.data() + size_t(h) * hd, opt.mode, opt.p, t, acc, block, out + r * hd);
   }, opt.threads, grain);
+}
+
+float qk_pair_factor(float q_amax, float k_amax) {
+  if (!(q_amax > 0) || !(k_amax > 0)) return 1.0f;
+  const int e = int(std::lround(0.5 * std::log2(double(k_amax) / double(q_amax))));
+  return std::ldexp(1.0f, std::clamp(e, -kQkPairMaxLog2, kQkPairMaxLog2));
 }
 
 Fp8Fine current_fine_scales(const VarlenShape& shape, ThdView<const float> q, ThdView<const float> k,
@@ -265,22 +323,59 @@ Fp8Fine current_fine_scales(const VarlenShape& shape, ThdView<const float> q, Th
     f.k_mean = mean;
   }
   f.rotate_qk = parts.rotate_qk;
-  if (parts.per_head_qk || parts.smooth_k || parts.rotate_qk) {  // Q and K change range: scales of their own
+  if (parts.smooth_qk_pairs && parts.rotate_qk) fail("FP8 scales: smooth_qk_pairs and rotate_qk cannot be combined");
+  if (parts.smooth_qk_pairs && hd % 2 != 0) fail("FP8 scales: smooth_qk_pairs needs an even head_dim, got {}", hd);
+  const std::vector<float> zeros(cells, 0.0f);
+  if (parts.wide_pairs < 0 || parts.wide_pairs > hd / 2)
+    fail("FP8 scales: wide_pairs must be in 0..{} (head_dim / 2), got {}", hd / 2, parts.wide_pairs);
+  if (parts.wide_pairs > 0 && parts.rotate_qk) fail("FP8 scales: wide_pairs and rotate_qk cannot be combined");
+  std::vector<float> q_mul, k_mul;
+  std::vector<uint8_t> wide;
+  if (parts.smooth_qk_pairs || parts.wide_pairs > 0) {  // each rotary pair's amax in Q and in K - mean
+    std::vector<float> qa(cells / 2, 0.0f), ka(cells / 2, 0.0f);
+    const int half = hd / 2;
+    each_row(q, "q", [&](size_t h, const float* r) {
+      for (int d = 0; d < hd; ++d) qa[h * half + d % half] = std::max(qa[h * half + d % half], std::fabs(r[d]));
+    });
+    each_row(k, "k", [&](size_t h, const float* r) {
+      for (int d = 0; d < hd; ++d)
+        ka[h * half + d % half] = std::max(ka[h * half + d % half], std::fabs(r[d] - mean[h * hd + d]));
+    });
+    if (parts.wide_pairs > 0) {  // each head's pairs of largest amax_q * amax_k (ties: the lower pair)
+      f.qk_wide.assign(cells / 2, 0);
+      std::vector<int> order(static_cast<size_t>(half));
+      for (int h = 0; h < H; ++h) {
+        const auto share = [&](int p) { return double(qa[size_t(h) * half + p]) * ka[size_t(h) * half + p]; };
+        for (int p = 0; p < half; ++p) order[size_t(p)] = p;
+        std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return share(a) > share(b); });
+        for (int i = 0; i < parts.wide_pairs; ++i) f.qk_wide[size_t(h) * half + order[size_t(i)]] = 1;
+      }
+      wide = wide_channels(f, H, hd);
+    }
+    if (parts.smooth_qk_pairs) {
+      f.qk_pair.resize(cells / 2);
+      for (size_t i = 0; i < cells / 2; ++i) f.qk_pair[i] = qk_pair_factor(qa[i], ka[i]);
+      pair_multipliers(f, H, hd, q_mul, k_mul);
+    }
+  }
+  if (parts.per_head_qk || parts.smooth_k || parts.rotate_qk || parts.smooth_qk_pairs || parts.wide_pairs > 0) {
     const std::vector<float> rot = parts.rotate_qk ? dct_matrix(hd) : std::vector<float>();
-    const std::vector<float> zeros(cells, 0.0f);
     std::vector<float> row(static_cast<size_t>(hd));
-    // The per-head amax of x as quantized: minus shift, rotated where asked.
-    const auto head_amax = [&](ThdView<const float> x, const char* name, const std::vector<float>& shift) {
+    // The per-head amax of x as quantized: minus shift, times mul, rotated where asked.
+    const auto head_amax = [&](ThdView<const float> x, const char* name, const std::vector<float>& shift,
+                               const std::vector<float>& mul) {
       std::vector<float> amax(size_t(H), 0.0f);
       each_row(x, name, [&](size_t h, const float* r) {
-        fp8_input_row(r, shift.data() + h * hd, rot.empty() ? nullptr : rot.data(), hd, row.data());
-        for (float y : row) amax[h] = std::max(amax[h], std::fabs(y));
+        fp8_input_row(r, shift.data() + h * hd, mul.empty() ? nullptr : mul.data() + h * hd,
+                      rot.empty() ? nullptr : rot.data(), hd, row.data());
+        for (int d = 0; d < hd; ++d)
+          if (wide.empty() || !wide[h * hd + d]) amax[h] = std::max(amax[h], std::fabs(row[size_t(d)]));
       });
       if (!parts.per_head_qk) std::fill(amax.begin(), amax.end(), *std::max_element(amax.begin(), amax.end()));
       return amax;
     };
-    f.q_head = to_scale(head_amax(q, "q", zeros));
-    f.k_head = to_scale(head_amax(k, "k", mean));
+    f.q_head = to_scale(head_amax(q, "q", zeros, q_mul));
+    f.k_head = to_scale(head_amax(k, "k", mean, k_mul));
   }
   if (parts.per_channel_v) {
     std::vector<float> amax(cells, 0.0f);
