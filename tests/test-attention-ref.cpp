@@ -471,12 +471,17 @@ TEST(Fp8Fine, ExactTransformsKeepWellSpreadInputsAsAccurate) {
 // robust / rotated 0.33-11.5 (with 4 heads and 300 seeds, tensor / robust fell to 1.30: the rotation
 // is not better on every input, so no bound says it is).
 constexpr int kOutlierHeads = 16;
+
+// Per-tensor FP8's error on well-spread inputs of the outlier tests' shape: the floor they compare to.
+double fp8_error_on_spread_inputs(uint64_t seed) {
+  const Qkv spread = random_qkv({300, 100}, kOutlierHeads, 72, seed);
+  const std::vector<double> ref = spread.run(mode(RefMode::EXACT));
+  return compare(spread.run(mode(RefMode::FP8, spread)).data(), ref.data(), int64_t(ref.size())).rel_l2;
+}
+
 TEST(Fp8Fine, OutlierChannelsNeedTheRobustScheme) {
   const uint64_t seed = fresh_seed();
-  const Qkv spread = random_qkv({300, 100}, kOutlierHeads, 72, seed);
-  const std::vector<double> spread_ref = spread.run(mode(RefMode::EXACT));
-  const double fp8_spread =
-      compare(spread.run(mode(RefMode::FP8, spread)).data(), spread_ref.data(), int64_t(spread_ref.size())).rel_l2;
+  const double fp8_spread = fp8_error_on_spread_inputs(seed);
   const Qkv x = random_qkv({300, 100}, kOutlierHeads, 72, seed, Dist::CHANNELS);
   const std::vector<double> ref = x.run(mode(RefMode::EXACT));
   auto err = [&](const cpu::RefOptions& o) { return compare(x.run(o).data(), ref.data(), int64_t(ref.size())).rel_l2; };
@@ -558,10 +563,7 @@ TEST(Fp8Pairs, PowerOfTwoFactorsWithMatchingScalesChangeNoBit) {
 // robust 0.93-1.34, robust+wide4 / robust 0.08-0.58 and robust+wide4 / spread FP8 0.52-1.06.
 TEST(Fp8Pairs, RopedOutlierChannelsNeedWidePairsNotFactors) {
   const uint64_t seed = fresh_seed();
-  const Qkv spread = random_qkv({300, 100}, kOutlierHeads, 72, seed);
-  const std::vector<double> spread_ref = spread.run(mode(RefMode::EXACT));
-  const double fp8_spread =
-      compare(spread.run(mode(RefMode::FP8, spread)).data(), spread_ref.data(), int64_t(spread_ref.size())).rel_l2;
+  const double fp8_spread = fp8_error_on_spread_inputs(seed);
   for (Dist dist : {Dist::KEY_CHANNELS, Dist::CHANNELS}) {
     Qkv x = random_qkv({300, 100}, kOutlierHeads, 72, seed, dist);
     std::vector<float> cos, sin;

@@ -323,15 +323,15 @@ Fp8Fine current_fine_scales(const VarlenShape& shape, ThdView<const float> q, Th
     f.k_mean = mean;
   }
   f.rotate_qk = parts.rotate_qk;
-  if (parts.smooth_qk_pairs && parts.rotate_qk) fail("FP8 scales: smooth_qk_pairs and rotate_qk cannot be combined");
-  if (parts.smooth_qk_pairs && hd % 2 != 0) fail("FP8 scales: smooth_qk_pairs needs an even head_dim, got {}", hd);
-  const std::vector<float> zeros(cells, 0.0f);
   if (parts.wide_pairs < 0 || parts.wide_pairs > hd / 2)
     fail("FP8 scales: wide_pairs must be in 0..{} (head_dim / 2), got {}", hd / 2, parts.wide_pairs);
-  if (parts.wide_pairs > 0 && parts.rotate_qk) fail("FP8 scales: wide_pairs and rotate_qk cannot be combined");
+  const bool per_pair = parts.smooth_qk_pairs || parts.wide_pairs > 0;
+  if (per_pair && parts.rotate_qk) fail("FP8 scales: smooth_qk_pairs / wide_pairs and rotate_qk cannot be combined");
+  if (per_pair && hd % 2 != 0) fail("FP8 scales: rotary pairs need an even head_dim, got {}", hd);
+  const std::vector<float> zeros(cells, 0.0f);
   std::vector<float> q_mul, k_mul;
   std::vector<uint8_t> wide;
-  if (parts.smooth_qk_pairs || parts.wide_pairs > 0) {  // each rotary pair's amax in Q and in K - mean
+  if (per_pair) {  // each rotary pair's amax in Q and in K - mean
     std::vector<float> qa(cells / 2, 0.0f), ka(cells / 2, 0.0f);
     const int half = hd / 2;
     each_row(q, "q", [&](size_t h, const float* r) {
@@ -358,7 +358,7 @@ Fp8Fine current_fine_scales(const VarlenShape& shape, ThdView<const float> q, Th
       pair_multipliers(f, H, hd, q_mul, k_mul);
     }
   }
-  if (parts.per_head_qk || parts.smooth_k || parts.rotate_qk || parts.smooth_qk_pairs || parts.wide_pairs > 0) {
+  if (parts.per_head_qk || parts.smooth_k || parts.rotate_qk || per_pair) {  // Q and K change range
     const std::vector<float> rot = parts.rotate_qk ? dct_matrix(hd) : std::vector<float>();
     std::vector<float> row(static_cast<size_t>(hd));
     // The per-head amax of x as quantized: minus shift, times mul, rotated where asked.
