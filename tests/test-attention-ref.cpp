@@ -558,10 +558,9 @@ TEST(Fp8Pairs, PowerOfTwoFactorsWithMatchingScalesChangeNoBit) {
 // longer removes it). A factor per rotary pair is exact whatever the rotation, yet it moves no error:
 // E4M3 is floating point, every value keeps its relative precision whatever the scale (over 15
 // binades), and the score error is set by the outlier pairs' products q_p k_p, which the factor
-// leaves as they are. Keeping those pairs in bf16 (qk_wide) is what takes the error down, to about
-// the FP8 error of well-spread inputs. Bounds: 12 fresh seeds at 2026-12-04 gave robust+pairs /
-// robust 0.93-1.34, robust+wide4 / robust 0.08-0.58 and robust+wide4 / spread FP8 0.52-1.06.
-TEST(Fp8Pairs, RopedOutlierChannelsNeedWidePairsNotFactors) {
+// leaves as they are. Splitting those pairs into two E4M3 terms (qk_split, in the robust scheme) is
+// what takes the error down, to about the FP8 error of well-spread inputs. Bounds: BOUNDS_NOTE
+TEST(Fp8Pairs, RopedOutlierChannelsNeedSplitPairsNotFactors) {
   const uint64_t seed = fresh_seed();
   const double fp8_spread = fp8_error_on_spread_inputs(seed);
   for (Dist dist : {Dist::KEY_CHANNELS, Dist::CHANNELS}) {
@@ -571,54 +570,79 @@ TEST(Fp8Pairs, RopedOutlierChannelsNeedWidePairsNotFactors) {
     apply_rope_qk(x.shape, cos, sin, x.data);
     const std::vector<double> ref = x.run(mode(RefMode::EXACT));
     auto err = [&](const cpu::RefOptions& o) { return compare(x.run(o).data(), ref.data(), int64_t(ref.size())).rel_l2; };
-    const double robust = err(fine_mode(x, {true, true, true, false}));
+    const double nosplit = err(fine_mode(x, {true, true, true, false}));
     const double paired = err(fine_mode(x, {true, true, true, false, true}));
-    const double wide = err(fine_mode(x, {true, true, true, false, false, 4}));
-    std::printf("roped %s: fp8 robust %.3e robust+pairs %.3e robust+wide4 %.3e | spread fp8 %.3e\n", dist_name(dist),
-                robust, paired, wide, fp8_spread);
-    EXPECT_GT(paired, 0.8 * robust) << dist_name(dist);  // no gain worth the name (it can lose)
-    EXPECT_LT(wide, 0.8 * robust) << dist_name(dist);
-    EXPECT_LT(wide, 1.3 * fp8_spread) << dist_name(dist);
+    const double split = err(fine_mode(x, cpu::kRobustParts));
+    std::printf("roped %s: fp8 robust-nosplit %.3e robust+pairs %.3e robust (split) %.3e | spread fp8 %.3e\n",
+                dist_name(dist), nosplit, paired, split, fp8_spread);
+    EXPECT_GT(paired, 0.8 * nosplit) << dist_name(dist);  // no gain worth the name (it can lose)
+    EXPECT_LT(split, 0.8 * nosplit) << dist_name(dist);
+    EXPECT_LT(split, 1.3 * fp8_spread) << dist_name(dist);
   }
 }
 
-// Each head's wide pairs are those of largest amax_q * amax_k; the per-head scales leave them out.
-TEST(Fp8Pairs, WidePairsAreTheLargestProductsAndLeaveTheScales) {
+// Each head's split pairs: every pair with a share > 0 (4 at head_dim 8, with room for all), in order
+// of falling amax_q * amax_k; the per-head scales still cover every channel (a split never clips).
+TEST(Fp8Pairs, SplitPairsComeInOrderOfTheirProducts) {
   Qkv x = random_qkv({50}, 2, 8, fresh_seed());
   for (int64_t t = 0; t < 50; ++t) {
-    x.at(1, t, 0, 6) += 60.0f;  // head 0: K's channel 6 (pair 2) large, Q's channel 1 (pair 1) less so
+    const float sign = t % 2 ? 1.0f : -1.0f;  // K's outliers swing: K's mean does not take them away
+    x.at(1, t, 0, 6) += 60.0f * sign;  // head 0: K's channel 6 (pair 2) large, Q's channel 1 (pair 1) less so
     x.at(0, t, 0, 1) += 10.0f;
     x.at(0, t, 1, 3) += 9.0f;   // head 1: pair 3 large in both
-    x.at(1, t, 1, 7) += 9.0f;
+    x.at(1, t, 1, 7) += 9.0f * sign;
   }
-  const cpu::Fp8Fine f = cpu::current_fine_scales(x.shape, x.view(0), x.view(1), x.view(2), {false, true, false, false, false, 1});
-  ASSERT_EQ(f.qk_wide.size(), 8u);
-  // Head 0: pair 2 has amax_q ~3 x amax_k ~63, pair 1 amax_q ~13 x amax_k ~3: pair 2 is wide.
-  EXPECT_EQ(f.qk_wide, (std::vector<uint8_t>{0, 0, 1, 0, 0, 0, 0, 1}));
-  float qa = 0, ka = 0;  // head 1 without pair 3 (channels 3 and 7)
-  for (int64_t t = 0; t < 50; ++t)
-    for (int d : {0, 1, 2, 4, 5, 6}) qa = std::max(qa, std::fabs(x.at(0, t, 1, d))), ka = std::max(ka, std::fabs(x.at(1, t, 1, d)));
-  EXPECT_FLOAT_EQ(f.q_head[1], qa / kE4M3Max);
-  EXPECT_FLOAT_EQ(f.k_head[1], ka / kE4M3Max);
-  EXPECT_NE(error_of([&] { cpu::current_fine_scales(x.shape, x.view(0), x.view(1), x.view(2), {false, true, false, false, false, 5}); })
-                .find("wide_pairs must be in 0..4"),
-            std::string::npos);
+  const cpu::Fp8Fine f = cpu::current_fine_scales(x.shape, x.view(0), x.view(1), x.view(2), cpu::kRobustParts);
+  ASSERT_EQ(fp8_split_pairs(8), 4);
+  ASSERT_EQ(f.qk_split.size(), 8u);
+  EXPECT_EQ(f.qk_split[0], 2);  // amax_q ~3 x amax_k ~63 against pair 1's ~13 x ~3
+  EXPECT_EQ(f.qk_split[1], 1);
+  EXPECT_EQ(f.qk_split[4], 3);
+  for (int h = 0; h < 2; ++h) {
+    std::vector<int32_t> got(f.qk_split.begin() + 4 * h, f.qk_split.begin() + 4 * h + 4);
+    double last = INFINITY;
+    for (int32_t p : got) {
+      float qa = 0, ka = 0;
+      for (int64_t t = 0; t < 50; ++t)
+        for (int d : {p, p + 4}) {
+          qa = std::max(qa, std::fabs(x.at(0, t, h, d)));
+          ka = std::max(ka, std::fabs(x.at(1, t, h, d) - f.k_mean[size_t(h) * 8 + d]));
+        }
+      EXPECT_LE(double(qa) * ka, last * (1 + 1e-6)) << "head " << h << " pair " << p;
+      last = double(qa) * ka;
+    }
+    std::sort(got.begin(), got.end());
+    EXPECT_EQ(got, (std::vector<int32_t>{0, 1, 2, 3})) << "head " << h;
+    float qa = 0;
+    for (int64_t t = 0; t < 50; ++t)
+      for (int d = 0; d < 8; ++d) qa = std::max(qa, std::fabs(x.at(0, t, h, d)));
+    EXPECT_FLOAT_EQ(f.q_head[size_t(h)], qa / kE4M3Max);
+  }
+  // No room at head_dim 64 / 128: no split.
+  const Qkv y = random_qkv({20}, 1, 64, 3);
+  EXPECT_TRUE(cpu::current_fine_scales(y.shape, y.view(0), y.view(1), y.view(2), cpu::kRobustParts).qk_split.empty());
 }
 
-TEST(Fp8Pairs, MalformedFactorsAreRefusedByName) {
+TEST(Fp8Pairs, MalformedFactorsAndSplitsAreRefusedByName) {
   const Qkv x = random_qkv({16}, 2, 8, 7);
-  auto why = [&](auto edit) {
-    cpu::RefOptions o = fine_mode(x, {true, true, true, false, true});
+  auto why = [&](cpu::Fp8FineParts parts, auto edit) {
+    cpu::RefOptions o = fine_mode(x, parts);
     edit(o.fp8_fine);
     return error_of([&] { x.run(o); });
   };
-  EXPECT_NE(why([](cpu::Fp8Fine& f) { f.qk_pair.pop_back(); }).find("qk_pair holds 7 values, not 8"), std::string::npos);
-  EXPECT_NE(why([](cpu::Fp8Fine& f) { f.qk_pair[3] = 0.0f; }).find("qk_pair must be finite and > 0"), std::string::npos);
-  EXPECT_NE(why([](cpu::Fp8Fine& f) { f.qk_pair[0] = NAN; }).find("qk_pair must be finite and > 0"), std::string::npos);
-  EXPECT_NE(why([](cpu::Fp8Fine& f) { f.rotate_qk = true; }).find("qk_pair and rotate_qk cannot be combined"),
+  const cpu::Fp8FineParts pairs = {true, true, true, false, true};
+  EXPECT_NE(why(pairs, [](cpu::Fp8Fine& f) { f.qk_pair.pop_back(); }).find("qk_pair holds 7 values, not 8"), std::string::npos);
+  EXPECT_NE(why(pairs, [](cpu::Fp8Fine& f) { f.qk_pair[3] = 0.0f; }).find("qk_pair must be finite and > 0"), std::string::npos);
+  EXPECT_NE(why(pairs, [](cpu::Fp8Fine& f) { f.qk_pair[0] = NAN; }).find("qk_pair must be finite and > 0"), std::string::npos);
+  EXPECT_NE(why(pairs, [](cpu::Fp8Fine& f) { f.rotate_qk = true; }).find("qk_pair and rotate_qk cannot be combined"),
             std::string::npos);
-  EXPECT_NE(why([](cpu::Fp8Fine& f) { f.qk_wide.assign(7, 0); }).find("qk_wide holds 7 values, not 8"), std::string::npos);
-  EXPECT_NE(why([](cpu::Fp8Fine& f) { f.qk_wide.assign(8, 2); }).find("qk_wide entries are 0 or 1, got 2"), std::string::npos);
+  const cpu::Fp8FineParts split = cpu::kRobustParts;
+  EXPECT_NE(why(split, [](cpu::Fp8Fine& f) { f.qk_split.pop_back(); }).find("7 split pairs, not 8"), std::string::npos);
+  EXPECT_NE(why(split, [](cpu::Fp8Fine& f) { f.qk_split[5] = 4; }).find("head 1: split pair 4 is not a rotary pair (0..3)"),
+            std::string::npos);
+  EXPECT_NE(why(split, [](cpu::Fp8Fine& f) { f.qk_split[2] = -2; }).find("split pair -2 is not"), std::string::npos);
+  EXPECT_NE(why(split, [](cpu::Fp8Fine& f) { f.qk_split[1] = f.qk_split[0]; }).find("is given twice"), std::string::npos);
+  EXPECT_NE(why(split, [](cpu::Fp8Fine& f) { f.rotate_qk = true; }).find("qk_split cannot be combined"), std::string::npos);
   EXPECT_NE(error_of([&] { cpu::current_fine_scales(x.shape, x.view(0), x.view(1), x.view(2), {false, true, false, true, true}); })
                 .find("cannot be combined"),
             std::string::npos);

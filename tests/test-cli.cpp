@@ -363,18 +363,22 @@ TEST_F(Cli, BenchAttentionWritesJsonWithSensibleErrors) {
 TEST_F(Cli, BenchAttentionComparesFp8Schemes) {
   const std::string json_path = file("schemes.json");
   const Result r = run("bench attention --device cpu --seqlens 200,57 --heads 4 --head-dim 72 --dist channels "
-                       "--dtype fp8 --fp8-scheme tensor,robust,robust+rotate --json " + q(json_path));
+                       "--dtype fp8 --fp8-scheme tensor,robust-nosplit,robust+rotate,robust --json " + q(json_path));
   ASSERT_EQ(r.code, 0) << r.err;
   const nlohmann::json doc = nlohmann::json::parse(slurp(json_path));
-  ASSERT_EQ(doc.at("results").size(), 3u) << doc.dump(2);
+  ASSERT_EQ(doc.at("results").size(), 4u) << doc.dump(2);
   std::vector<double> rel;
   for (const auto& res : doc.at("results")) rel.push_back(res.at("rel_l2").get<double>());
   EXPECT_EQ(doc.at("results")[0].at("fp8_scheme"), "tensor");
   EXPECT_EQ(doc.at("results")[2].at("fp8_scheme"), "robust+rotate");
+  EXPECT_EQ(doc.at("results")[3].at("fp8_scheme"), "robust");
   EXPECT_EQ(doc.at("dist"), "channels");
   EXPECT_HAS(r.out, "robust+rotate");
+  // Seeds 0-3 (2026-12-04): tensor 0.66-1.13, robust-nosplit 0.11-0.18, robust+rotate 0.047-0.089,
+  // robust (its split pairs) 0.019-0.027.
   EXPECT_LT(rel[1], rel[0] / 1.5);
   EXPECT_LT(rel[2], rel[1]);
+  EXPECT_LT(rel[3], rel[2]);
   expect_one_line_error(run("bench attention --device cpu --seqlens 8 --heads 1 --head-dim 8 --fp8-scheme tensor,hadamard"),
                         "--fp8-scheme");
   expect_one_line_error(run("bench attention --device cpu --seqlens 8 --heads 1 --head-dim 8 --dist spiky"), "--dist");

@@ -324,8 +324,30 @@ FineBatch random_batch(std::mt19937& rng, int H, int hd) {
     b.k_sum.push_back(double(b.tokens) * double(0.5f * (lo + hi)));
     b.v_amax.push_back(mag(rng));
   }
-  for (int h = 0; h < H; ++h) b.q_amax.push_back(mag(rng));
+  for (size_t i = 0; i < cells; ++i) b.q_amax.push_back(mag(rng));
   return b;
+}
+
+// The split pairs from the definition, by repeated argmax: per head, fp8_split_pairs(hd) times the
+// untaken pair of largest max(q) * max(k) over its two channels (the first on a tie), -1 once none > 0.
+std::vector<int32_t> split_by_argmax(int H, int hd, const std::vector<float>& q, const std::vector<float>& k) {
+  std::vector<int32_t> out;
+  const int half = hd / 2;
+  for (int h = 0; h < H; ++h) {
+    std::vector<bool> taken(size_t(half), false);
+    for (int i = 0; i < fp8_split_pairs(hd); ++i) {
+      int best = -1;
+      float best_share = 0.0f;
+      for (int p = 0; p < half; ++p) {
+        const size_t a = size_t(h) * hd + p, b = a + half;
+        const float share = std::max(q[a], q[b]) * std::max(k[a], k[b]);
+        if (!taken[size_t(p)] && share > best_share) best = p, best_share = share;
+      }
+      if (best >= 0) taken[size_t(best)] = true;
+      out.push_back(best);
+    }
+  }
+  return out;
 }
 
 // What a forward should quantize with, written out from the definition (docs/fp8.md): its own K
@@ -343,13 +365,16 @@ FineScales expected_fine(const std::vector<FineBatch>& finite_so_far, const Fine
       k[i / hd] = std::max({k[i / hd], b.k_hi[i] - mean, mean - b.k_lo[i]});
       v[i] = std::max(v[i], b.v_amax[i]);
     }
-    for (int h = 0; h < H; ++h) q[size_t(h)] = std::max(q[size_t(h)], b.q_amax[size_t(h)]);
+    for (size_t i = 0; i < cells; ++i) q[i / hd] = std::max(q[i / hd], b.q_amax[i]);
   }
   const auto to_scale = [](float a) { return std::max(a / 448.0f, FLT_MIN); };
+  std::vector<float> k_now;  // the split pairs are this forward's own
   for (size_t i = 0; i < cells; ++i) {
     e.k_mean.push_back(float(now.k_sum[i] / double(now.tokens)));
     e.v_channel.push_back(to_scale(v[i]));
+    k_now.push_back(std::max(now.k_hi[i] - e.k_mean[i], e.k_mean[i] - now.k_lo[i]));
   }
+  e.qk_split = split_by_argmax(H, hd, now.q_amax, k_now);
   for (int h = 0; h < H; ++h) e.q_head.push_back(to_scale(q[size_t(h)])), e.k_head.push_back(to_scale(k[size_t(h)]));
   return e;
 }
@@ -413,7 +438,7 @@ TEST(FineHistory, CalibrationWritesTheFineScalesAndMatchingPerTensorOnes) {
       book.record_fine(l, b);
       float k = 0.0f;
       for (size_t i = 0; i < b.k_hi.size(); ++i) k = std::max({k, std::fabs(b.k_hi[i]), std::fabs(b.k_lo[i])});
-      plain.record(l, *std::max_element(b.q_amax.begin(), b.q_amax.end()), k,
+      plain.record(l, *std::max_element(b.q_amax.begin(), b.q_amax.end()), k,  // per channel: the largest is the tensor's
                    *std::max_element(b.v_amax.begin(), b.v_amax.end()));
     }
     EXPECT_EQ(book.complete_forwards(), uint32_t(f + 1));
@@ -434,19 +459,42 @@ TEST(FineHistory, CalibrationWritesTheFineScalesAndMatchingPerTensorOnes) {
       EXPECT_EQ(got.k_mean[i], float(sum / tokens)) << "layer " << l << " channel " << i;
       EXPECT_EQ(got.v_channel[i], std::max(v / 448.0f, FLT_MIN) * margin) << "layer " << l << " channel " << i;
     }
+    std::vector<float> q_chan(size_t(H) * hd, 0.0f), k_chan(size_t(H) * hd, 0.0f);
     for (int h = 0; h < H; ++h) {
       float q = 0.0f, k = 0.0f;
       for (int d = 0; d < hd; ++d) {
         const size_t i = size_t(h) * hd + d;
         float hi = -kInf, lo = kInf;
-        for (const FineBatch& b : bs) hi = std::max(hi, b.k_hi[i]), lo = std::min(lo, b.k_lo[i]);
-        k = std::max({k, hi - got.k_mean[i], got.k_mean[i] - lo});
+        for (const FineBatch& b : bs) hi = std::max(hi, b.k_hi[i]), lo = std::min(lo, b.k_lo[i]), q_chan[i] = std::max(q_chan[i], b.q_amax[i]);
+        k_chan[i] = std::max(hi - got.k_mean[i], got.k_mean[i] - lo);
+        k = std::max(k, k_chan[i]);
+        q = std::max(q, q_chan[i]);
       }
-      for (const FineBatch& b : bs) q = std::max(q, b.q_amax[size_t(h)]);
       EXPECT_EQ(got.q_head[size_t(h)], std::max(q / 448.0f, FLT_MIN) * margin) << "layer " << l << " head " << h;
       EXPECT_EQ(got.k_head[size_t(h)], std::max(k / 448.0f, FLT_MIN) * margin) << "layer " << l << " head " << h;
     }
+    EXPECT_EQ(got.qk_split, split_by_argmax(H, hd, q_chan, k_chan)) << "layer " << l;
+    EXPECT_EQ(got.qk_split.size(), size_t(H) * 3) << "head_dim 6: room for all 3 pairs";
   }
+}
+
+// pick_split_pairs: ties go to the lower pair, a share of 0 or NaN is never split, and each head's
+// list is fp8_split_pairs(hd) long (0 at head_dim 64 and 128: no room in the padding).
+TEST(SplitPairs, TiesZerosAndRoom) {
+  EXPECT_EQ(fp8_split_pairs(72), 6);
+  EXPECT_EQ(fp8_split_pairs(80), 4);
+  EXPECT_EQ(fp8_split_pairs(64), 0);
+  EXPECT_EQ(fp8_split_pairs(128), 0);
+  EXPECT_EQ(fp8_split_pairs(8), 4);
+  // head_dim 8 (pairs 0-3: channels p and p + 4), one head.
+  const std::vector<float> q = {1, 2, 0, 1, 1, 2, 0, kNaN}, k = {3, 1.5f, 5, 1, 1, 1, 5, 1};
+  // shares: pair 0 1*3 = 3, pair 1 2*1.5 = 3, pair 2 0*5 = 0, pair 3 NaN
+  EXPECT_EQ(pick_split_pairs(1, 8, q.data(), k.data()), (std::vector<int32_t>{0, 1, -1, -1}));
+  EXPECT_TRUE(pick_split_pairs(2, 64, std::vector<float>(128, 1.0f).data(), std::vector<float>(128, 1.0f).data()).empty());
+  EXPECT_HAS(error_of([] { check_split_pairs({0, 0, -1, -1}, 1, 8, "x"); }), "x: head 0: split pair 0 is given twice");
+  EXPECT_HAS(error_of([] { check_split_pairs({0, 1}, 1, 8, "x"); }), "x: 2 split pairs, not 4");
+  check_split_pairs({-1, -1, -1, -1}, 1, 8, "x");
+  check_split_pairs({}, 3, 72, "x");
 }
 
 // A layer whose every forward was non-finite has nothing to write: an error naming it, no file.

@@ -358,6 +358,11 @@ std::string fine_entry(const std::string& qh, const std::string& kh, const std::
          ", \"fovea_v_channel\": " + vc + ", \"fovea_k_mean\": " + km + "}";
 }
 
+// A fine_entry with "fovea_qk_split": split (JSON text) added.
+std::string with_split(const std::string& fine, const std::string& split) {
+  return fine.substr(0, fine.size() - 1) + ", \"fovea_qk_split\": " + split + "}";
+}
+
 }  // namespace
 
 TEST(FineScales, RoundTripBitExactAndQkvStayVllmReadable) {
@@ -378,6 +383,9 @@ TEST(FineScales, RoundTripBitExactAndQkvStayVllmReadable) {
       fine[size_t(l)].k_mean.push_back(float((c % 2 ? -1 : 1) * std::pow(10.0, log10(rng))));
     }
   }
+  for (int l = 0; l < layers - 1; ++l)  // the split pairs (optional: the last layer has none)
+    for (int h = 0; h < heads; ++h)
+      for (int i = 0; i < fp8_split_pairs(8); ++i) fine[size_t(l)].qk_split.push_back(i < 4 - h ? (i + l + h) % 4 : -1);
   fine[1].k_mean[0] = 0.0f;
   fine[1].k_mean[1] = -FLT_MAX;
   fine[0].v_channel[0] = std::numeric_limits<float>::denorm_min();
@@ -424,6 +432,15 @@ TEST(FineScales, BadFieldsAreErrorsNamingFileLayerAndProblem) {
       {"nested-array", "{" + l0 + fine_entry("[[1], 2]", "[1, 2]", "[1, 2]") + "}", {"fovea_q_head[0]"}},
       {"unknown-fovea-field", "{" + l0 + "{\"q\": 1, \"k\": 1, \"v\": 1, \"fovea_rotation\": [1]}}", {"fovea_rotation", "newer fovea"}},
       {"only-one-layer-has-them", "{" + l0 + ok + ", " + l1 + entry("1") + "}", {"every layer or for none"}},
+      // fovea_qk_split: 2 heads of 2 channels, so 1 pair each, room for it: [p0, p1], each 0 or -1
+      {"split-count", "{" + l0 + with_split(ok, "[0]") + "}", {"fovea_qk_split: 1 split pairs, not 2"}},
+      {"split-range", "{" + l0 + with_split(ok, "[0, 1]") + "}", {"head 1: split pair 1 is not a rotary pair (0..0)"}},
+      {"split-below", "{" + l0 + with_split(ok, "[-2, 0]") + "}", {"fovea_qk_split[0]", "not a rotary pair index"}},
+      {"split-float", "{" + l0 + with_split(ok, "[0, 0.5]") + "}", {"fovea_qk_split[1]", "not a rotary pair index"}},
+      {"split-huge", "{" + l0 + with_split(ok, "[0, 18446744073709551615]") + "}", {"fovea_qk_split[1]"}},
+      {"split-string", "{" + l0 + with_split(ok, "[\"0\", 0]") + "}", {"fovea_qk_split[0]"}},
+      {"split-not-array", "{" + l0 + with_split(ok, "3") + "}", {"fovea_qk_split", "not an array"}},
+      {"split-alone", "{" + l0 + "{\"q\": 1, \"k\": 1, \"v\": 1, \"fovea_qk_split\": [0]}}", {"without the fine scales"}},
       {"shapes-differ-across-layers", "{" + l0 + ok + ", " + l1 + fine_entry("[1]", "[1]", "[1, 2]") + "}", {"heads and"}},
   };
   for (const Case& c : cases) {
@@ -445,7 +462,7 @@ TEST(FineScales, BadFieldsAreErrorsNamingFileLayerAndProblem) {
 TEST(FineScales, WriterRefusesWhatTheReaderWould) {
   TempDir dir;
   const std::vector<QkvScales> two = {{1, 1, 1}, {1, 1, 1}};
-  const FineScales good{{1, 2}, {1, 2}, {1, 2, 3, 4}, {0, -1, 1, 0}};
+  const FineScales good{{1, 2}, {1, 2}, {1, 2, 3, 4}, {0, -1, 1, 0}, {}};
   auto refused = [&](const std::vector<FineScales>& fine) {
     const std::string path = dir.file("w.json");
     const std::string msg = error_of([&] { write_scale_file(path, two, &fine); });
@@ -453,10 +470,12 @@ TEST(FineScales, WriterRefusesWhatTheReaderWould) {
     return msg;
   };
   EXPECT_HAS(refused({good}), "2 layers of scales but 1");
-  EXPECT_HAS(refused({good, FineScales{{1, 2}, {1}, {1, 2}, {0, 0}}}), "refusing");
-  EXPECT_HAS(refused({good, FineScales{{1}, {1}, {1, 2}, {0, 0}}}), "the same for every layer");
-  EXPECT_HAS(refused({good, FineScales{{1, 2}, {1, 2}, {1, 0, 1, 1}, {0, 0, 0, 0}}}), "fovea_v_channel");
-  EXPECT_HAS(refused({good, FineScales{{1, 2}, {1, kNaN}, {1, 1, 1, 1}, {0, 0, 0, 0}}}), "fovea_k_head");
-  EXPECT_HAS(refused({good, FineScales{{1, 2}, {1, 2}, {1, 1, 1, 1}, {0, 0, 0}}}), "refusing");
-  EXPECT_HAS(refused({good, FineScales{{1, 2}, {1, 2}, {1, 1, 1, 1}, {0, std::numeric_limits<float>::infinity(), 0, 0}}}), "fovea_k_mean");
+  EXPECT_HAS(refused({good, FineScales{{1, 2}, {1}, {1, 2}, {0, 0}, {}}}), "refusing");
+  EXPECT_HAS(refused({good, FineScales{{1}, {1}, {1, 2}, {0, 0}, {}}}), "the same for every layer");
+  EXPECT_HAS(refused({good, FineScales{{1, 2}, {1, 2}, {1, 0, 1, 1}, {0, 0, 0, 0}, {}}}), "fovea_v_channel");
+  EXPECT_HAS(refused({good, FineScales{{1, 2}, {1, kNaN}, {1, 1, 1, 1}, {0, 0, 0, 0}, {}}}), "fovea_k_head");
+  EXPECT_HAS(refused({good, FineScales{{1, 2}, {1, 2}, {1, 1, 1, 1}, {0, 0, 0}, {}}}), "refusing");
+  EXPECT_HAS(refused({good, FineScales{{1, 2}, {1, 2}, {1, 1, 1, 1}, {0, std::numeric_limits<float>::infinity(), 0, 0}, {}}}), "fovea_k_mean");
+  EXPECT_HAS(refused({good, FineScales{{1, 2}, {1, 2}, {1, 1, 1, 1}, {0, 0, 0, 0}, {0, 1}}}), "fovea_qk_split");
+  EXPECT_HAS(refused({good, FineScales{{1, 2}, {1, 2}, {1, 1, 1, 1}, {0, 0, 0, 0}, {0}}}), "1 split pairs, not 2");
 }

@@ -103,17 +103,17 @@ struct PScheme {
 //              every score is unchanged whatever the positions; powers of two keep it exact in fp32
 //              too. Not with rotate_qk. (CPU emulation only: docs/fp8.md §Outlier channels measures
 //              that it moves no error, E4M3 being floating point.)
-//   qk_wide    [H * hd/2]: 1 where rotary pair p of Q and K is not quantized but kept in bf16, its
-//              share of the scores summed in fp32 (an exact split of q . k into two sums); the
-//              per-head Q / K scales then cover the other pairs only. Not with rotate_qk. (CPU
-//              emulation only, to measure before a kernel takes it.)
+//   qk_split   [H * fp8_split_pairs(hd)]: per head, the rotary pairs whose Q and K are split into two
+//              E4M3 terms in the zero padding of the FP8 rows (fovea/scales.h §split pairs), -1 for
+//              an unused slot; the kernels run it as it is (the padding is already in their QK^T).
+//              Not with rotate_qk or qk_pair.
 struct Fp8Fine {
   std::vector<float> k_mean, q_head, k_head, v_channel, qk_pair;
-  std::vector<uint8_t> qk_wide;
+  std::vector<int32_t> qk_split;
   bool rotate_qk = false;
   bool empty() const {
     return k_mean.empty() && q_head.empty() && k_head.empty() && v_channel.empty() && qk_pair.empty() &&
-           qk_wide.empty() && !rotate_qk;
+           qk_split.empty() && !rotate_qk;
   }
 };
 
@@ -129,8 +129,10 @@ struct RefOptions {
 // Which parts of Fp8Fine a scheme uses.
 struct Fp8FineParts {
   bool smooth_k = false, per_head_qk = false, per_channel_v = false, rotate_qk = false, smooth_qk_pairs = false;
-  int wide_pairs = 0;  // per head, this many rotary pairs with the largest amax_q * amax_k stay bf16 (qk_wide)
+  bool split_pairs = false;  // qk_split: pick_split_pairs from the batch's Q and K - k_mean
 };
+// The robust scheme as the kernels run it: K smoothing, per-head Q / K, per-channel V, split pairs.
+constexpr Fp8FineParts kRobustParts = {true, true, true, false, false, true};
 // One rotary pair's smoothing factor from the pair's amax in Q and in K: the power of two nearest
 // sqrt(k_amax / q_amax) (SmoothQuant's migration strength 1/2: both sides end at sqrt(q_amax k_amax)),
 // within [2^-kQkPairMaxLog2, 2^kQkPairMaxLog2]; 1 where either amax is 0.
@@ -143,14 +145,14 @@ std::vector<float> dct_matrix(int n);
 // all segments: exact, see Fp8Fine), then amax / 448 per head of Q and of K - k_mean, and per channel
 // of V, each floored at kMinScale. With smooth_qk_pairs, qk_pair[p] = qk_pair_factor(amax of Q's
 // pair p, amax of K's pair p after k_mean), and the per-head amaxes are those of the smoothed Q and
-// K. With wide_pairs, qk_wide marks each head's wide_pairs pairs of largest amax_q * amax_k (after
-// k_mean), and the per-head amaxes leave them out. Non-finite inputs throw, naming the tensor.
+// K. With split_pairs (at head_dim 72 and 80; none elsewhere), qk_split = pick_split_pairs of Q's amax
+// and K - k_mean's per channel. Non-finite inputs throw, naming the tensor.
 Fp8Fine current_fine_scales(const VarlenShape& shape, ThdView<const float> q, ThdView<const float> k,
                             ThdView<const float> v, Fp8FineParts parts);
 
 // One forward's statistics for the robust scheme's history (ScaleBook::record_fine), as
 // fine_stats_kernel computes them: K's sum (double), extremes and V's amax per (head, channel), Q's
-// amax per head. A non-finite value clears `finite` (its statistics are then not recorded).
+// amax per channel. A non-finite value clears `finite` (its statistics are then not recorded).
 FineBatch fine_batch(const VarlenShape& shape, ThdView<const float> q, ThdView<const float> k, ThdView<const float> v);
 
 // out: contiguous [total_tokens, heads, head_dim]. In BF16/FP8 modes every value is a bf16 value.
@@ -170,12 +172,14 @@ namespace cuda {
 
 // The robust FP8 scheme's arrays of one layer in device memory (docs/fp8.md §Outlier channels; the
 // kernels' view of cpu::Fp8Fine without the rotation): K's mean and V's dequantization scales per
-// (head, channel) [H * hd], Q's and (smoothed) K's per head [H].
+// (head, channel) [H * hd], Q's and (smoothed) K's per head [H], and the split pairs
+// [H * fp8_split_pairs(hd)] (null where hd has none; -1 for an unused slot).
 struct FineArrays {
   float* k_mean = nullptr;
   float* q_head = nullptr;
   float* k_head = nullptr;
   float* v_channel = nullptr;
+  int32_t* qk_split = nullptr;
 };
 
 // One layer's FineHistory in device memory (its arrays and counters), which prepare() updates in
@@ -187,6 +191,7 @@ struct FineRing {
   double* k_sum = nullptr;
   float* k_hi = nullptr;
   float* k_lo = nullptr;
+  float* q_hi = nullptr;
   FineCounts* counts = nullptr;
 };
 

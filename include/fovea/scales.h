@@ -95,15 +95,44 @@ struct LayerAmax {
 // (the mean subtracted from K, per channel, heads x head_dim; any finite value). vLLM reads
 // the file's q/k/v and not these; a fovea that meets a "fovea_" field it does not know refuses the
 // file instead of ignoring it.
+//
+// "fovea_qk_split" (optional; heads x fp8_split_pairs(head_dim) integers): the rotary pairs whose Q and
+// K are split into two E4M3 terms (below), per head in slot order, -1 for an unused slot.
 struct FineScales {
   std::vector<float> q_head, k_head, v_channel, k_mean;
+  std::vector<int32_t> qk_split;  // empty: no pair is split
   bool operator==(const FineScales&) const = default;
 };
 
+// ---- split pairs (docs/fp8.md §Split pairs) ---------------------------------------------------------
+// FP8 Q and K rows are zero-padded to whole wgmma K steps of 32 channels (fp8_qk_width). At head_dim
+// 72 and 80 the padding has room for fp8_split_pairs(hd) rotary pairs (channels p and p + hd/2, the
+// two RoPE turns together) to be split: channel c keeps its E4M3 value x_hi = e4m3(x / s), and two
+// padding slots a = fp8_split_slot(hd, i, j), a + 1 (split i, channel j of the pair) hold, in Q,
+// (q_lo, q_hi) and, in K, (k_hi, k_lo), where x_lo = e4m3(x / s - x_hi) is the rounding error in E4M3.
+// Q . K over the padded row then sums q_hi k_hi + q_lo k_hi + q_hi k_lo for that channel: its product to
+// about 2^-8 relative instead of E4M3's 2^-4, with the same scales and no change to the kernel. Pairs
+// that dominate a head's scores (outlier channels, through RoPE or not) are the ones to split.
+constexpr int fp8_qk_width(int head_dim) { return (head_dim + 31) / 32 * 32; }
+constexpr int fp8_split_pairs(int head_dim) {
+  const int room = (fp8_qk_width(head_dim) - head_dim) / 4, pairs = head_dim / 2;
+  return head_dim % 2 ? 0 : room < pairs ? room : pairs;
+}
+constexpr int fp8_split_slot(int head_dim, int split, int j) { return head_dim + 4 * split + 2 * j; }
+// A pair's rank for splitting: its largest |q| times its largest |k - k_mean| (over its two channels).
+FOVEA_HD float split_share(float q0, float q1, float k0, float k1) { return (q0 > q1 ? q0 : q1) * (k0 > k1 ? k0 : k1); }
+// Each head's fp8_split_pairs(hd) pairs of largest split_share > 0 (ties: the lower pair), in that
+// order, then -1s: [H * fp8_split_pairs(hd)] from per-(head, channel) amaxes of Q and of K - k_mean.
+// The device's selection (prepare.cu) takes the same pairs in the same order.
+std::vector<int32_t> pick_split_pairs(int heads, int head_dim, const float* q_amax, const float* k_amax);
+// Throws fovea::Error (prefixed by `what`) unless `split` is empty or [H * fp8_split_pairs(hd)] with each
+// head's entries -1 or distinct pairs in [0, hd/2).
+void check_split_pairs(const std::vector<int32_t>& split, int heads, int head_dim, const std::string& what);
+
 // ---- the robust scheme's dynamic state (docs/fp8.md §Outlier channels) -----------------------------
 // One forward's statistics of one layer's attention inputs (after RoPE): per (head, channel) K's sum,
-// largest and smallest value and V's amax [H * hd]; per head Q's amax [H]; the token count; and
-// whether every value was finite.
+// largest and smallest value, V's and Q's amax [H * hd]; the token count; and whether every value was
+// finite.
 struct FineBatch {
   std::vector<double> k_sum;
   std::vector<float> k_hi, k_lo, v_amax, q_amax;
@@ -122,7 +151,8 @@ struct FineCounts {
 
 // Dynamic state of the robust scheme for one layer. Rings of the last 16 finite forwards' amax, per
 // head of Q and of K minus that forward's K mean, and per channel of V; and, over every finite forward
-// recorded, K's sum, largest and smallest value per channel (calibration's K mean and K range). A
+// recorded, K's sum, largest and smallest value and Q's amax per channel (calibration's K mean, K range
+// and split pairs). A
 // forward quantizes K minus its own mean, Q and K with max(ring) / 448 per head and V with
 // max(ring) / 448 per channel, its own amax included (it cannot overflow); the same code runs on the
 // device (prepare.cu), and calibration writes from it.
@@ -132,6 +162,7 @@ struct FineHistory {
   std::vector<float> v_ring;          // [16][H * hd]
   std::vector<double> k_sum;          // [H * hd]
   std::vector<float> k_hi, k_lo;      // [H * hd]
+  std::vector<float> q_hi;            // [H * hd]: Q's amax per channel over every recorded forward
   FineCounts counts{};
   FineHistory() = default;
   FineHistory(int heads, int head_dim);
@@ -198,12 +229,14 @@ class ScaleBook {
   // Enabling it again for the same shape keeps the history; for another shape is an error.
   void enable_fine(int heads, int head_dim);
   bool has_fine() const { return !fine_.empty(); }
-  // Records one forward of a layer and returns the arrays to quantize it with: k_mean this batch's.
+  // Records one forward of a layer and returns the arrays to quantize it with: k_mean and the split
+  // pairs this batch's (a split changes no scale, so its pairs need no history).
   FineScales record_fine(int layer, const FineBatch& batch);
   std::vector<FineHistory>& fine_state() { return fine_; }
   const std::vector<FineHistory>& fine_state() const { return fine_; }
   // Every layer's fine scales x margin from the histories as they are now (k_mean over every
-  // recorded forward, K's scale from its range about that mean). Throws, naming the layer, if one
+  // recorded forward, K's scale from its range about that mean, the split pairs from Q's amax and
+  // that range per channel). Throws, naming the layer, if one
   // recorded no finite forward.
   std::vector<FineScales> calibrated_fine(float margin) const;
 

@@ -50,13 +50,12 @@ constexpr Fp8Scheme kFp8Schemes[] = {
     {"smooth-k", {true, false, false}},
     {"per-head", {false, true, false}},
     {"per-channel-v", {false, false, true}},
-    {"robust", {true, true, true}},
+    {"robust", cpu::kRobustParts},
+    {"robust-nosplit", {true, true, true}},
     {"rotate", {false, false, false, true}},
     {"robust+rotate", {true, true, true, true}},
     {"pairs", {false, true, false, false, true}},
     {"robust+pairs", {true, true, true, false, true}},
-    {"robust+wide4", {true, true, true, false, false, 4}},
-    {"robust+wide8", {true, true, true, false, false, 8}},
 };
 
 std::vector<Fp8Scheme> parse_schemes(const std::string& s) {
@@ -66,8 +65,8 @@ std::vector<Fp8Scheme> parse_schemes(const std::string& s) {
     for (const Fp8Scheme& f : kFp8Schemes)
       if (item == f.name) found = &f;
     if (!found)
-      fail("--fp8-scheme: '{}' is not one of tensor, smooth-k, per-head, per-channel-v, robust, rotate, robust+rotate, "
-           "pairs, robust+pairs, robust+wide4, robust+wide8", item);
+      fail("--fp8-scheme: '{}' is not one of tensor, smooth-k, per-head, per-channel-v, robust, robust-nosplit, rotate, "
+           "robust+rotate, pairs, robust+pairs", item);
     out.push_back(*found);
   }
   if (out.empty()) fail("--fp8-scheme: empty list");
@@ -249,7 +248,7 @@ std::vector<AttnBackend> parse_backends(const std::string& list) {
 template <class T>
 cuda::DeviceBuffer<T> upload(const std::vector<T>& host) {
   cuda::DeviceBuffer<T> d(host.size());
-  FOVEA_CUDA_CHECK(cudaMemcpy(d.data(), host.data(), d.bytes(), cudaMemcpyHostToDevice));
+  if (d.count()) FOVEA_CUDA_CHECK(cudaMemcpy(d.data(), host.data(), d.bytes(), cudaMemcpyHostToDevice));
   return d;
 }
 
@@ -297,10 +296,11 @@ struct BenchScales {
   // the dynamic runs fill.
   std::vector<cuda::DeviceBuffer<float>> fine;
   cuda::DeviceFineHistory history;  // the dynamic runs record into a history, as the encoder's layers do
+  std::vector<cuda::DeviceBuffer<int32_t>> split;  // the split pairs of each set (none where head_dim has no room)
 
   cuda::FineArrays fine_arrays(int set) const {
     return cuda::FineArrays{fine[size_t(4 * set)].data(), fine[size_t(4 * set + 1)].data(),
-                            fine[size_t(4 * set + 2)].data(), fine[size_t(4 * set + 3)].data()};
+                            fine[size_t(4 * set + 2)].data(), fine[size_t(4 * set + 3)].data(), split[size_t(set)].data()};
   }
   cuda::DeviceScales static_scales(bool robust) const {
     cuda::DeviceScales sc;
@@ -329,12 +329,14 @@ BenchScales make_scales(const Bench& b, const std::vector<float>& rot) {
   LayerAmax fresh;
   for (auto& t : fresh.t) amax_history_reset(t);
   BenchScales sc{upload(std::vector<float>{st_all.q, st_all.k, st_all.v}), upload(std::vector<LayerAmax>{fresh}), {},
-                 cuda::DeviceFineHistory{FineHistory(int(H), int(hd))}};
+                 cuda::DeviceFineHistory{FineHistory(int(H), int(hd))}, {}};
   // Both robust sets start from these inputs' arrays (cpu::current_fine_scales).
-  const cpu::Fp8Fine fine = cpu::current_fine_scales(b.shape, all(0), all(1), all(2), {true, true, true, false});
-  for (int set = 0; set < 2; ++set)
+  const cpu::Fp8Fine fine = cpu::current_fine_scales(b.shape, all(0), all(1), all(2), cpu::kRobustParts);
+  for (int set = 0; set < 2; ++set) {
     for (const std::vector<float>* v : {&fine.k_mean, &fine.q_head, &fine.k_head, &fine.v_channel})
       sc.fine.push_back(upload(*v));
+    sc.split.push_back(upload(fine.qk_split));
+  }
   return sc;
 }
 
@@ -504,10 +506,10 @@ void add_bench_attention(CLI::App* bench, Runner& run) {
   cmd->add_option("--threads", a->threads, "CPU threads (0: all)")->capture_default_str();
   cmd->add_option("--json", a->json_path, "write the results as JSON to this file");
   cmd->add_option("--fp8-scheme", a->fp8_schemes,
-                  "comma list of FP8 scale schemes: tensor (vLLM's), smooth-k, per-head, per-channel-v, robust (all three; these two on the GPU too), "
-                  "rotate (Q and K times an orthonormal DCT), robust+rotate, pairs (Q and K rescaled per rotary pair, "
-                  "per-head scales), robust+pairs, robust+wide4 / robust+wide8 (each head's 4 / 8 rotary pairs of "
-                  "largest amax_q * amax_k kept in bf16)")
+                  "comma list of FP8 scale schemes: tensor (vLLM's), smooth-k, per-head, per-channel-v, robust (all three, "
+                  "and at head_dim 72 / 80 each head's largest rotary pairs split into two E4M3 terms; these two on the GPU "
+                  "too), robust-nosplit, rotate (Q and K times an orthonormal DCT), robust+rotate, pairs (Q and K rescaled "
+                  "per rotary pair, per-head scales), robust+pairs")
       ->capture_default_str();
   cmd->add_option("--rope", a->rope, "--device cpu: apply RoPE to q and k first (the GPU bench always does)")
       ->capture_default_str();

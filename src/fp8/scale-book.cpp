@@ -101,6 +101,42 @@ FineHistory::FineHistory(int h, int hd) : heads(h), head_dim(hd) {
   k_sum.assign(cells, 0.0);
   k_hi.assign(cells, -INFINITY);
   k_lo.assign(cells, INFINITY);
+  q_hi.assign(cells, 0.0f);
+}
+
+std::vector<int32_t> pick_split_pairs(int heads, int head_dim, const float* q_amax, const float* k_amax) {
+  const int n = fp8_split_pairs(head_dim), half = head_dim / 2;
+  std::vector<int32_t> out(size_t(heads) * size_t(n), -1);
+  std::vector<int> order(static_cast<size_t>(half));
+  std::vector<float> share(static_cast<size_t>(half));
+  for (int h = 0; h < heads && n > 0; ++h) {
+    const float *q = q_amax + size_t(h) * head_dim, *k = k_amax + size_t(h) * head_dim;
+    for (int p = 0; p < half; ++p) {
+      order[size_t(p)] = p;
+      const float x = split_share(q[p], q[p + half], k[p], k[p + half]);
+      share[size_t(p)] = x > 0.0f ? x : -1.0f;  // NaN too: an order for the sort, never split
+    }
+    std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return share[size_t(a)] > share[size_t(b)]; });
+    for (int i = 0; i < n; ++i)
+      if (share[size_t(order[size_t(i)])] > 0.0f) out[size_t(h) * n + i] = order[size_t(i)];
+  }
+  return out;
+}
+
+void check_split_pairs(const std::vector<int32_t>& split, int heads, int head_dim, const std::string& what) {
+  if (split.empty()) return;
+  const int n = fp8_split_pairs(head_dim);
+  if (split.size() != size_t(heads) * size_t(n))
+    fail("{}: {} split pairs, not {} ({} heads x {} at head_dim {})", what, split.size(), size_t(heads) * size_t(n), heads,
+         n, head_dim);
+  for (int h = 0; h < heads; ++h)
+    for (int i = 0; i < n; ++i) {
+      const int32_t p = split[size_t(h) * n + i];
+      if (p < -1 || p >= head_dim / 2)
+        fail("{}: head {}: split pair {} is not a rotary pair (0..{}) or -1", what, h, p, head_dim / 2 - 1);
+      for (int j = 0; j < i && p >= 0; ++j)
+        if (split[size_t(h) * n + j] == p) fail("{}: head {}: split pair {} is given twice", what, h, p);
+    }
 }
 
 void ScaleBook::enable_fine(int heads, int head_dim) {
@@ -120,7 +156,7 @@ FineScales ScaleBook::record_fine(int layer, const FineBatch& b) {
   const int H = f.heads;
   const size_t cells = size_t(H) * size_t(f.head_dim);
   if (b.k_sum.size() != cells || b.k_hi.size() != cells || b.k_lo.size() != cells || b.v_amax.size() != cells ||
-      b.q_amax.size() != size_t(H) || b.tokens <= 0)
+      b.q_amax.size() != cells || b.tokens <= 0)
     fail("scale book: layer {}: a batch's statistics are not for {} heads of {} channels", layer, H, f.head_dim);
   FineCounts& c = f.counts;
   const bool keep = b.finite;
@@ -130,16 +166,20 @@ FineScales ScaleBook::record_fine(int layer, const FineBatch& b) {
   out.v_channel.resize(cells);
   out.q_head.resize(size_t(H));
   out.k_head.resize(size_t(H));
-  std::vector<float> dev(size_t(H), 0.0f);
+  std::vector<float> dev(size_t(H), 0.0f), qa(size_t(H), 0.0f), k_chan(cells);
   for (size_t i = 0; i < cells; ++i) {
     const float mean = float(b.k_sum[i] / double(b.tokens));
     out.k_mean[i] = mean;
+    k_chan[i] = smoothed_amax(b.k_hi[i], b.k_lo[i], mean);
     float& d = dev[i / size_t(f.head_dim)];
-    d = std::max(d, smoothed_amax(b.k_hi[i], b.k_lo[i], mean));
+    d = std::max(d, k_chan[i]);
+    float& q = qa[i / size_t(f.head_dim)];
+    q = std::max(q, b.q_amax[i]);
     out.v_channel[i] = fine_ring_scale(fine_ring_prev(f.v_ring.data() + i, int(cells), filled, slot, keep), keep, b.v_amax[i]);
   }
+  if (fp8_split_pairs(f.head_dim) > 0) out.qk_split = pick_split_pairs(H, f.head_dim, b.q_amax.data(), k_chan.data());
   for (int h = 0; h < H; ++h) {
-    out.q_head[size_t(h)] = fine_ring_scale(fine_ring_prev(f.q_ring.data() + h, H, filled, slot, keep), keep, b.q_amax[size_t(h)]);
+    out.q_head[size_t(h)] = fine_ring_scale(fine_ring_prev(f.q_ring.data() + h, H, filled, slot, keep), keep, qa[size_t(h)]);
     out.k_head[size_t(h)] = fine_ring_scale(fine_ring_prev(f.k_ring.data() + h, H, filled, slot, keep), keep, dev[size_t(h)]);
   }
   c.updates += 1;
@@ -148,7 +188,7 @@ FineScales ScaleBook::record_fine(int layer, const FineBatch& b) {
     return out;
   }
   for (int h = 0; h < H; ++h) {
-    f.q_ring[size_t(slot) * H + h] = b.q_amax[size_t(h)];
+    f.q_ring[size_t(slot) * H + h] = qa[size_t(h)];
     f.k_ring[size_t(slot) * H + h] = dev[size_t(h)];
   }
   for (size_t i = 0; i < cells; ++i) {
@@ -156,6 +196,7 @@ FineScales ScaleBook::record_fine(int layer, const FineBatch& b) {
     f.k_sum[i] += b.k_sum[i];
     f.k_hi[i] = std::max(f.k_hi[i], b.k_hi[i]);
     f.k_lo[i] = std::min(f.k_lo[i], b.k_lo[i]);
+    f.q_hi[i] = std::max(f.q_hi[i], b.q_amax[i]);
   }
   c.pos = (slot + 1) % kAmaxHistoryLen;
   c.filled = filled;
@@ -178,16 +219,19 @@ std::vector<FineScales> ScaleBook::calibrated_fine(float margin) const {
     o.v_channel.resize(cells);
     o.q_head.resize(size_t(H));
     o.k_head.assign(size_t(H), 0.0f);
+    std::vector<float> k_chan(cells);
     for (size_t i = 0; i < cells; ++i) {
       o.k_mean[i] = float(f.k_sum[i] / f.counts.tokens);
+      k_chan[i] = smoothed_amax(f.k_hi[i], f.k_lo[i], o.k_mean[i]);
       float& d = o.k_head[i / size_t(f.head_dim)];
-      d = std::max(d, smoothed_amax(f.k_hi[i], f.k_lo[i], o.k_mean[i]));
+      d = std::max(d, k_chan[i]);
       o.v_channel[i] = amax_to_scale(fine_ring_prev(f.v_ring.data() + i, int(cells), f.counts.filled, 0, false)) * margin;
     }
     for (int h = 0; h < H; ++h) {
       o.q_head[size_t(h)] = amax_to_scale(fine_ring_prev(f.q_ring.data() + h, H, f.counts.filled, 0, false)) * margin;
       o.k_head[size_t(h)] = amax_to_scale(o.k_head[size_t(h)]) * margin;
     }
+    if (fp8_split_pairs(f.head_dim) > 0) o.qk_split = pick_split_pairs(H, f.head_dim, f.q_hi.data(), k_chan.data());
   }
   return out;
 }

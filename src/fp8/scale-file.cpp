@@ -74,6 +74,7 @@ float scale_value(const std::string& path, const std::string& layer, const std::
 }
 
 constexpr const char* kFineFields[] = {"fovea_q_head", "fovea_k_head", "fovea_v_channel", "fovea_k_mean"};
+constexpr const char* kSplitField = "fovea_qk_split";  // optional, with the four above
 
 // K's mean as the file gives it: a JSON number that is a finite float32 (of any sign).
 float mean_value(const std::string& path, const std::string& layer, const std::string& what, const json& v) {
@@ -114,6 +115,22 @@ std::optional<FineScales> read_fine(const std::string& path, const std::string& 
     fail("scale file '{}': layer '{}': fovea_q_head has {} values, fovea_k_head {}, fovea_v_channel {} and fovea_k_mean "
          "{}; expected one per head, one per head, heads x head_dim and heads x head_dim", path, layer, out.q_head.size(),
          out.k_head.size(), out.v_channel.size(), out.k_mean.size());
+  if (entry.contains(kSplitField)) {  // optional: heads x fp8_split_pairs(head_dim) integers
+    const json& a = entry.at(kSplitField);
+    if (!a.is_array() || a.size() > size_t(kMaxFineScales))
+      fail("scale file '{}': layer '{}': '{}' is {}, not an array of at most {} integers", path, layer, kSplitField,
+           describe(a), kMaxFineScales);
+    for (size_t j = 0; j < a.size(); ++j) {
+      const json& x = a[j];  // a huge unsigned value must not wrap to -1
+      if (!x.is_number_integer() || (x.is_number_unsigned() ? x.get<uint64_t>() > uint64_t(kMaxFineScales) : x.get<int64_t>() < -1))
+        fail("scale file '{}': layer '{}': '{}[{}]' is {}, not a rotary pair index or -1", path, layer, kSplitField, j,
+             a[j].dump());
+      out.qk_split.push_back(int32_t(a[j].get<int64_t>()));
+    }
+    const int heads = int(out.q_head.size());
+    check_split_pairs(out.qk_split, heads, int(out.v_channel.size()) / heads,
+                      fmt::format("scale file '{}': layer '{}': {}", path, layer, kSplitField));
+  }
   return out;
 }
 
@@ -172,14 +189,18 @@ ScaleFile parse_scale_file(std::string_view text, const std::string& path) {
     for (const auto& [k2, unused] : entry.items()) {
       (void)unused;
       static const char* known[] = {"q", "k", "v", "q_scale", "k_scale", "v_scale",
-                                    "fovea_q_head", "fovea_k_head", "fovea_v_channel", "fovea_k_mean"};
+                                    "fovea_q_head", "fovea_k_head", "fovea_v_channel", "fovea_k_mean", kSplitField};
       if (std::find(std::begin(known), std::end(known), k2) != std::end(known)) continue;
       if (k2.starts_with("fovea_"))  // written by a newer fovea for a scheme this one cannot run
         fail("scale file '{}': layer '{}': field '{}' is not one this fovea knows (a file from a newer fovea?); "
-             "it knows fovea_q_head, fovea_k_head, fovea_v_channel, fovea_k_mean", path, key, escape_for_error(k2));
+             "it knows fovea_q_head, fovea_k_head, fovea_v_channel, fovea_k_mean, fovea_qk_split", path, key,
+             escape_for_error(k2));
       warn(fmt::format("scale file '{}': layer '{}': ignoring unknown field '{}'", path, key, escape_for_error(k2)));
     }
     if (auto fine = read_fine(path, key, entry)) out.fine[idx] = std::move(*fine);
+    else if (entry.contains(kSplitField))
+      fail("scale file '{}': layer '{}': '{}' is given without the fine scales it goes with (fovea_q_head, ...)", path,
+           key, kSplitField);
     out.layers[idx] = s;
     out.names[idx] = key;
   }
@@ -256,6 +277,12 @@ void write_scale_file(const std::string& path, const std::vector<QkvScales>& sca
           arr.push_back(double(x));
         }
         doc[scale_layer_name(int(i))][kFineFields[p]] = std::move(arr);
+      }
+      if (!f.qk_split.empty()) {
+        const int heads = int(f.q_head.size());
+        check_split_pairs(f.qk_split, heads, int(f.v_channel.size()) / heads,
+                          fmt::format("scale file '{}': refusing to write layer {}'s {}", path, i, kSplitField));
+        doc[scale_layer_name(int(i))][kSplitField] = f.qk_split;
       }
     }
   }

@@ -380,33 +380,41 @@ TEST(FlashAttentionGpuGraph, DynamicScalingReplays) {
 // One layer's robust-scheme arrays in device memory.
 struct DeviceFine {
   DeviceBuffer<float> k_mean, q_head, k_head, v_channel;
-  DeviceFine(int H, int hd) : k_mean(size_t(H) * hd), q_head(size_t(H)), k_head(size_t(H)), v_channel(size_t(H) * hd) {
+  DeviceBuffer<int32_t> qk_split;  // none at head_dim 64 / 128
+  DeviceFine(int H, int hd)
+      : k_mean(size_t(H) * hd), q_head(size_t(H)), k_head(size_t(H)), v_channel(size_t(H) * hd),
+        qk_split(size_t(H) * fp8_split_pairs(hd)) {
     for (auto* b : {&k_mean, &q_head, &k_head, &v_channel})  // poison: NaN until written
       FOVEA_CUDA_CHECK(cudaMemset(b->data(), 0xFF, b->bytes()));
+    if (qk_split.count()) FOVEA_CUDA_CHECK(cudaMemset(qk_split.data(), 0x7F, qk_split.bytes()));  // no pair index
   }
   cuda::DeviceScales scales(bool current) {
     cuda::DeviceScales s;
-    s.fine = {k_mean.data(), q_head.data(), k_head.data(), v_channel.data()};
+    s.fine = {k_mean.data(), q_head.data(), k_head.data(), v_channel.data(), qk_split.data()};
     s.fine_current = current;
     return s;
   }
   void set(const cpu::Fp8Fine& f) {
     upload(k_mean, f.k_mean), upload(q_head, f.q_head), upload(k_head, f.k_head), upload(v_channel, f.v_channel);
+    ASSERT_EQ(f.qk_split.size(), qk_split.count());
+    if (qk_split.count()) upload(qk_split, f.qk_split);
   }
   cpu::Fp8Fine get() const {
     cpu::Fp8Fine f;
     f.k_mean = download(k_mean), f.q_head = download(q_head), f.k_head = download(k_head), f.v_channel = download(v_channel);
+    if (qk_split.count()) f.qk_split = download(qk_split);
     return f;
   }
 };
 
-constexpr cpu::Fp8FineParts kRobust = {true, true, true, false};
+constexpr cpu::Fp8FineParts kRobust = cpu::kRobustParts;
 
 // The device's current-scaling arrays against cpu::current_fine_scales on the same inputs: the
 // maxima bit for bit; K's mean (a double sum in another order, then float) and the K scales built on
-// it within one float ulp.
+// it within one float ulp; the split pairs exactly.
 void expect_same_fine(const cpu::Fp8Fine& gpu, const cpu::Fp8Fine& cpu, const std::string& what) {
   ASSERT_EQ(gpu.k_mean.size(), cpu.k_mean.size()) << what;
+  EXPECT_EQ(gpu.qk_split, cpu.qk_split) << what << " qk_split";
   for (size_t i = 0; i < cpu.q_head.size(); ++i) {
     EXPECT_EQ(gpu.q_head[i], cpu.q_head[i]) << what << " q_head " << i;
     EXPECT_NEAR(gpu.k_head[i], cpu.k_head[i], 2 * std::nextafter(cpu.k_head[i], INFINITY) - 2 * cpu.k_head[i]) << what << " k_head " << i;
@@ -490,6 +498,8 @@ TEST(FlashAttentionGpuRobustStatic, UsesTheGivenArrays) {
   expect_within_rule(run_robust(p, &f, &used), "robust static hd72");
   EXPECT_EQ(used.k_mean, f.k_mean);
   EXPECT_EQ(used.v_channel, f.v_channel);
+  EXPECT_EQ(used.qk_split, f.qk_split);
+  EXPECT_EQ(f.qk_split.size(), 2u * fp8_split_pairs(72));
 }
 
 // Current scaling replayed from a CUDA graph: stats, prepare and attend captured once, replayed on
@@ -554,6 +564,7 @@ TEST(FlashAttentionGpuRobustGraph, HistoryReplaysAsTheHostBook) {
       const cpu::Fp8Fine used = fine.get();
       cpu::Fp8Fine w;
       w.k_mean = want.k_mean, w.q_head = want.q_head, w.k_head = want.k_head, w.v_channel = want.v_channel;
+      w.qk_split = want.qk_split;
       expect_same_fine(used, w, what);
       if (replay == 19) {
         cpu::RefOptions o;
@@ -574,6 +585,7 @@ TEST(FlashAttentionGpuRobustGraph, HistoryReplaysAsTheHostBook) {
     EXPECT_EQ(got.v_ring, host.v_ring);
     EXPECT_EQ(got.k_hi, host.k_hi);
     EXPECT_EQ(got.k_lo, host.k_lo);
+    EXPECT_EQ(got.q_hi, host.q_hi);
     for (size_t i = 0; i < host.k_sum.size(); ++i) EXPECT_NEAR(got.k_sum[i], host.k_sum[i], 1e-9 * (1 + std::fabs(host.k_sum[i])));
     for (size_t i = 0; i < host.k_ring.size(); ++i)
       EXPECT_NEAR(got.k_ring[i], host.k_ring[i], 4 * (std::nextafter(host.k_ring[i], INFINITY) - host.k_ring[i])) << "k ring " << i;

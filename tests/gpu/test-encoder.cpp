@@ -352,8 +352,19 @@ Model outlier_8b() {
   return with_outlier_channels(std::move(m), qk);
 }
 
-TEST(EncoderGpu, RobustFp8HoldsUpUnderOutlierChannels) {
-  const Model m = outlier_8b();
+// The two outlier models: Q and K together on the slowest rotary pair (outlier_8b), and K's outliers
+// apart from Q's, on fast and slow pairs (with_key_outlier_channels).
+std::vector<std::pair<std::string, Model>> outlier_models() {
+  std::vector<std::pair<std::string, Model>> out;
+  out.emplace_back("slow pair", outlier_8b());
+  out.emplace_back("key channels", with_key_outlier_channels(two_block_8b()));
+  return out;
+}
+
+class EncoderGpuOutliers : public ::testing::TestWithParam<int> {};
+
+TEST_P(EncoderGpuOutliers, RobustFp8HoldsUpUnderOutlierChannels) {
+  const auto [name, m] = std::move(outlier_models()[size_t(GetParam())]);
   int64_t n = 0;
   for (auto& g : kGrids) n += int64_t(g[0]) * g[1] * g[2];
   const std::vector<float> px = random_pixels(n);
@@ -385,9 +396,10 @@ TEST(EncoderGpu, RobustFp8HoldsUpUnderOutlierChannels) {
   const auto robust = run(AttnDtype::FP8, true);
   const auto e_robust = embedding_error(robust, exact.merged, O), e_emu = embedding_error(emu.merged, exact.merged, O);
   const auto vs_emu = embedding_error(robust, emu.merged, O);
-  std::printf("outlier channels, merged rel_l2 vs fp32: gpu bf16 %.3e, fp8 tensor %.3e, fp8 robust %.3e (cos %.6f); "
-              "robust emulation %.3e; gpu robust vs emulation %.3e\n",
-              e_bf.rel_l2, e_tensor.rel_l2, e_robust.rel_l2, e_robust.mean_cosine, e_emu.rel_l2, vs_emu.rel_l2);
+  std::printf("outlier channels (%s), merged rel_l2 vs fp32: gpu bf16 %.3e, fp8 tensor %.3e (%.2fx bf16), fp8 robust %.3e "
+              "(%.2fx bf16, cos %.6f); robust emulation %.3e; gpu robust vs emulation %.3e\n",
+              name.c_str(), e_bf.rel_l2, e_tensor.rel_l2, e_tensor.rel_l2 / e_bf.rel_l2, e_robust.rel_l2,
+              e_robust.rel_l2 / e_bf.rel_l2, e_robust.mean_cosine, e_emu.rel_l2, vs_emu.rel_l2);
   // Two runs (fresh pixels): bf16 0.117 / 0.164, tensor 0.771 / 0.550, robust 0.167 / 0.243, its
   // emulation 0.159 / 0.119. The GPU's error is the emulation's plus bf16 activations' (BF16's own).
   EXPECT_LT(e_robust.rel_l2, e_tensor.rel_l2 / 1.5);
@@ -399,8 +411,8 @@ TEST(EncoderGpu, RobustFp8HoldsUpUnderOutlierChannels) {
 // Calibrating the robust scheme on the GPU (the histories on the device, copied back after each
 // forward): the file is written after the 16th forward with every layer's fine scales, and static
 // robust FP8 from it on other pixels is about as good as dynamic robust FP8 there.
-TEST(EncoderGpu, RobustCalibrationWritesFineScalesThatServeStatically) {
-  const Model m = outlier_8b();
+TEST_P(EncoderGpuOutliers, RobustCalibrationWritesFineScalesThatServeStatically) {
+  const auto [name, m] = std::move(outlier_models()[size_t(GetParam())]);
   int64_t n = 0;
   for (auto& g : kGrids) n += int64_t(g[0]) * g[1] * g[2];
   const std::vector<float> calib = random_pixels(n), held = random_pixels(n);
@@ -446,11 +458,15 @@ TEST(EncoderGpu, RobustCalibrationWritesFineScalesThatServeStatically) {
   ScaleBook dyn = ScaleBook::dynamic(m.config.depth), fixed = ScaleBook::fixed(scales_for_model(file, m.config.depth));
   ScaleBook fixed_tensor = fixed;
   const auto e_dyn = run(dyn, nullptr, true), e_static = run(fixed, &fine, true), e_tensor = run(fixed_tensor, nullptr, false);
-  std::printf("robust calibration on the GPU, held-out merged rel_l2 vs fp32: dynamic %.3e, static %.3e; per-tensor static %.3e\n",
-              e_dyn.rel_l2, e_static.rel_l2, e_tensor.rel_l2);
+  std::printf("robust calibration on the GPU (%s), held-out merged rel_l2 vs fp32: dynamic %.3e, static %.3e (%.2fx); "
+              "per-tensor static %.3e\n", name.c_str(), e_dyn.rel_l2, e_static.rel_l2, e_static.rel_l2 / e_dyn.rel_l2,
+              e_tensor.rel_l2);
   EXPECT_LT(e_static.rel_l2, 2.0 * e_dyn.rel_l2);
   EXPECT_LT(e_static.rel_l2, e_tensor.rel_l2 / 1.5);
 }
+
+INSTANTIATE_TEST_SUITE_P(Models, EncoderGpuOutliers, ::testing::Values(0, 1),
+                         [](const auto& info) { return info.param == 0 ? "SlowPair" : "KeyChannels"; });
 
 // The encoder with the CUDNN backend (BF16) against the fp32 CPU forward, beside the FOVEA backend on
 // the same pixels: the same error within a tenth (both are BF16 attention with fp32 softmax), merged

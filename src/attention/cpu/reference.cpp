@@ -54,20 +54,22 @@ void fp8_input_row(const float* x, const float* shift, const float* mul, const f
   }
 }
 
-// Inputs as the kernel sees them, dense [tokens, heads, hd] floats: bf16-rounded or E4M3-decoded
-// (without the scale: the descales are applied to S and to the output, as in the kernel). FP8:
-// element (h, d) is quantized as (x - shift[h * hd + d]) * mul[h * hd + d] (mul where not empty)
-// with scale[h * hd + d]; where wide[h * hd + d] is set it is rounded to bf16 instead (and divided
-// by the scale, which the score's descale multiplies back).
+// Inputs as the kernel sees them, dense [tokens, heads, width] floats: bf16-rounded or E4M3-decoded
+// (without the scale: the descales are applied to S and to the output, as in the kernel), zero past
+// head_dim. FP8: element (h, d) is quantized as (x - shift[h * hd + d]) * mul[h * hd + d] (mul where not
+// empty) with scale[h * hd + d]; with `split` ([H * n] rotary pairs, -1 none) each split channel's
+// remainder fills its two padding slots, (lo, hi) for Q (split_q) and (hi, lo) for K, as the prepare
+// kernel writes them (fovea/scales.h §split pairs).
 std::vector<float> operand(const VarlenShape& sh, ThdView<const float> x, RefMode mode, const std::vector<float>& scale,
-                           const std::vector<float>& shift, const std::vector<float>& mul, const float* rot,
-                           const std::vector<uint8_t>& wide = {}) {
+                           const std::vector<float>& shift, const std::vector<float>& mul, const float* rot, int width,
+                           const std::vector<int32_t>& split = {}, bool split_q = false) {
   const int64_t n = sh.total_tokens();
-  const int hd = sh.head_dim;
-  std::vector<float> out(size_t(n) * sh.heads * hd), row(static_cast<size_t>(hd));
+  const int hd = sh.head_dim, half = hd / 2;
+  const int per_head = split.empty() ? 0 : int(split.size()) / sh.heads;
+  std::vector<float> out(size_t(n) * sh.heads * width, 0.0f), row(static_cast<size_t>(hd));
   for (int64_t t = 0; t < n; ++t)
     for (int h = 0; h < sh.heads; ++h) {
-      float* o = out.data() + (t * sh.heads + h) * hd;
+      float* o = out.data() + (t * sh.heads + h) * width;
       if (mode != RefMode::FP8) {
         for (int d = 0; d < hd; ++d) o[d] = bf16_round(x.row(t, h)[d]);
         continue;
@@ -75,9 +77,17 @@ std::vector<float> operand(const VarlenShape& sh, ThdView<const float> x, RefMod
       fp8_input_row(x.row(t, h), shift.data() + size_t(h) * hd, mul.empty() ? nullptr : mul.data() + size_t(h) * hd,
                     rot, hd, row.data());
       const float* s = scale.data() + size_t(h) * hd;
-      const uint8_t* w = wide.empty() ? nullptr : wide.data() + size_t(h) * hd;
-      for (int d = 0; d < hd; ++d)
-        o[d] = w && w[d] ? bf16_round(row[size_t(d)]) / s[d] : e4m3_to_float(e4m3_quantize(row[size_t(d)], s[d]));
+      for (int d = 0; d < hd; ++d) o[d] = e4m3_to_float(e4m3_quantize(row[size_t(d)], s[d]));
+      for (int i = 0; i < per_head; ++i) {
+        const int p = split[size_t(h) * per_head + i];
+        for (int j = 0; p >= 0 && j < 2; ++j) {
+          const int c = p + j * half, a = fp8_split_slot(hd, i, j);
+          const float y = row[size_t(c)] / s[c], hi = e4m3_to_float(e4m3_from_float(y));
+          const float lo = e4m3_to_float(e4m3_from_float(y - hi));
+          o[a] = split_q ? lo : hi;
+          o[a + 1] = split_q ? hi : lo;
+        }
+      }
     }
   return out;
 }
@@ -101,23 +111,6 @@ void pair_multipliers(const Fp8Fine& fine, int H, int hd, std::vector<float>& q_
         k_mul[size_t(h) * hd + c] = 1.0f / f;
       }
     }
-}
-
-// qk_wide [H * hd/2] as a per-(head, channel) mask. Throws unless the size fits, every entry is 0 or
-// 1, and rotate_qk is off.
-std::vector<uint8_t> wide_channels(const Fp8Fine& fine, int H, int hd) {
-  const size_t pairs = size_t(H) * size_t(hd / 2);
-  if (hd % 2 != 0 || fine.qk_wide.size() != pairs)
-    fail("attention: qk_wide holds {} values, not {} ({} heads x {} rotary pairs)", fine.qk_wide.size(), pairs, H, hd / 2);
-  if (fine.rotate_qk) fail("attention: qk_wide and rotate_qk cannot be combined");
-  std::vector<uint8_t> m(size_t(H) * hd, 0);
-  for (int h = 0; h < H; ++h)
-    for (int p = 0; p < hd / 2; ++p) {
-      const uint8_t w = fine.qk_wide[size_t(h) * (hd / 2) + p];
-      if (w > 1) fail("attention: qk_wide entries are 0 or 1, got {}", int(w));
-      m[size_t(h) * hd + p] = m[size_t(h) * hd + p + hd / 2] = w;
-    }
-  return m;
 }
 
 // The per-(head, channel) scale of one tensor: the fine vector where given ([H] or [H * hd]), else
@@ -165,7 +158,7 @@ void row_exact(const float* q, ThdView<const float> k, ThdView<const float> v, i
 // o = o * corr + block (two-level accumulation), its l being the sum of the E4M3 P when the kernel
 // sums on the tensor cores.
 void row_flash(const float* q, const float* k, const float* v, int64_t begin, int64_t end, int h, int heads,
-               int hd, float qk_scale_log2, const float* out_scale, RefMode mode, const PScheme& ps,
+               int hd, int qk_width, float qk_scale_log2, const float* out_scale, RefMode mode, const PScheme& ps,
                std::vector<float>& t, std::vector<float>& acc, std::vector<float>& block, double* out) {
   const int64_t len = end - begin;
   const int64_t nblocks = (len + ps.block_n - 1) / ps.block_n;
@@ -181,9 +174,9 @@ void row_flash(const float* q, const float* k, const float* v, int64_t begin, in
     const int64_t j0 = begin + b * ps.block_n, j1 = std::min(end, j0 + ps.block_n);
     float bmax = -std::numeric_limits<float>::infinity();
     for (int64_t j = j0; j < j1; ++j) {
-      const float* kr = k + (j * heads + h) * hd;
+      const float* kr = k + (j * heads + h) * qk_width;
       float s = 0.0f;
-      for (int d = 0; d < hd; ++d) s += q[d] * kr[d];
+      for (int d = 0; d < qk_width; ++d) s += q[d] * kr[d];
       t[size_t(j - j0)] = s;
       bmax = std::max(bmax, s);
     }
@@ -263,12 +256,16 @@ void attention(const VarlenShape& sh, ThdView<const float> q, ThdView<const floa
   }
   std::vector<float> q_mul, k_mul;
   if (fp8 && !fine.qk_pair.empty()) pair_multipliers(fine, H, hd, q_mul, k_mul);
-  const std::vector<uint8_t> wide = fp8 && !fine.qk_wide.empty() ? wide_channels(fine, H, hd) : std::vector<uint8_t>();
+  if (fp8 && !fine.qk_split.empty()) {
+    check_split_pairs(fine.qk_split, H, hd, "attention: qk_split");
+    if (fine.rotate_qk || !fine.qk_pair.empty()) fail("attention: qk_split cannot be combined with rotate_qk or qk_pair");
+  }
   const std::vector<float> rot = fp8 && fine.rotate_qk ? dct_matrix(hd) : std::vector<float>();
   const float* r = rot.empty() ? nullptr : rot.data();
-  const std::vector<float> q8 = operand(sh, q, opt.mode, sq, zeros, q_mul, r, wide);
-  const std::vector<float> k8 = operand(sh, k, opt.mode, sk, k_shift, k_mul, r, wide);
-  const std::vector<float> v8 = operand(sh, v, opt.mode, sv, zeros, {}, nullptr);
+  const int qk_width = fp8 ? fp8_qk_width(hd) : hd;  // the FP8 rows' zero padding, split pairs there
+  const std::vector<float> q8 = operand(sh, q, opt.mode, sq, zeros, q_mul, r, qk_width, fine.qk_split, true);
+  const std::vector<float> k8 = operand(sh, k, opt.mode, sk, k_shift, k_mul, r, qk_width, fine.qk_split, false);
+  const std::vector<float> v8 = operand(sh, v, opt.mode, sv, zeros, {}, nullptr, hd);
   std::vector<float> qk_scale_log2(static_cast<size_t>(H));  // per head: the Q and K descales fold into the score scale
   for (int h = 0; h < H; ++h)
     qk_scale_log2[size_t(h)] =
@@ -281,8 +278,8 @@ void attention(const VarlenShape& sh, ThdView<const float> q, ThdView<const floa
     const int64_t tok = r / H;
     const int h = int(r % H);
     const int sg = seg[size_t(tok)];
-    row_flash(q8.data() + r * hd, k8.data(), v8.data(), sh.cu_seqlens[size_t(sg)], sh.cu_seqlens[size_t(sg) + 1],
-              h, H, hd, qk_scale_log2[size_t(h)], sv.data() + size_t(h) * hd, opt.mode, opt.p, t, acc, block, out + r * hd);
+    row_flash(q8.data() + r * qk_width, k8.data(), v8.data(), sh.cu_seqlens[size_t(sg)], sh.cu_seqlens[size_t(sg) + 1],
+              h, H, hd, qk_width, qk_scale_log2[size_t(h)], sv.data() + size_t(h) * hd, opt.mode, opt.p, t, acc, block, out + r * hd);
   }, opt.threads, grain);
 }
 
@@ -323,38 +320,28 @@ Fp8Fine current_fine_scales(const VarlenShape& shape, ThdView<const float> q, Th
     f.k_mean = mean;
   }
   f.rotate_qk = parts.rotate_qk;
-  if (parts.wide_pairs < 0 || parts.wide_pairs > hd / 2)
-    fail("FP8 scales: wide_pairs must be in 0..{} (head_dim / 2), got {}", hd / 2, parts.wide_pairs);
-  const bool per_pair = parts.smooth_qk_pairs || parts.wide_pairs > 0;
-  if (per_pair && parts.rotate_qk) fail("FP8 scales: smooth_qk_pairs / wide_pairs and rotate_qk cannot be combined");
+  const bool per_pair = parts.smooth_qk_pairs || parts.split_pairs;
+  if (per_pair && parts.rotate_qk) fail("FP8 scales: smooth_qk_pairs / split_pairs and rotate_qk cannot be combined");
+  if (parts.smooth_qk_pairs && parts.split_pairs) fail("FP8 scales: smooth_qk_pairs and split_pairs cannot be combined");
   if (per_pair && hd % 2 != 0) fail("FP8 scales: rotary pairs need an even head_dim, got {}", hd);
   const std::vector<float> zeros(cells, 0.0f);
   std::vector<float> q_mul, k_mul;
-  std::vector<uint8_t> wide;
-  if (per_pair) {  // each rotary pair's amax in Q and in K - mean
-    std::vector<float> qa(cells / 2, 0.0f), ka(cells / 2, 0.0f);
-    const int half = hd / 2;
+  if (per_pair) {  // Q's and K - mean's amax per channel
+    std::vector<float> qa(cells, 0.0f), ka(cells, 0.0f);
     each_row(q, "q", [&](size_t h, const float* r) {
-      for (int d = 0; d < hd; ++d) qa[h * half + d % half] = std::max(qa[h * half + d % half], std::fabs(r[d]));
+      for (int d = 0; d < hd; ++d) qa[h * hd + d] = std::max(qa[h * hd + d], std::fabs(r[d]));
     });
     each_row(k, "k", [&](size_t h, const float* r) {
-      for (int d = 0; d < hd; ++d)
-        ka[h * half + d % half] = std::max(ka[h * half + d % half], std::fabs(r[d] - mean[h * hd + d]));
+      for (int d = 0; d < hd; ++d) ka[h * hd + d] = std::max(ka[h * hd + d], std::fabs(r[d] - mean[h * hd + d]));
     });
-    if (parts.wide_pairs > 0) {  // each head's pairs of largest amax_q * amax_k (ties: the lower pair)
-      f.qk_wide.assign(cells / 2, 0);
-      std::vector<int> order(static_cast<size_t>(half));
-      for (int h = 0; h < H; ++h) {
-        const auto share = [&](int p) { return double(qa[size_t(h) * half + p]) * ka[size_t(h) * half + p]; };
-        for (int p = 0; p < half; ++p) order[size_t(p)] = p;
-        std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return share(a) > share(b); });
-        for (int i = 0; i < parts.wide_pairs; ++i) f.qk_wide[size_t(h) * half + order[size_t(i)]] = 1;
-      }
-      wide = wide_channels(f, H, hd);
-    }
+    if (parts.split_pairs && fp8_split_pairs(hd) > 0) f.qk_split = pick_split_pairs(H, hd, qa.data(), ka.data());
     if (parts.smooth_qk_pairs) {
+      const int half = hd / 2;
       f.qk_pair.resize(cells / 2);
-      for (size_t i = 0; i < cells / 2; ++i) f.qk_pair[i] = qk_pair_factor(qa[i], ka[i]);
+      for (size_t i = 0; i < cells / 2; ++i) {
+        const size_t h = i / size_t(half), p = i % size_t(half);
+        f.qk_pair[i] = qk_pair_factor(std::max(qa[h * hd + p], qa[h * hd + p + half]), std::max(ka[h * hd + p], ka[h * hd + p + half]));
+      }
       pair_multipliers(f, H, hd, q_mul, k_mul);
     }
   }
@@ -368,8 +355,7 @@ Fp8Fine current_fine_scales(const VarlenShape& shape, ThdView<const float> q, Th
       each_row(x, name, [&](size_t h, const float* r) {
         fp8_input_row(r, shift.data() + h * hd, mul.empty() ? nullptr : mul.data() + h * hd,
                       rot.empty() ? nullptr : rot.data(), hd, row.data());
-        for (int d = 0; d < hd; ++d)
-          if (wide.empty() || !wide[h * hd + d]) amax[h] = std::max(amax[h], std::fabs(row[size_t(d)]));
+        for (int d = 0; d < hd; ++d) amax[h] = std::max(amax[h], std::fabs(row[size_t(d)]));
       });
       if (!parts.per_head_qk) std::fill(amax.begin(), amax.end(), *std::max_element(amax.begin(), amax.end()));
       return amax;
@@ -397,7 +383,7 @@ FineBatch fine_batch(const VarlenShape& shape, ThdView<const float> q, ThdView<c
   b.k_hi.assign(cells, -INFINITY);
   b.k_lo.assign(cells, INFINITY);
   b.v_amax.assign(cells, 0.0f);
-  b.q_amax.assign(size_t(H), 0.0f);
+  b.q_amax.assign(cells, 0.0f);
   const auto finite = [](float x) { return (float_bits(x) & 0x7F800000u) != 0x7F800000u; };
   for (int64_t t = 0; t < b.tokens; ++t)
     for (int h = 0; h < H; ++h) {
@@ -405,7 +391,7 @@ FineBatch fine_batch(const VarlenShape& shape, ThdView<const float> q, ThdView<c
       for (int d = 0; d < hd; ++d) {
         const size_t i = size_t(h) * hd + d;
         b.finite = b.finite && finite(qr[d]) && finite(kr[d]) && finite(vr[d]);
-        b.q_amax[size_t(h)] = std::max(b.q_amax[size_t(h)], std::fabs(qr[d]));
+        b.q_amax[i] = std::max(b.q_amax[i], std::fabs(qr[d]));
         b.k_sum[i] += kr[d];
         b.k_hi[i] = std::max(b.k_hi[i], kr[d]);
         b.k_lo[i] = std::min(b.k_lo[i], kr[d]);

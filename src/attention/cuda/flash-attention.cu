@@ -108,14 +108,14 @@ FlashAttention::FlashAttention(AttnDtype dtype, int heads, int head_dim) : impl_
   if (impl_->fp8) {  // allocated here, not in prepare(), which a CUDA graph may capture
     const size_t cells = size_t(heads) * size_t(head_dim);
     Impl& m = *impl_;
-    m.d_fine_scratch.reset(cells * (8 + 5 * 4) + size_t(heads) * 5 * 4 + 8);
+    m.d_fine_scratch.reset(cells * (8 + 6 * 4) + size_t(heads) * 4 * 4 + 8);
     uint8_t* b = m.d_fine_scratch.data();
     m.fine_scratch.k_sum = reinterpret_cast<double*>(b);
     m.fine_scratch.k_max = reinterpret_cast<unsigned int*>(b + cells * 8);
     m.fine_scratch.k_neg_max = m.fine_scratch.k_max + cells;
     m.fine_scratch.v_amax = m.fine_scratch.k_neg_max + cells;
     m.fine_scratch.q_amax = m.fine_scratch.v_amax + cells;
-    m.fine_scratch.done = m.fine_scratch.q_amax + heads;
+    m.fine_scratch.done = m.fine_scratch.q_amax + cells;
     m.fine_scratch.bad = m.fine_scratch.done + 1;
     float* prev = reinterpret_cast<float*>(m.fine_scratch.bad + 1);
     for (int i = 0; i < 2; ++i, prev += cells) m.fine_scratch.v_prev[i] = prev;
@@ -192,6 +192,8 @@ void FlashAttention::prepare(const void* qkv, int64_t qkv_token_stride, const fl
   const bool robust = fine.q_head || fine.k_head || fine.k_mean || fine.v_channel;
   if (robust && !(fine.q_head && fine.k_head && fine.k_mean && fine.v_channel))
     fail_cat("FOVEA attention: the robust FP8 scheme needs all four arrays (k_mean, q_head, k_head, v_channel)");
+  if (robust && fp8_split_pairs(m.shape.head_dim) > 0 && !fine.qk_split)
+    fail_cat("FOVEA attention: the robust FP8 scheme at head_dim ", m.shape.head_dim, " needs its qk_split array (all -1: none)");
   if (robust && !m.fp8) fail_cat("FOVEA attention: fine FP8 scales given to a bf16 attention");
   if (m.fp8 && !robust && !scales.fixed && !scales.dynamic)
     fail_cat("FOVEA attention: FP8 needs scales (static, dynamic or the robust scheme's arrays)");
@@ -220,8 +222,8 @@ void FlashAttention::prepare(const void* qkv, int64_t qkv_token_stride, const fl
     fl.current = scales.fine_current;
     fl.scratch = m.fine_scratch;
     const FineRing& r = scales.fine_ring;
-    const bool ring = r.q || r.k || r.v || r.k_sum || r.k_hi || r.k_lo || r.counts;
-    if (ring && !(r.q && r.k && r.v && r.k_sum && r.k_hi && r.k_lo && r.counts))
+    const bool ring = r.q || r.k || r.v || r.k_sum || r.k_hi || r.k_lo || r.q_hi || r.counts;
+    if (ring && !(r.q && r.k && r.v && r.k_sum && r.k_hi && r.k_lo && r.q_hi && r.counts))
       fail_cat("FOVEA attention: the robust scheme's history needs all its arrays");
     if (ring && !scales.fine_current) fail_cat("FOVEA attention: a fine history given with static robust arrays");
     fl.ring = r;
@@ -240,14 +242,15 @@ void FlashAttention::prepare(const void* qkv, int64_t qkv_token_stride, const fl
 
 namespace {
 struct FineLayout {  // byte offsets of a FineHistory's arrays in one allocation
-  size_t cells, k_sum, k_hi, k_lo, q, k, v, counts, bytes;
+  size_t cells, k_sum, k_hi, k_lo, q_hi, q, k, v, counts, bytes;
   FineLayout(int heads, int head_dim) {
     cells = size_t(heads) * size_t(head_dim);
     k_sum = 0;
     counts = cells * 8;  // FineCounts holds a double: 8-byte aligned here
     k_hi = counts + sizeof(FineCounts);
     k_lo = k_hi + cells * 4;
-    q = k_lo + cells * 4;
+    q_hi = k_lo + cells * 4;
+    q = q_hi + cells * 4;
     k = q + size_t(kAmaxHistoryLen) * heads * 4;
     v = k + size_t(kAmaxHistoryLen) * heads * 4;
     bytes = v + size_t(kAmaxHistoryLen) * cells * 4;
@@ -267,6 +270,7 @@ DeviceFineHistory::DeviceFineHistory(const FineHistory& h) : heads_(h.heads), he
   ring_.counts = reinterpret_cast<FineCounts*>(b + l.counts);
   ring_.k_hi = reinterpret_cast<float*>(b + l.k_hi);
   ring_.k_lo = reinterpret_cast<float*>(b + l.k_lo);
+  ring_.q_hi = reinterpret_cast<float*>(b + l.q_hi);
   ring_.q = reinterpret_cast<float*>(b + l.q);
   ring_.k = reinterpret_cast<float*>(b + l.k);
   ring_.v = reinterpret_cast<float*>(b + l.v);
@@ -282,7 +286,7 @@ void DeviceFineHistory::check(const FineHistory& h) const {
   const size_t cells = size_t(heads_) * size_t(head_dim_), ring = size_t(kAmaxHistoryLen) * heads_;
   if (h.heads != heads_ || h.head_dim != head_dim_ || h.q_ring.size() != ring || h.k_ring.size() != ring ||
       h.v_ring.size() != kAmaxHistoryLen * cells || h.k_sum.size() != cells || h.k_hi.size() != cells ||
-      h.k_lo.size() != cells)
+      h.k_lo.size() != cells || h.q_hi.size() != cells)
     fail_cat("FOVEA attention: a fine history of ", h.heads, " x ", h.head_dim, " for a device one of ", heads_, " x ", head_dim_);
 }
 
@@ -291,7 +295,7 @@ void DeviceFineHistory::upload(const FineHistory& h) {
   const auto put = [](void* dst, const auto& v) {
     FOVEA_CUDA_CHECK(cudaMemcpy(dst, v.data(), v.size() * sizeof(v[0]), cudaMemcpyHostToDevice));
   };
-  put(ring_.k_sum, h.k_sum), put(ring_.k_hi, h.k_hi), put(ring_.k_lo, h.k_lo);
+  put(ring_.k_sum, h.k_sum), put(ring_.k_hi, h.k_hi), put(ring_.k_lo, h.k_lo), put(ring_.q_hi, h.q_hi);
   put(ring_.q, h.q_ring), put(ring_.k, h.k_ring), put(ring_.v, h.v_ring);
   FOVEA_CUDA_CHECK(cudaMemcpy(ring_.counts, &h.counts, sizeof(FineCounts), cudaMemcpyHostToDevice));
 }
@@ -303,7 +307,7 @@ void DeviceFineHistory::unpack(const void* host, FineHistory& h) const {
   const FineLayout l(heads_, head_dim_);
   const auto* b = static_cast<const uint8_t*>(host);
   const auto get = [&](auto& v, size_t at) { std::memcpy(v.data(), b + at, v.size() * sizeof(v[0])); };
-  get(h.k_sum, l.k_sum), get(h.k_hi, l.k_hi), get(h.k_lo, l.k_lo);
+  get(h.k_sum, l.k_sum), get(h.k_hi, l.k_hi), get(h.k_lo, l.k_lo), get(h.q_hi, l.q_hi);
   get(h.q_ring, l.q), get(h.k_ring, l.k), get(h.v_ring, l.v);
   std::memcpy(&h.counts, b + l.counts, sizeof(FineCounts));
 }

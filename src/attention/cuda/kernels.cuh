@@ -13,8 +13,8 @@
 namespace fovea::cuda {
 
 // Reduction state of fine_stats_kernel (device, zero between launches): per (head, channel) the sum
-// of K, the largest K and -K as ordered bits (ordered_bits()), V's amax as float bits; per head Q's
-// amax; the CTA counter.
+// of K, the largest K and -K as ordered bits (ordered_bits()), V's and Q's amax as float bits; the
+// CTA counter.
 struct FineScratch {
   double* k_sum = nullptr;
   unsigned int* k_max = nullptr;

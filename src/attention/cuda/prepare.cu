@@ -95,11 +95,24 @@ __device__ __forceinline__ void for_row_groups(const PrepareArgs& a, int token, 
   }
 }
 
+// Two bytes of a split channel's padding slots (fovea/scales.h §split pairs): y = x / s as quantize4
+// divides, hi its E4M3 code (the same as the hardware's, test-fp8-device), lo the remainder's; Q's
+// slots hold (lo, hi), K's (hi, lo).
+__device__ __forceinline__ uint32_t split_slots(float x, float s, bool q) {
+  const float y = __fdiv_rn(x, s);
+  const uint8_t hi = e4m3_from_float(y), lo = e4m3_from_float(__fsub_rn(y, e4m3_to_float(hi)));
+  return q ? uint32_t(lo) | uint32_t(hi) << 8 : uint32_t(hi) | uint32_t(lo) << 8;
+}
+
 // Q or K of one head-row into its padded output row: RoPE'd, minus `shift` when kShift (the robust
-// scheme's K: its mean per channel; padding rows stay zero) and rounded.
+// scheme's K: its mean per channel; padding rows stay zero) and rounded. FP8 with `split` (the
+// head's fp8_split_pairs pairs, -1 none): each split channel's remainder into its padding slots.
 template <bool kFp8, int kHeadDim, int kHdPad, bool kShift = false>
 __device__ __forceinline__ void rope_row_out(const PrepareArgs& a, int token, int head, int which, float scale,
-                                             const float* shift, void* dst) {
+                                             const float* shift, void* dst, const int* split = nullptr) {
+  constexpr int kSplit = kFp8 ? fp8_split_pairs(kHeadDim) : 0;
+  static_assert(kFp8 || kSplit == 0);
+  static_assert(kSplit == 0 || (kHeadDim % 4 == 0 && kHeadDim + 4 * kSplit <= kHdPad), "split slots: whole words of the padding");
   constexpr int kHalf = kHeadDim / 2;
   constexpr int kOutWords = kHdPad * (kFp8 ? 1 : 2) / 4;
   uint32_t out[kOutWords];
@@ -113,6 +126,19 @@ __device__ __forceinline__ void rope_row_out(const PrepareArgs& a, int token, in
     if constexpr (kFp8) {
       out[g] = quantize4(x1[0], x1[1], x1[2], x1[3], scale);
       out[kHalf / 4 + g] = quantize4(x2[0], x2[1], x2[2], x2[3], scale);
+      if constexpr (kSplit > 0) {
+        if (split) {
+#pragma unroll
+          for (int i = 0; i < kSplit; ++i) {  // split i's slots: bytes 0-1 (channel p) and 2-3 (p + hd/2) of one word
+            const int e = split[i] - 4 * g;
+            if (e >= 0 && e < 4) {
+              const float xa = e == 0 ? x1[0] : e == 1 ? x1[1] : e == 2 ? x1[2] : x1[3];
+              const float xb = e == 0 ? x2[0] : e == 1 ? x2[1] : e == 2 ? x2[2] : x2[3];
+              out[kHeadDim / 4 + i] = split_slots(xa, scale, which == 0) | split_slots(xb, scale, which == 0) << 16;
+            }
+          }
+        }
+      }
     } else {
       out[2 * g] = ptx::pack_bf16x2(x1[0], x1[1]), out[2 * g + 1] = ptx::pack_bf16x2(x1[2], x1[3]);
       out[kHalf / 2 + 2 * g] = ptx::pack_bf16x2(x2[0], x2[1]), out[kHalf / 2 + 2 * g + 1] = ptx::pack_bf16x2(x2[2], x2[3]);
@@ -181,6 +207,39 @@ __device__ __forceinline__ float from_ordered_bits(unsigned int u) {
 
 constexpr int kStatThreads = 256;
 
+// One warp picks a head's split pairs as pick_split_pairs (scales.h) does, from the head's Q and
+// K - mean amax per channel (shared): fp8_split_pairs(hd) rounds of a warp argmax over the pairs'
+// split_share (ties: the lower pair), a pair taken once; -1 once no share > 0 is left.
+template <int kHeadDim>
+__device__ __forceinline__ void pick_split_pairs_warp(const float* qa, const float* ka, int32_t* out) {
+  constexpr int kHalf = kHeadDim / 2, kSplit = fp8_split_pairs(kHeadDim);
+  static_assert(kHalf <= 64, "two pairs a lane");
+  __syncwarp();
+  const int lane = threadIdx.x % 32;
+  float share[2];
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    const int p = lane + 32 * e;
+    const float x = p < kHalf ? split_share(qa[p], qa[p + kHalf], ka[p], ka[p + kHalf]) : -1.f;
+    share[e] = x > 0.f ? x : -1.f;  // NaN too
+  }
+#pragma unroll 1
+  for (int i = 0; i < kSplit; ++i) {
+    const bool second = share[1] > share[0];
+    float best = second ? share[1] : share[0];
+    int idx = second ? lane + 32 : lane;
+#pragma unroll
+    for (int o = 16; o > 0; o /= 2) {
+      const float ob = __shfl_xor_sync(0xffffffffu, best, o);
+      const int oi = __shfl_xor_sync(0xffffffffu, idx, o);
+      if (ob > best || (ob == best && oi < idx)) best = ob, idx = oi;
+    }
+    if (lane == 0) out[i] = best > 0.f ? idx : -1;
+    if (idx % 32 == lane) share[idx / 32] = -1.f;
+  }
+  __syncwarp();
+}
+
 // The robust scheme's arrays for this batch. A thread holds one column pair (d, d + hd/2) of one
 // token row at a time (RoPE pairs those), so its per-channel state is a few registers; the CTA reduces
 // in shared memory, then into `f` with atomics (K's sum in double: its order then leaves the float
@@ -194,11 +253,9 @@ template <int kHeadDim>
 __global__ void __launch_bounds__(kStatThreads) fine_stats_kernel(PrepareArgs a, FineArrays out, FineScratch f, FineRing ring) {
   constexpr int kHalf = kHeadDim / 2, kRows = kStatThreads / kHalf;
   __shared__ double s_sum[kRows][kHeadDim];
-  __shared__ float s_max[kRows][kHeadDim], s_min[kRows][kHeadDim], s_v[kRows][kHeadDim];
-  __shared__ unsigned int s_q;
+  __shared__ float s_max[kRows][kHeadDim], s_min[kRows][kHeadDim], s_v[kRows][kHeadDim], s_q[kRows][kHeadDim];
   __shared__ bool last;
   const int head = blockIdx.y, r = threadIdx.x / kHalf, c = threadIdx.x % kHalf;
-  if (threadIdx.x == 0) s_q = 0;
   if (ring.counts && blockIdx.x == 0) {
     // The rings' maxima before this batch (for this head), here rather than in the last CTA,
     // whose serial tail they would lengthen: with it there the step took 0.187 against 0.151 ms at
@@ -214,7 +271,7 @@ __global__ void __launch_bounds__(kStatThreads) fine_stats_kernel(PrepareArgs a,
   __syncthreads();
   bool bad = false;  // a non-finite input (fmaxf would drop a NaN)
   if (r < kRows) {
-    float q_amax = 0.f, k_max[2] = {-INFINITY, -INFINITY}, k_min[2] = {INFINITY, INFINITY}, v_amax[2] = {0.f, 0.f};
+    float q_amax[2] = {0.f, 0.f}, k_max[2] = {-INFINITY, -INFINITY}, k_min[2] = {INFINITY, INFINITY}, v_amax[2] = {0.f, 0.f};
     double k_sum[2] = {0.0, 0.0};
     for (int64_t t = int64_t(blockIdx.x) * kRows + r; t < a.total_tokens; t += int64_t(gridDim.x) * kRows) {
       const __nv_bfloat16* row = a.qkv + t * a.qkv_token_stride + int64_t(head) * kHeadDim;
@@ -231,7 +288,7 @@ __global__ void __launch_bounds__(kStatThreads) fine_stats_kernel(PrepareArgs a,
       for (int e = 0; e < 2; ++e) {
 #pragma unroll
         for (int w = 0; w < 3; ++w) bad |= (__float_as_uint(x[w][e]) & 0x7F800000u) == 0x7F800000u;
-        q_amax = fmaxf(q_amax, fabsf(x[0][e]));
+        q_amax[e] = fmaxf(q_amax[e], fabsf(x[0][e]));
         k_sum[e] += double(x[1][e]);
         k_max[e] = fmaxf(k_max[e], x[1][e]);
         k_min[e] = fminf(k_min[e], x[1][e]);
@@ -244,21 +301,24 @@ __global__ void __launch_bounds__(kStatThreads) fine_stats_kernel(PrepareArgs a,
       s_max[r][c + e * kHalf] = k_max[e];
       s_min[r][c + e * kHalf] = k_min[e];
       s_v[r][c + e * kHalf] = v_amax[e];
+      s_q[r][c + e * kHalf] = q_amax[e];
     }
-    atomicMax(&s_q, __float_as_uint(q_amax));
   }
   if (__syncthreads_or(bad) && threadIdx.x == 0) atomicOr(f.bad, 1u);
   for (int d = threadIdx.x; d < kHeadDim; d += kStatThreads) {
     double sum = 0.0;
-    float mx = -INFINITY, mn = INFINITY, va = 0.f;
-    for (int i = 0; i < kRows; ++i) sum += s_sum[i][d], mx = fmaxf(mx, s_max[i][d]), mn = fminf(mn, s_min[i][d]), va = fmaxf(va, s_v[i][d]);
+    float mx = -INFINITY, mn = INFINITY, va = 0.f, qa = 0.f;
+    for (int i = 0; i < kRows; ++i) {
+      sum += s_sum[i][d], mx = fmaxf(mx, s_max[i][d]), mn = fminf(mn, s_min[i][d]);
+      va = fmaxf(va, s_v[i][d]), qa = fmaxf(qa, s_q[i][d]);
+    }
     const int cell = head * kHeadDim + d;
     atomicAdd(&f.k_sum[cell], sum);
     atomicMax(&f.k_max[cell], ordered_bits(mx));
     atomicMax(&f.k_neg_max[cell], ordered_bits(-mn));
     atomicMax(&f.v_amax[cell], __float_as_uint(va));
+    atomicMax(&f.q_amax[cell], __float_as_uint(qa));
   }
-  if (threadIdx.x == 0) atomicMax(&f.q_amax[head], s_q);
   __threadfence();
   __syncthreads();
   if (threadIdx.x == 0) last = atomicAdd(f.done, 1u) == gridDim.x * gridDim.y - 1;
@@ -273,8 +333,10 @@ __global__ void __launch_bounds__(kStatThreads) fine_stats_kernel(PrepareArgs a,
   // the latency of its hd dependent loads: 0.09 against 0.05 ms for the whole step at S 1024).
   // Each step loads all it needs before it stores anything.
   const int lane = threadIdx.x % 32;
+  constexpr int kSplit = fp8_split_pairs(kHeadDim);
+  __shared__ float s_pick[kSplit > 0 ? kStatThreads / 32 : 1][2][kHeadDim];  // a warp's head: Q's, K - mean's amax
   for (int h = threadIdx.x / 32; h < a.heads; h += kStatThreads / 32) {
-    float dev = 0.f;
+    float dev = 0.f, q_head = 0.f;
     for (int d = lane; d < kHeadDim; d += 32) {
       const int cell = h * kHeadDim + d;
       const double sum = __ldcg(&f.k_sum[cell]);
@@ -284,8 +346,11 @@ __global__ void __launch_bounds__(kStatThreads) fine_stats_kernel(PrepareArgs a,
       const bool total = hist && keep;
       const double t_sum = total ? ring.k_sum[cell] : 0.0;
       const float t_hi = total ? ring.k_hi[cell] : 0.f, t_lo = total ? ring.k_lo[cell] : 0.f;
-      const float mean = float(sum / n);
-      dev = fmaxf(dev, smoothed_amax(hi, lo, mean));
+      const float qa = __uint_as_float(__ldcg(&f.q_amax[cell])), t_q = total ? ring.q_hi[cell] : 0.f;
+      const float mean = float(sum / n), ka = smoothed_amax(hi, lo, mean);
+      dev = fmaxf(dev, ka);
+      q_head = fmaxf(q_head, qa);
+      if constexpr (kSplit > 0) s_pick[threadIdx.x / 32][0][d] = qa, s_pick[threadIdx.x / 32][1][d] = ka;
       out.k_mean[cell] = mean;
       out.v_channel[cell] = fine_ring_scale(v_prev, keep, va);
       if (total) {
@@ -293,19 +358,23 @@ __global__ void __launch_bounds__(kStatThreads) fine_stats_kernel(PrepareArgs a,
         ring.k_sum[cell] = t_sum + sum;
         ring.k_hi[cell] = fmaxf(t_hi, hi);
         ring.k_lo[cell] = fminf(t_lo, lo);
+        ring.q_hi[cell] = fmaxf(t_q, qa);
       }
-      f.k_sum[cell] = 0.0, f.k_max[cell] = f.k_neg_max[cell] = f.v_amax[cell] = 0u;
+      f.k_sum[cell] = 0.0, f.k_max[cell] = f.k_neg_max[cell] = f.v_amax[cell] = f.q_amax[cell] = 0u;
     }
+    if constexpr (kSplit > 0) pick_split_pairs_warp<kHeadDim>(s_pick[threadIdx.x / 32][0], s_pick[threadIdx.x / 32][1], out.qk_split + h * kSplit);
 #pragma unroll
-    for (int o = 16; o > 0; o /= 2) dev = fmaxf(dev, __shfl_xor_sync(0xffffffffu, dev, o));
+    for (int o = 16; o > 0; o /= 2) {
+      dev = fmaxf(dev, __shfl_xor_sync(0xffffffffu, dev, o));
+      q_head = fmaxf(q_head, __shfl_xor_sync(0xffffffffu, q_head, o));
+    }
     if (lane == 0) {
-      const float qa = __uint_as_float(__ldcg(&f.q_amax[h]));
+      const float qa = q_head;
       const float q_prev = hist ? __ldcg(&(pick ? f.q_prev[1] : f.q_prev[0])[h]) : 0.f;
       const float k_prev = hist ? __ldcg(&(pick ? f.k_prev[1] : f.k_prev[0])[h]) : 0.f;
       out.k_head[h] = fine_ring_scale(k_prev, keep, dev);
       out.q_head[h] = fine_ring_scale(q_prev, keep, qa);
       if (hist && keep) ring.k[slot * a.heads + h] = dev, ring.q[slot * a.heads + h] = qa;
-      f.q_amax[h] = 0u;
     }
   }
   __syncthreads();
@@ -349,6 +418,8 @@ __global__ void __launch_bounds__(kThreads) prepare_kernel(PrepareArgs a, FineAr
   float scale[3] = {1.f, 1.f, 1.f};  // FP8 dequantization scales of q, k, v (v: unless per channel)
   // Robust scheme: the head's K mean and V scales, staged once per CTA.
   __shared__ float s_mean[kFine ? kHeadDim : 1], s_vscale[kFine ? kHeadDim : 1], s_vrcp[kFine ? kHeadDim : 1];
+  constexpr int kSplit = kFine ? fp8_split_pairs(kHeadDim) : 0;
+  __shared__ int s_split[kSplit > 0 ? kSplit : 1];
   constexpr bool fine = kFine;
   if constexpr (kFp8) {
     if constexpr (fine) {
@@ -359,6 +430,8 @@ __global__ void __launch_bounds__(kThreads) prepare_kernel(PrepareArgs a, FineAr
         s_vscale[d] = fa.v_channel[head * kHeadDim + d];
         s_vrcp[d] = __frcp_rn(s_vscale[d]);
       }
+      if constexpr (kSplit > 0)
+        if (int(threadIdx.x) < kSplit) s_split[threadIdx.x] = fa.qk_split[head * kSplit + threadIdx.x];
       __syncthreads();
     } else {
       for (int w = 0; w < 3; ++w) scale[w] = a.dynamic ? a.dynamic->t[w].scale : a.fixed[w];
@@ -370,8 +443,9 @@ __global__ void __launch_bounds__(kThreads) prepare_kernel(PrepareArgs a, FineAr
   for (int w = 0; w < 2; ++w) {
     Elem* dst = (w == 0 ? static_cast<Elem*>(a.q) : static_cast<Elem*>(a.k)) +
                 (int64_t(head) * a.n_pad + row) * kHdPad;
-    if (w == 1 && fine) rope_row_out<kFp8, kHeadDim, kHdPad, true>(a, token, head, w, scale[w], s_mean, dst);
-    else rope_row_out<kFp8, kHeadDim, kHdPad>(a, token, head, w, scale[w], nullptr, dst);
+    const int* split = kSplit > 0 ? s_split : nullptr;
+    if (w == 1 && fine) rope_row_out<kFp8, kHeadDim, kHdPad, true>(a, token, head, w, scale[w], s_mean, dst, split);
+    else rope_row_out<kFp8, kHeadDim, kHdPad>(a, token, head, w, scale[w], nullptr, dst, fine ? split : nullptr);
   }
 
   // V: into shared memory, then out transposed, 128 keys per V^T row.

@@ -144,6 +144,7 @@ ForwardResult forward_cpu(const Model& m, const std::vector<float>& pixels, cons
           f.k_mean.size() != size_t(H) * hd)
         fail("forward: layer {}'s fine scales are for {} heads and {} V channels ({} K means); the model has {} heads of {}",
              l, f.q_head.size(), f.v_channel.size(), f.k_mean.size(), H, hd);
+      check_split_pairs(f.qk_split, H, hd, fmt::format("forward: layer {}'s qk_split", l));
     }
   }
 
@@ -179,7 +180,7 @@ ForwardResult forward_cpu(const Model& m, const std::vector<float>& pixels, cons
       const FineScales f = opt.fine_scales ? opt.fine_scales->at(size_t(layer))
                                            : opt.scales->record_fine(layer, cpu::fine_batch(shape, view(qkv, 0), view(qkv, 1), view(qkv, 2)));
       ro.fp8_fine.k_mean = f.k_mean, ro.fp8_fine.q_head = f.q_head, ro.fp8_fine.k_head = f.k_head;
-      ro.fp8_fine.v_channel = f.v_channel;
+      ro.fp8_fine.v_channel = f.v_channel, ro.fp8_fine.qk_split = f.qk_split;
     } else if (ro.mode == cpu::RefMode::FP8) {
       ro.fp8_scales = opt.scales->record(layer, amax(shape, view(qkv, 0)), amax(shape, view(qkv, 1)), amax(shape, view(qkv, 2)));
     }

@@ -49,6 +49,11 @@ void Encoder::Impl::init_scales() {
       a.q_head = put(f ? &f->q_head : nullptr, size_t(H));
       a.k_head = put(f ? &f->k_head : nullptr, size_t(H));
       a.v_channel = put(f ? &f->v_channel : nullptr, cells);
+      if (const size_t n = size_t(H) * size_t(fp8_split_pairs(hd))) {  // a file without them: no pair split
+        const std::vector<int32_t> none(n, -1), &split = f && !f->qk_split.empty() ? f->qk_split : none;
+        a.qk_split = alloc_in<int32_t>(owned, n);
+        if (f) FOVEA_CUDA_CHECK(cudaMemcpy(a.qk_split, split.data(), n * sizeof(int32_t), cudaMemcpyHostToDevice));
+      }
       return a;
     };
     switch (opt.scales->mode()) {
@@ -60,6 +65,7 @@ void Encoder::Impl::init_scales() {
               f.k_mean.size() != cells)
             fail_cat("encoder: fine scales for ", f.q_head.size(), " heads and ", f.v_channel.size(),
                      " V channels; the model has ", H, " heads of ", hd);
+          check_split_pairs(f.qk_split, H, hd, "encoder: fovea_qk_split");
           fine.push_back(arrays(&f));
         }
         break;
