@@ -104,15 +104,26 @@ __device__ __forceinline__ uint32_t split_slots(float x, float s, bool q) {
   return q ? uint32_t(lo) | uint32_t(hi) << 8 : uint32_t(hi) | uint32_t(lo) << 8;
 }
 
+// The split pairs of one head as prepare_kernel holds them: a bit per rotary pair, and a thread's
+// staging row for the split channels' values (2 per pair, in rank order).
+struct SplitRow {
+  uint64_t pairs = 0;
+  float* x = nullptr;
+};
+
 // Q or K of one head-row into its padded output row: RoPE'd, minus `shift` when kShift (the robust
-// scheme's K: its mean per channel; padding rows stay zero) and rounded. FP8 with `split` (the
-// head's fp8_split_pairs pairs, -1 none): each split channel's remainder into its padding slots.
+// scheme's K: its mean per channel; padding rows stay zero) and rounded. FP8 with split pairs: each
+// split channel's value is staged as the group loop passes it (a bit test a pair: a test per group
+// and split, with the split's arithmetic inside, unrolled to 54 copies and took the step from 0.094
+// to 0.185 ms at S 8192, hd 72; a second pass reading the channels again, 0.125), then its remainder
+// goes into its padding slots.
 template <bool kFp8, int kHeadDim, int kHdPad, bool kShift = false>
 __device__ __forceinline__ void rope_row_out(const PrepareArgs& a, int token, int head, int which, float scale,
-                                             const float* shift, void* dst, const int* split = nullptr) {
+                                             const float* shift, void* dst, SplitRow split = {}) {
   constexpr int kSplit = kFp8 ? fp8_split_pairs(kHeadDim) : 0;
   static_assert(kFp8 || kSplit == 0);
-  static_assert(kSplit == 0 || (kHeadDim % 4 == 0 && kHeadDim + 4 * kSplit <= kHdPad), "split slots: whole words of the padding");
+  static_assert(kSplit == 0 || (kHeadDim % 4 == 0 && kHeadDim + 4 * kSplit <= kHdPad && kHeadDim / 2 <= 64),
+                "split slots: whole words of the padding; a bit a pair");
   constexpr int kHalf = kHeadDim / 2;
   constexpr int kOutWords = kHdPad * (kFp8 ? 1 : 2) / 4;
   uint32_t out[kOutWords];
@@ -126,27 +137,27 @@ __device__ __forceinline__ void rope_row_out(const PrepareArgs& a, int token, in
     if constexpr (kFp8) {
       out[g] = quantize4(x1[0], x1[1], x1[2], x1[3], scale);
       out[kHalf / 4 + g] = quantize4(x2[0], x2[1], x2[2], x2[3], scale);
+      if constexpr (kSplit > 0) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          constexpr uint64_t one = 1;
+          const int p = 4 * g + j;
+          if ((split.pairs >> p) & one) {
+            const int rank = __popcll(split.pairs & ((one << p) - one));
+            split.x[2 * rank] = x1[j], split.x[2 * rank + 1] = x2[j];
+          }
+        }
+      }
     } else {
       out[2 * g] = ptx::pack_bf16x2(x1[0], x1[1]), out[2 * g + 1] = ptx::pack_bf16x2(x1[2], x1[3]);
       out[kHalf / 2 + 2 * g] = ptx::pack_bf16x2(x2[0], x2[1]), out[kHalf / 2 + 2 * g + 1] = ptx::pack_bf16x2(x2[2], x2[3]);
     }
   });
   if constexpr (kSplit > 0) {
-    // The split pairs again, from the input row (a second pass over a few channels: inside the group
-    // loop above, a test per group and split unrolled to 54 copies and took the step from 0.094 to
-    // 0.185 ms at S 8192, hd 72), through the same RoPE and shift: the same values, bit for bit.
-    if (split && token >= 0) {
-      const __nv_bfloat16* row = a.qkv + int64_t(token) * a.qkv_token_stride + (int64_t(which) * a.heads + head) * kHeadDim;
+    const int n = __popcll(split.pairs);
 #pragma unroll
-      for (int i = 0; i < kSplit; ++i) {  // split i's slots: bytes 0-1 (channel p) and 2-3 (p + hd/2) of one word
-        const int p = split[i];
-        if (p < 0) continue;
-        float x1 = __bfloat162float(row[p]), x2 = __bfloat162float(row[p + kHalf]);
-        if (a.rope_cos) rope_pair(x1, x2, a.rope_cos[int64_t(token) * kHalf + p], a.rope_sin[int64_t(token) * kHalf + p]);
-        if (kShift) x1 = __fsub_rn(x1, shift[p]), x2 = __fsub_rn(x2, shift[kHalf + p]);
-        out[kHeadDim / 4 + i] = split_slots(x1, scale, which == 0) | split_slots(x2, scale, which == 0) << 16;
-      }
-    }
+    for (int i = 0; i < kSplit; ++i)  // rank i's slots: bytes 0-1 (channel p) and 2-3 (p + hd/2) of one word
+      if (i < n) out[kHeadDim / 4 + i] = split_slots(split.x[2 * i], scale, which == 0) | split_slots(split.x[2 * i + 1], scale, which == 0) << 16;
   }
   uint4* o = static_cast<uint4*>(dst);
 #pragma unroll
@@ -213,7 +224,8 @@ constexpr int kStatThreads = 256;
 
 // One warp picks a head's split pairs as pick_split_pairs (scales.h) does, from the head's Q and
 // K - mean amax per channel (shared): fp8_split_pairs(hd) rounds of a warp argmax over the pairs'
-// split_share (ties: the lower pair), a pair taken once; -1 once no share > 0 is left.
+// split_share (ties: the lower pair), a pair taken once and only with a share > 0; written in
+// ascending order, then -1s.
 template <int kHeadDim>
 __device__ __forceinline__ void pick_split_pairs_warp(const float* qa, const float* ka, int32_t* out) {
   constexpr int kHalf = kHeadDim / 2, kSplit = fp8_split_pairs(kHeadDim);
@@ -227,6 +239,7 @@ __device__ __forceinline__ void pick_split_pairs_warp(const float* qa, const flo
     const float x = p < kHalf ? split_share(qa[p], qa[p + kHalf], ka[p], ka[p + kHalf]) : -1.f;
     share[e] = x > 0.f ? x : -1.f;  // NaN too
   }
+  bool taken[2] = {false, false};
 #pragma unroll 1
   for (int i = 0; i < kSplit; ++i) {
     const bool second = share[1] > share[0];
@@ -238,9 +251,16 @@ __device__ __forceinline__ void pick_split_pairs_warp(const float* qa, const flo
       const int oi = __shfl_xor_sync(0xffffffffu, idx, o);
       if (ob > best || (ob == best && oi < idx)) best = ob, idx = oi;
     }
-    if (lane == 0) out[i] = best > 0.f ? idx : -1;
+    if (best > 0.f && idx % 32 == lane) taken[idx / 32] = true;
     if (idx % 32 == lane) share[idx / 32] = -1.f;
   }
+  // In ascending order, then -1s.
+  uint64_t pairs = __ballot_sync(0xffffffffu, taken[0]) | uint64_t(__ballot_sync(0xffffffffu, taken[1])) << 32;
+  if (lane == 0)
+    for (int i = 0; i < kSplit; ++i) {
+      out[i] = pairs ? __ffsll(static_cast<long long>(pairs)) - 1 : -1;
+      pairs &= pairs - 1;
+    }
   __syncwarp();
 }
 
@@ -424,6 +444,7 @@ __global__ void __launch_bounds__(kThreads) prepare_kernel(PrepareArgs a, FineAr
   __shared__ float s_mean[kFine ? kHeadDim : 1], s_vscale[kFine ? kHeadDim : 1], s_vrcp[kFine ? kHeadDim : 1];
   constexpr int kSplit = kFine ? fp8_split_pairs(kHeadDim) : 0;
   __shared__ int s_split[kSplit > 0 ? kSplit : 1];
+  __shared__ float s_x[kSplit > 0 ? kThreads : 1][2 * kSplit + 1];  // odd stride: no bank conflicts
   constexpr bool fine = kFine;
   if constexpr (kFp8) {
     if constexpr (fine) {
@@ -447,9 +468,14 @@ __global__ void __launch_bounds__(kThreads) prepare_kernel(PrepareArgs a, FineAr
   for (int w = 0; w < 2; ++w) {
     Elem* dst = (w == 0 ? static_cast<Elem*>(a.q) : static_cast<Elem*>(a.k)) +
                 (int64_t(head) * a.n_pad + row) * kHdPad;
-    const int* split = kSplit > 0 ? s_split : nullptr;
+    SplitRow split;
+    if constexpr (kSplit > 0) {
+      for (int i = 0; i < kSplit; ++i)
+        if (s_split[i] >= 0) split.pairs |= uint64_t(1) << s_split[i];
+      split.x = s_x[threadIdx.x];
+    }
     if (w == 1 && fine) rope_row_out<kFp8, kHeadDim, kHdPad, true>(a, token, head, w, scale[w], s_mean, dst, split);
-    else rope_row_out<kFp8, kHeadDim, kHdPad>(a, token, head, w, scale[w], nullptr, dst, fine ? split : nullptr);
+    else rope_row_out<kFp8, kHeadDim, kHdPad>(a, token, head, w, scale[w], nullptr, dst, split);
   }
 
   // V: into shared memory, then out transposed, 128 keys per V^T row.
