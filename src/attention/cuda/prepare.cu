@@ -104,26 +104,19 @@ __device__ __forceinline__ uint32_t split_slots(float x, float s, bool q) {
   return q ? uint32_t(lo) | uint32_t(hi) << 8 : uint32_t(hi) | uint32_t(lo) << 8;
 }
 
-// The split pairs of one head as prepare_kernel holds them: a bit per rotary pair, and a thread's
-// staging row for the split channels' values (2 per pair, in rank order).
-struct SplitRow {
-  uint64_t pairs = 0;
-  float* x = nullptr;
-};
-
 // Q or K of one head-row into its padded output row: RoPE'd, minus `shift` when kShift (the robust
-// scheme's K: its mean per channel; padding rows stay zero) and rounded. FP8 with split pairs: each
-// split channel's value is staged as the group loop passes it (a bit test a pair: a test per group
-// and split, with the split's arithmetic inside, unrolled to 54 copies and took the step from 0.094
-// to 0.185 ms at S 8192, hd 72; a second pass reading the channels again, 0.125), then its remainder
-// goes into its padding slots.
+// scheme's K: its mean per channel; padding rows stay zero) and rounded. FP8 with `split` (the
+// head's split pairs in ascending order, then -1s): each split channel's remainder into its padding
+// slots, in a second pass over those channels of the input row. Measured at S 8192, hd 72 (H200), the
+// whole step: 0.125 ms this way; 0.185 with a test per group and split in the group loop, the split's
+// arithmetic inside (unrolled to 54 copies); 0.160 with a bit test per pair there, staging the values
+// in shared memory.
 template <bool kFp8, int kHeadDim, int kHdPad, bool kShift = false>
 __device__ __forceinline__ void rope_row_out(const PrepareArgs& a, int token, int head, int which, float scale,
-                                             const float* shift, void* dst, SplitRow split = {}) {
+                                             const float* shift, void* dst, const int* split = nullptr) {
   constexpr int kSplit = kFp8 ? fp8_split_pairs(kHeadDim) : 0;
   static_assert(kFp8 || kSplit == 0);
-  static_assert(kSplit == 0 || (kHeadDim % 4 == 0 && kHeadDim + 4 * kSplit <= kHdPad && kHeadDim / 2 <= 64),
-                "split slots: whole words of the padding; a bit a pair");
+  static_assert(kSplit == 0 || (kHeadDim % 4 == 0 && kHeadDim + 4 * kSplit <= kHdPad), "split slots: whole words of the padding");
   constexpr int kHalf = kHeadDim / 2;
   constexpr int kOutWords = kHdPad * (kFp8 ? 1 : 2) / 4;
   uint32_t out[kOutWords];
@@ -137,27 +130,26 @@ __device__ __forceinline__ void rope_row_out(const PrepareArgs& a, int token, in
     if constexpr (kFp8) {
       out[g] = quantize4(x1[0], x1[1], x1[2], x1[3], scale);
       out[kHalf / 4 + g] = quantize4(x2[0], x2[1], x2[2], x2[3], scale);
-      if constexpr (kSplit > 0) {
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          constexpr uint64_t one = 1;
-          const int p = 4 * g + j;
-          if ((split.pairs >> p) & one) {
-            const int rank = __popcll(split.pairs & ((one << p) - one));
-            split.x[2 * rank] = x1[j], split.x[2 * rank + 1] = x2[j];
-          }
-        }
-      }
     } else {
       out[2 * g] = ptx::pack_bf16x2(x1[0], x1[1]), out[2 * g + 1] = ptx::pack_bf16x2(x1[2], x1[3]);
       out[kHalf / 2 + 2 * g] = ptx::pack_bf16x2(x2[0], x2[1]), out[kHalf / 2 + 2 * g + 1] = ptx::pack_bf16x2(x2[2], x2[3]);
     }
   });
   if constexpr (kSplit > 0) {
-    const int n = __popcll(split.pairs);
+    // The split pairs again, from the input row, through the same RoPE and shift: the same values,
+    // bit for bit.
+    if (split && token >= 0) {
+      const __nv_bfloat16* row = a.qkv + int64_t(token) * a.qkv_token_stride + (int64_t(which) * a.heads + head) * kHeadDim;
 #pragma unroll
-    for (int i = 0; i < kSplit; ++i)  // rank i's slots: bytes 0-1 (channel p) and 2-3 (p + hd/2) of one word
-      if (i < n) out[kHeadDim / 4 + i] = split_slots(split.x[2 * i], scale, which == 0) | split_slots(split.x[2 * i + 1], scale, which == 0) << 16;
+      for (int i = 0; i < kSplit; ++i) {  // split i's slots: bytes 0-1 (channel p) and 2-3 (p + hd/2) of one word
+        const int p = split[i];
+        if (p < 0) break;
+        float x1 = __bfloat162float(row[p]), x2 = __bfloat162float(row[p + kHalf]);
+        if (a.rope_cos) rope_pair(x1, x2, a.rope_cos[int64_t(token) * kHalf + p], a.rope_sin[int64_t(token) * kHalf + p]);
+        if (kShift) x1 = __fsub_rn(x1, shift[p]), x2 = __fsub_rn(x2, shift[kHalf + p]);
+        out[kHeadDim / 4 + i] = split_slots(x1, scale, which == 0) | split_slots(x2, scale, which == 0) << 16;
+      }
+    }
   }
   uint4* o = static_cast<uint4*>(dst);
 #pragma unroll
@@ -444,7 +436,6 @@ __global__ void __launch_bounds__(kThreads) prepare_kernel(PrepareArgs a, FineAr
   __shared__ float s_mean[kFine ? kHeadDim : 1], s_vscale[kFine ? kHeadDim : 1], s_vrcp[kFine ? kHeadDim : 1];
   constexpr int kSplit = kFine ? fp8_split_pairs(kHeadDim) : 0;
   __shared__ int s_split[kSplit > 0 ? kSplit : 1];
-  __shared__ float s_x[kSplit > 0 ? kThreads : 1][2 * kSplit + 1];  // odd stride: no bank conflicts
   constexpr bool fine = kFine;
   if constexpr (kFp8) {
     if constexpr (fine) {
@@ -456,7 +447,14 @@ __global__ void __launch_bounds__(kThreads) prepare_kernel(PrepareArgs a, FineAr
         s_vrcp[d] = __frcp_rn(s_vscale[d]);
       }
       if constexpr (kSplit > 0)
-        if (int(threadIdx.x) < kSplit) s_split[threadIdx.x] = fa.qk_split[head * kSplit + threadIdx.x];
+        if (threadIdx.x == 0) {  // in ascending order, -1s last: a pair's slots go by its rank
+          for (int i = 0; i < kSplit; ++i) {
+            const int p = fa.qk_split[head * kSplit + i];
+            int j = i;
+            for (; j > 0 && (s_split[j - 1] < 0 || (p >= 0 && p < s_split[j - 1])); --j) s_split[j] = s_split[j - 1];
+            s_split[j] = p;
+          }
+        }
       __syncthreads();
     } else {
       for (int w = 0; w < 3; ++w) scale[w] = a.dynamic ? a.dynamic->t[w].scale : a.fixed[w];
@@ -468,14 +466,9 @@ __global__ void __launch_bounds__(kThreads) prepare_kernel(PrepareArgs a, FineAr
   for (int w = 0; w < 2; ++w) {
     Elem* dst = (w == 0 ? static_cast<Elem*>(a.q) : static_cast<Elem*>(a.k)) +
                 (int64_t(head) * a.n_pad + row) * kHdPad;
-    SplitRow split;
-    if constexpr (kSplit > 0) {
-      for (int i = 0; i < kSplit; ++i)
-        if (s_split[i] >= 0) split.pairs |= uint64_t(1) << s_split[i];
-      split.x = s_x[threadIdx.x];
-    }
+    const int* split = kSplit > 0 ? s_split : nullptr;
     if (w == 1 && fine) rope_row_out<kFp8, kHeadDim, kHdPad, true>(a, token, head, w, scale[w], s_mean, dst, split);
-    else rope_row_out<kFp8, kHeadDim, kHdPad>(a, token, head, w, scale[w], nullptr, dst, split);
+    else rope_row_out<kFp8, kHeadDim, kHdPad>(a, token, head, w, scale[w], nullptr, dst, fine ? split : nullptr);
   }
 
   // V: into shared memory, then out transposed, 128 keys per V^T row.
