@@ -329,8 +329,7 @@ FineBatch random_batch(std::mt19937& rng, int H, int hd) {
 }
 
 // The split pairs from the definition, by repeated argmax: per head, fp8_split_pairs(hd) times the
-// untaken pair of largest max(q) * max(k) over its two channels (the first on a tie) while one is > 0;
-// listed in ascending order, then -1s.
+// untaken pair of largest max(q) * max(k) over its two channels (the first on a tie), -1 once none > 0.
 std::vector<int32_t> split_by_argmax(int H, int hd, const std::vector<float>& q, const std::vector<float>& k) {
   std::vector<int32_t> out;
   const int half = hd / 2;
@@ -345,11 +344,8 @@ std::vector<int32_t> split_by_argmax(int H, int hd, const std::vector<float>& q,
         if (!taken[size_t(p)] && share > best_share) best = p, best_share = share;
       }
       if (best >= 0) taken[size_t(best)] = true;
+      out.push_back(best);
     }
-    const size_t before = out.size();  // the taken pairs in ascending order, then -1s
-    for (int p = 0; p < half; ++p)
-      if (taken[size_t(p)]) out.push_back(p);
-    out.resize(before + size_t(fp8_split_pairs(hd)), -1);
   }
   return out;
 }

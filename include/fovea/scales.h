@@ -108,26 +108,25 @@ struct FineScales {
 // FP8 Q and K rows are zero-padded to whole wgmma K steps of 32 channels (fp8_qk_width). At head_dim
 // 72 and 80 the padding has room for fp8_split_pairs(hd) rotary pairs (channels p and p + hd/2, the
 // two RoPE turns together) to be split: channel c keeps its E4M3 value x_hi = e4m3(x / s), and two
-// padding slots a = fp8_split_slot(hd, i, j), a + 1 (i: the pair's rank among the head's split pairs
-// in ascending order, j: channel p or p + hd/2) hold, in Q, (q_lo, q_hi) and, in K, (k_hi, k_lo),
-// where x_lo = e4m3(x / s - x_hi) is the rounding error in E4M3. Q . K over the padded row then sums
-// q_hi k_hi + q_lo k_hi + q_hi k_lo for that channel: its product to about 2^-8 relative instead of
-// E4M3's 2^-4, with the same scales and no change to the kernel. Pairs that dominate a head's scores
-// (outlier channels, through RoPE or not) are the ones to split.
+// padding slots a = fp8_split_slot(hd, i, j), a + 1 (split i, channel j of the pair) hold, in Q,
+// (q_lo, q_hi) and, in K, (k_hi, k_lo), where x_lo = e4m3(x / s - x_hi) is the rounding error in E4M3.
+// Q . K over the padded row then sums q_hi k_hi + q_lo k_hi + q_hi k_lo for that channel: its product to
+// about 2^-8 relative instead of E4M3's 2^-4, with the same scales and no change to the kernel. Pairs
+// that dominate a head's scores (outlier channels, through RoPE or not) are the ones to split.
 constexpr int fp8_qk_width(int head_dim) { return (head_dim + 31) / 32 * 32; }
 constexpr int fp8_split_pairs(int head_dim) {
   const int room = (fp8_qk_width(head_dim) - head_dim) / 4, pairs = head_dim / 2;
   return head_dim % 2 ? 0 : room < pairs ? room : pairs;
 }
-constexpr int fp8_split_slot(int head_dim, int rank, int j) { return head_dim + 4 * rank + 2 * j; }
+constexpr int fp8_split_slot(int head_dim, int split, int j) { return head_dim + 4 * split + 2 * j; }
 // A pair's rank for splitting: its largest |q| times its largest |k - k_mean| (over its two channels).
 FOVEA_HD float split_share(float q0, float q1, float k0, float k1) { return (q0 > q1 ? q0 : q1) * (k0 > k1 ? k0 : k1); }
-// Each head's fp8_split_pairs(hd) pairs of largest split_share > 0 (ties: the lower pair), in
-// ascending order, then -1s: [H * fp8_split_pairs(hd)] from per-(head, channel) amaxes of Q and of
-// K - k_mean. The device's selection (prepare.cu) takes the same pairs.
+// Each head's fp8_split_pairs(hd) pairs of largest split_share > 0 (ties: the lower pair), in that
+// order, then -1s: [H * fp8_split_pairs(hd)] from per-(head, channel) amaxes of Q and of K - k_mean.
+// The device's selection (prepare.cu) takes the same pairs in the same order.
 std::vector<int32_t> pick_split_pairs(int heads, int head_dim, const float* q_amax, const float* k_amax);
 // Throws fovea::Error (prefixed by `what`) unless `split` is empty or [H * fp8_split_pairs(hd)] with each
-// head's entries -1 or distinct pairs in [0, hd/2) (in any order).
+// head's entries -1 or distinct pairs in [0, hd/2).
 void check_split_pairs(const std::vector<int32_t>& split, int heads, int head_dim, const std::string& what);
 
 // ---- the robust scheme's dynamic state (docs/fp8.md §Outlier channels) -----------------------------

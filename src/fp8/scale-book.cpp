@@ -117,10 +117,8 @@ std::vector<int32_t> pick_split_pairs(int heads, int head_dim, const float* q_am
       share[size_t(p)] = x > 0.0f ? x : -1.0f;  // NaN too: an order for the sort, never split
     }
     std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return share[size_t(a)] > share[size_t(b)]; });
-    int32_t* o = out.data() + size_t(h) * n;
     for (int i = 0; i < n; ++i)
-      if (share[size_t(order[size_t(i)])] > 0.0f) o[i] = order[size_t(i)];
-    std::sort(o, o + n, [](int32_t a, int32_t b) { return b < 0 ? a >= 0 : a >= 0 && a < b; });  // ascending, -1s last
+      if (share[size_t(order[size_t(i)])] > 0.0f) out[size_t(h) * n + i] = order[size_t(i)];
   }
   return out;
 }

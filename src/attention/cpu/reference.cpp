@@ -58,8 +58,8 @@ void fp8_input_row(const float* x, const float* shift, const float* mul, const f
 // (without the scale: the descales are applied to S and to the output, as in the kernel), zero past
 // head_dim. FP8: element (h, d) is quantized as (x - shift[h * hd + d]) * mul[h * hd + d] (mul where not
 // empty) with scale[h * hd + d]; with `split` ([H * n] rotary pairs, -1 none) each split channel's
-// remainder fills its two padding slots (by the pair's rank), (lo, hi) for Q (split_q) and (hi, lo) for
-// K, as the prepare kernel writes them (fovea/scales.h §split pairs).
+// remainder fills its two padding slots, (lo, hi) for Q (split_q) and (hi, lo) for K, as the prepare
+// kernel writes them (fovea/scales.h §split pairs).
 std::vector<float> operand(const VarlenShape& sh, ThdView<const float> x, RefMode mode, const std::vector<float>& scale,
                            const std::vector<float>& shift, const std::vector<float>& mul, const float* rot, int width,
                            const std::vector<int32_t>& split = {}, bool split_q = false) {
@@ -78,12 +78,10 @@ std::vector<float> operand(const VarlenShape& sh, ThdView<const float> x, RefMod
                     rot, hd, row.data());
       const float* s = scale.data() + size_t(h) * hd;
       for (int d = 0; d < hd; ++d) o[d] = e4m3_to_float(e4m3_quantize(row[size_t(d)], s[d]));
-      const int32_t* sp = per_head ? split.data() + size_t(h) * per_head : nullptr;
       for (int i = 0; i < per_head; ++i) {
-        const int p = sp[i];
-        const int rank = int(std::count_if(sp, sp + per_head, [p](int32_t x) { return x >= 0 && x < p; }));
+        const int p = split[size_t(h) * per_head + i];
         for (int j = 0; p >= 0 && j < 2; ++j) {
-          const int c = p + j * half, a = fp8_split_slot(hd, rank, j);
+          const int c = p + j * half, a = fp8_split_slot(hd, i, j);
           const float y = row[size_t(c)] / s[c], hi = e4m3_to_float(e4m3_from_float(y));
           const float lo = e4m3_to_float(e4m3_from_float(y - hi));
           o[a] = split_q ? lo : hi;

@@ -106,11 +106,7 @@ __device__ __forceinline__ uint32_t split_slots(float x, float s, bool q) {
 
 // Q or K of one head-row into its padded output row: RoPE'd, minus `shift` when kShift (the robust
 // scheme's K: its mean per channel; padding rows stay zero) and rounded. FP8 with `split` (the
-// head's split pairs in ascending order, then -1s): each split channel's remainder into its padding
-// slots, in a second pass over those channels of the input row. Measured at S 8192, hd 72 (H200), the
-// whole step: 0.125 ms this way; 0.185 with a test per group and split in the group loop, the split's
-// arithmetic inside (unrolled to 54 copies); 0.160 with a bit test per pair there, staging the values
-// in shared memory.
+// head's fp8_split_pairs pairs, -1 none): each split channel's remainder into its padding slots.
 template <bool kFp8, int kHeadDim, int kHdPad, bool kShift = false>
 __device__ __forceinline__ void rope_row_out(const PrepareArgs& a, int token, int head, int which, float scale,
                                              const float* shift, void* dst, const int* split = nullptr) {
@@ -136,14 +132,15 @@ __device__ __forceinline__ void rope_row_out(const PrepareArgs& a, int token, in
     }
   });
   if constexpr (kSplit > 0) {
-    // The split pairs again, from the input row, through the same RoPE and shift: the same values,
-    // bit for bit.
+    // The split pairs again, from the input row (a second pass over a few channels: inside the group
+    // loop above, a test per group and split unrolled to 54 copies and took the step from 0.094 to
+    // 0.185 ms at S 8192, hd 72), through the same RoPE and shift: the same values, bit for bit.
     if (split && token >= 0) {
       const __nv_bfloat16* row = a.qkv + int64_t(token) * a.qkv_token_stride + (int64_t(which) * a.heads + head) * kHeadDim;
 #pragma unroll
       for (int i = 0; i < kSplit; ++i) {  // split i's slots: bytes 0-1 (channel p) and 2-3 (p + hd/2) of one word
         const int p = split[i];
-        if (p < 0) break;
+        if (p < 0) continue;
         float x1 = __bfloat162float(row[p]), x2 = __bfloat162float(row[p + kHalf]);
         if (a.rope_cos) rope_pair(x1, x2, a.rope_cos[int64_t(token) * kHalf + p], a.rope_sin[int64_t(token) * kHalf + p]);
         if (kShift) x1 = __fsub_rn(x1, shift[p]), x2 = __fsub_rn(x2, shift[kHalf + p]);
@@ -216,8 +213,7 @@ constexpr int kStatThreads = 256;
 
 // One warp picks a head's split pairs as pick_split_pairs (scales.h) does, from the head's Q and
 // K - mean amax per channel (shared): fp8_split_pairs(hd) rounds of a warp argmax over the pairs'
-// split_share (ties: the lower pair), a pair taken once and only with a share > 0; written in
-// ascending order, then -1s.
+// split_share (ties: the lower pair), a pair taken once; -1 once no share > 0 is left.
 template <int kHeadDim>
 __device__ __forceinline__ void pick_split_pairs_warp(const float* qa, const float* ka, int32_t* out) {
   constexpr int kHalf = kHeadDim / 2, kSplit = fp8_split_pairs(kHeadDim);
@@ -231,7 +227,6 @@ __device__ __forceinline__ void pick_split_pairs_warp(const float* qa, const flo
     const float x = p < kHalf ? split_share(qa[p], qa[p + kHalf], ka[p], ka[p + kHalf]) : -1.f;
     share[e] = x > 0.f ? x : -1.f;  // NaN too
   }
-  bool taken[2] = {false, false};
 #pragma unroll 1
   for (int i = 0; i < kSplit; ++i) {
     const bool second = share[1] > share[0];
@@ -243,16 +238,9 @@ __device__ __forceinline__ void pick_split_pairs_warp(const float* qa, const flo
       const int oi = __shfl_xor_sync(0xffffffffu, idx, o);
       if (ob > best || (ob == best && oi < idx)) best = ob, idx = oi;
     }
-    if (best > 0.f && idx % 32 == lane) taken[idx / 32] = true;
+    if (lane == 0) out[i] = best > 0.f ? idx : -1;
     if (idx % 32 == lane) share[idx / 32] = -1.f;
   }
-  // In ascending order, then -1s.
-  uint64_t pairs = __ballot_sync(0xffffffffu, taken[0]) | uint64_t(__ballot_sync(0xffffffffu, taken[1])) << 32;
-  if (lane == 0)
-    for (int i = 0; i < kSplit; ++i) {
-      out[i] = pairs ? __ffsll(static_cast<long long>(pairs)) - 1 : -1;
-      pairs &= pairs - 1;
-    }
   __syncwarp();
 }
 
@@ -447,14 +435,7 @@ __global__ void __launch_bounds__(kThreads) prepare_kernel(PrepareArgs a, FineAr
         s_vrcp[d] = __frcp_rn(s_vscale[d]);
       }
       if constexpr (kSplit > 0)
-        if (threadIdx.x == 0) {  // in ascending order, -1s last: a pair's slots go by its rank
-          for (int i = 0; i < kSplit; ++i) {
-            const int p = fa.qk_split[head * kSplit + i];
-            int j = i;
-            for (; j > 0 && (s_split[j - 1] < 0 || (p >= 0 && p < s_split[j - 1])); --j) s_split[j] = s_split[j - 1];
-            s_split[j] = p;
-          }
-        }
+        if (int(threadIdx.x) < kSplit) s_split[threadIdx.x] = fa.qk_split[head * kSplit + threadIdx.x];
       __syncthreads();
     } else {
       for (int w = 0; w < 3; ++w) scale[w] = a.dynamic ? a.dynamic->t[w].scale : a.fixed[w];
