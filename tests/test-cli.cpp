@@ -240,11 +240,15 @@ TEST_F(Cli, ScaleFileWithFineScales) {
     return "\"" + layer(i) + "\": {\"q\": 1, \"k\": 1, \"v\": 1, \"fovea_q_head\": [0.5, 0.25], "
            "\"fovea_k_head\": [2, 4], \"fovea_v_channel\": [1, 2, 3, 4], \"fovea_k_mean\": [0, 1, -1, 0.5]}";
   };
-  const std::string path = write("fine.json", "{" + layer_entry(0) + ", " + layer_entry(1) + "}");
+  std::string with_split = layer_entry(1);  // head_dim 2: one pair a head, room for it
+  with_split.insert(with_split.size() - 1, ", \"fovea_qk_split\": [0, -1]");
+  const std::string path = write("fine.json", "{" + layer_entry(0) + ", " + with_split + "}");
   const Result r = run("scales inspect " + q(path));
   ASSERT_EQ(r.code, 0) << r.err;
   EXPECT_HAS(r.out, "2 heads, 4 V channels");
   EXPECT_HAS(r.out, "q_head 0.25..0.5");
+  EXPECT_HAS(r.out, "split pairs -\n");
+  EXPECT_HAS(r.out, "split pairs 1/2\n");
   const Result info = run("info --device cpu --mm-encoder-attn-dtype fp8 --mm-encoder-fp8-scale-path " + q(path));
   ASSERT_EQ(info.code, 0) << info.err;
   EXPECT_HAS(info.out, "static, 2 layers");
@@ -277,6 +281,8 @@ TEST_F(Cli, Fp8SchemeFlag) {
   ASSERT_EQ(f.fine.size(), 3u);
   EXPECT_EQ(f.fine.at(0).q_head.size(), 4u);  // synthetic:tiny: 4 heads of 16
   EXPECT_EQ(f.fine.at(2).k_mean.size(), 64u);
+  EXPECT_EQ(f.fine.at(2).qk_split.size(), 16u);  // head_dim 16: room for 4 of its 8 pairs a head
+  EXPECT_TRUE(std::any_of(f.fine.at(2).qk_split.begin(), f.fine.at(2).qk_split.end(), [](int32_t p) { return p >= 0; }));
   const Result st = run(base + "--num-warmups 0 --num-prompts 2 --mm-encoder-fp8-scale-path " + q(cal));
   EXPECT_EQ(st.code, 0) << st.err;
   EXPECT_HAS(st.out, "static");

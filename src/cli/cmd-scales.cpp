@@ -42,8 +42,11 @@ void add_scales(CLI::App& app, Runner& run) {
             const auto [lo, hi] = std::minmax_element(v.begin(), v.end());
             return fmt::format("{:.4g}..{:.4g}", *lo, *hi);
           };
-          fmt::print("{:>5}  q_head {:<22} k_head {:<22} v_channel {:<22} k_mean {}\n", i, range(s.q_head), range(s.k_head),
-                     range(s.v_channel), range(s.k_mean));
+          // split pairs: those in use / the slots (fovea_qk_split; "-" where the layer has none)
+          const auto used = std::count_if(s.qk_split.begin(), s.qk_split.end(), [](int32_t p) { return p >= 0; });
+          const std::string split = s.qk_split.empty() ? "-" : fmt::format("{}/{}", used, s.qk_split.size());
+          fmt::print("{:>5}  q_head {:<22} k_head {:<22} v_channel {:<22} k_mean {:<22} split pairs {}\n", i, range(s.q_head),
+                     range(s.k_head), range(s.v_channel), range(s.k_mean), split);
         }
       }
       return 0;
