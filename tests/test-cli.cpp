@@ -241,15 +241,19 @@ TEST_F(Cli, ScaleFileWithFineScales) {
            "\"fovea_k_head\": [2, 4], \"fovea_v_channel\": [1, 2, 3, 4], \"fovea_k_mean\": [0, 1, -1, 0.5]}";
   };
   std::string with_split = layer_entry(1);  // head_dim 2: one pair a head, room for it
-  with_split.insert(with_split.size() - 1, ", \"fovea_qk_split\": [0, -1]");
+  with_split.insert(with_split.size() - 1, ", \"fovea_qk_split\": [0, -1], \"fovea_robust_gain\": 7.5");
   const std::string path = write("fine.json", "{" + layer_entry(0) + ", " + with_split + "}");
   const Result r = run("scales inspect " + q(path));
   ASSERT_EQ(r.code, 0) << r.err;
   EXPECT_HAS(r.out, "2 heads, 4 V channels");
   EXPECT_HAS(r.out, "q_head 0.25..0.5");
-  EXPECT_HAS(r.out, "split pairs -\n");
-  EXPECT_HAS(r.out, "split pairs 1/2\n");
-  const Result info = run("info --device cpu --mm-encoder-attn-dtype fp8 --mm-encoder-fp8-scale-path " + q(path));
+  EXPECT_HAS(r.out, "split pairs -      robust gain -\n");
+  EXPECT_HAS(r.out, "split pairs 1/2    robust gain 7.5 (outliers: robust under auto)\n");
+  EXPECT_HAS(r.out, "auto runs it on the 1 layer(s) at 2 or more");
+  // auto runs robust on layer 1 only; forced tensor warns that the fine scales go unused.
+  info_prints("--device cpu --mm-encoder-attn-dtype fp8 --mm-encoder-fp8-scale-path " + q(path),
+              "robust on some layers, tensor on the rest");
+  const Result info = run("info --device cpu --mm-encoder-attn-dtype fp8 --fp8-scheme tensor --mm-encoder-fp8-scale-path " + q(path));
   ASSERT_EQ(info.code, 0) << info.err;
   EXPECT_HAS(info.out, "static, 2 layers");
   EXPECT_HAS(info.err, "fine scales");
@@ -286,6 +290,18 @@ TEST_F(Cli, Fp8SchemeFlag) {
   const Result st = run(base + "--num-warmups 0 --num-prompts 2 --mm-encoder-fp8-scale-path " + q(cal));
   EXPECT_EQ(st.code, 0) << st.err;
   EXPECT_HAS(st.out, "static");
+  // auto calibrates with the robust scheme, so its file says which layers need it.
+  const std::string autocal = file("auto.json");
+  const std::string base_auto = "bench mm-processor --model synthetic:tiny --dataset-name random-mm --random-mm-size 64x96 "
+                                "--device cpu --mm-encoder-attn-dtype fp8 ";
+  const Result ca = run(base_auto + "--num-warmups 6 --num-prompts 10 --mm-encoder-fp8-scale-save-path " + q(autocal));
+  ASSERT_EQ(ca.code, 0) << ca.err;
+  const fovea::ScaleFile fa = fovea::read_scale_file(autocal);
+  ASSERT_EQ(fa.fine.size(), 3u);
+  for (const auto& [l, fine] : fa.fine) EXPECT_GT(fine.robust_gain, 0.0f) << "layer " << l;
+  const Result ia = run("scales inspect " + q(autocal));
+  ASSERT_EQ(ia.code, 0) << ia.err;
+  EXPECT_HAS(ia.out, "robust gain ");
 }
 
 TEST_F(Cli, InfoWithStaticScales) {

@@ -497,3 +497,60 @@ TEST(EncoderFp8, RobustCalibrationWritesFineScalesThatServeStatically) {
   EXPECT_LT(stat, 2.0 * dynamic);
   EXPECT_LT(stat, tensor_static / 2);
 }
+
+// --fp8-scheme auto (docs/fp8.md §Choosing a scheme): calibration records each layer's robust gain,
+// far above kAutoRobustGain with outlier channels and below it on the plain model; a fine list with
+// empty layers runs those layers per-tensor from the same file and the others robust, layer by layer
+// (the tiny model's first deepstack tap is block 0's output).
+TEST(EncoderFp8, AutoRunsRobustOnlyOnTheLayersThatNeedIt) {
+  const Golden g = load_golden();
+  TempDir dir;
+  auto calibrate = [&](const Model& m, const std::string& path) {
+    ScaleBook cal = ScaleBook::calibrating(m.config.depth, path, kDefaultScaleMargin);
+    ForwardOptions o;
+    o.attention = cpu::RefMode::FP8;
+    o.scales = &cal;
+    o.fp8_robust = true;
+    for (int f = 0; f < 16; ++f) {
+      forward_cpu(m, g.pixels, g.grids, o);
+      cal.after_forward();
+    }
+    return read_scale_file(path);
+  };
+  const Model m = outlier_model(), plain = load_model(kTiny);
+  const ScaleFile file = calibrate(m, dir.file("outliers.json")), calm = calibrate(plain, dir.file("plain.json"));
+  for (int l = 0; l < m.config.depth; ++l) {
+    std::printf("layer %d robust gain: plain %.3f, outlier channels %.3f\n", l, calm.fine.at(l).robust_gain,
+                file.fine.at(l).robust_gain);
+    EXPECT_GE(file.fine.at(l).robust_gain, 2 * kAutoRobustGain) << "layer " << l;
+    EXPECT_GE(calm.fine.at(l).robust_gain, 1.0f) << "layer " << l;
+    EXPECT_LT(calm.fine.at(l).robust_gain, kAutoRobustGain) << "layer " << l;
+  }
+
+  ScaleBook fixed = ScaleBook::fixed(scales_for_model(file, m.config.depth));
+  auto run = [&](std::vector<bool> robust_layers) {
+    std::vector<FineScales> fine;
+    for (int l = 0; l < m.config.depth; ++l) fine.push_back(robust_layers[size_t(l)] ? file.fine.at(l) : FineScales{});
+    ForwardOptions o;
+    o.attention = cpu::RefMode::FP8;
+    o.scales = &fixed;
+    o.fp8_robust = true;
+    o.fine_scales = &fine;
+    return forward_cpu(m, g.pixels, g.grids, o);
+  };
+  ForwardOptions t;
+  t.attention = cpu::RefMode::FP8;
+  t.scales = &fixed;
+  const auto tensor = forward_cpu(m, g.pixels, g.grids, t);
+  const auto none = run({false, false, false}), all = run({true, true, true});
+  const auto late = run({false, true, true}), first = run({true, false, false});
+  EXPECT_EQ(none.merged, tensor.merged) << "every layer empty: the per-tensor forward, bit for bit";
+  EXPECT_EQ(late.deepstack[0], tensor.deepstack[0]) << "block 0 per-tensor";
+  EXPECT_EQ(first.deepstack[0], all.deepstack[0]) << "block 0 robust";
+  EXPECT_NE(late.deepstack[0], all.deepstack[0]);
+  EXPECT_NE(late.merged, all.merged);
+  EXPECT_NE(late.merged, tensor.merged);
+  const auto exact = forward_cpu(m, g.pixels, g.grids);
+  const double e_tensor = rel_l2(tensor.merged, exact.merged), e_all = rel_l2(all.merged, exact.merged);
+  EXPECT_LT(e_all, e_tensor / 2);
+}

@@ -192,6 +192,67 @@ TEST(ResolveEngine, Fp8Scheme) {
   EXPECT_EQ(ok.scale_file->fine.size(), 2u);
 }
 
+// --fp8-scheme auto: per-tensor when dynamic; calibration runs robust (its file records each layer's
+// robust gain); a static file runs robust on the layers whose fovea_robust_gain reaches
+// kAutoRobustGain and per-tensor q/k/v on the rest; a file without gains stays per-tensor, warning.
+TEST(ResolveEngine, Fp8SchemeAutoChoosesPerLayerFromTheFile) {
+  TempDir dir;
+  EngineOptions o;
+  o.dtype = "fp8";
+  const EngineConfig dyn = resolve_engine(o, h200());
+  EXPECT_FALSE(dyn.fp8_robust);
+  EXPECT_TRUE(dyn.fine_scales(3).empty());
+  o.scale_save_path = dir.file("cal.json");
+  const EngineConfig cal = resolve_engine(o, h200());
+  EXPECT_TRUE(cal.fp8_robust);
+  EXPECT_FALSE(cal.fp8_auto_layers);
+  EXPECT_HAS(cal.scheme_note, "fovea_robust_gain");
+  o.scale_save_path.clear();
+
+  auto layer = [](int l, const std::string& gain) {
+    const std::string g = gain.empty() ? "" : ", \"fovea_robust_gain\": " + gain;
+    return "\"visual.blocks." + std::to_string(l) + ".attn.attn\": {\"q\": 1, \"k\": 2, \"v\": 3, \"fovea_q_head\": [" +
+           std::to_string(l + 1) + "], \"fovea_k_head\": [1], \"fovea_v_channel\": [1, 2], \"fovea_k_mean\": [0, 5]" + g + "}";
+  };
+  o.scale_path = dir.write("mixed.json", "{" + layer(0, "1.2") + ", " + layer(1, "7.5") + ", " + layer(2, "2") + "}");
+  const EngineConfig mixed = resolve_engine(o, h200());
+  EXPECT_TRUE(mixed.fp8_robust);
+  EXPECT_TRUE(mixed.fp8_auto_layers);
+  EXPECT_HAS(mixed.scheme_note, "robust on layers 1,2 of 3");
+  EXPECT_FALSE(mixed.robust_layer(0));
+  EXPECT_TRUE(mixed.robust_layer(1));
+  EXPECT_TRUE(mixed.robust_layer(2));  // the threshold itself counts
+  const std::vector<FineScales> fine = mixed.fine_scales(3);
+  ASSERT_EQ(fine.size(), 3u);
+  EXPECT_TRUE(fine[0].empty());
+  EXPECT_EQ(fine[1], mixed.scale_file->fine.at(1));
+  EXPECT_EQ(fine[2].q_head, std::vector<float>{3.0f});
+  // Forced robust runs every layer; forced tensor none.
+  o.fp8_scheme = "robust";
+  const EngineConfig forced = resolve_engine(o, h200());
+  EXPECT_FALSE(forced.fp8_auto_layers);
+  EXPECT_TRUE(forced.robust_layer(0));
+  EXPECT_FALSE(forced.fine_scales(3)[0].empty());
+  o.fp8_scheme = "tensor";
+  {
+    CaptureWarnings cw;
+    EXPECT_FALSE(resolve_engine(o, h200()).robust_layer(1));
+  }
+  o.fp8_scheme = "auto";
+
+  o.scale_path = dir.write("calm.json", "{" + layer(0, "1.2") + ", " + layer(1, "1.9") + "}");
+  const EngineConfig calm = resolve_engine(o, h200());
+  EXPECT_FALSE(calm.fp8_robust);
+  EXPECT_HAS(calm.scheme_note, "auto: tensor (no layer's fovea_robust_gain reaches");
+  EXPECT_TRUE(calm.fine_scales(2).empty());
+
+  o.scale_path = dir.write("old.json", "{" + layer(0, "") + "}");
+  CaptureWarnings cw;
+  EXPECT_FALSE(resolve_engine(o, h200()).fp8_robust);
+  ASSERT_EQ(g_warnings.size(), 1u);
+  EXPECT_HAS(g_warnings[0], "auto needs a file whose calibration wrote fovea_robust_gain");
+}
+
 // ---- errors: every message names the option ---------------------------------------------------------
 
 TEST(ResolveEngineErrors, ScaleOptions) {

@@ -475,7 +475,54 @@ TEST(FineHistory, CalibrationWritesTheFineScalesAndMatchingPerTensorOnes) {
     }
     EXPECT_EQ(got.qk_split, split_by_argmax(H, hd, q_chan, k_chan)) << "layer " << l;
     EXPECT_EQ(got.qk_split.size(), size_t(H) * 3) << "head_dim 6: room for all 3 pairs";
+    std::vector<float> k_abs(size_t(H) * hd, 0.0f);
+    for (const FineBatch& b : bs)
+      for (size_t i = 0; i < k_abs.size(); ++i) k_abs[i] = std::max({k_abs[i], std::fabs(b.k_hi[i]), std::fabs(b.k_lo[i])});
+    EXPECT_EQ(got.robust_gain, robust_gain(H, hd, q_chan.data(), k_abs.data(), k_chan.data(), got.qk_split)) << "layer " << l;
+    EXPECT_GT(got.robust_gain, 0.0f);
   }
+}
+
+// robust_gain: exact on a hand-worked head, the largest head's, about 1 on well-spread magnitudes and
+// far above kAutoRobustGain when a few channels carry the scores (whether K's mean removes them or a
+// split pair takes them).
+TEST(RobustGain, HandWorkedWellSpreadAndOutliers) {
+  // head_dim 8, pair 0 = channels 0 and 4. All magnitudes 1: no gain without a split; splitting pair
+  // 0 takes channels 0 and 4's products to 2^-4 of themselves.
+  const std::vector<float> one(8, 1.0f);
+  EXPECT_FLOAT_EQ(robust_gain(1, 8, one.data(), one.data(), one.data(), {}), 1.0f);
+  EXPECT_FLOAT_EQ(robust_gain(1, 8, one.data(), one.data(), one.data(), {0, -1, -1, -1}),
+                  float(std::sqrt(8.0 / (6.0 + 2.0 / 256.0))));
+  // Two heads: the second's K has a shared offset on channel 3 that its mean removes; the gain is its.
+  std::vector<float> q(16, 1.0f), k(16, 1.0f), ks(16, 1.0f);
+  k[8 + 3] = 41.0f;
+  const double tensor = 7.0 + 41.0 * 41.0;
+  EXPECT_FLOAT_EQ(robust_gain(2, 8, q.data(), k.data(), ks.data(), {}), float(std::sqrt(tensor / 8.0)));
+  // A head with no signal gains nothing; a non-finite statistic counts as an outlier.
+  const std::vector<float> zero(8, 0.0f);
+  EXPECT_FLOAT_EQ(robust_gain(1, 8, zero.data(), zero.data(), zero.data(), {}), 1.0f);
+  std::vector<float> nan_q = one;
+  nan_q[2] = kNaN;
+  EXPECT_EQ(robust_gain(1, 8, nan_q.data(), one.data(), one.data(), {}), FLT_MAX);
+
+  // 16 heads at head_dim 72, fresh magnitudes: well spread (and the split pairs picked as calibration
+  // picks them) stays below the threshold; K channels +40 through RoPE (K's range about its mean
+  // stays large) with Q +15 elsewhere goes far above it, through the split pairs alone.
+  constexpr int H = 16, hd = 72;
+  std::mt19937 rng(fresh_seed());
+  std::uniform_real_distribution<float> mag(2.5f, 4.5f);
+  std::vector<float> qa(H * hd), ka(H * hd), kc(H * hd);
+  for (size_t i = 0; i < qa.size(); ++i) qa[i] = mag(rng), ka[i] = mag(rng), kc[i] = ka[i] * 0.9f;
+  const float plain = robust_gain(H, hd, qa.data(), ka.data(), kc.data(), pick_split_pairs(H, hd, qa.data(), kc.data()));
+  EXPECT_GE(plain, 1.0f);
+  EXPECT_LT(plain, kAutoRobustGain);
+  for (int h = 0; h < H; ++h) {
+    for (int c : {2, 13, hd / 2 - 6}) ka[size_t(h * hd + c)] += 40.0f, kc[size_t(h * hd + c)] += 40.0f;
+    for (int c : {2, 13, hd / 2 - 6}) qa[size_t(h * hd + c)] += 15.0f;
+  }
+  const float outliers = robust_gain(H, hd, qa.data(), ka.data(), kc.data(), pick_split_pairs(H, hd, qa.data(), kc.data()));
+  EXPECT_GT(outliers, 3.0f * kAutoRobustGain) << "plain " << plain;
+  EXPECT_NEAR(robust_gain(H, hd, qa.data(), ka.data(), kc.data(), {}), 1.0f, 0.2f) << "without the split nothing moves";
 }
 
 // pick_split_pairs: ties go to the lower pair, a share of 0 or NaN is never split, and each head's

@@ -40,17 +40,6 @@ std::string entry(const std::string& q, const std::string& k = "0.5", const std:
   return "{\"q\": " + q + ", \"k\": " + k + ", \"v\": " + v + "}";
 }
 
-// Warnings captured through fovea::set_warning_sink.
-std::vector<std::string> g_warnings;
-void capture_warning(const std::string& w) { g_warnings.push_back(w); }
-struct CaptureWarnings {
-  CaptureWarnings() {
-    g_warnings.clear();
-    set_warning_sink(capture_warning);
-  }
-  ~CaptureWarnings() { set_warning_sink(nullptr); }
-};
-
 }  // namespace
 
 // ---- accepted formats ------------------------------------------------------------------------------
@@ -358,10 +347,11 @@ std::string fine_entry(const std::string& qh, const std::string& kh, const std::
          ", \"fovea_v_channel\": " + vc + ", \"fovea_k_mean\": " + km + "}";
 }
 
-// A fine_entry with "fovea_qk_split": split (JSON text) added.
-std::string with_split(const std::string& fine, const std::string& split) {
-  return fine.substr(0, fine.size() - 1) + ", \"fovea_qk_split\": " + split + "}";
+// A fine_entry with `field`: value (JSON text) added.
+std::string with_field(const std::string& fine, const std::string& field, const std::string& value) {
+  return fine.substr(0, fine.size() - 1) + ", \"" + field + "\": " + value + "}";
 }
+std::string with_split(const std::string& fine, const std::string& split) { return with_field(fine, "fovea_qk_split", split); }
 
 }  // namespace
 
@@ -386,6 +376,10 @@ TEST(FineScales, RoundTripBitExactAndQkvStayVllmReadable) {
   for (int l = 0; l < layers - 1; ++l)  // the split pairs (optional: the last layer has none)
     for (int h = 0; h < heads; ++h)
       for (int i = 0; i < fp8_split_pairs(8); ++i) fine[size_t(l)].qk_split.push_back(i < 4 - h ? (i + l + h) % 4 : -1);
+  fine[0].robust_gain = 1.1803f;  // the statistic auto reads (optional: layer 3 has none)
+  fine[1].robust_gain = 37.25f;
+  fine[2].robust_gain = FLT_MAX;
+  fine[4].robust_gain = std::numeric_limits<float>::denorm_min();
   fine[1].k_mean[0] = 0.0f;
   fine[1].k_mean[1] = -FLT_MAX;
   fine[0].v_channel[0] = std::numeric_limits<float>::denorm_min();
@@ -399,8 +393,10 @@ TEST(FineScales, RoundTripBitExactAndQkvStayVllmReadable) {
     const FineScales& g = f.fine.at(l);
     ASSERT_EQ(g.v_channel.size(), size_t(channels));
     for (int c = 0; c < channels; ++c) ASSERT_EQ(float_bits(g.v_channel[size_t(c)]), float_bits(fine[size_t(l)].v_channel[size_t(c)]));
+    EXPECT_EQ(float_bits(g.robust_gain), float_bits(fine[size_t(l)].robust_gain));
     EXPECT_EQ(g, fine[size_t(l)]);
   }
+  EXPECT_EQ(f.fine.at(3).robust_gain, 0.0f);  // absent reads as "not given"
   // A file without them reads as before, with no fine scales.
   write_scale_file(dir.file("plain.json"), scales);
   EXPECT_TRUE(read_scale_file(dir.file("plain.json")).fine.empty());
@@ -441,6 +437,12 @@ TEST(FineScales, BadFieldsAreErrorsNamingFileLayerAndProblem) {
       {"split-string", "{" + l0 + with_split(ok, "[\"0\", 0]") + "}", {"fovea_qk_split[0]"}},
       {"split-not-array", "{" + l0 + with_split(ok, "3") + "}", {"fovea_qk_split", "not an array"}},
       {"split-alone", "{" + l0 + "{\"q\": 1, \"k\": 1, \"v\": 1, \"fovea_qk_split\": [0]}}", {"without the fine scales"}},
+      {"gain-alone", "{" + l0 + "{\"q\": 1, \"k\": 1, \"v\": 1, \"fovea_robust_gain\": 3}}",
+       {"fovea_robust_gain", "without the fine scales"}},
+      {"gain-zero", "{" + l0 + with_field(ok, "fovea_robust_gain", "0") + "}", {"fovea_robust_gain", "> 0"}},
+      {"gain-negative", "{" + l0 + with_field(ok, "fovea_robust_gain", "-2") + "}", {"fovea_robust_gain"}},
+      {"gain-array", "{" + l0 + with_field(ok, "fovea_robust_gain", "[2]") + "}", {"fovea_robust_gain", "not a number"}},
+      {"gain-beyond-float", "{" + l0 + with_field(ok, "fovea_robust_gain", "1e39") + "}", {"fovea_robust_gain", "float32"}},
       {"shapes-differ-across-layers", "{" + l0 + ok + ", " + l1 + fine_entry("[1]", "[1]", "[1, 2]") + "}", {"heads and"}},
   };
   for (const Case& c : cases) {
@@ -478,4 +480,9 @@ TEST(FineScales, WriterRefusesWhatTheReaderWould) {
   EXPECT_HAS(refused({good, FineScales{{1, 2}, {1, 2}, {1, 1, 1, 1}, {0, std::numeric_limits<float>::infinity(), 0, 0}, {}}}), "fovea_k_mean");
   EXPECT_HAS(refused({good, FineScales{{1, 2}, {1, 2}, {1, 1, 1, 1}, {0, 0, 0, 0}, {0, 1}}}), "fovea_qk_split");
   EXPECT_HAS(refused({good, FineScales{{1, 2}, {1, 2}, {1, 1, 1, 1}, {0, 0, 0, 0}, {0}}}), "1 split pairs, not 2");
+  for (float gain : {kNaN, -1.0f, std::numeric_limits<float>::infinity()}) {
+    FineScales g = good;
+    g.robust_gain = gain;
+    EXPECT_HAS(refused({good, g}), "fovea_robust_gain");
+  }
 }

@@ -97,6 +97,18 @@ std::string error_of(F&& f) {
   return "";
 }
 
+// Warnings captured through fovea::set_warning_sink into g_warnings while one is alive.
+inline std::vector<std::string> g_warnings;
+struct CaptureWarnings {
+  CaptureWarnings() {
+    g_warnings.clear();
+    set_warning_sink([](const std::string& w) { g_warnings.push_back(w); });
+  }
+  ~CaptureWarnings() { set_warning_sink(nullptr); }
+  CaptureWarnings(const CaptureWarnings&) = delete;
+  CaptureWarnings& operator=(const CaptureWarnings&) = delete;
+};
+
 // The 8B architecture's shapes (hd 72, intermediate 4304, 4096-wide mergers) cut to two blocks, both
 // deepstack taps, synthetic weights: the preset synthetic:qwen3-vl-8b-2blocks.
 inline qwen3vl::Model two_block_8b() { return qwen3vl::load_model("synthetic:qwen3-vl-8b-2blocks"); }

@@ -39,7 +39,8 @@ struct EncoderOptions {
   // FP8 only: the scheme robust to outlier channels (docs/fp8.md §Outlier channels). With a DYNAMIC
   // or CALIBRATE book every layer's arrays come from its batch and its history (the book's
   // FineHistory, kept on the device; sync_scales() copies it back), with a STATIC one from
-  // `fine_scales` (one per layer, a scale file's fovea_* fields).
+  // `fine_scales` (one per layer, a scale file's fovea_* fields; an empty one: that layer runs
+  // per-tensor with the book's scales, as `--fp8-scheme auto` picks).
   bool fp8_robust = false;
   const std::vector<FineScales>* fine_scales = nullptr;
   AttnBackend backend = AttnBackend::FOVEA;  // FOVEA (Hopper) or CUDNN (BF16, sm_80 and later)

@@ -39,9 +39,15 @@ struct EngineConfig {
   std::optional<GpuInfo> gpu;            // device CUDA: the GPU used (device 0)
   bool fp8_linears = false;              // docs/fp8.md §FP8 linears
   // FP8 only: the scheme robust to outlier channels (docs/fp8.md §Outlier channels: K smoothing,
-  // per-head Q/K and per-channel V scales) instead of per-tensor scales; how auto was resolved.
+  // per-head Q/K and per-channel V scales, split pairs) instead of per-tensor scales; how auto was
+  // resolved. With fp8_auto_layers (auto with a static file) only the layers robust_layer() names run
+  // it, the others their per-tensor q/k/v.
   bool fp8_robust = false;
+  bool fp8_auto_layers = false;
   std::string scheme_note;
+  bool robust_layer(int layer) const;
+  // Static robust: each layer's fine scales from the file, empty where the layer runs per-tensor.
+  std::vector<FineScales> fine_scales(int num_layers) const;
 };
 
 // Why a backend cannot run dtype on this device and machine, or nullopt if it can.

@@ -118,7 +118,8 @@ struct ForwardOptions {
   // FP8 attention with the scheme robust to outlier channels (docs/fp8.md §Outlier channels): K
   // smoothed by a mean, per-head Q/K and per-channel V scales. Dynamic and calibrate: recorded in
   // the scale book's FineHistory (ScaleBook::record_fine: the batch's K mean, scales over the last 16
-  // forwards); static: `fine_scales`, one per layer (a scale file's fovea_* fields, K mean included).
+  // forwards); static: `fine_scales`, one per layer (a scale file's fovea_* fields, K mean included;
+  // an empty one: that layer runs per-tensor with the book's scales, as `--fp8-scheme auto` picks).
   bool fp8_robust = false;
   const std::vector<FineScales>* fine_scales = nullptr;
 };

@@ -98,11 +98,30 @@ struct LayerAmax {
 //
 // "fovea_qk_split" (optional; heads x fp8_split_pairs(head_dim) integers): the rotary pairs whose Q and
 // K are split into two E4M3 terms (below), per head in slot order, -1 for an unused slot.
+//
+// "fovea_robust_gain" (optional; one number, written by calibration): robust_gain() of the layer, the
+// statistic `--fp8-scheme auto` reads to run the robust scheme on this layer or not.
 struct FineScales {
   std::vector<float> q_head, k_head, v_channel, k_mean;
   std::vector<int32_t> qk_split;  // empty: no pair is split
+  float robust_gain = 0.0f;       // 0: not given
   bool operator==(const FineScales&) const = default;
+  bool empty() const { return q_head.empty(); }  // a layer without fine scales (per-tensor under auto)
 };
+
+// ---- which layers need the robust scheme (docs/fp8.md §Choosing a scheme) ---------------------------
+// E4M3 rounds every value to about 2^-4 of itself, so the rounding error of a score q . k is about
+// 2^-4 of sqrt(sum_c (q_c k_c)^2) whatever the scales. robust_gain estimates, from per-(head, channel)
+// magnitudes (Q's amax, K's amax, and K's amax about its mean), how much the robust scheme cuts that:
+// per head sqrt(sum_c (q_c k_c)^2 / sum_c (q_c k'_c w_c)^2), k' = K about its mean, w_c = 2^-4 on the
+// split pairs' channels (their products keep about 2^-8) and 1 elsewhere; the layer's gain is its
+// largest head's. Well-spread layers give about 1.1-1.3 (the split takes the largest of many similar
+// products); a layer whose scores a few outlier channels dominate gives far more.
+float robust_gain(int heads, int head_dim, const float* q_amax, const float* k_amax, const float* k_smoothed,
+                  const std::vector<int32_t>& qk_split);
+// `--fp8-scheme auto` with a calibrated file runs the robust scheme on the layers whose
+// fovea_robust_gain is at least this, per-tensor scales on the rest.
+constexpr float kAutoRobustGain = 2.0f;
 
 // ---- split pairs (docs/fp8.md §Split pairs) ---------------------------------------------------------
 // FP8 Q and K rows are zero-padded to whole wgmma K steps of 32 channels (fp8_qk_width). At head_dim

@@ -66,7 +66,8 @@ void add_info(CLI::App& app, Runner& run) {
         fmt::print("  scales:  dynamic (per-tensor amax, history of {} forwards)\n", kAmaxHistoryLen);
       }
       if (cfg.scale_mode)
-        fmt::print("  scheme:  {}{}\n", cfg.fp8_robust ? "robust (K smoothing, per-head Q/K, per-channel V)" : "tensor",
+        fmt::print("  scheme:  {}{}\n", !cfg.fp8_robust ? "tensor" : cfg.fp8_auto_layers ? "robust on some layers, tensor on the rest"
+                                                                        : "robust (K smoothing, per-head Q/K, per-channel V, split pairs)",
                    cfg.scheme_note.empty() ? "" : "  [" + cfg.scheme_note + "]");
       fmt::print("  linears: {}\n", cfg.fp8_linears ? "fp8 (--fp8-linears: E4M3, per-token and per-channel scales)" : "bf16");
       return 0;

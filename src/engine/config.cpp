@@ -2,6 +2,7 @@
 #include "fovea/engine.h"
 
 #include <cctype>
+#include <algorithm>
 #include <cfloat>
 #include <filesystem>
 
@@ -93,12 +94,8 @@ EngineConfig resolve_engine(const EngineOptions& opt, const SystemInfo& sys) {
   if (opt.fp8_scheme == "robust") {
     if (!fp8) fail("--fp8-scheme robust needs --mm-encoder-attn-dtype fp8 (the attention dtype is {})", dtype_name(cfg.dtype));
     cfg.fp8_robust = true;
-  } else if (fp8 && opt.fp8_scheme == "auto") {
-    // Per-tensor scales (vLLM's): on well-spread inputs (the checkpoints measured) the robust scheme
-    // gains nothing and costs 4-6% of attention plus prepare at S 8192 (bench/RESULTS.md, session 9);
-    // it is for models with outlier channels, chosen with --fp8-scheme robust (docs/fp8.md).
-    cfg.scheme_note = "auto: tensor (the robust scheme is chosen only with --fp8-scheme robust)";
   }
+  const bool autoscheme = fp8 && opt.fp8_scheme == "auto";
   if (!opt.scale_path.empty() && !opt.scale_save_path.empty())
     fail("--mm-encoder-fp8-scale-path and --mm-encoder-fp8-scale-save-path are exclusive: static scales are read "
          "from a file, calibration writes one");
@@ -126,19 +123,41 @@ EngineConfig resolve_engine(const EngineOptions& opt, const SystemInfo& sys) {
       } catch (const Error& e) {
         fail("--mm-encoder-fp8-scale-path: {}", e.what());
       }
-      if (cfg.fp8_robust && cfg.scale_file->fine.empty())
+      const ScaleFile& file = *cfg.scale_file;
+      if (cfg.fp8_robust && file.fine.empty())
         fail("--fp8-scheme robust with static scales needs the file's fine scales (fovea_q_head, fovea_k_head, "
              "fovea_v_channel, fovea_k_mean; docs/fp8.md §Fine scales); '{}' has per-layer q/k/v only", opt.scale_path);
-      if (!cfg.fp8_robust && !cfg.scale_file->fine.empty())
+      std::vector<int> robust;
+      for (const auto& [l, f] : file.fine)
+        if (f.robust_gain >= kAutoRobustGain) robust.push_back(l);
+      const bool gains = std::any_of(file.fine.begin(), file.fine.end(), [](const auto& f) { return f.second.robust_gain > 0; });
+      if (autoscheme && !robust.empty()) {
+        cfg.fp8_robust = cfg.fp8_auto_layers = true;
+        cfg.scheme_note = fmt::format("auto: robust on layers {} of {} (fovea_robust_gain >= {}), tensor on the rest",
+                                      fmt::join(robust, ","), file.layers.size(), kAutoRobustGain);
+      } else if (autoscheme && gains) {
+        cfg.scheme_note = fmt::format("auto: tensor (no layer's fovea_robust_gain reaches {})", kAutoRobustGain);
+      } else if (!cfg.fp8_robust && !file.fine.empty()) {
         warn(fmt::format("--mm-encoder-fp8-scale-path: '{}' also has fine scales (fovea_q_head, fovea_k_head, "
                          "fovea_v_channel, fovea_k_mean) for the FP8 scheme robust to outlier channels, unused with per-tensor "
-                         "scales (--fp8-scheme robust uses them); the per-layer q/k/v are used, as vLLM uses them",
-                         opt.scale_path));
+                         "scales (--fp8-scheme robust uses them{}); the per-layer q/k/v are used, as vLLM uses them",
+                         opt.scale_path, autoscheme ? "; auto needs a file whose calibration wrote fovea_robust_gain" : ""));
+      }
     } else if (!opt.scale_save_path.empty()) {
       cfg.scale_mode = ScaleMode::CALIBRATE;
+      if (autoscheme) {  // the statistic comes from the robust scheme's histories
+        cfg.fp8_robust = true;
+        cfg.scheme_note = "auto: calibrating with the robust scheme, whose file records per layer whether it needs it "
+                          "(fovea_robust_gain); serve with the file and auto to use it";
+      }
     } else {
       cfg.scale_mode = ScaleMode::DYNAMIC;
     }
+    if (autoscheme && cfg.scheme_note.empty())
+      // Per-tensor scales (vLLM's): without a calibrated file no statistic says which layers have
+      // outlier channels, and on well-spread inputs the robust scheme gains little and costs more
+      // (bench/RESULTS.md); --fp8-scheme robust forces it.
+      cfg.scheme_note = "auto: tensor (robust is chosen per layer only from a calibrated file, or with --fp8-scheme robust)";
   }
   cfg.scale_path = opt.scale_path;
   cfg.scale_save_path = opt.scale_save_path;
@@ -170,6 +189,21 @@ EngineConfig resolve_engine(const EngineOptions& opt, const SystemInfo& sys) {
     fail("--fp8-linears on the GPU needs sm_90 or newer (cuBLASLt's per-token and per-channel FP8 scales); GPU 0 is {} (sm_{}{})",
          sys.gpus[0].name, sys.gpus[0].cc_major, sys.gpus[0].cc_minor);
   return cfg;
+}
+
+bool EngineConfig::robust_layer(int layer) const {
+  if (!fp8_robust) return false;
+  if (!fp8_auto_layers) return true;
+  const auto it = scale_file->fine.find(layer);
+  return it != scale_file->fine.end() && it->second.robust_gain >= kAutoRobustGain;
+}
+
+std::vector<FineScales> EngineConfig::fine_scales(int num_layers) const {
+  std::vector<FineScales> out;
+  if (!fp8_robust || !scale_file) return out;
+  for (int l = 0; l < num_layers; ++l)  // every layer is in the file: checked by scales_for_model
+    out.push_back(robust_layer(l) ? scale_file->fine.at(l) : FineScales{});
+  return out;
 }
 
 ScaleBook make_scale_book(const EngineConfig& cfg, int num_layers) {

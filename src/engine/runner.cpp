@@ -49,9 +49,7 @@ struct EncoderRunner::Flight {
 
 EncoderRunner::EncoderRunner(const qwen3vl::Model& m, const EngineConfig& cfg) : model_(m), cfg_(cfg) {
   if (cfg.dtype == AttnDtype::FP8) book_ = make_scale_book(cfg, m.config.depth);
-  if (cfg.fp8_robust && cfg.scale_file) {  // static robust: the file's fine scales, layers 0..depth-1
-    for (int l = 0; l < m.config.depth; ++l) fine_.push_back(cfg.scale_file->fine.at(l));  // every layer: checked on read
-  }
+  fine_ = cfg.fine_scales(m.config.depth);  // static robust: the file's, empty for a per-tensor layer under auto
   if (cfg.device == Device::CUDA) {
 #if FOVEA_HAVE_CUDA
     gpu_ = std::make_unique<Gpu>(m, qwen3vl::cuda::EncoderOptions{cfg.dtype, book(), cfg.fp8_linears, cfg.fp8_robust,

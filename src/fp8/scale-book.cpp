@@ -123,6 +123,27 @@ std::vector<int32_t> pick_split_pairs(int heads, int head_dim, const float* q_am
   return out;
 }
 
+float robust_gain(int heads, int head_dim, const float* q_amax, const float* k_amax, const float* k_smoothed,
+                  const std::vector<int32_t>& qk_split) {
+  const int n = fp8_split_pairs(head_dim), half = head_dim / 2;
+  float gain = 0.0f;
+  for (int h = 0; h < heads; ++h) {
+    double tensor = 0.0, robust = 0.0;
+    for (int c = 0; c < head_dim; ++c) {
+      const size_t i = size_t(h) * size_t(head_dim) + size_t(c);
+      const double q = q_amax[i], t = q * k_amax[i], r = q * k_smoothed[i];
+      bool split = false;
+      for (int j = 0; j < n && !qk_split.empty(); ++j) split |= qk_split[size_t(h) * n + j] == c % half;
+      tensor += t * t;
+      robust += split ? r * r / 256.0 : r * r;
+    }
+    // A head with no signal (all zero) gains nothing; a non-finite statistic counts as an outlier.
+    const double g = tensor == 0.0 ? 1.0 : robust == 0.0 ? double(FLT_MAX) : std::sqrt(tensor / robust);
+    gain = std::max(gain, std::isfinite(g) ? float(std::min(g, double(FLT_MAX))) : FLT_MAX);
+  }
+  return gain;
+}
+
 void check_split_pairs(const std::vector<int32_t>& split, int heads, int head_dim, const std::string& what) {
   if (split.empty()) return;
   const int n = fp8_split_pairs(head_dim);
@@ -232,6 +253,9 @@ std::vector<FineScales> ScaleBook::calibrated_fine(float margin) const {
       o.k_head[size_t(h)] = amax_to_scale(o.k_head[size_t(h)]) * margin;
     }
     if (fp8_split_pairs(f.head_dim) > 0) o.qk_split = pick_split_pairs(H, f.head_dim, f.q_hi.data(), k_chan.data());
+    std::vector<float> k_abs(cells);
+    for (size_t i = 0; i < cells; ++i) k_abs[i] = std::max(std::fabs(f.k_hi[i]), std::fabs(f.k_lo[i]));
+    o.robust_gain = robust_gain(H, f.head_dim, f.q_hi.data(), k_abs.data(), k_chan.data(), o.qk_split);
   }
   return out;
 }

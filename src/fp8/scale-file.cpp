@@ -75,6 +75,7 @@ float scale_value(const std::string& path, const std::string& layer, const std::
 
 constexpr const char* kFineFields[] = {"fovea_q_head", "fovea_k_head", "fovea_v_channel", "fovea_k_mean"};
 constexpr const char* kSplitField = "fovea_qk_split";  // optional, with the four above
+constexpr const char* kGainField = "fovea_robust_gain";  // optional, with the four above
 
 // K's mean as the file gives it: a JSON number that is a finite float32 (of any sign).
 float mean_value(const std::string& path, const std::string& layer, const std::string& what, const json& v) {
@@ -131,6 +132,7 @@ std::optional<FineScales> read_fine(const std::string& path, const std::string& 
     check_split_pairs(out.qk_split, heads, int(out.v_channel.size()) / heads,
                       fmt::format("scale file '{}': layer '{}': {}", path, layer, kSplitField));
   }
+  if (entry.contains(kGainField)) out.robust_gain = scale_value(path, layer, kGainField, entry.at(kGainField));
   return out;
 }
 
@@ -189,18 +191,21 @@ ScaleFile parse_scale_file(std::string_view text, const std::string& path) {
     for (const auto& [k2, unused] : entry.items()) {
       (void)unused;
       static const char* known[] = {"q", "k", "v", "q_scale", "k_scale", "v_scale",
-                                    "fovea_q_head", "fovea_k_head", "fovea_v_channel", "fovea_k_mean", kSplitField};
+                                    "fovea_q_head", "fovea_k_head", "fovea_v_channel", "fovea_k_mean", kSplitField,
+                                    kGainField};
       if (std::find(std::begin(known), std::end(known), k2) != std::end(known)) continue;
       if (k2.starts_with("fovea_"))  // written by a newer fovea for a scheme this one cannot run
         fail("scale file '{}': layer '{}': field '{}' is not one this fovea knows (a file from a newer fovea?); "
-             "it knows fovea_q_head, fovea_k_head, fovea_v_channel, fovea_k_mean, fovea_qk_split", path, key,
+             "it knows fovea_q_head, fovea_k_head, fovea_v_channel, fovea_k_mean, fovea_qk_split, fovea_robust_gain", path, key,
              escape_for_error(k2));
       warn(fmt::format("scale file '{}': layer '{}': ignoring unknown field '{}'", path, key, escape_for_error(k2)));
     }
     if (auto fine = read_fine(path, key, entry)) out.fine[idx] = std::move(*fine);
-    else if (entry.contains(kSplitField))
-      fail("scale file '{}': layer '{}': '{}' is given without the fine scales it goes with (fovea_q_head, ...)", path,
-           key, kSplitField);
+    else
+      for (const char* f : {kSplitField, kGainField})
+        if (entry.contains(f))
+          fail("scale file '{}': layer '{}': '{}' is given without the fine scales it goes with (fovea_q_head, ...)", path,
+               key, f);
     out.layers[idx] = s;
     out.names[idx] = key;
   }
@@ -283,6 +288,12 @@ void write_scale_file(const std::string& path, const std::vector<QkvScales>& sca
         check_split_pairs(f.qk_split, heads, int(f.v_channel.size()) / heads,
                           fmt::format("scale file '{}': refusing to write layer {}'s {}", path, i, kSplitField));
         doc[scale_layer_name(int(i))][kSplitField] = f.qk_split;
+      }
+      if (f.robust_gain != 0.0f) {
+        if (!std::isfinite(f.robust_gain) || !(f.robust_gain > 0.0f))
+          fail("scale file '{}': refusing to write layer {} {} = {} (not a finite number > 0)", path, i, kGainField,
+               f.robust_gain);
+        doc[scale_layer_name(int(i))][kGainField] = double(f.robust_gain);
       }
     }
   }

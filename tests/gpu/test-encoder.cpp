@@ -466,6 +466,51 @@ TEST_P(EncoderGpuOutliers, RobustCalibrationWritesFineScalesThatServeStatically)
               e_tensor.rel_l2);
   EXPECT_LT(e_static.rel_l2, 2.0 * e_dyn.rel_l2);
   EXPECT_LT(e_static.rel_l2, e_tensor.rel_l2 / 1.5);
+
+  // --fp8-scheme auto reads the gains: both blocks carry outlier channels, so both need the scheme.
+  for (int l = 0; l < m.config.depth; ++l) {
+    std::printf("  layer %d robust gain %.2f\n", l, file.fine.at(l).robust_gain);
+    EXPECT_GE(file.fine.at(l).robust_gain, kAutoRobustGain) << "layer " << l;
+  }
+  // A mixed list (block 0 per-tensor, block 1 robust, as auto runs a file that asks for it on block 1
+  // only): block 0's output (the first deepstack tap) is the per-tensor run's bit for bit, block 1's
+  // follows the CPU emulation of the same list.
+  auto outputs = [&](const std::vector<FineScales>* f) {
+    ScaleBook book = ScaleBook::fixed(scales_for_model(file, m.config.depth));
+    qwen3vl::cuda::EncoderOptions o;
+    o.dtype = AttnDtype::FP8;
+    o.scales = &book;
+    o.fp8_robust = f != nullptr;
+    o.fine_scales = f;
+    qwen3vl::cuda::Encoder enc(m, o);
+    enc.plan(kGrids);
+    enc.upload_pixels(held, nullptr);
+    enc.forward(nullptr);
+    FOVEA_CUDA_CHECK(cudaDeviceSynchronize());
+    auto ds = enc.deepstack(nullptr);
+    ds.push_back(enc.merged(nullptr));
+    return ds;
+  };
+  const std::vector<FineScales> mixed = {FineScales{}, fine[1]};
+  const auto g_tensor = outputs(nullptr), g_all = outputs(&fine), g_mixed = outputs(&mixed);
+  EXPECT_EQ(g_mixed[0], g_tensor[0]) << "block 0 per-tensor";
+  EXPECT_NE(g_mixed[0], g_all[0]);
+  ScaleBook cpu_fixed = ScaleBook::fixed(scales_for_model(file, m.config.depth));
+  ForwardOptions fo;
+  fo.attention = cpu::RefMode::FP8;
+  fo.scales = &cpu_fixed;
+  fo.fp8_robust = true;
+  fo.fine_scales = &mixed;
+  const ForwardResult emu = forward_cpu(m, held, kGrids, fo);
+  const int O = m.config.out_hidden;
+  const auto e_mixed = embedding_error(g_mixed.back(), exact.merged, O), e_emu = embedding_error(emu.merged, exact.merged, O);
+  const auto vs_emu = embedding_error(g_mixed.back(), emu.merged, O);
+  const auto e_tensor_out = embedding_error(g_tensor.back(), exact.merged, O);
+  std::printf("  mixed (block 0 tensor, block 1 robust): %.3e vs fp32, emulation %.3e, gpu vs emulation %.3e; all tensor %.3e\n",
+              e_mixed.rel_l2, e_emu.rel_l2, vs_emu.rel_l2, e_tensor_out.rel_l2);
+  for (float x : g_mixed.back()) ASSERT_TRUE(std::isfinite(x));
+  EXPECT_LT(vs_emu.rel_l2, e_tensor_out.rel_l2);
+  EXPECT_LT(e_mixed.rel_l2, 2.0 * e_emu.rel_l2 + 0.05);
 }
 
 INSTANTIATE_TEST_SUITE_P(Models, EncoderGpuOutliers, ::testing::Values(0, 1),

@@ -140,6 +140,7 @@ ForwardResult forward_cpu(const Model& m, const std::vector<float>& pixels, cons
     if (opt.fine_scales->size() != size_t(c.depth)) fail("forward: fine scales for {} layers, the model has {}", opt.fine_scales->size(), c.depth);
     for (size_t l = 0; l < opt.fine_scales->size(); ++l) {
       const FineScales& f = (*opt.fine_scales)[l];
+      if (f.empty() && f == FineScales{}) continue;  // this layer runs per-tensor (auto)
       if (f.q_head.size() != size_t(H) || f.k_head.size() != size_t(H) || f.v_channel.size() != size_t(H) * hd ||
           f.k_mean.size() != size_t(H) * hd)
         fail("forward: layer {}'s fine scales are for {} heads and {} V channels ({} K means); the model has {} heads of {}",
@@ -174,7 +175,8 @@ ForwardResult forward_cpu(const Model& m, const std::vector<float>& pixels, cons
     cpu::RefOptions ro;
     ro.mode = opt.attention;
     ro.threads = opt.threads;
-    if (ro.mode == cpu::RefMode::FP8 && opt.fp8_robust) {
+    const bool robust = opt.fp8_robust && !(opt.fine_scales && opt.fine_scales->at(size_t(layer)).empty());
+    if (ro.mode == cpu::RefMode::FP8 && robust) {
       // Static: the file's arrays, K's calibrated mean included. Dynamic and calibrating: this batch
       // recorded in the layer's history, its own K mean.
       const FineScales f = opt.fine_scales ? opt.fine_scales->at(size_t(layer))

@@ -34,6 +34,12 @@ int64_t Encoder::tokens() const { return impl_->n; }
 // The FP8 attention's scales on the device: per tensor (static: uploaded; dynamic and calibrate:
 // the book's rings), or the robust scheme's arrays.
 void Encoder::Impl::init_scales() {
+  auto upload_fixed = [&] {  // static per-tensor q, k, v of every layer
+    std::vector<float> f;
+    for (int l = 0; l < cfg.depth; ++l)
+      for (int t = 0; t < 3; ++t) f.push_back(opt.scales->scales(l)[t]);
+    fixed = upload_f32(f, owned);
+  };
   if (!opt.scales || opt.scales->num_layers() != cfg.depth)
     fail_cat("encoder: FP8 attention needs a scale book with ", cfg.depth, " layers");
   if (opt.fp8_robust) {
@@ -61,6 +67,10 @@ void Encoder::Impl::init_scales() {
         if (!opt.fine_scales || opt.fine_scales->size() != size_t(cfg.depth))
           fail_cat("encoder: the robust FP8 scheme with static scales needs fine scales for all ", cfg.depth, " layers");
         for (const FineScales& f : *opt.fine_scales) {
+          if (f.empty()) {  // a per-tensor layer (auto): its q/k/v below
+            fine.emplace_back();
+            continue;
+          }
           if (f.q_head.size() != size_t(H) || f.k_head.size() != size_t(H) || f.v_channel.size() != cells ||
               f.k_mean.size() != cells)
             fail_cat("encoder: fine scales for ", f.q_head.size(), " heads and ", f.v_channel.size(),
@@ -68,6 +78,7 @@ void Encoder::Impl::init_scales() {
           check_split_pairs(f.qk_split, H, hd, "encoder: fovea_qk_split");
           fine.push_back(arrays(&f));
         }
+        upload_fixed();
         break;
       case ScaleMode::DYNAMIC:
       case ScaleMode::CALIBRATE:
@@ -78,10 +89,7 @@ void Encoder::Impl::init_scales() {
         break;
     }
   } else if (opt.scales->mode() == ScaleMode::STATIC) {
-    std::vector<float> f;
-    for (int l = 0; l < cfg.depth; ++l)
-      for (int t = 0; t < 3; ++t) f.push_back(opt.scales->scales(l)[t]);
-    fixed = upload_f32(f, owned);
+    upload_fixed();
   } else {
     amax = alloc_in<LayerAmax>(owned, size_t(cfg.depth));
     FOVEA_CUDA_CHECK(cudaMemcpy(amax, opt.scales->amax_state().data(), sizeof(LayerAmax) * size_t(cfg.depth),
@@ -172,7 +180,7 @@ void Encoder::forward(cudaStream_t s) {
     else m.layernorm(m.x, m.ln, b.norm1, n, s);
     linear(f8 ? nullptr : m.ln, b.qkv, m.qkv, nullptr, false);
     fovea::cuda::DeviceScales sc;
-    if (!m.fine.empty()) {
+    if (!m.fine.empty() && (m.fine_current || m.fine[size_t(l)].q_head)) {
       sc.fine = m.fine[m.fine_current ? 0 : size_t(l)];
       sc.fine_current = m.fine_current;
       if (m.fine_current) sc.fine_ring = m.fine_hist[size_t(l)].ring();
