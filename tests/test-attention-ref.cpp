@@ -467,9 +467,13 @@ TEST(Fp8Fine, ExactTransformsKeepWellSpreadInputsAsAccurate) {
 // scales recover much of it (numbers: docs/fp8.md, Outlier channels). How much varies widely with
 // the draw (the outlier channels' sizes decide how peaked each head's softmax is), so the bounds are
 // set below what every fresh seed measured gave: 16 heads, 350 seeds (2026-12-02): tensor / spread
-// 2.07-48.9 (median 16), tensor / robust 1.50-40.7 (median 5.1), tensor / rotated 2.31-80.5,
-// robust / rotated 0.33-11.5 (with 4 heads and 300 seeds, tensor / robust fell to 1.30: the rotation
-// is not better on every input, so no bound says it is).
+// 2.07-48.9 (median 16), tensor / robust-without-the-split 1.50-40.7 (median 5.1), tensor / rotated
+// 2.31-80.5, robust / rotated 0.33-11.5 (with 4 heads and 300 seeds, tensor / robust fell to 1.30: the
+// rotation is not better on every input, so no bound says it is). Without the split no bound holds
+// either: seed 3017067371 gives tensor 0.591, robust-without-the-split 0.912 (per-head scales alone
+// 1.02: in rows this peaked, which scores a rounding moves is luck), the robust scheme as it runs (split
+// pairs) 0.0325. So the robust scheme is asserted as it runs: over 400 fresh seeds (2026-12-05) tensor /
+// robust was at least MIN_SPLIT (see the test's log lines).
 constexpr int kOutlierHeads = 16;
 
 // Per-tensor FP8's error on well-spread inputs of the outlier tests' shape: the floor they compare to.
@@ -487,13 +491,14 @@ TEST(Fp8Fine, OutlierChannelsNeedTheRobustScheme) {
   auto err = [&](const cpu::RefOptions& o) { return compare(x.run(o).data(), ref.data(), int64_t(ref.size())).rel_l2; };
   const double bf16 = err(mode(RefMode::BF16));
   const double tensor = err(mode(RefMode::FP8, x));
-  const double robust = err(fine_mode(x, {true, true, true, false}));
+  const double nosplit = err(fine_mode(x, {true, true, true, false}));
   const double rotated = err(fine_mode(x, {true, true, true, true}));
-  std::printf("channels: bf16 %.3e fp8 tensor %.3e robust %.3e robust+rotate %.3e | spread fp8 %.3e\n", bf16, tensor,
-              robust, rotated, fp8_spread);
+  const double robust = err(fine_mode(x, cpu::kRobustParts));
+  std::printf("channels: bf16 %.3e fp8 tensor %.3e robust %.3e (without the split %.3e, rotated %.3e) | spread fp8 %.3e\n",
+              bf16, tensor, robust, nosplit, rotated, fp8_spread);
   EXPECT_LT(bf16, 0.01);
   EXPECT_GT(tensor, 1.5 * fp8_spread);  // the failure the scheme is for
-  EXPECT_LT(robust, tensor / 1.2);
+  EXPECT_LT(robust, tensor / 1.5);
   EXPECT_LT(rotated, tensor / 1.5);
 }
 

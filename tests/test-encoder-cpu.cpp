@@ -276,6 +276,25 @@ TEST(EncoderLoad, ConfigTypeErrorsNameTheField) {
   EXPECT_EQ(a.weights.deepstack[1].norm.w, b.weights.deepstack[1].norm.w);
 }
 
+// synthetic:<preset>-outliers: the preset's weights with add_outlier_channels' offsets in every block's
+// qkv and nothing else changed; the suffix on an unknown preset stays an error listing the presets.
+TEST(SyntheticModel, OutliersSuffix) {
+  const Model plain = load_model("synthetic:tiny"), out = load_model("synthetic:tiny-outliers");
+  EXPECT_EQ(out.config.name, "synthetic:tiny-outliers");
+  EXPECT_EQ(out.config.depth, plain.config.depth);
+  const int D = plain.config.hidden, hd = plain.config.head_dim();
+  for (size_t b = 0; b < plain.weights.blocks.size(); ++b) {
+    const Block &p = plain.weights.blocks[b], &o = out.weights.blocks[b];
+    EXPECT_EQ(o.fc1.w, p.fc1.w);
+    EXPECT_EQ(o.qkv.b[size_t(D + hd + 2)], p.qkv.b[size_t(D + hd + 2)] + 40.f);  // head 1, K channel 2
+    EXPECT_EQ(o.qkv.b[size_t(7)], p.qkv.b[size_t(7)] + 15.f);                    // head 0, Q channel 7
+    EXPECT_EQ(o.qkv.b[size_t(8)], p.qkv.b[size_t(8)]);
+    EXPECT_EQ(o.qkv.w[size_t(2 * D + 5) * size_t(D)], 20.f * p.qkv.w[size_t(2 * D + 5) * size_t(D)]);  // V channel 5
+  }
+  EXPECT_TRUE(synthetic_config("synthetic:qwen3-vl-8b-2blocks-outliers").has_value());
+  EXPECT_HAS(error_of([] { load_model("synthetic:nope-outliers"); }), "each also with the suffix -outliers");
+}
+
 // A saved model reads back with identical weights and gives the identical forward; the CLI does it too.
 TEST(EncoderSave, SyntheticRoundTripsThroughACheckpoint) {
   TempDir dir;

@@ -792,8 +792,6 @@ TEST(EncodeCli, EncodesTheGoodImagesAndReportsTheBadOne) {
   EXPECT_FALSE(fs::exists(dir.file("never.safetensors")));
 }
 
-// bench calibration on the CPU: calibrates on two images, holds two out; static and dynamic FP8
-// both stay close to BF16 there, and the scale file is written.
 // Issue #5's bad inputs, all in one encode call beside two good images: each failure is reported
 // naming the file and the problem, the good images are still encoded, and the exit code is 1. A tiny
 // image is not an error: transformers 5.17's smart_resize upscales it to min_pixels, and so does fovea.
@@ -839,6 +837,10 @@ TEST(EncodeCli, EveryBadInputIsNamedAndTheRestEncoded) {
   EXPECT_FALSE(ck.find("image.2.grid_thw"));
 }
 
+// bench calibration on the CPU: calibrates on two images, holds two out. Against BF16 (the default):
+// static and dynamic FP8 stay close, and the scale file is written. On the model with outlier
+// channels against the fp32 forward: per scheme and margin, robust FP8 far better than per-tensor,
+// auto static the same as robust static (every layer is flagged), the drift per field reported.
 TEST(EncodeCli, CalibrationHoldsOnOtherImages) {
   TempDir dir;
   std::mt19937 rng(3);
@@ -850,17 +852,48 @@ TEST(EncodeCli, CalibrationHoldsOnOtherImages) {
   }
   fs::create_directories(dir.path / "out");
   const std::string scales = (dir.path / "out" / "scales.json").string(), json = (dir.path / "out" / "r.json").string();
-  const std::string cmd = std::string("'") + FOVEA_BIN + "' bench calibration --model synthetic:tiny --dataset-path '" +
-                          dir.path.string() + "' --calibration-images 2 --device cpu --scale-file '" + scales +
-                          "' --output-json '" + json + "' >/dev/null";
-  ASSERT_EQ(std::system(cmd.c_str()), 0);
+  const std::string base = std::string("'") + FOVEA_BIN + "' bench calibration --dataset-path '" + dir.path.string() +
+                           "' --calibration-images 2 --device cpu --scale-file '" + scales + "' --output-json '" + json + "' ";
+  auto read_json = [&] {
+    std::ifstream f(json);
+    return nlohmann::json::parse(f);
+  };
+  ASSERT_EQ(std::system((base + "--model synthetic:tiny >/dev/null").c_str()), 0);
   EXPECT_EQ(read_scale_file(scales).layers.size(), 3u);
-  std::ifstream f(json);
-  const auto doc = nlohmann::json::parse(f);
+  const auto doc = read_json();
   ASSERT_EQ(doc["rows"].size(), 2u);
   for (const auto& r : doc["rows"]) {
-    EXPECT_GT(r["static_cosine"].get<double>(), 0.99) << r.dump();
-    EXPECT_GT(r["dynamic_cosine"].get<double>(), 0.99) << r.dump();
-    EXPECT_LT(r["static_rel_l2"].get<double>(), 0.1) << r.dump();
+    EXPECT_LT(r["tensor dynamic"].get<double>(), 0.1) << r.dump();
+    EXPECT_LT(r["tensor static x1.5"].get<double>(), 0.1) << r.dump();
+    EXPECT_GT(r["tensor static x1.5"].get<double>(), 0.0) << r.dump();
   }
+  EXPECT_EQ(doc["drift"]["tensor"]["q"]["count"], 3);
+
+  ASSERT_EQ(std::system((base + "--model synthetic:tiny-outliers --fp8-scheme robust,tensor,auto --margins 1.5,1 "
+                                "--reference fp32 >/dev/null").c_str()), 0);
+  const ScaleFile file = read_scale_file(scales);  // the first scheme's, with the first margin
+  ASSERT_EQ(file.fine.size(), 3u);
+  for (const auto& [l, f] : file.fine) EXPECT_GE(f.robust_gain, kAutoRobustGain) << "layer " << l;
+  const auto out = read_json();
+  EXPECT_EQ(out["reference"], "fp32");
+  for (const auto& r : out["rows"]) {
+    const double bf16 = r["bf16"].get<double>();
+    EXPECT_GT(bf16, 0.0);
+    // (margin 1 clips what the held-out images reach beyond the calibration's amax: no bound here)
+    for (const char* m : {"robust dynamic", "robust static x1.5"})
+      EXPECT_LT(r[m].get<double>(), r["tensor dynamic"].get<double>() / 2) << m << ": " << r.dump();
+    EXPECT_EQ(r["auto static x1.5"], r["robust static x1.5"]) << r.dump();
+    EXPECT_EQ(r["auto dynamic"], r["tensor dynamic"]) << "dynamic auto is per-tensor";
+  }
+  const auto& drift = out["drift"]["robust"];
+  EXPECT_EQ(drift["fovea_q_head"]["count"], 12);  // 3 layers x 4 heads
+  EXPECT_EQ(drift["fovea_v_channel"]["count"], 192);
+  EXPECT_GT(drift["fovea_v_channel"]["worst"].get<double>(), 0.0);
+  ASSERT_EQ(out["summary"].size(), 10u);  // bf16 + 3 schemes x (dynamic + 2 margins)
+  for (const auto& s : out["summary"])
+    if (s["mode"].get<std::string>().find(" static ") != std::string::npos) EXPECT_TRUE(s.contains("static_over_dynamic_mean")) << s.dump();
+
+  // Bad values are refused naming the flag.
+  for (const char* bad : {"--reference fp16", "--margins 0", "--fp8-scheme sometimes"})
+    EXPECT_NE(std::system((base + "--model synthetic:tiny " + bad + " >/dev/null 2>&1").c_str()), 0) << bad;
 }

@@ -15,6 +15,7 @@
 
 #include <gtest/gtest.h>
 
+#include "fovea/encoder.h"
 #include "fovea/error.h"
 #include "fovea/model.h"
 
@@ -130,19 +131,9 @@ inline qwen3vl::Model with_outlier_channels(qwen3vl::Model m, int qk_channel) {
   return m;
 }
 
-// Outliers as trained ViTs have them, K's larger and apart from Q's: per head, K channels 2, 13 and
-// hd/2 - 6 (three rotary pairs of fast to slow frequency) offset by +40, Q's channel 7 by +15, V's
-// channel 5 scaled x20.
+// Outliers as trained ViTs have them (the synthetic:<preset>-outliers models).
 inline qwen3vl::Model with_key_outlier_channels(qwen3vl::Model m) {
-  const int H = m.config.heads, hd = m.config.head_dim(), D = m.config.hidden;
-  for (qwen3vl::Block& b : m.weights.blocks)
-    for (int h = 0; h < H; ++h) {
-      for (int c : {2, 13, hd / 2 - 6}) b.qkv.b[size_t(D + h * hd + c)] += 40.f;
-      b.qkv.b[size_t(h * hd + 7)] += 15.f;
-      const int v = 2 * D + h * hd + 5;
-      for (int i = 0; i < b.qkv.in; ++i) b.qkv.w[size_t(v) * b.qkv.in + i] *= 20.f;
-      b.qkv.b[size_t(v)] *= 20.f;
-    }
+  qwen3vl::add_outlier_channels(m);
   return m;
 }
 

@@ -25,6 +25,11 @@ namespace fovea::qwen3vl {
 // A model of any configuration with fovea's deterministic synthetic weights (what the
 // synthetic:<preset> models use), e.g. an 8B-shaped encoder with fewer blocks for tests.
 Model synthetic_model(const VisionConfig& config);
+// Outlier channels as trained ViTs carry them, put into every block's qkv: per head, K channels 2, 13
+// and hd/2 - 6 (three rotary pairs, fast to slow frequency; two at head_dim 16) offset by +40 through the bias, Q's
+// channel 7 by +15, V's channel 5 scaled x20 (weights and bias). What the synthetic:<preset>-outliers
+// models are; the FP8 schemes are measured on them (docs/fp8.md §Outlier channels).
+void add_outlier_channels(Model& m);
 
 namespace cuda {
 

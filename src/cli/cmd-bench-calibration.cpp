@@ -1,8 +1,18 @@
-// fovea bench calibration: "calibrated on one set, holds on another". Calibrates FP8 scales with
-// dynamic scaling on the first images of a folder (16 forwards), then encodes the other images with
-// BF16, FP8-dynamic and FP8-static (the calibrated file) and reports, per image and overall, each
-// FP8 mode's final embeddings against BF16: mean per-token cosine and relative L2 error. With
+// fovea bench calibration: "calibrated on one set, holds on another". For each FP8 scheme asked for,
+// calibrates with dynamic scaling on the first images of a folder (16 forwards, margin 1), then
+// encodes the other images with FP8-dynamic and FP8-static (the calibrated scales times each margin
+// asked for) and reports each one's final embeddings against a reference: BF16 attention (the
+// default) or the fp32 CPU forward, where BF16's own error is measured too and each FP8 error is also
+// given as a ratio to it. It also calibrates on the held-out images and reports, per field of the
+// scale file, how far their amax goes past the first calibration's (what a margin must cover). With
 // --fp8-linears the FP8 modes also run the blocks' linears in FP8.
+
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <map>
+
+#include <unistd.h>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -17,12 +27,76 @@ namespace fovea::cli {
 
 namespace {
 
+namespace fs = std::filesystem;
+
 struct Args {
-  std::string model, path, json_path, scale_path = "calibrated-scales.json";
-  int calibration_images = 4, images = 1;
+  std::string model, path, json_path, scale_path = "calibrated-scales.json", reference = "bf16";
+  std::vector<std::string> schemes = {"tensor"};
+  std::vector<float> margins = {kDefaultScaleMargin};
+  int calibration_images = 4;
   int64_t max_pixels = 0;
-  EngineOptions engine;  // device / backend; dtype and scale options are set per mode
+  EngineOptions engine;  // device / backend; dtype, scheme and scale options are set per mode
 };
+
+// `file` with every scale (q, k, v and the fine ones; not K's mean, not the split pairs, not the gain)
+// times m: what calibrating the same forwards with margin m writes, bit for bit (the margin is the last
+// factor of each scale).
+ScaleFile with_margin(ScaleFile file, float m) {
+  for (auto& [l, s] : file.layers) s = {s.q * m, s.k * m, s.v * m};
+  for (auto& [l, f] : file.fine)
+    for (std::vector<float>* v : {&f.q_head, &f.k_head, &f.v_channel})
+      for (float& x : *v) x *= m;
+  return file;
+}
+
+std::vector<QkvScales> layer_list(const ScaleFile& f) {
+  std::vector<QkvScales> out;
+  for (const auto& [l, s] : f.layers) out.push_back(s);
+  return out;
+}
+
+void write_with_margin(const ScaleFile& file, float m, const std::string& path) {
+  const ScaleFile s = with_margin(file, m);
+  std::vector<FineScales> fine;
+  for (const auto& [l, f] : s.fine) fine.push_back(f);
+  write_scale_file(path, layer_list(s), fine.empty() ? nullptr : &fine);
+}
+
+// Per field, how the held-out calibration's values compare with the first one's (both margin 1): the
+// largest ratio and the share of values above 1 (clipping without a margin).
+struct Drift {
+  double worst = 0.0;
+  int64_t above = 0, count = 0;
+  void add(float first, float held) {
+    const double r = double(held) / double(first);
+    worst = std::max(worst, r);
+    above += r > 1.0;
+    ++count;
+  }
+};
+
+std::map<std::string, Drift> drift(const ScaleFile& a, const ScaleFile& b) {
+  std::map<std::string, Drift> d;
+  for (const auto& [l, s] : a.layers) {
+    const QkvScales& t = b.layers.at(l);
+    d["q"].add(s.q, t.q), d["k"].add(s.k, t.k), d["v"].add(s.v, t.v);
+  }
+  for (const auto& [l, f] : a.fine) {
+    const FineScales& g = b.fine.at(l);
+    for (size_t i = 0; i < f.q_head.size(); ++i) d["fovea_q_head"].add(f.q_head[i], g.q_head[i]);
+    for (size_t i = 0; i < f.k_head.size(); ++i) d["fovea_k_head"].add(f.k_head[i], g.k_head[i]);
+    for (size_t i = 0; i < f.v_channel.size(); ++i) d["fovea_v_channel"].add(f.v_channel[i], g.v_channel[i]);
+  }
+  return d;
+}
+
+struct Mode {
+  std::string name;  // "bf16", "<scheme> dynamic", "<scheme> static x<margin>"
+  std::unique_ptr<EncoderRunner> runner;
+  std::vector<double> err, ratio;  // per held-out image: rel_l2 against the reference, and / BF16's
+};
+
+std::string margin_name(float m) { return fmt::format("x{:g}", m); }
 
 int run(const Args& a) {
   const std::vector<std::string> files = image::list_images(a.path, "--dataset-path");
@@ -30,6 +104,10 @@ int run(const Args& a) {
   if (int(files.size()) <= a.calibration_images)
     fail("--dataset-path '{}' has {} images; need more than --calibration-images {} to hold some out", a.path,
          files.size(), a.calibration_images);
+  if (a.reference != "bf16" && a.reference != "fp32") fail("--reference: '{}' is not bf16 or fp32", a.reference);
+  for (float m : a.margins)
+    if (!std::isfinite(m) || !(m > 0.0f)) fail("--margins: {} is not a finite number > 0", m);
+  if (a.margins.empty() || a.schemes.empty()) fail("--margins and --fp8-scheme need at least one value");
   const SystemInfo sys = query_system();
   const qwen3vl::Model model = qwen3vl::load_model(a.model);
   const image::PreprocessConfig pcfg = image::load_preprocess_config(a.model, {0, a.max_pixels});
@@ -38,53 +116,128 @@ int run(const Args& a) {
     b.add(image::preprocess(image::decode_file(f, pcfg), pcfg));
     return b;
   };
-  auto config = [&](const std::string& dtype, const std::string& scale, const std::string& save) {
+  auto config = [&](const std::string& dtype, const std::string& scheme, const std::string& scale, const std::string& save) {
     EngineOptions o = a.engine;
     o.dtype = dtype;
+    o.fp8_scheme = dtype == "fp8" ? scheme : "auto";  // the BF16 reference has no FP8 scheme
     o.scale_path = scale;
     o.scale_save_path = save;
-    o.fp8_linears = a.engine.fp8_linears && dtype == "fp8";  // the BF16 reference keeps BF16 linears
-    if (dtype != "fp8") o.fp8_scheme = "auto";                // and has no FP8 scheme
+    o.scale_save_margin = 1.0;
+    o.fp8_linears = a.engine.fp8_linears && dtype == "fp8";  // and keeps BF16 linears
     return resolve_engine(o, sys);
   };
-
-  // 1. Calibrate on the first images, cycling through them until 16 forwards have run.
-  {
-    const EngineConfig cfg = config("fp8", "", a.scale_path);
-    EncoderRunner runner(model, cfg);
+  // 16 forwards cycling through `images` with scheme's calibration; the file at `path` (margin 1).
+  auto calibrate = [&](const std::string& scheme, const std::vector<std::string>& images, const std::string& path) {
+    EncoderRunner runner(model, config("fp8", scheme, "", path));
     for (int i = 0; !runner.book()->calibration_written(); ++i) {
-      runner.run(load(files[size_t(i % a.calibration_images)]));
+      runner.run(load(images[size_t(i) % images.size()]));
       if (i > 10 * kAmaxHistoryLen) fail("calibration did not complete");  // cannot happen: 16 forwards write
     }
-  }
-  fmt::print("calibrated on {} image(s) of {} -> {}\n", a.calibration_images, a.path, a.scale_path);
+    return read_scale_file(path);
+  };
 
-  // 2. The held-out images: BF16 reference, FP8 dynamic, FP8 static.
-  const EngineConfig bf = config("bf16", "", ""), dyn = config("fp8", "", ""), st = config("fp8", a.scale_path, "");
-  EncoderRunner r_bf(model, bf), r_dyn(model, dyn), r_st(model, st);
-  const int O = model.config.out_hidden;
-  fmt::print("{:<40} | {:>7} | {:>12} | {:>12} | {:>12} | {:>12}\n", "held-out image", "tokens", "dyn cosine", "dyn rel_l2",
-             "static cos", "static rel_l2");
-  nlohmann::ordered_json rows = nlohmann::ordered_json::array();
-  double sums[4] = {0, 0, 0, 0};
-  int count = 0;
-  for (size_t i = size_t(a.calibration_images); i < files.size(); ++i) {
-    const Batch b = load(files[i]);
-    const auto ref = r_bf.run(b).merged;
-    const auto dyn_err = qwen3vl::embedding_error(r_dyn.run(b).merged, ref, O);
-    const auto st_err = qwen3vl::embedding_error(r_st.run(b).merged, ref, O);
-    const double cd = dyn_err.mean_cosine, ed = dyn_err.rel_l2, cs = st_err.mean_cosine, es = st_err.rel_l2;
-    fmt::print("{:<40} | {:>7} | {:>12.6f} | {:>12.3e} | {:>12.6f} | {:>12.3e}\n", files[i], ref.size() / size_t(O), cd, ed, cs, es);
-    rows.push_back({{"image", files[i]}, {"dynamic_cosine", cd}, {"dynamic_rel_l2", ed}, {"static_cosine", cs}, {"static_rel_l2", es}});
-    sums[0] += cd, sums[1] += ed, sums[2] += cs, sums[3] += es;
-    ++count;
+  const fs::path tmp = fs::temp_directory_path() / fmt::format("fovea-bench-calibration-{}", ::getpid());
+  fs::create_directories(tmp);
+  struct Cleanup {
+    fs::path p;
+    ~Cleanup() {
+      std::error_code ec;
+      fs::remove_all(p, ec);
+    }
+  } cleanup{tmp};
+
+  const std::vector<std::string> calib(files.begin(), files.begin() + a.calibration_images),
+      held(files.begin() + a.calibration_images, files.end());
+  std::vector<Mode> modes;
+  const bool fp32 = a.reference == "fp32";
+  if (fp32) modes.push_back({"bf16", std::make_unique<EncoderRunner>(model, config("bf16", "", "", "")), {}, {}});
+  nlohmann::ordered_json drift_json = nlohmann::ordered_json::object();
+  for (const std::string& scheme : a.schemes) {
+    // 1. Calibrate on the first images (margin 1), and on the held-out ones for the drift.
+    const std::string c1 = (tmp / (scheme + "-calibration.json")).string(), c2 = (tmp / (scheme + "-held-out.json")).string();
+    const ScaleFile first = calibrate(scheme, calib, c1), other = calibrate(scheme, held, c2);
+    if (&scheme == &a.schemes.front()) write_with_margin(first, a.margins.front(), a.scale_path);
+    fmt::print("{}: calibrated on {} image(s) of {}{}\n", scheme, a.calibration_images, a.path,
+               &scheme == &a.schemes.front() ? fmt::format(" -> {} (margin {:g})", a.scale_path, a.margins.front()) : "");
+    fmt::print("  held-out amax / calibration amax, per field (margin 1): ");
+    for (const auto& [field, d] : drift(first, other)) {
+      fmt::print("{} worst {:.3f}, {:.1f}% above 1; ", field, d.worst, 100.0 * double(d.above) / double(d.count));
+      drift_json[scheme][field] = {{"worst", d.worst}, {"above", d.above}, {"count", d.count}};
+    }
+    fmt::print("\n");
+    // 2. The FP8 modes: dynamic, and static from the calibration times each margin.
+    modes.push_back({scheme + " dynamic", std::make_unique<EncoderRunner>(model, config("fp8", scheme, "", "")), {}, {}});
+    for (float m : a.margins) {
+      const std::string path = (tmp / fmt::format("{}-margin-{:g}.json", scheme, m)).string();
+      write_with_margin(first, m, path);
+      const EngineConfig cfg = config("fp8", scheme, path, "");
+      if (!cfg.scheme_note.empty() && &m == &a.margins.front()) fmt::print("  static: {}\n", cfg.scheme_note);
+      modes.push_back({scheme + " static " + margin_name(m), std::make_unique<EncoderRunner>(model, cfg), {}, {}});
+    }
   }
-  fmt::print("{:<40} | {:>7} | {:>12.6f} | {:>12.3e} | {:>12.6f} | {:>12.3e}\n", "mean over held-out images", "", sums[0] / count,
-             sums[1] / count, sums[2] / count, sums[3] / count);
+
+  // 3. The held-out images, each against the reference.
+  const int O = model.config.out_hidden;
+  const std::string unit = fp32 ? "rel_l2 vs the fp32 CPU forward (x BF16's)" : "rel_l2 vs BF16 attention";
+  fmt::print("held-out images: {} ({})\n", held.size(), unit);
+  std::unique_ptr<EncoderRunner> bf16_ref;
+  if (!fp32) bf16_ref = std::make_unique<EncoderRunner>(model, config("bf16", "", "", ""));
+  nlohmann::ordered_json rows = nlohmann::ordered_json::array();
+  for (const std::string& f : held) {
+    const Batch b = load(f);
+    const std::vector<float> ref = fp32 ? qwen3vl::forward_cpu(model, b.pixels, b.grids).merged : bf16_ref->run(b).merged;
+    nlohmann::ordered_json row = {{"image", f}, {"tokens", ref.size() / size_t(O)}};
+    std::string line = fmt::format("{} ({} tokens):", fs::path(f).filename().string(), ref.size() / size_t(O));
+    for (Mode& m : modes) {
+      const double e = qwen3vl::embedding_error(m.runner->run(b).merged, ref, O).rel_l2;
+      m.err.push_back(e);
+      if (fp32) m.ratio.push_back(e / modes.front().err.back());
+      row[m.name] = e;
+      line += fp32 && m.name != "bf16" ? fmt::format(" {} {:.3e} ({:.2f}x);", m.name, e, m.ratio.back())
+                                       : fmt::format(" {} {:.3e};", m.name, e);
+    }
+    fmt::print("{}\n", line);
+    rows.push_back(row);
+  }
+
+  // 4. Summary: per mode, mean and worst over the held-out images; static against its dynamic.
+  auto mean = [](const std::vector<double>& v) {
+    double s = 0;
+    for (double x : v) s += x;
+    return s / double(v.size());
+  };
+  auto worst = [](const std::vector<double>& v) { return *std::max_element(v.begin(), v.end()); };
+  fmt::print("\n{:<28} | {:>10} | {:>10} | {:>11} | {:>11} | {:>23}\n", "mode", "mean err", "worst err", fp32 ? "mean xbf16" : "",
+             fp32 ? "worst xbf16" : "", "static/dynamic mean, worst");
+  nlohmann::ordered_json summary = nlohmann::ordered_json::array();
+  const Mode* dynamic = nullptr;
+  for (const Mode& m : modes) {
+    if (m.name.ends_with(" dynamic")) dynamic = &m;
+    std::string vs_dyn;
+    nlohmann::ordered_json s = {{"mode", m.name}, {"mean", mean(m.err)}, {"worst", worst(m.err)}};
+    if (m.name.find(" static ") != std::string::npos && dynamic) {
+      std::vector<double> r;
+      for (size_t i = 0; i < m.err.size(); ++i) r.push_back(m.err[i] / dynamic->err[i]);
+      vs_dyn = fmt::format("{:.2f}, {:.2f}", mean(r), worst(r));
+      s["static_over_dynamic_mean"] = mean(r), s["static_over_dynamic_worst"] = worst(r);
+    }
+    std::string rx = "", wx = "";
+    if (fp32 && m.name != "bf16") {
+      rx = fmt::format("{:.2f}", mean(m.ratio)), wx = fmt::format("{:.2f}", worst(m.ratio));
+      s["mean_over_bf16"] = mean(m.ratio), s["worst_over_bf16"] = worst(m.ratio);
+    }
+    fmt::print("{:<28} | {:>10.3e} | {:>10.3e} | {:>11} | {:>11} | {:>23}\n", m.name, mean(m.err), worst(m.err), rx, wx, vs_dyn);
+    summary.push_back(s);
+  }
   if (!a.json_path.empty())
     write_file_atomic(a.json_path,
-                      nlohmann::ordered_json({{"model", a.model}, {"calibration_images", a.calibration_images},
-                                              {"device", device_name(bf.device)}, {"rows", rows}})
+                      nlohmann::ordered_json({{"model", a.model},
+                                              {"reference", a.reference},
+                                              {"calibration_images", a.calibration_images},
+                                              {"device", device_name(config("bf16", "", "", "").device)},
+                                              {"drift", drift_json},
+                                              {"summary", summary},
+                                              {"rows", rows}})
                               .dump(2) + "\n",
                       "--output-json");
   return 0;
@@ -93,14 +246,24 @@ int run(const Args& a) {
 }  // namespace
 
 void add_bench_calibration(CLI::App* bench, Runner& runner) {
-  auto* cmd = bench->add_subcommand("calibration", "calibrate FP8 scales on some images, check static and dynamic FP8 against BF16 on the others");
+  auto* cmd = bench->add_subcommand(
+      "calibration", "calibrate FP8 scales on some images, check static and dynamic FP8 on the others against BF16 or fp32");
   auto a = std::make_shared<Args>();
   cmd->add_option("--model", a->model, "checkpoint folder or synthetic:<preset>")->required();
   cmd->add_option("--dataset-path", a->path, "folder of images: the first --calibration-images calibrate, the rest are held out")->required();
   cmd->add_option("--calibration-images", a->calibration_images, "images used for calibration")->capture_default_str();
-  cmd->add_option("--scale-file", a->scale_path, "where the calibrated scales are written")->capture_default_str();
+  cmd->add_option("--scale-file", a->scale_path, "where the first scheme's calibrated scales are written (first margin)")
+      ->capture_default_str();
+  cmd->add_option("--fp8-scheme", a->schemes, "FP8 schemes to compare (comma list of auto, tensor, robust)")
+      ->delimiter(',')
+      ->capture_default_str();
+  cmd->add_option("--margins", a->margins, "margins the static scales are run with (comma list; from one calibration)")
+      ->delimiter(',')
+      ->capture_default_str();
+  cmd->add_option("--reference", a->reference, "bf16 (BF16 attention on the same device) or fp32 (the CPU forward)")
+      ->capture_default_str();
   cmd->add_option("--max-pixels", a->max_pixels, "resize budget override (default: the checkpoint's)");
-  cmd->add_option("--output-json", a->json_path, "write the per-image results as JSON");
+  cmd->add_option("--output-json", a->json_path, "write the per-image results and the summary as JSON");
   cmd->add_option("--device", a->engine.device, "cuda or cpu (default: cuda when a GPU is visible)");
   cmd->add_option("--mm-encoder-attn-backend", a->engine.backend, "attention backend")->capture_default_str();
   cmd->add_flag("--fp8-linears", a->engine.fp8_linears,

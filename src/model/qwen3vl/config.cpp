@@ -120,9 +120,14 @@ std::vector<std::string> synthetic_names() {
   return {"synthetic:tiny", "synthetic:qwen3-vl-2b", "synthetic:qwen3-vl-8b", "synthetic:qwen3-vl-8b-2blocks"};
 }
 
-std::optional<VisionConfig> synthetic_config(const std::string& spec) {
+bool synthetic_outliers(const std::string& spec) {
+  return spec.starts_with("synthetic:") && spec.ends_with(kOutliersSuffix);
+}
+
+std::optional<VisionConfig> synthetic_config(const std::string& full) {
   VisionConfig c;
-  c.name = spec;
+  c.name = full;
+  const std::string spec = synthetic_outliers(full) ? full.substr(0, full.size() - std::string(kOutliersSuffix).size()) : full;
   if (spec == "synthetic:qwen3-vl-8b") {
     c.out_hidden = 4096;
     c.deepstack = {8, 16, 24};

@@ -106,11 +106,31 @@ Model synthetic_model(const VisionConfig& config) {
   return m;
 }
 
+void add_outlier_channels(Model& m) {
+  const int H = m.config.heads, hd = m.config.head_dim(), D = m.config.hidden;
+  if (hd < 16) fail("add_outlier_channels: head_dim {} is below 16", hd);
+  std::vector<int> keys = {2, 13};
+  if (hd / 2 - 6 != 2) keys.push_back(hd / 2 - 6);  // at head_dim 16 it is channel 2 again
+  for (Block& b : m.weights.blocks)
+    for (int h = 0; h < H; ++h) {
+      for (int c : keys) b.qkv.b[size_t(D + h * hd + c)] += 40.f;
+      b.qkv.b[size_t(h * hd + 7)] += 15.f;
+      const size_t v = size_t(2 * D + h * hd + 5);
+      for (int i = 0; i < b.qkv.in; ++i) b.qkv.w[v * size_t(b.qkv.in) + size_t(i)] *= 20.f;
+      b.qkv.b[v] *= 20.f;
+    }
+}
+
 Model load_model(const std::string& spec) {
   Model m;
-  if (auto c = synthetic_config(spec)) return synthetic_model(*c);
+  if (auto c = synthetic_config(spec)) {
+    m = synthetic_model(*c);
+    if (synthetic_outliers(spec)) add_outlier_channels(m);
+    return m;
+  }
   if (spec.rfind("synthetic:", 0) == 0)
-    fail("unknown synthetic model '{}' (built in: synthetic:tiny, synthetic:qwen3-vl-2b, synthetic:qwen3-vl-8b)", spec);
+    fail("unknown synthetic model '{}' (built in: {}, each also with the suffix {})", spec, fmt::join(synthetic_names(), ", "),
+         kOutliersSuffix);
   namespace fs = std::filesystem;
   std::error_code ec;
   if (!fs::is_directory(spec, ec)) fail("model '{}': not a folder (and not a synthetic:<name> model)", spec);
