@@ -88,7 +88,7 @@ PY
     say "scale file: B calibrates on $((NIMAGES - 2)) of the load images"
     "$B" bench calibration --model "$M" --dataset-path "$IMG" --calibration-images $((NIMAGES - 2)) --scale-file "$SCALES" \
       --max-pixels "$BUDGET" --output-json "$OUT/calibration.json" "${EXTRA[@]}" > "$OUT/calibration.txt" 2>&1
-    grep -E "^calibrated|^mean|rror" "$OUT/calibration.txt"
+    grep -E "calibrated on| \| |rror" "$OUT/calibration.txt"
     "$B" scales inspect "$SCALES" 2>&1 | tail -1
   fi
 fi

@@ -198,7 +198,7 @@ for budget in $BUDGETS; do
     t=$SECONDS
     if need 40 "calibration"; then
       timeout 300 "$FOVEA" bench calibration --model $M --dataset-path "$IMG_DIR" --calibration-images $((NIMAGES - 2)) \
-        --scale-file "$SCALES" --max-pixels $budget --output-json "$OUT/calibration-$budget.json" 2>&1 | grep -E "^calibrated|^mean|rror"
+        --scale-file "$SCALES" --max-pixels $budget --output-json "$OUT/calibration-$budget.json" 2>&1 | grep -E "calibrated on| \| |rror"
       "$FOVEA" scales inspect "$SCALES" 2>&1 | tail -1
       echo "   [$(elapsed) s] calibration took $((SECONDS - t)) s"
     fi
