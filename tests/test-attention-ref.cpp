@@ -473,7 +473,7 @@ TEST(Fp8Fine, ExactTransformsKeepWellSpreadInputsAsAccurate) {
 // either: seed 3017067371 gives tensor 0.591, robust-without-the-split 0.912 (per-head scales alone
 // 1.02: in rows this peaked, which scores a rounding moves is luck), the robust scheme as it runs (split
 // pairs) 0.0325. So the robust scheme is asserted as it runs: over 400 fresh seeds (2026-12-05) tensor /
-// robust was at least MIN_SPLIT (see the test's log lines).
+// robust was 3.58-119 (median 30), tensor / robust-without-the-split from 0.53 (median 5.2).
 constexpr int kOutlierHeads = 16;
 
 // Per-tensor FP8's error on well-spread inputs of the outlier tests' shape: the floor they compare to.
@@ -498,7 +498,7 @@ TEST(Fp8Fine, OutlierChannelsNeedTheRobustScheme) {
               bf16, tensor, robust, nosplit, rotated, fp8_spread);
   EXPECT_LT(bf16, 0.01);
   EXPECT_GT(tensor, 1.5 * fp8_spread);  // the failure the scheme is for
-  EXPECT_LT(robust, tensor / 1.5);
+  EXPECT_LT(robust, tensor / 2);
   EXPECT_LT(rotated, tensor / 1.5);
 }
 
