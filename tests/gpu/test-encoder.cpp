@@ -32,6 +32,20 @@ std::vector<float> random_pixels(int64_t n) {
   return p;
 }
 
+// One forward of `m` on the GPU over kGrids, synchronized: each deepstack output (with_deepstack),
+// then the merged one last.
+std::vector<std::vector<float>> encode_once(const qwen3vl::Model& m, const qwen3vl::cuda::EncoderOptions& o,
+                                            const std::vector<float>& px, bool with_deepstack = false) {
+  qwen3vl::cuda::Encoder enc(m, o);
+  enc.plan(kGrids);
+  enc.upload_pixels(px, nullptr);
+  enc.forward(nullptr);
+  FOVEA_CUDA_CHECK(cudaDeviceSynchronize());
+  std::vector<std::vector<float>> out = with_deepstack ? enc.deepstack(nullptr) : std::vector<std::vector<float>>{};
+  out.push_back(enc.merged(nullptr));
+  return out;
+}
+
 }  // namespace
 
 TEST(EncoderGpu, Bf16AndFp8MatchTheCpuReference) {
@@ -322,12 +336,7 @@ TEST(EncoderGpu, Fp8LinearsHaveTheirEmulationsErrorEndToEnd) {
   auto run = [&](bool fp8_linears) {
     qwen3vl::cuda::EncoderOptions o;
     o.fp8_linears = fp8_linears;
-    qwen3vl::cuda::Encoder enc(m, o);
-    enc.plan(kGrids);
-    enc.upload_pixels(px, nullptr);
-    enc.forward(nullptr);
-    FOVEA_CUDA_CHECK(cudaDeviceSynchronize());
-    return enc.merged(nullptr);
+    return encode_once(m, o, px).back();
   };
   const auto f8 = run(true), bf = run(false);
   for (float v : f8) ASSERT_TRUE(std::isfinite(v));
@@ -382,12 +391,7 @@ TEST_P(EncoderGpuOutliers, RobustFp8HoldsUpUnderOutlierChannels) {
     o.dtype = dt;
     o.scales = dt == AttnDtype::FP8 ? &book : nullptr;
     o.fp8_robust = robust;
-    qwen3vl::cuda::Encoder enc(m, o);
-    enc.plan(kGrids);
-    enc.upload_pixels(px, nullptr);
-    enc.forward(nullptr);
-    FOVEA_CUDA_CHECK(cudaDeviceSynchronize());
-    auto out = enc.merged(nullptr);
+    auto out = encode_once(m, o, px).back();
     for (float x : out) EXPECT_TRUE(std::isfinite(x));
     return out;
   };
@@ -451,12 +455,7 @@ TEST_P(EncoderGpuOutliers, RobustCalibrationWritesFineScalesThatServeStatically)
     o.scales = &book;
     o.fp8_robust = robust;
     o.fine_scales = f;
-    qwen3vl::cuda::Encoder enc(m, o);
-    enc.plan(kGrids);
-    enc.upload_pixels(held, nullptr);
-    enc.forward(nullptr);
-    FOVEA_CUDA_CHECK(cudaDeviceSynchronize());
-    return embedding_error(enc.merged(nullptr), exact.merged, m.config.out_hidden);
+    return embedding_error(encode_once(m, o, held).back(), exact.merged, m.config.out_hidden);
   };
   ScaleBook dyn = ScaleBook::dynamic(m.config.depth), fixed = ScaleBook::fixed(scales_for_model(file, m.config.depth));
   ScaleBook fixed_tensor = fixed;
@@ -482,14 +481,7 @@ TEST_P(EncoderGpuOutliers, RobustCalibrationWritesFineScalesThatServeStatically)
     o.scales = &book;
     o.fp8_robust = f != nullptr;
     o.fine_scales = f;
-    qwen3vl::cuda::Encoder enc(m, o);
-    enc.plan(kGrids);
-    enc.upload_pixels(held, nullptr);
-    enc.forward(nullptr);
-    FOVEA_CUDA_CHECK(cudaDeviceSynchronize());
-    auto ds = enc.deepstack(nullptr);
-    ds.push_back(enc.merged(nullptr));
-    return ds;
+    return encode_once(m, o, held, true);
   };
   const std::vector<FineScales> mixed = {FineScales{}, fine[1]};
   const auto g_tensor = outputs(nullptr), g_all = outputs(&fine), g_mixed = outputs(&mixed);
