@@ -859,7 +859,8 @@ TEST(EncodeCli, CalibrationHoldsOnOtherImages) {
     return nlohmann::json::parse(f);
   };
   ASSERT_EQ(std::system((base + "--model synthetic:tiny >/dev/null").c_str()), 0);
-  EXPECT_EQ(read_scale_file(scales).layers.size(), 3u);
+  const ScaleFile file15 = read_scale_file(scales);
+  EXPECT_EQ(file15.layers.size(), 3u);
   const auto doc = read_json();
   ASSERT_EQ(doc["rows"].size(), 2u);
   for (const auto& r : doc["rows"]) {
@@ -868,8 +869,17 @@ TEST(EncodeCli, CalibrationHoldsOnOtherImages) {
     EXPECT_GT(r["tensor static x1.5"].get<double>(), 0.0) << r.dump();
   }
   EXPECT_EQ(doc["drift"]["tensor"]["q"]["count"], 3);
+  // A per-field margin scales that field alone, as calibrating with it would.
+  ASSERT_EQ(std::system((base + "--model synthetic:tiny --margins 1.5:q=3 >/dev/null").c_str()), 0);
+  const ScaleFile plain = read_scale_file(scales);
+  for (const auto& [l, s] : plain.layers) {
+    const QkvScales& at15 = file15.layers.at(l);
+    EXPECT_FLOAT_EQ(s.q, at15.q / 1.5f * 3.0f) << "layer " << l;
+    EXPECT_EQ(s.k, at15.k);
+    EXPECT_EQ(s.v, at15.v);
+  }
 
-  ASSERT_EQ(std::system((base + "--model synthetic:tiny-outliers --fp8-scheme robust,tensor,auto --margins 1.5,1 "
+  ASSERT_EQ(std::system((base + "--model synthetic:tiny-outliers --fp8-scheme robust,tensor,auto --margins 1.5,1,1.5:fovea_v_channel=1:q=2 "
                                 "--reference fp32 >/dev/null").c_str()), 0);
   const ScaleFile file = read_scale_file(scales);  // the first scheme's, with the first margin
   ASSERT_EQ(file.fine.size(), 3u);
@@ -889,11 +899,14 @@ TEST(EncodeCli, CalibrationHoldsOnOtherImages) {
   EXPECT_EQ(drift["fovea_q_head"]["count"], 12);  // 3 layers x 4 heads
   EXPECT_EQ(drift["fovea_v_channel"]["count"], 192);
   EXPECT_GT(drift["fovea_v_channel"]["worst"].get<double>(), 0.0);
-  ASSERT_EQ(out["summary"].size(), 10u);  // bf16 + 3 schemes x (dynamic + 2 margins)
+  ASSERT_EQ(out["summary"].size(), 13u);  // bf16 + 3 schemes x (dynamic + 3 margins)
+  // The file the third margin runs from: 1.5 everywhere but V's channels (1) and q (2).
+  for (const auto& r : out["rows"]) EXPECT_GT(r["robust static x1.5 fovea_v_channel=1 q=2"].get<double>(), 0.0);
   for (const auto& s : out["summary"])
     if (s["mode"].get<std::string>().find(" static ") != std::string::npos) EXPECT_TRUE(s.contains("static_over_dynamic_mean")) << s.dump();
 
   // Bad values are refused naming the flag.
-  for (const char* bad : {"--reference fp16", "--margins 0", "--fp8-scheme sometimes"})
+  for (const char* bad : {"--reference fp16", "--margins 0", "--margins 1.5:fovea_k_mean=1", "--margins 1.5:v=x",
+                          "--margins 1.5x", "--fp8-scheme sometimes"})
     EXPECT_NE(std::system((base + "--model synthetic:tiny " + bad + " >/dev/null 2>&1").c_str()), 0) << bad;
 }

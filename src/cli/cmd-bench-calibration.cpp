@@ -32,20 +32,71 @@ namespace fs = std::filesystem;
 struct Args {
   std::string model, path, json_path, scale_path = "calibrated-scales.json", reference = "bf16";
   std::vector<std::string> schemes = {"tensor"};
-  std::vector<float> margins = {kDefaultScaleMargin};
+  std::vector<std::string> margins = {"1.5"};
   int calibration_images = 4;
   int64_t max_pixels = 0;
   EngineOptions engine;  // device / backend; dtype, scheme and scale options are set per mode
 };
 
-// `file` with every scale (q, k, v and the fine ones; not K's mean, not the split pairs, not the gain)
-// times m: what calibrating the same forwards with margin m writes, bit for bit (the margin is the last
-// factor of each scale).
-ScaleFile with_margin(ScaleFile file, float m) {
-  for (auto& [l, s] : file.layers) s = {s.q * m, s.k * m, s.v * m};
-  for (auto& [l, f] : file.fine)
-    for (std::vector<float>* v : {&f.q_head, &f.k_head, &f.v_channel})
-      for (float& x : *v) x *= m;
+// A margin for every scale, or one per field: "1.5", or "1.5:fovea_v_channel=1" (1.5 for every field
+// but fovea_v_channel). The fields: the scale file's q, k, v, fovea_q_head, fovea_k_head, fovea_v_channel.
+struct Margin {
+  float all = 1.0f;
+  std::map<std::string, float> field;
+  std::string name;  // "x1.5", "x1.5 fovea_v_channel=1"
+  float of(const std::string& f) const {
+    const auto it = field.find(f);
+    return it == field.end() ? all : it->second;
+  }
+};
+
+float margin_value(const std::string& text, const std::string& spec) {
+  size_t used = 0;
+  float v = 0.0f;
+  try {
+    v = std::stof(text, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  if (used != text.size() || !std::isfinite(v) || !(v > 0.0f))
+    fail("--margins: '{}' in '{}' is not a finite number > 0", text, spec);
+  return v;
+}
+
+Margin parse_margin(const std::string& spec) {
+  static const char* fields[] = {"q", "k", "v", "fovea_q_head", "fovea_k_head", "fovea_v_channel"};
+  Margin m;
+  size_t start = 0;
+  for (int part = 0; start <= spec.size(); ++part) {
+    const size_t end = std::min(spec.find(':', start), spec.size());
+    const std::string t = spec.substr(start, end - start);
+    if (part == 0) {
+      m.all = margin_value(t, spec);
+      m.name = fmt::format("x{:g}", m.all);
+    } else {
+      const size_t eq = t.find('=');
+      const std::string f = t.substr(0, eq);
+      if (eq == std::string::npos || std::find(std::begin(fields), std::end(fields), f) == std::end(fields))
+        fail("--margins: '{}' in '{}' is not FIELD=VALUE with FIELD one of q, k, v, fovea_q_head, fovea_k_head, "
+             "fovea_v_channel", t, spec);
+      m.field[f] = margin_value(t.substr(eq + 1), spec);
+      m.name += fmt::format(" {}={:g}", f, m.field[f]);
+    }
+    start = end + 1;
+  }
+  return m;
+}
+
+// `file` (calibrated with margin 1) with each scale times its margin: what calibrating the same
+// forwards with that margin writes, bit for bit (the margin is the last factor of each scale). K's
+// mean, the split pairs and the gain are not scales and stay as they are.
+ScaleFile with_margin(ScaleFile file, const Margin& m) {
+  for (auto& [l, s] : file.layers) s = {s.q * m.of("q"), s.k * m.of("k"), s.v * m.of("v")};
+  for (auto& [l, f] : file.fine) {
+    for (float& x : f.q_head) x *= m.of("fovea_q_head");
+    for (float& x : f.k_head) x *= m.of("fovea_k_head");
+    for (float& x : f.v_channel) x *= m.of("fovea_v_channel");
+  }
   return file;
 }
 
@@ -55,7 +106,7 @@ std::vector<QkvScales> layer_list(const ScaleFile& f) {
   return out;
 }
 
-void write_with_margin(const ScaleFile& file, float m, const std::string& path) {
+void write_with_margin(const ScaleFile& file, const Margin& m, const std::string& path) {
   const ScaleFile s = with_margin(file, m);
   std::vector<FineScales> fine;
   for (const auto& [l, f] : s.fine) fine.push_back(f);
@@ -96,8 +147,6 @@ struct Mode {
   std::vector<double> err, ratio;  // per held-out image: rel_l2 against the reference, and / BF16's
 };
 
-std::string margin_name(float m) { return fmt::format("x{:g}", m); }
-
 int run(const Args& a) {
   const std::vector<std::string> files = image::list_images(a.path, "--dataset-path");
   if (a.calibration_images < 1) fail("--calibration-images must be >= 1");
@@ -105,9 +154,9 @@ int run(const Args& a) {
     fail("--dataset-path '{}' has {} images; need more than --calibration-images {} to hold some out", a.path,
          files.size(), a.calibration_images);
   if (a.reference != "bf16" && a.reference != "fp32") fail("--reference: '{}' is not bf16 or fp32", a.reference);
-  for (float m : a.margins)
-    if (!std::isfinite(m) || !(m > 0.0f)) fail("--margins: {} is not a finite number > 0", m);
   if (a.margins.empty() || a.schemes.empty()) fail("--margins and --fp8-scheme need at least one value");
+  std::vector<Margin> margins;
+  for (const std::string& m : a.margins) margins.push_back(parse_margin(m));
   const SystemInfo sys = query_system();
   const qwen3vl::Model model = qwen3vl::load_model(a.model);
   const image::PreprocessConfig pcfg = image::load_preprocess_config(a.model, {0, a.max_pixels});
@@ -156,9 +205,9 @@ int run(const Args& a) {
     // 1. Calibrate on the first images (margin 1), and on the held-out ones for the drift.
     const std::string c1 = (tmp / (scheme + "-calibration.json")).string(), c2 = (tmp / (scheme + "-held-out.json")).string();
     const ScaleFile first = calibrate(scheme, calib, c1), other = calibrate(scheme, held, c2);
-    if (&scheme == &a.schemes.front()) write_with_margin(first, a.margins.front(), a.scale_path);
+    if (&scheme == &a.schemes.front()) write_with_margin(first, margins.front(), a.scale_path);
     fmt::print("{}: calibrated on {} image(s) of {}{}\n", scheme, a.calibration_images, a.path,
-               &scheme == &a.schemes.front() ? fmt::format(" -> {} (margin {:g})", a.scale_path, a.margins.front()) : "");
+               &scheme == &a.schemes.front() ? fmt::format(" -> {} (margin {})", a.scale_path, margins.front().name) : "");
     fmt::print("  held-out amax / calibration amax, per field (margin 1): ");
     for (const auto& [field, d] : drift(first, other)) {
       fmt::print("{} worst {:.3f}, {:.1f}% above 1; ", field, d.worst, 100.0 * double(d.above) / double(d.count));
@@ -167,12 +216,12 @@ int run(const Args& a) {
     fmt::print("\n");
     // 2. The FP8 modes: dynamic, and static from the calibration times each margin.
     modes.push_back({scheme + " dynamic", std::make_unique<EncoderRunner>(model, config("fp8", scheme, "", "")), {}, {}});
-    for (float m : a.margins) {
-      const std::string path = (tmp / fmt::format("{}-margin-{:g}.json", scheme, m)).string();
-      write_with_margin(first, m, path);
+    for (size_t i = 0; i < margins.size(); ++i) {
+      const std::string path = (tmp / fmt::format("{}-margin-{}.json", scheme, i)).string();
+      write_with_margin(first, margins[i], path);
       const EngineConfig cfg = config("fp8", scheme, path, "");
-      if (!cfg.scheme_note.empty() && &m == &a.margins.front()) fmt::print("  static: {}\n", cfg.scheme_note);
-      modes.push_back({scheme + " static " + margin_name(m), std::make_unique<EncoderRunner>(model, cfg), {}, {}});
+      if (!cfg.scheme_note.empty() && i == 0) fmt::print("  static: {}\n", cfg.scheme_note);
+      modes.push_back({scheme + " static " + margins[i].name, std::make_unique<EncoderRunner>(model, cfg), {}, {}});
     }
   }
 
@@ -207,7 +256,7 @@ int run(const Args& a) {
     return s / double(v.size());
   };
   auto worst = [](const std::vector<double>& v) { return *std::max_element(v.begin(), v.end()); };
-  fmt::print("\n{:<28} | {:>10} | {:>10} | {:>11} | {:>11} | {:>23}\n", "mode", "mean err", "worst err", fp32 ? "mean xbf16" : "",
+  fmt::print("\n{:<44} | {:>10} | {:>10} | {:>11} | {:>11} | {:>23}\n", "mode", "mean err", "worst err", fp32 ? "mean xbf16" : "",
              fp32 ? "worst xbf16" : "", "static/dynamic mean, worst");
   nlohmann::ordered_json summary = nlohmann::ordered_json::array();
   const Mode* dynamic = nullptr;
@@ -226,7 +275,7 @@ int run(const Args& a) {
       rx = fmt::format("{:.2f}", mean(m.ratio)), wx = fmt::format("{:.2f}", worst(m.ratio));
       s["mean_over_bf16"] = mean(m.ratio), s["worst_over_bf16"] = worst(m.ratio);
     }
-    fmt::print("{:<28} | {:>10.3e} | {:>10.3e} | {:>11} | {:>11} | {:>23}\n", m.name, mean(m.err), worst(m.err), rx, wx, vs_dyn);
+    fmt::print("{:<44} | {:>10.3e} | {:>10.3e} | {:>11} | {:>11} | {:>23}\n", m.name, mean(m.err), worst(m.err), rx, wx, vs_dyn);
     summary.push_back(s);
   }
   if (!a.json_path.empty())
@@ -257,7 +306,9 @@ void add_bench_calibration(CLI::App* bench, Runner& runner) {
   cmd->add_option("--fp8-scheme", a->schemes, "FP8 schemes to compare (comma list of auto, tensor, robust)")
       ->delimiter(',')
       ->capture_default_str();
-  cmd->add_option("--margins", a->margins, "margins the static scales are run with (comma list; from one calibration)")
+  cmd->add_option("--margins", a->margins,
+                  "margins the static scales are run with (comma list, from one calibration); each one number, or one "
+                  "with per-field exceptions: 1.5:fovea_v_channel=1")
       ->delimiter(',')
       ->capture_default_str();
   cmd->add_option("--reference", a->reference, "bf16 (BF16 attention on the same device) or fp32 (the CPU forward)")
