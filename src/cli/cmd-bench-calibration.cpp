@@ -147,6 +147,142 @@ struct Mode {
   std::vector<double> err, ratio;  // per held-out image: rel_l2 against the reference, and / BF16's
 };
 
+double mean_of(const std::vector<double>& v) {
+  double s = 0;
+  for (double x : v) s += x;
+  return s / double(v.size());
+}
+double worst_of(const std::vector<double>& v) { return *std::max_element(v.begin(), v.end()); }
+
+// One run: the model, the engines of every mode, and what they measured.
+class Bench {
+ public:
+  Bench(const Args& a, const fs::path& tmp)
+      : a_(a), tmp_(tmp), sys_(query_system()), model_(qwen3vl::load_model(a.model)),
+        pcfg_(image::load_preprocess_config(a.model, {0, a.max_pixels})), fp32_(a.reference == "fp32") {
+    for (const std::string& m : a.margins) margins_.push_back(parse_margin(m));
+    if (fp32_) modes_.push_back({"bf16", std::make_unique<EncoderRunner>(model_, config("bf16", "", "", "")), {}, {}});
+  }
+
+  // Calibrates `scheme` on `calib` (and on `held` for the drift) and adds its dynamic and static modes.
+  void add_scheme(const std::string& scheme, const std::vector<std::string>& calib, const std::vector<std::string>& held,
+                  bool write_file) {
+    const ScaleFile first = calibrate(scheme, calib, (tmp_ / (scheme + "-calibration.json")).string());
+    const ScaleFile other = calibrate(scheme, held, (tmp_ / (scheme + "-held-out.json")).string());
+    if (write_file) write_with_margin(first, margins_.front(), a_.scale_path);
+    fmt::print("{}: calibrated on {} image(s) of {}{}\n", scheme, calib.size(), a_.path,
+               write_file ? fmt::format(" -> {} (margin {})", a_.scale_path, margins_.front().name) : "");
+    fmt::print("  held-out amax / calibration amax, per field (margin 1): ");
+    for (const auto& [field, d] : drift(first, other)) {
+      fmt::print("{} worst {:.3f}, {:.1f}% above 1; ", field, d.worst, 100.0 * double(d.above) / double(d.count));
+      drift_[scheme][field] = {{"worst", d.worst}, {"above", d.above}, {"count", d.count}};
+    }
+    fmt::print("\n");
+    modes_.push_back({scheme + " dynamic", std::make_unique<EncoderRunner>(model_, config("fp8", scheme, "", "")), {}, {}});
+    for (size_t i = 0; i < margins_.size(); ++i) {
+      const std::string path = (tmp_ / fmt::format("{}-margin-{}.json", scheme, i)).string();
+      write_with_margin(first, margins_[i], path);
+      const EngineConfig cfg = config("fp8", scheme, path, "");
+      if (!cfg.scheme_note.empty() && i == 0) fmt::print("  static: {}\n", cfg.scheme_note);
+      modes_.push_back({scheme + " static " + margins_[i].name, std::make_unique<EncoderRunner>(model_, cfg), {}, {}});
+    }
+  }
+
+  // Every mode on each held-out image, against the reference.
+  void evaluate(const std::vector<std::string>& held) {
+    const int O = model_.config.out_hidden;
+    fmt::print("held-out images: {} ({})\n", held.size(),
+               fp32_ ? "rel_l2 vs the fp32 CPU forward (x BF16's)" : "rel_l2 vs BF16 attention");
+    std::unique_ptr<EncoderRunner> bf16_ref;
+    if (!fp32_) bf16_ref = std::make_unique<EncoderRunner>(model_, config("bf16", "", "", ""));
+    for (const std::string& f : held) {
+      const Batch b = load(f);
+      const std::vector<float> ref = fp32_ ? qwen3vl::forward_cpu(model_, b.pixels, b.grids).merged : bf16_ref->run(b).merged;
+      nlohmann::ordered_json row = {{"image", f}, {"tokens", ref.size() / size_t(O)}};
+      std::string line = fmt::format("{} ({} tokens):", fs::path(f).filename().string(), ref.size() / size_t(O));
+      for (Mode& m : modes_) {
+        const double e = qwen3vl::embedding_error(m.runner->run(b).merged, ref, O).rel_l2;
+        m.err.push_back(e);
+        if (fp32_) m.ratio.push_back(e / modes_.front().err.back());
+        row[m.name] = e;
+        line += fp32_ && m.name != "bf16" ? fmt::format(" {} {:.3e} ({:.2f}x);", m.name, e, m.ratio.back())
+                                          : fmt::format(" {} {:.3e};", m.name, e);
+      }
+      fmt::print("{}\n", line);
+      rows_.push_back(row);
+    }
+  }
+
+  // Per mode, mean and worst over the held-out images, and static against its scheme's dynamic: printed
+  // and returned with the rows and the drift, as the --output-json document.
+  nlohmann::ordered_json summary() {
+    fmt::print("\n{:<44} | {:>10} | {:>10} | {:>11} | {:>11} | {:>23}\n", "mode", "mean err", "worst err",
+               fp32_ ? "mean xbf16" : "", fp32_ ? "worst xbf16" : "", "static/dynamic mean, worst");
+    nlohmann::ordered_json out = nlohmann::ordered_json::array();
+    const Mode* dynamic = nullptr;
+    for (const Mode& m : modes_) {
+      if (m.name.ends_with(" dynamic")) dynamic = &m;
+      std::string vs_dyn, rx, wx;
+      nlohmann::ordered_json s = {{"mode", m.name}, {"mean", mean_of(m.err)}, {"worst", worst_of(m.err)}};
+      if (m.name.find(" static ") != std::string::npos && dynamic) {
+        std::vector<double> r;
+        for (size_t i = 0; i < m.err.size(); ++i) r.push_back(m.err[i] / dynamic->err[i]);
+        vs_dyn = fmt::format("{:.2f}, {:.2f}", mean_of(r), worst_of(r));
+        s["static_over_dynamic_mean"] = mean_of(r), s["static_over_dynamic_worst"] = worst_of(r);
+      }
+      if (fp32_ && m.name != "bf16") {
+        rx = fmt::format("{:.2f}", mean_of(m.ratio)), wx = fmt::format("{:.2f}", worst_of(m.ratio));
+        s["mean_over_bf16"] = mean_of(m.ratio), s["worst_over_bf16"] = worst_of(m.ratio);
+      }
+      fmt::print("{:<44} | {:>10.3e} | {:>10.3e} | {:>11} | {:>11} | {:>23}\n", m.name, mean_of(m.err), worst_of(m.err), rx,
+                 wx, vs_dyn);
+      out.push_back(s);
+    }
+    return {{"model", a_.model},   {"reference", a_.reference}, {"calibration_images", a_.calibration_images},
+            {"device", device_name(config("bf16", "", "", "").device)}, {"drift", drift_},
+            {"summary", out},      {"rows", rows_}};
+  }
+
+ private:
+  Batch load(const std::string& f) const {
+    Batch b;
+    b.add(image::preprocess(image::decode_file(f, pcfg_), pcfg_));
+    return b;
+  }
+
+  EngineConfig config(const std::string& dtype, const std::string& scheme, const std::string& scale,
+                      const std::string& save) const {
+    EngineOptions o = a_.engine;
+    o.dtype = dtype;
+    o.fp8_scheme = dtype == "fp8" ? scheme : "auto";  // the BF16 reference has no FP8 scheme
+    o.scale_path = scale;
+    o.scale_save_path = save;
+    o.scale_save_margin = 1.0;
+    o.fp8_linears = a_.engine.fp8_linears && dtype == "fp8";  // and keeps BF16 linears
+    return resolve_engine(o, sys_);
+  }
+
+  // 16 forwards cycling through `images` with scheme's calibration; the file at `path` (margin 1).
+  ScaleFile calibrate(const std::string& scheme, const std::vector<std::string>& images, const std::string& path) const {
+    EncoderRunner runner(model_, config("fp8", scheme, "", path));
+    for (int i = 0; !runner.book()->calibration_written(); ++i) {
+      runner.run(load(images[size_t(i) % images.size()]));
+      if (i > 10 * kAmaxHistoryLen) fail("calibration did not complete");  // cannot happen: 16 forwards write
+    }
+    return read_scale_file(path);
+  }
+
+  const Args& a_;
+  fs::path tmp_;
+  SystemInfo sys_;
+  qwen3vl::Model model_;
+  image::PreprocessConfig pcfg_;
+  bool fp32_;
+  std::vector<Margin> margins_;
+  std::vector<Mode> modes_;
+  nlohmann::ordered_json drift_ = nlohmann::ordered_json::object(), rows_ = nlohmann::ordered_json::array();
+};
+
 int run(const Args& a) {
   const std::vector<std::string> files = image::list_images(a.path, "--dataset-path");
   if (a.calibration_images < 1) fail("--calibration-images must be >= 1");
@@ -155,36 +291,6 @@ int run(const Args& a) {
          files.size(), a.calibration_images);
   if (a.reference != "bf16" && a.reference != "fp32") fail("--reference: '{}' is not bf16 or fp32", a.reference);
   if (a.margins.empty() || a.schemes.empty()) fail("--margins and --fp8-scheme need at least one value");
-  std::vector<Margin> margins;
-  for (const std::string& m : a.margins) margins.push_back(parse_margin(m));
-  const SystemInfo sys = query_system();
-  const qwen3vl::Model model = qwen3vl::load_model(a.model);
-  const image::PreprocessConfig pcfg = image::load_preprocess_config(a.model, {0, a.max_pixels});
-  auto load = [&](const std::string& f) {
-    Batch b;
-    b.add(image::preprocess(image::decode_file(f, pcfg), pcfg));
-    return b;
-  };
-  auto config = [&](const std::string& dtype, const std::string& scheme, const std::string& scale, const std::string& save) {
-    EngineOptions o = a.engine;
-    o.dtype = dtype;
-    o.fp8_scheme = dtype == "fp8" ? scheme : "auto";  // the BF16 reference has no FP8 scheme
-    o.scale_path = scale;
-    o.scale_save_path = save;
-    o.scale_save_margin = 1.0;
-    o.fp8_linears = a.engine.fp8_linears && dtype == "fp8";  // and keeps BF16 linears
-    return resolve_engine(o, sys);
-  };
-  // 16 forwards cycling through `images` with scheme's calibration; the file at `path` (margin 1).
-  auto calibrate = [&](const std::string& scheme, const std::vector<std::string>& images, const std::string& path) {
-    EncoderRunner runner(model, config("fp8", scheme, "", path));
-    for (int i = 0; !runner.book()->calibration_written(); ++i) {
-      runner.run(load(images[size_t(i) % images.size()]));
-      if (i > 10 * kAmaxHistoryLen) fail("calibration did not complete");  // cannot happen: 16 forwards write
-    }
-    return read_scale_file(path);
-  };
-
   const fs::path tmp = fs::temp_directory_path() / fmt::format("fovea-bench-calibration-{}", ::getpid());
   fs::create_directories(tmp);
   struct Cleanup {
@@ -194,101 +300,13 @@ int run(const Args& a) {
       fs::remove_all(p, ec);
     }
   } cleanup{tmp};
-
+  Bench bench(a, tmp);
   const std::vector<std::string> calib(files.begin(), files.begin() + a.calibration_images),
       held(files.begin() + a.calibration_images, files.end());
-  std::vector<Mode> modes;
-  const bool fp32 = a.reference == "fp32";
-  if (fp32) modes.push_back({"bf16", std::make_unique<EncoderRunner>(model, config("bf16", "", "", "")), {}, {}});
-  nlohmann::ordered_json drift_json = nlohmann::ordered_json::object();
-  for (const std::string& scheme : a.schemes) {
-    // 1. Calibrate on the first images (margin 1), and on the held-out ones for the drift.
-    const std::string c1 = (tmp / (scheme + "-calibration.json")).string(), c2 = (tmp / (scheme + "-held-out.json")).string();
-    const ScaleFile first = calibrate(scheme, calib, c1), other = calibrate(scheme, held, c2);
-    if (&scheme == &a.schemes.front()) write_with_margin(first, margins.front(), a.scale_path);
-    fmt::print("{}: calibrated on {} image(s) of {}{}\n", scheme, a.calibration_images, a.path,
-               &scheme == &a.schemes.front() ? fmt::format(" -> {} (margin {})", a.scale_path, margins.front().name) : "");
-    fmt::print("  held-out amax / calibration amax, per field (margin 1): ");
-    for (const auto& [field, d] : drift(first, other)) {
-      fmt::print("{} worst {:.3f}, {:.1f}% above 1; ", field, d.worst, 100.0 * double(d.above) / double(d.count));
-      drift_json[scheme][field] = {{"worst", d.worst}, {"above", d.above}, {"count", d.count}};
-    }
-    fmt::print("\n");
-    // 2. The FP8 modes: dynamic, and static from the calibration times each margin.
-    modes.push_back({scheme + " dynamic", std::make_unique<EncoderRunner>(model, config("fp8", scheme, "", "")), {}, {}});
-    for (size_t i = 0; i < margins.size(); ++i) {
-      const std::string path = (tmp / fmt::format("{}-margin-{}.json", scheme, i)).string();
-      write_with_margin(first, margins[i], path);
-      const EngineConfig cfg = config("fp8", scheme, path, "");
-      if (!cfg.scheme_note.empty() && i == 0) fmt::print("  static: {}\n", cfg.scheme_note);
-      modes.push_back({scheme + " static " + margins[i].name, std::make_unique<EncoderRunner>(model, cfg), {}, {}});
-    }
-  }
-
-  // 3. The held-out images, each against the reference.
-  const int O = model.config.out_hidden;
-  const std::string unit = fp32 ? "rel_l2 vs the fp32 CPU forward (x BF16's)" : "rel_l2 vs BF16 attention";
-  fmt::print("held-out images: {} ({})\n", held.size(), unit);
-  std::unique_ptr<EncoderRunner> bf16_ref;
-  if (!fp32) bf16_ref = std::make_unique<EncoderRunner>(model, config("bf16", "", "", ""));
-  nlohmann::ordered_json rows = nlohmann::ordered_json::array();
-  for (const std::string& f : held) {
-    const Batch b = load(f);
-    const std::vector<float> ref = fp32 ? qwen3vl::forward_cpu(model, b.pixels, b.grids).merged : bf16_ref->run(b).merged;
-    nlohmann::ordered_json row = {{"image", f}, {"tokens", ref.size() / size_t(O)}};
-    std::string line = fmt::format("{} ({} tokens):", fs::path(f).filename().string(), ref.size() / size_t(O));
-    for (Mode& m : modes) {
-      const double e = qwen3vl::embedding_error(m.runner->run(b).merged, ref, O).rel_l2;
-      m.err.push_back(e);
-      if (fp32) m.ratio.push_back(e / modes.front().err.back());
-      row[m.name] = e;
-      line += fp32 && m.name != "bf16" ? fmt::format(" {} {:.3e} ({:.2f}x);", m.name, e, m.ratio.back())
-                                       : fmt::format(" {} {:.3e};", m.name, e);
-    }
-    fmt::print("{}\n", line);
-    rows.push_back(row);
-  }
-
-  // 4. Summary: per mode, mean and worst over the held-out images; static against its dynamic.
-  auto mean = [](const std::vector<double>& v) {
-    double s = 0;
-    for (double x : v) s += x;
-    return s / double(v.size());
-  };
-  auto worst = [](const std::vector<double>& v) { return *std::max_element(v.begin(), v.end()); };
-  fmt::print("\n{:<44} | {:>10} | {:>10} | {:>11} | {:>11} | {:>23}\n", "mode", "mean err", "worst err", fp32 ? "mean xbf16" : "",
-             fp32 ? "worst xbf16" : "", "static/dynamic mean, worst");
-  nlohmann::ordered_json summary = nlohmann::ordered_json::array();
-  const Mode* dynamic = nullptr;
-  for (const Mode& m : modes) {
-    if (m.name.ends_with(" dynamic")) dynamic = &m;
-    std::string vs_dyn;
-    nlohmann::ordered_json s = {{"mode", m.name}, {"mean", mean(m.err)}, {"worst", worst(m.err)}};
-    if (m.name.find(" static ") != std::string::npos && dynamic) {
-      std::vector<double> r;
-      for (size_t i = 0; i < m.err.size(); ++i) r.push_back(m.err[i] / dynamic->err[i]);
-      vs_dyn = fmt::format("{:.2f}, {:.2f}", mean(r), worst(r));
-      s["static_over_dynamic_mean"] = mean(r), s["static_over_dynamic_worst"] = worst(r);
-    }
-    std::string rx = "", wx = "";
-    if (fp32 && m.name != "bf16") {
-      rx = fmt::format("{:.2f}", mean(m.ratio)), wx = fmt::format("{:.2f}", worst(m.ratio));
-      s["mean_over_bf16"] = mean(m.ratio), s["worst_over_bf16"] = worst(m.ratio);
-    }
-    fmt::print("{:<44} | {:>10.3e} | {:>10.3e} | {:>11} | {:>11} | {:>23}\n", m.name, mean(m.err), worst(m.err), rx, wx, vs_dyn);
-    summary.push_back(s);
-  }
-  if (!a.json_path.empty())
-    write_file_atomic(a.json_path,
-                      nlohmann::ordered_json({{"model", a.model},
-                                              {"reference", a.reference},
-                                              {"calibration_images", a.calibration_images},
-                                              {"device", device_name(config("bf16", "", "", "").device)},
-                                              {"drift", drift_json},
-                                              {"summary", summary},
-                                              {"rows", rows}})
-                              .dump(2) + "\n",
-                      "--output-json");
+  for (const std::string& scheme : a.schemes) bench.add_scheme(scheme, calib, held, &scheme == &a.schemes.front());
+  bench.evaluate(held);
+  const nlohmann::ordered_json doc = bench.summary();
+  if (!a.json_path.empty()) write_file_atomic(a.json_path, doc.dump(2) + "\n", "--output-json");
   return 0;
 }
 

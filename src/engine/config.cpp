@@ -52,6 +52,35 @@ std::optional<std::string> backend_unsupported(AttnBackend b, AttnDtype d, Devic
   return "unknown backend";
 }
 
+namespace {
+
+// The scheme a static file runs: --fp8-scheme robust needs its fine scales; auto runs robust on the
+// layers whose fovea_robust_gain reaches kAutoRobustGain (docs/fp8.md §Choosing a scheme).
+void static_scheme(EngineConfig& cfg, const std::string& path, bool autoscheme) {
+  const ScaleFile& file = *cfg.scale_file;
+  if (cfg.fp8_robust && file.fine.empty())
+    fail("--fp8-scheme robust with static scales needs the file's fine scales (fovea_q_head, fovea_k_head, "
+         "fovea_v_channel, fovea_k_mean; docs/fp8.md §Fine scales); '{}' has per-layer q/k/v only", path);
+  std::vector<int> robust;
+  for (const auto& [l, f] : file.fine)
+    if (f.robust_gain >= kAutoRobustGain) robust.push_back(l);
+  const bool gains = std::any_of(file.fine.begin(), file.fine.end(), [](const auto& f) { return f.second.robust_gain > 0; });
+  if (autoscheme && !robust.empty()) {
+    cfg.fp8_robust = cfg.fp8_auto_layers = true;
+    cfg.scheme_note = fmt::format("auto: robust on layers {} of {} (fovea_robust_gain >= {}), tensor on the rest",
+                                  fmt::join(robust, ","), file.layers.size(), kAutoRobustGain);
+  } else if (autoscheme && gains) {
+    cfg.scheme_note = fmt::format("auto: tensor (no layer's fovea_robust_gain reaches {})", kAutoRobustGain);
+  } else if (!cfg.fp8_robust && !file.fine.empty()) {
+    warn(fmt::format("--mm-encoder-fp8-scale-path: '{}' also has fine scales (fovea_q_head, fovea_k_head, "
+                     "fovea_v_channel, fovea_k_mean) for the FP8 scheme robust to outlier channels, unused with per-tensor "
+                     "scales (--fp8-scheme robust uses them{}); the per-layer q/k/v are used, as vLLM uses them",
+                     path, autoscheme ? "; auto needs a file whose calibration wrote fovea_robust_gain" : ""));
+  }
+}
+
+}  // namespace
+
 EngineConfig resolve_engine(const EngineOptions& opt, const SystemInfo& sys) {
   EngineConfig cfg;
 
@@ -123,26 +152,7 @@ EngineConfig resolve_engine(const EngineOptions& opt, const SystemInfo& sys) {
       } catch (const Error& e) {
         fail("--mm-encoder-fp8-scale-path: {}", e.what());
       }
-      const ScaleFile& file = *cfg.scale_file;
-      if (cfg.fp8_robust && file.fine.empty())
-        fail("--fp8-scheme robust with static scales needs the file's fine scales (fovea_q_head, fovea_k_head, "
-             "fovea_v_channel, fovea_k_mean; docs/fp8.md §Fine scales); '{}' has per-layer q/k/v only", opt.scale_path);
-      std::vector<int> robust;
-      for (const auto& [l, f] : file.fine)
-        if (f.robust_gain >= kAutoRobustGain) robust.push_back(l);
-      const bool gains = std::any_of(file.fine.begin(), file.fine.end(), [](const auto& f) { return f.second.robust_gain > 0; });
-      if (autoscheme && !robust.empty()) {
-        cfg.fp8_robust = cfg.fp8_auto_layers = true;
-        cfg.scheme_note = fmt::format("auto: robust on layers {} of {} (fovea_robust_gain >= {}), tensor on the rest",
-                                      fmt::join(robust, ","), file.layers.size(), kAutoRobustGain);
-      } else if (autoscheme && gains) {
-        cfg.scheme_note = fmt::format("auto: tensor (no layer's fovea_robust_gain reaches {})", kAutoRobustGain);
-      } else if (!cfg.fp8_robust && !file.fine.empty()) {
-        warn(fmt::format("--mm-encoder-fp8-scale-path: '{}' also has fine scales (fovea_q_head, fovea_k_head, "
-                         "fovea_v_channel, fovea_k_mean) for the FP8 scheme robust to outlier channels, unused with per-tensor "
-                         "scales (--fp8-scheme robust uses them{}); the per-layer q/k/v are used, as vLLM uses them",
-                         opt.scale_path, autoscheme ? "; auto needs a file whose calibration wrote fovea_robust_gain" : ""));
-      }
+      static_scheme(cfg, opt.scale_path, autoscheme);
     } else if (!opt.scale_save_path.empty()) {
       cfg.scale_mode = ScaleMode::CALIBRATE;
       if (autoscheme) {  // the statistic comes from the robust scheme's histories
