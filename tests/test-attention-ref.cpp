@@ -502,6 +502,27 @@ TEST(Fp8Fine, OutlierChannelsNeedTheRobustScheme) {
   EXPECT_LT(rotated, tensor / 1.5);
 }
 
+// Fp8Exact (measurement only): each operand left unquantized takes its share of FP8's error away, and
+// with all three the emulation is far below FP8 (what remains is fp32 arithmetic and the exp).
+TEST(Fp8Exact, EachOperandCarriesPartOfTheError) {
+  const uint64_t seed = fresh_seed();
+  const Qkv x = random_qkv({300, 100}, 8, 72, seed);
+  const std::vector<double> ref = x.run(mode(RefMode::EXACT));
+  auto err = [&](cpu::Fp8Exact e) {
+    cpu::RefOptions o = fine_mode(x, cpu::kRobustParts);
+    o.fp8_exact = e;
+    return compare(x.run(o).data(), ref.data(), int64_t(ref.size())).rel_l2;
+  };
+  const double fp8 = err({}), qk = err({true, false, false}), v = err({false, true, false}), p = err({false, false, true});
+  const double none = err({true, true, true});
+  std::printf("fp8 %.3e; exact qk %.3e, v %.3e, p %.3e, all %.3e\n", fp8, qk, v, p, none);
+  EXPECT_LT(qk, fp8);
+  EXPECT_LT(v, fp8);
+  EXPECT_LT(p, fp8);
+  EXPECT_GT(std::min({qk, v, p}), fp8 / 3);  // each is one share of three, not all of it
+  EXPECT_LT(none, fp8 / 5);
+}
+
 TEST(Fp8Fine, MalformedFineScalesAreRefusedByName) {
   const Qkv x = random_qkv({16}, 2, 8, 7);
   auto why = [&](auto edit, RefMode m = RefMode::FP8) {

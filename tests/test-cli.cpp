@@ -407,6 +407,13 @@ TEST_F(Cli, BenchAttentionComparesFp8Schemes) {
   // The GPU runs tensor and robust only: another scheme is refused before any GPU is looked for.
   expect_one_line_error(run("bench attention --device cuda --seqlens 8 --heads 1 --head-dim 72 --fp8-scheme robust,rotate"),
                         "--fp8-scheme rotate");
+  // --fp8-exact (the emulation's operands left unquantized): CPU only, named operands only; recorded.
+  expect_one_line_error(run("bench attention --device cpu --seqlens 8 --heads 1 --head-dim 8 --fp8-exact qk,w"), "--fp8-exact");
+  expect_one_line_error(run("bench attention --device cuda --seqlens 8 --heads 1 --head-dim 72 --fp8-exact p"), "--fp8-exact");
+  const std::string ej = file("exact.json");
+  ASSERT_EQ(run("bench attention --device cpu --seqlens 64 --heads 2 --head-dim 8 --dtype fp8 --fp8-exact p,v --json " + q(ej)).code, 0);
+  std::ifstream ef(ej);
+  EXPECT_HAS(std::string(std::istreambuf_iterator<char>(ef), {}), "\"fp8_exact\": \"p,v\"");
 }
 
 TEST_F(Cli, BenchAttentionRejectsBadSeqlens) {

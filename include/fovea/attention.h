@@ -117,11 +117,19 @@ struct Fp8Fine {
   }
 };
 
+// FP8 mode, for measurement only (`fovea bench attention --fp8-exact`): operands kept unquantized
+// (x / scale in fp32, under the same scales and K smoothing; Q and K without their split pairs), to
+// see what E4M3 costs in each of Q.K^T, V and P (docs/fp8.md §Outlier channels).
+struct Fp8Exact {
+  bool qk = false, v = false, p = false;
+};
+
 struct RefOptions {
   RefMode mode = RefMode::EXACT;
   float softmax_scale = 0.0f;  // 0: 1/sqrt(head_dim)
   QkvScales fp8_scales;        // FP8 mode: dequantization scales of Q, K, V
   Fp8Fine fp8_fine;            // FP8 mode: finer scales and K smoothing, where given
+  Fp8Exact fp8_exact;          // FP8 mode: nothing by default
   PScheme p;
   int threads = 0;  // 0: all hardware threads
 };

@@ -36,6 +36,7 @@ struct Args {
   int threads = 0;
   std::string json_path;
   std::string fp8_schemes = "tensor";
+  std::string fp8_exact;  // CPU, measurement only: operands FP8 leaves unquantized (qk, v, p)
   bool rope = false;  // CPU: RoPE on q and k first (the GPU bench always applies it)
 };
 
@@ -93,6 +94,7 @@ struct Bench {
   std::vector<int> seqlens;
   std::vector<AttnDtype> dtypes;
   std::vector<Fp8Scheme> schemes;
+  cpu::Fp8Exact exact;  // --fp8-exact
   // Q, K, V as one fused [N, 3, H, hd] buffer (how the encoder's qkv GEMM lays them out); bf16 values.
   std::vector<float> qkv;
 };
@@ -151,6 +153,8 @@ nlohmann::ordered_json cpu_row(const Bench& b, const CpuInputs& in, const CpuRun
     ScaleBook book = ScaleBook::dynamic(1);
     o.fp8_scales = book.record(0, amax(in.shape, in.q), amax(in.shape, in.k), amax(in.shape, in.v));
     o.fp8_fine = cpu::current_fine_scales(in.shape, in.q, in.k, in.v, run.scheme->parts);
+    o.fp8_exact = b.exact;
+    if (!b.a.fp8_exact.empty()) entry["fp8_exact"] = b.a.fp8_exact;
     entry["fp8_scheme"] = run.scheme->name;
     entry["scales"] = {{"q", o.fp8_scales.q}, {"k", o.fp8_scales.k}, {"v", o.fp8_scales.v}};
     entry["p_scheme"] = {{"p_scale", o.p.p_scale}, {"block_n", o.p.block_n}, {"reverse_kv", o.p.reverse_kv}};
@@ -216,7 +220,15 @@ int run_bench(const Args& a) {
   std::vector<AttnDtype> dtypes = parse_dtypes(a.dtypes);
   std::vector<int> seqlens = parse_int_list(a.seqlens, "--seqlens", 1);
   const VarlenShape shape = varlen_from_seqlens(seqlens, a.heads, a.head_dim);
-  const Bench b{a, shape, std::move(seqlens), std::move(dtypes), std::move(schemes),
+  cpu::Fp8Exact exact;
+  for (const std::string& p : split_list(a.fp8_exact)) {
+    if (p == "qk") exact.qk = true;
+    else if (p == "v") exact.v = true;
+    else if (p == "p") exact.p = true;
+    else fail("--fp8-exact: '{}' is not one of qk, v, p", p);
+  }
+  if (a.device == "cuda" && !a.fp8_exact.empty()) fail("--fp8-exact is for the CPU emulation (--device cpu) only");
+  const Bench b{a, shape, std::move(seqlens), std::move(dtypes), std::move(schemes), exact,
                 random_qkv(shape.total_tokens(), a.heads, a.head_dim, *dist, a.seed)};
   if (a.device == "cuda") {
     for (const Fp8Scheme& f : b.schemes)
@@ -505,6 +517,9 @@ void add_bench_attention(CLI::App* bench, Runner& run) {
   cmd->add_option("--seed", a->seed, "random seed")->capture_default_str();
   cmd->add_option("--threads", a->threads, "CPU threads (0: all)")->capture_default_str();
   cmd->add_option("--json", a->json_path, "write the results as JSON to this file");
+  cmd->add_option("--fp8-exact", a->fp8_exact,
+                  "CPU, measurement only: comma list of FP8 operands left unquantized (qk, v, p), to see what E4M3 costs "
+                  "in each");
   cmd->add_option("--fp8-scheme", a->fp8_schemes,
                   "comma list of FP8 scale schemes: tensor (vLLM's), smooth-k, per-head, per-channel-v, robust (all three, "
                   "and at head_dim 72 / 80 each head's largest rotary pairs split into two E4M3 terms; these two on the GPU "

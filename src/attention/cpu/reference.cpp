@@ -62,7 +62,7 @@ void fp8_input_row(const float* x, const float* shift, const float* mul, const f
 // kernel writes them (fovea/scales.h §split pairs).
 std::vector<float> operand(const VarlenShape& sh, ThdView<const float> x, RefMode mode, const std::vector<float>& scale,
                            const std::vector<float>& shift, const std::vector<float>& mul, const float* rot, int width,
-                           const std::vector<int32_t>& split = {}, bool split_q = false) {
+                           const std::vector<int32_t>& split = {}, bool split_q = false, bool exact = false) {
   const int64_t n = sh.total_tokens();
   const int hd = sh.head_dim, half = hd / 2;
   const int per_head = split.empty() ? 0 : int(split.size()) / sh.heads;
@@ -77,8 +77,8 @@ std::vector<float> operand(const VarlenShape& sh, ThdView<const float> x, RefMod
       fp8_input_row(x.row(t, h), shift.data() + size_t(h) * hd, mul.empty() ? nullptr : mul.data() + size_t(h) * hd,
                     rot, hd, row.data());
       const float* s = scale.data() + size_t(h) * hd;
-      for (int d = 0; d < hd; ++d) o[d] = e4m3_to_float(e4m3_quantize(row[size_t(d)], s[d]));
-      for (int i = 0; i < per_head; ++i) {
+      for (int d = 0; d < hd; ++d) o[d] = exact ? row[size_t(d)] / s[d] : e4m3_to_float(e4m3_quantize(row[size_t(d)], s[d]));
+      for (int i = 0; i < per_head && !exact; ++i) {
         const int p = split[size_t(h) * per_head + i];
         for (int j = 0; p >= 0 && j < 2; ++j) {
           const int c = p + j * half, a = fp8_split_slot(hd, i, j);
@@ -159,7 +159,7 @@ void row_exact(const float* q, ThdView<const float> k, ThdView<const float> v, i
 // sums on the tensor cores.
 void row_flash(const float* q, const float* k, const float* v, int64_t begin, int64_t end, int h, int heads,
                int hd, int qk_width, float qk_scale_log2, const float* out_scale, RefMode mode, const PScheme& ps,
-               std::vector<float>& t, std::vector<float>& acc, std::vector<float>& block, double* out) {
+               bool exact_p, std::vector<float>& t, std::vector<float>& acc, std::vector<float>& block, double* out) {
   const int64_t len = end - begin;
   const int64_t nblocks = (len + ps.block_n - 1) / ps.block_n;
   const bool fp8 = mode == RefMode::FP8;
@@ -192,7 +192,7 @@ void row_flash(const float* q, const float* k, const float* v, int64_t begin, in
       const float arg = std::fma(t[size_t(j - j0)], qk_scale_log2, -shift);
       const bool on_fma = (poly >> ((j - j0) % 128 / 8)) & 1u;
       const float p = on_fma ? exp2_poly3(arg) : std::exp2(arg);
-      const float pq = fp8 ? e4m3_to_float(e4m3_from_float(p)) : bf16_round(p);
+      const float pq = !fp8 ? bf16_round(p) : exact_p ? p : e4m3_to_float(e4m3_from_float(p));
       lb += sum_quantized ? pq : p;
       const float* vr = v + (j * heads + h) * hd;
       float* dst = fp8 ? block.data() : acc.data();
@@ -263,9 +263,10 @@ void attention(const VarlenShape& sh, ThdView<const float> q, ThdView<const floa
   const std::vector<float> rot = fp8 && fine.rotate_qk ? dct_matrix(hd) : std::vector<float>();
   const float* r = rot.empty() ? nullptr : rot.data();
   const int qk_width = fp8 ? fp8_qk_width(hd) : hd;  // the FP8 rows' zero padding, split pairs there
-  const std::vector<float> q8 = operand(sh, q, opt.mode, sq, zeros, q_mul, r, qk_width, fine.qk_split, true);
-  const std::vector<float> k8 = operand(sh, k, opt.mode, sk, k_shift, k_mul, r, qk_width, fine.qk_split, false);
-  const std::vector<float> v8 = operand(sh, v, opt.mode, sv, zeros, {}, nullptr, hd);
+  const Fp8Exact& ex = opt.fp8_exact;
+  const std::vector<float> q8 = operand(sh, q, opt.mode, sq, zeros, q_mul, r, qk_width, fine.qk_split, true, ex.qk);
+  const std::vector<float> k8 = operand(sh, k, opt.mode, sk, k_shift, k_mul, r, qk_width, fine.qk_split, false, ex.qk);
+  const std::vector<float> v8 = operand(sh, v, opt.mode, sv, zeros, {}, nullptr, hd, {}, false, ex.v);
   std::vector<float> qk_scale_log2(static_cast<size_t>(H));  // per head: the Q and K descales fold into the score scale
   for (int h = 0; h < H; ++h)
     qk_scale_log2[size_t(h)] =
@@ -279,7 +280,7 @@ void attention(const VarlenShape& sh, ThdView<const float> q, ThdView<const floa
     const int h = int(r % H);
     const int sg = seg[size_t(tok)];
     row_flash(q8.data() + r * qk_width, k8.data(), v8.data(), sh.cu_seqlens[size_t(sg)], sh.cu_seqlens[size_t(sg) + 1],
-              h, H, hd, qk_width, qk_scale_log2[size_t(h)], sv.data() + size_t(h) * hd, opt.mode, opt.p, t, acc, block, out + r * hd);
+              h, H, hd, qk_width, qk_scale_log2[size_t(h)], sv.data() + size_t(h) * hd, opt.mode, opt.p, opt.fp8_exact.p, t, acc, block, out + r * hd);
   }, opt.threads, grain);
 }
 
