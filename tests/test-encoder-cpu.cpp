@@ -477,11 +477,9 @@ TEST(EncoderFp8, RobustSchemeHoldsUpUnderOutlierChannels) {
 // Calibrating the robust scheme: 16 forwards write a file with the fine scales for every layer,
 // which then runs the robust scheme statically about as well as dynamic scaling does (another
 // image than the calibration's: the golden's pixels flipped).
-TEST(EncoderFp8, RobustCalibrationWritesFineScalesThatServeStatically) {
-  const Model m = outlier_model();
-  const Golden g = load_golden();
-  TempDir dir;
-  const std::string path = dir.file("robust.json");
+// Robust calibration of `m` on the golden's pixels: 16 forwards, the file written after the 16th and
+// not before; what it wrote.
+ScaleFile calibrate_robust(const Model& m, const Golden& g, const std::string& path) {
   ScaleBook cal = ScaleBook::calibrating(m.config.depth, path, kDefaultScaleMargin);
   ForwardOptions o;
   o.attention = cpu::RefMode::FP8;
@@ -492,8 +490,15 @@ TEST(EncoderFp8, RobustCalibrationWritesFineScalesThatServeStatically) {
     forward_cpu(m, g.pixels, g.grids, o);
     EXPECT_EQ(cal.after_forward(), f == 15);  // the caller (EncoderRunner) advances calibration
   }
-  ASSERT_TRUE(cal.calibration_written());
-  const ScaleFile file = read_scale_file(path);
+  EXPECT_TRUE(cal.calibration_written());
+  return read_scale_file(path);
+}
+
+TEST(EncoderFp8, RobustCalibrationWritesFineScalesThatServeStatically) {
+  const Model m = outlier_model();
+  const Golden g = load_golden();
+  TempDir dir;
+  const ScaleFile file = calibrate_robust(m, g, dir.file("robust.json"));
   ASSERT_EQ(file.fine.size(), size_t(m.config.depth));
   std::vector<FineScales> fine;
   for (int l = 0; l < m.config.depth; ++l) fine.push_back(file.fine.at(l));
@@ -501,6 +506,9 @@ TEST(EncoderFp8, RobustCalibrationWritesFineScalesThatServeStatically) {
   std::vector<float> other(g.pixels.rbegin(), g.pixels.rend());
   const auto exact = forward_cpu(m, other, g.grids);
   ScaleBook dyn = ScaleBook::dynamic(m.config.depth);
+  ForwardOptions o;
+  o.attention = cpu::RefMode::FP8;
+  o.fp8_robust = true;
   o.scales = &dyn;
   const double dynamic = rel_l2(forward_cpu(m, other, g.grids, o).merged, exact.merged);
   ScaleBook fixed = ScaleBook::fixed(scales_for_model(file, m.config.depth));
@@ -524,20 +532,8 @@ TEST(EncoderFp8, RobustCalibrationWritesFineScalesThatServeStatically) {
 TEST(EncoderFp8, AutoRunsRobustOnlyOnTheLayersThatNeedIt) {
   const Golden g = load_golden();
   TempDir dir;
-  auto calibrate = [&](const Model& m, const std::string& path) {
-    ScaleBook cal = ScaleBook::calibrating(m.config.depth, path, kDefaultScaleMargin);
-    ForwardOptions o;
-    o.attention = cpu::RefMode::FP8;
-    o.scales = &cal;
-    o.fp8_robust = true;
-    for (int f = 0; f < 16; ++f) {
-      forward_cpu(m, g.pixels, g.grids, o);
-      cal.after_forward();
-    }
-    return read_scale_file(path);
-  };
   const Model m = outlier_model(), plain = load_model(kTiny);
-  const ScaleFile file = calibrate(m, dir.file("outliers.json")), calm = calibrate(plain, dir.file("plain.json"));
+  const ScaleFile file = calibrate_robust(m, g, dir.file("outliers.json")), calm = calibrate_robust(plain, g, dir.file("plain.json"));
   for (int l = 0; l < m.config.depth; ++l) {
     std::printf("layer %d robust gain: plain %.3f, outlier channels %.3f\n", l, calm.fine.at(l).robust_gain,
                 file.fine.at(l).robust_gain);

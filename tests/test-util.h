@@ -15,7 +15,6 @@
 
 #include <gtest/gtest.h>
 
-#include "fovea/encoder.h"
 #include "fovea/error.h"
 #include "fovea/model.h"
 
@@ -128,12 +127,6 @@ inline qwen3vl::Model with_outlier_channels(qwen3vl::Model m, int qk_channel) {
       for (int i = 0; i < b.qkv.in; ++i) b.qkv.w[size_t(v) * b.qkv.in + i] *= 30.f;
       b.qkv.b[size_t(v)] *= 30.f;
     }
-  return m;
-}
-
-// Outliers as trained ViTs have them (the synthetic:<preset>-outliers models).
-inline qwen3vl::Model with_key_outlier_channels(qwen3vl::Model m) {
-  qwen3vl::add_outlier_channels(m);
   return m;
 }
 

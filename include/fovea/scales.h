@@ -122,6 +122,7 @@ float robust_gain(int heads, int head_dim, const float* q_amax, const float* k_a
 // `--fp8-scheme auto` with a calibrated file runs the robust scheme on the layers whose
 // fovea_robust_gain is at least this, per-tensor scales on the rest.
 constexpr float kAutoRobustGain = 2.0f;
+inline bool auto_runs_robust(const FineScales& f) { return f.robust_gain >= kAutoRobustGain; }
 
 // ---- split pairs (docs/fp8.md §Split pairs) ---------------------------------------------------------
 // FP8 Q and K rows are zero-padded to whole wgmma K steps of 32 channels (fp8_qk_width). At head_dim

@@ -167,8 +167,12 @@ class Bench {
   // Calibrates `scheme` on `calib` (and on `held` for the drift) and adds its dynamic and static modes.
   void add_scheme(const std::string& scheme, const std::vector<std::string>& calib, const std::vector<std::string>& held,
                   bool write_file) {
-    const ScaleFile first = calibrate(scheme, calib, (tmp_ / (scheme + "-calibration.json")).string());
-    const ScaleFile other = calibrate(scheme, held, (tmp_ / (scheme + "-held-out.json")).string());
+    // auto calibrates with the robust scheme (resolve_engine): the same forwards, so the same files.
+    const std::string as = scheme == "auto" ? "robust" : scheme;
+    if (!calibrated_.contains(as))
+      calibrated_[as] = {calibrate(as, calib, (tmp_ / (as + "-calibration.json")).string()),
+                         calibrate(as, held, (tmp_ / (as + "-held-out.json")).string())};
+    const auto& [first, other] = calibrated_.at(as);
     if (write_file) write_with_margin(first, margins_.front(), a_.scale_path);
     fmt::print("{}: calibrated on {} image(s) of {}{}\n", scheme, calib.size(), a_.path,
                write_file ? fmt::format(" -> {} (margin {})", a_.scale_path, margins_.front().name) : "");
@@ -280,6 +284,7 @@ class Bench {
   bool fp32_;
   std::vector<Margin> margins_;
   std::vector<Mode> modes_;
+  std::map<std::string, std::pair<ScaleFile, ScaleFile>> calibrated_;  // per scheme calibrated with: first, held-out
   nlohmann::ordered_json drift_ = nlohmann::ordered_json::object(), rows_ = nlohmann::ordered_json::array();
 };
 

@@ -47,13 +47,13 @@ void add_scales(CLI::App& app, Runner& run) {
           const std::string split = s.qk_split.empty() ? "-" : fmt::format("{}/{}", used, s.qk_split.size());
           // robust gain (fovea_robust_gain): the statistic auto reads; "-" where calibration did not write it
           const std::string gain = s.robust_gain > 0 ? fmt::format("{:.3g}{}", s.robust_gain,
-                                                                   s.robust_gain >= kAutoRobustGain ? " (outliers: robust under auto)" : "")
+                                                                   auto_runs_robust(s) ? " (outliers: robust under auto)" : "")
                                                      : "-";
           fmt::print("{:>5}  q_head {:<22} k_head {:<22} v_channel {:<22} k_mean {:<22} split pairs {:<6} robust gain {}\n", i,
                      range(s.q_head), range(s.k_head), range(s.v_channel), range(s.k_mean), split, gain);
         }
         const auto flagged = std::count_if(f.fine.begin(), f.fine.end(),
-                                           [](const auto& e) { return e.second.robust_gain >= kAutoRobustGain; });
+                                           [](const auto& e) { return auto_runs_robust(e.second); });
         fmt::print("(robust gain: the robust scheme's estimated cut of a layer's Q.K rounding error; --fp8-scheme auto runs it on "
                    "the {} layer(s) at {} or more)\n", flagged, kAutoRobustGain);
       }

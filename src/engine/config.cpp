@@ -63,7 +63,7 @@ void static_scheme(EngineConfig& cfg, const std::string& path, bool autoscheme) 
          "fovea_v_channel, fovea_k_mean; docs/fp8.md §Fine scales); '{}' has per-layer q/k/v only", path);
   std::vector<int> robust;
   for (const auto& [l, f] : file.fine)
-    if (f.robust_gain >= kAutoRobustGain) robust.push_back(l);
+    if (auto_runs_robust(f)) robust.push_back(l);
   const bool gains = std::any_of(file.fine.begin(), file.fine.end(), [](const auto& f) { return f.second.robust_gain > 0; });
   if (autoscheme && !robust.empty()) {
     cfg.fp8_robust = cfg.fp8_auto_layers = true;
@@ -205,7 +205,7 @@ bool EngineConfig::robust_layer(int layer) const {
   if (!fp8_robust) return false;
   if (!fp8_auto_layers) return true;
   const auto it = scale_file->fine.find(layer);
-  return it != scale_file->fine.end() && it->second.robust_gain >= kAutoRobustGain;
+  return it != scale_file->fine.end() && auto_runs_robust(it->second);
 }
 
 std::vector<FineScales> EngineConfig::fine_scales(int num_layers) const {

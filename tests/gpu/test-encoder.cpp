@@ -362,11 +362,11 @@ Model outlier_8b() {
 }
 
 // The two outlier models: Q and K together on the slowest rotary pair (outlier_8b), and K's outliers
-// apart from Q's, on fast and slow pairs (with_key_outlier_channels).
+// apart from Q's, on fast and slow pairs (the synthetic:...-outliers preset, add_outlier_channels).
 std::vector<std::pair<std::string, Model>> outlier_models() {
   std::vector<std::pair<std::string, Model>> out;
   out.emplace_back("slow pair", outlier_8b());
-  out.emplace_back("key channels", with_key_outlier_channels(two_block_8b()));
+  out.emplace_back("key channels", load_model("synthetic:qwen3-vl-8b-2blocks-outliers"));
   return out;
 }
 
