@@ -1,6 +1,7 @@
 // GPU: fovea's E4M3 encoder compiled for the device agrees with the hardware conversion
 // (cvt.rn.satfinite.e4m3x2.f32, which cuda_fp8.h uses on sm_89+) on all 2^32 floats, and the device
-// decoder agrees with the host decoder on all 256 codes; the flash kernel's FMA-pipe exponential
+// decoder agrees with the host decoder on all 256 codes, as does the hardware decode the prepare step
+// uses (ptx::f32x2_of_e4m3x2, cvt.rn.f16x2.e4m3x2) on all 2^16 code pairs; the flash kernel's FMA-pipe exponential
 // (fovea/flash-p.h) gives the host's bits, and the MUFU's ex2.approx, which the emulation stands in for
 // with std::exp2, stays within 2^-21 of it. Label `gpu`: runs on the GPU machine.
 #include <cuda_fp8.h>
@@ -10,6 +11,7 @@
 #include <cstdio>
 #include <vector>
 
+#include "attention/cuda/ptx.cuh"
 #include "fovea/cuda-support.h"
 #include "fovea/flash-p.h"
 #include "fovea/fp8.h"
@@ -28,6 +30,11 @@ __global__ void compare_kernel(unsigned long long* bad, unsigned int* first) {
 }
 
 __global__ void decode_kernel(float* out) { out[threadIdx.x] = fovea::e4m3_to_float(uint8_t(threadIdx.x)); }
+
+__global__ void decode_pairs_kernel(float2* out) {
+  const int w = blockIdx.x * blockDim.x + threadIdx.x;
+  out[w] = fovea::cuda::ptx::f32x2_of_e4m3x2(uint16_t(w));
+}
 
 __global__ void exp2_kernel(const float* x, float* poly, float* mufu, int n) {
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
@@ -66,6 +73,26 @@ TEST(Fp8Device, DecodeMatchesHost) {
     if (ref != ref) EXPECT_NE(h[c], h[c]) << c;
     else EXPECT_EQ(h[c], ref) << "code " << c;
   }
+}
+
+TEST(Fp8Device, HardwarePairDecodeMatchesHost) {
+  constexpr int kWords = 1 << 16;
+  DeviceBuffer<float2> d(kWords);
+  FOVEA_CUDA_CHECK(cudaMemset(d.data(), 0xFF, d.bytes()));  // poison
+  decode_pairs_kernel<<<kWords / 256, 256>>>(d.data());
+  FOVEA_CUDA_CHECK(cudaGetLastError());
+  std::vector<float2> h(kWords);
+  FOVEA_CUDA_CHECK(cudaMemcpy(h.data(), d.data(), d.bytes(), cudaMemcpyDeviceToHost));
+  int bad = 0;
+  for (int w = 0; w < kWords; ++w) {
+    const float got[2] = {h[w].x, h[w].y};
+    for (int e = 0; e < 2; ++e) {
+      const float ref = fovea::e4m3_to_float(uint8_t(w >> (8 * e)));
+      const bool same = ref != ref ? got[e] != got[e] : got[e] == ref && std::signbit(got[e]) == std::signbit(ref);
+      if (!same && bad++ < 5) ADD_FAILURE() << "word 0x" << std::hex << w << " byte " << e << ": " << got[e] << " != " << ref;
+    }
+  }
+  EXPECT_EQ(bad, 0);
 }
 
 TEST(FlashPDevice, PolynomialGivesTheHostsBitsAndTheMufuStaysNearExp2) {

@@ -95,13 +95,19 @@ __device__ __forceinline__ void for_row_groups(const PrepareArgs& a, int token, 
   }
 }
 
-// Two bytes of a split channel's padding slots (fovea/scales.h §split pairs): y = x / s as quantize4
-// divides, hi its E4M3 code (the same as the hardware's, test-fp8-device), lo the remainder's; Q's
-// slots hold (lo, hi), K's (hi, lo).
-__device__ __forceinline__ uint32_t split_slots(float x, float s, bool q) {
-  const float y = __fdiv_rn(x, s);
-  const uint8_t hi = e4m3_from_float(y), lo = e4m3_from_float(__fsub_rn(y, e4m3_to_float(hi)));
-  return q ? uint32_t(lo) | uint32_t(hi) << 8 : uint32_t(hi) | uint32_t(lo) << 8;
+// The four bytes of a split pair's padding slots (fovea/scales.h §split pairs), from its two
+// channels x1 (channel p) and x2 (p + hd/2): y = x / s as quantize4 divides, hi its E4M3 code, lo
+// the remainder's, all with the hardware conversions (equal to fovea's codec: test-fp8-device); Q's
+// slots hold (lo, hi) per channel, K's (hi, lo).
+__device__ __forceinline__ uint32_t split_slots(float x1, float x2, float s, bool q) {
+  const float y1 = __fdiv_rn(x1, s), y2 = __fdiv_rn(x2, s);
+  const uint16_t hi = ptx::e4m3x2_of_f32(y1, y2);
+  const float2 h = ptx::f32x2_of_e4m3x2(hi);
+  const uint16_t lo = ptx::e4m3x2_of_f32(__fsub_rn(y1, h.x), __fsub_rn(y2, h.y));
+  const uint32_t l = lo, u = hi;  // byte 0: channel p's, byte 1: channel p + hd/2's
+  const uint32_t c1 = q ? (l & 0xFFu) | (u & 0xFFu) << 8 : (u & 0xFFu) | (l & 0xFFu) << 8;
+  const uint32_t c2 = q ? (l >> 8) | (u >> 8) << 8 : (u >> 8) | (l >> 8) << 8;
+  return c1 | c2 << 16;
 }
 
 // Q or K of one head-row into its padded output row: RoPE'd, minus `shift` when kShift (the robust
@@ -144,7 +150,7 @@ __device__ __forceinline__ void rope_row_out(const PrepareArgs& a, int token, in
         float x1 = __bfloat162float(row[p]), x2 = __bfloat162float(row[p + kHalf]);
         if (a.rope_cos) rope_pair(x1, x2, a.rope_cos[int64_t(token) * kHalf + p], a.rope_sin[int64_t(token) * kHalf + p]);
         if (kShift) x1 = __fsub_rn(x1, shift[p]), x2 = __fsub_rn(x2, shift[kHalf + p]);
-        out[kHeadDim / 4 + i] = split_slots(x1, scale, which == 0) | split_slots(x2, scale, which == 0) << 16;
+        out[kHeadDim / 4 + i] = split_slots(x1, x2, scale, which == 0);
       }
     }
   }
@@ -464,9 +470,9 @@ __global__ void __launch_bounds__(kThreads) prepare_kernel(PrepareArgs a, FineAr
         const float q1 = div_by_reciprocal(f.y, s_vscale[2 * i + 1], s_vrcp[2 * i + 1]);
         const uint16_t p = ptx::e4m3x2_of_f32(q0, q1);
         sv[threadIdx.x][2 * i] = uint8_t(p), sv[threadIdx.x][2 * i + 1] = uint8_t(p >> 8);
-      } else if constexpr (kFp8) {
-        sv[threadIdx.x][2 * i] = uint8_t(quantize4(f.x, 0.f, 0.f, 0.f, scale[2]));
-        sv[threadIdx.x][2 * i + 1] = uint8_t(quantize4(f.y, 0.f, 0.f, 0.f, scale[2]));
+      } else if constexpr (kFp8) {  // one division and one conversion per value, two values a conversion
+        const uint16_t p = ptx::e4m3x2_of_f32(__fdiv_rn(f.x, scale[2]), __fdiv_rn(f.y, scale[2]));
+        sv[threadIdx.x][2 * i] = uint8_t(p), sv[threadIdx.x][2 * i + 1] = uint8_t(p >> 8);
       } else {
         sv[threadIdx.x][2 * i] = __float2bfloat16_rn(f.x);
         sv[threadIdx.x][2 * i + 1] = __float2bfloat16_rn(f.y);

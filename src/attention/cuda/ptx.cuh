@@ -116,6 +116,16 @@ __device__ __forceinline__ uint16_t e4m3x2_of_f32(float lo, float hi) {
   return uint16_t(e4m3_from_float(lo) | (uint16_t(e4m3_from_float(hi)) << 8));
 #endif
 }
+// The two values of an E4M3x2 word as floats (exact: every E4M3 value is a half), lo the low byte.
+__device__ __forceinline__ float2 f32x2_of_e4m3x2(uint16_t w) {
+#if __CUDA_ARCH__ >= 890
+  uint32_t h;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"(w));
+  return __half22float2(*reinterpret_cast<const __half2*>(&h));
+#else
+  return make_float2(e4m3_to_float(uint8_t(w)), e4m3_to_float(uint8_t(w >> 8)));
+#endif
+}
 // Two floats to packed bf16x2, lo in the low half.
 __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
   uint32_t r;
