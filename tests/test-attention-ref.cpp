@@ -2,6 +2,7 @@
 // independent, strided views), and the BF16/FP8 emulations (rounding, scales, P scheme, error size).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <random>
 
@@ -581,29 +582,43 @@ TEST(Fp8Pairs, PowerOfTwoFactorsWithMatchingScalesChangeNoBit) {
 }
 
 // Outlier channels through RoPE (rotated, a constant offset depends on the position, so K's mean no
-// longer removes it). A factor per rotary pair is exact whatever the rotation, yet it moves no error:
-// E4M3 is floating point, every value keeps its relative precision whatever the scale (over 15
-// binades), and the score error is set by the outlier pairs' products q_p k_p, which the factor
+// longer removes it). A factor per rotary pair is exact whatever the rotation, yet as a rule it moves
+// no error: E4M3 is floating point, every value keeps its relative precision whatever the scale (over
+// 15 binades), and the score error is set by the outlier pairs' products q_p k_p, which the factor
 // leaves as they are. Splitting those pairs into two E4M3 terms (qk_split, in the robust scheme) is
-// what takes the error down, to about the FP8 error of well-spread inputs. Bounds: BOUNDS_NOTE
+// what takes the error down, to about the FP8 error of well-spread inputs.
+// Bounds, from 400 fresh seeds of this test: split / robust-nosplit at most 0.67, split /
+// robust+pairs at most 0.59, split / FP8 on spread inputs at most 1.34; robust+pairs / robust-nosplit
+// had median 1.00 and fell below 0.85 on 1.5% of draws (least 0.37: now and then a factor does help,
+// most likely by lifting a head's small channels out of E4M3's subnormals once its outlier pair
+// shrinks). So the factors' claim is checked on the median of five draws.
 TEST(Fp8Pairs, RopedOutlierChannelsNeedSplitPairsNotFactors) {
   const uint64_t seed = fresh_seed();
   const double fp8_spread = fp8_error_on_spread_inputs(seed);
   for (Dist dist : {Dist::KEY_CHANNELS, Dist::CHANNELS}) {
-    Qkv x = random_qkv({300, 100}, kOutlierHeads, 72, seed, dist);
-    std::vector<float> cos, sin;
-    rope_tables_grid(x.shape, cos, sin);
-    apply_rope_qk(x.shape, cos, sin, x.data);
-    const std::vector<double> ref = x.run(mode(RefMode::EXACT));
-    auto err = [&](const cpu::RefOptions& o) { return compare(x.run(o).data(), ref.data(), int64_t(ref.size())).rel_l2; };
-    const double nosplit = err(fine_mode(x, {true, true, true, false}));
-    const double paired = err(fine_mode(x, {true, true, true, false, true}));
-    const double split = err(fine_mode(x, cpu::kRobustParts));
-    std::printf("roped %s: fp8 robust-nosplit %.3e robust+pairs %.3e robust (split) %.3e | spread fp8 %.3e\n",
-                dist_name(dist), nosplit, paired, split, fp8_spread);
-    EXPECT_GT(paired, 0.8 * nosplit) << dist_name(dist);  // no gain worth the name (it can lose)
-    EXPECT_LT(split, 0.8 * nosplit) << dist_name(dist);
-    EXPECT_LT(split, 1.3 * fp8_spread) << dist_name(dist);
+    std::vector<double> gain;  // robust+pairs / robust-nosplit, one a draw
+    for (uint64_t draw = 0; draw < 5; ++draw) {
+      Qkv x = random_qkv({300, 100}, kOutlierHeads, 72, seed + draw, dist);
+      std::vector<float> cos, sin;
+      rope_tables_grid(x.shape, cos, sin);
+      apply_rope_qk(x.shape, cos, sin, x.data);
+      const std::vector<double> ref = x.run(mode(RefMode::EXACT));
+      auto err = [&](const cpu::RefOptions& o) { return compare(x.run(o).data(), ref.data(), int64_t(ref.size())).rel_l2; };
+      const double nosplit = err(fine_mode(x, {true, true, true, false}));
+      const double paired = err(fine_mode(x, {true, true, true, false, true}));
+      gain.push_back(paired / nosplit);
+      if (draw > 0) continue;
+      const double split = err(fine_mode(x, cpu::kRobustParts));
+      std::printf("roped %s: fp8 robust-nosplit %.3e robust+pairs %.3e robust (split) %.3e | spread fp8 %.3e\n",
+                  dist_name(dist), nosplit, paired, split, fp8_spread);
+      EXPECT_LT(split, 0.8 * nosplit) << dist_name(dist);
+      EXPECT_LT(split, 0.8 * paired) << dist_name(dist);
+      EXPECT_LT(split, 1.5 * fp8_spread) << dist_name(dist);
+    }
+    std::sort(gain.begin(), gain.end());
+    std::printf("roped %s: robust+pairs / robust-nosplit over five draws %.3f .. %.3f, median %.3f\n", dist_name(dist),
+                gain.front(), gain.back(), gain[2]);
+    EXPECT_GT(gain[2], 0.85) << dist_name(dist);  // no gain worth the name
   }
 }
 
