@@ -157,6 +157,7 @@ constexpr int64_t kContainerBaseBytes = int64_t(4) << 20;  // the demuxer's buff
 struct ContainerCost {
   int64_t index_entries = 0;
   int64_t open_bytes = 0;
+  bool iso_bmff = false;  // the tables were walked: only then may FFmpeg's MP4/MOV demuxer open the bytes
 };
 ContainerCost container_cost(std::span<const uint8_t> bytes, const std::string& name);
 

@@ -31,6 +31,9 @@ namespace {
 
 // Containers and codecs fovea opens: what phones, cameras, screen recorders and the web produce.
 constexpr const char* kFormats = "mov,mp4,m4a,3gp,3g2,mj2,matroska,webm,avi,mpegts,flv,ogg";
+// Without MP4/MOV: for bytes whose sample tables were not walked (FFmpeg's probe may still score them
+// as MP4 from a box the walker's detection missed; the demuxer would then build an unchecked index).
+constexpr const char* kFormatsNoMov = "matroska,webm,avi,mpegts,flv,ogg";
 constexpr const char* kCodecs = "h264,hevc,vp8,vp9,libvpx,libvpx-vp9,av1,libdav1d,libaom-av1,mpeg4,mpeg1video,mpeg2video,"
                                 "mjpeg,theora,h263";
 constexpr int64_t kMaxTotalFrames = int64_t(1) << 22;  // whatever the frame rate claims
@@ -104,9 +107,10 @@ struct Demuxer {
   int stream = -1;
   const AVCodec* codec = nullptr;
 
-  Demuxer(std::span<const uint8_t> bytes, const std::string& name, Clock::time_point deadline, int64_t max_pixels) {
+  Demuxer(std::span<const uint8_t> bytes, const std::string& name, Clock::time_point deadline, int64_t max_pixels,
+           bool iso_bmff) {
     try {
-      open(bytes, name, deadline, max_pixels);
+      open(bytes, name, deadline, max_pixels, iso_bmff);
     } catch (...) {
       close();  // a constructor that throws runs no destructor: what open() allocated is freed here
       throw;
@@ -125,7 +129,8 @@ struct Demuxer {
     for (AVDictionary*& o : opts) av_dict_free(&o);
     if (e < 0) fail("video '{}': reading its stream parameters: {}", name, av_error(e));
   }
-  void open(std::span<const uint8_t> bytes, const std::string& name, Clock::time_point deadline, int64_t max_pixels) {
+  void open(std::span<const uint8_t> bytes, const std::string& name, Clock::time_point deadline, int64_t max_pixels,
+            bool iso_bmff) {
     init_ffmpeg();
     last_log.clear();
     src = {bytes, 0, deadline};
@@ -140,7 +145,7 @@ struct Demuxer {
     fmt->flags |= AVFMT_FLAG_CUSTOM_IO;
     fmt->interrupt_callback = {interrupt_cb, &src};
     AVDictionary* opts = nullptr;
-    av_dict_set(&opts, "format_whitelist", kFormats, 0);
+    av_dict_set(&opts, "format_whitelist", iso_bmff ? kFormats : kFormatsNoMov, 0);
     AVFormatContext* f = fmt;
     const int err = avformat_open_input(&f, "", nullptr, &opts);
     av_dict_free(&opts);
@@ -654,7 +659,7 @@ OpenedClip open_clip(std::span<const uint8_t> bytes, const std::string& name, co
   check_size(bytes, name, limits);
   const ContainerCost cost = container_cost(bytes, name);
   const int64_t max_px = max_frame_pixels(limits, budget);
-  Demuxer d(bytes, name, deadline, max_px);
+  Demuxer d(bytes, name, deadline, max_px, cost.iso_bmff);
   OpenedClip c = probe(d, name, limits, max_px, cost.open_bytes - cost.index_entries * kIndexEntryBytes);
   c.max_frame_pixels = max_px;
   c.opened_at = opened_at;

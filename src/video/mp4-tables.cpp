@@ -186,11 +186,26 @@ class Walker {
   uint64_t loose_fragment_samples_ = 0;
 };
 
+// Whether FFmpeg may take the bytes for MP4 / MOV: any box of the top-level chain (followed by the
+// boxes' sizes, as its probe does, from the first box on) of a type its probe knows. Not just the
+// first box: a file opening with an unknown box and then a moov is demuxed as MP4 all the same.
+// Linear: each step passes at least 4 bytes. Bytes it misses are not demuxed as MP4 at all (the
+// demuxer's whitelist, decode-ffmpeg.cpp), so a miss refuses a clip; it never skips the walk.
 bool is_iso_bmff(std::span<const uint8_t> b) {
-  static constexpr const char* kTop[] = {"ftyp", "moov", "mdat", "free", "wide", "skip", "pnot", "uuid"};
-  if (b.size() < 8) return false;
-  for (const char* t : kTop)
-    if (std::memcmp(b.data() + 4, t, 4) == 0) return true;
+  static constexpr const char* kTop[] = {"ftyp", "moov", "mdat", "moof", "free", "wide", "skip", "pnot", "uuid",
+                                         "udta", "styp", "sidx", "mfra", "junk", "pict", "ediw", "meta"};
+  for (uint64_t at = 0; b.size() - at >= 8;) {
+    for (const char* t : kTop)
+      if (std::memcmp(b.data() + at + 4, t, 4) == 0) return true;
+    uint64_t size = be32(b.data() + at);
+    if (size == 1 && b.size() - at >= 16) size = be64(b.data() + at + 8);
+    if (size < 8) {  // as FFmpeg's probe: a size too small to be a box, skip four bytes and look again
+      at += 4;
+      continue;
+    }
+    if (size > b.size() - at) return false;  // cut short: the chain ends
+    at += size;
+  }
   return false;
 }
 
@@ -198,7 +213,10 @@ bool is_iso_bmff(std::span<const uint8_t> b) {
 
 ContainerCost container_cost(std::span<const uint8_t> bytes, const std::string& name) {
   ContainerCost c;
-  if (is_iso_bmff(bytes)) c = Walker(bytes, name).run();
+  if (is_iso_bmff(bytes)) {
+    c = Walker(bytes, name).run();
+    c.iso_bmff = true;
+  }
   // Whatever else the demuxers keep (Matroska cues, AVI and FLV indexes, their read buffers) is read
   // from the file entry by entry: at most a few times its size.
   c.open_bytes += 2 * int64_t(bytes.size()) + kContainerBaseBytes;
