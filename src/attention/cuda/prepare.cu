@@ -110,24 +110,51 @@ __device__ __forceinline__ uint32_t split_slots(float x1, float x2, float s, boo
   return c1 | c2 << 16;
 }
 
+// A head's split pairs, for the group loop: bit p set for each split rotary pair p. A split pair's
+// channels are staged in shared memory as the loop passes them, at the pair's rank among the set bits.
+template <int kHeadDim>
+__device__ __forceinline__ uint64_t split_mask(const int* split) {
+  static_assert(kHeadDim / 2 <= 64);
+  uint64_t m = 0;
+#pragma unroll
+  for (int i = 0; i < fp8_split_pairs(kHeadDim); ++i)
+    if (split[i] >= 0) m |= uint64_t(1) << split[i];
+  return m;
+}
+
 // Q or K of one head-row into its padded output row: RoPE'd, minus `shift` when kShift (the robust
-// scheme's K: its mean per channel; padding rows stay zero) and rounded. FP8 with `split` (the
-// head's fp8_split_pairs pairs, -1 none): each split channel's remainder into its padding slots.
-template <bool kFp8, int kHeadDim, int kHdPad, bool kShift = false>
+// scheme's K: its mean per channel; padding rows stay zero) and rounded. FP8 with kSplit (the robust
+// scheme): each of the head's split pairs (`split`, -1 none; `mask` its bits) gets its remainder in
+// its padding slots. The pair's two values are staged in `stage` ([kSplit][2][kThreads] floats, this
+// thread's column) as the group loop passes them: the same values the main slots were rounded from.
+template <bool kFp8, int kHeadDim, int kHdPad, bool kShift = false, bool kSplit = false>
 __device__ __forceinline__ void rope_row_out(const PrepareArgs& a, int token, int head, int which, float scale,
-                                             const float* shift, void* dst, const int* split = nullptr) {
-  constexpr int kSplit = kFp8 ? fp8_split_pairs(kHeadDim) : 0;
-  static_assert(kFp8 || kSplit == 0);
-  static_assert(kSplit == 0 || (kHeadDim % 4 == 0 && kHeadDim + 4 * kSplit <= kHdPad), "split slots: whole words of the padding");
+                                             const float* shift, void* dst, const int* split = nullptr,
+                                             uint64_t mask = 0, float* stage = nullptr) {
+  constexpr int kPairs = kSplit ? fp8_split_pairs(kHeadDim) : 0;
+  static_assert(kFp8 || !kSplit);
+  static_assert(kPairs == 0 || (kHeadDim % 4 == 0 && kHeadDim + 4 * kPairs <= kHdPad), "split slots: whole words of the padding");
   constexpr int kHalf = kHeadDim / 2;
   constexpr int kOutWords = kHdPad * (kFp8 ? 1 : 2) / 4;
   uint32_t out[kOutWords];
 #pragma unroll
   for (int i = 0; i < kOutWords; ++i) out[i] = 0;
   for_row_groups<kHeadDim>(a, token, head, which, true, [&](int g, float (&x1)[4], float (&x2)[4]) {
-    if (kShift && token >= 0) {
+    if (kShift && token >= 0) {  // the means, four channels a load (kHalf is a multiple of 4)
+      const float4 m1 = reinterpret_cast<const float4*>(shift)[g], m2 = reinterpret_cast<const float4*>(shift + kHalf)[g];
+      x1[0] = __fsub_rn(x1[0], m1.x), x1[1] = __fsub_rn(x1[1], m1.y), x1[2] = __fsub_rn(x1[2], m1.z), x1[3] = __fsub_rn(x1[3], m1.w);
+      x2[0] = __fsub_rn(x2[0], m2.x), x2[1] = __fsub_rn(x2[1], m2.y), x2[2] = __fsub_rn(x2[2], m2.z), x2[3] = __fsub_rn(x2[3], m2.w);
+    }
+    if constexpr (kSplit) {  // a bit test per pair, the same for the whole CTA (one head)
 #pragma unroll
-      for (int j = 0; j < 4; ++j) x1[j] = __fsub_rn(x1[j], shift[4 * g + j]), x2[j] = __fsub_rn(x2[j], shift[kHalf + 4 * g + j]);
+      for (int j = 0; j < 4; ++j) {
+        const int c = 4 * g + j;
+        if ((mask >> c) & 1) {
+          const int k = __popcll(mask & ((uint64_t(1) << c) - 1));
+          stage[(2 * k) * kThreads + threadIdx.x] = x1[j];
+          stage[(2 * k + 1) * kThreads + threadIdx.x] = x2[j];
+        }
+      }
     }
     if constexpr (kFp8) {
       out[g] = quantize4(x1[0], x1[1], x1[2], x1[3], scale);
@@ -137,20 +164,19 @@ __device__ __forceinline__ void rope_row_out(const PrepareArgs& a, int token, in
       out[kHalf / 2 + 2 * g] = ptx::pack_bf16x2(x2[0], x2[1]), out[kHalf / 2 + 2 * g + 1] = ptx::pack_bf16x2(x2[2], x2[3]);
     }
   });
-  if constexpr (kSplit > 0) {
-    // The split pairs again, from the input row (a second pass over a few channels: inside the group
-    // loop above, a test per group and split unrolled to 54 copies and took the step from 0.094 to
-    // 0.185 ms at S 8192, hd 72), through the same RoPE and shift: the same values, bit for bit.
-    if (split && token >= 0) {
-      const __nv_bfloat16* row = a.qkv + int64_t(token) * a.qkv_token_stride + (int64_t(which) * a.heads + head) * kHeadDim;
+  if constexpr (kSplit) {
+    // Split i's slots: bytes 0-1 (channel p) and 2-3 (p + hd/2) of one word. (Reading the pairs again
+    // from the input row instead, a second pass of scattered loads, took 0.14 against 0.075 ms of the
+    // per-tensor prepare at S 8192, hd 72; splitting inside the group loop, a test per group and split
+    // unrolled to 54 copies of the arithmetic, 0.185.)
+    if (token >= 0) {
 #pragma unroll
-      for (int i = 0; i < kSplit; ++i) {  // split i's slots: bytes 0-1 (channel p) and 2-3 (p + hd/2) of one word
+      for (int i = 0; i < kPairs; ++i) {
         const int p = split[i];
         if (p < 0) continue;
-        float x1 = __bfloat162float(row[p]), x2 = __bfloat162float(row[p + kHalf]);
-        if (a.rope_cos) rope_pair(x1, x2, a.rope_cos[int64_t(token) * kHalf + p], a.rope_sin[int64_t(token) * kHalf + p]);
-        if (kShift) x1 = __fsub_rn(x1, shift[p]), x2 = __fsub_rn(x2, shift[kHalf + p]);
-        out[kHeadDim / 4 + i] = split_slots(x1, x2, scale, which == 0);
+        const int k = __popcll(mask & ((uint64_t(1) << p) - 1));
+        out[kHeadDim / 4 + i] = split_slots(stage[(2 * k) * kThreads + threadIdx.x], stage[(2 * k + 1) * kThreads + threadIdx.x],
+                                            scale, which == 0);
       }
     }
   }
@@ -427,9 +453,10 @@ __global__ void __launch_bounds__(kThreads) prepare_kernel(PrepareArgs a, FineAr
   const int token = padded_row_token(a, row);
   float scale[3] = {1.f, 1.f, 1.f};  // FP8 dequantization scales of q, k, v (v: unless per channel)
   // Robust scheme: the head's K mean and V scales, staged once per CTA.
-  __shared__ float s_mean[kFine ? kHeadDim : 1], s_vscale[kFine ? kHeadDim : 1], s_vrcp[kFine ? kHeadDim : 1];
+  __shared__ __align__(16) float s_mean[kFine ? kHeadDim : 1], s_vscale[kFine ? kHeadDim : 1], s_vrcp[kFine ? kHeadDim : 1];
   constexpr int kSplit = kFine ? fp8_split_pairs(kHeadDim) : 0;
   __shared__ int s_split[kSplit > 0 ? kSplit : 1];
+  __shared__ float s_stage[kSplit > 0 ? 2 * kSplit * kThreads : 1];  // the split pairs' values, a column a thread
   constexpr bool fine = kFine;
   if constexpr (kFp8) {
     if constexpr (fine) {
@@ -453,9 +480,15 @@ __global__ void __launch_bounds__(kThreads) prepare_kernel(PrepareArgs a, FineAr
   for (int w = 0; w < 2; ++w) {
     Elem* dst = (w == 0 ? static_cast<Elem*>(a.q) : static_cast<Elem*>(a.k)) +
                 (int64_t(head) * a.n_pad + row) * kHdPad;
-    const int* split = kSplit > 0 ? s_split : nullptr;
-    if (w == 1 && fine) rope_row_out<kFp8, kHeadDim, kHdPad, true>(a, token, head, w, scale[w], s_mean, dst, split);
-    else rope_row_out<kFp8, kHeadDim, kHdPad>(a, token, head, w, scale[w], nullptr, dst, fine ? split : nullptr);
+    if constexpr (kSplit > 0) {
+      const uint64_t mask = split_mask<kHeadDim>(s_split);
+      if (w == 1) rope_row_out<kFp8, kHeadDim, kHdPad, true, true>(a, token, head, w, scale[w], s_mean, dst, s_split, mask, s_stage);
+      else rope_row_out<kFp8, kHeadDim, kHdPad, false, true>(a, token, head, w, scale[w], nullptr, dst, s_split, mask, s_stage);
+    } else if (w == 1 && fine) {
+      rope_row_out<kFp8, kHeadDim, kHdPad, true>(a, token, head, w, scale[w], s_mean, dst);
+    } else {
+      rope_row_out<kFp8, kHeadDim, kHdPad>(a, token, head, w, scale[w], nullptr, dst);
+    }
   }
 
   // V: into shared memory, then out transposed, 128 keys per V^T row.
@@ -466,8 +499,9 @@ __global__ void __launch_bounds__(kThreads) prepare_kernel(PrepareArgs a, FineAr
     for (int i = 0; i < kHeadDim / 2; ++i) {
       const float2 f = unpack_bf16x2(in[i]);
       if constexpr (kFp8 && fine) {  // per-channel divisors: through their reciprocals, exactly as dividing
-        const float q0 = div_by_reciprocal(f.x, s_vscale[2 * i], s_vrcp[2 * i]);
-        const float q1 = div_by_reciprocal(f.y, s_vscale[2 * i + 1], s_vrcp[2 * i + 1]);
+        const float2 sc = reinterpret_cast<const float2*>(s_vscale)[i], rc = reinterpret_cast<const float2*>(s_vrcp)[i];
+        const float q0 = div_by_reciprocal(f.x, sc.x, rc.x);
+        const float q1 = div_by_reciprocal(f.y, sc.y, rc.y);
         const uint16_t p = ptx::e4m3x2_of_f32(q0, q1);
         sv[threadIdx.x][2 * i] = uint8_t(p), sv[threadIdx.x][2 * i + 1] = uint8_t(p >> 8);
       } else if constexpr (kFp8) {  // one division and one conversion per value, two values a conversion
