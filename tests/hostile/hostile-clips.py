@@ -12,8 +12,9 @@ with a small decode budget and queue (--max-decode-bytes 256 MiB, --max-image-pi
     lies       each frame-size lie (4096x4096 behind a 16x16 header; a TS growing to 2048x2048)
                alone and four at once: 400 naming the clip, never a decoded frame past the header
     honest     one clip per container fovea reads: 200; four 960x960 H.264 clips at once: 200 (or 503 server_busy)
-    deadline   a clip that decodes twice (its last two timestamps swapped) against a server with
-               --request-timeout 0.4: a 504 within 1 s of the deadline
+    deadline   a 60 s clip that decodes twice (its last two timestamps swapped) against a server with
+               --request-timeout 0.4: a 504 within 1 s of the deadline (a 200 only from a machine
+               that finishes both passes in time)
     overload   CLIENTS clients at once, each sending CLIPS small clips (default 64 x 16, 70 visual
                tokens each): every request answered 200, or 503 within a second (admitted to the
                queue from the clips' headers, before decoding); /health under 100 ms meanwhile
@@ -175,9 +176,12 @@ class Suite:
     def deadline(self):
         srv = Server(self.args.fovea, ["--request-timeout", "0.4", "--max-decode-bytes", str(self.args.decode_bytes)])
         try:
-            clip = clips.swapped_last_pts()
+            # 60 s of 640x360: two passes take about 0.8 s on a 2-core runner, twice the deadline, so the
+            # answer is a 504 there; a machine fast enough to finish in time may answer 200, but only within
+            # the deadline plus 0.1 s of transport (the server's clock starts once the body is read).
+            clip = clips.swapped_last_pts(seconds=60)
             status, message, t = post(srv.port, [clip])
-            ok = (status == 504 and t < 1.4) or (status == 200 and t < 0.4)
+            ok = ((status == 504 and t < 1.4 and "--request-timeout" in message) or (status == 200 and t < 0.5))
             self.record("deadline: two passes, --request-timeout 0.4", "504 within 1 s of the deadline",
                         "%d in %.2f s: %s" % (status, t, message[:80]), ok, len(clip) * 2)
         finally:
