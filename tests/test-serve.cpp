@@ -10,7 +10,10 @@
 
 #include "image-encode.h"
 
+#include <arpa/inet.h>
 #include <fcntl.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 
 #include <algorithm>
 #include <atomic>
@@ -36,6 +39,7 @@
 #include "fovea/sha256.h"
 #include "server/base64.h"
 #include "server/endpoints.h"
+#include "server/media-url.h"
 #include "test-util.h"
 
 extern char** environ;
@@ -801,6 +805,47 @@ TEST_F(Serve, ChatCompletionsIsVllmsEncodeInstance) {
 // from --allowed-media-domains, here a loopback server (so with --allow-private-media-urls), each
 // redirect checked again, sizes and times bounded; every failure a 400 naming the item and the URL.
 // A URL item's key is the sha256 of the URL string, as the proxy's; its file is written under it.
+// The address filter decodes every IPv6 form that carries an IPv4 address and judges it as that
+// address (a NAT64 gateway delivers 64:ff9b::a00:1 to 10.0.0.1).
+TEST(MediaUrls, AddressFilterSeesIpv4InsideIpv6) {
+  const auto problem = [](const char* text, bool private_ok = false) {
+    sockaddr_storage ss{};
+    if (inet_pton(AF_INET, text, &reinterpret_cast<sockaddr_in*>(&ss)->sin_addr) == 1) {
+      ss.ss_family = AF_INET;
+    } else {
+      EXPECT_EQ(inet_pton(AF_INET6, text, &reinterpret_cast<sockaddr_in6*>(&ss)->sin6_addr), 1) << text;
+      ss.ss_family = AF_INET6;
+    }
+    return fovea::server::address_problem(reinterpret_cast<const sockaddr*>(&ss), private_ok);
+  };
+  const auto says = [&](const char* text, const char* what, bool private_ok = false) {
+    const std::string why = problem(text, private_ok);
+    EXPECT_NE(why.find(what), std::string::npos) << text << ": \"" << why << "\"";
+  };
+  // 10.0.0.1, 127.0.0.1 and 169.254.169.254 in every embedding, refused as those addresses are.
+  for (const char* a : {"10.0.0.1", "::ffff:10.0.0.1", "::ffff:0:10.0.0.1", "::10.0.0.1", "64:ff9b::a00:1",
+                        "64:ff9b::10.0.0.1", "64:ff9b:1:a00:0:100::", "64:ff9b:1:a:0:100::", "64:ff9b:1:0:a:0:100:0",
+                        "64:ff9b:1::10.0.0.1", "2002:a00:1::1", "2001:0:a00:1::1", "2001:0:4136:e378:8000:63bf:f5ff:fffe",
+                        "fe80::5efe:10.0.0.1", "2001:db8::200:5efe:10.0.0.1", "::ffff:127.0.0.1", "64:ff9b::7f00:1",
+                        "2002:7f00:1::", "::1", "fd00::1"})
+    says(a, "loopback or private");
+  for (const char* a : {"169.254.169.254", "::ffff:169.254.169.254", "64:ff9b::a9fe:a9fe", "2002:a9fe:a9fe::1",
+                        "::169.254.169.254", "64:ff9b:1:a9fe:a9:fe00::", "2001:0:a9fe:a9fe::", "fe80::1", "fec0::1", "ff02::1", "::",
+                        "0.0.0.0", "224.0.0.1", "::ffff:255.255.255.255"})
+    says(a, "link-local");
+  // With --allow-private-media-urls private ones pass, link-local ones never.
+  EXPECT_EQ(problem("64:ff9b::a00:1", true), "");
+  EXPECT_EQ(problem("2002:a00:1::1", true), "");
+  EXPECT_EQ(problem("64:ff9b:1::10.0.0.1", true), "");  // the site's own translator: private as a whole
+  says("64:ff9b:1::5db8:d822", "local-use NAT64");
+  says("64:ff9b::a9fe:a9fe", "link-local", true);
+  says("2001:0:a9fe:a9fe::", "link-local", true);
+  // Public addresses pass, bare and embedded.
+  for (const char* a : {"93.184.216.34", "::ffff:93.184.216.34", "64:ff9b::5db8:d822", "2002:5db8:d822::1",
+                        "2606:2800:220:1:248:1893:25c8:1946", "2001:db8:1::1"})
+    EXPECT_EQ(problem(a), "") << a;
+}
+
 TEST_F(Serve, UrlItemsAreReadOnlyWhereAllowed) {
   const fs::path media = dir_ / "media", outside = dir_ / "outside.png", cache = dir_ / "ec-urls";
   fs::remove_all(media);

@@ -78,7 +78,8 @@ struct InputPlan {
 // What preparing these inputs holds at its peak (prepare_inputs' order: the images decode at once,
 // then the clips one after another, every input keeping its held_bytes until it is queued).
 int64_t prepare_peak_bytes(const std::vector<InputPlan>& plans);
-// Throws fovea::Error naming the input for anything unreadable or over a limit.
+// Throws fovea::Error naming the input for anything unreadable or over a limit (plan_inputs of one
+// input, without hooks).
 InputPlan probe_input(std::span<const uint8_t> bytes, const std::string& name, const InputConfig& cfg);
 
 // ---- decode + preprocess --------------------------------------------------------------------------
@@ -114,6 +115,19 @@ struct PrepareHooks {
   // patches nor an error of their own (serve: one failure fails the request).
   bool all_or_nothing = false;
 };
+
+// Inputs read and planned exactly as prepare_inputs' first step does (in parallel; a clip opened,
+// hooks.opening and hooks.planned called as there, the clip closed again), none decoded: what a reply
+// needs of an input found in a cache (its grid, a clip's sampling) costs what probing it costs, and
+// a caller's budget sees it through the same hooks. Each input's plan, or its error.
+struct PlannedInput {
+  InputKind kind = InputKind::IMAGE;
+  InputPlan plan;
+  std::exception_ptr error;
+};
+std::vector<PlannedInput> plan_inputs(const std::vector<std::string>& names,
+                                      const std::function<std::vector<uint8_t>(size_t)>& bytes, const InputConfig& cfg,
+                                      const PrepareHooks& hooks);
 
 // The bytes an input's patches hold.
 int64_t patch_bytes(const image::Patches& p);

@@ -114,10 +114,6 @@ void guarded(PreparedInput& p, F&& step) {
 
 }  // namespace
 
-InputPlan probe_input(std::span<const uint8_t> bytes, const std::string& name, const InputConfig& cfg) {
-  if (input_kind(bytes) == InputKind::IMAGE) return plan_image(bytes, name, cfg);
-  return plan_clip(video::open_clip(bytes, name, cfg.limits, cfg.image, video::deadline_of(cfg.limits)).info, cfg);
-}
 
 int64_t prepare_peak_bytes(const std::vector<InputPlan>& plans) {
   int64_t held = 0, images = 0, clip = 0;
@@ -211,6 +207,27 @@ void decode_image(const std::string& name, const InputConfig& cfg, PreparedInput
 }
 
 }  // namespace
+
+std::vector<PlannedInput> plan_inputs(const std::vector<std::string>& names,
+                                      const std::function<std::vector<uint8_t>(size_t)>& bytes, const InputConfig& cfg,
+                                      const PrepareHooks& hooks) {
+  std::vector<PlannedInput> out(names.size());
+  parallel_for(int64_t(names.size()), [&](int64_t k) {
+    const size_t i = size_t(k);
+    PreparedInput p;
+    Pending w;
+    guarded(p, [&] { plan_input(i, names[i], bytes, cfg, hooks, p, w); });
+    out[i] = {p.kind, std::move(w.plan), p.error};
+  });
+  return out;
+}
+
+InputPlan probe_input(std::span<const uint8_t> bytes, const std::string& name, const InputConfig& cfg) {
+  const std::vector<PlannedInput> one =
+      plan_inputs({name}, [&](size_t) { return std::vector<uint8_t>(bytes.begin(), bytes.end()); }, cfg, {});
+  if (one[0].error) std::rethrow_exception(one[0].error);
+  return one[0].plan;
+}
 
 std::vector<PreparedInput> prepare_inputs(const std::vector<std::string>& names,
                                           const std::function<std::vector<uint8_t>(size_t)>& bytes,

@@ -5,12 +5,17 @@
 #include <algorithm>
 #include <atomic>
 #include <bit>
+#include <map>
+#include <functional>
+#include <thread>
+#include <mutex>
 #include <span>
 
 #include <fmt/format.h>
 
 #include "fovea/clock.h"
 #include "fovea/error.h"
+#include "fovea/json.h"
 #include "fovea/safetensors.h"
 #include "fovea/sha256.h"
 #include "fovea/threads.h"
@@ -57,35 +62,114 @@ struct ReplyItem {
   EcEntry loaded;
   std::optional<ClipSampling> clip;  // a clip's sampling, for the LLM's prompt
   json timings = json::object(), batch = json::object();
+  std::optional<size_t> same_as;  // an earlier item with this key (and so these bytes): answered from its rows
 };
 
-// What the handler works through: the parsed request and its items.
+// What the handler works through: the parsed request, its items and where its reply goes. Shared
+// by the steps of the request (a worker, the fetching thread while URL items are fetched, a worker
+// again).
 struct Exchange {
   EncodeRequest r;
   std::vector<ReplyItem> items;
-  Clock::time_point deadline;
+  Clock::time_point deadline, received;
+  Clock::time_point mark;  // when the last phase ended (Metrics::add_phase)
   bool embeddings = true;  // the reply carries embeddings
   bool octet = false;      // a safetensors reply
+  std::string request_id;  // a chat reply's id
   std::shared_ptr<Job> job;  // holds the forwards' outputs the reply's rows view
+  http::Handler::Reply reply;
+  std::function<http::Response(const Context&, const Exchange&)> answer;  // the reply once the items are done
   struct Held {              // room the URL items' bytes took in Context::fetch_budget
     ByteBudget* budget = nullptr;
-    int64_t bytes = 0;
+    std::atomic<int64_t> bytes = 0;
     ~Held() {
       if (budget) budget->release(bytes);
     }
   } fetched;
+  std::mutex fetch_mu;  // guards the two below and r.fetched while fetches run
+  size_t fetching = 0;  // http(s) fetches not yet back
+  std::optional<ApiError> fetch_error;
 };
+using ExchangePtr = std::shared_ptr<Exchange>;
 
-// The bytes of the items given by file:// or http(s):// URL (media-url.h), read one after another
-// within the request's deadline.
-void read_remote(Context& c, Exchange& x) {
+// The reply to a failed request; a 503 says when to retry.
+http::Response failure(const ApiError& e) {
+  http::Response res = error_response(e);
+  if (e.status == 503) res.headers.push_back({"Retry-After", "1"});
+  return res;
+}
+
+// Runs one step of the request; what it throws is the request's reply.
+void guarded(Exchange& x, const std::function<void()>& step) {
+  try {
+    step();
+  } catch (const ApiError& e) {
+    x.reply(failure(e));
+  } catch (const std::exception& e) {
+    x.reply(failure({500, "internal_error", e.what()}));
+  }
+}
+
+// file:// items read now, on this worker (a local file, opened non-blocking); the first item of each
+// http(s) URL fetched apart (media-url.h), `fetched` called on the fetching thread once all are in.
+// A URL given twice is read once: its later items get a copy (copy_repeated_urls), so one request
+// never sees two contents under one URL.
+void read_remote(Context& c, const ExchangePtr& xp, const std::function<void()>& fetched) {
+  Exchange& x = *xp;
   EncodeRequest& r = x.r;
   r.fetched.resize(r.payloads.size());
   x.fetched.budget = &c.fetch_budget;
+  std::map<std::string_view, size_t> first;  // URL -> the item it is read for
+  std::vector<size_t> http;
   for (size_t i = 0; i < r.remote_urls.size(); ++i) {
     if (r.remote_urls[i].empty()) continue;
     if (!c.media) reject(400, "invalid_url", r.names[i] + ": this server reads no URLs");
-    r.fetched[i] = c.media->read(r.remote_urls[i], r.names[i], x.deadline, c.fetch_budget, x.fetched.bytes);
+    if (!first.emplace(r.remote_urls[i], i).second) continue;
+    if (MediaSources::is_http(r.remote_urls[i])) {
+      http.push_back(i);
+      continue;
+    }
+    int64_t held = 0;
+    r.fetched[i] = c.media->read(r.remote_urls[i], r.names[i], c.fetch_budget, held);
+    x.fetched.bytes += held;
+  }
+  if (http.empty()) return fetched();
+  x.fetching = http.size();
+  for (const size_t i : http) {
+    const FetchDone done = [xp, i, fetched](Fetched f) {
+      Exchange& x = *xp;
+      bool last = false;
+      {
+        std::lock_guard lk(x.fetch_mu);
+        if (f.error && !x.fetch_error) x.fetch_error = std::move(f.error);
+        x.r.fetched[i] = std::move(f.bytes);
+        x.fetched.bytes += f.held;
+        last = --x.fetching == 0;
+      }
+      if (last) fetched();
+    };
+    try {
+      c.media->fetch(r.remote_urls[i], r.names[i], x.deadline, c.fetch_budget, done);
+    } catch (const ApiError& e) {
+      done({{}, 0, e});
+    }
+  }
+}
+
+// The later items of a URL given twice get a copy of its bytes, which the budget counts too.
+void copy_repeated_urls(Context& c, Exchange& x) {
+  EncodeRequest& r = x.r;
+  std::map<std::string_view, size_t> first;
+  for (size_t i = 0; i < r.remote_urls.size(); ++i) {
+    if (r.remote_urls[i].empty()) continue;
+    const auto [seen, fresh] = first.emplace(r.remote_urls[i], i);
+    if (fresh) continue;
+    const std::vector<uint8_t>& bytes = r.fetched[seen->second];
+    if (!c.fetch_budget.acquire(int64_t(bytes.size()), Clock::now()))
+      reject(503, "server_busy", fmt::format("{}: no room for a copy of {}'s bytes now (--max-body-bytes-in-flight); retry later",
+                                             r.names[i], r.names[seen->second]));
+    x.fetched.bytes += int64_t(bytes.size());
+    r.fetched[i] = bytes;
   }
 }
 
@@ -102,55 +186,20 @@ std::vector<uint8_t> item_bytes(EncodeRequest& r, size_t i, bool keep = false) {
   }
 }
 
-// With the encoder cache: each item's key (the client's uuid, or the sha256 of its URL string as
-// sent: vLLM's EPD proxy's key) and, for a hit, its grid from its header alone and its rows read
-// back now. A file evicted (or damaged) by another writer since the lookup is encoded again.
-void find_cached(Context& c, Exchange& x) {
-  EncodeRequest& r = x.r;
-  for (size_t i = 0; i < x.items.size(); ++i) {
-    ReplyItem& it = x.items[i];
-    const std::string url =
-        !r.uuids[i].empty() ? "" : !r.remote_urls[i].empty() ? r.remote_urls[i] : r.url_prefixes[i] + r.payloads[i];
-    it.key = r.uuids[i].empty() ? sha256_hex(url) : r.uuids[i];
-    if (!(it.cached = c.cache->lookup(it.key))) continue;
-    const auto t = Clock::now();
-    InputPlan plan;
-    try {
-      plan = probe_input(item_bytes(r, i, x.embeddings), r.names[i], c.inputs);
-    } catch (const Error& e) {
-      throw ApiError{400, invalid_item_code(it.kind), e.what()};
-    }
-    it.grid = plan.grid;
-    it.clip = plan.clip;
-    it.timings = {{"decode", 0.0}, {"preprocess", 0.0}, {"probe", ms_since(t)}, {"queue", 0.0}, {"forward", 0.0}};
-    if (!x.embeddings) continue;
-    try {
-      it.loaded = c.cache->load(it.key, it.grid, c.model.config, r.deepstack);
-      it.rows = it.loaded.rows;
-      std::string().swap(r.payloads[i]);
-      if (!r.fetched.empty()) std::vector<uint8_t>().swap(r.fetched[i]);
-    } catch (const Error&) {
-      ReplyItem again;  // encoded after all
-      again.kind = it.kind;
-      again.key = std::move(it.key);
-      it = std::move(again);
-    }
-  }
-}
-
 // The request's error for a failed item: what a hook threw as it is; a failure past the deadline (a
 // clip's decode stops there) 504; any other 400, naming the item.
-[[noreturn]] void reject_item(const Context& c, const PreparedInput& p, const std::string& name, Clock::time_point deadline) {
+[[noreturn]] void reject_item(const Context& c, std::exception_ptr error, InputKind kind, const std::string& name,
+                              Clock::time_point deadline) {
   try {
-    std::rethrow_exception(p.error);
+    std::rethrow_exception(error);
   } catch (const ApiError&) {
     throw;
   } catch (const Error& e) {
     if (Clock::now() > deadline)
       reject(504, "timeout", fmt::format("{}: not decoded within {} s (--request-timeout)", name, c.opt.request_timeout_s));
     const std::string what = e.what();  // decode errors name the item, preprocess errors do not
-    reject(400, invalid_item_code(p.kind),
-           what.find(name) != std::string::npos ? what : fmt::format("{} '{}': {}", input_kind_name(p.kind), name, what));
+    reject(400, invalid_item_code(kind),
+           what.find(name) != std::string::npos ? what : fmt::format("{} '{}': {}", input_kind_name(kind), name, what));
   }
 }
 
@@ -211,16 +260,25 @@ struct Holds {
   Batcher::Admission admission;
 };
 
+// Requests decoding or probing media at once share the cores: while it lives, this thread's
+// parallel_for loops and its clips' FFmpeg threads get hardware_threads() / that count.
+class DecodeShare {
+ public:
+  DecodeShare() : cap_(hardware_threads() / std::max(1, ++decoding_)) {}
+  ~DecodeShare() { --decoding_; }
+  DecodeShare(const DecodeShare&) = delete;
+  DecodeShare& operator=(const DecodeShare&) = delete;
+
+ private:
+  static inline std::atomic<int> decoding_{0};
+  ThreadCap cap_;
+};
+
 // Decodes and preprocesses the items `which` (fovea::prepare_inputs), admitted to the encoder queue
 // and to the decode budget from their headers before a pixel is decoded (Holds). Requests decoding
 // at once share the cores (clips' FFmpeg threads and resizes too).
 std::vector<PreparedInput> prepare(Context& c, Exchange& x, Holds& holds) {
-  static std::atomic<int> decoding{0};
-  struct Count {
-    Count() { ++decoding; }
-    ~Count() { --decoding; }
-  } counted;
-  ThreadCap cap(hardware_threads() / std::max(1, decoding.load()));
+  const DecodeShare share;
   PrepareHooks hooks;
   hooks.deadline = x.deadline;
   hooks.all_or_nothing = true;
@@ -230,8 +288,95 @@ std::vector<PreparedInput> prepare(Context& c, Exchange& x, Holds& holds) {
   std::vector<PreparedInput> out =
       prepare_inputs(holds.names, [&](size_t j) { return item_bytes(x.r, holds.which[j]); }, c.inputs, hooks);
   for (size_t j = 0; j < out.size(); ++j)
-    if (out[j].error) reject_item(c, out[j], holds.names[j], x.deadline);
+    if (out[j].error) reject_item(c, out[j].error, out[j].kind, holds.names[j], x.deadline);
   return out;
+}
+
+// Whether items a and b hold the same bytes: the same text, the same URL (read once), or the same
+// bytes once decoded.
+bool same_bytes(EncodeRequest& r, size_t a, size_t b) {
+  if (r.remote_urls[a].empty() && r.remote_urls[b].empty() && r.payloads[a] == r.payloads[b]) return true;
+  if (!r.remote_urls[a].empty() && r.remote_urls[a] == r.remote_urls[b]) return true;
+  return item_bytes(r, a, /*keep=*/true) == item_bytes(r, b, /*keep=*/true);
+}
+
+// With the encoder cache: each item's key (the client's uuid, or the sha256 of its URL string as
+// sent: vLLM's EPD proxy's key). A key names one content in a request: an item whose key an earlier
+// item has, with the same bytes, is answered from that item (looked up, encoded and written once);
+// other bytes under one key are refused, naming both items.
+void assign_keys(Exchange& x) {
+  EncodeRequest& r = x.r;
+  std::map<std::string, size_t> first;
+  for (size_t i = 0; i < x.items.size(); ++i) {
+    ReplyItem& it = x.items[i];
+    const std::string url =
+        !r.uuids[i].empty() ? "" : !r.remote_urls[i].empty() ? r.remote_urls[i] : r.url_prefixes[i] + r.payloads[i];
+    it.key = r.uuids[i].empty() ? sha256_hex(url) : r.uuids[i];
+    const auto [seen, fresh] = first.emplace(it.key, i);
+    if (fresh) continue;
+    if (!same_bytes(r, seen->second, i))
+      reject(400, "invalid_uuid", fmt::format("{}: uuid {} is also {}'s, whose bytes differ: a uuid names one content",
+                                              r.names[i], quote_for_error(it.key), r.names[seen->second]));
+    it.same_as = seen->second;
+    std::string().swap(r.payloads[i]);
+    if (!r.fetched.empty()) std::vector<uint8_t>().swap(r.fetched[i]);
+  }
+}
+
+// Each item that repeats an earlier one's key answered as that item is (its rows are shared).
+void fill_repeats(Exchange& x) {
+  for (ReplyItem& it : x.items) {
+    if (!it.same_as) continue;
+    const ReplyItem& first = x.items[*it.same_as];
+    it.kind = first.kind;
+    it.grid = first.grid;
+    it.cached = first.cached;
+    it.rows = first.rows;
+    it.clip = first.clip;
+    it.timings = first.timings;
+    it.batch = first.batch;
+  }
+}
+
+// With the encoder cache: the first item of each key looked up. A hit's grid (and a clip's sampling)
+// comes from its header, probed as a miss is planned (plan_inputs): a clip opened holds decode
+// budget meanwhile and probes share the cores with decoding requests. Its rows are read back when the
+// reply carries them; a file evicted (or damaged) by another writer since the lookup is encoded again.
+void find_cached(Context& c, Exchange& x) {
+  EncodeRequest& r = x.r;
+  std::vector<size_t> hits;
+  for (size_t i = 0; i < x.items.size(); ++i)
+    if (!x.items[i].same_as && (x.items[i].cached = c.cache->lookup(x.items[i].key))) hits.push_back(i);
+  if (hits.empty()) return;
+  const auto t = Clock::now();
+  std::vector<PlannedInput> plans;
+  {
+    Holds holds(c, x, hits);
+    const DecodeShare share;
+    PrepareHooks hooks;
+    hooks.deadline = x.deadline;
+    hooks.opening = [&](size_t j, int64_t bytes) { holds.open(j, bytes); };
+    plans = plan_inputs(holds.names, [&](size_t j) { return item_bytes(r, hits[j], x.embeddings); }, c.inputs, hooks);
+  }
+  for (size_t j = 0; j < hits.size(); ++j) {
+    ReplyItem& it = x.items[hits[j]];
+    if (plans[j].error) reject_item(c, plans[j].error, it.kind, r.names[hits[j]], x.deadline);
+    it.grid = plans[j].plan.grid;
+    it.clip = plans[j].plan.clip;
+    it.timings = {{"decode", 0.0}, {"preprocess", 0.0}, {"probe", ms_since(t)}, {"queue", 0.0}, {"forward", 0.0}};
+    if (!x.embeddings) continue;
+    try {
+      it.loaded = c.cache->load(it.key, it.grid, c.model.config, r.deepstack);
+      it.rows = it.loaded.rows;
+      std::string().swap(r.payloads[hits[j]]);
+      if (!r.fetched.empty()) std::vector<uint8_t>().swap(r.fetched[hits[j]]);
+    } catch (const Error&) {
+      ReplyItem again;  // encoded after all
+      again.kind = it.kind;
+      again.key = std::move(it.key);
+      it = std::move(again);
+    }
+  }
 }
 
 // Queues the prepared items (the room admitted for them becomes theirs; their decode bytes go back)
@@ -369,17 +514,21 @@ std::string safetensors_reply(const Context& c, const Exchange& x) {
 namespace {
 
 // The items of x.r encoded (or found in the cache), their rows and timings on x.items, new cache
-// entries written. Adds each phase's time to the metrics as it ends (`mark`: when the last one ended).
-void encode_items(Context& c, Exchange& x, Clock::time_point& mark) {
-  const auto phase_ended = [&](Phase p) { c.metrics.add_phase(p, seconds_since(std::exchange(mark, Clock::now()))); };
-  x.items.resize(x.r.payloads.size());
-  read_remote(c, x);
+// entries written, once the URL items are in; then the reply. Adds each phase's time to the metrics
+// as it ends (x.mark: when the last one ended).
+void encode_items(Context& c, Exchange& x) {
+  const auto phase_ended = [&](Phase p) { c.metrics.add_phase(p, seconds_since(std::exchange(x.mark, Clock::now()))); };
+  if (x.fetch_error) throw *x.fetch_error;
+  copy_repeated_urls(c, x);
   const std::vector<InputKind> kinds = settle_kinds(x.r);
   for (size_t i = 0; i < kinds.size(); ++i) x.items[i].kind = kinds[i];
-  if (c.cache) find_cached(c, x);
+  if (c.cache) {
+    assign_keys(x);
+    find_cached(c, x);
+  }
   std::vector<size_t> misses;  // the items to encode
   for (size_t i = 0; i < x.items.size(); ++i)
-    if (!x.items[i].cached) misses.push_back(i);
+    if (!x.items[i].cached && !x.items[i].same_as) misses.push_back(i);
   phase_ended(Phase::PARSE);
   Holds holds(c, x, misses);
   std::vector<PreparedInput> prepared = prepare(c, x, holds);
@@ -388,7 +537,21 @@ void encode_items(Context& c, Exchange& x, Clock::time_point& mark) {
     x.job = run_job(c, x, prepared, holds);
     collect(c, x, misses, prepared, *x.job);
   }
+  fill_repeats(x);
   phase_ended(Phase::ENCODER);
+  http::Response res = x.answer(c, x);
+  phase_ended(Phase::REPLY);
+  x.reply(std::move(res));
+}
+
+// The parsed request's items: URL items read (http(s) ones apart from the workers: this worker is
+// free meanwhile, and the request comes back to a worker when they are in), then encode_items.
+void start_items(Context& c, const ExchangePtr& xp) {
+  xp->items.resize(xp->r.payloads.size());
+  read_remote(c, xp, [&c, xp, here = std::this_thread::get_id()] {
+    if (std::this_thread::get_id() == here && xp->fetching == 0) return guarded(*xp, [&] { encode_items(c, *xp); });
+    c.http->post([&c, xp] { guarded(*xp, [&] { encode_items(c, *xp); }); });
+  });
 }
 
 Clock::time_point deadline_of(const Context& c, const http::Request& req) {
@@ -435,40 +598,50 @@ std::string chat_reply(const Context& c, const Exchange& x, const std::string& r
 
 }  // namespace
 
-http::Response encode(Context& c, http::Request& req) {
-  Clock::time_point mark = Clock::now();
-  Exchange x;
-  x.deadline = deadline_of(c, req);
-  x.r = parse_encode_request(req.body, c.opt.max_images_per_request, c.opt.served_name());
-  std::string().swap(req.body);
-  x.octet = req.header("accept").find("application/octet-stream") != std::string_view::npos;
-  // Embeddings: always without the cache and in safetensors replies; with the cache, if asked for.
-  x.embeddings = x.octet || (c.cache ? x.r.return_embeddings == 1 : x.r.return_embeddings != 0);
-  encode_items(c, x, mark);
-  http::Response res = x.octet ? http::Response{200, "application/octet-stream", safetensors_reply(c, x), {}}
-                               : http::Response{200, "application/json", json_reply(c, x, ms_since(req.received)), {}};
-  c.metrics.add_phase(Phase::REPLY, seconds_since(mark));
-  return res;
+void encode(Context& c, http::Request& req, http::Handler::Reply reply) {
+  auto xp = std::make_shared<Exchange>();
+  xp->reply = std::move(reply);
+  xp->mark = Clock::now();
+  guarded(*xp, [&] {
+    Exchange& x = *xp;
+    x.deadline = deadline_of(c, req);
+    x.received = req.received;
+    x.r = parse_encode_request(req.body, c.opt.max_images_per_request, c.opt.served_name());
+    std::string().swap(req.body);
+    x.octet = req.header("accept").find("application/octet-stream") != std::string_view::npos;
+    // Embeddings: always without the cache and in safetensors replies; with the cache, if asked for.
+    x.embeddings = x.octet || (c.cache ? x.r.return_embeddings == 1 : x.r.return_embeddings != 0);
+    x.answer = [](const Context& c, const Exchange& x) {
+      return x.octet ? http::Response{200, "application/octet-stream", safetensors_reply(c, x), {}}
+                     : http::Response{200, "application/json", json_reply(c, x, ms_since(x.received)), {}};
+    };
+    start_items(c, xp);
+  });
 }
 
-http::Response chat(Context& c, http::Request& req) {
-  Clock::time_point mark = Clock::now();
-  if (!c.cache)
-    reject(400, "invalid_request",
-           "POST /v1/chat/completions is the encode instance of vLLM's disaggregated encoder: it writes the encoder "
-           "cache, so start fovea serve with --ec-storage-path (POST /v1/encode returns embeddings)");
-  Exchange x;
-  x.deadline = deadline_of(c, req);
-  x.r = parse_chat_request(req.body, c.opt.max_images_per_request, c.opt.served_name());
-  std::string().swap(req.body);
-  x.embeddings = false;
-  encode_items(c, x, mark);
-  static std::atomic<uint64_t> replies{0};
-  std::string id(req.header("x-request-id").substr(0, 128));
-  if (id.empty()) id = fmt::format("{:x}-{}", c.started_unix, replies++);
-  http::Response res{200, "application/json", chat_reply(c, x, id), {}};
-  c.metrics.add_phase(Phase::REPLY, seconds_since(mark));
-  return res;
+void chat(Context& c, http::Request& req, http::Handler::Reply reply) {
+  auto xp = std::make_shared<Exchange>();
+  xp->reply = std::move(reply);
+  xp->mark = Clock::now();
+  guarded(*xp, [&] {
+    if (!c.cache)
+      reject(400, "invalid_request",
+             "POST /v1/chat/completions is the encode instance of vLLM's disaggregated encoder: it writes the encoder "
+             "cache, so start fovea serve with --ec-storage-path (POST /v1/encode returns embeddings)");
+    Exchange& x = *xp;
+    x.deadline = deadline_of(c, req);
+    x.received = req.received;
+    x.r = parse_chat_request(req.body, c.opt.max_images_per_request, c.opt.served_name());
+    std::string().swap(req.body);
+    x.embeddings = false;
+    static std::atomic<uint64_t> replies{0};
+    x.request_id = std::string(req.header("x-request-id").substr(0, 128));
+    if (x.request_id.empty()) x.request_id = fmt::format("{:x}-{}", c.started_unix, replies++);
+    x.answer = [](const Context& c, const Exchange& x) {
+      return http::Response{200, "application/json", chat_reply(c, x, x.request_id), {}};
+    };
+    start_items(c, xp);
+  });
 }
 
 }  // namespace fovea::server

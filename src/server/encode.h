@@ -39,21 +39,24 @@ struct Context {
   ByteBudget decode_budget;
   ByteBudget fetch_budget;  // the bytes of URL items being read and held, as request bodies are (media-url.h)
   Metrics metrics;
-  const http::Server* http = nullptr;
+  http::Server* http = nullptr;
   EcCache* cache = nullptr;  // --ec-storage-path
   const MediaSources* media = nullptr;  // file:// and http(s):// items (null: data URLs and base64 only)
   int64_t started_unix = std::time(nullptr);
 };
 
-// POST /v1/encode with its body; every failure throws ApiError. Adds the time of each of its phases
-// to the metrics as it ends.
-http::Response encode(Context& c, http::Request& req);
+// POST /v1/encode with its body, answered through `reply` (once: the reply, or the failure as
+// {"error": ...} with Retry-After on a 503), now or, with http(s) URL items, from a worker after they
+// are fetched (the calling worker is free meanwhile). Adds the time of each of its phases to the
+// metrics as it ends.
+void encode(Context& c, http::Request& req, http::Handler::Reply reply);
 // POST /v1/chat/completions: vLLM's EPD proxy's request to an encode instance (request.h,
-// parse_chat_request). Needs the encoder cache: writes each item's file under its key (its uuid, or
-// the sha256 of its URL string: the proxy's key) and answers a minimal chat.completion whose
-// "ec_transfer_params" gives, per key, {"metadata": {"image_grid_thw": [t, h, w]}, "item_indices":
-// [positions in this request]}, cache hits included.
-http::Response chat(Context& c, http::Request& req);
+// parse_chat_request), answered as encode() is. Needs the encoder cache: writes each item's file
+// under its key (its uuid, or the sha256 of its URL string: the proxy's key) and answers a minimal
+// chat.completion whose "ec_transfer_params" gives, per key, {"metadata": {"image_grid_thw": [t, h,
+// w]}, "item_indices": [positions in this request]}, cache hits included. A key repeated in a request
+// is encoded and written once.
+void chat(Context& c, http::Request& req, http::Handler::Reply reply);
 
 // JSON text; invalid UTF-8 (from a client's bytes echoed in a message) becomes U+FFFD, never a throw.
 std::string dump(const json& j);

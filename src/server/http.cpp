@@ -83,6 +83,12 @@ std::string serialize_head(const Response& r, bool keep_alive) {
   return out;
 }
 
+// Names a worker thread once, for debuggers and top.
+void name_worker() {
+  static thread_local const bool named = (name_this_thread("fovea-worker"), true);
+  (void)named;
+}
+
 }  // namespace
 
 std::string_view Request::header(std::string_view name) const {
@@ -392,19 +398,23 @@ class Connection : public std::enable_shared_from_this<Connection> {
     counted_ = true;
     disarm();
     asio::post(s_.pool, [self = shared_from_this(), this] {
-      Response r;
-      static thread_local const bool named = (name_this_thread("fovea-worker"), true);
-      (void)named;
+      name_worker();
       req_.handling = Clock::now();
+      auto replied = std::make_shared<std::atomic<bool>>(false);
+      const Handler::Reply reply = [self, replied](Response r) {
+        if (replied->exchange(true)) return;  // once
+        asio::post(self->s_.io, [self, r = std::move(r)]() mutable {
+          self->req_.body = std::string();
+          self->respond(std::move(r));
+        });
+      };
       try {
-        r = s_.handler.handle(req_);
+        s_.handler.handle(req_, reply);
       } catch (const std::exception& e) {
-        r = s_.handler.error(500, "internal_error", e.what());
+        reply(s_.handler.error(500, "internal_error", e.what()));
       } catch (...) {
-        r = s_.handler.error(500, "internal_error", "unknown exception");
+        reply(s_.handler.error(500, "internal_error", "unknown exception"));
       }
-      req_.body = std::string();
-      asio::post(s_.io, [self, r = std::move(r)]() mutable { self->respond(std::move(r)); });
     });
     return false;
   }
@@ -635,6 +645,13 @@ Server::~Server() {
 
 int Server::port() const { return impl_->port; }
 size_t Server::in_flight() const { return impl_->in_flight; }
+
+void Server::post(std::function<void()> fn) {
+  asio::post(impl_->pool, [fn = std::move(fn)] {
+    name_worker();
+    fn();
+  });
+}
 bool Server::draining() const { return impl_->draining; }
 bool Server::stopping() const { return impl_->stopping; }
 

@@ -82,8 +82,13 @@ class Handler {
   // Once a head is read: the reply now (GET endpoints, a request refused from its head), or
   // nullopt to read the body and pass the request to handle().
   virtual std::optional<Response> route(const Request& head) = 0;
-  // The reply to a request with its body. An exception becomes a 500 reply.
-  virtual Response handle(Request& request) = 0;
+  // A request with its body, handled on a worker thread; its reply goes to `reply`, exactly once,
+  // from any thread: now, or later from elsewhere (a handler that must wait for something other than
+  // the CPU, such as a URL fetch, hands the request on and frees the worker). `request` stays valid
+  // until the reply is given; its body is the handler's. An exception thrown before `reply` is called
+  // becomes a 500 reply.
+  using Reply = std::function<void(Response)>;
+  virtual void handle(Request& request, Reply reply) = 0;
   // The reply the layer sends for its own errors (400, 408, 413, 431, 503, 500).
   virtual Response error(int status, const std::string& code, const std::string& message) = 0;
   // After each reply was written (the request's path is "" when its request line never parsed).
@@ -110,6 +115,8 @@ class Server {
   int run(const std::function<void(int signal, size_t in_flight)>& on_signal);
   // Requests read whole and not yet answered (for /metrics and the shutdown message).
   size_t in_flight() const;
+  // Runs fn on a worker thread (a handler's request coming back from elsewhere).
+  void post(std::function<void()> fn);
   bool draining() const;
   // A first signal arrived: the server is going away (serving still during the drain delay).
   bool stopping() const;

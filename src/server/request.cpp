@@ -41,10 +41,12 @@ Lifted lift_long_strings(std::string_view body) {
     return p ? size_t(static_cast<const char*>(p) - b) : std::string_view::npos;
   };
   while ((i = find('"', i, body.size())) != std::string_view::npos) {
-    size_t j = i + 1, end;
+    // The closing quote: the first one not escaped. `end` is the next quote after j; it is searched
+    // for again only once an escape has stepped past it, so each byte is scanned a bounded number of
+    // times whatever the escapes (searching anew after every backslash made "\n\n\n..." quadratic).
+    size_t j = i + 1, end = find('"', j, body.size());
     bool escaped = false;
-    for (;;) {  // the closing quote: the first one not escaped
-      end = find('"', j, body.size());
+    for (;;) {
       if (end == std::string_view::npos) return {};  // unterminated: the parser says so
       const size_t bs = find('\\', j, end);
       if (bs == std::string_view::npos) break;
@@ -52,6 +54,7 @@ Lifted lift_long_strings(std::string_view body) {
       if (body.substr(bs, 6) == "\\u0000") return {};
       j = bs + 2;
       if (j > body.size()) return {};
+      if (j > end) end = find('"', j, body.size());  // that quote was escaped
     }
     if (!escaped && end - i - 1 >= kLift) {
       out.skeleton.append(body.substr(copied, i - copied));

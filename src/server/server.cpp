@@ -84,19 +84,15 @@ class Service final : public http::Handler {
     return std::nullopt;  // POST /v1/encode or /v1/chat/completions: read the body, then handle()
   }
 
-  http::Response handle(http::Request& req) override {
-    const Clock::time_point t0 = req.received;
-    http::Response res;
-    try {
-      res = req.path == "/v1/chat/completions" ? chat(c_, req) : encode(c_, req);
-    } catch (const ApiError& e) {
-      res = error_response(e);
-      if (e.status == 503) res.headers.push_back({"Retry-After", "1"});
-    } catch (const std::exception& e) {
-      res = error_response({500, "internal_error", e.what()});
-    }
-    c_.metrics.observe_encode_seconds(ms_since(t0) / 1000);
-    return res;
+  void handle(http::Request& req, Reply reply) override {
+    Reply observed = [this, t0 = req.received, reply = std::move(reply)](http::Response res) {
+      c_.metrics.observe_encode_seconds(ms_since(t0) / 1000);
+      reply(std::move(res));
+    };
+    if (req.path == "/v1/chat/completions")
+      chat(c_, req, std::move(observed));
+    else
+      encode(c_, req, std::move(observed));
   }
 
   http::Response error(int status, const std::string& code, const std::string& message) override {
