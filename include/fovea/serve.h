@@ -11,7 +11,8 @@
 // Every failure of a request is answered with {"error": {"message", "type", "code"}} and an HTTP
 // status; the server itself survives any request. SIGINT / SIGTERM: /ready turns 503 at once, the
 // server serves on for --drain-seconds, then stops accepting, answers every request whose body was
-// read, 503 to those still arriving, and returns 0.
+// read (within --shutdown-timeout; what has not finished by then gets 503 at once), 503 to those still
+// arriving, and returns 0.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -36,6 +37,7 @@ struct HttpLimits {
   double write_timeout_s = 60;                 // writing one reply
   double shutdown_grace_s = 1;                 // on shutdown: how long requests still arriving get 503
   double drain_delay_s = 0;                    // on SIGTERM: serve on this long with /ready at 503 first
+  double shutdown_timeout_s = 25;              // then: requests in flight get this long, the rest 503 at once
   size_t max_connections = 1024;               // more are answered 503 and closed
 };
 

@@ -10,6 +10,10 @@ int hardware_threads();
 
 // Names the calling thread (at most 15 characters are kept), as top -H and /proc/PID/task show it.
 void name_this_thread(const char* name);
+// Lowers this thread's scheduling priority by `nice` steps (threads it starts inherit it): a server's
+// bulk work (decoding, encoding) yields the cores to its network thread, so probes are answered
+// while the CPU is saturated. Raising the nice value needs no privilege; a failure is ignored.
+void lower_this_thread_priority(int nice);
 
 // Calls fn(i) for every i in [0, n) on up to `threads` threads (0: all), handing out chunks of
 // `grain` indices dynamically so uneven work balances. The first exception thrown by fn is

@@ -105,6 +105,11 @@ void add_serve(CLI::App& app, Runner& runner) {
                   "on SIGTERM/SIGINT: serve on this long with /ready answering 503 (so a load balancer stops "
                   "sending), then stop accepting and finish the requests in flight")
       ->capture_default_str();
+  cmd->add_option("--shutdown-timeout", o->http.shutdown_timeout_s,
+                  "on SIGTERM/SIGINT, once it stops accepting: how long the requests in flight may take; those "
+                  "not finished then are answered 503 shutting_down at once (an orchestrator's grace period, "
+                  "30 s in Kubernetes, should exceed --drain-seconds plus this)")
+      ->capture_default_str();
   add_engine_flags(cmd, o->engine);
   cmd->callback([&runner, o] { runner = [o] { return run_serve(*o); }; });
 }

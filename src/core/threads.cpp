@@ -2,6 +2,10 @@
 #include "fovea/threads.h"
 
 #include <pthread.h>
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <cerrno>
 
 #include <algorithm>
 #include <atomic>
@@ -18,6 +22,13 @@ void name_this_thread(const char* name) {
   char n[16] = {};
   for (size_t i = 0; i < sizeof n - 1 && name[i]; ++i) n[i] = name[i];
   pthread_setname_np(pthread_self(), n);
+}
+
+void lower_this_thread_priority(int nice) {
+  const pid_t tid = ::gettid();
+  errno = 0;
+  const int now = ::getpriority(PRIO_PROCESS, id_t(tid));
+  if (errno == 0) ::setpriority(PRIO_PROCESS, id_t(tid), std::min(19, now + nice));
 }
 
 namespace {

@@ -8,6 +8,7 @@
 #include "fovea/error.h"
 #include "fovea/system.h"
 #include "fovea/threads.h"
+#include "server/http.h"
 
 namespace fovea::server {
 
@@ -61,6 +62,18 @@ std::string Batcher::full_for(int64_t tokens, bool counted, int64_t own) const {
   return "";
 }
 
+std::string Batcher::late_for(int64_t tokens, bool counted, Clock::time_point deadline) const {
+  const size_t others = queue_.size() + admitted_requests_ - (counted ? 1 : 0);
+  const size_t up = replicas_up();
+  if (others == 0 || seconds_per_token_ <= 0 || up == 0) return "";
+  const int64_t ahead = queued_tokens() + admitted_tokens_ + tokens;
+  const double need_s = double(ahead) * seconds_per_token_ / double(up);
+  const double left_s = seconds_between(Clock::now(), deadline);
+  if (need_s <= left_s) return "";
+  return fmt::format("the encoder would need about {:.1f} s for the {} visual tokens queued ahead and this request's, "
+                     "and its deadline is {:.1f} s away (--request-timeout)", need_s, ahead, std::max(0.0, left_s));
+}
+
 void Batcher::release(Admission& a) {
   if (!a.counted_) return;
   admitted_tokens_ -= a.tokens_;
@@ -74,9 +87,10 @@ Batcher::Admission::~Admission() {
   b_.release(*this);
 }
 
-bool Batcher::admit(Admission& a, int64_t tokens, std::string& refused) {
+bool Batcher::admit(Admission& a, int64_t tokens, std::string& refused, std::optional<Clock::time_point> deadline) {
   std::lock_guard lk(mu_);
   refused = full_for(tokens, a.counted_, a.tokens_);
+  if (refused.empty() && deadline) refused = late_for(tokens, a.counted_, *deadline);
   if (!refused.empty()) return false;
   if (!a.counted_) ++admitted_requests_;
   a.counted_ = true;
@@ -132,6 +146,18 @@ void Batcher::stop() {
     if (r->thread.joinable()) r->thread.join();
 }
 
+void Batcher::abort(const std::string& why) {
+  {
+    std::lock_guard lk(mu_);
+    stopping_ = true;
+    for (const auto& job : queue_)
+      if (job->error.empty()) job->error = why;
+    queue_.clear();
+  }
+  queued_.notify_all();
+  done_.notify_all();
+}
+
 size_t Batcher::queue_depth() const {
   std::lock_guard lk(mu_);
   return queue_.size();
@@ -184,6 +210,7 @@ std::vector<Batcher::Slot> Batcher::take_batch() {
 
 void Batcher::worker(Replica& r, std::promise<void>& ready) {
   name_this_thread(("fovea-" + r.spec.name).c_str());
+  lower_this_thread_priority(http::kBulkNice);
   std::optional<EncoderRunner> runner;
   try {
     if (r.spec.gpu >= 0) use_gpu(r.spec.gpu);  // this thread's CUDA calls go to its GPU
@@ -330,6 +357,10 @@ void Batcher::finish_batch(Replica& r, EncoderRunner& runner, Started& b) {
   r.forward_us += uint64_t(forward_ms * 1000);
   {
     std::lock_guard lk(mu_);
+    if (batch_tokens > 0) {
+      const double sample = forward_ms / 1000 / double(batch_tokens);
+      seconds_per_token_ = seconds_per_token_ > 0 ? 0.8 * seconds_per_token_ + 0.2 * sample : sample;
+    }
     for (const Slot& s : b.slots) s.job->done += 1;
   }
   done_.notify_all();

@@ -107,7 +107,12 @@ class Batcher {
   };
   // Adds `tokens` to the request's admission; false, with the reason in `refused`, if the queue
   // cannot take them (the rules of submit, counting the queue's jobs and every admission held).
-  bool admit(Admission& a, int64_t tokens, std::string& refused);
+  // With a deadline: also refused when the work ahead of it (the visual tokens queued and admitted,
+  // this request's included) would take the replicas up past it, at the seconds per token the
+  // recent forwards took (an exponential average; no estimate before the first forward, and a
+  // request alone is always taken): a 503 now rather than a 504 at its deadline.
+  bool admit(Admission& a, int64_t tokens, std::string& refused,
+             std::optional<Clock::time_point> deadline = std::nullopt);
 
   // Queues a request; nullptr, with the reason in `refused`, if max_queue requests are already
   // waiting, if its visual tokens would take the queue past max_queue_tokens (an empty queue takes
@@ -124,6 +129,9 @@ class Batcher {
 
   // Finishes every queued request, then joins the worker. Idempotent.
   void stop();
+  // Shutdown's grace ran out: every request waiting or queued fails now with `why` (its wait()
+  // returns FAILED), nothing more is admitted, and forwards not yet started do not start.
+  void abort(const std::string& why);
 
   // For /metrics and /health: totals over the replicas, and each one's.
   size_t queue_depth() const;  // requests waiting, partly started ones included
@@ -157,6 +165,9 @@ class Batcher {
   // With mu_ held: why the queue cannot take a request of `tokens` more (or "" if it can); `own`
   // is what the request holds already (an admission), not counted against itself.
   std::string full_for(int64_t tokens, bool counted, int64_t own) const;
+  // Why a request of `tokens` more would miss its deadline behind the work ahead ("" if it would not);
+  // with mu_ held.
+  std::string late_for(int64_t tokens, bool counted, Clock::time_point deadline) const;
   void release(Admission& a);  // with mu_ held
   int64_t queued_tokens() const;   // with mu_ held: visual tokens of the inputs not yet taken
   struct Started {  // a forward in flight
@@ -195,6 +206,7 @@ class Batcher {
   int64_t admitted_tokens_ = 0;   // held by admissions not yet submitted
   size_t admitted_requests_ = 0;
   bool stopping_ = false;
+  double seconds_per_token_ = 0;  // exponential average over forwards (0: none yet); for admit's estimate
   std::vector<std::unique_ptr<Replica>> replicas_;
 };
 

@@ -17,10 +17,18 @@ class ByteBudget {
   // than the capacity is the caller's error to report; it never fits.
   bool acquire(int64_t bytes, Clock::time_point deadline) {
     std::unique_lock lk(mu_);
-    if (bytes > capacity_) return false;
-    if (!freed_.wait_until(lk, deadline, [&] { return used_ + bytes <= capacity_; })) return false;
+    if (bytes > capacity_ || closed_) return false;
+    if (!freed_.wait_until(lk, deadline, [&] { return closed_ || used_ + bytes <= capacity_; }) || closed_) return false;
     used_ += bytes;
     return true;
+  }
+  // From now on every acquire fails at once, those waiting too (the server is going away).
+  void close() {
+    {
+      std::lock_guard lk(mu_);
+      closed_ = true;
+    }
+    freed_.notify_all();
   }
   void release(int64_t bytes) {
     {
@@ -40,6 +48,7 @@ class ByteBudget {
   mutable std::mutex mu_;
   std::condition_variable freed_;
   int64_t used_ = 0;
+  bool closed_ = false;
 };
 
 }  // namespace fovea::server

@@ -240,7 +240,7 @@ struct Holds {
   }
   void admit(size_t j, const InputPlan& p) {
     std::string refused;
-    if (!c.batcher.admit(admission, p.tokens, refused))
+    if (!c.batcher.admit(admission, p.tokens, refused, x.deadline))
       throw ApiError{503, "queue_full", fmt::format("{} '{}': {}; retry later", input_kind_name(p.kind), names[j], refused)};
   }
   void all(int64_t bytes) {
@@ -395,6 +395,7 @@ std::shared_ptr<Job> run_job(Context& c, const Exchange& x, std::vector<Prepared
     case Batcher::Wait::TIMED_OUT:
       reject(504, "timeout", fmt::format("not encoded within {} s (--request-timeout)", c.opt.request_timeout_s));
     case Batcher::Wait::FAILED:
+      if (c.abandoned) reject(503, "shutting_down", error);
       reject(500, "encoder_error", error);
     case Batcher::Wait::DONE:
       break;

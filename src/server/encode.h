@@ -2,6 +2,7 @@
 // endpoint uses. The engine does the work (fovea/pipeline.h); this layer adds HTTP: the request's
 // deadline, the decode-memory budget, the encoder cache's keys, the queue, and the reply's formats.
 #pragma once
+#include <atomic>
 #include <ctime>
 
 #include <nlohmann/json.hpp>
@@ -43,6 +44,7 @@ struct Context {
   EcCache* cache = nullptr;  // --ec-storage-path
   const MediaSources* media = nullptr;  // file:// and http(s):// items (null: data URLs and base64 only)
   int64_t started_unix = std::time(nullptr);
+  std::atomic<bool> abandoned{false};  // shutdown's timeout passed: requests still here are answered 503 already
 };
 
 // POST /v1/encode with its body, answered through `reply` (once: the reply, or the failure as

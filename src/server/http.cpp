@@ -83,9 +83,10 @@ std::string serialize_head(const Response& r, bool keep_alive) {
   return out;
 }
 
-// Names a worker thread once, for debuggers and top.
+// Names a worker thread once, for debuggers and top, and lowers its priority below the network
+// thread's (kBulkNice): decoding never keeps /health or a reply's write waiting for a core.
 void name_worker() {
-  static thread_local const bool named = (name_this_thread("fovea-worker"), true);
+  static thread_local const bool named = (name_this_thread("fovea-worker"), lower_this_thread_priority(kBulkNice), true);
   (void)named;
 }
 
@@ -177,6 +178,7 @@ struct Server::Impl {
   std::atomic<bool> draining{false};
   std::atomic<bool> stopping{false};  // a first signal arrived
   asio::steady_timer drain_delay{io};
+  asio::steady_timer drain_deadline{io};  // --shutdown-timeout, from the drain's start
   int signal_number = 0;
   int port = 0;
 
@@ -184,7 +186,9 @@ struct Server::Impl {
   void start(tcp::socket s);
   void drain();
   void maybe_finish() {
-    if (draining && conns.empty()) io.stop();
+    if (!draining || !conns.empty()) return;
+    drain_deadline.cancel();
+    io.stop();
   }
 };
 
@@ -212,6 +216,14 @@ class Connection : public std::enable_shared_from_this<Connection> {
       default:
         break;  // being handled or written: its reply goes out, then the connection closes
     }
+  }
+
+  // Shutdown's timeout passed: a request still being handled is answered 503 now (its handler's
+  // reply, when it comes, is dropped).
+  void on_drain_timeout() {
+    if (state_ != State::WORK) return;
+    fail(503, "shutting_down", fmt::format("the server is shutting down and this request did not finish within {} s "
+                                           "(--shutdown-timeout); retry", s_.lim.shutdown_timeout_s));
   }
 
  private:
@@ -404,6 +416,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
       const Handler::Reply reply = [self, replied](Response r) {
         if (replied->exchange(true)) return;  // once
         asio::post(self->s_.io, [self, r = std::move(r)]() mutable {
+          if (self->state_ != State::WORK) return;  // answered already (shutdown's timeout)
           self->req_.body = std::string();
           self->respond(std::move(r));
         });
@@ -616,6 +629,13 @@ void Server::Impl::drain() {
   accept_retry.cancel();
   const std::vector<std::shared_ptr<Connection>> all(conns.begin(), conns.end());
   for (const auto& c : all) c->on_drain();
+  drain_deadline.expires_after(from_seconds(lim.shutdown_timeout_s));
+  drain_deadline.async_wait([this](boost::system::error_code e) {
+    if (e) return;
+    const std::vector<std::shared_ptr<Connection>> left(conns.begin(), conns.end());
+    for (const auto& c : left) c->on_drain_timeout();
+    handler.abandon();
+  });
   maybe_finish();
 }
 

@@ -19,9 +19,10 @@
 //   503 connection limit, body-bytes budget, or shutting down (each closes the connection).
 // Shutdown (SIGINT/SIGTERM): first, for limits.drain_delay_s, go on serving while stopping() is
 // true (the service's readiness probe says 503, so a load balancer stops sending); then stop accepting (connections already in the kernel's backlog are taken
-// first), answer every request whose body was fully read, answer 503 to every request whose head
-// or body was still arriving and to any that arrives within a grace period, then return. A second
-// signal exits at once (code 1).
+// first), answer every request whose body was fully read (within limits.shutdown_timeout_s: then
+// those still being handled get 503 at once and Handler::abandon() is called), answer 503 to every
+// request whose head or body was still arriving and to any that arrives within a grace period, then
+// return. A second signal exits at once (code 1).
 #pragma once
 #include <cstddef>
 #include <functional>
@@ -37,6 +38,10 @@
 namespace fovea::server::http {
 
 using Limits = HttpLimits;  // fovea/serve.h: they are serve's flags
+
+// How much lower the priority of threads doing bulk work (the workers, the encoder replicas, the
+// fetching thread) is than the network thread's, in nice steps.
+inline constexpr int kBulkNice = 5;
 
 
 struct Header {
@@ -89,6 +94,10 @@ class Handler {
   // becomes a 500 reply.
   using Reply = std::function<void(Response)>;
   virtual void handle(Request& request, Reply reply) = 0;
+  // Called on the network thread when shutdown's timeout (limits.shutdown_timeout_s) has passed and
+  // the layer has answered 503 to every request still being handled: whatever those wait for should
+  // stop waiting, so the workers come back (their replies are dropped).
+  virtual void abandon() = 0;
   // The reply the layer sends for its own errors (400, 408, 413, 431, 503, 500).
   virtual Response error(int status, const std::string& code, const std::string& message) = 0;
   // After each reply was written (the request's path is "" when its request line never parsed).

@@ -3,6 +3,7 @@
 // on a worker thread (encode.h); the other endpoints answer from the request's head.
 #include "fovea/serve.h"
 
+#include <malloc.h>
 #include <signal.h>
 
 #include <algorithm>
@@ -95,6 +96,15 @@ class Service final : public http::Handler {
       encode(c_, req, std::move(observed));
   }
 
+  // Shutdown's timeout passed: nothing waits any longer (the HTTP layer has answered 503 already).
+  void abandon() override {
+    c_.abandoned = true;
+    c_.batcher.abort("the server is shutting down");
+    c_.decode_budget.close();
+    c_.fetch_budget.close();
+    if (c_.media) c_.media->abort_fetches({503, "shutting_down", "the server is shutting down"});
+  }
+
   http::Response error(int status, const std::string& code, const std::string& message) override {
     return error_response({status, code, message});
   }
@@ -136,6 +146,8 @@ void check_options(const ServeOptions& o) {
   if (o.workers < 1 || o.workers > 256) fail("--workers must be in [1, 256], not {}", o.workers);
   if (!(o.http.drain_delay_s >= 0 && o.http.drain_delay_s <= 3600))
     fail("--drain-seconds must be in [0, 3600], not {}", o.http.drain_delay_s);
+  if (!(o.http.shutdown_timeout_s >= 0 && o.http.shutdown_timeout_s <= 3600))
+    fail("--shutdown-timeout must be in [0, 3600], not {}", o.http.shutdown_timeout_s);
 }
 
 std::vector<std::string> replica_names(const std::vector<ReplicaSpec>& rs) {
@@ -191,6 +203,10 @@ std::vector<ReplicaSpec> replica_specs(const ServeOptions& o, const EngineConfig
 
 int serve(const ServeOptions& o) {
   check_options(o);
+  // Buffers of 1 MiB and more (bodies, fetched media, decoded pixels) are mapped on their own and
+  // unmapped when freed, so what a burst of requests held goes back to the system; by default glibc
+  // raises this threshold as such buffers are freed, and later ones stay in its arenas.
+  mallopt(M_MMAP_THRESHOLD, 1 << 20);
   const MediaSources media(o);
   const SystemInfo sys = query_system();
   const EngineConfig engine = resolve_engine(o.engine, sys);
