@@ -1,11 +1,16 @@
 // The C ABI (include/fovea/fovea_attn.h) called from C++ as any C caller would, on the CPU reference:
 // what the Python tests check through ctypes, here also under ASan + UBSan (scripts/sanitize.sh),
-// plus the hostile calls a C caller can make (null pointers, bad enums and strides, calls out of order).
+// plus the hostile calls a C caller can make (null pointers, bad enums and strides, calls out of order,
+// corrupt FP8 state, sizes whose products overflow), each refused with the field named and nothing
+// written out of bounds (outputs sit between poisoned guards).
 #include <gtest/gtest.h>
 
+#include <climits>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <fstream>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -159,6 +164,246 @@ TEST(CApi, ScaleFilesAndCalibration) {
   ASSERT_EQ(fovea_attn_calibrated_scales(st, 2, 1.5f, out), FOVEA_ATTN_OK) << last();
   for (int i = 0; i < 6; ++i) EXPECT_FLOAT_EQ(out[i], 1.5f * float(i % 3 + 1));
   EXPECT_EQ(fovea_attn_calibrated_scales(st, 2, -1.0f, out), FOVEA_ATTN_INVALID);
+}
+
+// ---- hostile states and sizes (issue 45): INVALID, the field named, nothing written ------------------
+
+constexpr uint32_t kPoison = 0xDEADBEEFu;
+
+// A state between poisoned guards: a forward that indexes past it, or writes it when refused, shows.
+struct GuardedState {
+  uint32_t before[32];
+  fovea_attn_amax_state st;
+  uint32_t after[32];
+  GuardedState() {
+    std::fill(std::begin(before), std::end(before), kPoison);
+    std::fill(std::begin(after), std::end(after), kPoison);
+    fovea_attn_amax_state_init(&st);
+  }
+  bool guards_intact() const {
+    return std::all_of(std::begin(before), std::end(before), [](uint32_t x) { return x == kPoison; }) &&
+           std::all_of(std::begin(after), std::end(after), [](uint32_t x) { return x == kPoison; });
+  }
+};
+
+struct BadState {
+  const char* what;
+  std::function<void(fovea_attn_amax_history&)> corrupt;
+  int tensor;
+  std::string message;
+};
+
+std::vector<BadState> bad_states() {
+  return {
+      {"pos 2^30 (was SIGSEGV)", [](auto& t) { t.pos = 1 << 30; }, 1,
+       "amax_state.t[1].pos (k's ring position) = 1073741824 is outside [0, 16)"},
+      {"pos 17 (overwrote filled)", [](auto& t) { t.pos = 17; }, 0,
+       "amax_state.t[0].pos (q's ring position) = 17 is outside [0, 16)"},
+      {"pos 16", [](auto& t) { t.pos = 16; }, 2, "amax_state.t[2].pos (v's ring position) = 16 is outside [0, 16)"},
+      {"pos -1", [](auto& t) { t.pos = -1; }, 2, "amax_state.t[2].pos (v's ring position) = -1 is outside [0, 16)"},
+      {"filled 17", [](auto& t) { t.filled = 17; }, 2, "amax_state.t[2].filled (v's fill count) = 17 is outside [0, 16]"},
+      {"filled INT32_MIN", [](auto& t) { t.filled = INT32_MIN; }, 0,
+       "amax_state.t[0].filled (q's fill count) = -2147483648 is outside [0, 16]"},
+      {"pos ahead of filled", [](auto& t) { t.pos = 7, t.filled = 3; }, 1,
+       "amax_state.t[1].pos (k's ring position) = 7 with filled = 3"},
+      {"a NaN amax", [](auto& t) { t.pos = t.filled = 2, t.ring[1] = NAN; }, 1, "amax_state.t[1].ring[1] (k's amax) = nan"},
+      {"an infinite amax", [](auto& t) { t.pos = t.filled = 1, t.ring[0] = INFINITY; }, 0, "amax_state.t[0].ring[0] (q's amax) = inf"},
+      {"a negative amax", [](auto& t) { t.pos = t.filled = 1, t.ring[0] = -2.0f; }, 2, "amax_state.t[2].ring[0] (v's amax) = -2"},
+  };
+}
+
+// A planned FP8 CPU handle with one batch; prepare through the views or the fused path.
+struct Fp8Cpu {
+  Batch b{{5, 9}, 2, 64, 11};
+  Handle h;
+  Fp8Cpu() {
+    EXPECT_EQ(fovea_attn_create(FOVEA_ATTN_FP8, FOVEA_ATTN_CPU, 2, 64, FOVEA_ATTN_DEVICE_CPU, &h.h), FOVEA_ATTN_OK) << last();
+    EXPECT_EQ(fovea_attn_plan(h.h, b.shape.cu_seqlens.data(), b.shape.num_segments(), nullptr), FOVEA_ATTN_OK) << last();
+  }
+  int32_t prepare(const fovea_attn_scales& sc, bool fused) {
+    if (fused) return fovea_attn_prepare_fused(h.h, b.bits.data(), 3 * b.row(), nullptr, nullptr, &sc, nullptr);
+    fovea_attn_view q = b.view(0), k = b.view(1), v = b.view(2);
+    return fovea_attn_prepare(h.h, &q, &k, &v, &sc, 0.0f, nullptr);
+  }
+};
+
+TEST(CApi, CorruptDynamicStateIsRefusedAndNotWritten) {
+  Fp8Cpu f;
+  for (bool fused : {false, true})
+    for (const BadState& bad : bad_states()) {
+      SCOPED_TRACE(std::string(bad.what) + (fused ? " (fused)" : " (views)"));
+      GuardedState g;
+      bad.corrupt(g.st.t[bad.tensor]);
+      const fovea_attn_amax_state before = g.st;
+      const fovea_attn_scales sc{FOVEA_ATTN_SCALES_DYNAMIC, nullptr, &g.st};
+      EXPECT_EQ(f.prepare(sc, fused), FOVEA_ATTN_INVALID);
+      EXPECT_NE(last().find(bad.message), std::string::npos) << last();
+      EXPECT_EQ(std::memcmp(&before, &g.st, sizeof before), 0) << "a refused state is left as it was";
+      EXPECT_TRUE(g.guards_intact());
+      std::vector<uint16_t> out(size_t(f.b.shape.total_tokens() * f.b.row()));
+      fovea_attn_view o{out.data(), f.b.row(), 64};
+      EXPECT_EQ(fovea_attn_attend(f.h.h, &o, nullptr), FOVEA_ATTN_INVALID) << "nothing was prepared";
+    }
+  // What fovea's forwards leave is accepted: a wrapped ring goes on at any position.
+  GuardedState g;
+  for (auto& t : g.st.t) t.filled = 16, t.pos = 5, t.updates = UINT32_MAX, t.nonfinite = UINT32_MAX, t.scale = NAN;
+  const fovea_attn_scales sc{FOVEA_ATTN_SCALES_DYNAMIC, nullptr, &g.st};
+  ASSERT_EQ(f.prepare(sc, false), FOVEA_ATTN_OK) << last();
+  EXPECT_TRUE(g.guards_intact());
+  for (const auto& t : g.st.t) {
+    EXPECT_EQ(t.pos, 6);
+    EXPECT_EQ(t.filled, 16);
+    EXPECT_EQ(t.updates, 0u);  // a counter wraps
+  }
+}
+
+TEST(CApi, MisalignedOrBadStaticScalesAreRefused) {
+  Fp8Cpu f;
+  alignas(4) unsigned char raw[sizeof(fovea_attn_amax_state) + 8] = {};
+  const fovea_attn_scales odd{FOVEA_ATTN_SCALES_DYNAMIC, nullptr, raw + 1};
+  EXPECT_EQ(f.prepare(odd, false), FOVEA_ATTN_INVALID);
+  EXPECT_NE(last().find("`state` is not 4-byte aligned"), std::string::npos) << last();
+  const float zero_k[3] = {0.01f, 0.0f, 0.01f}, nan_v[3] = {0.01f, 0.01f, NAN};
+  const fovea_attn_scales s0{FOVEA_ATTN_SCALES_STATIC, zero_k, nullptr}, s1{FOVEA_ATTN_SCALES_STATIC, nan_v, nullptr};
+  EXPECT_EQ(f.prepare(s0, true), FOVEA_ATTN_INVALID);
+  EXPECT_NE(last().find("fixed[1] (k) = 0 is not a finite number > 0"), std::string::npos) << last();
+  EXPECT_EQ(f.prepare(s1, false), FOVEA_ATTN_INVALID);
+  EXPECT_NE(last().find("fixed[2] (v) = nan"), std::string::npos) << last();
+}
+
+TEST(CApi, HeadSizesWhoseProductOverflowsAreRefusedAtCreate) {
+  for (auto dtype : {FOVEA_ATTN_BF16, FOVEA_ATTN_FP8}) {
+    fovea_attn* h = reinterpret_cast<fovea_attn*>(uintptr_t(0x1));  // must be reset to null
+    // 2^30 x 2^30: the products wrapped to 0 and prepare wrote into an empty buffer (SIGSEGV).
+    EXPECT_EQ(fovea_attn_create(dtype, FOVEA_ATTN_CPU, 1 << 30, 1 << 30, FOVEA_ATTN_DEVICE_CPU, &h), FOVEA_ATTN_INVALID);
+    EXPECT_EQ(h, nullptr);
+    EXPECT_NE(last().find("heads x head_dim = 1073741824 x 1073741824"), std::string::npos) << last();
+    EXPECT_NE(last().find("PTRDIFF_MAX"), std::string::npos) << last();
+    EXPECT_EQ(fovea_attn_create(dtype, FOVEA_ATTN_CPU, INT32_MAX, 1 << 30, FOVEA_ATTN_DEVICE_CPU, &h), FOVEA_ATTN_INVALID);
+    // The bound is 3 x heads x head_dim x 8 bytes <= PTRDIFF_MAX: 2^30 x 2^29 is over, 2^30 x 2^28 within.
+    EXPECT_EQ(fovea_attn_create(dtype, FOVEA_ATTN_CPU, 1 << 30, 1 << 29, FOVEA_ATTN_DEVICE_CPU, &h), FOVEA_ATTN_INVALID);
+    Handle ok;
+    EXPECT_EQ(fovea_attn_create(dtype, FOVEA_ATTN_CPU, 1 << 30, 1 << 28, FOVEA_ATTN_DEVICE_CPU, &ok.h), FOVEA_ATTN_OK) << last();
+  }
+}
+
+TEST(CApi, TokenCountsWhoseBuffersOverflowAreRefusedAtPlan) {
+  Handle h;
+  ASSERT_EQ(fovea_attn_create(FOVEA_ATTN_BF16, FOVEA_ATTN_CPU, 1 << 15, 1 << 15, FOVEA_ATTN_DEVICE_CPU, &h.h), FOVEA_ATTN_OK);
+  const int32_t cu[] = {0, 7, INT32_MAX};
+  EXPECT_EQ(fovea_attn_plan(h.h, cu, 2, nullptr), FOVEA_ATTN_INVALID);
+  EXPECT_NE(last().find("cu_seqlens[2] = 2147483647 tokens of 32768 heads x 32768"), std::string::npos) << last();
+  EXPECT_NE(last().find("PTRDIFF_MAX"), std::string::npos) << last();
+  const int32_t few[] = {0, 7};  // 7 x 3 x 2^30 x 8 bytes: within
+  EXPECT_EQ(fovea_attn_plan(h.h, few, 1, nullptr), FOVEA_ATTN_OK) << last();
+  EXPECT_EQ(fovea_attn_plan(h.h, cu, 2, nullptr), FOVEA_ATTN_INVALID);
+  uint16_t x[64] = {};
+  fovea_attn_view v{x, 1 << 15, 1};
+  EXPECT_EQ(fovea_attn_prepare(h.h, &v, &v, &v, nullptr, 0, nullptr), FOVEA_ATTN_INVALID);
+  EXPECT_NE(last().find("prepare before plan"), std::string::npos) << "a refused plan drops the last one: " << last();
+}
+
+TEST(CApi, SegmentOffsetsAreReadUpToTheFirstBadEntry) {
+  Handle h;
+  ASSERT_EQ(fovea_attn_create(FOVEA_ATTN_BF16, FOVEA_ATTN_CPU, 2, 64, FOVEA_ATTN_DEVICE_CPU, &h.h), FOVEA_ATTN_OK);
+  // A heap array of exactly three entries: under ASan a read past cu[2] fails the test.
+  const std::vector<int32_t> cu = {0, 5, 3};
+  EXPECT_EQ(fovea_attn_plan(h.h, cu.data(), INT32_MAX, nullptr), FOVEA_ATTN_INVALID);  // was: num_segments + 1 overflowed
+  EXPECT_NE(last().find("cu_seqlens[2] = 3 is not above cu_seqlens[1] = 5"), std::string::npos) << last();
+  const std::vector<int32_t> neg = {-4, 5};
+  EXPECT_EQ(fovea_attn_plan(h.h, neg.data(), INT32_MAX, nullptr), FOVEA_ATTN_INVALID);
+  EXPECT_NE(last().find("cu_seqlens[0] = -4 must be 0"), std::string::npos) << last();
+  const std::vector<int32_t> wrapped = {0, 5, INT32_MIN + 5};  // 2^32 + 5 truncated to int32 by a careless caller
+  EXPECT_EQ(fovea_attn_plan(h.h, wrapped.data(), 2, nullptr), FOVEA_ATTN_INVALID);
+  EXPECT_NE(last().find("cu_seqlens[2] = -2147483643"), std::string::npos) << last();
+  EXPECT_EQ(fovea_attn_plan(h.h, reinterpret_cast<const int32_t*>(reinterpret_cast<uintptr_t>(cu.data()) + 2), 1, nullptr),
+            FOVEA_ATTN_INVALID);
+  EXPECT_NE(last().find("cu_seqlens is not 4-byte aligned"), std::string::npos) << last();
+}
+
+TEST(CApi, ViewsThatReachPastTheAddressSpaceAreRefused) {
+  Batch b({5, 9}, 2, 64, 3);  // 14 tokens
+  Handle h;
+  ASSERT_EQ(fovea_attn_create(FOVEA_ATTN_BF16, FOVEA_ATTN_CPU, 2, 64, FOVEA_ATTN_DEVICE_CPU, &h.h), FOVEA_ATTN_OK);
+  ASSERT_EQ(fovea_attn_plan(h.h, b.shape.cu_seqlens.data(), 2, nullptr), FOVEA_ATTN_OK) << last();
+  fovea_attn_view q = b.view(0), k = b.view(1), v = b.view(2);
+  // 13 tokens x 2^61 elements wraps int64; one head 2^62 elements on is 2^63 bytes, past PTRDIFF_MAX (a
+  // view within it is the caller's word for its buffer, as any pointer is).
+  const int64_t big = int64_t(1) << 61;
+  fovea_attn_view far_tokens{q.data, big, 64}, far_heads{q.data, 64, 2 * big}, odd{reinterpret_cast<char*>(q.data) + 1, 384, 64},
+      at_the_end{reinterpret_cast<void*>(UINTPTR_MAX - 1023), 384, 64};
+  EXPECT_EQ(fovea_attn_prepare(h.h, &far_tokens, &k, &v, nullptr, 0, nullptr), FOVEA_ATTN_INVALID);
+  EXPECT_NE(last().find("q: 14 tokens at stride_token 2305843009213693952"), std::string::npos) << last();
+  EXPECT_EQ(fovea_attn_prepare(h.h, &q, &far_heads, &v, nullptr, 0, nullptr), FOVEA_ATTN_INVALID);  // heads outer
+  EXPECT_NE(last().find("k: 14 tokens at stride_token 64 and 2 heads at stride_head 4611686018427387904"), std::string::npos) << last();
+  EXPECT_EQ(fovea_attn_prepare(h.h, &q, &k, &odd, nullptr, 0, nullptr), FOVEA_ATTN_INVALID);
+  EXPECT_NE(last().find("v is not 2-byte aligned"), std::string::npos) << last();
+  EXPECT_EQ(fovea_attn_prepare(h.h, &q, &k, &at_the_end, nullptr, 0, nullptr), FOVEA_ATTN_INVALID);
+  EXPECT_NE(last().find("end of the address space"), std::string::npos) << last();
+  EXPECT_EQ(fovea_attn_prepare_fused(h.h, b.bits.data(), int64_t(1) << 62, nullptr, nullptr, nullptr, nullptr), FOVEA_ATTN_INVALID);
+  EXPECT_NE(last().find("qkv: 14 tokens at stride_token 4611686018427387904"), std::string::npos) << last();
+  float table[64];
+  EXPECT_EQ(fovea_attn_prepare_fused(h.h, b.bits.data(), 3 * b.row(), table, reinterpret_cast<float*>(reinterpret_cast<char*>(table) + 2),
+                                     nullptr, nullptr), FOVEA_ATTN_INVALID);
+  EXPECT_NE(last().find("rope_sin is not 4-byte aligned"), std::string::npos) << last();
+
+  // The output: refused before a single element is written; a good call writes inside the guards only.
+  ASSERT_EQ(fovea_attn_prepare(h.h, &q, &k, &v, nullptr, 0, nullptr), FOVEA_ATTN_OK) << last();
+  const size_t n = size_t(14 * b.row()), guard = 256;
+  std::vector<uint16_t> buf(n + 2 * guard, 0xBEEF);
+  fovea_attn_view wide{buf.data() + guard, big, 64};
+  EXPECT_EQ(fovea_attn_attend(h.h, &wide, nullptr), FOVEA_ATTN_INVALID);
+  EXPECT_NE(last().find("out: 14 tokens at stride_token"), std::string::npos) << last();
+  EXPECT_TRUE(std::all_of(buf.begin(), buf.end(), [](uint16_t x) { return x == 0xBEEF; }));
+  fovea_attn_view o{buf.data() + guard, b.row(), 64};
+  ASSERT_EQ(fovea_attn_attend(h.h, &o, nullptr), FOVEA_ATTN_OK) << last();
+  EXPECT_TRUE(std::all_of(buf.begin(), buf.begin() + guard, [](uint16_t x) { return x == 0xBEEF; }));
+  EXPECT_TRUE(std::all_of(buf.end() - guard, buf.end(), [](uint16_t x) { return x == 0xBEEF; }));
+}
+
+TEST(CApi, LayerCountsOutOfRangeWriteNothing) {
+  test::TempDir dir;
+  const std::string path = dir.file("s.json");
+  const float one[3] = {1, 1, 1};
+  ASSERT_EQ(fovea_attn_scale_file_write(path.c_str(), 1, one), FOVEA_ATTN_OK) << last();
+  std::vector<float> buf(64, -7.0f);  // a caller that sized nothing for 10^9 layers
+  fovea_attn_amax_state st[2];
+  fovea_attn_amax_state_init(&st[0]), fovea_attn_amax_state_init(&st[1]);
+  for (int32_t n : {1000000000, FOVEA_ATTN_MAX_LAYERS + 1, 0, -1, INT32_MIN}) {
+    SCOPED_TRACE(n);
+    const std::string want = "num_layers = " + std::to_string(n) + " is outside [1, 4096]";
+    EXPECT_EQ(fovea_attn_scale_file_read(path.c_str(), n, buf.data() + 16), FOVEA_ATTN_INVALID);
+    EXPECT_NE(last().find(want), std::string::npos) << last();
+    EXPECT_EQ(fovea_attn_scale_file_write(path.c_str(), n, buf.data() + 16), FOVEA_ATTN_INVALID);
+    EXPECT_NE(last().find(want), std::string::npos) << last();
+    EXPECT_EQ(fovea_attn_calibrated_scales(st, n, 1.5f, buf.data() + 16), FOVEA_ATTN_INVALID);
+    EXPECT_NE(last().find(want), std::string::npos) << last();
+    EXPECT_TRUE(std::all_of(buf.begin(), buf.end(), [](float x) { return x == -7.0f; }));
+  }
+  EXPECT_EQ(FOVEA_ATTN_MAX_LAYERS, kMaxScaleLayers);
+  EXPECT_EQ(fovea_attn_scale_file_read(path.c_str(), FOVEA_ATTN_MAX_LAYERS, buf.data()), FOVEA_ATTN_RUNTIME)
+      << "the largest count passes the range check; the file then lacks layers: " << last();
+  float* odd = reinterpret_cast<float*>(reinterpret_cast<char*>(buf.data()) + 2);
+  EXPECT_EQ(fovea_attn_scale_file_read(path.c_str(), 1, odd), FOVEA_ATTN_INVALID);
+  EXPECT_NE(last().find("qkv is not 4-byte aligned"), std::string::npos) << last();
+}
+
+TEST(CApi, CalibrationRefusesACorruptStateNamingTheLayer) {
+  for (const BadState& bad : bad_states()) {
+    SCOPED_TRACE(bad.what);
+    std::vector<fovea_attn_amax_state> st(3);
+    for (auto& s : st) {
+      fovea_attn_amax_state_init(&s);
+      for (auto& t : s.t) t.ring[0] = 448.0f, t.pos = t.filled = 1;
+    }
+    bad.corrupt(st[2].t[bad.tensor]);
+    std::vector<float> out(3 * 3 + 32, -7.0f);
+    EXPECT_EQ(fovea_attn_calibrated_scales(st.data(), 3, 1.5f, out.data() + 16), FOVEA_ATTN_INVALID);
+    std::string want = bad.message;
+    want.replace(0, std::string("amax_state").size(), "states[2]");
+    EXPECT_NE(last().find(want), std::string::npos) << last();
+    EXPECT_TRUE(std::all_of(out.begin(), out.end(), [](float x) { return x == -7.0f; }));
+  }
 }
 
 }  // namespace

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <array>
 #include <cfloat>
+#include <climits>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -66,6 +67,30 @@ TEST(AmaxHistory, ScaleIncludesTheCurrentValue) {
   EXPECT_EQ(h.scale, 3.0f);
   EXPECT_EQ(amax_history_record(h, 1.0f), 3.0f);  // a smaller one does not lower the max
   EXPECT_EQ(h.filled, 3);
+}
+
+// The function a device-resident state is updated with never writes outside the ring, whatever the
+// state says (the C ABI refuses such a state on the host; on the device it is not read back).
+TEST(AmaxHistory, CorruptPositionOrFillRestartsTheRing) {
+  for (const auto& [pos, filled] : std::vector<std::pair<int32_t, int32_t>>{
+           {1 << 30, 0}, {-1, 0}, {16, 3}, {0, 17}, {5, -2}, {INT32_MIN, INT32_MAX}}) {
+    struct {
+      float before[4];
+      AmaxHistory h;
+      float after[4];
+    } guarded;
+    for (float& f : guarded.before) f = -7.0f;
+    for (float& f : guarded.after) f = -7.0f;
+    guarded.h = fresh();
+    guarded.h.ring[0] = 99.0f;  // stale data a bad fill would count
+    guarded.h.pos = pos;
+    guarded.h.filled = filled;
+    EXPECT_EQ(amax_history_record(guarded.h, 448.0f), 1.0f) << pos << " " << filled;
+    EXPECT_EQ(guarded.h.pos, 1);
+    EXPECT_EQ(guarded.h.filled, 1);
+    for (const float f : guarded.before) EXPECT_EQ(f, -7.0f);
+    for (const float f : guarded.after) EXPECT_EQ(f, -7.0f);
+  }
 }
 
 TEST(AmaxHistory, RingKeepsExactlyTheLast16) {

@@ -20,7 +20,18 @@
  * (BF16 only, cuDNN 9.15+) on other GPUs; FP8 needs FOVEA.
  *
  * Tensors are bf16 (as uint16 bits) [tokens, heads, head_dim] views: strides in elements, the last
- * dimension contiguous. */
+ * dimension contiguous.
+ *
+ * Nothing a caller passes is trusted (FOVEA_ATTN_INVALID, with the last error naming the argument or
+ * field, and nothing written): enums, null and misaligned pointers (bf16 data 2-byte, floats, int32
+ * and states 4-byte aligned), the order of calls, and every size the caller's numbers make. Sizes are
+ * computed with overflow checks and must stay within PTRDIFF_MAX bytes: a token's q, k and v
+ * (3 x heads x head_dim x 8 bytes, the widest element the library keeps: the CPU reference's fp64),
+ * that times the token count, and the extent of every view ((tokens - 1) x stride_token +
+ * (heads - 1) x stride_head + head_dim elements of 2 bytes; within that, a view is the caller's word
+ * for its buffer, as any pointer is). Host-memory FP8 state is checked before it is read or written
+ * (fovea_attn_amax_state below); device memory is not read by the host (the calls make no host
+ * synchronization), so a GPU handle trusts the contents of its scale buffers. */
 #ifndef FOVEA_FOVEA_ATTN_H
 #define FOVEA_FOVEA_ATTN_H
 
@@ -35,7 +46,7 @@ extern "C" {
 
 typedef enum {
   FOVEA_ATTN_OK = 0,
-  FOVEA_ATTN_INVALID = 1,     /* a bad argument: shape, stride, pointer, order of calls */
+  FOVEA_ATTN_INVALID = 1,     /* a bad argument: shape, stride, size, pointer, state, order of calls */
   FOVEA_ATTN_UNSUPPORTED = 2, /* valid, but not on this build, GPU or backend (FP8 off Hopper, ...) */
   FOVEA_ATTN_RUNTIME = 3,     /* CUDA, cuDNN or file I/O failed */
 } fovea_attn_status;
@@ -47,7 +58,7 @@ typedef enum { FOVEA_ATTN_AUTO = 0, FOVEA_ATTN_FOVEA = 1, FOVEA_ATTN_CUDNN = 2, 
 /* How prepare finds the FP8 scales (dequantization scales: x8 = sat(rne(x / s))). */
 typedef enum {
   FOVEA_ATTN_SCALES_NONE = 0,    /* BF16 */
-  FOVEA_ATTN_SCALES_STATIC = 1,  /* `fixed`: float[3] (q, k, v) */
+  FOVEA_ATTN_SCALES_STATIC = 1,  /* `fixed`: float[3] (q, k, v), finite and > 0 (checked on a CPU handle) */
   FOVEA_ATTN_SCALES_DYNAMIC = 2, /* `state`: a fovea_attn_amax_state, recorded and read in place */
 } fovea_attn_scale_mode;
 
@@ -59,7 +70,14 @@ typedef struct {
 
 /* Dynamic scaling of one tensor: the last 16 finite amax values (max |x|); a forward records its
  * own amax, then quantizes with s = max(ring) / 448, floored at FLT_MIN (it cannot overflow).
- * Non-finite amax values are counted and never enter the ring. */
+ * Non-finite amax values are counted and never enter the ring.
+ * A state is what fovea_attn_amax_state_init and forwards leave: 0 <= pos < 16, 0 <= filled <= 16,
+ * pos == filled until the ring has wrapped (filled == 16), and ring[0 .. filled) finite and >= 0;
+ * updates, nonfinite (counters that wrap modulo 2^32) and scale (an output) may hold anything. A state
+ * that breaks this is refused with the field named ("amax_state.t[1].pos (k's ring position) =
+ * 1073741824 is outside [0, 16)"; "states[2].t[0]..." for fovea_attn_calibrated_scales) where it is
+ * host memory: CPU handles and fovea_attn_calibrated_scales. A GPU handle's state is device memory,
+ * which the call does not read: it must come from fovea_attn_amax_state_init and forwards. */
 #define FOVEA_ATTN_HISTORY_LEN 16
 typedef struct {
   float ring[FOVEA_ATTN_HISTORY_LEN];
@@ -89,12 +107,17 @@ const char* fovea_attn_last_error(void);
 /* A fresh dynamic state (empty rings, scales at the floor), written to host memory. */
 void fovea_attn_amax_state_init(fovea_attn_amax_state* state);
 
+/* heads > 0, head_dim even and > 0, and a token's q, k and v (3 x heads x head_dim x 8 bytes) within
+ * PTRDIFF_MAX; a GPU backend has its own head_dim limits (UNSUPPORTED). */
 int32_t fovea_attn_create(int32_t dtype, int32_t backend, int32_t heads, int32_t head_dim, int32_t device,
                           fovea_attn** out);
 void fovea_attn_destroy(fovea_attn* h); /* NULL is a no-op */
 int32_t fovea_attn_backend_of(const fovea_attn* h); /* the resolved backend */
 
-/* cu_seqlens: host int32 [num_segments + 1], 0 = cu[0] < cu[1] < ... = total tokens. */
+/* cu_seqlens: host int32 [num_segments + 1], 0 = cu[0] < cu[1] < ... = total tokens. Entries are read
+ * in order and the call is refused at the first out of order ("cu_seqlens[2] = 3 is not above
+ * cu_seqlens[1] = 5"), or when total tokens x 3 x heads x head_dim x 8 bytes exceeds PTRDIFF_MAX; a
+ * refused plan leaves the handle unplanned. */
 int32_t fovea_attn_plan(fovea_attn* h, const int32_t* cu_seqlens, int32_t num_segments, void* stream);
 
 /* Q, K, V as three views (after RoPE). softmax_scale: 0 for 1/sqrt(head_dim), the only scale the
@@ -111,7 +134,10 @@ int32_t fovea_attn_prepare_fused(fovea_attn* h, const void* qkv, int64_t token_s
 int32_t fovea_attn_attend(fovea_attn* h, const fovea_attn_view* out, void* stream);
 
 /* ---- scale files (vLLM's format: {"<layer prefix>": {"q": s, "k": s, "v": s}, ...}) ---------------
- * Read: every layer 0..num_layers-1 must be present (keys name the block: "...blocks.<i>..."). */
+ * num_layers is 1..FOVEA_ATTN_MAX_LAYERS in the three calls below (a caller sizes qkv and states by it:
+ * check it before allocating). Read: every layer 0..num_layers-1 must be present (keys name the block:
+ * "...blocks.<i>..."). */
+#define FOVEA_ATTN_MAX_LAYERS 4096
 int32_t fovea_attn_scale_file_read(const char* path, int32_t num_layers, float* qkv /* [num_layers * 3] */);
 /* Written atomically (a temporary file, then rename), with fovea's layer names. */
 int32_t fovea_attn_scale_file_write(const char* path, int32_t num_layers, const float* qkv);

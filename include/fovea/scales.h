@@ -70,7 +70,10 @@ FOVEA_HD float amax_history_scale(const AmaxHistory& h) {
 }
 
 // One forward of dynamic scaling: record amax (unless non-finite), recompute the scale, return it.
+// A ring position or fill outside [0, 16] (a caller's corrupt state: the C ABI refuses it on the host,
+// but a device-resident state is not read back) restarts the history instead of writing out of it.
 FOVEA_HD float amax_history_record(AmaxHistory& h, float amax) {
+  if (h.pos < 0 || h.pos >= kAmaxHistoryLen || h.filled < 0 || h.filled > kAmaxHistoryLen) h.pos = h.filled = 0;
   h.updates += 1;
   const bool finite = (float_bits(amax) & 0x7F800000u) != 0x7F800000u;  // bit test: immune to fast-math
   if (finite) {

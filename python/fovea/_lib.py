@@ -4,9 +4,15 @@ The library is found, in order: $FOVEA_ATTN_LIB (a path); a copy inside this pac
 (fovea/_lib/libfovea_attn.so*, for wheels that carry it); the build folder of the source tree this
 package sits in (../build); the system loader (libfovea_attn.so.1 on LD_LIBRARY_PATH or ldconfig's
 paths). Its ABI version must be the one this module was written for.
+
+ctypes converts a Python int to a C integer or pointer by silently dropping the high bits
+(ctypes.c_int32(2**32 + 5) is 5; ctypes.c_void_p(2**70) is NULL), so every int passes through
+int32() / int64() / pointer() below on its way to a call: an integer that does not fit its C type is
+an error naming the argument, never a different number.
 """
 import ctypes
 import glob
+import operator
 import os
 import threading
 
@@ -19,6 +25,11 @@ BACKEND_NAMES = {AUTO: "AUTO", FOVEA: "FOVEA", CUDNN: "CUDNN", CPU: "CPU"}
 DEVICE_CPU = -1
 SCALES_NONE, SCALES_STATIC, SCALES_DYNAMIC = 0, 1, 2
 HISTORY_LEN = 16
+MAX_LAYERS = 4096  # FOVEA_ATTN_MAX_LAYERS: num_layers of the scale-file and calibration calls
+
+INT32_MIN, INT32_MAX = -2 ** 31, 2 ** 31 - 1
+INT64_MIN, INT64_MAX = -2 ** 63, 2 ** 63 - 1
+POINTER_MAX = 2 ** (8 * ctypes.sizeof(ctypes.c_void_p)) - 1
 
 
 class FoveaError(RuntimeError):
@@ -31,6 +42,50 @@ class FoveaError(RuntimeError):
 
 class FoveaUnsupportedError(FoveaError):
     """Valid, but not on this build, GPU or backend (FP8 off Hopper, a head_dim the kernels lack)."""
+
+
+class RangeError(ValueError, OverflowError):
+    """An integer argument that does not fit the C type it is passed as (or the range the library takes)."""
+
+
+def integer(name, value):
+    """value as an int: ints and integer types (numpy's, bool) only; a float is refused, never truncated."""
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"fovea: {name} must be an integer, got {type(value).__name__} {value!r}") from None
+
+
+def int32(name, value):
+    v = integer(name, value)
+    if not INT32_MIN <= v <= INT32_MAX:
+        raise RangeError(f"fovea: {name} = {v} does not fit int32")
+    return v
+
+
+def int64(name, value):
+    v = integer(name, value)
+    if not INT64_MIN <= v <= INT64_MAX:
+        raise RangeError(f"fovea: {name} = {v} does not fit int64")
+    return v
+
+
+def pointer(name, value):
+    """An address (an int, 0 or None for NULL) as a c_void_p."""
+    if value is None:
+        return ctypes.c_void_p()
+    v = integer(name, value)
+    if not 0 <= v <= POINTER_MAX:
+        raise RangeError(f"fovea: {name} = {v} is not an address (0 .. 2^{8 * ctypes.sizeof(ctypes.c_void_p)} - 1)")
+    return ctypes.c_void_p(v)
+
+
+def num_layers(name, value):
+    """A layer count as the library takes it (1 .. MAX_LAYERS), checked before anything is sized by it."""
+    v = integer(name, value)
+    if not 1 <= v <= MAX_LAYERS:
+        raise RangeError(f"fovea: {name} = {v} is outside [1, {MAX_LAYERS}] (FOVEA_ATTN_MAX_LAYERS)")
+    return v
 
 
 class AmaxHistory(ctypes.Structure):

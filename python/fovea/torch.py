@@ -299,7 +299,9 @@ class ScaleBook(torch.nn.Module):
         if mode != "dynamic" and not path:
             raise ValueError(f"fovea: ScaleBook mode {mode!r} needs a path (the scale file to "
                              f"{'read' if mode == 'static' else 'write'})")
-        self.mode, self.path, self.margin, self.num_layers = mode, path, float(margin), int(num_layers)
+        # Checked before anything is sized by it (a state is 252 bytes a layer).
+        self.mode, self.path, self.margin = mode, path, float(margin)
+        self.num_layers = _lib.num_layers("num_layers", num_layers)
         self.saved = False
         if mode == "static":
             rows = _fa.read_scale_file(path, self.num_layers)
@@ -339,4 +341,4 @@ class ScaleBook(torch.nn.Module):
 def remember_offsets(cu, host):
     """Tells the ops the host values of a device cu_seqlens they will see (vLLM's plugin: the offsets
     are on the host when the tensor is made), so no call reads them back."""
-    _remember(cu, _version_of(cu), _normalized([int(x) for x in host]))
+    _remember(cu, _version_of(cu), _normalized([_lib.int32(f"cu_seqlens[{i}]", x) for i, x in enumerate(host)]))

@@ -12,6 +12,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import tracemalloc
 import unittest
 
 import numpy as np
@@ -258,6 +259,145 @@ class ScaleFiles(unittest.TestCase):
         with self.assertRaises(_lib.FoveaError) as cm:
             fa.calibrated_scales([states[0], fa.fresh_state_bytes()])
         self.assertIn("1", str(cm.exception))
+
+
+class Hostile(unittest.TestCase):
+    """Issue 45: the C ABI and this layer trust no caller. Each case names the argument or field, and
+    writes nothing out of bounds (states and outputs sit between poisoned guards)."""
+
+    POISON = 0xDEADBEEF
+
+    def assertRefused(self, cls, text, fn, *args, **kw):
+        with self.assertRaises(cls) as cm:
+            fn(*args, **kw)
+        self.assertIn(text, str(cm.exception))
+        if issubclass(cls, _lib.FoveaError):
+            self.assertEqual(cm.exception.status, _lib.INVALID, str(cm.exception))
+        return cm.exception
+
+    def test_ints_that_do_not_fit_int32_are_refused_not_truncated(self):
+        att = fa.Attention("bf16", 2, 64, device="cpu")
+        e = self.assertRefused(_lib.RangeError, "cu_seqlens[1] = 4294967301 does not fit int32", att.plan, [0, 2 ** 32 + 5])
+        self.assertIsInstance(e, ValueError)
+        self.assertIsInstance(e, OverflowError)
+        self.assertIsNone(att.cu_seqlens, "nothing was planned (ctypes would have planned 5 tokens)")
+        self.assertRefused(_lib.RangeError, "cu_seqlens[2] = -2147483649 does not fit int32", att.plan, [0, 4, -2 ** 31 - 1])
+        self.assertRefused(TypeError, "cu_seqlens[1] must be an integer", att.plan, [0, 5.7])
+        self.assertRefused(_lib.RangeError, "stream = 18446744073709551616 is not an address", att.plan, [0, 5], stream=2 ** 64)
+        # What fits int32 is the library's to check, entry by entry.
+        self.assertRefused(_lib.FoveaError, "cu_seqlens[2] = 3 is not above cu_seqlens[1] = 5", att.plan, [0, 5, 3])
+        self.assertRefused(_lib.RangeError, "heads = 4294967298 does not fit int32", fa.Attention, "bf16", 2 ** 32 + 2, 64, "cpu")
+        self.assertRefused(_lib.RangeError, "head_dim = -2147483650", fa.Attention, "bf16", 2, -2 ** 31 - 2, "cpu")
+        self.assertRefused(_lib.RangeError, "device = 4294967296 does not fit int32", fa.Attention, "bf16", 2, 64, 2 ** 32)
+        self.assertRefused(TypeError, "heads must be an integer", fa.Attention, "bf16", 2.5, 64, "cpu")
+
+    def test_head_sizes_whose_product_overflows_are_refused_at_create(self):
+        # 2^30 x 2^30 fits int32 twice; the library's sizes wrapped to 0 and prepare wrote into them.
+        self.assertRefused(_lib.FoveaError, "heads x head_dim = 1073741824 x 1073741824", fa.Attention, "bf16", 2 ** 30, 2 ** 30,
+                           "cpu")
+        att = fa.Attention("bf16", 2 ** 15, 2 ** 15, device="cpu")
+        self.assertRefused(_lib.FoveaError, "cu_seqlens[1] = 2147483647 tokens of 32768 heads x 32768", att.plan, [0, 2 ** 31 - 1])
+
+    def test_views_pointers_and_strides_are_range_checked(self):
+        b = Batch([5, 9], heads=2, head_dim=64)
+        att = fa.Attention("bf16", 2, 64, device="cpu")
+        att.plan(b.cu)
+        q, k, v = b.views()
+        self.assertRefused(_lib.RangeError, "q.stride_token = 9223372036854775808 does not fit int64", att.prepare,
+                           (q[0], 2 ** 63, q[2]), k, v)
+        self.assertRefused(_lib.RangeError, "k.data = -1 is not an address", att.prepare, q, (-1, k[1], k[2]), v)
+        self.assertRefused(_lib.RangeError, "v.data = 18446744073709551616 is not an address", att.prepare, q, k, (2 ** 64, v[1], v[2]))
+        self.assertRefused(_lib.RangeError, "token_stride = 18446744073709552000 does not fit int64", att.prepare_fused,
+                           b.fused.ctypes.data, 2 ** 64 + 384)
+        self.assertRefused(_lib.RangeError, "rope_cos = -8 is not an address", att.prepare_fused, b.fused.ctypes.data, 384, -8, 8)
+        # Within int64, the library checks the extent: 13 tokens x 2^62 elements wraps.
+        self.assertRefused(_lib.FoveaError, "qkv: 14 tokens at stride_token 4611686018427387904", att.prepare_fused,
+                           b.fused.ctypes.data, 2 ** 62)
+        att.prepare(q, k, v)
+        guard = 256
+        buf = np.full(14 * 128 + 2 * guard, NAN_BF16, np.uint16)
+        out = buf.ctypes.data + 2 * guard
+        self.assertRefused(_lib.FoveaError, "out: 14 tokens at stride_token 2305843009213693952", att.attend, (out, 2 ** 61, 64))
+        self.assertRefused(_lib.RangeError, "out.stride_head = -9223372036854775809", att.attend, (out, 128, -2 ** 63 - 1))
+        np.testing.assert_array_equal(buf, NAN_BF16, "a refused output is not written")
+        att.attend((out, 128, 64))
+        np.testing.assert_array_equal(buf[:guard], NAN_BF16)
+        np.testing.assert_array_equal(buf[-guard:], NAN_BF16)
+        self.assertFalse(np.isnan(from_bf16(buf[guard:-guard])).any())
+
+    def guarded_state(self):
+        """A fresh state inside a poisoned uint32 buffer: (buffer, AmaxState over its middle)."""
+        words = fa.STATE_BYTES // 4
+        buf = np.full(32 + words + 32, self.POISON, np.uint32)
+        buf[32:32 + words] = np.frombuffer(fa.fresh_state_bytes(), np.uint32)
+        return buf, _lib.AmaxState.from_buffer(buf, 32 * 4)
+
+    def test_corrupt_dynamic_state_is_refused_and_not_written(self):
+        b = Batch([5, 9], heads=2, head_dim=64, seed=9)
+        att = fa.Attention("fp8", 2, 64, device="cpu")
+        att.plan(b.cu)
+        cases = [  # (tensor, field, value, message)
+            (1, "pos", 2 ** 30, "amax_state.t[1].pos (k's ring position) = 1073741824 is outside [0, 16)"),  # was SIGSEGV
+            (0, "pos", 17, "amax_state.t[0].pos (q's ring position) = 17 is outside [0, 16)"),  # overwrote `filled`
+            (2, "pos", -1, "amax_state.t[2].pos (v's ring position) = -1 is outside [0, 16)"),
+            (2, "filled", 17, "amax_state.t[2].filled (v's fill count) = 17 is outside [0, 16]"),
+            (0, "filled", -5, "amax_state.t[0].filled (q's fill count) = -5 is outside [0, 16]"),
+        ]
+        for fused in (False, True):
+            for tensor, field, value, message in cases:
+                with self.subTest(field=field, value=value, fused=fused):
+                    buf, state = self.guarded_state()
+                    setattr(state.t[tensor], field, value)
+                    before = buf.copy()
+                    scales = fa.Scales(state=ctypes.addressof(state))
+                    if fused:
+                        self.assertRefused(_lib.FoveaError, message, att.prepare_fused, b.fused.ctypes.data,
+                                           3 * b.heads * b.head_dim, scales=scales)
+                    else:
+                        self.assertRefused(_lib.FoveaError, message, att.prepare, *b.views(), scales=scales)
+                    np.testing.assert_array_equal(buf, before, "neither the state nor its guards were written")
+        buf, state = self.guarded_state()
+        state.t[0].ring[0] = float("nan")
+        state.t[0].pos = state.t[0].filled = 1
+        self.assertRefused(_lib.FoveaError, "amax_state.t[0].ring[0] (q's amax) = nan", att.prepare, *b.views(),
+                           scales=fa.Scales(state=ctypes.addressof(state)))
+        buf, state = self.guarded_state()
+        run(b, "fp8", fa.Scales(state=ctypes.addressof(state)), att=att)
+        self.assertEqual([(t.pos, t.filled) for t in state.t], [(1, 1)] * 3)
+        np.testing.assert_array_equal(buf[:32], self.POISON)
+        np.testing.assert_array_equal(buf[-32:], self.POISON)
+
+    def test_calibration_refuses_a_corrupt_state_naming_the_layer(self):
+        good = fa.fresh_state_bytes()
+        st = fa.state_from_bytes(good)
+        for t in st.t:
+            t.ring[0], t.pos, t.filled = 448.0, 1, 1
+        bad = fa.state_from_bytes(bytes(st))
+        bad.t[2].pos = 2 ** 30
+        self.assertRefused(_lib.FoveaError, "states[1].t[2].pos (v's ring position) = 1073741824", fa.calibrated_scales,
+                           [bytes(st), bytes(bad)])
+        self.assertRefused(_lib.RangeError, "the number of layers (states) = 0 is outside [1, 4096]", fa.calibrated_scales, [])
+
+    def test_an_absurd_layer_count_is_refused_before_allocating(self):
+        with open(HEADER) as f:
+            self.assertIn(f"#define FOVEA_ATTN_MAX_LAYERS {_lib.MAX_LAYERS}\n", f.read())
+        with tempfile.TemporaryDirectory() as d:
+            p = os.path.join(d, "scales.json")
+            fa.write_scale_file(p, [[0.5, 0.25, 0.125]])
+            tracemalloc.start()
+            try:
+                for n in (10 ** 9, 2 ** 40, _lib.MAX_LAYERS + 1, 0, -1):
+                    with self.subTest(n=n):
+                        self.assertRefused(_lib.RangeError, f"num_layers = {n} is outside [1, 4096]", fa.read_scale_file, p, n)
+                peak = tracemalloc.get_traced_memory()[1]
+            finally:
+                tracemalloc.stop()
+            self.assertLess(peak, 1 << 20, "refused before the result was allocated (10^9 layers: 12 GB)")
+            # The largest count the library takes gets to the library (which finds the file lacks layers).
+            with self.assertRaises(_lib.FoveaError) as cm:
+                fa.read_scale_file(p, _lib.MAX_LAYERS)
+            self.assertEqual(cm.exception.status, _lib.RUNTIME)
+            self.assertRefused(TypeError, "num_layers must be an integer", fa.read_scale_file, p, 2.0)
 
 
 if __name__ == "__main__":

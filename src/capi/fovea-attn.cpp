@@ -7,7 +7,9 @@
 #include <cmath>
 #include <algorithm>
 #include <cstddef>
+#include <cstdint>
 #include <cstring>
+#include <initializer_list>
 #include <optional>
 #include <sstream>
 #include <memory>
@@ -34,8 +36,13 @@ namespace {
 static_assert(sizeof(fovea_attn_amax_history) == sizeof(AmaxHistory));
 static_assert(offsetof(fovea_attn_amax_history, scale) == offsetof(AmaxHistory, scale));
 static_assert(offsetof(fovea_attn_amax_history, filled) == offsetof(AmaxHistory, filled));
+static_assert(offsetof(fovea_attn_amax_history, pos) == offsetof(AmaxHistory, pos));
+static_assert(offsetof(fovea_attn_amax_history, updates) == offsetof(AmaxHistory, updates));
+static_assert(offsetof(fovea_attn_amax_history, nonfinite) == offsetof(AmaxHistory, nonfinite));
 static_assert(sizeof(fovea_attn_amax_state) == sizeof(LayerAmax) && sizeof(LayerAmax) == 252);
+static_assert(alignof(fovea_attn_amax_state) == 4 && alignof(LayerAmax) == 4);
 static_assert(FOVEA_ATTN_HISTORY_LEN == kAmaxHistoryLen);
+static_assert(FOVEA_ATTN_MAX_LAYERS == kMaxScaleLayers);
 
 struct AbiError : Error {
   int32_t code;
@@ -72,6 +79,58 @@ int32_t guarded(const char* fn, F&& body) {
 
 void need(bool ok, const char* what) {
   if (!ok) refuse(FOVEA_ATTN_INVALID, what);
+}
+
+void check_aligned(const void* p, size_t align, const char* name) {
+  if (reinterpret_cast<uintptr_t>(p) % align != 0) refuse(FOVEA_ATTN_INVALID, name, " is not ", align, "-byte aligned");
+}
+
+// ---- sizes from the caller's numbers -----------------------------------------------------------------
+// Every size the caller's numbers make (elements, bytes, extents) is computed with overflow checks and
+// must stay within PTRDIFF_MAX bytes, or the call is refused naming the field: nothing is sized,
+// indexed or allocated from a product that wrapped. A token's budget is its q, k and v rows
+// (3 x heads x head_dim) at the widest element the library keeps for them (the CPU reference's fp64
+// output; fp32 scratch, bf16 on the GPU), so every buffer of a planned shape is within it.
+constexpr int64_t kMaxBytes = PTRDIFF_MAX;
+constexpr int64_t kWidestElement = sizeof(double);
+
+// The product of sizes (each >= 0), or -1 when it exceeds PTRDIFF_MAX.
+int64_t size_product(std::initializer_list<int64_t> factors) {
+  int64_t r = 1;
+  for (int64_t f : factors)
+    if (f < 0 || __builtin_mul_overflow(r, f, &r) || r > kMaxBytes) return -1;
+  return r;
+}
+
+// a x b for a, b >= 0, saturated at INT64_MAX: a bound to compare a stride with, never a size.
+int64_t saturated_mul(int64_t a, int64_t b) {
+  int64_t r;
+  return __builtin_mul_overflow(a, b, &r) ? INT64_MAX : r;
+}
+
+int64_t token_bytes(int64_t heads, int64_t head_dim) { return size_product({3, heads, head_dim, kWidestElement}); }
+
+// ---- FP8 state in host memory ------------------------------------------------------------------------
+// A dynamic state as fovea_attn_amax_state_init and forwards leave it (a forward writes ring[pos]):
+// 0 <= pos < 16, 0 <= filled <= 16, pos == filled until the ring wraps, live slots finite and >= 0.
+// The counters and the scale may hold anything (they wrap; the scale is an output).
+void check_amax_history(const AmaxHistory& t, const std::string& name, int i) {
+  const std::string f = name + ".t[" + std::to_string(i) + "].";
+  const char* w = kQkvNames[i];
+  if (t.pos < 0 || t.pos >= kAmaxHistoryLen)
+    refuse(FOVEA_ATTN_INVALID, f, "pos (", w, "'s ring position) = ", t.pos, " is outside [0, ", kAmaxHistoryLen, ")");
+  if (t.filled < 0 || t.filled > kAmaxHistoryLen)
+    refuse(FOVEA_ATTN_INVALID, f, "filled (", w, "'s fill count) = ", t.filled, " is outside [0, ", kAmaxHistoryLen, "]");
+  if (t.filled < kAmaxHistoryLen && t.pos != t.filled)
+    refuse(FOVEA_ATTN_INVALID, f, "pos (", w, "'s ring position) = ", t.pos, " with filled = ", t.filled,
+           ": a ring that has not wrapped writes slot `filled` next");
+  for (int j = 0; j < t.filled; ++j)
+    if ((float_bits(t.ring[j]) & 0x7F800000u) == 0x7F800000u || t.ring[j] < 0.0f)  // bit test: immune to fast-math
+      refuse(FOVEA_ATTN_INVALID, f, "ring[", j, "] (", w, "'s amax) = ", t.ring[j], " is not a finite number >= 0");
+}
+
+void check_amax_state(const LayerAmax& st, const std::string& name) {
+  for (int i = 0; i < 3; ++i) check_amax_history(st.t[i], name, i);
 }
 
 #if FOVEA_HAVE_CUDA
@@ -143,13 +202,39 @@ AttnBackend resolve_backend(int32_t backend, AttnDtype dtype, int head_dim, int 
   return chosen;
 }
 
+void check_head_sizes(int32_t heads, int32_t head_dim) {
+  if (heads <= 0 || head_dim <= 0 || head_dim % 2 != 0)
+    refuse(FOVEA_ATTN_INVALID, "heads must be > 0 and head_dim even and > 0 (got ", heads, ", ", head_dim, ")");
+  if (token_bytes(heads, head_dim) < 0)
+    refuse(FOVEA_ATTN_INVALID, "heads x head_dim = ", heads, " x ", head_dim, ": a token's q, k and v (3 x heads x head_dim x ",
+           kWidestElement, " bytes) exceed PTRDIFF_MAX bytes");
+}
+
+// The bytes a view of `n` tokens spans from `data`, (n - 1) x stride_token + (heads - 1) x stride_head +
+// head_dim elements of bf16, within PTRDIFF_MAX and the address space.
+void check_extent(const fovea_attn& h, const void* data, int64_t stride_token, int64_t stride_head, int64_t row_elems,
+                  const char* name) {
+  const int64_t n = h.shape.total_tokens();
+  int64_t a = 0, b = 0, e = 0;
+  const bool wraps = __builtin_mul_overflow(n - 1, stride_token, &a) ||
+                     __builtin_mul_overflow(stride_head, int64_t(h.heads) - 1, &b) || __builtin_add_overflow(a, b, &e) ||
+                     __builtin_add_overflow(e, row_elems, &e);
+  const int64_t bytes = wraps ? -1 : size_product({e, int64_t(sizeof(uint16_t))});
+  if (bytes < 0 || reinterpret_cast<uintptr_t>(data) > UINTPTR_MAX - uint64_t(bytes))
+    refuse(FOVEA_ATTN_INVALID, name, ": ", n, " tokens at stride_token ", stride_token, " and ", h.heads, " heads at stride_head ",
+           stride_head, " reach past PTRDIFF_MAX bytes or the end of the address space");
+}
+
 void check_view(const fovea_attn& h, const fovea_attn_view* v, const char* name) {
   if (!v || !v->data) refuse(FOVEA_ATTN_INVALID, name, " is null");
+  check_aligned(v->data, sizeof(uint16_t), name);
   if (v->stride_token <= 0 || v->stride_head <= 0)
     refuse(FOVEA_ATTN_INVALID, name, ": strides must be > 0 (token ", v->stride_token, ", head ", v->stride_head, ")");
+  check_extent(h, v->data, v->stride_token, v->stride_head, h.head_dim, name);
   // Rows of one token (heads) and of consecutive tokens must not overlap.
-  const bool heads_inner = v->stride_head >= h.head_dim && v->stride_token >= v->stride_head * h.heads;
-  const bool tokens_inner = v->stride_token >= h.head_dim && v->stride_head >= v->stride_token * h.shape.total_tokens();
+  const bool heads_inner = v->stride_head >= h.head_dim && v->stride_token >= saturated_mul(v->stride_head, h.heads);
+  const bool tokens_inner =
+      v->stride_token >= h.head_dim && v->stride_head >= saturated_mul(v->stride_token, h.shape.total_tokens());
   if (!heads_inner && !tokens_inner)
     refuse(FOVEA_ATTN_INVALID, name, ": strides (token ", v->stride_token, ", head ", v->stride_head, ") overlap rows of ",
            h.head_dim, " elements");
@@ -165,6 +250,15 @@ void check_scales(const fovea_attn& h, const fovea_attn_scales* s) {
   if (mode == FOVEA_ATTN_SCALES_DYNAMIC && !s->state) refuse(FOVEA_ATTN_INVALID, "dynamic scales: `state` is null");
   if (mode != FOVEA_ATTN_SCALES_STATIC && mode != FOVEA_ATTN_SCALES_DYNAMIC)
     refuse(FOVEA_ATTN_INVALID, "FP8 attention needs static or dynamic scales (mode ", mode, ")");
+  if (mode == FOVEA_ATTN_SCALES_STATIC) check_aligned(s->fixed, alignof(float), "static scales: `fixed`");
+  if (mode == FOVEA_ATTN_SCALES_DYNAMIC) check_aligned(s->state, alignof(LayerAmax), "dynamic scales: `state`");
+  // Host memory is checked before a forward reads or writes it; a GPU handle's is device memory, which
+  // the host does not read (prepare makes no host synchronization).
+  if (h.backend != AttnBackend::CPU) return;
+  if (mode == FOVEA_ATTN_SCALES_DYNAMIC) return check_amax_state(*static_cast<const LayerAmax*>(s->state), "amax_state");
+  for (int i = 0; i < 3; ++i)
+    if (!(s->fixed[i] > 0.0f) || (float_bits(s->fixed[i]) & 0x7F800000u) == 0x7F800000u)
+      refuse(FOVEA_ATTN_INVALID, "static scales: fixed[", i, "] (", kQkvNames[i], ") = ", s->fixed[i], " is not a finite number > 0");
 }
 
 // ---- the CPU reference -----------------------------------------------------------------------------
@@ -286,7 +380,28 @@ void gpu_attend(fovea_attn& h, const fovea_attn_view& out, cudaStream_t stream) 
 #endif
 
 void check_layers(int32_t num_layers) {
-  if (num_layers <= 0 || num_layers > kMaxScaleLayers) refuse(FOVEA_ATTN_INVALID, "num_layers ", num_layers, " out of range");
+  if (num_layers <= 0 || num_layers > kMaxScaleLayers)
+    refuse(FOVEA_ATTN_INVALID, "num_layers = ", num_layers, " is outside [1, ", kMaxScaleLayers, "] (FOVEA_ATTN_MAX_LAYERS)");
+}
+
+// cu_seqlens read entry by entry and refused at the first out of order (a num_segments larger than the
+// array is not read past it), its token count within the size budget.
+std::vector<int32_t> read_cu_seqlens(const fovea_attn& h, const int32_t* cu, int32_t num_segments) {
+  need(cu != nullptr, "cu_seqlens is null");
+  check_aligned(cu, alignof(int32_t), "cu_seqlens");
+  if (num_segments <= 0) refuse(FOVEA_ATTN_INVALID, "num_segments must be > 0, got ", num_segments);
+  if (cu[0] != 0) refuse(FOVEA_ATTN_INVALID, "cu_seqlens[0] = ", cu[0], " must be 0");
+  std::vector<int32_t> out{0};
+  for (int64_t i = 1; i <= int64_t(num_segments); ++i) {
+    if (cu[i] <= cu[i - 1])
+      refuse(FOVEA_ATTN_INVALID, "cu_seqlens[", i, "] = ", cu[i], " is not above cu_seqlens[", i - 1, "] = ", cu[i - 1],
+             " (segment ", i - 1, " would be empty or negative)");
+    out.push_back(cu[i]);
+  }
+  if (size_product({out.back(), token_bytes(h.heads, h.head_dim)}) < 0)
+    refuse(FOVEA_ATTN_INVALID, "cu_seqlens[", num_segments, "] = ", out.back(), " tokens of ", h.heads, " heads x ", h.head_dim,
+           ": the tokens' q, k and v (tokens x 3 x heads x head_dim x ", kWidestElement, " bytes) exceed PTRDIFF_MAX bytes");
+  return out;
 }
 
 // Per-layer scales as the ABI's [layers * 3] floats.
@@ -323,8 +438,7 @@ int32_t fovea_attn_create(int32_t dtype, int32_t backend, int32_t heads, int32_t
     need(out != nullptr, "`out` is null");
     *out = nullptr;
     if (dtype != FOVEA_ATTN_BF16 && dtype != FOVEA_ATTN_FP8) refuse(FOVEA_ATTN_INVALID, "unknown dtype ", dtype);
-    if (heads <= 0 || head_dim <= 0 || head_dim % 2 != 0)
-      refuse(FOVEA_ATTN_INVALID, "heads must be > 0 and head_dim even and > 0 (got ", heads, ", ", head_dim, ")");
+    check_head_sizes(heads, head_dim);
     auto h = std::make_unique<fovea_attn>();
     h->dtype = dtype == FOVEA_ATTN_FP8 ? AttnDtype::FP8 : AttnDtype::BF16;
     h->heads = heads, h->head_dim = head_dim, h->device = device;
@@ -360,10 +474,8 @@ int32_t fovea_attn_backend_of(const fovea_attn* h) { return h ? int32_t(h->backe
 int32_t fovea_attn_plan(fovea_attn* hp, const int32_t* cu_seqlens, int32_t num_segments, void* stream) {
   return guarded("fovea_attn_plan", [&] {
     fovea_attn& h = handle(hp);
-    need(cu_seqlens != nullptr, "cu_seqlens is null");
-    if (num_segments <= 0) refuse(FOVEA_ATTN_INVALID, "num_segments must be > 0, got ", num_segments);
     h.planned = h.prepared = false;
-    VarlenShape shape{std::vector<int32_t>(cu_seqlens, cu_seqlens + num_segments + 1), h.heads, h.head_dim};
+    VarlenShape shape{read_cu_seqlens(h, cu_seqlens, num_segments), h.heads, h.head_dim};
     try {
       shape.validate();
     } catch (const Error& e) {
@@ -414,9 +526,11 @@ int32_t fovea_attn_prepare_fused(fovea_attn* hp, const void* qkv, int64_t token_
     if (!h.planned) refuse(FOVEA_ATTN_INVALID, "prepare before plan");
     need(qkv != nullptr, "qkv is null");
     if (bool(rope_cos) != bool(rope_sin)) refuse(FOVEA_ATTN_INVALID, "give both RoPE tables or neither");
+    check_aligned(rope_cos, alignof(float), "rope_cos"), check_aligned(rope_sin, alignof(float), "rope_sin");
     if (token_stride < 3 * h.row() || token_stride % 8 != 0 || reinterpret_cast<uintptr_t>(qkv) % 16 != 0)
       refuse(FOVEA_ATTN_INVALID, "qkv: token stride ", token_stride, " must be >= 3*heads*head_dim = ", 3 * h.row(),
              " and a multiple of 8, and the buffer 16-byte aligned");
+    check_extent(h, qkv, token_stride, 0, 3 * h.row(), "qkv");
     check_scales(h, scales);
     h.prepared = false;
 #if FOVEA_HAVE_CUDA
@@ -454,6 +568,7 @@ int32_t fovea_attn_attend(fovea_attn* hp, const fovea_attn_view* out, void* stre
 int32_t fovea_attn_scale_file_read(const char* path, int32_t num_layers, float* qkv) {
   return guarded("fovea_attn_scale_file_read", [&] {
     need(path && qkv, "path or qkv is null");
+    check_aligned(qkv, alignof(float), "qkv");
     check_layers(num_layers);
     const std::vector<QkvScales> s = scales_for_model(read_scale_file(path), num_layers);
     write_rows(s, qkv);
@@ -463,6 +578,7 @@ int32_t fovea_attn_scale_file_read(const char* path, int32_t num_layers, float* 
 int32_t fovea_attn_scale_file_write(const char* path, int32_t num_layers, const float* qkv) {
   return guarded("fovea_attn_scale_file_write", [&] {
     need(path && qkv, "path or qkv is null");
+    check_aligned(qkv, alignof(float), "qkv");
     check_layers(num_layers);
     std::vector<QkvScales> s(static_cast<size_t>(num_layers));
     for (int32_t i = 0; i < num_layers; ++i) {
@@ -478,10 +594,14 @@ int32_t fovea_attn_scale_file_write(const char* path, int32_t num_layers, const 
 int32_t fovea_attn_calibrated_scales(const fovea_attn_amax_state* states, int32_t num_layers, float margin, float* qkv) {
   return guarded("fovea_attn_calibrated_scales", [&] {
     need(states && qkv, "states or qkv is null");
+    check_aligned(states, alignof(LayerAmax), "states"), check_aligned(qkv, alignof(float), "qkv");
     check_layers(num_layers);
     if (!(margin > 0) || !std::isfinite(margin)) refuse(FOVEA_ATTN_INVALID, "margin must be a finite number > 0, got ", margin);
     ScaleBook book = ScaleBook::dynamic(num_layers);
-    for (int32_t i = 0; i < num_layers; ++i) std::memcpy(&book.amax_state()[size_t(i)], &states[i], sizeof(LayerAmax));
+    for (int32_t i = 0; i < num_layers; ++i) {
+      std::memcpy(&book.amax_state()[size_t(i)], &states[i], sizeof(LayerAmax));
+      check_amax_state(book.amax_state()[size_t(i)], "states[" + std::to_string(i) + "]");
+    }
     const std::vector<QkvScales> s = book.calibrated(margin);
     write_rows(s, qkv);
   });
