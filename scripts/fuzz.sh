@@ -43,8 +43,12 @@ run_one() {
     echo "$name|missing|0|0|$bin was not built" > "$work/$name.verdict"
     return
   fi
-  local rc=0
-  "$bin" -max_total_time="$seconds" -rss_limit_mb=2048 -timeout=10 -print_final_stats=1 \
+  local rc=0 dict=()
+  case "$name" in  # the JSON parsers get the JSON dictionary (escapes weighted: fuzz/dict/json.dict)
+    encode-request|chat-request|json-bounded|model-config|preprocessor-config|scale-file|shard-index)
+      dict=(-dict=fuzz/dict/json.dict) ;;
+  esac
+  "$bin" -max_total_time="$seconds" -rss_limit_mb=2048 -timeout=10 -print_final_stats=1 "${dict[@]}" \
       -artifact_prefix="$art/" "$corpus" > "$log" 2>&1 || rc=$?
   local execs units
   execs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$log" | tail -1)

@@ -846,6 +846,85 @@ TEST(MediaUrls, AddressFilterSeesIpv4InsideIpv6) {
     EXPECT_EQ(problem(a), "") << a;
 }
 
+// A key names one content in a request: repeats of one item (one uuid, or one URL string: the
+// proxy's key) are encoded and written once and answered alike; a uuid on two different images is
+// refused naming both, and nothing is written under it; a URL given twice is fetched once.
+TEST_F(Serve, OneKeyNamesOneContent) {
+  const fs::path cache = dir_ / "ec-one-key";
+  fs::remove_all(cache);
+  httplib::Server web;
+  std::atomic<int> gets{0};
+  web.Get("/a.png", [&](const httplib::Request&, httplib::Response& res) {
+    ++gets;
+    res.set_content(image(0).bytes, "image/png");
+  });
+  const int port = web.bind_to_any_port("127.0.0.1");
+  ASSERT_GT(port, 0);
+  std::thread serving([&] { web.listen_after_bind(); });
+  struct Stop {
+    httplib::Server& web;
+    std::thread& serving;
+    ~Stop() {
+      web.stop();
+      serving.join();
+    }
+  } stop{web, serving};
+  ServerProcess server(dir_, {"--ec-storage-path", cache.string(), "--allowed-media-domains", "127.0.0.1",
+                              "--allow-private-media-urls"});
+  ASSERT_GT(server.port(), 0);
+  auto cli = client(server.port());
+  const auto encoded = [&] {
+    const auto m = cli->Get("/metrics");
+    return m ? metric(m->body, "fovea_inputs_encoded_total") : -1.0;
+  };
+  const auto part = [](const std::string& url, const std::string& uuid) {
+    json p = {{"type", "image_url"}, {"image_url", {{"url", url}}}};
+    if (!uuid.empty()) p["uuid"] = uuid;
+    return p;
+  };
+  const auto chat = [&](const json& parts) {
+    const json body = {{"messages", {{{"role", "user"}, {"content", parts}}}}};
+    return cli->Post("/v1/chat/completions", body.dump(), "application/json");
+  };
+  const std::string a = "data:image/png;base64," + b64(image(0).bytes), b = "data:image/png;base64," + b64(image(1).bytes);
+  // 16 parts of one image under one uuid: one encode, one file, every position listed.
+  json parts = json::array();
+  for (int i = 0; i < 16; ++i) parts.push_back(part(a, "same"));
+  double before = encoded();
+  auto r = chat(parts);
+  ASSERT_TRUE(r && r->status == 200) << (r ? r->body : "no reply");
+  json entry = json::parse(r->body)["ec_transfer_params"]["same"];
+  EXPECT_EQ(entry["item_indices"], json({0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}));
+  EXPECT_EQ(entry["metadata"]["image_grid_thw"], json(image(0).grid));
+  EXPECT_EQ(encoded() - before, 1.0);
+  EXPECT_TRUE(fs::exists(cache / "same" / "encoder_cache.safetensors"));
+  // The same without a uuid (the key is the URL string's hash), on /v1/encode with embeddings: one
+  // encode, and every repeat carries the same rows.
+  before = encoded();
+  r = cli->Post("/v1/encode", json{{"images", {b, b, b}}, {"return_embeddings", true}}.dump(), "application/json");
+  ASSERT_TRUE(r && r->status == 200) << (r ? r->body : "no reply");
+  const json data = json::parse(r->body)["data"];
+  EXPECT_EQ(encoded() - before, 1.0);
+  for (int i = 1; i < 3; ++i) EXPECT_EQ(data[i]["embeddings"], data[0]["embeddings"]);
+  EXPECT_EQ(data[2]["grid_thw"], json(image(1).grid));
+  // One uuid, two images: refused naming both items, nothing written under it.
+  const ErrorReply e = error_of(chat(json::array({part(a, "two"), part(b, "two")})));
+  EXPECT_EQ(e.status, 400);
+  EXPECT_EQ(e.code, "invalid_uuid");
+  EXPECT_NE(e.message.find("messages[0].content[1]"), std::string::npos) << e.message;
+  EXPECT_NE(e.message.find("messages[0].content[0]"), std::string::npos) << e.message;
+  EXPECT_FALSE(fs::exists(cache / "two"));
+  // A URL given three times: fetched once, encoded once, one key.
+  const std::string url = "http://127.0.0.1:" + std::to_string(port) + "/a.png";
+  before = encoded();
+  r = chat(json::array({part(url, ""), part(url, ""), part(url, "")}));
+  ASSERT_TRUE(r && r->status == 200) << (r ? r->body : "no reply");
+  EXPECT_EQ(gets.load(), 1);
+  EXPECT_EQ(encoded() - before, 1.0);
+  EXPECT_EQ(json::parse(r->body)["ec_transfer_params"][fovea::sha256_hex(url)]["item_indices"], json({0, 1, 2}));
+  EXPECT_EQ(server.stop(SIGTERM), 0) << server.err();
+}
+
 TEST_F(Serve, UrlItemsAreReadOnlyWhereAllowed) {
   const fs::path media = dir_ / "media", outside = dir_ / "outside.png", cache = dir_ / "ec-urls";
   fs::remove_all(media);
@@ -1121,6 +1200,20 @@ TEST_F(Serve, VideosBesideImagesMatchEncode) {
   r = cli->Post("/v1/encode", json{{"videos", {video_part}}}.dump(), "application/json");
   ASSERT_TRUE(r && r->status == 200) << (r ? r->body : "no reply");
   check_video(json::parse(r->body).at("data")[0], 0);
+  // 5. A cache hit is probed as a miss is planned: opening the clip holds decode budget. A server
+  // whose budget is smaller than what opening this clip may cost refuses it, hit or not (the hit's
+  // probe used to run outside the budget and the decoding threads' share).
+  EXPECT_EQ(server.stop(SIGTERM), 0) << server.err();
+  ServerProcess small(dir_, {"--ec-storage-path", cache.string(), "--max-decode-bytes", "65536"});
+  ASSERT_GT(small.port(), 0);
+  json hit = {{"images", {video_part}}};
+  hit["images"][0]["uuid"] = "clip-1";
+  const ErrorReply e = error_of(client(small.port())->Post("/v1/encode", hit.dump(), "application/json"));
+  EXPECT_EQ(e.status, 400);
+  EXPECT_EQ(e.code, "invalid_video");
+  EXPECT_NE(e.message.find("opening it needs"), std::string::npos) << e.message;
+  EXPECT_NE(e.message.find("--max-decode-bytes"), std::string::npos) << e.message;
+  EXPECT_EQ(small.stop(SIGTERM), 0) << small.err();
 }
 
 TEST_F(Serve, BadRequestsGetTheRight4xxAndTheServerKeepsServing) {
