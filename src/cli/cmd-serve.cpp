@@ -30,6 +30,23 @@ int run_serve(const server::ServeOptions& o) {
   return server::serve(o);
 }
 
+// Items given by file:// or http(s):// URL (vLLM's flags; docs/vllm.md#media-urls).
+void add_media_url_flags(CLI::App* cmd, server::ServeOptions& o) {
+  cmd->add_option("--allowed-local-media-path", o.allowed_local_media_path,
+                  "read file:// image and video URLs, only below this folder (no escape by .. or symlinks), as vLLM's "
+                  "flag (default: file:// URLs are refused)");
+  cmd->add_option("--allowed-media-domains", o.allowed_media_domains,
+                  "fetch http(s):// image and video URLs from these hosts (comma-separated, exact names; * for any), "
+                  "as vLLM's flag; unlike vLLM, none given means no fetching")
+      ->delimiter(',');
+  cmd->add_flag("--allow-private-media-urls", o.allow_private_media_urls,
+                "let fetched URLs reach loopback and private addresses (10/8, 172.16/12, 192.168/16, fc00::/7, ...); "
+                "link-local ones, where cloud metadata services answer, are never fetched");
+  cmd->add_option("--media-fetch-timeout", o.media_fetch_timeout_s,
+                  "seconds one URL's fetch may take, redirects included (also bounded by --request-timeout)")
+      ->capture_default_str();
+}
+
 }  // namespace
 
 void add_serve(CLI::App& app, Runner& runner) {
@@ -54,19 +71,7 @@ void add_serve(CLI::App& app, Runner& runner) {
   cmd->add_option("--max-images-per-request", o->max_images_per_request, "more images in one request are answered 400")
       ->capture_default_str();
   add_ec_storage_flags(cmd, *o);
-  cmd->add_option("--allowed-local-media-path", o->allowed_local_media_path,
-                  "read file:// image and video URLs, only below this folder (no escape by .. or symlinks), as vLLM's "
-                  "flag (default: file:// URLs are refused)");
-  cmd->add_option("--allowed-media-domains", o->allowed_media_domains,
-                  "fetch http(s):// image and video URLs from these hosts (comma-separated, exact names; * for any), "
-                  "as vLLM's flag; unlike vLLM, none given means no fetching")
-      ->delimiter(',');
-  cmd->add_flag("--allow-private-media-urls", o->allow_private_media_urls,
-                "let fetched URLs reach loopback and private addresses (10/8, 172.16/12, 192.168/16, fc00::/7, ...); "
-                "link-local ones, where cloud metadata services answer, are never fetched");
-  cmd->add_option("--media-fetch-timeout", o->media_fetch_timeout_s,
-                  "seconds one URL's fetch may take, redirects included (also bounded by --request-timeout)")
-      ->capture_default_str();
+  add_media_url_flags(cmd, *o);
   add_preprocess_flags(cmd, o->preprocess);
   add_video_flags(cmd, o->video);
   cmd->add_option("--request-timeout", o->request_timeout_s, "seconds from request to reply; later is answered 504")
