@@ -805,6 +805,22 @@ TEST_F(Serve, ChatCompletionsIsVllmsEncodeInstance) {
 // from --allowed-media-domains, here a loopback server (so with --allow-private-media-urls), each
 // redirect checked again, sizes and times bounded; every failure a 400 naming the item and the URL.
 // A URL item's key is the sha256 of the URL string, as the proxy's; its file is written under it.
+// An HTTP server on the loopback (cpp-httplib) that URL items are fetched from: routes added to
+// `web`, then start() binds a free port and serves in a thread of its own until the Origin goes.
+struct Origin {
+  httplib::Server web;
+  std::thread serving;
+  int start() {
+    const int port = web.bind_to_any_port("127.0.0.1");
+    if (port > 0) serving = std::thread([this] { web.listen_after_bind(); });
+    return port;
+  }
+  ~Origin() {
+    web.stop();
+    if (serving.joinable()) serving.join();
+  }
+};
+
 // The address filter decodes every IPv6 form that carries an IPv4 address and judges it as that
 // address (a NAT64 gateway delivers 64:ff9b::a00:1 to 10.0.0.1).
 TEST(MediaUrls, AddressFilterSeesIpv4InsideIpv6) {
@@ -852,23 +868,14 @@ TEST(MediaUrls, AddressFilterSeesIpv4InsideIpv6) {
 TEST_F(Serve, OneKeyNamesOneContent) {
   const fs::path cache = dir_ / "ec-one-key";
   fs::remove_all(cache);
-  httplib::Server web;
+  Origin origin;
   std::atomic<int> gets{0};
-  web.Get("/a.png", [&](const httplib::Request&, httplib::Response& res) {
+  origin.web.Get("/a.png", [&](const httplib::Request&, httplib::Response& res) {
     ++gets;
     res.set_content(image(0).bytes, "image/png");
   });
-  const int port = web.bind_to_any_port("127.0.0.1");
+  const int port = origin.start();
   ASSERT_GT(port, 0);
-  std::thread serving([&] { web.listen_after_bind(); });
-  struct Stop {
-    httplib::Server& web;
-    std::thread& serving;
-    ~Stop() {
-      web.stop();
-      serving.join();
-    }
-  } stop{web, serving};
   ServerProcess server(dir_, {"--ec-storage-path", cache.string(), "--allowed-media-domains", "127.0.0.1",
                               "--allow-private-media-urls"});
   ASSERT_GT(server.port(), 0);
@@ -939,7 +946,8 @@ TEST_F(Serve, UrlItemsAreReadOnlyWhereAllowed) {
   ::mkfifo((media / "fifo.png").c_str(), 0600);
   std::ofstream(media / "big.png", std::ios::binary) << std::string(300 << 10, 'x');
 
-  httplib::Server web;  // the loopback HTTP server
+  Origin origin;
+  httplib::Server& web = origin.web;
   web.Get("/a.png", [&](const httplib::Request&, httplib::Response& res) { res.set_content(a.bytes, "image/png"); });
   web.Get("/hop/(\\d+)", [&](const httplib::Request& q, httplib::Response& res) {
     const int n = std::stoi(q.matches[1]);
@@ -954,17 +962,8 @@ TEST_F(Serve, UrlItemsAreReadOnlyWhereAllowed) {
     std::this_thread::sleep_for(std::chrono::milliseconds(2500));
     res.set_content(a.bytes, "image/png");
   });
-  port = web.bind_to_any_port("127.0.0.1");
+  port = origin.start();
   ASSERT_GT(port, 0);
-  std::thread serving([&] { web.listen_after_bind(); });
-  struct Stop {
-    httplib::Server& web;
-    std::thread& serving;
-    ~Stop() {
-      web.stop();
-      serving.join();
-    }
-  } stop{web, serving};
   const std::string site = "http://127.0.0.1:" + std::to_string(port);
 
   ServerProcess server(dir_, {"--ec-storage-path", cache.string(), "--allowed-local-media-path", media.string(),
