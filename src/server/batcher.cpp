@@ -66,8 +66,10 @@ std::string Batcher::late_for(int64_t tokens, bool counted, Clock::time_point de
   const size_t others = queue_.size() + admitted_requests_ - (counted ? 1 : 0);
   const size_t up = replicas_up();
   if (others == 0 || seconds_per_token_ <= 0 || up == 0) return "";
+  // The tokens ahead and its own at the recent rate, 10% over, plus one forward: the one running
+  // now, not counted among the tokens queued (its tokens also finish only with their whole forward).
   const int64_t ahead = queued_tokens() + admitted_tokens_ + tokens;
-  const double need_s = double(ahead) * seconds_per_token_ / double(up);
+  const double need_s = 1.1 * double(ahead) * seconds_per_token_ / double(up) + seconds_per_forward_;
   const double left_s = seconds_between(Clock::now(), deadline);
   if (need_s <= left_s) return "";
   return fmt::format("the encoder would need about {:.1f} s for the {} visual tokens queued ahead and this request's, "
@@ -232,6 +234,14 @@ void Batcher::worker(Replica& r, std::promise<void>& ready) {
       next = take_batch();
       if (next.empty() && !running && stopping_) return;  // stopping and everything queued is done
     }
+    // On a GPU the next forward is queued behind the running one before that one is handed out; on
+    // the CPU starting a forward runs all of it, so the one before is handed out first (else its
+    // replies would wait for the next forward).
+    if (running && r.spec.gpu < 0) {
+      finish_batch(r, *runner, *running);
+      running.reset();
+      if (!r.up) return fail_slots(r, next, "the encoder device was taken out of rotation");
+    }
     std::optional<Started> started;
     if (!next.empty()) started = start_batch(r, *runner, std::move(next));
     if (running) finish_batch(r, *runner, *running);
@@ -360,6 +370,7 @@ void Batcher::finish_batch(Replica& r, EncoderRunner& runner, Started& b) {
     if (batch_tokens > 0) {
       const double sample = forward_ms / 1000 / double(batch_tokens);
       seconds_per_token_ = seconds_per_token_ > 0 ? 0.8 * seconds_per_token_ + 0.2 * sample : sample;
+      seconds_per_forward_ = seconds_per_forward_ > 0 ? 0.8 * seconds_per_forward_ + 0.2 * forward_ms / 1000 : forward_ms / 1000;
     }
     for (const Slot& s : b.slots) s.job->done += 1;
   }

@@ -108,9 +108,10 @@ class Batcher {
   // Adds `tokens` to the request's admission; false, with the reason in `refused`, if the queue
   // cannot take them (the rules of submit, counting the queue's jobs and every admission held).
   // With a deadline: also refused when the work ahead of it (the visual tokens queued and admitted,
-  // this request's included) would take the replicas up past it, at the seconds per token the
-  // recent forwards took (an exponential average; no estimate before the first forward, and a
-  // request alone is always taken): a 503 now rather than a 504 at its deadline.
+  // this request's included, 10% over, and one forward for the one running) would take the replicas
+  // up past it, at the seconds per token and per forward the recent forwards took (exponential
+  // averages; no estimate before the first forward, and a request alone is always taken): a 503
+  // now rather than a 504 at its deadline.
   bool admit(Admission& a, int64_t tokens, std::string& refused,
              std::optional<Clock::time_point> deadline = std::nullopt);
 
@@ -206,7 +207,8 @@ class Batcher {
   int64_t admitted_tokens_ = 0;   // held by admissions not yet submitted
   size_t admitted_requests_ = 0;
   bool stopping_ = false;
-  double seconds_per_token_ = 0;  // exponential average over forwards (0: none yet); for admit's estimate
+  double seconds_per_token_ = 0;    // exponential averages over forwards (0: none yet); for admit's estimate
+  double seconds_per_forward_ = 0;
   std::vector<std::unique_ptr<Replica>> replicas_;
 };
 

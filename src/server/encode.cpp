@@ -135,12 +135,14 @@ void read_remote(Context& c, const ExchangePtr& xp, const std::function<void()>&
   }
   if (http.empty()) return fetched();
   x.fetching = http.size();
+  auto failed = std::make_shared<std::atomic<bool>>(false);  // the first failure ends the other fetches
   for (const size_t i : http) {
-    const FetchDone done = [xp, i, fetched](Fetched f) {
+    const FetchDone done = [xp, i, fetched, failed](Fetched f) {
       Exchange& x = *xp;
       bool last = false;
       {
         std::lock_guard lk(x.fetch_mu);
+        if (f.error) failed->store(true);
         if (f.error && !x.fetch_error) x.fetch_error = std::move(f.error);
         x.r.fetched[i] = std::move(f.bytes);
         x.fetched.bytes += f.held;
@@ -149,7 +151,7 @@ void read_remote(Context& c, const ExchangePtr& xp, const std::function<void()>&
       if (last) fetched();
     };
     try {
-      c.media->fetch(r.remote_urls[i], r.names[i], x.deadline, c.fetch_budget, done);
+      c.media->fetch(r.remote_urls[i], r.names[i], x.deadline, c.fetch_budget, done, failed);
     } catch (const ApiError& e) {
       done({{}, 0, e});
     }

@@ -408,6 +408,7 @@ struct Fetcher::Transfer {
   CURL* easy = nullptr;
   char error[CURL_ERROR_SIZE] = "";
   FetchDone done;
+  std::shared_ptr<const std::atomic<bool>> cancel;
   ~Transfer() {
     if (easy) curl_easy_cleanup(easy);
   }
@@ -523,16 +524,19 @@ void Fetcher::ended(std::unique_ptr<Transfer> t, CURLcode rc) {
   begin(std::move(t));
 }
 
-// Transfers past their stop end: 504 past the request's deadline, else --media-fetch-timeout's 400.
+// Transfers past their stop end: 504 past the request's deadline, else --media-fetch-timeout's 400;
+// so do those cancelled (their request failed already: what they end with is never seen).
 void Fetcher::expire(Clock::time_point now) {
   for (size_t k = 0; k < running_.size();) {
-    if (running_[k]->stop > now) {
+    const bool cancelled = running_[k]->cancel && running_[k]->cancel->load();
+    if (running_[k]->stop > now && !cancelled) {
       ++k;
       continue;
     }
     std::unique_ptr<Transfer> t = std::move(running_[k]);
     running_.erase(running_.begin() + std::ptrdiff_t(k));
-    ApiError e = now >= t->deadline
+    ApiError e = cancelled        ? url_error(t->name, t->first, "not needed: another item of its request failed")
+                 : now >= t->deadline
                      ? ApiError{504, "timeout", fmt::format("{}: {}: not fetched before the request's deadline (--request-timeout)", t->name, shown(t->first))}
                      : url_error(t->name, t->first, fmt::format("not fetched within {} s (--media-fetch-timeout)", t->from->timeout_s_));
     finish(std::move(t), std::move(e));
@@ -581,7 +585,7 @@ void Fetcher::loop() {
 }
 
 void MediaSources::fetch(const std::string& url, const std::string& name, Clock::time_point deadline, ByteBudget& budget,
-                         FetchDone done) const {
+                         FetchDone done, std::shared_ptr<const std::atomic<bool>> cancel) const {
   if (domains_.empty())
     bad_url(name, url, "http(s) URLs are fetched only from --allowed-media-domains, which this server was not given");
   auto t = std::make_unique<Fetcher::Transfer>();
@@ -594,6 +598,7 @@ void MediaSources::fetch(const std::string& url, const std::string& name, Clock:
   t->sink.budget = &budget;
   t->sink.private_ok = private_ok_;
   t->done = std::move(done);
+  t->cancel = std::move(cancel);
   fetcher_->start(std::move(t));
 }
 
@@ -605,7 +610,8 @@ void MediaSources::abort_fetches(const ApiError& why) const {
 
 bool http_media_supported() { return false; }
 
-void MediaSources::fetch(const std::string& url, const std::string& name, Clock::time_point, ByteBudget&, FetchDone) const {
+void MediaSources::fetch(const std::string& url, const std::string& name, Clock::time_point, ByteBudget&, FetchDone,
+                         std::shared_ptr<const std::atomic<bool>>) const {
   bad_url(name, url, "this build of fovea cannot fetch http(s) URLs (built without libcurl)");
 }
 

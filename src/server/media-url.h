@@ -19,6 +19,7 @@
 // counts in the budget by its capacity (a Content-Length's bytes up front, else doubling room), so
 // what the budget says is what the allocator holds.
 #pragma once
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -76,9 +77,10 @@ class MediaSources {
   // with the bytes or the error (400 invalid_url: not allowed, an HTTP error status, too large, a
   // failed connection or TLS check, --media-fetch-timeout; 503 server_busy: no room in the budget;
   // 504 timeout: past `deadline`), and must only hand it on. What is refused before anything starts
-  // (no --allowed-media-domains) is thrown here.
+  // (no --allowed-media-domains) is thrown here. Once `cancel` (if given) is set, the fetch ends
+  // within a fraction of a second (a request whose other item failed needs it no more).
   void fetch(const std::string& url, const std::string& name, Clock::time_point deadline, ByteBudget& budget,
-             FetchDone done) const;
+             FetchDone done, std::shared_ptr<const std::atomic<bool>> cancel = nullptr) const;
   // Ends every fetch running now with `why` (shutdown's grace ran out).
   void abort_fetches(const ApiError& why) const;
 
