@@ -133,7 +133,9 @@ class Fetcher {
   void loop();
   void begin(std::unique_ptr<Transfer> t);
   void ended(std::unique_ptr<Transfer> t, CURLcode rc);
-  void finish(std::unique_ptr<Transfer> t, std::optional<ApiError> error);
+  // Takes `t` by reference: callers build the error from t's fields in the same call, and the
+  // order in which arguments are evaluated is unspecified.
+  void finish(std::unique_ptr<Transfer>&& t, std::optional<ApiError> error);
   void expire(Clock::time_point now);
   std::unique_ptr<Transfer> take_running(CURL* easy);
 
@@ -450,7 +452,8 @@ void Fetcher::abort_all(const ApiError& why) {
   curl_multi_wakeup(multi_);
 }
 
-void Fetcher::finish(std::unique_ptr<Transfer> t, std::optional<ApiError> error) {
+void Fetcher::finish(std::unique_ptr<Transfer>&& owned, std::optional<ApiError> error) {
+  std::unique_ptr<Transfer> t = std::move(owned);
   if (t->easy) curl_multi_remove_handle(multi_, t->easy);
   Fetched out;
   if (error) {
