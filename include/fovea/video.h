@@ -59,6 +59,54 @@ VideoConfig parse_video_config(std::string_view text, const std::string& where);
 VideoConfig load_video_config(const std::string& model, const VideoOverrides& overrides = {});
 VideoLimits limits_from(const VideoOverrides& o);
 
+// What a stream's own headers say of the pictures its decoder keeps, read from the codec's
+// extradata or its first packets (`packets`, back to back): H.264 and HEVC sequence parameter sets
+// (chroma format, bit depth, reference frames, reordering), VP9's profile, AV1's av1C; fixed for VP8,
+// MPEG-4 Part 2, H.263 and MPEG-1 (8-bit 4:2:0). What a header does not say is taken at its most for
+// the codec (4:4:4, 16-bit samples where the codec has them, 16 references and 16 reordered for H.264
+// and HEVC). A stream that keeps more than its header said is refused by the decoder's pool
+// (decode_opened), so what is reserved from these stays an upper bound.
+struct StreamLayout {
+  int chroma = 3;            // 1: 4:2:0 (and monochrome), 2: 4:2:2, 3: 4:4:4
+  int sample_bytes = 1;      // 1: 8-bit samples; 2: 9 to 16 bits
+  int refs = 16;             // reference pictures kept (H.264 max_num_ref_frames, HEVC's DPB size, VP9's 8 slots)
+  int reorder = 0;           // pictures held back for presentation order
+  bool from_header = false;  // read from a parameter set or header (else the codec's defaults)
+  // The codec's own memory beside the frames, in bytes per pixel of the frame (FFmpeg 5.1, measured
+  // at 4096x4096 and 8192x8192 with 1 to 4 threads; docs/video.md §What a clip reserves): per
+  // picture (H.264: 0.55 of motion vectors and macroblock types) and per decoding thread (Theora: 3.2
+  // of coefficient tables).
+  double side_per_pixel = 1, thread_per_pixel = 1;
+};
+StreamLayout stream_layout(std::string_view codec, std::span<const uint8_t> extradata, std::span<const uint8_t> packets);
+
+// FFmpeg's contexts, libswscale's, and what the allocator keeps of opening (1 to 3 MB measured on
+// clips of 64x48 to 640x360 in a process that has decoded a clip before: FFmpeg's one-time tables,
+// about 7 MB, are the process's, not a clip's), and a quarter byte a pixel more for the frame size's.
+constexpr int64_t kDecoderBaseBytes = int64_t(4) << 20;
+// A decoding thread's own, whatever the frame size: its codec context, stack and allocator arena
+// (up to 1.1 MB a thread measured from 2 to 8 threads on 64x48 and 160x120 H.264).
+constexpr int64_t kThreadBaseBytes = int64_t(1) << 20;
+
+// What a clip's decoder holds with `threads` threads: the pictures of its pool, each the frame in
+// the stream's layout and the codec's per-picture data (counted by decode_opened's pool as the
+// decoder allocates them: the pool refuses one past `pictures`), and each thread's tables. The
+// pictures: those the stream keeps (its references and reordering: `held`) and the ones in flight:
+// a frame-threaded decoder (H.264, HEVC, VP8, VP9, MPEG-4, Theora; libdav1d) holds two per thread,
+// one decoding alone one (FFmpeg 5.1, measured with x264 streams of 1 to 16 references on 1 to 16
+// threads: 2 x threads + references exactly, references + 1 on one thread).
+struct DecoderCost {
+  int64_t picture_bytes = 0;  // frame + per-picture data
+  int64_t side_bytes = 0;     // the per-picture data alone (counted with each frame by the pool)
+  int64_t thread_bytes = 0;   // kThreadBaseBytes and the codec's tables a thread
+  int64_t base_bytes = 0;     // kDecoderBaseBytes and a quarter byte a pixel
+  int held = 0;
+  bool frame_threads = false;
+  int64_t pictures(int threads) const { return held + (frame_threads && threads > 1 ? 2 * int64_t(threads) : 1); }
+  int64_t pool_bytes(int threads) const { return pictures(threads) * picture_bytes; }
+  int64_t bytes(int threads) const { return pool_bytes(threads) + threads * thread_bytes + base_bytes; }
+};
+
 // What a container says before any frame is decoded.
 struct ClipInfo {
   std::string name, container, codec;
@@ -69,9 +117,7 @@ struct ClipInfo {
   // The video packets' pts, sorted: frame i is shown at frame_pts[i]. Empty when a packet has none,
   // two share one, or one is marked discard (an edit list): decoding then counts frames instead.
   std::vector<int64_t> frame_pts;
-  // One frame as the decoder holds it: the stream's pixel format at the header's size, its planes
-  // padded as FFmpeg pads them (3 bytes a pixel when the header does not name the format).
-  int64_t decoder_frame_bytes = 0;
+  DecoderCost decoder;       // what decoding it holds in FFmpeg (stream_layout and the codec)
   int64_t packet_bytes = 0;  // the video packets open_clip keeps for decoding (data and bookkeeping)
 };
 
@@ -93,31 +139,41 @@ std::vector<double> patch_timestamps(const std::vector<int64_t>& indices, double
 image::Patches patchify_frames(const std::vector<image::Rgb8>& frames, const VideoConfig& cfg);
 
 // The threads a clip's decoder uses: the calling thread's share of the cores (ThreadCap), at most
-// 16 (FFmpeg's own ceiling for frame threads: more buy little, and each holds a frame).
+// 16 (FFmpeg's own ceiling for frame threads: more buy little, and each holds two pictures).
 int decoding_threads();
 
-// Frames a decoder may hold besides one per thread: the most reference frames any whitelisted codec
-// keeps (16 for H.264 and HEVC), the frame being output and one held back for reordering.
-constexpr int64_t kDecoderHeldFrames = 18;
-
 // What preprocessing a clip will give, from its header alone (no frame decoded): the sampled
-// frames, the size they are resized to, the grid, the timestamps, and the memory decoding holds at
-// its peak: the kept packets, the decoder's frame pool (one frame per decoding thread plus
-// kDecoderHeldFrames; decode_opened refuses a frame past it), the resized frames, the fp32 patches,
-// and two batches of native RGB frames, one per thread each (one batch resizing while the next
-// decodes). An encoder-cache hit needs nothing more; the server reserves peak_bytes before decoding.
+// frames, the size they are resized to, the grid, the timestamps, the decoding threads, and the
+// memory decoding holds at its peak (peak_bytes; the server reserves it before decoding):
+//   packets  the kept packets (ClipInfo::packet_bytes), and 24 bytes a packet while decoding (the
+//            Clip's copy of the pts list, the flags of the frames sampled, the allocator's share);
+//   decoder  DecoderCost::bytes(threads): its pool of pictures (decode_opened refuses one past
+//            it), the threads' tables, FFmpeg's contexts;
+//   frames   the native RGB frames of two resize batches (one resizing while the next decodes), never
+//            more than the sampled frames; each frame being resized also holds its horizontal pass
+//            (source height x resized width); the resized frames; the fp32 patches; and for a width
+//            that is not a multiple of 16, the padded rows it is converted into.
+// threads: the caller's decoding_threads(), fewer where the decoder would hold more than half of
+// limits.max_bytes_in_flight (at 8192x8192 a frame thread holds two pictures of 143 MB).
+// batch: native frames per resize batch: threads, fewer where the frames would pass
+// limits.max_bytes_in_flight (0: they cannot fit; decode_opened refuses the clip).
+// An encoder-cache hit needs nothing more.
 struct ClipPlan {
   std::vector<int64_t> indices;
   int height = 0, width = 0;  // every sampled frame's size after resizing
   qwen3vl::GridThw grid{};
   std::vector<double> timestamps;
-  int64_t resized_bytes = 0, patch_bytes = 0, native_frame_bytes = 0, packet_bytes = 0, decoder_frame_bytes = 0;
-  int64_t decoder_bytes(int threads) const { return (threads + kDecoderHeldFrames) * decoder_frame_bytes; }
-  int64_t peak_bytes(int threads) const {
-    return packet_bytes + decoder_bytes(threads) + resized_bytes + patch_bytes + 2 * int64_t(threads) * native_frame_bytes;
-  }
+  int threads = 1;
+  int64_t batch = 1;
+  int64_t resized_bytes = 0, patch_bytes = 0, native_frame_bytes = 0, resize_pass_bytes = 0, convert_bytes = 0;
+  int64_t packet_bytes = 0, sampling_bytes = 0;
+  DecoderCost decoder;
+  int64_t decoder_bytes() const { return decoder.bytes(threads); }
+  int64_t frame_bytes() const;  // the frames' part, at its peak
+  int64_t peak_bytes() const { return packet_bytes + sampling_bytes + decoder_bytes() + frame_bytes(); }
 };
-ClipPlan plan_clip(const ClipInfo& info, const VideoConfig& cfg);
+ClipPlan plan_clip(const ClipInfo& info, const VideoConfig& cfg, const VideoLimits& limits = {},
+                   int threads = decoding_threads());
 
 // A clip, preprocessed.
 struct Clip {
@@ -150,10 +206,16 @@ std::string ffmpeg_versions();  // "libavformat 59.27.100, libavcodec ..." or ""
 // entries it lists, samples of one constant size cannot outnumber the file's bytes, nor a fragment's
 // samples, and the index the demuxer will build (a sample each, copied once per edit) must stay
 // under kMaxIndexEntries; anything else throws "video '<name>': ...". open_bytes bounds the memory
-// of opening and probing: that index, the demuxer's buffers and the packets kept.
+// of opening and probing: that index and the packets' records (kIndexEntryBytes a sample), the
+// packets' data and other demuxers' indexes (2 x the file), the demuxer's buffers (kContainerBaseBytes).
 constexpr int64_t kMaxIndexEntries = int64_t(1) << 21;
-constexpr int64_t kIndexEntryBytes = 96;                   // FFmpeg's index entry, sample size, times, edits' copies
-constexpr int64_t kContainerBaseBytes = int64_t(4) << 20;  // the demuxer's buffers and state
+constexpr int64_t kDemuxerEntryBytes = 96;  // FFmpeg's index entry, sample size, times, edits' copies
+constexpr int64_t kPacketRecordBytes = 48;  // a kept packet's record (25 in its deque) and pts (8), and slack
+constexpr int64_t kIndexEntryBytes = kDemuxerEntryBytes + kPacketRecordBytes;
+// The demuxer's buffers and state, and what the allocator keeps of packets read one by one (2 MB at
+// 200,000 packets: a 16x16 clip of 200 s at 1000 fps in Matroska, in a process that has opened a
+// clip before; FFmpeg's one-time tables, about 5 MB, are the process's).
+constexpr int64_t kContainerBaseBytes = int64_t(4) << 20;
 struct ContainerCost {
   int64_t index_entries = 0;
   int64_t open_bytes = 0;
@@ -188,10 +250,11 @@ ClipInfo probe_clip(std::span<const uint8_t> bytes, const std::string& name, con
 // Sample, decode, resize, patchify an opened clip: each sampled frame is converted to RGB
 // (libswscale, the colour matrix and range the stream is tagged with, BT.601 limited range when it
 // is not; bilinear chroma), resized to smart_resize_video's size as it is decoded, then patchified.
-// Decoding uses the calling thread's ThreadCap share of the cores (FFmpeg's frame threads and the
-// resizes). The decoder is told the pixel limit, and a frame whose size is not the header's, or one
-// past the plan's frame pool (ClipPlan::decoder_bytes), is refused before it is allocated. At most
-// one decoded frame per thread is held beside the resized ones (limits.max_bytes_in_flight).
+// Decoding uses plan_clip's threads (the calling thread's ThreadCap share of the cores, fewer for
+// frames too large for them) for FFmpeg's frame threads and the resizes. The decoder is told the
+// pixel limit, and a frame whose size is not the header's, or one past the plan's pool of pictures
+// (DecoderCost::pool_bytes), is refused before it is allocated. At most two batches of decoded
+// frames (ClipPlan::batch each) are held beside the resized ones (limits.max_bytes_in_flight).
 Clip decode_opened(const OpenedClip& clip, const VideoConfig& cfg, const VideoLimits& limits, Clock::time_point deadline);
 // open_clip then decode_opened, with one deadline.
 Clip decode_clip(std::span<const uint8_t> bytes, const std::string& name, const VideoConfig& cfg,

@@ -75,18 +75,18 @@ InputPlan plan_image(std::span<const uint8_t> bytes, const std::string& name, co
   return p;
 }
 
-InputPlan plan_clip(const video::ClipInfo& info, const InputConfig& cfg) {
+// threads: the decoding threads of the caller of prepare_inputs, which decode_opened will use (the
+// planning thread's own share is smaller where several inputs are planned at once).
+InputPlan plan_clip(const video::ClipInfo& info, const InputConfig& cfg, int threads) {
   try {
-    const video::ClipPlan plan = video::plan_clip(info, cfg.video);
+    const video::ClipPlan plan = video::plan_clip(info, cfg.video, cfg.limits, threads);
     InputPlan p;
     p.kind = InputKind::VIDEO;
     p.grid = plan.grid;
     p.tokens = tokens_of(p.grid, cfg.video.merge);
-    // Native frames beyond the in-flight bound wait for room (decode_opened batches fewer): what
-    // decoding holds at once is the packets, the decoder's pool and at most that bound.
-    const int threads = video::decoding_threads();
-    const int64_t frames = plan.peak_bytes(threads) - plan.packet_bytes - plan.decoder_bytes(threads);
-    p.peak_bytes = plan.packet_bytes + plan.decoder_bytes(threads) + std::min(frames, cfg.limits.max_bytes_in_flight);
+    // The packets, the decoder (its pool of pictures is enforced) and the frames (decode_opened's
+    // batches keep them within max_bytes_in_flight): video::ClipPlan::peak_bytes.
+    p.peak_bytes = plan.peak_bytes();
     p.held_bytes = std::max(plan.packet_bytes, plan.patch_bytes);  // packets until decoded, then the patches
     p.clip = ClipSampling{plan.indices, plan.timestamps, info.fps};
     return p;
@@ -171,7 +171,7 @@ struct Pending {
 // Reads input i, takes its kind and plans it from its header (a clip is opened: its packets kept,
 // its bytes dropped). The hooks hear of it before anything is decoded.
 void plan_input(size_t i, const std::string& name, const std::function<std::vector<uint8_t>(size_t)>& bytes,
-                const InputConfig& cfg, const PrepareHooks& hooks, PreparedInput& p, Pending& w) {
+                const InputConfig& cfg, const PrepareHooks& hooks, PreparedInput& p, Pending& w, int threads) {
   const auto t = Clock::now();
   w.bytes = bytes(i);
   p.kind = input_kind(w.bytes);
@@ -190,7 +190,7 @@ void plan_input(size_t i, const std::string& name, const std::function<std::vect
     } opened{hooks, i};
     w.clip = video::open_clip(w.bytes, name, cfg.limits, cfg.image, w.deadline);
     std::vector<uint8_t>().swap(w.bytes);
-    w.plan = plan_clip(w.clip->info, cfg);
+    w.plan = plan_clip(w.clip->info, cfg, threads);
     if (hooks.planned) hooks.planned(i, w.plan);
   }
   w.read_ms = ms_since(t);
@@ -212,11 +212,12 @@ std::vector<PlannedInput> plan_inputs(const std::vector<std::string>& names,
                                       const std::function<std::vector<uint8_t>(size_t)>& bytes, const InputConfig& cfg,
                                       const PrepareHooks& hooks) {
   std::vector<PlannedInput> out(names.size());
+  const int threads = video::decoding_threads();
   parallel_for(int64_t(names.size()), [&](int64_t k) {
     const size_t i = size_t(k);
     PreparedInput p;
     Pending w;
-    guarded(p, [&] { plan_input(i, names[i], bytes, cfg, hooks, p, w); });
+    guarded(p, [&] { plan_input(i, names[i], bytes, cfg, hooks, p, w, threads); });
     out[i] = {p.kind, std::move(w.plan), p.error};
   });
   return out;
@@ -243,9 +244,10 @@ std::vector<PreparedInput> prepare_inputs(const std::vector<std::string>& names,
   };
   // Every input read and planned (clips opened) first, in parallel: the hooks admit or refuse them
   // all before a pixel is decoded.
+  const int threads = video::decoding_threads();
   parallel_for(int64_t(n), [&](int64_t k) {
     const size_t i = size_t(k);
-    guarded(out[i], [&] { plan_input(i, names[i], bytes, cfg, hooks, out[i], work[i]); });
+    guarded(out[i], [&] { plan_input(i, names[i], bytes, cfg, hooks, out[i], work[i], threads); });
     if (out[i].error) finish(i);
   });
   if (hooks.all_planned) {  // the plans of the inputs still standing, and what preparing them holds

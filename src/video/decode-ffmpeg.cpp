@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <deque>
 #include <functional>
 #include <future>
 #include <mutex>
@@ -188,28 +189,35 @@ struct Packet {
 
 }  // namespace
 
-// The video packets of a clip, kept back to back with FFmpeg's padding after each, and what each
-// packet was (its place, timestamps and flags): enough to send them to a decoder again.
+// The video packets of a clip, kept back to back, and what each packet was (its size, timestamps and
+// flags): enough to send them to a decoder again, in 24 bytes a packet besides its data. No padding
+// is kept (avcodec_send_packet copies a packet that is not reference-counted into a padded buffer of
+// its own, FFmpeg's av_packet_ref), nor a duration (no decoder reads it for pixels, and fovea places
+// frames by pts), nor an offset (packets are sent in order): a packet's bookkeeping, its pts listed
+// included, is 33 bytes where it was 112 (a 16x16 clip's packets hold about 20 bytes of data). The
+// records are kept in a deque: no doubling, no copy as they grow.
 struct OpenedClip::Packets {
   struct Record {
-    size_t offset = 0;
-    int size = 0, flags = 0;
-    int64_t pts = 0, dts = 0, duration = 0;
+    int64_t pts = 0, dts = 0;
+    int32_t size = 0, flags = 0;
   };
   std::vector<uint8_t> data;
-  std::vector<Record> records;
+  std::deque<Record> records;
   AVCodecParameters* par = nullptr;
   AVRational time_base{1, 1};
   Packets() : par(avcodec_parameters_alloc()) {}
   ~Packets() { avcodec_parameters_free(&par); }
   Packets(const Packets&) = delete;
   Packets& operator=(const Packets&) = delete;
-  static constexpr int64_t kRecordBytes = int64_t(sizeof(Record)) + AV_INPUT_BUFFER_PADDING_SIZE;
-  int64_t bytes() const { return int64_t(data.size()) + int64_t(records.size()) * int64_t(sizeof(Record)); }
+  // A record in the deque's blocks of 512 bytes, and its share of the deque's map (8 bytes a block).
+  static constexpr int64_t kRecordBytes = int64_t(sizeof(Record)) * 512 / (512 / sizeof(Record) * sizeof(Record)) + 1;
+  static_assert(kRecordBytes + 2 * sizeof(int64_t) <= kPacketRecordBytes, "a kept packet's record and pts");
+  // The data as written (its capacity is the file's size, reserved up front: pages never written are
+  // never resident) and the records.
+  int64_t bytes() const { return int64_t(data.size()) + int64_t(records.size()) * kRecordBytes; }
   void keep(const AVPacket* p) {
-    records.push_back({data.size(), p->size, p->flags, p->pts, p->dts, p->duration});
+    records.push_back({p->pts, p->dts, p->size, p->flags});
     data.insert(data.end(), p->data, p->data + p->size);
-    data.insert(data.end(), AV_INPUT_BUFFER_PADDING_SIZE, 0);
   }
 };
 
@@ -246,11 +254,35 @@ int64_t padded_frame_bytes(int format, int width, int height, int unknown) {
   return n > 0 ? int64_t(n) : int64_t(w) * h * unknown;
 }
 
-// Reads the container's header, then every packet: the video stream's are counted, their pts
-// listed and the packets kept (within the room open_bytes left after the index).
-OpenedClip probe(Demuxer& d, const std::string& name, const VideoLimits& limits, int64_t max_px, int64_t room) {
-  OpenedClip c;
-  ClipInfo& info = c.info;
+// The planar format of a layout (the 16-bit one for 9 to 16 bits: FFmpeg's p10/p12 frames take as much).
+AVPixelFormat format_of(const StreamLayout& l) {
+  static constexpr AVPixelFormat k8[] = {AV_PIX_FMT_YUV420P, AV_PIX_FMT_YUV422P, AV_PIX_FMT_YUV444P};
+  static constexpr AVPixelFormat k16[] = {AV_PIX_FMT_YUV420P16, AV_PIX_FMT_YUV422P16, AV_PIX_FMT_YUV444P16};
+  const int c = std::clamp(l.chroma, 1, 3) - 1;
+  return l.sample_bytes > 1 ? k16[c] : k8[c];
+}
+
+// What the stream's decoder holds (DecoderCost): its pictures in the layout its headers give (the
+// first packets carry the parameter sets of streams without extradata), the codec's per-picture data
+// and per-thread tables, and whether it decodes frames in parallel (libdav1d's own threads count as
+// frame threads). The decoder starts from the container's reorder delay where it is larger.
+DecoderCost decoder_cost(const AVCodecParameters* par, const AVCodec* codec, std::span<const uint8_t> packets) {
+  const std::span<const uint8_t> extra(par->extradata, size_t(std::max(0, par->extradata_size)));
+  const StreamLayout layout = stream_layout(avcodec_get_name(par->codec_id), extra, packets);
+  const int64_t pixels = int64_t(par->width) * par->height;
+  DecoderCost d;
+  d.side_bytes = int64_t(layout.side_per_pixel * double(pixels));
+  d.picture_bytes = padded_frame_bytes(format_of(layout), par->width, par->height, 6) + d.side_bytes;
+  d.thread_bytes = kThreadBaseBytes + int64_t(layout.thread_per_pixel * double(pixels));
+  d.base_bytes = kDecoderBaseBytes + pixels / 4;
+  d.held = layout.refs + std::max(layout.reorder, par->video_delay);
+  d.frame_threads = codec && (codec->capabilities & (AV_CODEC_CAP_FRAME_THREADS | AV_CODEC_CAP_OTHER_THREADS));
+  return d;
+}
+
+// The clip's header: its container, codec and frame size, within the pixel limit.
+ClipInfo header_info(const Demuxer& d, const std::string& name, int64_t max_px) {
+  ClipInfo info;
   info.name = name;
   info.container = d.fmt->iformat->name;
   const AVCodecParameters* par = d.st()->codecpar;
@@ -260,10 +292,13 @@ OpenedClip probe(Demuxer& d, const std::string& name, const VideoLimits& limits,
   if (info.width <= 0 || info.height <= 0) fail("video '{}': its frame size {}x{} is empty", name, info.width, info.height);
   if (int64_t(info.width) * info.height > max_px)
     fail("video '{}': frames of {}x{} exceed the limit of {} pixels (--max-image-pixels)", name, info.width, info.height, max_px);
-  info.decoder_frame_bytes = padded_frame_bytes(par->format, par->width, par->height, 3);
-  auto packets = std::make_shared<OpenedClip::Packets>();
-  if (avcodec_parameters_copy(packets->par, par) < 0) fail("video '{}': out of memory reading its header", name);
-  packets->time_base = d.st()->time_base;
+  return info;
+}
+
+// Reads every packet: the video stream's are counted and kept (with their pts), all within `room`
+// bytes (the pts list probe makes of them included). Returns whether every packet had a pts it may be placed by.
+bool read_packets(Demuxer& d, ClipInfo& info, OpenedClip::Packets& packets, const VideoLimits& limits, int64_t room) {
+  const std::string& name = info.name;
   // Frames past the limit's length stop the count at once where the header gives the rate.
   const double header_fps = frame_rate(d.st(), {});
   const bool rate_known = d.st()->avg_frame_rate.num > 0 || d.st()->r_frame_rate.num > 0;
@@ -283,16 +318,33 @@ OpenedClip probe(Demuxer& d, const std::string& name, const VideoLimits& limits,
         fail("video '{}': over {} frames at {:.3g} fps, longer than the limit of {} s (--max-video-seconds)", name, cap,
              header_fps, limits.max_seconds);
       pts_usable = pts_usable && pkt.p->pts != AV_NOPTS_VALUE && !(pkt.p->flags & AV_PKT_FLAG_DISCARD);
-      if (pts_usable) info.frame_pts.push_back(pkt.p->pts);
-      packets->keep(pkt.p);
-      if (packets->bytes() + int64_t(info.frame_pts.capacity() * sizeof(int64_t)) > room)
+      packets.keep(pkt.p);
+      if (packets.bytes() + info.frames * int64_t(sizeof(int64_t)) > room)  // and the pts list, made at the end
         fail("video '{}': its packets take more than the {} bytes its size allows", name, room);
     }
     av_packet_unref(pkt.p);
   }
+  return pts_usable;
+}
+
+// Reads the container's header, then every packet (read_packets, within the room open_bytes left
+// after the demuxer's index), then what the frame rate, the length and the decoder's cost are.
+OpenedClip probe(Demuxer& d, const std::string& name, const VideoLimits& limits, int64_t max_px, int64_t room) {
+  OpenedClip c;
+  ClipInfo& info = c.info;
+  info = header_info(d, name, max_px);
+  auto packets = std::make_shared<OpenedClip::Packets>();
+  if (avcodec_parameters_copy(packets->par, d.st()->codecpar) < 0) fail("video '{}': out of memory reading its header", name);
+  packets->time_base = d.st()->time_base;
+  packets->data.reserve(std::min(d.src.bytes.size(), size_t(std::max<int64_t>(0, room))));  // a packet's data is in the file
+  const bool pts_usable = read_packets(d, info, *packets, limits, room);
   if (info.frames == 0) fail("video '{}': its video stream has no frames", name);
+  if (pts_usable) {  // listed once, at its size: a list grown packet by packet leaves its old copies behind
+    info.frame_pts.reserve(packets->records.size());
+    for (const OpenedClip::Packets::Record& r : packets->records) info.frame_pts.push_back(r.pts);
+  }
   std::sort(info.frame_pts.begin(), info.frame_pts.end());
-  info.fps = pts_usable ? frame_rate(d.st(), info.frame_pts) : header_fps;
+  info.fps = pts_usable ? frame_rate(d.st(), info.frame_pts) : frame_rate(d.st(), {});
   if (!(info.fps >= 0.01 && info.fps <= 1000)) fail("video '{}': its frame rate {} is not in [0.01, 1000]", name, info.fps);
   if (!pts_usable || std::adjacent_find(info.frame_pts.begin(), info.frame_pts.end()) != info.frame_pts.end())
     std::vector<int64_t>().swap(info.frame_pts);
@@ -300,7 +352,11 @@ OpenedClip probe(Demuxer& d, const std::string& name, const VideoLimits& limits,
   if (info.seconds > limits.max_seconds * (1 + 1e-9))
     fail("video '{}': {} frames at {:.3g} fps last {:.4g} s, longer than the limit of {} s (--max-video-seconds)", name,
          info.frames, info.fps, info.seconds, limits.max_seconds);
-  info.packet_bytes = packets->bytes() + int64_t(info.frame_pts.size() * sizeof(int64_t));
+  info.packet_bytes = packets->bytes() + int64_t(info.frame_pts.capacity() * sizeof(int64_t));
+  size_t head = 0;  // the first packets' data (at most 32 of them, and 1 MiB: parameter sets lead a stream)
+  for (size_t i = 0; i < std::min<size_t>(32, packets->records.size()); ++i) head += size_t(packets->records[i].size);
+  head = std::min(head, size_t(1) << 20);
+  info.decoder = decoder_cost(d.st()->codecpar, d.codec, {packets->data.data(), head});
   c.packets = std::move(packets);
   return c;
 }
@@ -313,9 +369,11 @@ void check_size(std::span<const uint8_t> bytes, const std::string& name, const V
 
 // The decoder's frames, counted as the decoder asks for them (AVCodecContext::get_buffer2): a frame
 // whose size is not the header's, or one past the pool's bytes, is refused before it is allocated.
+// Each counts its planes in the format it has and the codec's per-picture data (side_bytes), as
+// DecoderCost::picture_bytes counts it in the format the header gave.
 struct FramePool {
   int width = 0, height = 0;
-  int64_t capacity = 0;
+  int64_t capacity = 0, side_bytes = 0;
   std::atomic<int64_t> used{0};
   std::atomic<int> refused{0};  // 1: a size change, 2: over the pool
   int refused_width = 0, refused_height = 0;
@@ -343,7 +401,7 @@ int get_frame_buffer(AVCodecContext* ctx, AVFrame* f, int flags) {
     pool->refused = 1;
     return AVERROR_INVALIDDATA;
   }
-  const int64_t bytes = padded_frame_bytes(f->format, f->width, f->height, 8);
+  const int64_t bytes = padded_frame_bytes(f->format, f->width, f->height, 8) + pool->side_bytes;
   if (pool->used.fetch_add(bytes) + bytes > pool->capacity) {
     pool->used -= bytes;
     pool->refused = 2;
@@ -412,6 +470,7 @@ class Decoder {
     pool_.width = info_.width;
     pool_.height = info_.height;
     pool_.capacity = pool_bytes;
+    pool_.side_bytes = info_.decoder.side_bytes;
     ctx_->opaque = &pool_;
     // The frame pool is counted wherever the decoder takes its frames from get_buffer2 (every
     // whitelisted codec but libdav1d, which keeps its own pool: bounded by max_pixels alone). Those
@@ -439,9 +498,9 @@ class Decoder {
       fail("video '{}': a frame of {}x{} where the stream said {}x{} (a size change mid-stream is not supported)", name,
            pool_.refused_width, pool_.refused_height, info_.width, info_.height);
     if (pool_.refused == 2)
-      fail("video '{}': its decoder holds more than {} bytes of frames ({} threads and {} reference frames of {}x{}); "
-           "the stream keeps more frames than its codec allows", name, pool_.capacity, ctx_->thread_count, kDecoderHeldFrames,
-           info_.width, info_.height);
+      fail("video '{}': its decoder holds more than {} bytes of frames ({} threads and {} pictures kept of {}x{} in the "
+           "format its header gives); the stream keeps more frames than its header declares", name, pool_.capacity,
+           ctx_->thread_count, info_.decoder.held, info_.width, info_.height);
     if (over_max_pixels)  // FFmpeg's own check of max_pixels, before it allocated the frame
       fail("video '{}': its stream holds frames larger than the limit of {} pixels (--max-image-pixels), though its "
            "header says {}x{}", name, max_pixels_, info_.width, info_.height);
@@ -546,13 +605,13 @@ int64_t decode_pass(const OpenedClip& clip, const std::vector<int64_t>& indices,
   };
   Packet pkt;
   const OpenedClip::Packets& kept = *clip.packets;
-  for (size_t n = 0; n < kept.records.size() && j < indices.size() && !misplaced; ++n) {
+  size_t offset = 0;  // packet n's data: after those of the packets before it
+  for (size_t n = 0; n < kept.records.size() && j < indices.size() && !misplaced; offset += size_t(kept.records[n++].size)) {
     const OpenedClip::Packets::Record& r = kept.records[n];
-    pkt.p->data = const_cast<uint8_t*>(kept.data.data() + r.offset);  // sent as is: the decoder copies it
+    pkt.p->data = const_cast<uint8_t*>(kept.data.data() + offset);  // sent as is: the decoder copies it
     pkt.p->size = r.size;
     pkt.p->pts = r.pts;
     pkt.p->dts = r.dts;
-    pkt.p->duration = r.duration;
     pkt.p->flags = r.flags;
     if (skip) {  // the setting travels with the packet (frame threads copy it at submission)
       const int64_t at = index_of(r.pts);
@@ -586,18 +645,21 @@ int64_t max_frame_pixels(const VideoLimits& limits, const image::PreprocessConfi
   return limits.max_frame_pixels > 0 ? limits.max_frame_pixels : image::image_pixel_limit(budget);
 }
 
-DecodeEnv env_of(const OpenedClip& clip, int64_t max_pixels, Clock::time_point deadline) {
+// threads: the plan's (ClipPlan::threads), whose pool its reservation counted.
+DecodeEnv env_of(const OpenedClip& clip, int threads, int64_t max_pixels, Clock::time_point deadline) {
   const ClipInfo& info = clip.info;
   DecodeEnv env;
   env.deadline = deadline;
-  env.threads = decoding_threads();
-  env.pool_bytes = (env.threads + kDecoderHeldFrames) * info.decoder_frame_bytes;
+  env.threads = threads;
+  env.pool_bytes = info.decoder.pool_bytes(threads);
   env.max_pixels = max_pixels;  // the pixel limit: no codec allocates a frame past it, whatever the header said
   env.deadline_seconds = seconds_between(clip.opened_at, deadline);
   return env;
 }
 
 // Resizes batches of decoded frames on other threads while the next batch decodes (see decode_opened).
+// Batches of one frame are resized at once on this thread instead: one native frame held, not two
+// (the decoder then has one thread, for the memory its frames take or the share of the cores it has).
 class Resizer {
  public:
   Resizer(size_t frames, int h, int w, int64_t batch) : sized_(frames), h_(h), w_(w), batch_(batch) {}
@@ -605,6 +667,10 @@ class Resizer {
     if (resizing_.valid()) resizing_.wait();  // it writes into sized_
   }
   void add(size_t j, image::Rgb8&& f) {
+    if (batch_ == 1) {
+      sized_[j] = f.height != h_ || f.width != w_ ? image::resize_bicubic(f, h_, w_) : std::move(f);
+      return;
+    }
     pending_.frames.push_back(std::move(f));
     pending_.at.push_back(j);
     if (int64_t(pending_.frames.size()) >= batch_) flush();
@@ -660,7 +726,8 @@ OpenedClip open_clip(std::span<const uint8_t> bytes, const std::string& name, co
   const ContainerCost cost = container_cost(bytes, name);
   const int64_t max_px = max_frame_pixels(limits, budget);
   Demuxer d(bytes, name, deadline, max_px, cost.iso_bmff);
-  OpenedClip c = probe(d, name, limits, max_px, cost.open_bytes - cost.index_entries * kIndexEntryBytes);
+  // The demuxer's index is open_bytes' to the end; the packets get the rest (each sample's record share).
+  OpenedClip c = probe(d, name, limits, max_px, cost.open_bytes - cost.index_entries * kDemuxerEntryBytes);
   c.max_frame_pixels = max_px;
   c.opened_at = opened_at;
   return c;
@@ -684,7 +751,8 @@ std::vector<image::Rgb8> decode_frames(std::span<const uint8_t> bytes, const std
     fail("video '{}': {} frames of {}x{} need {} bytes, over the limit of {}", name, indices.size(), info.width, info.height,
          bytes_needed, limits.max_bytes_in_flight);
   std::vector<image::Rgb8> out(indices.size());
-  decode_indices(clip, indices, env_of(clip, clip.max_frame_pixels, deadline), [&](size_t j, image::Rgb8&& f) { out[j] = std::move(f); });
+  const DecodeEnv env = env_of(clip, decoding_threads(), clip.max_frame_pixels, deadline);
+  decode_indices(clip, indices, env, [&](size_t j, image::Rgb8&& f) { out[j] = std::move(f); });
   return out;
 }
 
@@ -694,18 +762,16 @@ Clip decode_opened(const OpenedClip& clip, const VideoConfig& cfg, const VideoLi
   Clip c;
   c.info = clip.info;
   try {
-    const ClipPlan plan = plan_clip(c.info, cfg);
+    const ClipPlan plan = plan_clip(c.info, cfg, limits);
     c.indices = plan.indices;
-    const DecodeEnv env = env_of(clip, clip.max_frame_pixels, deadline);
+    const DecodeEnv env = env_of(clip, plan.threads, clip.max_frame_pixels, deadline);
     // Decoding (this thread, and FFmpeg's frame threads) and resizing (the cores) overlap: each batch
     // of decoded frames is resized on the other threads while the next batch decodes. Memory: the
     // resized frames, the patches, and two batches of native frames (one resizing, one filling).
-    const int64_t room = limits.max_bytes_in_flight - plan.resized_bytes - plan.patch_bytes;
-    const int64_t batch = std::min<int64_t>(env.threads, room / (2 * plan.native_frame_bytes));
-    if (batch < 1)
+    if (plan.batch < 1)
       fail("{} frames resized to {}x{} with frames of {}x{} decoding need more than the limit of {} bytes", c.indices.size(),
            plan.width, plan.height, c.info.width, c.info.height, limits.max_bytes_in_flight);
-    Resizer resizer(c.indices.size(), plan.height, plan.width, batch);
+    Resizer resizer(c.indices.size(), plan.height, plan.width, plan.batch);
     c.frames_decoded = decode_indices(clip, c.indices, env, [&](size_t j, image::Rgb8&& f) { resizer.add(j, std::move(f)); });
     const Clock::time_point decoded_at = Clock::now();
     const std::vector<image::Rgb8> sized = resizer.finish();

@@ -1,10 +1,14 @@
 // Video preprocessing without the decoder (docs/video.md): the config, frame sampling, smart_resize
-// over frames, timestamps and patchify.
+// over frames, timestamps and patchify; and what a clip's plan reserves (§What a clip reserves): the
+// layout and pictures its stream's own headers declare (H.264/HEVC parameter sets, VP9, AV1).
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <iterator>
 #include <optional>
+#include <span>
 #include <tuple>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -176,7 +180,336 @@ std::vector<double> patch_timestamps(const std::vector<int64_t>& indices, double
   return ts;
 }
 
-ClipPlan plan_clip(const ClipInfo& info, const VideoConfig& cfg) {
+// ---- what a stream's headers say of its decoder's pictures (stream_layout) -------------------------
+
+namespace {
+
+// The bits of a NAL unit's payload (after its header), emulation-prevention bytes (00 00 03) dropped,
+// read MSB first. Reading past the end gives zeros and marks the reader bad.
+class BitReader {
+ public:
+  explicit BitReader(std::span<const uint8_t> payload) {
+    int zeros = 0;
+    for (const uint8_t b : payload) {
+      if (zeros >= 2 && b == 3) {
+        zeros = 0;
+        continue;
+      }
+      bytes_.push_back(b);
+      zeros = b == 0 ? zeros + 1 : 0;
+    }
+  }
+  uint32_t u(int n) {
+    uint32_t v = 0;
+    for (int i = 0; i < n; ++i) {
+      if (pos_ >= bytes_.size() * 8) {
+        bad_ = true;
+        return 0;
+      }
+      v = v << 1 | ((bytes_[pos_ / 8] >> (7 - pos_ % 8)) & 1);
+      ++pos_;
+    }
+    return v;
+  }
+  uint32_t ue() {  // Exp-Golomb
+    int zeros = 0;
+    while (!bad_ && u(1) == 0)
+      if (++zeros > 31) bad_ = true;
+    return bad_ ? 0 : uint32_t((uint64_t(1) << zeros) - 1 + u(zeros));
+  }
+  int32_t se() {
+    const uint32_t k = ue();
+    return k & 1 ? int32_t((k + 1) / 2) : -int32_t(k / 2);
+  }
+  bool bad() const { return bad_; }
+  void fail() { bad_ = true; }
+
+ private:
+  std::vector<uint8_t> bytes_;
+  size_t pos_ = 0;
+  bool bad_ = false;
+};
+
+uint32_t be16(const uint8_t* p) { return uint32_t(p[0]) << 8 | p[1]; }
+
+// Calls take(nal) for each NAL unit of an Annex B stream (start codes) or of a stream of
+// `length_size`-byte big-endian lengths, until take returns true.
+template <class Take>
+bool each_nal(std::span<const uint8_t> b, int length_size, Take&& take) {
+  const bool annex_b = b.size() >= 3 && b[0] == 0 && b[1] == 0 && (b[2] == 1 || (b.size() >= 4 && b[2] == 0 && b[3] == 1));
+  if (annex_b) {
+    size_t at = 0, start = 0;
+    bool open = false;
+    for (; at + 3 <= b.size(); ++at) {
+      if (b[at] != 0 || b[at + 1] != 0 || b[at + 2] != 1) continue;
+      if (open && take(b.subspan(start, at - start))) return true;
+      start = at + 3;
+      open = true;
+    }
+    return open && take(b.subspan(start));
+  }
+  for (size_t at = 0; at + size_t(length_size) <= b.size();) {
+    uint64_t n = 0;
+    for (int i = 0; i < length_size; ++i) n = n << 8 | b[at + size_t(i)];
+    at += size_t(length_size);
+    if (n > b.size() - at) return false;
+    if (take(b.subspan(at, size_t(n)))) return true;
+    at += size_t(n);
+  }
+  return false;
+}
+
+// The NAL units an avcC or hvcC record lists: each a 16-bit length and the unit.
+template <class Take>
+bool each_record_nal(std::span<const uint8_t> b, bool hevc, Take&& take) {
+  size_t at = hevc ? 23 : 6;
+  const size_t arrays = hevc ? (b.size() > 22 ? b[22] : 0) : 2;  // avcC: its SPS, then its PPS
+  for (size_t a = 0; a < arrays && at <= b.size(); ++a) {
+    size_t count;
+    if (hevc) {
+      if (at + 3 > b.size()) return false;
+      count = be16(b.data() + at + 1);
+      at += 3;
+    } else {
+      if (at + 1 > b.size()) return false;
+      count = a == 0 ? b[at - 1] & 0x1F : b[at];
+      if (a == 1) ++at;
+    }
+    for (size_t i = 0; i < count; ++i) {
+      if (at + 2 > b.size() || be16(b.data() + at) > b.size() - at - 2) return false;
+      if (take(b.subspan(at + 2, be16(b.data() + at)))) return true;
+      at += 2 + be16(b.data() + at);
+    }
+  }
+  return false;
+}
+
+// The first sequence parameter set's payload (after its NAL header): in the extradata (an avcC or
+// hvcC record, or Annex B), else in the packets (Annex B, or the record's length prefixes).
+std::optional<std::vector<uint8_t>> find_sps(std::span<const uint8_t> extra, std::span<const uint8_t> packets, bool hevc) {
+  std::optional<std::vector<uint8_t>> sps;
+  const size_t header = hevc ? 2 : 1;
+  const auto take = [&](std::span<const uint8_t> nal) {
+    if (nal.size() <= header || (hevc ? (nal[0] >> 1) & 0x3F : nal[0] & 0x1F) != (hevc ? 33 : 7)) return false;
+    // A parameter set takes well under 4 KiB (scaling lists and HRD included): no more is copied,
+    // whatever a hostile unit's length.
+    sps.emplace(nal.begin() + ptrdiff_t(header), nal.begin() + ptrdiff_t(std::min<size_t>(nal.size(), header + 4096)));
+    return true;
+  };
+  const bool record = !extra.empty() && extra[0] == 1 && extra.size() >= (hevc ? 23u : 7u);
+  int length_size = 4;
+  if (record) {
+    length_size = (extra[hevc ? 21 : 4] & 3) + 1;
+    if (each_record_nal(extra, hevc, take)) return sps;
+  } else if (each_nal(extra, 4, take)) {
+    return sps;
+  }
+  each_nal(packets, length_size, take);
+  return sps;
+}
+
+// FFmpeg's reorder depth for an H.264 stream whose SPS has no bitstream_restriction: the DPB of its
+// level (MaxDpbMbs, H.264 Table A-1) over the picture's macroblocks, at most 15; 15 for levels past 5.2.
+int h264_level_reorder(uint32_t level, uint64_t mbs) {
+  static constexpr std::pair<uint32_t, uint64_t> kMaxDpbMbs[] = {
+      {10, 396},    {11, 900},    {12, 2376},   {13, 2376},   {20, 2376},    {21, 4752},    {22, 8100},    {30, 8100},
+      {31, 18000},  {32, 20480},  {40, 32768},  {41, 32768},  {42, 34816},   {50, 110400},  {51, 184320},  {52, 184320}};
+  for (const auto& [l, dpb] : kMaxDpbMbs)
+    if (l == level) return int(std::min<uint64_t>(15, dpb / std::max<uint64_t>(1, mbs)));
+  return 15;
+}
+
+void skip_hrd(BitReader& r) {
+  const uint32_t count = r.ue() + 1;
+  if (count > 32) return r.fail();
+  r.u(8);
+  for (uint32_t i = 0; i < count; ++i) {
+    r.ue();
+    r.ue();
+    r.u(1);
+  }
+  r.u(20);
+}
+
+// H.264 VUI: the bitstream restriction's reorder depth and DPB size, where it has one (else -1).
+std::pair<int, int> h264_vui(BitReader& r) {
+  if (r.u(1) && r.u(8) == 255) r.u(32);  // aspect ratio, extended SAR
+  if (r.u(1)) r.u(1);                    // overscan
+  if (r.u(1) && (r.u(4), r.u(1))) r.u(24);  // video signal type, colour description
+  if (r.u(1)) {                          // chroma sample location
+    r.ue();
+    r.ue();
+  }
+  if (r.u(1)) r.u(65);  // timing info
+  const bool nal = r.u(1);
+  if (nal) skip_hrd(r);
+  const bool vcl = r.u(1);
+  if (vcl) skip_hrd(r);
+  if (nal || vcl) r.u(1);  // low delay
+  r.u(1);                  // pic struct
+  if (!r.u(1)) return {-1, -1};
+  r.u(1);
+  for (int i = 0; i < 4; ++i) r.ue();
+  const int reorder = int(std::min<uint32_t>(r.ue(), 16));
+  return {reorder, int(std::min<uint32_t>(r.ue(), 16))};
+}
+
+std::optional<StreamLayout> h264_layout(BitReader r) {
+  static constexpr uint32_t kHigh[] = {100, 110, 122, 244, 44, 83, 86, 118, 128, 138, 139, 134, 135};
+  const uint32_t profile = r.u(8);
+  r.u(8);
+  const uint32_t level = r.u(8);
+  r.ue();
+  uint32_t chroma = 1, depth = 0;
+  if (std::find(std::begin(kHigh), std::end(kHigh), profile) != std::end(kHigh)) {
+    chroma = r.ue();
+    if (chroma == 3) r.u(1);
+    depth = r.ue();
+    depth = std::max(depth, r.ue());
+    r.u(1);
+    if (r.u(1))  // scaling matrices: each list present is skipped through its deltas
+      for (int i = 0; i < (chroma == 3 ? 12 : 8); ++i)
+        if (r.u(1))
+          for (int64_t j = 0, next = 8, last = 8; j < (i < 6 ? 16 : 64) && !r.bad(); ++j) {
+            if (next != 0) next = ((last + r.se()) % 256 + 256) % 256;
+            last = next == 0 ? last : next;
+          }
+  }
+  r.ue();  // log2_max_frame_num
+  const uint32_t poc = r.ue();
+  if (poc == 0) r.ue();
+  if (poc == 1) {
+    r.u(1);
+    r.se();
+    r.se();
+    const uint32_t cycle = r.ue();
+    for (uint32_t i = 0; i < std::min<uint32_t>(cycle, 256); ++i) r.se();
+  }
+  const uint32_t refs = r.ue();
+  r.u(1);
+  const uint64_t mb_width = uint64_t(r.ue()) + 1, map_height = uint64_t(r.ue()) + 1;
+  const bool frames_only = r.u(1);
+  if (!frames_only) r.u(1);
+  r.u(1);
+  if (r.u(1))
+    for (int i = 0; i < 4; ++i) r.ue();
+  const auto [reorder, dpb] = r.u(1) ? h264_vui(r) : std::pair{-1, -1};
+  if (r.bad() || chroma > 3 || depth > 6 || refs > 16) return std::nullopt;
+  StreamLayout l;
+  l.chroma = std::max<int>(1, int(chroma));
+  l.sample_bytes = depth > 0 ? 2 : 1;
+  l.refs = std::max<int>(int(refs), dpb);
+  l.reorder = reorder >= 0 ? reorder : h264_level_reorder(level, mb_width * map_height * (frames_only ? 1 : 2));
+  l.from_header = true;
+  return l;
+}
+
+std::optional<StreamLayout> hevc_layout(BitReader r) {
+  r.u(4);
+  const uint32_t sub_layers = r.u(3);
+  r.u(1);
+  r.u(96);  // general profile, tier and level
+  uint32_t profile_present = 0, level_present = 0;
+  for (uint32_t i = 0; i < sub_layers; ++i) {
+    profile_present |= r.u(1) << i;
+    level_present |= r.u(1) << i;
+  }
+  if (sub_layers > 0) r.u(2 * (8 - int(sub_layers)));
+  for (uint32_t i = 0; i < sub_layers; ++i) r.u(((profile_present >> i) & 1 ? 88 : 0) + ((level_present >> i) & 1 ? 8 : 0));
+  r.ue();
+  const uint32_t chroma = r.ue();
+  if (chroma == 3) r.u(1);
+  r.ue();
+  r.ue();
+  if (r.u(1))
+    for (int i = 0; i < 4; ++i) r.ue();
+  uint32_t depth = r.ue();
+  depth = std::max(depth, r.ue());
+  r.ue();
+  uint32_t dpb = 0, reorder = 0;
+  for (uint32_t i = r.u(1) ? 0 : sub_layers; i <= sub_layers; ++i) {
+    dpb = std::max(dpb, r.ue() + 1);
+    reorder = std::max(reorder, r.ue());
+    r.ue();
+  }
+  if (r.bad() || chroma > 3 || depth > 8 || dpb > 16 || reorder > 16) return std::nullopt;
+  StreamLayout l;
+  l.chroma = std::max<int>(1, int(chroma));
+  l.sample_bytes = depth > 0 ? 2 : 1;
+  l.refs = int(dpb);
+  l.reorder = int(reorder);
+  l.from_header = true;
+  return l;
+}
+
+// VP9: the profile in the first frame's first byte (frame marker 0b10, then the profile's low and
+// high bits): 0 is 8-bit 4:2:0, 1 8-bit 4:2:2 to 4:4:4, 2 10/12-bit 4:2:0, 3 10/12-bit 4:4:4.
+std::optional<StreamLayout> vp9_layout(std::span<const uint8_t> packets) {
+  if (packets.empty() || packets[0] >> 6 != 2) return std::nullopt;
+  const int profile = ((packets[0] >> 5) & 1) | ((packets[0] >> 3) & 2);
+  StreamLayout l;
+  l.chroma = profile & 1 ? 3 : 1;
+  l.sample_bytes = profile >= 2 ? 2 : 1;
+  l.refs = 8;
+  l.from_header = true;
+  return l;
+}
+
+// AV1: av1C's third byte: high_bitdepth, twelve_bit, monochrome, chroma_subsampling_x and _y.
+std::optional<StreamLayout> av1_layout(std::span<const uint8_t> extra) {
+  if (extra.size() < 4 || extra[0] != 0x81) return std::nullopt;
+  const uint8_t b = extra[2];
+  StreamLayout l;
+  l.sample_bytes = b & 0x40 ? 2 : 1;
+  l.chroma = !(b & 0x08) ? 3 : !(b & 0x04) ? 2 : 1;
+  l.refs = 8;
+  l.from_header = true;
+  return l;
+}
+
+}  // namespace
+
+// The layout a header gives, else the codec's most; then the codec's own memory per pixel (per
+// picture, per thread), measured on FFmpeg 5.1 (docs/video.md §What a clip reserves) and rounded up.
+StreamLayout stream_layout(std::string_view codec, std::span<const uint8_t> extra, std::span<const uint8_t> packets) {
+  const auto with = [](StreamLayout l, double side, double thread) {
+    l.side_per_pixel = side;
+    l.thread_per_pixel = thread;
+    return l;
+  };
+  if (codec == "h264" || codec == "hevc") {
+    const bool hevc = codec == "hevc";
+    std::optional<StreamLayout> l;
+    if (const auto sps = find_sps(extra, packets, hevc)) l = hevc ? hevc_layout(BitReader(*sps)) : h264_layout(BitReader(*sps));
+    return hevc ? with(l.value_or(StreamLayout{3, 2, 16, 16, false}), 0.8, 0.5)
+                : with(l.value_or(StreamLayout{3, 2, 16, 16, false}), 0.6, 0.3);
+  }
+  if (codec == "vp9") return with(vp9_layout(packets).value_or(StreamLayout{3, 2, 8, 0, false}), 0.25, 0.25);
+  if (codec == "av1") return with(av1_layout(extra).value_or(StreamLayout{3, 2, 8, 0, false}), 1, 1);  // libdav1d's own pool
+  if (codec == "vp8") return with({1, 1, 4, 0, true}, 0.1, 0.1);  // last, golden, altref and the previous frame
+  if (codec == "mpeg4" || codec == "h263" || codec == "mpeg1video") return with({1, 1, 2, 0, true}, 0.6, 0.25);
+  if (codec == "theora") return with({3, 1, 2, 0, false}, 0.1, 3.5);  // up to 4:4:4; coefficient tables per thread
+  if (codec == "mjpeg") return with({3, 1, 0, 0, false}, 0, 0.25);
+  return with({3, 1, 2, 0, false}, 0.6, 0.25);  // MPEG-2: up to 4:4:4, two references
+}
+
+namespace {
+
+// The most threads, from `threads` down to 1, whose decoder holds at most half of `limit`.
+int threads_within(const DecoderCost& d, int threads, int64_t limit) {
+  int t = std::clamp(threads, 1, 16);
+  while (t > 1 && d.bytes(t) > limit / 2) --t;
+  return t;
+}
+
+}  // namespace
+
+int64_t ClipPlan::frame_bytes() const {
+  const int64_t n = int64_t(indices.size()), natives = batch == 1 ? 1 : std::min(n, 2 * batch);  // see Resizer
+  return resized_bytes + patch_bytes + convert_bytes + natives * native_frame_bytes + std::min(n, batch) * resize_pass_bytes;
+}
+
+ClipPlan plan_clip(const ClipInfo& info, const VideoConfig& cfg, const VideoLimits& limits, int threads) {
   ClipPlan p;
   p.indices = sample_indices(info.frames, info.fps, cfg);
   std::tie(p.height, p.width) = smart_resize_video(int64_t(p.indices.size()), info.height, info.width, cfg);
@@ -186,8 +519,19 @@ ClipPlan plan_clip(const ClipInfo& info, const VideoConfig& cfg) {
   p.resized_bytes = frames * p.height * p.width * 3;
   p.patch_bytes = padded * cfg.temporal * p.height * p.width * 3 * int64_t(sizeof(float));
   p.native_frame_bytes = int64_t(info.width) * info.height * 3;
+  // resize_bicubic's horizontal pass (source rows at the resized width), held while a frame resizes.
+  const bool resized = p.height != info.height || p.width != info.width;
+  p.resize_pass_bytes = resized ? int64_t(info.height) * p.width * 3 : 0;
+  // Rows of a width libswscale cannot pack: converted into padded rows first (decode-ffmpeg.cpp).
+  p.convert_bytes = info.width % 16 ? ((int64_t(info.width) * 3 + 63) / 64 * 64 + 64) * info.height : 0;
   p.packet_bytes = info.packet_bytes;
-  p.decoder_frame_bytes = info.decoder_frame_bytes;
+  // decode_opened's copy of the pts (8 bytes a packet), its flags of the frames sampled (1), and the
+  // allocator's share of the packets sent to the decoder (up to 15 measured, 200,000 packets).
+  p.sampling_bytes = 24 * info.frames;
+  p.decoder = info.decoder;
+  p.threads = threads_within(p.decoder, threads, limits.max_bytes_in_flight);
+  const int64_t room = limits.max_bytes_in_flight - p.resized_bytes - p.patch_bytes - p.convert_bytes;
+  p.batch = std::max<int64_t>(0, std::min<int64_t>(p.threads, room / (2 * p.native_frame_bytes + p.resize_pass_bytes)));
   return p;
 }
 

@@ -10,7 +10,8 @@ reader who wants to see one.
     frame-size lies:    an MKV whose header says 16x16 over 4096x4096 H.264; an AVI saying 16x16 over
                         a 4096x4096 MJPEG frame; an MPEG-TS growing from 64x48 to 2048x2048
     honest clips:       one per container fovea reads; a 2048x2048 H.264 clip; a Matroska clip
-                        without DefaultDuration (60 fps); a clip whose last two timestamps are swapped
+                        without DefaultDuration (60 fps); a clip whose last two timestamps are swapped;
+                        16x16 at 1000 fps for 200 s (200,000 packets of ~20 bytes)
 """
 import os
 import struct
@@ -174,6 +175,12 @@ def swapped_last_pts(size="640x360", rate=30, seconds=20):
     frames = int(rate * seconds)
     return ffmpeg("mp4", size, rate, seconds, CONTAINERS["mp4"] + ["-preset", "ultrafast", "-bf", "0"],
                   ["-bsf:v", "setts=pts='if(eq(N,%d),PTS+1,if(eq(N,%d),PTS-1,PTS))'" % (frames - 2, frames - 1)])
+
+
+def high_fps(seconds=200, rate=1000, size="16x16"):
+    """Tiny frames at a high rate: 200,000 packets of ~20 bytes in 5 MB (MP4), within every limit.
+    The packets' bookkeeping outweighs their data: refused before issue 45, item 8."""
+    return ffmpeg("mp4", size, rate, seconds, CONTAINERS["mp4"])
 
 
 def make_all(folder):
