@@ -7,9 +7,11 @@
 #  3. compute-sanitizer memcheck on a small attention case (FP8 and BF16);
 #  4. the SASS check: every FP8 flash-kernel instance multiplies with QGMMA (FP8 wgmma), every BF16
 #     one with HGMMA (tools/sass-mix.py --check on cuobjdump's disassembly);
-#  5. the Python package on the GPU (python/tests/test_torch_gpu.py: the torch ops against fp64 and the
-#     emulation, opcheck, torch.compile, CUDA-graph replays, transformers' vision tower, the vLLM plugin
-#     against its stub) with the build's libfovea_attn.so, where $PY has torch and transformers.
+#  5. the Python package on the GPU with the build's libfovea_attn.so, where $PY has torch and
+#     transformers: python/tests/test_torch_gpu.py (the torch ops against fp64 and the emulation,
+#     opcheck, torch.compile, CUDA-graph replays, transformers' vision tower) and
+#     python/tests/test_vllm_double.py (the vLLM plugin inside a double of vLLM: loader, graphs,
+#     fallbacks, plugin loading, the fused path).
 # Exit 0 when every part passes. Environment: FOVEA (default build/fovea), FOVEA_BUILD (default the
 # binary's folder), CUDNN_LIB (cuDNN 9.15+ for the CUDNN backend's tests; "torch" for the wheel's), OUT,
 # GTEST_ARGS (extra flags for each test binary, e.g. --gtest_filter=*Fp8*), GPU_TESTS (the test
@@ -68,18 +70,22 @@ if [[ $PARTS == *sass* ]]; then
 fi
 
 if [[ $PARTS == *python* ]]; then
-  say "python: fovea.torch, fovea.transformers, fovea.vllm (python/tests/test_torch_gpu.py)"
+  say "python: fovea.torch, fovea.transformers (test_torch_gpu.py), fovea.vllm (test_vllm_double.py)"
   lib=$FOVEA_BUILD/libfovea_attn.so
   if [ ! -e "$lib" ]; then
     echo "   no $lib in the build"; failed+=("python (no libfovea_attn.so)")
   elif ! $PY -c "import torch, transformers" 2>/dev/null; then
     echo "   $PY has no torch or transformers"; failed+=("python (no torch)")
   else
-    FOVEA_ATTN_LIB=$lib PYTHONPATH=$FOVEA_ROOT/python${PYTHONPATH:+:$PYTHONPATH} timeout 1200 \
-      $PY -m unittest -v "$FOVEA_ROOT/python/tests/test_torch_gpu.py" > "$OUT/python.txt" 2>&1
-    rc=$?
-    grep -E "^(FAIL|ERROR):|^Ran |^OK|^FAILED|rel |vs fp32" "$OUT/python.txt" | head -40
-    [ $rc = 0 ] || failed+=(python)
+    # Each file in a process of its own: the vLLM double replaces the `vllm` modules it imports.
+    for t in test_torch_gpu test_vllm_double; do
+      FOVEA_ATTN_LIB=$lib PYTHONPATH=$FOVEA_ROOT/python${PYTHONPATH:+:$PYTHONPATH} timeout 1200 \
+        $PY -m unittest -v "$FOVEA_ROOT/python/tests/$t.py" > "$OUT/$t.txt" 2>&1
+      rc=$?
+      echo "   $t:"
+      grep -E "^(FAIL|ERROR):|^Ran |^OK|^FAILED|rel |vs fp32|outside torch" "$OUT/$t.txt" | head -40
+      [ $rc = 0 ] || failed+=("python $t")
+    done
   fi
 fi
 
