@@ -9,6 +9,10 @@
 #include "fovea/error.h"
 #include "fovea/video.h"
 
+// A sample is counted twice in open_bytes: the demuxer's index entry, and the record of the packet
+// open_clip keeps (decode-ffmpeg.cpp's probe gets open_bytes less the demuxer's entries).
+static_assert(fovea::video::kIndexEntryBytes == fovea::video::kDemuxerEntryBytes + fovea::video::kPacketRecordBytes);
+
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   using namespace fovea;
   try {

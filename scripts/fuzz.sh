@@ -47,6 +47,8 @@ run_one() {
   case "$name" in  # the JSON parsers get the JSON dictionary (escapes weighted: fuzz/dict/json.dict)
     encode-request|chat-request|json-bounded|model-config|preprocessor-config|scale-file|shard-index)
       dict=(-dict=fuzz/dict/json.dict) ;;
+    stream-layout)  # start codes, parameter sets' NAL headers, profiles (fuzz/dict/stream-layout.dict)
+      dict=(-dict=fuzz/dict/stream-layout.dict) ;;
   esac
   "$bin" -max_total_time="$seconds" -rss_limit_mb=2048 -timeout=10 -print_final_stats=1 "${dict[@]}" \
       -artifact_prefix="$art/" "$corpus" > "$log" 2>&1 || rc=$?

@@ -399,7 +399,9 @@ std::optional<StreamLayout> h264_layout(BitReader r) {
   l.chroma = std::max<int>(1, int(chroma));
   l.sample_bytes = depth > 0 ? 2 : 1;
   l.refs = std::max<int>(int(refs), dpb);
-  l.reorder = reorder >= 0 ? reorder : h264_level_reorder(level, mb_width * map_height * (frames_only ? 1 : 2));
+  // Without a bitstream restriction FFmpeg takes the level's depth, except for intra-only streams
+  // (no reference frames), which it does not reorder.
+  l.reorder = reorder >= 0 ? reorder : refs == 0 ? 0 : h264_level_reorder(level, mb_width * map_height * (frames_only ? 1 : 2));
   l.from_header = true;
   return l;
 }
