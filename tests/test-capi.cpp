@@ -62,6 +62,18 @@ TEST(CApi, VersionAndFreshState) {
 }
 
 // Through the ABI, the CPU backend computes exactly what cpu::attention computes on the same values.
+// The device allocator hook: both callbacks (installed) or neither (cudaMalloc again); one alone is
+// refused naming both. (Its use is tested on the GPU: python/tests/test_vllm_double.py, test 7.)
+TEST(CApi, AllocatorIsBothCallbacksOrNeither) {
+  const fovea_attn_alloc_fn alloc = +[](size_t, int32_t, void*) -> void* { return nullptr; };
+  const fovea_attn_free_fn release = +[](void*, size_t, int32_t, void*) {};
+  EXPECT_EQ(fovea_attn_set_allocator(alloc, nullptr, nullptr), FOVEA_ATTN_INVALID);
+  EXPECT_NE(last().find("alloc and free must both be set"), std::string::npos) << last();
+  EXPECT_EQ(fovea_attn_set_allocator(nullptr, release, nullptr), FOVEA_ATTN_INVALID);
+  EXPECT_EQ(fovea_attn_set_allocator(alloc, release, nullptr), FOVEA_ATTN_OK);
+  EXPECT_EQ(fovea_attn_set_allocator(nullptr, nullptr, nullptr), FOVEA_ATTN_OK);
+}
+
 TEST(CApi, CpuMatchesTheReferenceBitForBit) {
   for (auto dtype : {FOVEA_ATTN_BF16, FOVEA_ATTN_FP8}) {
     Batch b({37, 1, 90}, 2, 72, test::fresh_seed());

@@ -8,7 +8,9 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstddef>
+#include <mutex>
 #include <string>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -90,14 +92,81 @@ class OwnedBuffer {
   size_t count_ = 0;
 };
 
+// Where device buffers come from: cudaMalloc, or an allocator the host program installs
+// (fovea_attn_set_allocator: the Python package installs torch's caching allocator, so a framework's
+// memory accounting sees fovea's buffers). A buffer goes back to the allocator that made it; one made
+// by an allocator since uninstalled is left to the process's end (that allocator may be gone).
+struct DeviceAllocator {
+  void* (*alloc)(size_t bytes, int32_t device, void* ctx) = nullptr;
+  void (*free)(void* p, size_t bytes, int32_t device, void* ctx) = nullptr;
+  void* ctx = nullptr;
+};
+
 namespace detail {
-inline cudaError_t device_alloc(void** p, size_t bytes) { return cudaMalloc(p, bytes); }
+struct HostedBuffers {
+  std::mutex m;
+  DeviceAllocator installed;
+  uint64_t generation = 0;  // of `installed`: a buffer of an older one is not freed through it
+  struct Made {
+    DeviceAllocator from;
+    uint64_t generation;
+    size_t bytes;
+    int32_t device;
+  };
+  std::unordered_map<void*, Made> live;
+};
+inline HostedBuffers& hosted() {
+  static HostedBuffers h;
+  return h;
+}
+// The lock is never held across the allocator's calls: they may call back into fovea (a host
+// runtime's garbage collector freeing another buffer).
+inline cudaError_t device_alloc(void** p, size_t bytes) {
+  HostedBuffers& h = hosted();
+  std::unique_lock lock(h.m);
+  const DeviceAllocator a = h.installed;
+  const uint64_t generation = h.generation;
+  lock.unlock();
+  if (!a.alloc) return cudaMalloc(p, bytes);
+  int device = 0;
+  if (const cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
+  *p = a.alloc(bytes, device, a.ctx);
+  if (!*p) return cudaErrorMemoryAllocation;
+  lock.lock();
+  h.live[*p] = {a, generation, bytes, device};
+  return cudaSuccess;
+}
+inline cudaError_t device_free(void* p) {
+  HostedBuffers& h = hosted();
+  std::unique_lock lock(h.m);
+  const auto it = h.live.find(p);
+  if (it == h.live.end()) {
+    lock.unlock();
+    return cudaFree(p);
+  }
+  const HostedBuffers::Made made = it->second;
+  const bool current = made.generation == h.generation;
+  h.live.erase(it);
+  lock.unlock();
+  if (current) made.from.free(p, made.bytes, made.device, made.from.ctx);
+  return cudaSuccess;
+}
 inline cudaError_t pinned_alloc(void** p, size_t bytes) { return cudaMallocHost(p, bytes); }
 }  // namespace detail
 
-// Device memory (cudaMalloc / cudaFree).
+// Installs `a` for the buffers made from now on (alloc and free both set), or cudaMalloc again (both
+// null).
+inline void set_device_allocator(const DeviceAllocator& a) {
+  detail::HostedBuffers& h = detail::hosted();
+  std::lock_guard lock(h.m);
+  if (a.alloc == h.installed.alloc && a.free == h.installed.free && a.ctx == h.installed.ctx) return;
+  h.installed = a;
+  ++h.generation;
+}
+
+// Device memory (cudaMalloc / cudaFree, or the installed DeviceAllocator).
 template <class T>
-using DeviceBuffer = OwnedBuffer<T, detail::device_alloc, cudaFree>;
+using DeviceBuffer = OwnedBuffer<T, detail::device_alloc, detail::device_free>;
 // Page-locked host memory (cudaMallocHost / cudaFreeHost), the source of asynchronous uploads.
 template <class T>
 using PinnedBuffer = OwnedBuffer<T, detail::pinned_alloc, cudaFreeHost>;

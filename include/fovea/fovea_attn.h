@@ -35,6 +35,7 @@
 #ifndef FOVEA_FOVEA_ATTN_H
 #define FOVEA_FOVEA_ATTN_H
 
+#include <stddef.h>
 #include <stdint.h>
 
 #ifdef __cplusplus
@@ -132,6 +133,19 @@ int32_t fovea_attn_prepare_fused(fovea_attn* h, const void* qkv, int64_t token_s
                                  const float* rope_sin, const fovea_attn_scales* scales, void* stream);
 /* The output of the last prepare, bf16 [tokens, heads, head_dim]. */
 int32_t fovea_attn_attend(fovea_attn* h, const fovea_attn_view* out, void* stream);
+
+/* Device memory for the handles' buffers (planned data, staging copies) from the caller's allocator,
+ * e.g. a framework's caching allocator, whose memory accounting then sees them: alloc returns `bytes`
+ * on `device` (the current CUDA device), or NULL, which fails the call that needed it as
+ * cudaErrorMemoryAllocation would; free takes back what alloc gave. Both set installs it for buffers made from now
+ * on; both NULL returns to cudaMalloc; one NULL is INVALID. A buffer goes back to the allocator that
+ * made it while that allocator is installed; once it is replaced, its buffers are not freed through
+ * it (left to the process's end: it may be gone). Buffers are made at plan time and when a strided
+ * view first needs staging, never during a CUDA graph capture. Process-wide; no-op in a CPU-only
+ * build. */
+typedef void* (*fovea_attn_alloc_fn)(size_t bytes, int32_t device, void* ctx);
+typedef void (*fovea_attn_free_fn)(void* ptr, size_t bytes, int32_t device, void* ctx);
+int32_t fovea_attn_set_allocator(fovea_attn_alloc_fn alloc, fovea_attn_free_fn free_fn, void* ctx);
 
 /* ---- scale files (vLLM's format: {"<layer prefix>": {"q": s, "k": s, "v": s}, ...}) ---------------
  * num_layers is 1..FOVEA_ATTN_MAX_LAYERS in the three calls below (a caller sizes qkv and states by it:

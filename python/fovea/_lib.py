@@ -122,6 +122,10 @@ def _candidates():
 _lock = threading.Lock()
 _lib = None
 
+# fovea_attn_set_allocator's callbacks: alloc(bytes, device, ctx) -> pointer or NULL; free(ptr, bytes, device, ctx).
+AllocFn = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int32, ctypes.c_void_p)
+FreeFn = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int32, ctypes.c_void_p)
+
 
 def _declare(lib):
     i32, i64, vp, f32 = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
@@ -142,6 +146,7 @@ def _declare(lib):
         "fovea_attn_scale_file_read": (i32, [ctypes.c_char_p, i32, ctypes.POINTER(f32)]),
         "fovea_attn_scale_file_write": (i32, [ctypes.c_char_p, i32, ctypes.POINTER(f32)]),
         "fovea_attn_calibrated_scales": (i32, [ctypes.POINTER(AmaxState), i32, f32, ctypes.POINTER(f32)]),
+        "fovea_attn_set_allocator": (i32, [AllocFn, FreeFn, vp]),
     }
     for name, (res, args) in sigs.items():
         fn = getattr(lib, name)

@@ -19,6 +19,7 @@ the host: a CPU cu_seqlens is read directly; a device one is read once per tenso
 remembered for that tensor while it is unchanged, so the layers of one forward share the read.
 Inside a CUDA graph capture nothing can be read: the shape must have run once before the capture.
 """
+import atexit
 import collections
 import threading
 import weakref
@@ -104,6 +105,43 @@ def _host_offsets(cu):
     return host
 
 
+_allocator = []  # the installed callbacks (kept alive while the library may call them)
+
+
+def _torch_alloc(nbytes, device, ctx):
+    try:
+        return torch.cuda.caching_allocator_alloc(nbytes, device, torch.cuda.current_stream(device))
+    except Exception:  # out of memory: NULL, and the library's call fails naming the allocation
+        return None
+
+
+def _torch_free(ptr, nbytes, device, ctx):
+    try:
+        torch.cuda.caching_allocator_delete(ptr)
+    except Exception:
+        pass
+
+
+def _install_allocator():
+    """fovea's device buffers come from torch's caching allocator, so torch's memory accounting (and
+    vLLM's profile run, which sizes the KV cache from it) sees them. Installed on the first GPU handle;
+    at exit every handle is dropped first, then the allocator uninstalled, so no buffer is freed
+    through torch once the interpreter is going away."""
+    with _lock:
+        if _allocator:
+            return
+        fns = [_lib.AllocFn(_torch_alloc), _lib.FreeFn(_torch_free)]
+        _lib.check(_lib.lib().fovea_attn_set_allocator(fns[0], fns[1], None))
+        _allocator.extend(fns)
+    atexit.register(_uninstall_allocator)
+
+
+def _uninstall_allocator():
+    with _lock:
+        _handles.clear()
+    _lib.lib().fovea_attn_set_allocator(_lib.AllocFn(), _lib.FreeFn(), None)
+
+
 def _handle(device, fp8, heads, head_dim, cu, stream):
     key = (device.type, device.index, fp8, heads, head_dim, cu)
     capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
@@ -116,6 +154,8 @@ def _handle(device, fp8, heads, head_dim, cu, stream):
     if capturing:
         raise RuntimeError("fovea: this attention shape was not planned before the CUDA graph capture (planning "
                            "allocates); run the same call once before capturing")
+    if device.type == "cuda":
+        _install_allocator()
     att = _fa.Attention("fp8" if fp8 else "bf16", heads, head_dim,
                         device="cpu" if device.type == "cpu" else device.index)
     att.plan(cu, stream)

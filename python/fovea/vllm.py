@@ -1,110 +1,303 @@
-"""A vLLM general plugin: fovea's attention as vLLM's vision-encoder attention (docs/python.md).
+"""A vLLM general plugin: fovea's attention inside vLLM's vision encoders (docs/vllm.md, docs/python.md).
 
-Installed with the package (entry point `vllm.general_plugins: fovea = fovea.vllm:register`), it
-registers an out-of-tree replacement of MMEncoderAttention, so every ViT attention layer vLLM builds
-(Qwen3-VL's among them) runs fovea's kernel: BF16, or FP8 with --mm-encoder-attn-dtype fp8 (dynamic
-scaling; static scales from --mm-encoder-fp8-scale-path, vLLM's file; calibration to
---mm-encoder-fp8-scale-save-path with --mm-encoder-fp8-scale-save-margin). FP8 runs on Hopper, where
-vLLM's own FP8 encoder attention is refused. Set FOVEA_VLLM=0 to leave vLLM's attention in place.
+Installed with the package (entry point `vllm.general_plugins: fovea = fovea.vllm:register`; vLLM
+loads it in every process unless VLLM_PLUGINS leaves it out; FOVEA_VLLM=0 turns it off). It
+registers an out-of-tree MMEncoderAttention, so the ViT attention layers vLLM builds (Qwen3-VL's
+and Qwen3.5's among them) run fovea's kernels on Hopper: BF16, or FP8 with
+--mm-encoder-attn-dtype fp8 (dynamic scaling; static scales from --mm-encoder-fp8-scale-path, vLLM's
+file; calibration to --mm-encoder-fp8-scale-save-path with --mm-encoder-fp8-scale-save-margin),
+where vLLM's own FP8 encoder attention needs Blackwell. It also replaces the Qwen2.5-VL / Qwen3-VL
+vision attention forward, so fovea gets the qkv projection's output and vLLM's RoPE tables (RoPE,
+quantization and layout in one step), as fovea.transformers' fused path does.
 
-Written against vLLM's call contract as read in its source (MMEncoderAttention.forward_cuda, the
-CustomOp.register_oot hook, the host-side classmethod maybe_recompute_cu_seqlens); not run against
-vLLM itself (tests use a stub of exactly these hooks).
+vLLM's own constructor runs (every attribute vLLM's model code reads is there); a layer fovea cannot
+serve keeps vLLM's own forward: grouped-query attention, head sizes other than 64/72/80/128, a
+softmax scale other than 1/sqrt(head_dim), a layer built in another dtype than bfloat16, a GPU other
+than Hopper (there vLLM's FP8 check applies as vLLM has it), and at run time fp16 inputs,
+kv_len != q_len, a batch of several rows. One log line (logger "fovea.vllm") lists, at the first
+forward, the layers on fovea and those left to vLLM with the reason.
+
+Encoder CUDA graphs (compilation_config.cudagraph_mm_encoder) replay new segment layouts from the
+captured cu_seqlens buffer; fovea plans its work from host offsets, so a capture through a fovea
+layer raises an error naming the flag rather than replaying the captured layout.
+
+Tested against a double of vLLM written from its source (python/tests/vllm_stub, the commits it
+follows in docs/vllm.md), never against vLLM itself.
 """
 import json
+import logging
 import os
 import re
 import weakref
 
+log = logging.getLogger("fovea.vllm")
+
+HEAD_SIZES = (64, 72, 80, 128)
 _registered = False
+_layers = []        # weak references to fovea's dynamic FP8 layers, for calibration
+_served = [0]       # layers built on fovea in this process (the classmethods then give token offsets)
+_pending = []       # (layer name, reason or None) of layers built since the last report
+_said = set()       # (layer name, reason) of run-time fallbacks already logged
 
 
 def register():
-    """The plugin's entry point: idempotent, a no-op with FOVEA_VLLM=0."""
+    """The plugin's entry point: idempotent, a no-op with FOVEA_VLLM=0. Where another plugin has
+    already replaced MMEncoderAttention, it logs that and leaves it in place."""
     global _registered
     if _registered or os.environ.get("FOVEA_VLLM", "1") == "0":
         return
-    import torch
-    from vllm.model_executor.custom_op import CustomOp
+    _registered = True
+    from vllm.model_executor import custom_op
     from vllm.model_executor.layers.attention.mm_encoder_attention import MMEncoderAttention
+
+    taken = getattr(custom_op, "op_registry_oot", {}).get("MMEncoderAttention")
+    if taken is not None:
+        log.warning("fovea: MMEncoderAttention is already replaced by %s.%s (another vLLM plugin): fovea leaves it "
+                    "in place (set VLLM_PLUGINS to choose one)", taken.__module__, taken.__qualname__)
+        return
+    layer_cls = _layer_class(MMEncoderAttention)
+    try:
+        custom_op.CustomOp.register_oot(layer_cls, name="MMEncoderAttention")
+    except AssertionError as e:  # registered in between: vLLM's assertion, which its loader does not catch
+        log.warning("fovea: MMEncoderAttention could not be registered (%s): fovea leaves vLLM's in place", e)
+        return
+    _patch_vision_attention()
+
+
+def _fp8_config():
+    """vLLM's multimodal config where it asks for FP8 encoder attention, else None."""
+    try:
+        from vllm.model_executor.models.vision import get_multimodal_config
+        cfg = get_multimodal_config()
+    except (ImportError, AttributeError, AssertionError):
+        return None
+    return cfg if cfg is not None and (getattr(cfg, "mm_encoder_attn_dtype", None) or "").lower() == "fp8" else None
+
+
+def _why_not(torch, num_heads, head_size, num_kv_heads, scale, dtype):
+    """Why fovea cannot serve a layer of this shape (None: it can)."""
+    if num_kv_heads not in (None, num_heads):
+        return f"grouped-query attention ({num_heads} query heads, {num_kv_heads} key/value heads)"
+    if head_size not in HEAD_SIZES:
+        return f"head size {head_size} (fovea's kernels: {', '.join(map(str, HEAD_SIZES))})"
+    if scale is not None and abs(scale * head_size ** 0.5 - 1) > 1e-6:
+        return f"softmax scale {scale:g}, not 1/sqrt(head_dim)"
+    if dtype != torch.bfloat16:
+        return f"built for {str(dtype).replace('torch.', '')} (fovea runs bfloat16)"
+    if not torch.cuda.is_available():
+        return "no CUDA GPU"
+    cap = torch.cuda.get_device_capability()
+    if cap[0] != 9:
+        return f"not a Hopper GPU (sm_{cap[0]}{cap[1]})"
+    return None
+
+
+def _runtime_why(q, k):
+    """Why fovea cannot serve this call of a layer it serves (None: it can)."""
+    if q.dtype != k.dtype or str(q.dtype) != "torch.bfloat16":
+        return f"{str(q.dtype).replace('torch.', '')} inputs (fovea runs bfloat16)"
+    if k.shape[1] != q.shape[1]:
+        return f"kv_len {k.shape[1]} != q_len {q.shape[1]}"
+    if not q.is_cuda:
+        return "inputs not on a CUDA device"
+    return None
+
+
+def _report():
+    """Logs, once, the layers built since the last report: those on fovea and those left to vLLM."""
+    if not _pending:
+        return
+    ours = [name for name, why in _pending if why is None]
+    theirs = [f"{name} ({why})" for name, why in _pending if why is not None]
+    _pending.clear()
+    parts = []
+    if ours:
+        parts.append(f"{len(ours)} on fovea: {', '.join(ours)}")
+    if theirs:
+        parts.append(f"{len(theirs)} on vLLM's own attention: {'; '.join(theirs)}")
+    log.info("fovea: vision attention layers: %s", ". ".join(parts))
+
+
+def _said_once(layer, why):
+    if (layer.layer_name, why) not in _said:
+        _said.add((layer.layer_name, why))
+        log.info("fovea: %s: %s: this call runs on vLLM's own attention", layer.layer_name, why)
+
+
+def _capture_error(name):
+    return RuntimeError(
+        f"fovea: {name}: a CUDA graph is being captured through fovea's attention. vLLM's encoder CUDA graphs "
+        "(compilation_config.cudagraph_mm_encoder) replay other segment layouts from the captured cu_seqlens, and "
+        "fovea plans its work from host offsets: the replay would repeat the captured layout. Turn "
+        "cudagraph_mm_encoder off, or leave vLLM's attention in place with FOVEA_VLLM=0.")
+
+
+def _layer_class(base):
+    import torch
 
     from . import attention as fovea_attention
     from . import torch as fovea_torch
 
-    def multimodal_config():
-        try:
-            from vllm.model_executor.models.vision import get_multimodal_config
-        except ImportError:
-            return None
-        return get_multimodal_config()
+    class FoveaMMEncoderAttention(base):
+        """MMEncoderAttention on fovea's kernel where fovea can serve it (fovea_reason None), vLLM's own
+        forward elsewhere. vLLM's constructor runs; its FP8 set-up, which refuses every GPU but
+        Blackwell, is replaced by fovea's for the layers fovea serves."""
 
-    layers = []  # weak references to the dynamic layers, for calibration
+        def __init__(self, num_heads, head_size, scale=None, num_kv_heads=None, prefix="", **kwargs):
+            why = _why_not(torch, num_heads, head_size, num_kv_heads, scale, torch.get_default_dtype())
+            object.__setattr__(self, "fovea_reason", why)  # read by _init_fp8_state, which vLLM's constructor calls
+            super().__init__(num_heads, head_size, scale, num_kv_heads, prefix, **kwargs)
+            if not hasattr(self, "fp8_enabled"):  # a vLLM without FP8 encoder attention
+                self._init_fp8_state()
+            if self.scale is None:  # vLLM before 2026 kept None for the default
+                self.scale = head_size ** -0.5
+            _pending.append((prefix, self.fovea_reason))
+            if self.fovea_reason is None:
+                _served[0] += 1
 
-    class FoveaMMEncoderAttention(MMEncoderAttention):
-        """MMEncoderAttention on fovea's kernel. Its constructor skips MMEncoderAttention's, whose FP8
-        set-up refuses every GPU but Blackwell: it keeps the same attributes and builds fovea's FP8 state."""
-
-        def __init__(self, num_heads, head_size, scale=None, num_kv_heads=None, prefix="", **unused):
-            CustomOp.__init__(self)
-            self.num_heads, self.head_size = num_heads, head_size
-            self.scale = 1.0 / (head_size ** 0.5) if scale is None else scale
-            self.num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-            if self.num_kv_heads != num_heads:
-                raise ValueError(f"fovea: {prefix}: grouped-query attention ({num_heads} query heads, "
-                                 f"{self.num_kv_heads} key/value heads) is not supported")
-            self.layer_name = prefix
-            self.num_queries_per_kv = 1
-            self.dtype = torch.get_default_dtype()
-            self.fp8_enabled, self.fovea_calls = False, 0
-            cfg = multimodal_config()
-            if cfg is None or (getattr(cfg, "mm_encoder_attn_dtype", None) or "").lower() != "fp8":
+        def _init_fp8_state(self):
+            cfg = _fp8_config()
+            if self.fovea_reason is not None:
+                parent = getattr(super(), "_init_fp8_state", None)
+                try:
+                    if parent is not None:
+                        return parent()
+                except ValueError:  # vLLM's FP8 check: Blackwell only
+                    if cfg is None or torch.cuda.get_device_capability()[0] != 9:
+                        raise
+                    self.fovea_reason += "; FP8 asked, which vLLM's attention has only on Blackwell: runs BF16"
+                self._fp8_defaults(False)
                 return
-            self.fp8_enabled = True
+            self._fp8_defaults(cfg is not None)
+            if cfg is None:
+                return
             static = getattr(cfg, "mm_encoder_fp8_scale_path", None)
+            self._fp8_dynamic_scale = not static
             if static:
-                scales = _layer_scales(os.path.expanduser(static), prefix)
+                scales = _layer_scales(os.path.expanduser(static), self.layer_name)
+                # torch.tensor follows vLLM's `with torch.device(...)`: the buffer is made on the layer's device.
                 self.register_buffer("fovea_descale", torch.tensor(scales, dtype=torch.float32))
-            else:
-                raw = bytearray(fovea_attention.fresh_state_bytes())
-                self.register_buffer("fovea_amax_state", torch.frombuffer(raw, dtype=torch.int32).clone())
-                self.fovea_save = getattr(cfg, "mm_encoder_fp8_scale_save_path", None)
-                self.fovea_margin = float(getattr(cfg, "mm_encoder_fp8_scale_save_margin", 1.5))
-                layers.append(weakref.ref(self))
+                self.skip_scale_q, self.skip_scale_k, self.skip_scale_v = (s == 1.0 for s in scales)
+                return
+            state = list(memoryview(fovea_attention.fresh_state_bytes()).cast("i"))
+            self.register_buffer("fovea_amax_state", torch.tensor(state, dtype=torch.int32))
+            self.fovea_save = getattr(cfg, "mm_encoder_fp8_scale_save_path", None)
+            self.fovea_margin = float(getattr(cfg, "mm_encoder_fp8_scale_save_margin", 1.5))
+            self.fovea_calls = 0
+            _layers.append(weakref.ref(self))
+
+        def _fp8_defaults(self, enabled):
+            self.fp8_enabled, self._fp8_dynamic_scale, self.fp8_quant = enabled, False, None
+            self.skip_scale_q = self.skip_scale_k = self.skip_scale_v = False
 
         def process_weights_after_loading(self, act_dtype=None):
-            # vLLM's loader calls this on every MMEncoderAttention to load FP8 scales into the buffers
-            # its own constructor makes; this class made its state in its constructor.
+            # vLLM's loader calls this on every MMEncoderAttention to fill its FP8 scales; fovea's
+            # layers read theirs in the constructor.
+            if self.fovea_reason is not None:
+                parent = getattr(super(), "process_weights_after_loading", None)
+                return parent(act_dtype) if parent is not None else None
             return None
 
         @classmethod
-        def maybe_recompute_cu_seqlens(cls, attn_backend, cu_seqlens, hidden_size, tp_size, device,
-                                       fp8_padded_hidden_size=None):
-            # Called on the host with numpy offsets: the device copy is remembered with them, so the
-            # layers plan without reading it back.
-            t = torch.from_numpy(cu_seqlens).to(device, non_blocking=True)
-            fovea_torch.remember_offsets(t, [int(x) for x in cu_seqlens])
+        def maybe_recompute_cu_seqlens(cls, attn_backend, cu_seqlens, hidden_size, tp_size, *args, **kwargs):
+            # Two contracts in 2026 vLLM: with `device` (a device tensor back) and without (numpy back).
+            # Where fovea serves the tower, its layers take token offsets whatever the backend's own form.
+            if not _served[0]:
+                return super().maybe_recompute_cu_seqlens(attn_backend, cu_seqlens, hidden_size, tp_size, *args,
+                                                          **kwargs)
+            device = kwargs.get("device")
+            if device is None and args and not isinstance(args[0], (int, type(None))):
+                device = args[0]
+            import numpy as np
+            offsets = np.ascontiguousarray(cu_seqlens, dtype=np.int32)
+            if device is None:
+                return offsets
+            t = torch.from_numpy(offsets).to(device, non_blocking=True)
+            fovea_torch.remember_offsets(t, offsets.tolist())  # the layers plan without reading it back
             return t
 
+        def fovea_fp8_kwargs(self, device):
+            """The FP8 keyword arguments of fovea.torch's ops for this layer (its state on `device`)."""
+            if not self.fp8_enabled:
+                return {}
+            name = "fovea_descale" if hasattr(self, "fovea_descale") else "fovea_amax_state"
+            t = getattr(self, name)
+            if t.device != device:  # a layer built outside a device context and never moved
+                t = t.to(device)
+                setattr(self, name, t)
+            return {"descale": t} if name == "fovea_descale" else {"amax_state": t}
+
+        def fovea_after_call(self):
+            if self.fp8_enabled and self._fp8_dynamic_scale and self.fovea_save:
+                _count_and_calibrate(self)
+
         def forward_cuda(self, query, key, value, cu_seqlens=None, max_seqlen=None, sequence_lengths=None):
-            b, s = query.shape[0], query.shape[1]
-            q, k, v = (x.reshape(b, s, self.num_heads, self.head_size) if x.dim() == 3 else x for x in (query, key, value))
+            _report()
+            b = query.shape[0]
+            why = self.fovea_reason or _runtime_why(query, key) or (
+                f"a batch of {b} rows with cu_seqlens" if b != 1 and cu_seqlens is not None else None)
+            if why:
+                if self.fovea_reason is None:
+                    _said_once(self, why)
+                return self._vllm_forward(query, key, value, cu_seqlens, max_seqlen, sequence_lengths)
+            if torch.cuda.is_current_stream_capturing():
+                raise _capture_error(self.layer_name)
+            s = query.shape[1]
+            q, k, v = (x.reshape(b * s, self.num_heads, self.head_size) for x in (query, key, value))
             if cu_seqlens is None:  # one sequence per batch row
                 cu_seqlens = torch.arange(0, (b + 1) * s, s, dtype=torch.int32)
-            elif b != 1:
-                raise ValueError(f"fovea: {self.layer_name}: cu_seqlens with a batch of {b} rows")
-            flat = [x.reshape(b * s, self.num_heads, self.head_size) if b != 1 else x[0] for x in (q, k, v)]
-            fp8 = {}
-            if self.fp8_enabled:
-                fp8 = {"descale": self.fovea_descale} if hasattr(self, "fovea_descale") else {"amax_state": self.fovea_amax_state}
-            out = fovea_torch.varlen_attention(*flat, cu_seqlens, softmax_scale=self.scale, **fp8)
-            out = out.view(b, s, self.num_heads, self.head_size)
-            if "amax_state" in fp8 and self.fovea_save:
-                self.fovea_calls += 1
-                _maybe_calibrate(self, layers)
-            return out.reshape(query.shape) if query.dim() == 3 else out
+            out = fovea_torch.varlen_attention(q, k, v, cu_seqlens, **self.fovea_fp8_kwargs(query.device))
+            self.fovea_after_call()
+            return out.view(query.shape) if query.dim() == 4 else out.reshape(b, s, -1)
 
-    CustomOp.register_oot(FoveaMMEncoderAttention, name="MMEncoderAttention")
-    _registered = True
+        def _vllm_forward(self, query, key, value, cu_seqlens, max_seqlen, sequence_lengths):
+            from vllm.v1.attention.backends.registry import AttentionBackendEnum
+            if _served[0] and self.attn_backend == AttentionBackendEnum.FLASHINFER:
+                # The tower's offsets are fovea's (tokens), not FlashInfer's (elements): vLLM's SDPA reads tokens.
+                return self._forward_sdpa(query, key, value, cu_seqlens)
+            kw = {} if sequence_lengths is None else {"sequence_lengths": sequence_lengths}
+            return super().forward_cuda(query, key, value, cu_seqlens, max_seqlen, **kw)
+
+    return FoveaMMEncoderAttention
+
+
+def _patch_vision_attention():
+    """Replaces Qwen2_5_VisionAttention.forward (Qwen2.5-VL's, Qwen3-VL's and Qwen3.5's vision blocks)
+    with the fused path where its attention layer is fovea's, as vLLM's hardware plugins patch it."""
+    try:
+        from vllm.model_executor.models import qwen2_5_vl
+    except ImportError:
+        return
+    cls = getattr(qwen2_5_vl, "Qwen2_5_VisionAttention", None)
+    if cls is None or getattr(cls.forward, "fovea_original", None) is not None:
+        return
+    import torch
+
+    from . import torch as fovea_torch
+    original = cls.forward
+
+    def forward(self, x, cu_seqlens, rotary_pos_emb_cos=None, rotary_pos_emb_sin=None, max_seqlen=None,
+                sequence_lengths=None, **kwargs):
+        attn = getattr(self, "attn", None)
+        if (kwargs or getattr(attn, "fovea_reason", "not fovea's") is not None or rotary_pos_emb_cos is None
+                or rotary_pos_emb_sin is None or x.dim() != 3 or x.shape[1] != 1 or x.dtype != torch.bfloat16):
+            if sequence_lengths is not None:  # passed on only where given: older forwards lack it
+                kwargs["sequence_lengths"] = sequence_lengths
+            return original(self, x, cu_seqlens, rotary_pos_emb_cos, rotary_pos_emb_sin, max_seqlen, **kwargs)
+        _report()
+        if torch.cuda.is_current_stream_capturing():
+            raise _capture_error(attn.layer_name)
+        s = x.shape[0]
+        qkv, _ = self.qkv(x)
+        qkv = qkv.view(s, 3, attn.num_heads, attn.head_size)
+        cos, sin = (t.float().contiguous() for t in (rotary_pos_emb_cos, rotary_pos_emb_sin))
+        out = fovea_torch.varlen_attention_qkv(qkv, cu_seqlens, cos, sin, **attn.fovea_fp8_kwargs(x.device))
+        attn.fovea_after_call()
+        output, _ = self.proj(out.view(s, 1, -1))
+        return output
+
+    forward.fovea_original = original
+    cls.forward = forward
 
 
 def _layer_index(prefix):
@@ -131,18 +324,29 @@ def _layer_scales(path, prefix):
     return [float(x) for x in vals]
 
 
-def _maybe_calibrate(layer, layers):
-    """After 16 forwards of every dynamic layer, writes the save path once (s x margin), in layer order."""
-    from . import attention as fovea_attention
-    live = [r() for r in layers if r() is not None]
+def _count_and_calibrate(layer):
+    """Counts the layer's forward; after 16 forwards of every dynamic layer, writes the save path
+    once (s x margin), in layer order. Host work: kept out of compiled graphs."""
+    layer.fovea_calls += 1
+    live = [r() for r in _layers if r() is not None]
     if not layer.fovea_save or any(x.fovea_calls < 16 for x in live):
         return
+    from . import attention as fovea_attention
     live.sort(key=lambda x: _layer_index(x.layer_name) or 0)
     states = [x.fovea_amax_state.cpu().numpy().tobytes() for x in live]
-    scales = fovea_attention.calibrated_scales(states, layer.fovea_margin)
-    tmp = layer.fovea_save + ".tmp"
+    scales = fovea_attention.calibrated_scales(states, live[0].fovea_margin)
+    path = layer.fovea_save
+    tmp = f"{path}.tmp.{os.getpid()}"
     with open(tmp, "w") as f:
         json.dump({x.layer_name: dict(zip("qkv", s)) for x, s in zip(live, scales)}, f, indent=1)
-    os.replace(tmp, layer.fovea_save)
+    os.replace(tmp, path)
     for x in live:
         x.fovea_save = None
+    log.info("fovea: saved FP8 scales of %d layers to %s", len(live), path)
+
+
+try:  # host I/O and Python counters: never traced into a compiled region
+    import torch as _torch
+    _count_and_calibrate = _torch.compiler.disable(_count_and_calibrate)
+except (ImportError, AttributeError):
+    pass

@@ -1,4 +1,5 @@
-"""fovea.torch, fovea.transformers and fovea.vllm on a GPU (torch and transformers installed; FP8 needs Hopper).
+"""fovea.torch and fovea.transformers on a GPU (torch and transformers installed; FP8 needs Hopper); fovea.vllm
+is tested in test_vllm_double.py.
 
     FOVEA_ATTN_LIB=build/libfovea_attn.so PYTHONPATH=python python3 -m unittest python/tests/test_torch_gpu.py -v
 The oracles: fp64 attention (torch, per segment), the CPU emulation of the same kernel through the same
@@ -9,7 +10,6 @@ import copy
 import itertools
 import json
 import os
-import sys
 import tempfile
 import unittest
 
@@ -256,70 +256,6 @@ class Transformers(unittest.TestCase):
         self.assertLessEqual(e_fv, 1.5 * e_hf)
         self.assertLessEqual(e_f8, 1.5 * e_hf)
         self.assertLessEqual(e_f8f, 1.5 * e_hf)
-
-
-class Vllm(unittest.TestCase):
-    """The plugin against a stub of exactly the vLLM hooks it uses (tests/vllm_stub): not vLLM itself."""
-
-    def setUp(self):
-        sys.path.insert(0, os.path.join(os.path.dirname(__file__), "vllm_stub"))
-        import vllm  # noqa: F401  (the stub)
-        import fovea.vllm as fv
-        fv._registered = False
-        vllm.reset()
-        self.vllm, self.fv = vllm, fv
-
-    def tearDown(self):
-        sys.path.pop(0)
-
-    def layer(self, i=0):
-        from vllm.model_executor.layers.attention.mm_encoder_attention import MMEncoderAttention
-        return MMEncoderAttention(num_heads=16, head_size=72, scale=72 ** -0.5, prefix=f"visual.blocks.{i}.attn.attn").to(CUDA)
-
-    def call(self, layer, seed):
-        import numpy as np
-        from vllm.model_executor.layers.attention.mm_encoder_attention import MMEncoderAttention
-        q, k, v, cu = inputs([100, 60, 340], 16, 72, seed=seed)
-        cu_dev = MMEncoderAttention.maybe_recompute_cu_seqlens(None, np.array(cu.tolist(), dtype=np.int32), 1152, 1, CUDA)
-        out = layer(q[None], k[None], v[None], cu_seqlens=cu_dev, max_seqlen=torch.tensor(340, dtype=torch.int32))
-        return out, (q, k, v, cu)
-
-    def test_bf16_layer_is_fovea_and_exact_to_the_op(self):
-        self.vllm.set_config(None)
-        self.fv.register()
-        layer = self.layer()
-        self.assertEqual(type(layer).__name__, "FoveaMMEncoderAttention")
-        out, (q, k, v, cu) = self.call(layer, 1)
-        self.assertEqual(out.shape, (1, 500, 16, 72))
-        self.assertTrue(torch.equal(out[0], ft.varlen_attention(q, k, v, cu)))
-
-    def test_fp8_static_dynamic_and_calibration(self):
-        with tempfile.TemporaryDirectory() as d:
-            scales = os.path.join(d, "s.json")
-            self.vllm.set_config(self.vllm.MultiModalConfig(mm_encoder_attn_dtype="fp8",
-                                                            mm_encoder_fp8_scale_save_path=scales))
-            self.fv.register()
-            layers = [self.layer(i) for i in range(2)]
-            for step in range(16):
-                self.assertFalse(os.path.exists(scales))
-                for layer in layers:
-                    out, _ = self.call(layer, step)
-                    self.assertFalse(out.isnan().any().item())
-            with open(scales) as f:
-                data = json.load(f)
-            self.assertEqual(sorted(data), ["visual.blocks.0.attn.attn", "visual.blocks.1.attn.attn"])
-            self.vllm.reset()
-            self.fv._registered = False
-            self.vllm.set_config(self.vllm.MultiModalConfig(mm_encoder_attn_dtype="fp8", mm_encoder_fp8_scale_path=scales))
-            self.fv.register()
-            layer = self.layer(1)
-            self.assertEqual(layer.fovea_descale.tolist(), [pytest_round(data["visual.blocks.1.attn.attn"][c]) for c in "qkv"])
-            out, (q, k, v, cu) = self.call(layer, 3)
-            self.assertTrue(torch.equal(out[0], ft.varlen_attention(q, k, v, cu, descale=layer.fovea_descale)))
-
-
-def pytest_round(x):
-    return float(torch.tensor(x, dtype=torch.float32))
 
 
 if __name__ == "__main__":

@@ -433,6 +433,18 @@ void fovea_attn_amax_state_init(fovea_attn_amax_state* state) {
   }
 }
 
+int32_t fovea_attn_set_allocator(fovea_attn_alloc_fn alloc, fovea_attn_free_fn free_fn, void* ctx) {
+  return guarded("fovea_attn_set_allocator", [&] {
+    if (!alloc != !free_fn)
+      refuse(FOVEA_ATTN_INVALID, "alloc and free must both be set (an allocator) or both be NULL (cudaMalloc)");
+#if FOVEA_HAVE_CUDA
+    cuda::set_device_allocator({alloc, free_fn, alloc ? ctx : nullptr});
+#else
+    (void)ctx;  // a CPU-only build makes no device buffers
+#endif
+  });
+}
+
 int32_t fovea_attn_create(int32_t dtype, int32_t backend, int32_t heads, int32_t head_dim, int32_t device, fovea_attn** out) {
   return guarded("fovea_attn_create", [&] {
     need(out != nullptr, "`out` is null");
