@@ -12,7 +12,9 @@ pkgs=(cmake ninja-build g++ pkg-config
       libcurl4-openssl-dev # fovea serve's http(s) media URLs (--allowed-media-domains)
       ffmpeg               # the video tests make and decode clips with its command line (test-only)
       haproxy              # the deployment test puts two servers behind it (test-only; docs/deploy.md)
+      b3sum                # BLAKE3 as its authors compute it, against fovea's own (tests/test-blake3.cpp; test-only)
       python3-numpy        # the C ABI's test through the Python package (python/tests/test_capi.py)
+      python3-setuptools python3-wheel  # the wheel check (tests/python-wheel-test.py: scripts/python-wheel.sh)
       clang libclang-rt-14-dev llvm-14 python3)  # the sanitizer/fuzz build, its symbolizer, the hostile suite
 missing=()
 for p in "${pkgs[@]}"; do

@@ -656,3 +656,78 @@ TEST(EcCacheMinAge, CountersCountVanishedFilesAndLoadFailures) {
 }
 
 }  // namespace
+
+// vLLM's identifier for an item sent with kwargs (fovea::vllm_mm_hash), against digests of vLLM's
+// framed byte stream built by an independent port of MultiModalHasher (Python) and hashed by b3sum.
+TEST(VllmMmHash, MatchesVllmsHasher) {
+  fovea::MmKwargs k;
+  EXPECT_EQ(fovea::vllm_mm_hash("synthetic:tiny", fovea::InputKind::IMAGE, "abc", k), "abc");  // nothing: the uuid
+  k.processor = nlohmann::ordered_json::object();
+  k.media_io = nlohmann::ordered_json::parse(R"({"image": {}, "video": null})");
+  EXPECT_EQ(fovea::vllm_mm_hash("synthetic:tiny", fovea::InputKind::IMAGE, "abc", k), "abc");  // {} and null say nothing
+  k.processor = nlohmann::ordered_json::parse(R"({"max_pixels": 40000})");
+  EXPECT_EQ(fovea::vllm_mm_hash("synthetic:tiny", fovea::InputKind::IMAGE, "abc", k),
+            "0bdbb3792a85f586bb922c2aa5e2634801cd0a31ee208ece60351a3b23567a0e");
+  // Nested values, null, a bool, a float, a list, key order as sent; the other modality's scoped
+  // kwargs (videos_kwargs) left out of an image's identifier.
+  k.processor = nlohmann::ordered_json::parse(
+      R"({"max_pixels": 65536, "size": {"longest_edge": 65536, "shortest_edge": 4096}, "fps": 1.5,
+          "videos_kwargs": {"num_frames": 4}, "images_kwargs": {"min_pixels": 1024}, "do_x": null, "flag": true,
+          "list": [1, {"a": "b"}]})");
+  EXPECT_EQ(fovea::vllm_mm_hash("synthetic:tiny", fovea::InputKind::IMAGE, "photo-1", k),
+            "2c50c4d6a52a3545844ce0f5ad2cbc4537b8c8d11cfbe519ea1c01cbd499fd54");
+  // Key order is part of the identifier (vLLM hashes the mapping in its order).
+  k.processor = nlohmann::ordered_json::parse(R"({"size": {"shortest_edge": 4096, "longest_edge": 65536}})");
+  fovea::MmKwargs swapped;
+  swapped.processor = nlohmann::ordered_json::parse(R"({"size": {"longest_edge": 65536, "shortest_edge": 4096}})");
+  EXPECT_NE(fovea::vllm_mm_hash("m", fovea::InputKind::IMAGE, "u", k), fovea::vllm_mm_hash("m", fovea::InputKind::IMAGE, "u", swapped));
+  // Only videos_kwargs: an image's identifier is its uuid, a clip's is hashed.
+  k.processor = nlohmann::ordered_json::parse(R"({"videos_kwargs": {"fps": 1}})");
+  EXPECT_EQ(fovea::vllm_mm_hash("m", fovea::InputKind::IMAGE, "u", k), "u");
+  EXPECT_EQ(fovea::vllm_mm_hash("m", fovea::InputKind::VIDEO, "u", k).size(), 64u);
+}
+
+// apply_mm_kwargs: what a request may lower, what it may not raise, what fovea refuses by name.
+TEST(MmKwargs, AppliedWithinTheServersLimits) {
+  fovea::InputConfig server = fovea::load_input_config("synthetic:tiny");
+  const auto apply = [&](const char* processor, const char* media_io = "") {
+    return fovea::apply_mm_kwargs(server, fovea::parse_mm_kwargs(processor, media_io));
+  };
+  const auto refused = [&](const char* processor, const char* media_io, const std::string& says) {
+    try {
+      apply(processor, media_io);
+      ADD_FAILURE() << processor << " " << media_io << " was accepted";
+    } catch (const fovea::Error& e) {
+      EXPECT_NE(std::string(e.what()).find(says), std::string::npos) << e.what();
+    }
+  };
+  EXPECT_EQ(apply("{}").image.max_pixels, server.image.max_pixels);
+  EXPECT_EQ(apply("null", "null").image.max_pixels, server.image.max_pixels);
+  const fovea::InputConfig lower = apply(R"({"max_pixels": 40000, "fps": 1, "num_frames": 4})");
+  EXPECT_EQ(lower.image.max_pixels, 40000);
+  EXPECT_LE(lower.image.min_pixels, 40000);
+  EXPECT_EQ(lower.video.fps, 1);
+  EXPECT_EQ(lower.video.num_frames, 4);
+  EXPECT_EQ(lower.video.max_pixels, server.video.max_pixels);  // flat max_pixels: images only
+  const fovea::InputConfig sized = apply(R"({"size": {"longest_edge": 50000}, "videos_kwargs": {"max_pixels": 60000}})");
+  EXPECT_EQ(sized.image.max_pixels, 50000);
+  EXPECT_EQ(sized.video.max_pixels, 60000);
+  EXPECT_EQ(apply(R"({"images_kwargs": {"min_pixels": 1024, "max_pixels": 2048}})").image.min_pixels, 1024);
+  refused(R"({"max_pixels": 100000000})", "", "raises the server's limit");
+  refused(R"({"max_pixels": 1000000000})", "", "out of range");
+  refused(R"({"size": {"longest_edge": 999999999}})", "", "size.longest_edge");
+  refused(R"({"max_pixels": "big"})", "", "mm_processor_kwargs.max_pixels: must be an integer");
+  refused(R"({"max_pixels": 1.5})", "", "must be an integer");
+  refused(R"({"min_pixels": 70000, "max_pixels": 60000})", "", "above the largest budget");
+  refused(R"({"fps": 1e300})", "", "mm_processor_kwargs.fps");
+  refused(R"({"fps": -1})", "", "out of range");
+  refused(R"({"num_frames": 100000})", "", "num_frames");
+  refused(R"({"do_resize": false})", "", "mm_processor_kwargs.do_resize: not implemented");
+  refused(R"({"size": {"height": 10}})", "", "size.height: not implemented");
+  refused(R"({"images_kwargs": {"fps": 2}})", "", "images_kwargs.fps: not implemented");
+  refused(R"({"videos_kwargs": []})", "", "must be an object");
+  refused("[]", "", "mm_processor_kwargs: must be an object");
+  refused("{}", R"({"video": {"num_frames": 8}})", "media_io_kwargs.video.num_frames: not implemented");
+  refused("{}", R"({"audio": {}})", "media_io_kwargs.audio: not implemented");
+  refused("{}", R"({"image": 3})", "must be an object");
+}

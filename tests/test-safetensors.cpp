@@ -346,7 +346,7 @@ TEST(SafetensorsErrors, BadEntries) {
       {R"({"dtype": "F32", "shape": [2], "data_offsets": [-8, 0]})", "data_offsets is not [begin, end]"},
       {R"({"dtype": "F32", "shape": [2], "data_offsets": [0, 18446744073709551615]})", "data_offsets is not [begin, end]"},
       {R"({"dtype": "I64", "shape": [1], "data_offsets": [0, 8]})",
-       "dtype I64 is not supported: vision checkpoints hold BF16, F16 or F32"},
+       "dtype I64 is not supported: vision checkpoints hold BF16, F16, F32 or F8_E4M3 (with its scale)"},
       {R"({"dtype": "F32", "shape": [-2], "data_offsets": [0, 8]})", "negative dimension in shape [-2]"},
       {R"({"dtype": "F32", "shape": [2], "data_offsets": [8, 0]})", "end before begin"},
       {R"({"dtype": "F32", "shape": [3], "data_offsets": [0, 8]})", "span 8 bytes, but shape [3] of F32 needs 12"},
@@ -403,4 +403,56 @@ TEST(WriteSafetensors, Errors) {
   EXPECT_HAS(error_of([&] { write_safetensors(p, {f32("w", {-1}, {})}); }), "invalid shape [-1]");
   EXPECT_FALSE(fs::exists(p));  // nothing written by a failed call
   EXPECT_HAS(error_of([&] { write_safetensors(dir.file("no/such/dir.safetensors"), {}); }), "does not exist");
+}
+
+// ---- tensors skipped by name (an FP8 release's language model, docs/encoder.md §FP8 releases) -------
+
+// A tensor the filter turns away may have any dtype the format defines (FP8, integers, packed 4-bit):
+// it is validated as every other, then only its name is kept, with its file. F8_E4M3 is read when kept.
+TEST(SafetensorsSkip, SkippedTensorsAreValidatedNotRead) {
+  TempDir dir;
+  const std::string h = R"({"lm.a": {"dtype": "I64", "shape": [2], "data_offsets": [0, 16]},
+      "lm.b": {"dtype": "F8_E5M2", "shape": [4], "data_offsets": [16, 20]},
+      "lm.c": {"dtype": "F4", "shape": [2, 4], "data_offsets": [20, 24]},
+      "lm.d": {"dtype": "F8_E4M3", "shape": [2, 2], "data_offsets": [24, 28]},
+      "v.w": {"dtype": "F8_E4M3", "shape": [2, 2], "data_offsets": [28, 32]}})";
+  const std::string p = dir.write("m.safetensors", raw(h, std::string(32, '\x38')));
+  const TensorFilter vision = [](const std::string& n) { return n.rfind("v.", 0) == 0; };
+  const Checkpoint ck = Checkpoint::open(p, vision);
+  ASSERT_EQ(ck.tensors().size(), 1u);
+  EXPECT_EQ(ck.find("v.w")->dtype, DType::F8_E4M3);
+  EXPECT_EQ(ck.find("v.w")->bytes, 4u);
+  EXPECT_HAS(error_of([&] { ck.find("v.w")->to_float(); }), "its values need its scale");
+  EXPECT_EQ(ck.skipped().size(), 4u);
+  EXPECT_EQ(ck.skipped().at("lm.c"), p);
+  EXPECT_FALSE(ck.find("lm.d"));
+  // Without the filter, the integer tensor is refused as before.
+  EXPECT_HAS(error_of([&] { Checkpoint::open(p); }), "dtype I64 is not supported");
+}
+
+TEST(SafetensorsSkip, SkippedTensorsKeepEveryHeaderCheck) {
+  TempDir dir;
+  const TensorFilter none = [](const std::string&) { return false; };
+  auto err = [&](const std::string& entry, const std::string& data) {
+    const std::string p = dir.write("bad.safetensors", raw(R"({"lm": )" + entry + "}", data));
+    const std::string msg = error_of([&] { Checkpoint::open(p, none); });
+    EXPECT_HAS(msg, p);
+    EXPECT_HAS(msg, "tensor 'lm'");
+    return msg;
+  };
+  const std::string d8(8, '\0');
+  EXPECT_HAS(err(R"({"dtype": "Q7", "shape": [1], "data_offsets": [0, 1]})", d8), "dtype Q7 is not supported");
+  EXPECT_HAS(err(R"({"dtype": "I64", "shape": [2], "data_offsets": [0, 8]})", d8), "span 8 bytes, but shape [2] of I64 needs 16");
+  EXPECT_HAS(err(R"({"dtype": "F8_E4M3", "shape": [16], "data_offsets": [0, 16]})", d8), "truncated: tensor 'lm' needs bytes up to");
+  EXPECT_HAS(err(R"({"dtype": "F4", "shape": [3], "data_offsets": [0, 1]})", d8), "needs part of a byte");
+  EXPECT_HAS(err(R"({"dtype": "F8_E4M3", "shape": [-1], "data_offsets": [0, 1]})", d8), "negative dimension");
+  // Overlap with a kept tensor is still found.
+  const std::string p = dir.write("overlap.safetensors",
+                                  raw(R"({"lm": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]},
+                                          "v": {"dtype": "F32", "shape": [1], "data_offsets": [2, 6]}})", d8));
+  EXPECT_HAS(error_of([&] { Checkpoint::open(p, none); }), "overlap in the data");
+  // A sharded index still needs every listed tensor in its shard, skipped ones included.
+  write_safetensors(dir.file("s1.safetensors"), {f32("a", {1}, {1})});
+  dir.write("model.safetensors.index.json", R"({"weight_map": {"a": "s1.safetensors", "ghost": "s1.safetensors"}})");
+  EXPECT_HAS(error_of([&] { Checkpoint::open(dir.path.string(), none); }), "'ghost' is listed in shard");
 }

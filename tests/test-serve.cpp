@@ -34,6 +34,7 @@
 #include <httplib.h>
 #include <nlohmann/json.hpp>
 
+#include "fovea/ec-cache.h"
 #include "fovea/bf16.h"
 #include "fovea/safetensors.h"
 #include "fovea/sha256.h"
@@ -750,12 +751,41 @@ TEST_F(Serve, ChatCompletionsIsVllmsEncodeInstance) {
   // What would make vLLM look elsewhere, or what it cannot be: refused naming the field.
   for (const auto& [extra, says] : std::vector<std::pair<json, std::string>>{
            {{{"stream", true}}, "\"stream\""},
-           {{{"mm_processor_kwargs", {{"max_pixels", 1000}}}}, "\"mm_processor_kwargs\""},
-           {{{"media_io_kwargs", {{"video", {{"num_frames", 8}}}}}}, "\"media_io_kwargs\""},
+           {{{"mm_processor_kwargs", {{"do_resize", false}}}}, "mm_processor_kwargs.do_resize"},
+           {{{"mm_processor_kwargs", {{"max_pixels", 1 << 27}}}}, "raises the server's limit"},
+           {{{"mm_processor_kwargs", {{"videos_kwargs", {{"fps", "fast"}}}}}}, "videos_kwargs.fps"},
+           {{{"mm_processor_kwargs", "max_pixels=1"}}, "\"mm_processor_kwargs\" must be an object"},
+           {{{"media_io_kwargs", {{"video", {{"num_frames", 8}}}}}}, "media_io_kwargs.video.num_frames"},
+           {{{"priority", "high"}}, "\"priority\""},
+           {{{"session_id", json::array()}}, "\"session_id\""},
            {{{"ec_transfer_params", {{"consumer_zmq", "tcp://x"}}}}, "push-based"}}) {
     const ErrorReply e = error_of(proxy({&a}, extra));
     EXPECT_EQ(e.status, 400) << extra.dump();
     EXPECT_NE(e.message.find(says), std::string::npos) << e.message;
+  }
+  // vLLM's proxy forwards the client's kwargs, priority and session_id (PR #56786): {} and null say
+  // nothing (the key stays the uuid), priority and session_id are ignored.
+  check_rewrite(proxy({&a}, {{"mm_processor_kwargs", json::object()}, {"media_io_kwargs", nullptr}, {"priority", 3},
+                             {"session_id", "s-1"}}),
+                {&a});
+  // A lower max_pixels: a smaller grid, stored under the identifier vLLM's consumer derives from the
+  // uuid, the kwargs and the model (fovea::vllm_mm_hash, pinned to vLLM's hasher in test-ec-cache).
+  {
+    const int64_t pixels = int64_t(c.grid[1]) * c.grid[2] * 16 * 16;
+    const json kwargs = {{"max_pixels", pixels / 3}};
+    r = proxy({&c}, {{"mm_processor_kwargs", kwargs}, {"media_io_kwargs", {{"image", json::object()}}}});
+    ASSERT_TRUE(r && r->status == 200) << (r ? r->body : "no reply");
+    const json doc = json::parse(r->body);
+    fovea::MmKwargs k;
+    k.processor = nlohmann::ordered_json::parse(kwargs.dump());
+    const std::string key = fovea::vllm_mm_hash(doc["model"], fovea::InputKind::IMAGE, key_of(url_of(c)), k);
+    ASSERT_TRUE(doc["ec_transfer_params"].contains(key)) << doc.dump();
+    const json grid = doc["ec_transfer_params"][key]["metadata"]["image_grid_thw"];
+    EXPECT_LT(grid[1].get<int64_t>() * grid[2].get<int64_t>() * 256, pixels / 3 + 1) << grid.dump();
+    EXPECT_LT(grid[1].get<int64_t>() * grid[2].get<int64_t>(), int64_t(c.grid[1]) * c.grid[2]);
+    const auto ck = fovea::Checkpoint::open((cache / key / "encoder_cache.safetensors").string());
+    EXPECT_EQ(ck.find("ec_cache")->shape[0], grid[1].get<int64_t>() * grid[2].get<int64_t>() / 4);
+    EXPECT_TRUE(fs::exists(cache / key_of(url_of(c)) / "encoder_cache.safetensors"));  // the kwargs-less file is apart
   }
   // A clip, alone in its request as the proxy sends one: the metadata vLLM's Qwen3-VL video_embeds
   // takes (the grid, and one timestamp per temporal patch for the prompt's "<t seconds>" text).

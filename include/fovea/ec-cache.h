@@ -81,6 +81,19 @@ inline constexpr const char* kEcCacheTensor = "ec_cache";
 // '/', '\\', NUL or other control byte (below 0x20, or 0x7F), and neither "." nor "..".
 std::string ec_key_problem(std::string_view key);
 
+// The identifier vLLM's consumer looks an item up by (vllm/multimodal/processing/inputs.py,
+// get_mm_item_hash, and vllm/multimodal/hasher.py with the framing of PR #54283): the item's `uuid`
+// itself when the request's kwargs say nothing for its modality; otherwise the BLAKE3 hex digest of
+// MultiModalHasher.hash_kwargs(model_id=model_id, <modality>=uuid, media_io_kwargs={<modality>:
+// its options} if not empty, mm_processor_kwargs=the processor kwargs without the other modalities'
+// "images_kwargs" / "videos_kwargs" / "audio_kwargs", if not empty). The hasher's byte stream: for
+// each argument in name order, the name framed (its length as 8 bytes little-endian, then its UTF-8
+// bytes) and its value: null 0x00; a list 0x01, its length (8 bytes), its values; a mapping 0x02,
+// its size (8 bytes), then each key framed and its value, in the mapping's order; anything else 0x03
+// and its bytes framed: a string's UTF-8, a bool 1 byte, an integer 8 bytes (int64; uint64 above
+// it), a float 8 bytes (float64), all little-endian as numpy writes them.
+std::string vllm_mm_hash(const std::string& model_id, InputKind modality, const std::string& uuid, const MmKwargs& k);
+
 // Throws fovea::Error naming --ec-storage-min-age unless `seconds` is finite and not negative.
 void check_ec_min_age(double seconds);
 

@@ -30,6 +30,10 @@ struct JsonLimits {
 // (B is the 0-based offset of the byte the error was found at; /a/b the path of keys and [index]es.)
 // Client text in a message (keys, tokens, the location path) is quoted only truncated.
 nlohmann::json parse_json_bounded(std::string_view text, const JsonLimits& limits, const std::string& what);
+// The same, object keys kept in the order the text gives them (nlohmann::ordered_json: lookups are
+// linear), for values whose order means something: vLLM hashes request kwargs in their order.
+nlohmann::ordered_json parse_json_bounded_ordered(std::string_view text, const JsonLimits& limits,
+                                                  const std::string& what);
 
 // Client or file text for an error message: at most max_chars characters of it (then "..."), with
 // quotes, backslashes, control characters and invalid UTF-8 escaped (\n, \xNN), no quotes added.

@@ -14,6 +14,7 @@
 
 namespace fovea {
 struct JsonLimits;  // fovea/json.h
+struct TensorInfo;  // fovea/safetensors.h
 }
 
 namespace fovea::qwen3vl {
@@ -64,6 +65,37 @@ std::optional<VisionConfig> synthetic_config(const std::string& spec);
 std::vector<std::string> synthetic_names();
 bool synthetic_outliers(const std::string& spec);
 
+// `quantization_config` of a config.json (FP8 releases; docs/encoder.md §FP8 releases). fovea reads
+// two layouts: transformers' / Qwen's "fp8" (fmt e4m3, `<module>.weight_scale_inv` per block of
+// weight_block_size, [128, 128] by default; null: one scale per tensor) and llm-compressor's
+// "compressed-tensors" (format float-quantized, 8-bit float weights, `<module>.weight_scale` per
+// channel [out, 1], per tensor [1] or per block of block_structure). Anything else (another
+// quant_method, fmt, format, strategy, bit width, asymmetric weights, a block size that is not two
+// positive integers up to kMaxQuantBlock) is a fovea::Error naming the field.
+constexpr int64_t kMaxQuantBlock = 65536;
+struct QuantConfig {
+  std::string where;                  // "<config.json>: quantization_config", for messages
+  std::string method;                 // "" (none), "fp8" or "compressed-tensors"
+  std::string scale_suffix;           // the scale of `<module>.weight`: "weight_scale_inv" or "weight_scale"
+  std::array<int64_t, 2> block{};     // [rows, cols] one scale covers; 0: the whole dimension
+  std::string activation_scheme;      // "dynamic" or "static": read, not used (fovea runs bf16 activations)
+  std::vector<std::string> not_converted;  // modules_to_not_convert / ignore, as written
+  std::string scheme() const;         // "blocks of [128, 128]", "one per output channel", "one per tensor"
+};
+QuantConfig parse_quantization_config(std::string_view config_json_text, const std::string& where);
+// Whether `module` is listed in not_converted: an entry equal to it, a parent of it ("model.visual")
+// or its tail ("lm_head"). Regular expressions ("re:..." or entries with *, [, (, ...) are not
+// interpreted: they match nothing here.
+bool listed_not_converted(const QuantConfig& q, const std::string& module);
+// The shape `scale` must have for an FP8 weight of [out, in] under q.
+std::vector<int64_t> expected_scale_shape(const QuantConfig& q, int64_t out, int64_t in);
+// An F8_E4M3 linear weight [out, in] with its scale (F32 or BF16; finite, positive, of
+// expected_scale_shape) dequantized as transformers and compressed-tensors do: each value
+// bf16(float(e4m3) * scale), the product in fp32, then rounded to nearest even; element (i, j) takes
+// the scale of block (i / rows, j / cols), partial blocks at the edges included. Returned as fp32
+// holding those bf16 values. Errors name the tensor and the field.
+std::vector<float> dequantize_fp8(const TensorInfo& weight, const TensorInfo& scale, const QuantConfig& q);
+
 // Every tensor the encoder needs, relative to the vision prefix, with its shape (docs/encoder.md §Checkpoints).
 std::vector<std::pair<std::string, std::vector<int64_t>>> expected_tensors(const VisionConfig& c);
 
@@ -99,7 +131,9 @@ struct Model {
 // MODEL is a checkpoint folder (config.json + safetensors, sharded or not; keys under
 // "model.visual." or "visual.") or a synthetic preset. Errors name the problem: missing tensors
 // (listed), shape mismatches (expected vs found), truncated or corrupt files; unexpected tensors
-// under the vision prefix are a warning.
+// under the vision prefix are a warning. Tensors outside the vision tower (an FP8 release's language
+// model) are skipped by name, their headers validated; FP8 vision weights are dequantized to bf16
+// values (dequantize_fp8), and every quantization error names the tensor and the field.
 Model load_model(const std::string& spec);
 
 // Writes a model as a Hugging Face-style checkpoint folder that load_model() (and transformers'

@@ -20,6 +20,8 @@
 #include <string_view>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "fovea/clock.h"
 #include "fovea/engine.h"
 #include "fovea/image.h"
@@ -48,6 +50,30 @@ struct InputConfig {
 };
 InputConfig load_input_config(const std::string& model, const image::PreprocessOverrides& image = {},
                               const video::VideoOverrides& video = {});
+
+// What one request (or `fovea encode`) asks of the preprocessing, under vLLM's names: a chat
+// request's "mm_processor_kwargs" (transformers' processor options) and "media_io_kwargs" (vLLM's
+// media loaders'), as sent: key order kept, since vLLM hashes them in that order (vllm_mm_hash,
+// fovea/ec-cache.h). null or {} is the same as absent.
+struct MmKwargs {
+  nlohmann::ordered_json processor = nlohmann::ordered_json::object();
+  nlohmann::ordered_json media_io = nlohmann::ordered_json::object();
+  bool empty() const;
+};
+// The same from JSON text (`fovea encode --mm-processor-kwargs/--media-io-kwargs`); "" is absent.
+MmKwargs parse_mm_kwargs(std::string_view processor, std::string_view media_io);
+
+// The preprocessing of a request that sends `k`: `server`'s, with what k sets applied, never past
+// the server's own limits (a request lowers a budget, never raises it). mm_processor_kwargs takes,
+// as Qwen3-VL's processor does: "max_pixels", "min_pixels" (images), "size": {"longest_edge",
+// "shortest_edge"} (images and clips), "fps", "num_frames", "min_frames", "max_frames" (clips), and
+// the same scoped in "images_kwargs" (max_pixels, min_pixels, size) or "videos_kwargs" (all of them,
+// max_pixels and min_pixels then meaning the clip's budget). A key set to null keeps the server's
+// value. media_io_kwargs takes modality keys whose options are empty ({"video": {}}): fovea reads a
+// clip once, sampling as the processor does, so vLLM's loader options are not implemented. Anything
+// else, a value of the wrong type, out of range, not finite, or past the server's limit throws
+// fovea::Error naming the key ("mm_processor_kwargs.videos_kwargs.fps: ...").
+InputConfig apply_mm_kwargs(const InputConfig& server, const MmKwargs& k);
 
 // The largest encoded input (image or clip file) the engine reads, and a file read within it.
 size_t max_input_bytes(const InputConfig& cfg);

@@ -35,6 +35,8 @@ struct Args {
   int64_t ec_max_bytes = 0;         // --ec-storage-max-bytes (0: no bound)
   double ec_min_age_s = 300;        // --ec-storage-min-age (0: no protection)
   std::string uuid_from = "sha256";  // --uuid-from: sha256, filename, data-url or file-url (cache_key)
+  std::string mm_processor_kwargs, media_io_kwargs;  // vLLM's flags: JSON, applied and hashed as serve does
+  std::string model_id;             // --served-model-name: the model id vLLM hashes with the kwargs (default MODEL)
   int64_t max_batch_tokens = 16384;  // visual tokens per forward when filling the cache
   image::PreprocessOverrides preprocess;  // 0: the checkpoint's preprocessor_config.json
   video::VideoOverrides video;           // 0: the checkpoint's video_preprocessor_config.json
@@ -104,7 +106,7 @@ std::string file_url(const std::filesystem::path& p) {
 // --ec-storage-path: each input's key (--uuid-from): the sha256 of the file's bytes; its file name;
 // or the sha256 of the URL a client sends for it, which vLLM's EPD proxy takes as the key: a data URL
 // of the file (data-url) or its file:// URL (file-url, for a server with --allowed-local-media-path).
-std::string cache_key(const Args& a, size_t i, const InputConfig& in) {
+std::string uuid_of(const Args& a, size_t i, const InputConfig& in) {
   const std::filesystem::path path(a.images[i]);
   if (a.uuid_from == "filename") return path.filename().string();
   const auto hash = [](const std::string& s) { return sha256_hex(s); };
@@ -112,6 +114,15 @@ std::string cache_key(const Args& a, size_t i, const InputConfig& in) {
   const std::vector<uint8_t> bytes = read_input(a.images[i], in);
   if (a.uuid_from == "sha256") return sha256_hex(bytes);
   return server::data_url_key(media_type_of(path), bytes);  // a known type: fill_ec_cache checked
+}
+
+// The key vLLM's consumer looks for: the uuid, hashed with the kwargs and the model id when they say
+// something for the input's kind (vllm_mm_hash), as fovea serve keys it.
+std::string cache_key(const Args& a, size_t i, const InputConfig& in) {
+  const MmKwargs k = parse_mm_kwargs(a.mm_processor_kwargs, a.media_io_kwargs);
+  const std::string uuid = uuid_of(a, i, in);
+  if (k.empty()) return uuid;
+  return vllm_mm_hash(a.model_id.empty() ? a.model : a.model_id, file_input_kind(a.images[i]), uuid, k);
 }
 
 struct CacheWork {
@@ -211,7 +222,8 @@ int fill_ec_cache(const Args& a, const EngineConfig& cfg) {
   if (!a.out.empty()) fail("encode: -o and --ec-storage-path are two different outputs; give one of them");
   if (a.max_batch_tokens < 1) fail("encode: --max-batch-tokens must be at least 1, not {}", a.max_batch_tokens);
   const auto t0 = Clock::now();
-  const InputConfig in = load_input_config(a.model, a.preprocess, a.video);
+  const InputConfig in = apply_mm_kwargs(load_input_config(a.model, a.preprocess, a.video),
+                                         parse_mm_kwargs(a.mm_processor_kwargs, a.media_io_kwargs));
   EcCache cache(a.ec_path, a.ec_max_bytes, a.ec_min_age_s);
   CacheWork w = plan_cache_fill(a, cache, in);
   fmt::print(stderr, "encoder cache {}: {} inputs, {} already there, {} repeated, {} to encode\n", a.ec_path,
@@ -360,6 +372,16 @@ void add_encode(CLI::App& app, Runner& runner) {
                   "consumer's queue happen in between; filling past --ec-storage-max-bytes with younger files is an "
                   "error, as their eviction would be (0: no protection)")
       ->capture_default_str();
+  cmd->add_option("--mm-processor-kwargs", a->mm_processor_kwargs,
+                  "with --ec-storage-path: the mm_processor_kwargs (JSON, vLLM's flag) the clients' requests will "
+                  "carry: applied to the preprocessing as fovea serve applies a request's, and each key hashed with "
+                  "them as vLLM's consumer does (docs/vllm.md)");
+  cmd->add_option("--media-io-kwargs", a->media_io_kwargs,
+                  "with --ec-storage-path: the media_io_kwargs (JSON, vLLM's flag) the requests will carry (only empty "
+                  "options per modality are implemented)");
+  cmd->add_option("--served-model-name", a->model_id,
+                  "with --mm-processor-kwargs: the model id vLLM's consumer hashes into its keys (the MODEL it was "
+                  "started with; default: this MODEL)");
   cmd->add_option("--uuid-from", a->uuid_from,
                   "each input's key, and who finds it: sha256 (of the file's bytes) or filename: a client that sends "
                   "that as the part's uuid; data-url: vLLM's EPD proxy, for a client sending the file as "

@@ -196,28 +196,29 @@ class TrackingIterator {
   size_t* read_;
 };
 
+template <class J>
 class BoundedHandler {
  public:
   BoundedHandler(const JsonLimits& limits, const size_t* read) : limits_(limits), read_(read) {}
 
-  json root;
+  J root;
   std::string error;      // set when the parse was stopped; the message without "<what>"
   bool syntax = false;    // the error is nlohmann's (the text is not valid JSON)
   size_t error_at = 0;    // byte offset the error refers to
 
-  bool null() { return value(json(nullptr)); }
-  bool boolean(bool b) { return value(json(b)); }
-  bool number_integer(json::number_integer_t v) { return value(json(v)); }
-  bool number_unsigned(json::number_unsigned_t v) { return value(json(v)); }
-  bool number_float(json::number_float_t v, const std::string&) { return value(json(v)); }
+  bool null() { return value(J(nullptr)); }
+  bool boolean(bool b) { return value(J(b)); }
+  bool number_integer(typename J::number_integer_t v) { return value(J(v)); }
+  bool number_unsigned(typename J::number_unsigned_t v) { return value(J(v)); }
+  bool number_float(typename J::number_float_t v, const std::string&) { return value(J(v)); }
   bool string(std::string& s) {
     if (!check_string(s, "a string")) return false;
-    return value(json(std::move(s)));
+    return value(J(std::move(s)));
   }
-  bool binary(json::binary_t&) { return stop("binary values are not JSON"); }
+  bool binary(typename J::binary_t&) { return stop("binary values are not JSON"); }
 
-  bool start_object(size_t) { return open(json::object()); }
-  bool start_array(size_t) { return open(json::array()); }
+  bool start_object(size_t) { return open(J::object()); }
+  bool start_array(size_t) { return open(J::array()); }
   bool end_object() { return close(); }
   bool end_array() { return close(); }
 
@@ -226,7 +227,7 @@ class BoundedHandler {
     if (++f.count > limits_.max_object_keys)
       return stop(fmt::format("an object has more than {} keys (the limit)", limits_.max_object_keys));
     if (!check_string(k, "a key")) return false;
-    const auto& obj = f.container->get_ref<const json::object_t&>();
+    const auto& obj = f.container->template get_ref<const typename J::object_t&>();
     if (obj.find(k) != obj.end()) {
       const std::string where = stack_.size() < 2 ? std::string("the top-level object")
                                                   : "'" + escape_for_error(stack_[stack_.size() - 2].label(false)) + "'";
@@ -244,7 +245,7 @@ class BoundedHandler {
                           quote_for_error(last_token, 40));
       return false;
     }
-    // nlohmann's text: "[json.exception.parse_error.101] parse error at line 1, column 5: syntax
+    // nlohmann's text: "[J.exception.parse_error.101] parse error at line 1, column 5: syntax
     // error while parsing value - invalid literal; last read: '...'". The last token can be a whole
     // client string, so only the explanation is kept, cut.
     std::string what = e.what();
@@ -273,7 +274,7 @@ class BoundedHandler {
 
  private:
   struct Frame {
-    json* container;
+    J* container;
     std::string key;   // objects: the key whose value comes next
     size_t count = 0;  // keys (objects) or elements (arrays) so far
     // This container's part of a path: the current key, or the index of the current element
@@ -326,35 +327,35 @@ class BoundedHandler {
     return true;
   }
 
-  json* place(json&& v) {
+  J* place(J&& v) {
     if (stack_.empty()) {
       root = std::move(v);
       return &root;
     }
     Frame& f = stack_.back();
     if (f.container->is_object()) {
-      auto& obj = f.container->get_ref<json::object_t&>();
+      auto& obj = f.container->template get_ref<typename J::object_t&>();
       return &obj.emplace(f.key, std::move(v)).first->second;  // a copy: path() still names it
     }
-    auto& arr = f.container->get_ref<json::array_t&>();
+    auto& arr = f.container->template get_ref<typename J::array_t&>();
     ++f.count;
     arr.push_back(std::move(v));
     return &arr.back();
   }
 
-  bool value(json&& v) {
+  bool value(J&& v) {
     if (!count_value()) return false;
     place(std::move(v));
     return true;
   }
 
-  bool open(json&& empty) {
+  bool open(J&& empty) {
     if (!count_value()) return false;
     if (stack_.size() + 1 > size_t(limits_.max_depth))
       return stop(fmt::format("nesting deeper than {} levels (the limit)", limits_.max_depth));
     // Pointers stay valid: a map node never moves, and an array's buffer only grows (moving its
     // elements) once the element open inside it has been closed and popped.
-    json* c = place(std::move(empty));
+    J* c = place(std::move(empty));
     stack_.push_back({c, {}, 0});
     return true;
   }
@@ -367,20 +368,34 @@ class BoundedHandler {
 
 }  // namespace
 
-json parse_json_bounded(std::string_view text, const JsonLimits& limits, const std::string& what) {
+namespace {
+
+template <class J>
+J parse_bounded(std::string_view text, const JsonLimits& limits, const std::string& what) {
   if (text.size() > limits.max_bytes)
     fail("{}: {} bytes, longer than the limit of {} bytes", what, text.size(), limits.max_bytes);
   size_t read = 0;
-  BoundedHandler h(limits, &read);
+  BoundedHandler<J> h(limits, &read);
   h.set_text(text);
   const char* b = text.data();
-  const bool ok = json::sax_parse(TrackingIterator(b, b, &read), TrackingIterator(b + text.size(), b, &read), &h);
+  const bool ok = J::sax_parse(TrackingIterator(b, b, &read), TrackingIterator(b + text.size(), b, &read), &h);
   if (!ok) {
     if (h.error.empty()) fail("{}: parse stopped", what);  // not reached: every stop sets a message
     if (h.syntax) fail("{} is not valid JSON: {}", what, h.error);
     fail("{}: {}", what, h.error);
   }
   return std::move(h.root);
+}
+
+}  // namespace
+
+json parse_json_bounded(std::string_view text, const JsonLimits& limits, const std::string& what) {
+  return parse_bounded<json>(text, limits, what);
+}
+
+nlohmann::ordered_json parse_json_bounded_ordered(std::string_view text, const JsonLimits& limits,
+                                                  const std::string& what) {
+  return parse_bounded<nlohmann::ordered_json>(text, limits, what);
 }
 
 }  // namespace fovea

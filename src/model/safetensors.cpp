@@ -15,6 +15,7 @@
 #include <cstring>
 #include <filesystem>
 #include <limits>
+#include <optional>
 #include <set>
 #include <string_view>
 
@@ -63,7 +64,7 @@ JsonLimits index_limits() {
   return l;
 }
 
-size_t elem_size(DType d) { return d == DType::F32 ? 4 : 2; }
+size_t elem_size(DType d) { return dtype_size(d); }
 
 // Exact f16 -> f32: every f16 value (subnormals included) is representable in f32.
 float f16_to_float(uint16_t h) {
@@ -99,12 +100,22 @@ bool json_int(const json& j, int64_t& out) {
   return true;
 }
 
-DType parse_dtype(const std::string& s, const std::string& file, const std::string& name) {
+// Bits per element of every dtype the safetensors format defines (0: not one of them).
+int format_dtype_bits(const std::string& s) {
+  static const std::map<std::string, int> bits = {
+      {"BOOL", 8},  {"U8", 8},      {"I8", 8},      {"F8_E5M2", 8}, {"F8_E4M3", 8}, {"F8_E8M0", 8}, {"I16", 16},
+      {"U16", 16},  {"F16", 16},    {"BF16", 16},   {"I32", 32},    {"U32", 32},    {"F32", 32},    {"F64", 64},
+      {"I64", 64},  {"U64", 64},    {"C64", 64},    {"F4", 4},      {"F6_E2M3", 6}, {"F6_E3M2", 6}};
+  const auto it = bits.find(s);
+  return it == bits.end() ? 0 : it->second;
+}
+
+std::optional<DType> reader_dtype(const std::string& s) {
   if (s == "BF16") return DType::BF16;
   if (s == "F16") return DType::F16;
   if (s == "F32") return DType::F32;
-  fail("safetensors file '{}': tensor '{}': dtype {} is not supported: vision checkpoints hold BF16, F16 or F32",
-       file, name, s);
+  if (s == "F8_E4M3") return DType::F8_E4M3;
+  return std::nullopt;
 }
 
 }  // namespace
@@ -114,13 +125,27 @@ const char* dtype_str(DType d) {
     case DType::BF16: return "BF16";
     case DType::F16: return "F16";
     case DType::F32: return "F32";
+    case DType::F8_E4M3: return "F8_E4M3";
   }
   return "?";
+}
+
+size_t dtype_size(DType d) {
+  switch (d) {
+    case DType::F32: return 4;
+    case DType::BF16:
+    case DType::F16: return 2;
+    case DType::F8_E4M3: return 1;
+  }
+  return 4;
 }
 
 int64_t TensorInfo::numel() const { return checked_numel(shape, "tensor size"); }
 
 std::vector<float> TensorInfo::to_float() const {
+  if (dtype == DType::F8_E4M3)
+    fail("tensor '{}' in '{}' is F8_E4M3: its values need its scale (weight_scale_inv or weight_scale)",
+         escape_for_error(name, 200), file);
   const size_t n = size_t(numel());
   FOVEA_CHECK(n * elem_size(dtype) == bytes, "tensor '", name, "' in '", file, "': ", bytes,
               " bytes do not match its shape");
@@ -137,7 +162,73 @@ std::vector<float> TensorInfo::to_float() const {
   return out;
 }
 
-std::vector<TensorInfo> parse_safetensors(const uint8_t* bytes, size_t size, const std::string& path) {
+namespace {
+
+// One validated header entry: its dtype (as the format spells it), shape and [begin, end) in the data.
+struct Entry {
+  std::string dtype;
+  std::vector<int64_t> shape;
+  int64_t begin = 0, end = 0;
+};
+
+std::vector<int64_t> entry_shape(const json& e, const std::string& path, const std::string& shown) {
+  auto bad = [&](const char* what) { fail("safetensors file '{}': tensor '{}': {}", path, shown, what); };
+  if (!e["shape"].is_array()) bad("shape is not an array of integers");
+  if (e["shape"].size() > kMaxRank)
+    fail("safetensors file '{}': tensor '{}': shape has {} dimensions, more than the limit of {}", path, shown,
+         e["shape"].size(), kMaxRank);
+  std::vector<int64_t> shape;
+  for (const json& d : e["shape"]) {
+    int64_t v = 0;
+    if (!json_int(d, v)) bad("shape is not an array of integers");
+    if (v < 0) fail("safetensors file '{}': tensor '{}': negative dimension in shape {}", path, shown, e["shape"].dump());
+    shape.push_back(v);
+  }
+  return shape;
+}
+
+// Validates one entry; `kept` says whether its dtype must be one fovea reads (DType) or only one the
+// format defines. `header_end` is 8 + the header length, for messages.
+Entry parse_entry(const std::string& shown, const json& e, const std::string& path, uint64_t data_size,
+                  uint64_t header_end, bool kept) {
+  auto bad = [&](const char* what) { fail("safetensors file '{}': tensor '{}': {}", path, shown, what); };
+  if (!e.is_object()) bad("entry is not a JSON object");
+  if (!e.contains("dtype") || !e.contains("shape") || !e.contains("data_offsets"))
+    bad("entry lacks one of dtype, shape, data_offsets");
+  if (!e["dtype"].is_string()) bad("dtype is not a string");
+  Entry out;
+  out.dtype = escape_for_error(e["dtype"].get<std::string>(), 32);
+  const int bits = format_dtype_bits(out.dtype);
+  if (kept ? !reader_dtype(out.dtype) : bits == 0)
+    fail("safetensors file '{}': tensor '{}': dtype {} is not supported: vision checkpoints hold BF16, F16, F32 or "
+         "F8_E4M3 (with its scale)",
+         path, shown, out.dtype);
+  out.shape = entry_shape(e, path, shown);
+  const json& off = e["data_offsets"];
+  int64_t& begin = out.begin;
+  int64_t& end = out.end;
+  if (!off.is_array() || off.size() != 2 || !json_int(off[0], begin) || !json_int(off[1], end) || begin < 0)
+    bad("data_offsets is not [begin, end] of two non-negative integers");
+  if (end < begin)
+    fail("safetensors file '{}': tensor '{}': data_offsets [{}, {}] end before begin", path, shown, begin, end);
+  const int64_t numel = numel_or_overflow(out.shape);
+  // Bytes = numel x bits / 8, whole bytes only (the packed 4- and 6-bit dtypes), without overflow.
+  const bool too_big = numel < 0 || numel > std::numeric_limits<int64_t>::max() / bits;
+  const bool whole = !too_big && (numel * bits) % 8 == 0;
+  if (too_big || !whole || end - begin != numel * bits / 8)
+    fail("safetensors file '{}': tensor '{}': data_offsets [{}, {}] span {} bytes, but shape {} of {} needs {}", path,
+         shown, begin, end, end - begin, shape_str(out.shape), out.dtype,
+         too_big ? std::string("more than 2^63") : whole ? std::to_string(numel * bits / 8) : std::string("part of a byte"));
+  if (uint64_t(end) > data_size)
+    fail("safetensors file '{}': truncated: tensor '{}' needs bytes up to {}, the file has {}", path, shown,
+         header_end + uint64_t(end), header_end + data_size);
+  return out;
+}
+
+}  // namespace
+
+std::vector<TensorInfo> parse_safetensors(const uint8_t* bytes, size_t size, const std::string& path,
+                                          const TensorFilter& keep, std::vector<std::string>* skipped) {
   if (size < 8)
     fail("safetensors file '{}': only {} bytes, shorter than the 8-byte header length: not a safetensors file", path,
          size);
@@ -157,7 +248,7 @@ std::vector<TensorInfo> parse_safetensors(const uint8_t* bytes, size_t size, con
   std::vector<TensorInfo> tensors;
   struct Span {
     uint64_t begin, end;
-    size_t tensor;  // index into tensors
+    std::string_view name;  // a key of `header`
   };
   std::vector<Span> spans;
   for (const auto& [name, e] : header.items()) {
@@ -165,45 +256,15 @@ std::vector<TensorInfo> parse_safetensors(const uint8_t* bytes, size_t size, con
       if (!e.is_object()) fail("safetensors file '{}': __metadata__ is not a JSON object", path);
       continue;
     }
-    const std::string shown = escape_for_error(name, 200);
-    auto bad = [&](const char* what) { fail("safetensors file '{}': tensor '{}': {}", path, shown, what); };
-    if (!e.is_object()) bad("entry is not a JSON object");
-    if (!e.contains("dtype") || !e.contains("shape") || !e.contains("data_offsets"))
-      bad("entry lacks one of dtype, shape, data_offsets");
-    if (!e["dtype"].is_string()) bad("dtype is not a string");
-    const DType dtype = parse_dtype(escape_for_error(e["dtype"].get<std::string>(), 32), path, shown);
-
-    if (!e["shape"].is_array()) bad("shape is not an array of integers");
-    if (e["shape"].size() > kMaxRank)
-      fail("safetensors file '{}': tensor '{}': shape has {} dimensions, more than the limit of {}", path, shown,
-           e["shape"].size(), kMaxRank);
-    std::vector<int64_t> shape;
-    for (const json& d : e["shape"]) {
-      int64_t v = 0;
-      if (!json_int(d, v)) bad("shape is not an array of integers");
-      if (v < 0)
-        fail("safetensors file '{}': tensor '{}': negative dimension in shape {}", path, shown, e["shape"].dump());
-      shape.push_back(v);
+    const bool kept = !keep || keep(name);
+    Entry en = parse_entry(escape_for_error(name, 200), e, path, data_size, 8 + n, kept);
+    spans.push_back({uint64_t(en.begin), uint64_t(en.end), name});
+    if (!kept) {
+      if (skipped) skipped->push_back(name);
+      continue;
     }
-
-    const json& off = e["data_offsets"];
-    int64_t begin = 0, end = 0;
-    if (!off.is_array() || off.size() != 2 || !json_int(off[0], begin) || !json_int(off[1], end) || begin < 0)
-      bad("data_offsets is not [begin, end] of two non-negative integers");
-    if (end < begin)
-      fail("safetensors file '{}': tensor '{}': data_offsets [{}, {}] end before begin", path, shown, begin, end);
-    const int64_t numel = numel_or_overflow(shape);
-    const int64_t elsz = int64_t(elem_size(dtype));
-    const bool too_big = numel < 0 || numel > std::numeric_limits<int64_t>::max() / elsz;
-    if (too_big || end - begin != numel * elsz)
-      fail("safetensors file '{}': tensor '{}': data_offsets [{}, {}] span {} bytes, but shape {} of {} needs {}",
-           path, shown, begin, end, end - begin, shape_str(shape), dtype_str(dtype),
-           too_big ? std::string("more than 2^63") : std::to_string(numel * elsz));
-    if (uint64_t(end) > data_size)
-      fail("safetensors file '{}': truncated: tensor '{}' needs bytes up to {}, the file has {}", path, shown,
-           8 + n + uint64_t(end), size);
-    tensors.push_back(TensorInfo{name, dtype, std::move(shape), data + begin, size_t(end - begin), path});
-    spans.push_back({uint64_t(begin), uint64_t(end), tensors.size() - 1});
+    tensors.push_back(TensorInfo{name, *reader_dtype(en.dtype), std::move(en.shape), data + en.begin,
+                                 size_t(en.end - en.begin), path});
   }
   // No two tensors share a byte: sorted by begin, each non-empty span starts at or after the end of
   // every span before it (an aliasing header would let writes through one tensor change another,
@@ -216,8 +277,8 @@ std::vector<TensorInfo> parse_safetensors(const uint8_t* bytes, size_t size, con
     if (sp.begin == sp.end) continue;
     if (last && sp.begin < last->end)
       fail("safetensors file '{}': tensors '{}' [{}, {}] and '{}' [{}, {}] overlap in the data", path,
-           escape_for_error(tensors[last->tensor].name, 200), last->begin, last->end,
-           escape_for_error(tensors[sp.tensor].name, 200), sp.begin, sp.end);
+           escape_for_error(std::string(last->name), 200), last->begin, last->end,
+           escape_for_error(std::string(sp.name), 200), sp.begin, sp.end);
     if (!last || sp.end > last->end) last = &sp;
   }
   return tensors;
@@ -228,8 +289,9 @@ class SafetensorsFile {
  public:
   std::string path;
   std::vector<TensorInfo> tensors;
+  std::vector<std::string> skipped;  // the names `keep` turned away
 
-  explicit SafetensorsFile(const std::string& p) : path(p) {
+  SafetensorsFile(const std::string& p, const TensorFilter& keep) : path(p) {
     // Regular files only, opened without blocking (a FIFO named as a shard fails here at once).
     struct stat st {};
     const int fd = open_regular_file(p, "safetensors file", &st);
@@ -245,7 +307,7 @@ class SafetensorsFile {
     if (m == MAP_FAILED) fail("safetensors file '{}': cannot map {} bytes: {}", p, size_, std::strerror(err));
     base_ = static_cast<const uint8_t*>(m);
     try {
-      tensors = parse_safetensors(base_, size_, path);
+      tensors = parse_safetensors(base_, size_, path, keep, &skipped);
     } catch (...) {
       ::munmap(const_cast<uint8_t*>(base_), size_);
       throw;
@@ -269,14 +331,22 @@ const TensorInfo* Checkpoint::find(const std::string& name) const {
   return it == tensors_.end() ? nullptr : &it->second;
 }
 
-Checkpoint Checkpoint::open(const std::string& path) {
+Checkpoint Checkpoint::open(const std::string& path, const TensorFilter& keep) {
   Checkpoint ck;
   auto load = [&](const std::string& file) {
-    ck.files_.push_back(std::make_unique<SafetensorsFile>(file));
+    ck.files_.push_back(std::make_unique<SafetensorsFile>(file, keep));
+    auto twice = [&](const std::string& name, const std::string& first) {
+      fail("checkpoint '{}': tensor '{}' is in both '{}' and '{}'", path, escape_for_error(name, 200), first, file);
+    };
     for (TensorInfo& t : ck.files_.back()->tensors) {
       const auto [it, fresh] = ck.tensors_.emplace(t.name, t);
-      if (!fresh) fail("checkpoint '{}': tensor '{}' is in both '{}' and '{}'", path, t.name, it->second.file, file);
+      if (!fresh) twice(t.name, it->second.file);
     }
+    for (std::string& name : ck.files_.back()->skipped) {
+      const auto [it, fresh] = ck.skipped_.emplace(std::move(name), file);
+      if (!fresh) twice(it->first, it->second);
+    }
+    ck.files_.back()->skipped.clear();
   };
 
   std::error_code ec;
@@ -317,7 +387,9 @@ Checkpoint Checkpoint::open(const std::string& path) {
   for (const auto& [name, s] : wm) {
     const std::string& want = shard_path.at(s);
     const TensorInfo* t = ck.find(name);
-    if (!t || t->file != want)
+    const auto sk = ck.skipped_.find(name);
+    const std::string* in = t ? &t->file : sk != ck.skipped_.end() ? &sk->second : nullptr;
+    if (!in || *in != want)
       fail("checkpoint index '{}': tensor '{}' is listed in shard '{}' but absent from it", ip,
            escape_for_error(name, 200), s);
   }

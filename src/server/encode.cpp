@@ -70,6 +70,7 @@ struct ReplyItem {
 // again).
 struct Exchange {
   EncodeRequest r;
+  InputConfig inputs;  // the server's preprocessing, narrowed by the request's kwargs (apply_mm_kwargs)
   std::vector<ReplyItem> items;
   Clock::time_point deadline, received;
   Clock::time_point mark;  // when the last phase ended (Metrics::add_phase)
@@ -288,7 +289,7 @@ std::vector<PreparedInput> prepare(Context& c, Exchange& x, Holds& holds) {
   hooks.planned = [&](size_t j, const InputPlan& p) { holds.admit(j, p); };
   hooks.all_planned = [&](int64_t bytes) { holds.all(bytes); };
   std::vector<PreparedInput> out =
-      prepare_inputs(holds.names, [&](size_t j) { return item_bytes(x.r, holds.which[j]); }, c.inputs, hooks);
+      prepare_inputs(holds.names, [&](size_t j) { return item_bytes(x.r, holds.which[j]); }, x.inputs, hooks);
   for (size_t j = 0; j < out.size(); ++j)
     if (out[j].error) reject_item(c, out[j].error, out[j].kind, holds.names[j], x.deadline);
   return out;
@@ -302,18 +303,20 @@ bool same_bytes(EncodeRequest& r, size_t a, size_t b) {
   return item_bytes(r, a, /*keep=*/true) == item_bytes(r, b, /*keep=*/true);
 }
 
-// With the encoder cache: each item's key (the client's uuid, or the sha256 of its URL string as
-// sent: vLLM's EPD proxy's key). A key names one content in a request: an item whose key an earlier
+// With the encoder cache: each item's key, the identifier vLLM's consumer looks it up by
+// (vllm_mm_hash): its uuid (the client's, or the sha256 of its URL string as sent: vLLM's EPD
+// proxy's) as it is, or, when the request's kwargs say something for its modality, hashed with them
+// and the served model's name. A key names one content in a request: an item whose key an earlier
 // item has, with the same bytes, is answered from that item (looked up, encoded and written once);
 // other bytes under one key are refused, naming both items.
-void assign_keys(Exchange& x) {
+void assign_keys(const Context& c, Exchange& x) {
   EncodeRequest& r = x.r;
   std::map<std::string, size_t> first;
   for (size_t i = 0; i < x.items.size(); ++i) {
     ReplyItem& it = x.items[i];
     const std::string url =
         !r.uuids[i].empty() ? "" : !r.remote_urls[i].empty() ? r.remote_urls[i] : r.url_prefixes[i] + r.payloads[i];
-    it.key = r.uuids[i].empty() ? sha256_hex(url) : r.uuids[i];
+    it.key = vllm_mm_hash(c.opt.served_name(), it.kind, r.uuids[i].empty() ? sha256_hex(url) : r.uuids[i], r.kwargs);
     const auto [seen, fresh] = first.emplace(it.key, i);
     if (fresh) continue;
     if (!same_bytes(r, seen->second, i))
@@ -358,7 +361,7 @@ void find_cached(Context& c, Exchange& x) {
     PrepareHooks hooks;
     hooks.deadline = x.deadline;
     hooks.opening = [&](size_t j, int64_t bytes) { holds.open(j, bytes); };
-    plans = plan_inputs(holds.names, [&](size_t j) { return item_bytes(r, hits[j], x.embeddings); }, c.inputs, hooks);
+    plans = plan_inputs(holds.names, [&](size_t j) { return item_bytes(r, hits[j], x.embeddings); }, x.inputs, hooks);
   }
   for (size_t j = 0; j < hits.size(); ++j) {
     ReplyItem& it = x.items[hits[j]];
@@ -526,7 +529,7 @@ void encode_items(Context& c, Exchange& x) {
   const std::vector<InputKind> kinds = settle_kinds(x.r);
   for (size_t i = 0; i < kinds.size(); ++i) x.items[i].kind = kinds[i];
   if (c.cache) {
-    assign_keys(x);
+    assign_keys(c, x);
     find_cached(c, x);
   }
   std::vector<size_t> misses;  // the items to encode
@@ -555,6 +558,17 @@ void start_items(Context& c, const ExchangePtr& xp) {
     if (std::this_thread::get_id() == here && xp->fetching == 0) return guarded(*xp, [&] { encode_items(c, *xp); });
     c.http->post([&c, xp] { guarded(*xp, [&] { encode_items(c, *xp); }); });
   });
+}
+
+// The preprocessing a chat request's kwargs ask for (apply_mm_kwargs), or its 400 naming the key: an
+// option fovea does not implement is unsupported_field, a bad value invalid_request.
+InputConfig request_inputs(const Context& c, const MmKwargs& k) {
+  try {
+    return apply_mm_kwargs(c.inputs, k);
+  } catch (const Error& e) {
+    const std::string what = e.what();
+    reject(400, what.find("not implemented") != std::string::npos ? "unsupported_field" : "invalid_request", what);
+  }
 }
 
 Clock::time_point deadline_of(const Context& c, const http::Request& req) {
@@ -610,6 +624,7 @@ void encode(Context& c, http::Request& req, http::Handler::Reply reply) {
     x.deadline = deadline_of(c, req);
     x.received = req.received;
     x.r = parse_encode_request(req.body, c.opt.max_images_per_request, c.opt.served_name());
+    x.inputs = c.inputs;
     std::string().swap(req.body);
     x.octet = req.header("accept").find("application/octet-stream") != std::string_view::npos;
     // Embeddings: always without the cache and in safetensors replies; with the cache, if asked for.
@@ -635,6 +650,7 @@ void chat(Context& c, http::Request& req, http::Handler::Reply reply) {
     x.deadline = deadline_of(c, req);
     x.received = req.received;
     x.r = parse_chat_request(req.body, c.opt.max_images_per_request, c.opt.served_name());
+    x.inputs = request_inputs(c, x.r.kwargs);
     std::string().swap(req.body);
     x.embeddings = false;
     static std::atomic<uint64_t> replies{0};

@@ -236,16 +236,51 @@ EncodeRequest parse_encode_request(std::string_view body, size_t max_images, con
 
 namespace {
 
-// A body's top-level fields that change which file vLLM looks for, and why: refused by name.
-const char* changes_vllm_key(std::string_view key) {
-  if (key == "mm_processor_kwargs" || key == "media_io_kwargs")
-    return "vLLM hashes these into its encoder-cache identifier (with the model id), so a file fovea writes under "
-           "the item's uuid would never be found; send the request without them (and start vLLM without defaults "
-           "for them)";
+// A body's top-level fields fovea cannot honour, and why: refused by name.
+const char* refused_field(std::string_view key) {
   if (key == "ec_transfer_params")
     return "push-based encoder-cache connectors (Mooncake's consumer_zmq) are not supported: fovea writes the shared "
            "folder that vLLM's ECExampleConnector reads";
   return nullptr;
+}
+
+// The fields vLLM's EPD proxy forwards beside the messages (PR #56786): the kwargs must be objects
+// (or null), priority an integer, session_id a string (or null). Whether the kwargs can be honoured
+// is apply_mm_kwargs' to say.
+void check_forwarded(const std::string& key, const json& value) {
+  const bool kwargs = key == "mm_processor_kwargs" || key == "media_io_kwargs";
+  if (kwargs && !value.is_null() && !value.is_object())
+    reject(400, "invalid_request", fmt::format("\"{}\" must be an object (or null), not {}", key, value.type_name()));
+  if (key == "priority" && !value.is_null() && !value.is_number_integer())
+    reject(400, "invalid_request", fmt::format("\"priority\" must be an integer, not {}", value.type_name()));
+  if (key == "session_id" && !value.is_null() && !value.is_string())
+    reject(400, "invalid_request", fmt::format("\"session_id\" must be a string, not {}", value.type_name()));
+}
+
+// The request's kwargs in the order it gives their keys (vLLM hashes them in that order), parsed again
+// from the same text when they say anything: the first parse keeps keys sorted.
+MmKwargs ordered_kwargs(const json& doc, std::string_view body, const Lifted& lifted, size_t max_elements) {
+  MmKwargs k;
+  const auto present = [&](const char* key) {
+    const auto v = doc.find(key);
+    return v != doc.end() && v->is_object() && !v->empty();
+  };
+  if (!present("mm_processor_kwargs") && !present("media_io_kwargs")) return k;
+  JsonLimits lim;
+  lim.max_bytes = body.size();
+  lim.max_depth = 8;
+  lim.max_elements = max_elements;
+  lim.max_object_keys = 64;
+  lim.max_string_bytes = body.size();
+  nlohmann::ordered_json again;
+  try {
+    again = parse_json_bounded_ordered(lifted.parts.empty() ? body : std::string_view(lifted.skeleton), lim, "the request body");
+  } catch (const Error& e) {  // not reached: the same text passed the same limits
+    reject(400, "invalid_json", e.what());
+  }
+  if (present("mm_processor_kwargs")) k.processor = std::move(again["mm_processor_kwargs"]);
+  if (present("media_io_kwargs")) k.media_io = std::move(again["media_io_kwargs"]);
+  return k;
 }
 
 // One message's content parts into r: image_url and video_url parts become items, text parts are
@@ -275,8 +310,8 @@ EncodeRequest parse_chat_request(std::string_view body, size_t max_images, const
   json doc = parse_body(body, lifted, 256 + 8 * max_images, 64);
   if (!doc.is_object()) reject(400, "invalid_request", "the body must be a JSON object with a \"messages\" array");
   for (auto& [key, value] : doc.items()) {
-    if (const char* why = changes_vllm_key(key))
-      reject(400, "unsupported_field", fmt::format("\"{}\": {}", key, why));
+    if (const char* why = refused_field(key)) reject(400, "unsupported_field", fmt::format("\"{}\": {}", key, why));
+    check_forwarded(key, value);
     if (key == "stream" && value != false)
       reject(400, "unsupported_field", "\"stream\": an encode instance answers once, when the files are written; send "
                                        "\"stream\": false (vLLM's EPD proxy does)");
@@ -289,6 +324,7 @@ EncodeRequest parse_chat_request(std::string_view body, size_t max_images, const
     reject(400, "invalid_request", "the body needs a non-empty \"messages\" array");
   EncodeRequest r;
   r.return_embeddings = 0;
+  r.kwargs = ordered_kwargs(doc, body, lifted, 256 + 8 * max_images);
   for (size_t m = 0; m < messages->size(); ++m) {
     json& msg = (*messages)[m];
     const std::string where = fmt::format("messages[{}]", m);

@@ -43,6 +43,10 @@ struct EncodeRequest {
   std::vector<std::string> remote_urls;
   std::vector<std::vector<uint8_t>> fetched;  // per item: a remote item's bytes, once the handler read them
   int return_embeddings = -1;  // "return_embeddings": 1 or 0; -1 when absent (then: not with the encoder cache)
+  // A chat request's "mm_processor_kwargs" and "media_io_kwargs", as sent (key order kept): what they
+  // ask of the preprocessing is checked and applied by fovea::apply_mm_kwargs, and vLLM's key for each
+  // item derived from them (fovea::vllm_mm_hash).
+  MmKwargs kwargs;
 };
 
 // {"images": [...], "videos"?: [...], "encoding"?, "return_deepstack"?, "return_embeddings"?, "model"?}.
@@ -58,9 +62,11 @@ EncodeRequest parse_encode_request(std::string_view body, size_t max_images, con
 // chat request of that shape): {"model"?, "messages": [{"role", "content": [parts]}], "stream"?: false,
 // ...}. image_url parts are the items (with their "uuid", as /v1/encode takes them), in document
 // order, named "messages[m].content[k]"; so are video_url parts; text parts are skipped; other OpenAI
-// fields are ignored. Refused with 400 naming the field and why: "stream": true, mm_processor_kwargs
-// and media_io_kwargs (vLLM rehashes its key with them: fovea's file would never be found),
-// ec_transfer_params (push connectors), other part types.
+// fields are ignored. "mm_processor_kwargs" and "media_io_kwargs" (objects or null) are kept in
+// EncodeRequest::kwargs, in their keys' order; "priority" (an integer) and "session_id" (a string),
+// which vLLM's proxy forwards too, are checked and ignored. Refused with 400 naming the field and
+// why: "stream": true, ec_transfer_params (push connectors), other part types, those fields of
+// another type.
 EncodeRequest parse_chat_request(std::string_view body, size_t max_images, const std::string& model);
 
 // Each item's kind: its first bytes decide (fovea::input_kind); an item the request called an image

@@ -771,9 +771,39 @@ def with_field(name, value):
 
 # Fields that would make vLLM look for the file under another key, or that ask for what an encode
 # instance does not do (stream, the push connector): refused, naming the field.
-for _name, _value in (("stream", True), ("mm_processor_kwargs", {"max_pixels": 4096}), ("media_io_kwargs", {}),
-                      ("ec_transfer_params", {})):
+for _name, _value in (("stream", True), ("ec_transfer_params", {})):
     chat_refused("chat: %s" % json.dumps({_name: _value})[1:-1], with_field(_name, _value), 400, "unsupported_field")
+# The kwargs vLLM's proxy forwards (PR #56786): what fovea does not implement is refused naming the key
+# (unsupported_field); a value of the wrong type, out of range, or raising the server's limits is
+# invalid_request; nesting past the body's depth is invalid_json. Nothing is written for any of them.
+for _name, _value, _code in (
+        ("mm_processor_kwargs", {"do_resize": False}, "unsupported_field"),
+        ("mm_processor_kwargs", {"size": {"height": 4, "width": 4}}, "unsupported_field"),
+        ("mm_processor_kwargs", {"images_kwargs": {"fps": 2}}, "unsupported_field"),
+        ("mm_processor_kwargs", {"u" * 5000: 1}, "unsupported_field"),
+        ("media_io_kwargs", {"video": {"num_frames": 8}}, "unsupported_field"),
+        ("media_io_kwargs", {"audio": {}}, "unsupported_field"),
+        ("mm_processor_kwargs", "max_pixels=4096", "invalid_request"),
+        ("mm_processor_kwargs", [1, 2], "invalid_request"),
+        ("media_io_kwargs", 7, "invalid_request"),
+        ("mm_processor_kwargs", {"max_pixels": "4096"}, "invalid_request"),
+        ("mm_processor_kwargs", {"max_pixels": 4096.5}, "invalid_request"),
+        ("mm_processor_kwargs", {"max_pixels": True}, "invalid_request"),
+        ("mm_processor_kwargs", {"max_pixels": 10 ** 30}, "invalid_request"),
+        ("mm_processor_kwargs", {"max_pixels": -1}, "invalid_request"),
+        ("mm_processor_kwargs", {"max_pixels": 1 << 27}, "invalid_request"),           # raises the server's limit
+        ("mm_processor_kwargs", {"size": {"longest_edge": 1 << 28}}, "invalid_request"),
+        ("mm_processor_kwargs", {"videos_kwargs": {"max_frames": 1 << 40}}, "invalid_request"),
+        ("mm_processor_kwargs", {"fps": 1e308}, "invalid_request"),
+        ("mm_processor_kwargs", {"fps": -0.0}, "invalid_request"),
+        ("mm_processor_kwargs", {"min_pixels": 70000, "max_pixels": 60000}, "invalid_request"),
+        ("mm_processor_kwargs", {"videos_kwargs": {"size": {"longest_edge": {"a": {"b": {"c": {"d": 1}}}}}}},
+         "invalid_request"),  # 8 deep: within the body's limit, and not an integer
+        ("priority", "urgent", "invalid_request"),
+        ("session_id", {"a": 1}, "invalid_request")):
+    chat_refused("chat: %s" % json.dumps({_name: _value})[1:-1][:80], with_field(_name, _value), 400, _code)
+chat_refused("chat: mm_processor_kwargs nested 10^5 deep", lambda: b'{"mm_processor_kwargs": {"size": ' + OBJECTS +
+             b'}, "messages": []}', 400, "invalid_json")
 chat_refused("chat: truncated body (half a good one)", lambda: half(chat_body([image_part(good(), "truncated")])),
              400, "invalid_json")
 chat_refused("chat: invalid JSON", b'{"messages": [}', 400, "invalid_json")

@@ -4,6 +4,8 @@
 #include <filesystem>
 #include <cstring>
 #include <functional>
+#include <memory>
+#include <set>
 
 #include <nlohmann/json.hpp>
 
@@ -121,31 +123,44 @@ void add_outlier_channels(Model& m) {
     }
 }
 
-Model load_model(const std::string& spec) {
-  Model m;
-  if (auto c = synthetic_config(spec)) {
-    m = synthetic_model(*c);
-    if (synthetic_outliers(spec)) add_outlier_channels(m);
-    return m;
-  }
-  if (spec.rfind("synthetic:", 0) == 0)
-    fail("unknown synthetic model '{}' (built in: {}, each also with the suffix {})", spec, fmt::join(synthetic_names(), ", "),
-         kOutliersSuffix);
-  namespace fs = std::filesystem;
-  std::error_code ec;
-  if (!fs::is_directory(spec, ec)) fail("model '{}': not a folder (and not a synthetic:<name> model)", spec);
-  const std::string config_path = (fs::path(spec) / "config.json").string();
-  m.config = parse_config(read_file(config_path, "model config", config_json_limits().max_bytes), config_path);
-  m.config.name = spec;
-  const Checkpoint ck = Checkpoint::open(spec);
+namespace {
 
-  const auto expected = expected_tensors(m.config);
-  std::string prefix;
-  for (const char* p : {"model.visual.", "visual.", ""})
-    if (ck.find(std::string(p) + "patch_embed.proj.weight")) {
-      prefix = p;
-      break;
-    }
+// The tensors beside `<module>.weight` an FP8 release may hold: its scale (either layout) and the
+// activation scales of activation_scheme "static" (read past: fovea computes in bf16).
+constexpr const char* kScaleSuffixes[] = {"weight_scale_inv", "weight_scale"};
+constexpr const char* kActivationSuffixes[] = {"input_scale", "activation_scale"};
+
+bool ends_with(const std::string& s, const std::string& tail) {
+  return s.size() >= tail.size() && s.compare(s.size() - tail.size(), tail.size(), tail) == 0;
+}
+
+// `<module>.<suffix>` -> `<module>` for the suffixes above, or "" for any other name.
+std::string quant_sibling_module(const std::string& name, bool with_activation) {
+  for (const char* suf : kScaleSuffixes)
+    if (ends_with(name, std::string(".") + suf)) return name.substr(0, name.size() - std::strlen(suf) - 1);
+  if (with_activation)
+    for (const char* suf : kActivationSuffixes)
+      if (ends_with(name, std::string(".") + suf)) return name.substr(0, name.size() - std::strlen(suf) - 1);
+  return "";
+}
+
+// What load_model reads of a checkpoint, by name: everything under a vision prefix, and (a checkpoint
+// of the vision tower alone, without prefix) each expected tensor and its quantization siblings.
+// The rest (an FP8 release's language model) is validated and skipped, whatever its dtype.
+TensorFilter vision_tensors(const std::vector<std::pair<std::string, std::vector<int64_t>>>& expected) {
+  auto known = std::make_shared<std::set<std::string>>();
+  for (const auto& [name, shape] : expected) known->insert(name);
+  return [known](const std::string& name) {
+    if (name.rfind("model.visual.", 0) == 0 || name.rfind("visual.", 0) == 0 || known->count(name)) return true;
+    const std::string module = quant_sibling_module(name, true);
+    return !module.empty() && known->count(module + ".weight") > 0;
+  };
+}
+
+// Missing tensors (listed) and shapes (expected vs found) are errors, unexpected tensors under the
+// prefix a warning; a quantization sibling of an expected weight is expected.
+void check_vision_tensors(const Checkpoint& ck, const std::string& prefix, const std::string& spec,
+                          const std::vector<std::pair<std::string, std::vector<int64_t>>>& expected) {
   std::vector<std::string> missing;
   std::map<std::string, bool> known;
   for (const auto& [name, shape] : expected) {
@@ -166,15 +181,93 @@ Model load_model(const std::string& spec) {
     fail("model '{}': {} vision tensor(s) missing from the checkpoint: {}", spec, missing.size(), list);
   }
   std::vector<std::string> unexpected;
-  const std::string vision_prefix = prefix.empty() ? std::string() : prefix;
-  for (const auto& [name, t] : ck.tensors())
-    if (name.rfind(vision_prefix, 0) == 0 && !known.count(name.substr(vision_prefix.size())) &&
+  for (const auto& [name, t] : ck.tensors()) {
+    if (name.rfind(prefix, 0) != 0) continue;
+    const std::string rel = name.substr(prefix.size()), module = quant_sibling_module(rel, true);
+    if (!known.count(rel) && (module.empty() || !known.count(module + ".weight")) &&
         (!prefix.empty() || name.find("language_model") == std::string::npos))
       unexpected.push_back(name);
+  }
   if (!unexpected.empty() && !prefix.empty())
     warn(fmt::format("model '{}': {} unexpected tensor(s) under '{}' ignored (first: {})", spec, unexpected.size(),
                      prefix, unexpected.front()));
-  m.weights = assemble(m.config, [&](const std::string& name, const Shape&) { return ck.find(prefix + name)->to_float(); });
+}
+
+// Every scale under the prefix belongs to an F8_E4M3 weight of the layout quantization_config names,
+// and every F8_E4M3 vision tensor is a linear weight with its scale, not listed as left unconverted.
+void check_quantized_tensors(const Checkpoint& ck, const std::string& prefix, const std::string& spec,
+                             const QuantConfig& q) {
+  for (const auto& [name, t] : ck.tensors()) {
+    if (name.rfind(prefix, 0) != 0) continue;
+    const std::string shown = escape_for_error(name, 200);
+    if (t.dtype == DType::F8_E4M3) {
+      if (!ends_with(name, ".weight") || t.shape.size() != 2)
+        fail("model '{}': tensor '{}' is F8_E4M3 {}: only linear weights [out, in] may be FP8", spec, shown,
+             shape_str(t.shape));
+      const std::string module = name.substr(0, name.size() - 7);
+      if (q.method.empty())
+        fail("model '{}': tensor '{}' is F8_E4M3, but {} has no quantization_config to say how its scale is laid out",
+             spec, shown, q.where.substr(0, q.where.rfind(": ")));
+      if (listed_not_converted(q, module))
+        fail("model '{}': tensor '{}' is F8_E4M3, but {} lists its module '{}' as not converted", spec, shown,
+             q.where + (q.method == "fp8" ? ".modules_to_not_convert" : ".ignore"), escape_for_error(module, 200));
+      if (!ck.find(module + "." + q.scale_suffix))
+        fail("model '{}': tensor '{}' is F8_E4M3 without its scale: '{}.{}' is not in the checkpoint ({}.quant_method "
+             "\"{}\": {})",
+             spec, shown, escape_for_error(module, 200), q.scale_suffix, q.where, q.method, q.scheme());
+      continue;
+    }
+    const std::string module = quant_sibling_module(name, false);
+    if (module.empty()) continue;
+    const TensorInfo* w = ck.find(module + ".weight");
+    if (!w)
+      fail("model '{}': tensor '{}' is a scale without its tensor: '{}.weight' is not in the checkpoint", spec, shown,
+           escape_for_error(module, 200));
+    if (w->dtype != DType::F8_E4M3)
+      fail("model '{}': tensor '{}' is a scale of '{}.weight', which is {}, not F8_E4M3", spec, shown,
+           escape_for_error(module, 200), dtype_str(w->dtype));
+    if (!ends_with(name, "." + q.scale_suffix))
+      fail("model '{}': tensor '{}' is not the scale {}.quant_method \"{}\" names ('{}')", spec, shown, q.where,
+           q.method, q.scale_suffix);
+  }
+}
+
+}  // namespace
+
+Model load_model(const std::string& spec) {
+  Model m;
+  if (auto c = synthetic_config(spec)) {
+    m = synthetic_model(*c);
+    if (synthetic_outliers(spec)) add_outlier_channels(m);
+    return m;
+  }
+  if (spec.rfind("synthetic:", 0) == 0)
+    fail("unknown synthetic model '{}' (built in: {}, each also with the suffix {})", spec, fmt::join(synthetic_names(), ", "),
+         kOutliersSuffix);
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  if (!fs::is_directory(spec, ec)) fail("model '{}': not a folder (and not a synthetic:<name> model)", spec);
+  const std::string config_path = (fs::path(spec) / "config.json").string();
+  const std::string config_text = read_file(config_path, "model config", config_json_limits().max_bytes);
+  m.config = parse_config(config_text, config_path);
+  m.config.name = spec;
+  const QuantConfig quant = parse_quantization_config(config_text, config_path);
+  const auto expected = expected_tensors(m.config);
+  const Checkpoint ck = Checkpoint::open(spec, vision_tensors(expected));
+
+  std::string prefix;
+  for (const char* p : {"model.visual.", "visual.", ""})
+    if (ck.find(std::string(p) + "patch_embed.proj.weight")) {
+      prefix = p;
+      break;
+    }
+  check_vision_tensors(ck, prefix, spec, expected);
+  check_quantized_tensors(ck, prefix, spec, quant);
+  m.weights = assemble(m.config, [&](const std::string& name, const Shape&) {
+    const TensorInfo& t = *ck.find(prefix + name);
+    if (t.dtype != DType::F8_E4M3) return t.to_float();
+    return dequantize_fp8(t, *ck.find(prefix + name.substr(0, name.size() - 7) + "." + quant.scale_suffix), quant);
+  });
   return m;
 }
 
