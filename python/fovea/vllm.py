@@ -316,8 +316,9 @@ def _layer_scales(path, prefix):
     if not isinstance(entry, dict):
         raise ValueError(f"fovea: FP8 scale file {path} has no entry for layer {prefix}")
     index = _layer_index(prefix)
-    if index is not None:
-        return fovea_attention.read_scale_file(path, index + 1)[index]
+    if index is not None:  # read whole (every block's entry validated), at the file's own layer count
+        count = max((i for i in map(_layer_index, layers) if i is not None), default=index) + 1
+        return fovea_attention.read_scale_file(path, count)[index]
     vals = [entry.get(n, entry.get(n + "_scale")) for n in ("q", "k", "v")]
     if not all(isinstance(x, (int, float)) and x > 0 for x in vals):
         raise ValueError(f"fovea: FP8 scale file {path}, layer {prefix}: q, k, v must be numbers > 0, got {vals}")

@@ -65,13 +65,15 @@ class Double(unittest.TestCase):
         load_general_plugins()
 
     def ref64(self, q, k, v, cu, heads, kv_heads=None, hd=72):
+        """q, k, v [tokens, heads, hd] (as qkv_inputs makes them): vLLM's [1, S, H, D] call, in fp64."""
         cu_t = None if cu is None else torch.from_numpy(cu)
-        return self.mea.reference_attention(q.double(), k.double(), v.double(), cu_t, hd ** -0.5, heads,
-                                             kv_heads or heads, hd)
+        return self.mea.reference_attention(q.double()[None], k.double()[None], v.double()[None], cu_t, hd ** -0.5,
+                                             heads, kv_heads or heads, hd)[0]
 
     def native(self, q, k, v, cu, heads, kv_heads=None, hd=72):
         cu_t = None if cu is None else torch.from_numpy(cu)
-        return self.mea.reference_attention(q, k, v, cu_t, hd ** -0.5, heads, kv_heads or heads, hd)
+        return self.mea.reference_attention(q[None], k[None], v[None], cu_t, hd ** -0.5, heads, kv_heads or heads,
+                                            hd)[0]
 
     def assert_bf16(self, what, out, native, ref):
         o, om = rel(out, ref)
