@@ -81,10 +81,10 @@ void static_scheme(EngineConfig& cfg, const std::string& path, bool autoscheme) 
 
 }  // namespace
 
-EngineConfig resolve_engine(const EngineOptions& opt, const SystemInfo& sys) {
-  EngineConfig cfg;
+namespace {
 
-  // Device.
+// --device: the flag, else the GPU where this build has CUDA and one is visible (the CPU for --backend CPU).
+void resolve_device(const EngineOptions& opt, const SystemInfo& sys, EngineConfig& cfg) {
   std::string device = opt.device;
   for (auto& c : device) c = char(std::tolower(static_cast<unsigned char>(c)));
   if (device.empty()) {
@@ -100,19 +100,23 @@ EngineConfig resolve_engine(const EngineOptions& opt, const SystemInfo& sys) {
     fail("--device: '{}' is not one of cuda, cpu", opt.device);
   }
   if (cfg.device == Device::CUDA) cfg.gpu = sys.gpus.at(0);
+}
 
-  // Dtype.
+// --mm-encoder-attn-dtype: auto means BF16 (no crossover has been measured yet; vLLM's default too).
+void resolve_dtype(const EngineOptions& opt, EngineConfig& cfg) {
   const auto dtype = parse_dtype(opt.dtype);
   if (!dtype) fail("--mm-encoder-attn-dtype: '{}' is not one of auto, bf16, fp8", opt.dtype);
   cfg.dtype = *dtype;
   if (cfg.dtype == AttnDtype::AUTO) {
-    // No crossover has been measured yet, so auto means BF16 (vLLM's default too).
     cfg.dtype = AttnDtype::BF16;
     cfg.dtype_note = "auto: bf16 (FP8 is chosen only with --mm-encoder-attn-dtype fp8)";
   }
+}
 
-  // FP8 scale options (docs/fp8.md §Engine options).
-  // Checked as the float the scale book keeps (1e-50 or 1e300 pass as a double, not as a float).
+// The FP8 scale flags alone and together (docs/fp8.md §Engine options): the margin (checked as the
+// float the scale book keeps: 1e-50 or 1e300 pass as a double, not as a float), the scheme, and the
+// static and save paths, each only with FP8 and not both.
+void check_fp8_flags(const EngineOptions& opt, EngineConfig& cfg) {
   if (!(opt.scale_save_margin > 0) || !(opt.scale_save_margin <= FLT_MAX) || !(float(opt.scale_save_margin) > 0))
     fail("--mm-encoder-fp8-scale-save-margin must be a number > 0, got {}", opt.scale_save_margin);
   cfg.scale_save_margin = float(opt.scale_save_margin);
@@ -124,7 +128,6 @@ EngineConfig resolve_engine(const EngineOptions& opt, const SystemInfo& sys) {
     if (!fp8) fail("--fp8-scheme robust needs --mm-encoder-attn-dtype fp8 (the attention dtype is {})", dtype_name(cfg.dtype));
     cfg.fp8_robust = true;
   }
-  const bool autoscheme = fp8 && opt.fp8_scheme == "auto";
   if (!opt.scale_path.empty() && !opt.scale_save_path.empty())
     fail("--mm-encoder-fp8-scale-path and --mm-encoder-fp8-scale-save-path are exclusive: static scales are read "
          "from a file, calibration writes one");
@@ -144,35 +147,39 @@ EngineConfig resolve_engine(const EngineOptions& opt, const SystemInfo& sys) {
     if (fs::is_directory(p, ec))
       fail("--mm-encoder-fp8-scale-save-path '{}' is a folder; give a file name", opt.scale_save_path);
   }
-  if (fp8) {
-    if (!opt.scale_path.empty()) {
-      cfg.scale_mode = ScaleMode::STATIC;
-      try {
-        cfg.scale_file = read_scale_file(opt.scale_path);
-      } catch (const Error& e) {
-        fail("--mm-encoder-fp8-scale-path: {}", e.what());
-      }
-      static_scheme(cfg, opt.scale_path, autoscheme);
-    } else if (!opt.scale_save_path.empty()) {
-      cfg.scale_mode = ScaleMode::CALIBRATE;
-      if (autoscheme) {  // the statistic comes from the robust scheme's histories
-        cfg.fp8_robust = true;
-        cfg.scheme_note = "auto: calibrating with the robust scheme, whose file records per layer whether it needs it "
-                          "(fovea_robust_gain); serve with the file and auto to use it";
-      }
-    } else {
-      cfg.scale_mode = ScaleMode::DYNAMIC;
-    }
-    if (autoscheme && cfg.scheme_note.empty())
-      // Per-tensor scales (vLLM's): without a calibrated file no statistic says which layers have
-      // outlier channels, and on well-spread inputs the robust scheme gains little and costs more
-      // (bench/RESULTS.md); --fp8-scheme robust forces it.
-      cfg.scheme_note = "auto: tensor (robust is chosen per layer only from a calibrated file, or with --fp8-scheme robust)";
-  }
-  cfg.scale_path = opt.scale_path;
-  cfg.scale_save_path = opt.scale_save_path;
+}
 
-  // Backend.
+// The scale mode (static from a file, calibration, dynamic) and the scheme auto picks with it.
+void resolve_scales(const EngineOptions& opt, EngineConfig& cfg) {
+  const bool autoscheme = opt.fp8_scheme == "auto";
+  if (!opt.scale_path.empty()) {
+    cfg.scale_mode = ScaleMode::STATIC;
+    try {
+      cfg.scale_file = read_scale_file(opt.scale_path);
+    } catch (const Error& e) {
+      fail("--mm-encoder-fp8-scale-path: {}", e.what());
+    }
+    static_scheme(cfg, opt.scale_path, autoscheme);
+  } else if (!opt.scale_save_path.empty()) {
+    cfg.scale_mode = ScaleMode::CALIBRATE;
+    if (autoscheme) {  // the statistic comes from the robust scheme's histories
+      cfg.fp8_robust = true;
+      cfg.scheme_note = "auto: calibrating with the robust scheme, whose file records per layer whether it needs it "
+                        "(fovea_robust_gain); serve with the file and auto to use it";
+    }
+  } else {
+    cfg.scale_mode = ScaleMode::DYNAMIC;
+  }
+  if (autoscheme && cfg.scheme_note.empty())
+    // Per-tensor scales (vLLM's): without a calibrated file no statistic says which layers have
+    // outlier channels, and on well-spread inputs the robust scheme gains little and costs more
+    // (bench/RESULTS.md); --fp8-scheme robust forces it.
+    cfg.scheme_note = "auto: tensor (robust is chosen per layer only from a calibrated file, or with --fp8-scheme robust)";
+}
+
+// --mm-encoder-attn-backend: AUTO is the CPU on the CPU, FOVEA where it runs, else CUDNN; a backend that
+// cannot run here is an error listing what can.
+void resolve_backend(const EngineOptions& opt, const SystemInfo& sys, EngineConfig& cfg) {
   const auto backend = parse_backend(opt.backend);
   if (!backend)
     fail("--mm-encoder-attn-backend: '{}' is not one of AUTO, FOVEA, CUDNN, FLASHINFER, CPU", opt.backend);
@@ -195,6 +202,20 @@ EngineConfig resolve_engine(const EngineOptions& opt, const SystemInfo& sys) {
     fail("--mm-encoder-attn-backend {}: {}; {} attention runs here on: {}", backend_name(cfg.backend), *why,
          dtype_name(cfg.dtype), can.empty() ? std::string("nothing") : fmt::format("{}", fmt::join(can, ", ")));
   }
+}
+
+}  // namespace
+
+// Device, dtype, FP8 scales, backend: each step reads the ones before it.
+EngineConfig resolve_engine(const EngineOptions& opt, const SystemInfo& sys) {
+  EngineConfig cfg;
+  resolve_device(opt, sys, cfg);
+  resolve_dtype(opt, cfg);
+  check_fp8_flags(opt, cfg);
+  if (cfg.dtype == AttnDtype::FP8) resolve_scales(opt, cfg);
+  cfg.scale_path = opt.scale_path;
+  cfg.scale_save_path = opt.scale_save_path;
+  resolve_backend(opt, sys, cfg);
   if (cfg.fp8_linears && cfg.device == Device::CUDA && !sys.gpus.empty() && sys.gpus[0].cc_major < 9)
     fail("--fp8-linears on the GPU needs sm_90 or newer (cuBLASLt's per-token and per-channel FP8 scales); GPU 0 is {} (sm_{}{})",
          sys.gpus[0].name, sys.gpus[0].cc_major, sys.gpus[0].cc_minor);
