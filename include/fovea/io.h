@@ -1,10 +1,13 @@
 // fovea/io.h: whole-file reads and atomic writes (a temporary file in the same folder, fsync, rename),
-// so no output of fovea is ever left half-written.
+// so no output of fovea is ever left half-written; and the one owner of a file descriptor, with the
+// reads and writes that go on after EINTR, which every room that touches files uses.
 #pragma once
 #include <sys/stat.h>
+#include <sys/types.h>
 
 #include <cstddef>
 #include <string>
+#include <utility>
 
 namespace fovea {
 
@@ -16,10 +19,45 @@ constexpr size_t kMaxReadFileBytes = size_t(1) << 30;  // read_file's default bo
 // (refused before any of it is read, or as soon as a growing file passes it).
 std::string read_file(const std::string& path, const std::string& what = "file", size_t max_bytes = kMaxReadFileBytes);
 
+// A file descriptor this scope owns: closed when it goes (release() hands it back); move-only.
+class Fd {
+ public:
+  explicit Fd(int fd = -1) : fd_(fd) {}
+  ~Fd() { reset(); }
+  Fd(Fd&& o) noexcept : fd_(std::exchange(o.fd_, -1)) {}
+  Fd& operator=(Fd&& o) noexcept {
+    if (this != &o) {
+      reset();
+      fd_ = std::exchange(o.fd_, -1);
+    }
+    return *this;
+  }
+  Fd(const Fd&) = delete;
+  Fd& operator=(const Fd&) = delete;
+  int get() const { return fd_; }
+  int release() { return std::exchange(fd_, -1); }
+  explicit operator bool() const { return fd_ >= 0; }
+
+ private:
+  void reset();
+  int fd_;
+};
+
+// Writes all of [data, data + n) to fd, again after EINTR; false (errno set) if a write fails.
+bool write_full(int fd, const void* data, size_t n);
+// pread of n bytes at `offset`, again after EINTR and short reads, until n bytes or the end of the
+// file; the bytes read, or -1 (errno set).
+ssize_t pread_full(int fd, void* data, size_t n, off_t offset);
+// Reads fd to its end into `out`, whose size is the room to fill first (the size fstat gave: some
+// files, /proc's, say 0, and a file may grow while it is read), again after EINTR, never holding
+// more than max_bytes + 1 bytes; `out` is cut to what was read.
+enum class ReadEnd { OK, ERROR /* errno set */, TOO_LARGE };
+ReadEnd read_to_end(int fd, std::string& out, size_t max_bytes);
+
 // Opens `path` for reading only if it is a regular file: open(O_RDONLY | O_NONBLOCK | O_CLOEXEC), so
-// opening a FIFO does not wait for a writer, then fstat. Returns the descriptor (the caller closes
-// it) and fills *st; throws fovea::Error "<what> '<path>': is not a regular file" otherwise.
-int open_regular_file(const std::string& path, const std::string& what, struct stat* st);
+// opening a FIFO does not wait for a writer, then fstat. Returns the descriptor and fills *st;
+// throws fovea::Error "<what> '<path>': is not a regular file" otherwise.
+Fd open_regular_file(const std::string& path, const std::string& what, struct stat* st);
 void write_file_atomic(const std::string& path, const std::string& contents, const std::string& what = "file");
 
 }  // namespace fovea

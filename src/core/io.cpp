@@ -5,6 +5,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 #include <cerrno>
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
@@ -13,47 +14,38 @@
 
 namespace fovea {
 
-int open_regular_file(const std::string& path, const std::string& what, struct stat* st) {
-  // O_NONBLOCK: open() of a FIFO with no writer would otherwise wait forever; for a regular file it
-  // changes nothing. The type is checked on the open descriptor (fstat), not by a stat() before
-  // open(), so the file cannot be swapped in between.
-  const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
-  if (fd < 0) {
-    const int err = errno;
-    fail("{} '{}': cannot open: {}", what, path, std::strerror(err));
-  }
-  if (::fstat(fd, st) != 0) {
-    const int err = errno;
-    ::close(fd);
-    fail("{} '{}': cannot stat: {}", what, path, std::strerror(err));
-  }
-  if (S_ISDIR(st->st_mode)) {
-    ::close(fd);
-    fail("{} '{}': is a folder, not a file", what, path);
-  }
-  if (!S_ISREG(st->st_mode)) {
-    ::close(fd);
-    fail("{} '{}': is not a regular file ({})", what, path,
-         S_ISFIFO(st->st_mode) ? "a FIFO" : S_ISCHR(st->st_mode) || S_ISBLK(st->st_mode) ? "a device"
-                                     : S_ISSOCK(st->st_mode)                              ? "a socket"
-                                                                                          : "not a plain file");
-  }
-  return fd;
+void Fd::reset() {
+  if (fd_ >= 0) ::close(fd_);
+  fd_ = -1;
 }
 
-std::string read_file(const std::string& path, const std::string& what, size_t max_bytes) {
-  struct stat st {};
-  const int fd = open_regular_file(path, what, &st);
-  auto bail = [&](const std::string& message) {
-    ::close(fd);
-    throw Error(message);
-  };
-  if (uint64_t(st.st_size) > max_bytes)
-    bail(fmt::format("{} '{}': {} bytes, larger than the limit of {} bytes", what, path, uint64_t(st.st_size),
-                     max_bytes));
-  // st_size bytes, then on until EOF: some regular files (/proc) report size 0, and a file may grow
-  // while it is read; the bound holds either way.
-  std::string out(size_t(st.st_size), '\0');
+bool write_full(int fd, const void* data, size_t n) {
+  const char* p = static_cast<const char*>(data);
+  for (size_t done = 0; done < n;) {
+    const ssize_t w = ::write(fd, p + done, n - done);
+    if (w < 0 && errno == EINTR) continue;
+    if (w < 0) return false;
+    done += size_t(w);
+  }
+  return true;
+}
+
+ssize_t pread_full(int fd, void* data, size_t n, off_t offset) {
+  char* p = static_cast<char*>(data);
+  size_t done = 0;
+  while (done < n) {
+    const ssize_t r = ::pread(fd, p + done, n - done, offset + off_t(done));
+    if (r < 0 && errno == EINTR) continue;
+    if (r < 0) return -1;
+    if (r == 0) break;
+    done += size_t(r);
+  }
+  return ssize_t(done);
+}
+
+ReadEnd read_to_end(int fd, std::string& out, size_t max_bytes) {
+  // Past the room given, reads go to a small buffer first and are appended only if data comes: a
+  // file whose size fstat gave exactly is read without growing `out` (no doubled capacity).
   size_t done = 0;
   char more[1 << 16];
   for (;;) {
@@ -61,16 +53,47 @@ std::string read_file(const std::string& path, const std::string& what, size_t m
     const size_t room = done < out.size() ? out.size() - done : sizeof(more);
     const ssize_t n = ::read(fd, dst, room);
     if (n < 0 && errno == EINTR) continue;
-    if (n < 0) bail(fmt::format("{} '{}': read error: {}", what, path, std::strerror(errno)));
+    if (n < 0) return ReadEnd::ERROR;
     if (n == 0) break;
     if (dst == more) out.append(more, size_t(n));
     done += size_t(n);
-    if (done > max_bytes)
-      bail(fmt::format("{} '{}': larger than the limit of {} bytes (it grew while being read)", what, path, max_bytes));
+    if (done > max_bytes) return ReadEnd::TOO_LARGE;
   }
-  ::close(fd);
   out.resize(done);  // a file that shrank while being read
-  return out;
+  return ReadEnd::OK;
+}
+
+Fd open_regular_file(const std::string& path, const std::string& what, struct stat* st) {
+  // O_NONBLOCK: open() of a FIFO with no writer would otherwise wait forever; for a regular file it
+  // changes nothing. The type is checked on the open descriptor (fstat), not by a stat() before
+  // open(), so the file cannot be swapped in between.
+  Fd fd(::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC));
+  if (!fd) fail("{} '{}': cannot open: {}", what, path, std::strerror(errno));
+  if (::fstat(fd.get(), st) != 0) fail("{} '{}': cannot stat: {}", what, path, std::strerror(errno));
+  if (S_ISDIR(st->st_mode)) fail("{} '{}': is a folder, not a file", what, path);
+  if (!S_ISREG(st->st_mode))
+    fail("{} '{}': is not a regular file ({})", what, path,
+         S_ISFIFO(st->st_mode) ? "a FIFO" : S_ISCHR(st->st_mode) || S_ISBLK(st->st_mode) ? "a device"
+                                     : S_ISSOCK(st->st_mode)                              ? "a socket"
+                                                                                          : "not a plain file");
+  return fd;
+}
+
+std::string read_file(const std::string& path, const std::string& what, size_t max_bytes) {
+  struct stat st {};
+  const Fd fd = open_regular_file(path, what, &st);
+  if (uint64_t(st.st_size) > max_bytes)
+    fail("{} '{}': {} bytes, larger than the limit of {} bytes", what, path, uint64_t(st.st_size), max_bytes);
+  std::string out(size_t(st.st_size), '\0');
+  switch (read_to_end(fd.get(), out, max_bytes)) {
+    case ReadEnd::OK:
+      return out;
+    case ReadEnd::ERROR:
+      fail("{} '{}': read error: {}", what, path, std::strerror(errno));
+    case ReadEnd::TOO_LARGE:
+      break;
+  }
+  fail("{} '{}': larger than the limit of {} bytes (it grew while being read)", what, path, max_bytes);
 }
 
 void write_file_atomic(const std::string& path, const std::string& contents, const std::string& what) {
@@ -81,24 +104,19 @@ void write_file_atomic(const std::string& path, const std::string& contents, con
   if (!fs::is_directory(dir, ec)) fail("{} '{}': folder '{}' does not exist", what, path, dir.string());
   if (fs::is_directory(target, ec)) fail("{} '{}': is a folder; give a file name", what, path);
   std::string tmp = (dir / fmt::format(".{}.tmp.XXXXXX", target.filename().string())).string();
-  const int fd = mkstemp(tmp.data());
-  if (fd < 0) fail("{} '{}': cannot create a temporary file in '{}': {}", what, path, dir.string(), std::strerror(errno));
-  auto abandon = [&](const char* step, bool close_fd) {
+  Fd fd(mkstemp(tmp.data()));
+  if (!fd) fail("{} '{}': cannot create a temporary file in '{}': {}", what, path, dir.string(), std::strerror(errno));
+  auto abandon = [&](const char* step) {
     const int err = errno;
-    if (close_fd) ::close(fd);
+    fd = Fd();
     ::unlink(tmp.c_str());
     fail("{} '{}': {}: {}", what, path, step, std::strerror(err));
   };
-  if (fchmod(fd, 0644) != 0) abandon("cannot set permissions", true);  // mkstemp made it 0600
-  for (size_t done = 0; done < contents.size();) {
-    const ssize_t n = ::write(fd, contents.data() + done, contents.size() - done);
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) abandon("write failed", true);
-    done += size_t(n);
-  }
-  if (::fsync(fd) != 0) abandon("fsync failed", true);
-  if (::close(fd) != 0) abandon("close failed", false);
-  if (std::rename(tmp.c_str(), path.c_str()) != 0) abandon("cannot move the temporary file into place", false);
+  if (fchmod(fd.get(), 0644) != 0) abandon("cannot set permissions");  // mkstemp made it 0600
+  if (!write_full(fd.get(), contents.data(), contents.size())) abandon("write failed");
+  if (::fsync(fd.get()) != 0) abandon("fsync failed");
+  if (::close(fd.release()) != 0) abandon("close failed");
+  if (std::rename(tmp.c_str(), path.c_str()) != 0) abandon("cannot move the temporary file into place");
 }
 
 }  // namespace fovea

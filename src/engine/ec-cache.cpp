@@ -40,31 +40,6 @@ constexpr const char* kWriter = "fovea";
 const std::string kTempPrefix = std::string(".") + kEcCacheFile + ".tmp.";
 constexpr int64_t kStaleTempNs = int64_t(10) * 60 * 1000000000;  // ten minutes
 
-// A file descriptor this scope owns.
-class Fd {
- public:
-  explicit Fd(int fd = -1) : fd_(fd) {}
-  ~Fd() { reset(); }
-  Fd(Fd&& o) noexcept : fd_(std::exchange(o.fd_, -1)) {}
-  Fd& operator=(Fd&& o) noexcept {
-    if (this != &o) {
-      reset();
-      fd_ = std::exchange(o.fd_, -1);
-    }
-    return *this;
-  }
-  int get() const { return fd_; }
-  int release() { return std::exchange(fd_, -1); }
-  explicit operator bool() const { return fd_ >= 0; }
-
- private:
-  void reset() {
-    if (fd_ >= 0) ::close(fd_);
-    fd_ = -1;
-  }
-  int fd_;
-};
-
 // Everything below DIR is opened by these two, which follow no symlink: O_NOFOLLOW refuses a
 // symlink as the last component, and names are single components (ec_key_problem), so there is no
 // other. O_NONBLOCK: a FIFO planted as the file must not block the open.
@@ -199,17 +174,6 @@ int create_temp(int folder_fd, std::string* name) {
   return -1;
 }
 
-// Writes all of [data, data + n) to fd; false (errno set) if a write fails.
-bool write_all(int fd, const char* data, size_t n) {
-  for (size_t done = 0; done < n;) {
-    const ssize_t w = ::write(fd, data + done, n - done);
-    if (w < 0 && errno == EINTR) continue;
-    if (w < 0) return false;
-    done += size_t(w);
-  }
-  return true;
-}
-
 // An entry's file before it is written: the safetensors head, then the one tensor's rows (merger
 // output, then each deepstack output), interleaved a few rows at a time into a small buffer as they
 // are written. The server writes one per image (67 MB for the 8B model at FullHD) on the reply's
@@ -220,7 +184,7 @@ struct EntryFile {
   size_t O = 0, parts = 0, count = 0;  // row width per part, parts, rows
   int64_t size() const { return int64_t(head.size() + count * O * parts * 2); }
   bool write_to(int fd) const {
-    if (!write_all(fd, head.data(), head.size())) return false;
+    if (!write_full(fd, head.data(), head.size())) return false;
     const size_t row_bytes = O * parts * 2, step = std::max<size_t>(1, (size_t(2) << 20) / row_bytes);
     thread_local std::vector<char> chunk;  // reused: its pages are touched once per thread
     chunk.resize(step * row_bytes);
@@ -231,7 +195,7 @@ struct EntryFile {
           const std::span<const uint16_t> src = p == 0 ? rows->merged : rows->deepstack[p - 1];
           std::memcpy(chunk.data() + r * row_bytes + p * O * 2, src.data() + (r0 + r) * O, O * 2);
         }
-      if (!write_all(fd, chunk.data(), n * row_bytes)) return false;
+      if (!write_full(fd, chunk.data(), n * row_bytes)) return false;
     }
     return true;
   }
@@ -277,18 +241,11 @@ std::string read_all(int fd, const std::string& path, size_t max_bytes) {
   if (uint64_t(st.st_size) > max_bytes)
     fail("encoder cache file '{}': {} bytes, larger than the limit of {} bytes", path, uint64_t(st.st_size), max_bytes);
   std::string out(size_t(st.st_size), '\0');
-  size_t done = 0;
-  for (;;) {  // on until EOF: a file may have grown since fstat; the bound holds either way
-    if (done == out.size()) out.resize(std::min(max_bytes + 1, out.size() + (size_t(1) << 16)));
-    const ssize_t n = ::read(fd, out.data() + done, out.size() - done);
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) fail("encoder cache file '{}': read error: {}", path, std::strerror(errno));
-    if (n == 0) break;
-    done += size_t(n);
-    if (done > max_bytes)
-      fail("encoder cache file '{}': larger than the limit of {} bytes (it grew while being read)", path, max_bytes);
-  }
-  out.resize(done);
+  // On until EOF: a file may have grown since fstat; the bound holds either way.
+  const ReadEnd r = read_to_end(fd, out, max_bytes);
+  if (r == ReadEnd::ERROR) fail("encoder cache file '{}': read error: {}", path, std::strerror(errno));
+  if (r == ReadEnd::TOO_LARGE)
+    fail("encoder cache file '{}': larger than the limit of {} bytes (it grew while being read)", path, max_bytes);
   return out;
 }
 

@@ -27,12 +27,9 @@ InputKind input_kind(std::span<const uint8_t> head) {
 InputKind file_input_kind(const std::string& path) {
   // A FIFO or a device is refused here, at once: a blocking open would wait for a writer forever.
   struct stat st {};
-  const int fd = open_regular_file(path, "input", &st);
+  const Fd fd = open_regular_file(path, "input", &st);
   std::array<uint8_t, 512> head{};
-  ssize_t n;
-  do n = ::pread(fd, head.data(), head.size(), 0);
-  while (n < 0 && errno == EINTR);
-  ::close(fd);
+  const ssize_t n = pread_full(fd.get(), head.data(), head.size(), 0);
   if (n < 0) fail("input '{}': cannot read it: {}", path, std::strerror(errno));
   return input_kind({head.data(), size_t(n)});
 }

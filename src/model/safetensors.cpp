@@ -294,16 +294,15 @@ class SafetensorsFile {
   SafetensorsFile(const std::string& p, const TensorFilter& keep) : path(p) {
     // Regular files only, opened without blocking (a FIFO named as a shard fails here at once).
     struct stat st {};
-    const int fd = open_regular_file(p, "safetensors file", &st);
+    Fd fd = open_regular_file(p, "safetensors file", &st);
     size_ = size_t(st.st_size);
     if (size_ < 8) {  // mmap of an empty file fails, and there is no header length to read anyway
-      ::close(fd);
       fail("safetensors file '{}': only {} bytes, shorter than the 8-byte header length: not a safetensors file",
            p, size_);
     }
-    void* m = ::mmap(nullptr, size_, PROT_READ, MAP_PRIVATE, fd, 0);
+    void* m = ::mmap(nullptr, size_, PROT_READ, MAP_PRIVATE, fd.get(), 0);
     const int err = errno;
-    ::close(fd);  // the mapping keeps the file alive
+    fd = Fd();  // the mapping keeps the file alive
     if (m == MAP_FAILED) fail("safetensors file '{}': cannot map {} bytes: {}", p, size_, std::strerror(err));
     base_ = static_cast<const uint8_t*>(m);
     try {

@@ -24,6 +24,7 @@
 #include <fmt/format.h>
 
 #include "fovea/error.h"
+#include "fovea/io.h"
 #include "fovea/json.h"
 #include "fovea/threads.h"
 #include "server/request.h"
@@ -214,25 +215,17 @@ std::vector<uint8_t> MediaSources::read(const std::string& url, const std::strin
   std::string rel = below(path, local_root_);
   if (rel.empty()) rel = below(path, local_real_);
   if (rel.empty()) bad_url(name, url, fmt::format("not below --allowed-local-media-path ({})", local_root_));
-  const int fd = open_beneath(local_fd_, rel);
-  if (fd < 0) bad_url(name, url, open_failure(errno));
-  struct Closer {
-    int fd;
-    ~Closer() { ::close(fd); }
-  } closer{fd};
+  const Fd fd(open_beneath(local_fd_, rel));
+  if (!fd) bad_url(name, url, open_failure(errno));
   struct stat st{};
-  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) bad_url(name, url, "not a regular file");
+  if (::fstat(fd.get(), &st) != 0 || !S_ISREG(st.st_mode)) bad_url(name, url, "not a regular file");
   if (st.st_size > max_bytes_)
     bad_url(name, url, fmt::format("{} bytes, more than an item may be ({}, --max-body-bytes)", st.st_size, max_bytes_));
   if (!take(budget, st.st_size, held)) no_room(budget, name, url);
   std::vector<uint8_t> bytes(size_t(st.st_size));
-  size_t got = 0;
-  while (got < bytes.size()) {
-    const ssize_t n = ::pread(fd, bytes.data() + got, bytes.size() - got, off_t(got));
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) bad_url(name, url, n == 0 ? "the file shrank while it was read" : std::strerror(errno));
-    got += size_t(n);
-  }
+  const ssize_t got = pread_full(fd.get(), bytes.data(), bytes.size(), 0);
+  if (got < 0) bad_url(name, url, std::strerror(errno));
+  if (size_t(got) < bytes.size()) bad_url(name, url, "the file shrank while it was read");
   return bytes;
 }
 
