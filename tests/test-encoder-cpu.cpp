@@ -366,7 +366,7 @@ TEST(Fp8Linear, IsTheQuantizedProductWithPerRowAndPerChannelScales) {
   EXPECT_LT(worst, 1e-5);  // fp32 summation of exact products
 
   // Per-row scales: the large row's relative error is that of an ordinary row.
-  const std::vector<float> ref = linear_fp8(Linear{l.w, std::vector<float>(size_t(out), 0.f), out, in}, x, rows);
+  const std::vector<float> ref = linear_fp8(Linear{l.w, std::vector<float>(size_t(out), 0.f), out, in, std::nullopt}, x, rows);
   auto row_rel = [&](int r) {
     double num = 0, den = 0;
     for (int o = 0; o < out; ++o) {

@@ -194,9 +194,12 @@ void write_release(const fs::path& dir, const Release& r) {
   write_file_atomic((dir / "config.json").string(), r.config.dump(1), "config");
 }
 
-// The loaded model's tensors by name, through save_model (bf16 values, which these all are).
-std::map<std::string, std::vector<float>> loaded(const Model& m, const fs::path& dir) {
+// The loaded model's values by name, through save_model (bf16 values, which these all are; FP8
+// linears written as their dequantized values).
+std::map<std::string, std::vector<float>> loaded(Model m, const fs::path& dir) {
   fs::create_directories(dir);
+  for (size_t b = 0; b < m.weights.blocks.size(); ++b)
+    for (auto [name, l] : block_linears(m.weights.blocks[b], b)) l->fp8.reset();
   save_model(m, dir.string());
   const Checkpoint ck = Checkpoint::open((dir / "model.safetensors").string());
   std::map<std::string, std::vector<float>> out;
@@ -439,4 +442,171 @@ TEST(Fp8ReleaseErrors, ConfigFieldsAreNamed) {
   EXPECT_HAS(weights("symmetric", false), "weights.symmetric is false: asymmetric weights");
   EXPECT_HAS(load_error([](Release& r) { r.config["quantization_config"]["format"] = "pack-quantized"; }, ct),
              "quantization_config.format is \"pack-quantized\"");
+}
+
+// ---- --fp8-linears on FP8 weights as stored --------------------------------------------------------
+
+namespace {
+
+// The release's F8_E4M3 codes and fp32 scales of `module` (relative to the vision prefix).
+std::pair<std::vector<uint8_t>, std::vector<float>> file_fp8(const Release& r, const std::string& module) {
+  std::pair<std::vector<uint8_t>, std::vector<float>> out;
+  for (const TensorToWrite& t : r.vision) {
+    if (t.name == "model.visual." + module + ".weight") out.first = t.bytes;
+    if (t.name == "model.visual." + module + ".weight_scale_inv" || t.name == "model.visual." + module + ".weight_scale") {
+      TensorInfo v;
+      v.dtype = t.dtype, v.shape = t.shape, v.data = t.bytes.data(), v.bytes = t.bytes.size();
+      out.second = v.to_float();
+    }
+  }
+  return out;
+}
+
+// x [rows, in] through the stored weight, in fp64 from the definition: each row quantized to E4M3
+// with amax / 448, each 128-deep (block layout) or whole (per channel) partial sum of exact products
+// scaled by the weight's scale for that block times the row's.
+std::vector<double> stored_product(const std::vector<uint8_t>& codes, const std::vector<float>& scales, bool blocks,
+                                   const std::vector<float>& bias, const std::vector<float>& x, int rows, int out, int in) {
+  std::vector<double> y(size_t(rows) * out);
+  const int kb = (in + 127) / 128;
+  for (int r = 0; r < rows; ++r) {
+    float amax = 0.f;
+    for (int i = 0; i < in; ++i) amax = std::max(amax, std::fabs(x[size_t(r * in + i)]));
+    const float xs = amax > 0.f ? amax / 448.f : 1.f;
+    std::vector<double> xq(static_cast<size_t>(in));
+    for (int i = 0; i < in; ++i) xq[size_t(i)] = ref_e4m3(e4m3_from_float(x[size_t(r * in + i)] / xs));
+    for (int o = 0; o < out; ++o) {
+      double acc = 0;
+      for (int i = 0; i < in; ++i) {
+        const double s = blocks ? scales[size_t((o / 128) * kb + i / 128)] : scales[size_t(o)];
+        acc += xq[size_t(i)] * ref_e4m3(codes[size_t(o * in + i)]) * s;
+      }
+      y[size_t(r * out + o)] = acc * xs + bias[size_t(o)];
+    }
+  }
+  return y;
+}
+
+void expect_runs_as_stored(const Layout& layout) {
+  TempDir dir;
+  const Release r = make_release(layout);
+  write_release(dir.path, r);
+  Model m = load_model(dir.path.string());
+  EXPECT_FALSE(m.weights.merger.fc1.fp8) << "the mergers run in BF16: nothing kept";
+  std::mt19937_64 rng(fresh_seed());
+  std::normal_distribution<float> nd(0.f, 1.f);
+  for (size_t b = 0; b < m.weights.blocks.size(); ++b)
+    for (auto [module, l] : block_linears(m.weights.blocks[b], b)) {
+      ASSERT_TRUE(l->fp8) << module;
+      const auto [codes, scales] = file_fp8(r, module);
+      EXPECT_EQ(l->fp8->codes, codes) << module;
+      EXPECT_EQ(l->fp8->block, (layout.method == "fp8" ? layout.block : std::array<int64_t, 2>{1, 0})) << module;
+      const int rows = 5;
+      std::vector<float> x(size_t(rows) * l->in);
+      for (float& v : x) v = nd(rng);
+      for (int i = 0; i < l->in; ++i) x[size_t(i)] *= 300.f;  // a large row: its own scale
+      std::fill(l->w.begin(), l->w.end(), std::nanf(""));     // re-quantizing w would give NaN
+      const std::vector<float> y = linear_fp8(*l, x, rows);
+      const std::vector<double> want =
+          stored_product(codes, scales, layout.method == "fp8", l->b, x, rows, l->out, l->in);
+      double num = 0, den = 0;
+      for (size_t k = 0; k < y.size(); ++k) {
+        ASSERT_TRUE(std::isfinite(y[k])) << module << " at " << k;
+        num += (y[k] - want[k]) * (y[k] - want[k]), den += want[k] * want[k];
+      }
+      EXPECT_LT(std::sqrt(num / den), 1e-6) << module;  // fp32 sums of exact products
+    }
+}
+
+}  // namespace
+
+// A release's FP8 vision weights are kept as stored for the blocks' linears, and --fp8-linears
+// (linear_fp8, the emulation the GPU is held to) uses them as they are: transformers' [128, 128]
+// blocks (qkv [192, 64], fc1 [128, 64]: partial blocks) and llm-compressor's per-channel scales.
+TEST(Fp8Release, Fp8LinearsRunTheStoredWeights) {
+  expect_runs_as_stored({"fp8", {128, 128}, true});
+  expect_runs_as_stored({"compressed-tensors", {}, true});
+}
+
+// Blocks cuBLASLt cannot scale ([32, 48]) are refused by --fp8-linears naming the linear and the
+// block; without it the release runs (dequantized).
+TEST(Fp8Release, Fp8LinearsRefuseOtherBlockSizes) {
+  TempDir dir;
+  write_release(dir.path, make_release({"fp8", {32, 48}, true}));
+  const Model m = load_model(dir.path.string());
+  const std::vector<float> pixels(size_t(4) * m.config.patch_dim(), 0.25f);
+  ForwardOptions o;
+  o.fp8_linears = true;
+  const std::string e = error_of([&] { forward_cpu(m, pixels, {{1, 2, 2}}, o); });
+  EXPECT_HAS(e, "blocks.0.attn.qkv");
+  EXPECT_HAS(e, "blocks of [32, 48]");
+  EXPECT_HAS(e, "run without --fp8-linears");
+  EXPECT_FALSE(forward_cpu(m, pixels, {{1, 2, 2}}).merged.empty());
+}
+
+// save_model writes stored FP8 linears back as stored, with their quantization_config, and
+// load_model reads them back identically; export-model --fp8-weights writes either layout, or none.
+TEST(Fp8Release, SavedAsStoredAndReadBack) {
+  for (const auto& [block, method] : {std::pair<std::array<int64_t, 2>, std::string>{{128, 128}, "fp8"},
+                                      {{1, 0}, "compressed-tensors"}, {{0, 0}, "compressed-tensors"}}) {
+    TempDir dir;
+    Model m = load_model(kTiny);
+    quantize_block_linears(m, block);
+    save_model(m, dir.path.string());
+    const json cfg = json::parse(read_file(dir.file("config.json")));
+    EXPECT_EQ(cfg["quantization_config"]["quant_method"], method);
+    const Model back = load_model(dir.path.string());
+    for (size_t b = 0; b < m.weights.blocks.size(); ++b)
+      for (size_t k = 0; k < 4; ++k) {
+        const Linear& want = *block_linears(m.weights.blocks[b], b)[k].second;
+        const Linear& got = *block_linears(back.weights.blocks[b], b)[k].second;
+        ASSERT_TRUE(got.fp8);
+        EXPECT_EQ(got.fp8->codes, want.fp8->codes);
+        EXPECT_EQ(got.fp8->scales, want.fp8->scales);
+        EXPECT_EQ(got.fp8->block, block);
+        EXPECT_EQ(got.w, want.w);
+      }
+    EXPECT_FALSE(back.weights.merger.fc2.fp8);
+    EXPECT_EQ(back.weights.merger.fc2.w, m.weights.merger.fc2.w);
+  }
+  TempDir dir;
+  const fs::path err = dir.path / "err";
+  fs::create_directories(dir.path / "fp8");
+  fs::create_directories(dir.path / "bf16");
+  ASSERT_EQ(run_fovea("export-model " + q(kTiny) + " " + q(dir.path / "fp8") + " --fp8-weights blocks", err), 0) << slurp(err);
+  ASSERT_EQ(run_fovea("export-model " + q(dir.path / "fp8") + " " + q(dir.path / "bf16") + " --fp8-weights none", err), 0)
+      << slurp(err);
+  const Model fp8 = load_model((dir.path / "fp8").string()), bf16 = load_model((dir.path / "bf16").string());
+  EXPECT_TRUE(fp8.weights.blocks[0].fc2.fp8);
+  EXPECT_FALSE(bf16.weights.blocks[0].fc2.fp8);
+  EXPECT_EQ(bf16.weights.blocks[0].fc2.w, fp8.weights.blocks[0].fc2.w);
+  EXPECT_NE(run_fovea("export-model " + q(kTiny) + " " + q(dir.path / "bf16") + " --fp8-weights tiles", err), 0);
+  EXPECT_HAS(slurp(err), "--fp8-weights");
+}
+
+// End to end on the CPU: --fp8-linears on a [128, 128]-block release against the exact forward of
+// its own dequantized weights (what transformers computes from the file).
+TEST(Fp8Release, Fp8LinearsEndToEndAgainstTheDequantizedForward) {
+  TempDir dir;
+  const Release r = make_release({"fp8", {128, 128}, true});
+  write_release(dir.path, r);
+  const Model m = load_model(dir.path.string());
+  std::mt19937 rng(11);
+  std::uniform_real_distribution<float> u(-1.f, 1.f);
+  std::vector<float> pixels(size_t(16) * m.config.patch_dim());
+  for (float& v : pixels) v = u(rng);
+  const auto exact = forward_cpu(m, pixels, {{1, 4, 4}});
+  ForwardOptions o;
+  o.fp8_linears = true;
+  const auto f8 = forward_cpu(m, pixels, {{1, 4, 4}}, o);
+  double num = 0, den = 0;
+  for (size_t k = 0; k < exact.merged.size(); ++k) {
+    ASSERT_TRUE(std::isfinite(f8.merged[k]));
+    num += double(f8.merged[k] - exact.merged[k]) * (f8.merged[k] - exact.merged[k]);
+    den += double(exact.merged[k]) * exact.merged[k];
+  }
+  const double err = std::sqrt(num / den);
+  std::printf("fp8 linears on stored [128, 128] blocks: rel_l2 %.3e against the dequantized forward\n", err);
+  EXPECT_LT(err, 0.1);
+  EXPECT_GT(err, 1e-4);  // the activations really went through E4M3
 }

@@ -96,6 +96,25 @@ std::vector<int64_t> expected_scale_shape(const QuantConfig& q, int64_t out, int
 // holding those bf16 values. Errors name the tensor and the field.
 std::vector<float> dequantize_fp8(const TensorInfo& weight, const TensorInfo& scale, const QuantConfig& q);
 
+// An FP8 linear weight as a release stores it: E4M3 codes [out, in] and fp32 scales, one per block
+// of [rows, cols] (0: the whole dimension), row-major over the block grid [ceil(out / rows),
+// ceil(in / cols)]. load_model keeps it beside the dequantized values for the blocks' linears, so
+// --fp8-linears runs it as stored (docs/fp8.md §FP8 linears); save_model writes it back.
+struct Fp8Weight {
+  std::vector<uint8_t> codes;
+  std::vector<float> scales;
+  std::array<int64_t, 2> block{};
+  int64_t out = 0, in = 0;
+  float scale_at(int64_t row, int64_t col) const;
+  std::vector<float> dequantized() const;  // bf16(float(e4m3) * scale), as dequantize_fp8
+};
+// The weight and its scale read and checked as dequantize_fp8 does (the same errors).
+Fp8Weight read_fp8_weight(const TensorInfo& weight, const TensorInfo& scale, const QuantConfig& q);
+// `w` [out, in] quantized with one amax / 448 scale per block (a release's own recipe; edge blocks
+// partial, an all-zero block's scale 1): block {128, 128} is transformers' "fp8", {1, 0} one scale
+// per output channel (llm-compressor's FP8_DYNAMIC), {0, 0} one per tensor.
+Fp8Weight quantize_fp8_weight(const std::vector<float>& w, int64_t out, int64_t in, std::array<int64_t, 2> block);
+
 // Every tensor the encoder needs, relative to the vision prefix, with its shape (docs/encoder.md §Checkpoints).
 std::vector<std::pair<std::string, std::vector<int64_t>>> expected_tensors(const VisionConfig& c);
 
@@ -103,6 +122,7 @@ std::vector<std::pair<std::string, std::vector<int64_t>>> expected_tensors(const
 struct Linear {
   std::vector<float> w, b;
   int out = 0, in = 0;
+  std::optional<Fp8Weight> fp8;  // the blocks' linears of an FP8 release: w as stored (w holds its values)
 };
 struct Norm {
   std::vector<float> w, b;
@@ -115,6 +135,9 @@ struct Merger {
   Norm norm;
   Linear fc1, fc2;
 };
+// A block's four linears with their checkpoint names under the vision prefix ("blocks.3.attn.qkv").
+std::array<std::pair<std::string, Linear*>, 4> block_linears(Block& b, size_t index);
+std::array<std::pair<std::string, const Linear*>, 4> block_linears(const Block& b, size_t index);
 struct Weights {
   Linear patch_embed;      // [D, 1536]
   std::vector<float> pos;  // [num_pos_embeddings, D]
@@ -140,7 +163,13 @@ Model load_model(const std::string& spec);
 // Qwen3VLVisionModel, through safetensors) reads back: config.json with the vision_config and
 // model.safetensors with bf16 tensors under "model.visual.". The folder must exist; both files are
 // written atomically.
+// Linears stored in FP8 (Linear::fp8) are written as stored, with the quantization_config of their
+// layout: blocks as transformers' "fp8" (`weight_scale_inv`, F32), per channel or per tensor as
+// llm-compressor's "compressed-tensors" (`weight_scale`, F32); the mergers listed as not converted.
 void save_model(const Model& m, const std::string& folder);
+// Stores every block's four linears in FP8 as a release does (quantize_fp8_weight with `block`; their
+// values become the dequantized ones, what transformers computes from such a file).
+void quantize_block_linears(Model& m, std::array<int64_t, 2> block);
 
 using GridThw = std::array<int, 3>;  // (t, h, w) in 16-px patch units, h and w even
 
@@ -165,8 +194,19 @@ struct ForwardOptions {
 // x [rows, in] @ W^T + b as the FP8 linears compute it (docs/fp8.md §FP8 linears): each row of x and
 // each output channel of W (rounded to bf16 first, the model's dtype) quantized to E4M3 with its
 // own amax / 448 scale, the exact products summed in fp32, then both scales and the bias applied.
+// A weight stored in FP8 (l.fp8) is used as stored, never re-quantized: one scale per channel or per
+// tensor as the per-channel form; in blocks of [128, 128] each block's partial sum (exact products in
+// fp32) scaled by its weight scale times the row's, as cuBLASLt's block-scaled product on sm_90 does.
+// Other block sizes are a fovea::Error naming the linear (fp8_linear_form).
 std::vector<float> linear_fp8(const Linear& l, const std::vector<float>& x, int64_t rows, int threads = 0);
-// W's FP8 form as the GPU holds it: E4M3 codes [out, in] and the per-channel scales [out].
+// How the FP8 linears run l: its weight re-quantized per channel (no stored FP8), stored per channel
+// (or per tensor, broadcast), or stored in blocks of [128, 128]. `name` is for the error.
+enum class Fp8LinearForm { REQUANTIZED, STORED_CHANNELS, STORED_BLOCKS };
+Fp8LinearForm fp8_linear_form(const Linear& l, const std::string& name);
+// fp8_linear_form of every block's linears: the error names the first the FP8 linears cannot run.
+void check_fp8_linears(const Weights& w);
+// W's FP8 per-channel form as the GPU holds it: E4M3 codes [out, in] and the per-channel scales
+// [out]: quantized from w (REQUANTIZED) or the stored codes and scales (STORED_CHANNELS).
 void quantize_weight_rows(const Linear& l, std::vector<uint8_t>& codes, std::vector<float>& scales, int threads = 0);
 
 struct ForwardResult {

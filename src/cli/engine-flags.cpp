@@ -19,7 +19,8 @@ void add_engine_flags(CLI::App* cmd, EngineOptions& o) {
   cmd->add_option("--device", o.device, "cuda or cpu (default: cuda when a GPU is visible)")->group("Engine");
   cmd->add_flag("--fp8-linears", o.fp8_linears,
                 "fovea's own, off by default: the vision blocks' qkv, proj and MLP linears as FP8 GEMMs (E4M3, "
-                "per-token and per-channel scales; on the CPU, their emulation)")->group("Engine");
+                "per-token and per-channel scales, or an FP8 release's weights as stored; on the CPU, their "
+                "emulation)")->group("Engine");
   cmd->add_option("--fp8-scheme", o.fp8_scheme,
                   "fovea's own: FP8 attention scales per tensor (vLLM's) or robust to outlier channels (K smoothing, "
                   "per-head Q/K and per-channel V scales; CPU only so far): auto, tensor, robust")

@@ -273,13 +273,20 @@ TEST(EncoderGpu, Fp8LinearMatchesItsEmulation) {
     int out, in;
     bool residual, gelu;
   };
-  const int rows = 77;  // not a multiple of any tile
+  // Each weight re-quantized per channel, and stored in [128, 128] blocks as an FP8 release has it
+  // (K 4304 padded to 4352 on the GPU; block-scaled rows come in multiples of 4).
+  for (const bool stored : {false, true})
   for (const Case c : {Case{1152, 1152, true, false}, Case{3456, 1152, false, false}, Case{4304, 1152, false, true},
                        Case{1152, 4304, true, false}}) {
+    const int rows = stored ? 76 : 77;  // not a multiple of any tile
     Linear l;
     l.out = c.out, l.in = c.in;
     for (int i = 0; i < c.out * c.in; ++i) l.w.push_back(bf16_round(nd(rng) / std::sqrt(float(c.in))));
     for (int i = 0; i < c.out; ++i) l.b.push_back(bf16_round(0.1f * nd(rng)));
+    if (stored) {
+      l.fp8 = quantize_fp8_weight(l.w, l.out, l.in, {128, 128});
+      l.w = l.fp8->dequantized();
+    }
     std::vector<float> x(size_t(rows) * c.in), res(size_t(rows) * c.out);
     for (auto& v : x) v = bf16_round(nd(rng));
     for (int i = 0; i < c.in; ++i) x[size_t(5 * c.in + i)] = bf16_round(300.f * x[size_t(5 * c.in + i)]);  // a loud token
@@ -310,8 +317,9 @@ TEST(EncoderGpu, Fp8LinearMatchesItsEmulation) {
       }
     }
     const double rel = std::sqrt(num / den), rel_bf = std::sqrt(num_bf / den);
-    std::printf("fp8 linear %d x %d%s%s: gpu vs emulation rel_l2 %.3e, worst %.3e; the bf16 GEMM vs the emulation %.3e\n",
-                c.in, c.out, c.residual ? " +residual" : "", c.gelu ? " gelu" : "", rel, worst, rel_bf);
+    std::printf("fp8 linear %d x %d%s%s%s: gpu vs emulation rel_l2 %.3e, worst %.3e; the bf16 GEMM vs the emulation %.3e\n",
+                c.in, c.out, c.residual ? " +residual" : "", c.gelu ? " gelu" : "", stored ? " (stored blocks)" : "", rel,
+                worst, rel_bf);
     EXPECT_LT(rel, 4e-3);     // bf16 output rounding, and cuBLASLt's GELU
     EXPECT_LT(worst, 2e-2);   // per element, relative to its summands or 5% of its row's rms
     EXPECT_GT(rel_bf, 4 * rel) << "the FP8 path must differ from the BF16 one by the FP8 rounding";
@@ -348,6 +356,40 @@ TEST(EncoderGpu, Fp8LinearsHaveTheirEmulationsErrorEndToEnd) {
   EXPECT_LT(e_gpu.rel_l2, 1.3 * e_emu.rel_l2);
   EXPECT_LT(e_bf.rel_l2, 0.5 * e_gpu.rel_l2);
   EXPECT_GT(e_gpu.mean_cosine, 0.997);
+}
+
+// An FP8 release's [128, 128]-block weights run as stored: the two-block 8B model with its blocks'
+// linears stored so (what `export-model --fp8-weights blocks` writes), through --fp8-linears, against
+// the fp32 forward of its own dequantized weights (what transformers computes from such a file):
+// the error is its emulation's, and the run is not the re-quantized one (whose codes differ).
+TEST(EncoderGpu, Fp8LinearsRunStoredBlocksAsTheirEmulation) {
+  Model m = two_block_8b();
+  quantize_block_linears(m, {128, 128});
+  int64_t n = 0;
+  for (auto& g : kGrids) n += int64_t(g[0]) * g[1] * g[2];
+  const std::vector<float> px = random_pixels(n);
+  ForwardOptions fo;
+  fo.fp8_linears = true;
+  const ForwardResult emu = forward_cpu(m, px, kGrids, fo);
+  const ForwardResult exact = forward_cpu(m, px, kGrids);
+  const int O = m.config.out_hidden;
+  qwen3vl::cuda::EncoderOptions o;
+  o.fp8_linears = true;
+  const auto f8 = encode_once(m, o, px).back();
+  Model requantized = m;
+  for (auto& b : requantized.weights.blocks)
+    for (auto [name, l] : block_linears(b, 0)) l->fp8.reset();
+  const auto rq = encode_once(requantized, o, px).back();
+  for (float v : f8) ASSERT_TRUE(std::isfinite(v));
+  const auto e_gpu = embedding_error(f8, exact.merged, O), e_emu = embedding_error(emu.merged, exact.merged, O);
+  const auto e_rq = embedding_error(rq, exact.merged, O), e_apart = embedding_error(f8, rq, O);
+  std::printf("stored blocks, merged against the dequantized fp32 forward: gpu rel_l2 %.3e (cos %.6f), emulation %.3e; "
+              "re-quantized per channel %.3e, %.3e from the stored run\n",
+              e_gpu.rel_l2, e_gpu.mean_cosine, e_emu.rel_l2, e_rq.rel_l2, e_apart.rel_l2);
+  EXPECT_GT(e_gpu.rel_l2, 0.7 * e_emu.rel_l2);
+  EXPECT_LT(e_gpu.rel_l2, 1.3 * e_emu.rel_l2);
+  EXPECT_GT(e_gpu.mean_cosine, 0.997);
+  EXPECT_GT(e_apart.rel_l2, 0.1 * e_gpu.rel_l2) << "the stored codes ran, not a re-quantization";
 }
 
 // The robust FP8 scheme end to end on the GPU (docs/fp8.md §Outlier channels): the two-block 8B

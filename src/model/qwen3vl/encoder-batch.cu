@@ -15,6 +15,11 @@ namespace fovea::qwen3vl::cuda {
 
 void Encoder::Impl::layout_arena(int64_t n) {
   const int64_t D = cfg.hidden, I = cfg.intermediate, M4 = cfg.merged_dim(), O = cfg.out_hidden;
+  // FP8 linears: fc2's K is I, rounded up to 128 with block-scaled weights, whose activation scales
+  // are repeated per 128 of K (the widest: fc2's).
+  const bool blocked = opt.fp8_linears && !blocks.empty() && blocks.front().fc2.blocks;
+  const int64_t K2 = blocked ? blocks.front().fc2.k : I;
+  const int64_t scale_copies = blocked ? std::max<int64_t>(D, K2) / kFp8Block : 1;
   struct Slice {
     void** ptr;
     size_t bytes;
@@ -28,8 +33,8 @@ void Encoder::Impl::layout_arena(int64_t n) {
       {(void**)&m1, size_t(n / 4 * M4) * 2}, {(void**)&m2, size_t(n / 4 * M4) * 2},
       {(void**)&merged, size_t(n / 4 * O) * 2}, {(void**)&pe, size_t(n * D) * 2},
       {(void**)&cos, size_t(n) * cfg.head_dim() / 2 * 4}, {(void**)&sin, size_t(n) * cfg.head_dim() / 2 * 4},
-      {(void**)&act8, opt.fp8_linears ? size_t(n) * size_t(std::max(D, I)) : 0},
-      {(void**)&act_scale, opt.fp8_linears ? size_t(n) * 4 : 0}};
+      {(void**)&act8, opt.fp8_linears ? size_t(n) * size_t(std::max(D, K2)) : 0},
+      {(void**)&act_scale, opt.fp8_linears ? size_t(n) * 4 * size_t(scale_copies) : 0}};
   for (auto& d : ds) slices.push_back({(void**)&d, size_t(n / 4 * O) * 2});
   constexpr size_t kAlign = 256;  // cuBLASLt and TMA want 16-byte aligned rows; 256 keeps every slice apart
   size_t total = 0;

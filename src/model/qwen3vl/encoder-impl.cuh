@@ -39,8 +39,8 @@ struct Encoder::Impl {
   uint8_t* raw = nullptr;  // raw uint8 patches, when uploaded in that form
   bf16 *pixels = nullptr, *pe = nullptr, *x = nullptr, *ln = nullptr, *qkv = nullptr, *att = nullptr, *h = nullptr;
   bf16 *m1 = nullptr, *m2 = nullptr, *merged = nullptr;
-  uint8_t* act8 = nullptr;     // FP8 linears: the next linear's input as E4M3 codes [N, max(D, I)]
-  float* act_scale = nullptr;  // and its per-row scales [N]
+  uint8_t* act8 = nullptr;     // FP8 linears: the next linear's input as E4M3 codes [N, max(D, fc2's K)]
+  float* act_scale = nullptr;  // and its per-row scales [N], repeated per 128 of K for blocks [K / 128][N]
   std::vector<bf16*> ds;
   float *cos = nullptr, *sin = nullptr;
   // Every per-batch device buffer is a slice of one arena, grown (never shrunk) when a batch needs
@@ -78,7 +78,7 @@ struct Encoder::Impl {
   // The forward's steps (forward-cuda.cu).
   // LayerNorm into bf16 `out`, or with `out_scale` into E4M3 codes and per-row scales (FP8 linears).
   void layernorm(const bf16* in, void* out, const DevNorm& nrm, int64_t rows, cudaStream_t s, float* out_scale = nullptr);
-  void quantize_rows(const bf16* in, int width, int64_t rows, cudaStream_t s);  // into act8, act_scale
+  void quantize_rows(const bf16* in, const DevLinear& w, int64_t rows, cudaStream_t s);  // w's input, into act8, act_scale
   void run_merger(const DevMerger& mg, const bf16* in_norm, bf16* out, cudaStream_t s);
   // The batch's plumbing (encoder-batch.cu).
   void layout_arena(int64_t n);  // points every buffer above into the arena, growing it if needed

@@ -70,7 +70,26 @@ std::vector<float> merger_mlp(const Merger& m, std::vector<float> x, int64_t row
 
 }  // namespace
 
+Fp8LinearForm fp8_linear_form(const Linear& l, const std::string& name) {
+  if (!l.fp8) return Fp8LinearForm::REQUANTIZED;
+  const auto& b = l.fp8->block;
+  if (l.fp8->out != l.out || l.fp8->in != l.in)
+    fail("{}: the stored FP8 weight is [{}, {}], the linear [{}, {}]", name, l.fp8->out, l.fp8->in, l.out, l.in);
+  if (b[1] == 0 && (b[0] == 0 || b[0] == 1)) return Fp8LinearForm::STORED_CHANNELS;
+  if (b[0] == 128 && b[1] == 128) return Fp8LinearForm::STORED_BLOCKS;
+  fail("{}: --fp8-linears runs FP8 weights as stored with one scale per [128, 128] block, per output channel or "
+       "per tensor; this checkpoint has blocks of [{}, {}] (run without --fp8-linears: the weights are then "
+       "dequantized to BF16 at load)",
+       name, b[0], b[1]);
+}
+
 void quantize_weight_rows(const Linear& l, std::vector<uint8_t>& codes, std::vector<float>& scales, int threads) {
+  if (fp8_linear_form(l, "linear") == Fp8LinearForm::STORED_CHANNELS) {
+    codes = l.fp8->codes;
+    scales.resize(size_t(l.out));
+    for (int o = 0; o < l.out; ++o) scales[size_t(o)] = l.fp8->scale_at(o, 0);
+    return;
+  }
   codes.resize(size_t(l.out) * size_t(l.in));
   scales.resize(size_t(l.out));
   parallel_for(l.out, [&](int64_t o) {
@@ -82,11 +101,15 @@ void quantize_weight_rows(const Linear& l, std::vector<uint8_t>& codes, std::vec
 
 std::vector<float> linear_fp8(const Linear& l, const std::vector<float>& x, int64_t rows, int threads) {
   if (int64_t(x.size()) != rows * l.in) fail("linear_fp8: {} values for {} rows of {}", x.size(), rows, l.in);
+  const bool blocks = fp8_linear_form(l, "linear") == Fp8LinearForm::STORED_BLOCKS;
   std::vector<uint8_t> wq;
-  std::vector<float> ws;
-  quantize_weight_rows(l, wq, ws, threads);
+  std::vector<float> ws;  // per channel; blocks: the stored grid
+  if (blocks) wq = l.fp8->codes, ws = l.fp8->scales;
+  else quantize_weight_rows(l, wq, ws, threads);
   std::vector<float> wf(wq.size());
   for (size_t i = 0; i < wq.size(); ++i) wf[i] = e4m3_to_float(wq[i]);
+  constexpr int kB = 128;
+  const int kblocks = (l.in + kB - 1) / kB;
   std::vector<float> y(size_t(rows) * l.out);
   parallel_for(rows, [&](int64_t r) {
     std::vector<uint8_t> xq(size_t(l.in));
@@ -96,9 +119,19 @@ std::vector<float> linear_fp8(const Linear& l, const std::vector<float>& x, int6
     float* yr = y.data() + r * l.out;
     for (int o = 0; o < l.out; ++o) {
       const float* wr = wf.data() + int64_t(o) * l.in;
-      float acc = 0.f;  // every product of two E4M3 values is exact in fp32
-      for (int i = 0; i < l.in; ++i) acc += xf[size_t(i)] * wr[i];
-      yr[o] = acc * xs * ws[size_t(o)] + l.b[size_t(o)];
+      if (!blocks) {
+        float acc = 0.f;  // every product of two E4M3 values is exact in fp32
+        for (int i = 0; i < l.in; ++i) acc += xf[size_t(i)] * wr[i];
+        yr[o] = acc * xs * ws[size_t(o)] + l.b[size_t(o)];
+        continue;
+      }
+      float acc = 0.f;  // each block's exact partial sum, scaled by its weight scale times the row's
+      for (int k = 0; k < kblocks; ++k) {
+        float part = 0.f;
+        for (int i = k * kB; i < std::min(l.in, (k + 1) * kB); ++i) part += xf[size_t(i)] * wr[i];
+        acc += part * (xs * ws[size_t((o / kB) * kblocks + k)]);
+      }
+      yr[o] = acc + l.b[size_t(o)];
     }
   }, threads, 4);
   return y;
@@ -164,6 +197,7 @@ ForwardResult forward_cpu(const Model& m, const std::vector<float>& pixels, cons
     return ThdView<const float>{qkv.data() + int64_t(w) * H * hd, 3 * int64_t(H) * hd, hd};
   };
   size_t next_tap = 0;
+  if (opt.fp8_linears) check_fp8_linears(W);
   for (int layer = 0; layer < c.depth; ++layer) {
     const Block& b = W.blocks[size_t(layer)];
     // The blocks' linears, in FP8 when asked (the merger's and the patch embedding stay fp32).

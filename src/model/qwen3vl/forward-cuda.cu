@@ -99,6 +99,7 @@ void Encoder::Impl::init_scales() {
 
 void Encoder::Impl::upload_weights(const Weights& W) {
   auto& o = owned;
+  if (opt.fp8_linears) check_fp8_linears(W);
   patch = upload(W.patch_embed, o);
   pos_table = upload_f32(W.pos, o);
   for (const auto& b : W.blocks) {
@@ -114,6 +115,9 @@ void Encoder::Impl::upload_weights(const Weights& W) {
   }
   if (opt.fp8_linears && !blocks.empty()) {  // every block has the same four shapes
     const DevBlock& b = blocks.front();
+    if (b.qkv.blocks && cfg.hidden % kFp8Block != 0)  // the LayerNorms write the qkv and fc1 inputs unpadded
+      fail_cat("encoder: --fp8-linears runs FP8 weights in [128, 128] blocks with a hidden size that is a multiple of ",
+               kFp8Block, "; this model's is ", cfg.hidden, " (run without --fp8-linears)");
     gemm.check_fp8(b.qkv, false, false);
     gemm.check_fp8(b.proj, true, false);
     gemm.check_fp8(b.fc1, false, true);
@@ -148,8 +152,8 @@ void Encoder::Impl::layernorm(const bf16* in, void* out, const DevNorm& nrm, int
   cuda::layernorm(in, out, out_scale, nrm.w, nrm.b, nrm.width, rows, s);  // every norm's width checked at construction
 }
 
-void Encoder::Impl::quantize_rows(const bf16* in, int width, int64_t rows, cudaStream_t s) {
-  cuda::quantize_rows(in, act8, act_scale, width, rows, s);
+void Encoder::Impl::quantize_rows(const bf16* in, const DevLinear& w, int64_t rows, cudaStream_t s) {
+  cuda::quantize_rows(in, act8, act_scale, w.in, rows, s, w.k);
 }
 
 void Encoder::Impl::run_merger(const DevMerger& mg, const bf16* in_norm, bf16* out, cudaStream_t s) {
@@ -173,7 +177,8 @@ void Encoder::forward(cudaStream_t s) {
     const bool f8 = m.opt.fp8_linears;
     auto linear = [&](const bf16* in, const DevLinear& w, bf16* out, const bf16* residual, bool gelu) {
       if (!f8) return m.gemm.run(in, w, out, n, residual, gelu, s);
-      if (in) m.quantize_rows(in, w.in, n, s);
+      if (in) m.quantize_rows(in, w, n, s);
+      if (w.blocks) repeat_row_scales(m.act_scale, n, w.k / kFp8Block, s);
       m.gemm.run_fp8(m.act8, m.act_scale, w, out, n, residual, gelu, s);
     };
     if (f8) m.layernorm(m.x, m.act8, b.norm1, n, s, m.act_scale);
@@ -227,12 +232,14 @@ std::vector<float> linear_on_gpu(const Linear& l, const std::vector<float>& x, i
   Owner o;
   Gemm gemm;
   const DevLinear w = fp8 ? upload_fp8(l, o) : upload(l, o);
+  if (w.blocks && rows % 4 != 0) fail_cat("linear_on_gpu: block-scaled FP8 takes rows in multiples of 4 (", rows, ")");
   bf16* xd = upload_bf16(x, o);
   bf16* yd = residual ? upload_bf16(*residual, o) : alloc_in<bf16>(o, size_t(rows) * l.out);
   if (fp8) {
-    uint8_t* codes = alloc_in<uint8_t>(o, x.size());
-    float* scales = alloc_in<float>(o, size_t(rows));
-    quantize_rows(xd, codes, scales, l.in, rows, nullptr);
+    uint8_t* codes = alloc_in<uint8_t>(o, size_t(rows) * size_t(w.k));
+    float* scales = alloc_in<float>(o, size_t(rows) * size_t(w.k / kFp8Block + 1));
+    quantize_rows(xd, codes, scales, l.in, rows, nullptr, w.k);
+    if (w.blocks) repeat_row_scales(scales, rows, w.k / kFp8Block, nullptr);
     gemm.run_fp8(codes, scales, w, yd, rows, residual ? yd : nullptr, gelu, nullptr);
   } else {
     gemm.run(xd, w, yd, rows, residual ? yd : nullptr, gelu, nullptr);

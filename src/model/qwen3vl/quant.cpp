@@ -191,31 +191,73 @@ std::vector<float> checked_scales(const TensorInfo& scale, const std::vector<int
 
 }  // namespace
 
-std::vector<float> dequantize_fp8(const TensorInfo& w, const TensorInfo& scale, const QuantConfig& q) {
+Fp8Weight read_fp8_weight(const TensorInfo& w, const TensorInfo& scale, const QuantConfig& q) {
   const std::string wn = escape_for_error(w.name, 200);
   if (w.dtype != DType::F8_E4M3 || w.shape.size() != 2)
     fail("tensor '{}' in '{}': {} {}, not an F8_E4M3 linear weight [out, in]", wn, w.file, dtype_str(w.dtype),
          shape_text(w.shape));
-  const int64_t out = w.shape[0], in = w.shape[1];
+  Fp8Weight f;
+  f.out = w.shape[0], f.in = w.shape[1];
+  f.block = q.block;
   const std::string why = fmt::format("for the weight {}, {} ({})", shape_text(w.shape), q.scheme(),
                                       q.where + (q.method == "fp8" ? ".weight_block_size" : ".config_groups' weights"));
-  const std::vector<float> s = checked_scales(scale, expected_scale_shape(q, out, in), why);
-  // Block (i / br, j / bc) of a [ceil(out / br), ceil(in / bc)] grid; loops run only for out, in > 0.
-  const int64_t br = q.block[0] == 0 ? out : q.block[0], bc = q.block[1] == 0 ? in : q.block[1];
-  const int64_t scale_cols = bc == 0 ? 1 : (in + bc - 1) / bc;
-  std::vector<float> v(size_t(out * in));
-  for (int64_t i = 0; i < out; ++i)
-    for (int64_t j = 0; j < in; ++j) {
-      const uint8_t code = w.data[i * in + j];
-      if ((code & 0x7F) == kE4M3NaN)
-        fail("tensor '{}' in '{}': NaN (code {:#04x}) at [{}, {}]", wn, w.file, code, i, j);
-      const float x = bf16_round(e4m3_to_float(code) * s[size_t((i / br) * scale_cols + j / bc)]);
+  f.scales = checked_scales(scale, expected_scale_shape(q, f.out, f.in), why);
+  f.codes.assign(w.data, w.data + f.out * f.in);
+  for (size_t k = 0; k < f.codes.size(); ++k)
+    if ((f.codes[k] & 0x7F) == kE4M3NaN)
+      fail("tensor '{}' in '{}': NaN (code {:#04x}) at [{}, {}]", wn, w.file, f.codes[k], int64_t(k) / f.in,
+           int64_t(k) % f.in);
+  for (int64_t i = 0; i < f.out; ++i)  // every value must dequantize to a finite bf16
+    for (int64_t j = 0; j < f.in; ++j) {
+      const float x = bf16_round(e4m3_to_float(f.codes[size_t(i * f.in + j)]) * f.scale_at(i, j));
       if (!std::isfinite(x))
         fail("tensor '{}' in '{}': [{}, {}] dequantizes to {} (scale '{}')", wn, w.file, i, j, x,
              escape_for_error(scale.name, 200));
-      v[size_t(i * in + j)] = x;
     }
+  return f;
+}
+
+float Fp8Weight::scale_at(int64_t row, int64_t col) const {
+  // Block (row / br, col / bc) of a [ceil(out / br), ceil(in / bc)] grid; 0: the whole dimension.
+  const int64_t br = block[0] == 0 ? out : block[0], bc = block[1] == 0 ? in : block[1];
+  const int64_t cols = bc == 0 ? 1 : (in + bc - 1) / bc;
+  return scales[size_t((br == 0 ? 0 : row / br) * cols + (bc == 0 ? 0 : col / bc))];
+}
+
+std::vector<float> Fp8Weight::dequantized() const {
+  std::vector<float> v(codes.size());
+  for (int64_t i = 0; i < out; ++i)
+    for (int64_t j = 0; j < in; ++j)
+      v[size_t(i * in + j)] = bf16_round(e4m3_to_float(codes[size_t(i * in + j)]) * scale_at(i, j));
   return v;
+}
+
+std::vector<float> dequantize_fp8(const TensorInfo& w, const TensorInfo& scale, const QuantConfig& q) {
+  return read_fp8_weight(w, scale, q).dequantized();
+}
+
+Fp8Weight quantize_fp8_weight(const std::vector<float>& w, int64_t out, int64_t in, std::array<int64_t, 2> block) {
+  if (out <= 0 || in <= 0 || int64_t(w.size()) != out * in || block[0] < 0 || block[1] < 0)
+    fail("quantize_fp8_weight: {} values for [{}, {}] in blocks of [{}, {}]", w.size(), out, in, block[0], block[1]);
+  Fp8Weight f;
+  f.out = out, f.in = in, f.block = block;
+  const int64_t br = block[0] == 0 ? out : block[0], bc = block[1] == 0 ? in : block[1];
+  const int64_t R = (out + br - 1) / br, C = (in + bc - 1) / bc;
+  f.scales.assign(size_t(R * C), 0.f);
+  for (int64_t i = 0; i < out; ++i)
+    for (int64_t j = 0; j < in; ++j) {
+      float& s = f.scales[size_t(i / br * C + j / bc)];
+      s = std::max(s, std::fabs(w[size_t(i * in + j)]) / 448.f);
+    }
+  for (float& s : f.scales) {
+    if (!std::isfinite(s)) fail("quantize_fp8_weight: the weight holds a non-finite value");
+    if (s == 0.f) s = 1.f;
+  }
+  f.codes.resize(w.size());
+  for (int64_t i = 0; i < out; ++i)
+    for (int64_t j = 0; j < in; ++j)
+      f.codes[size_t(i * in + j)] = e4m3_from_float(w[size_t(i * in + j)] / f.scales[size_t(i / br * C + j / bc)]);
+  return f;
 }
 
 }  // namespace fovea::qwen3vl

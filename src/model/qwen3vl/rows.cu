@@ -157,14 +157,32 @@ __global__ void layernorm_kernel(const bf16* __restrict__ x, void* __restrict__ 
 // bf16 activations [rows, width] to E4M3 codes and per-row scales (the proj and fc2 inputs).
 template <int kChunks>
 __global__ void quantize_rows_kernel(const bf16* __restrict__ x, uint8_t* __restrict__ codes, float* __restrict__ scale,
-                                     int width) {
+                                     int width, int ld) {
   __shared__ unsigned red[kLnMaxThreads / 32];
   const int runs = width / 8;
   uint4 raw[kChunks];
   load_runs<kChunks>(x + int64_t(blockIdx.x) * width, runs, raw);
   float v[kChunks][8];
   unpack_runs<kChunks>(raw, v);
-  store_row_fp8<kChunks>(v, runs, codes + int64_t(blockIdx.x) * width, scale + blockIdx.x, red);
+  uint8_t* row = codes + int64_t(blockIdx.x) * ld;
+  store_row_fp8<kChunks>(v, runs, row, scale + blockIdx.x, red);
+  for (int i = width + int(threadIdx.x); i < ld; i += int(blockDim.x)) row[i] = 0;
+}
+
+__global__ void repeat_row_scales_kernel(float* s, int64_t rows, int copies) {
+  const int64_t total = rows * (copies - 1);
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x)
+    s[rows + i] = s[i % rows];
+}
+
+__global__ void bias_gelu_kernel(bf16* y, const bf16* bias, int64_t rows, int cols, bool add_bias, bool gelu) {
+  const int64_t n = rows * cols;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    float v = __bfloat162float(y[i]);
+    if (add_bias) v += __bfloat162float(bias[i % cols]);
+    if (gelu) v = 0.5f * v * (1.f + tanhf(0.7978845608028654f * (v + 0.044715f * v * v * v)));
+    y[i] = __float2bfloat16_rn(v);
+  }
 }
 
 // The block size and chunk count for a width, or {0, 0} where the kernel cannot take it.
@@ -216,11 +234,27 @@ void layernorm(const bf16* in, void* out, float* out_scale, const float* w, cons
   FOVEA_CUDA_CHECK(cudaGetLastError());
 }
 
-void quantize_rows(const bf16* in, uint8_t* codes, float* scales, int width, int64_t rows, cudaStream_t stream) {
+void quantize_rows(const bf16* in, uint8_t* codes, float* scales, int width, int64_t rows, cudaStream_t stream,
+                   int ld) {
   const LnShape ln = layernorm_shape(width);
+  if (ld == 0) ld = width;
+  if (ld < width || (ld != width && ld % 16 != 0)) fail_cat("quantize_rows: rows of ", width, " codes ", ld, " apart");
   with_row_chunks(ln.chunks, width, [&](auto chunks) {
-    quantize_rows_kernel<decltype(chunks)::value><<<unsigned(rows), unsigned(ln.threads), 0, stream>>>(in, codes, scales, width);
+    quantize_rows_kernel<decltype(chunks)::value><<<unsigned(rows), unsigned(ln.threads), 0, stream>>>(in, codes, scales,
+                                                                                                      width, ld);
   });
+  FOVEA_CUDA_CHECK(cudaGetLastError());
+}
+
+void repeat_row_scales(float* scales, int64_t rows, int copies, cudaStream_t stream) {
+  if (copies <= 1 || rows <= 0) return;
+  repeat_row_scales_kernel<<<256, 256, 0, stream>>>(scales, rows, copies);
+  FOVEA_CUDA_CHECK(cudaGetLastError());
+}
+
+void bias_gelu(bf16* y, const bf16* bias, int64_t rows, int cols, bool add_bias, bool gelu, cudaStream_t stream) {
+  if (!add_bias && !gelu) return;
+  bias_gelu_kernel<<<1024, 256, 0, stream>>>(y, bias, rows, cols, add_bias, gelu);
   FOVEA_CUDA_CHECK(cudaGetLastError());
 }
 

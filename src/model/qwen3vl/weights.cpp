@@ -100,6 +100,34 @@ std::vector<float> synthetic_tensor(const std::string& name, const Shape& shape)
 
 }  // namespace
 
+namespace {
+template <class B, class L>
+std::array<std::pair<std::string, L*>, 4> linears_of(B& b, size_t index) {
+  const std::string p = "blocks." + std::to_string(index) + ".";
+  return {{{p + "attn.qkv", &b.qkv}, {p + "attn.proj", &b.proj}, {p + "mlp.linear_fc1", &b.fc1}, {p + "mlp.linear_fc2", &b.fc2}}};
+}
+}  // namespace
+
+std::array<std::pair<std::string, Linear*>, 4> block_linears(Block& b, size_t index) {
+  return linears_of<Block, Linear>(b, index);
+}
+std::array<std::pair<std::string, const Linear*>, 4> block_linears(const Block& b, size_t index) {
+  return linears_of<const Block, const Linear>(b, index);
+}
+
+void check_fp8_linears(const Weights& w) {
+  for (size_t i = 0; i < w.blocks.size(); ++i)
+    for (const auto& [name, l] : block_linears(w.blocks[i], i)) fp8_linear_form(*l, name);
+}
+
+void quantize_block_linears(Model& m, std::array<int64_t, 2> block) {
+  for (size_t i = 0; i < m.weights.blocks.size(); ++i)
+    for (auto [name, l] : block_linears(m.weights.blocks[i], i)) {
+      l->fp8 = quantize_fp8_weight(l->w, l->out, l->in, block);
+      l->w = l->fp8->dequantized();
+    }
+}
+
 Model synthetic_model(const VisionConfig& config) {
   config.validate();
   Model m;
@@ -263,13 +291,66 @@ Model load_model(const std::string& spec) {
     }
   check_vision_tensors(ck, prefix, spec, expected);
   check_quantized_tensors(ck, prefix, spec, quant);
+  std::map<std::string, Fp8Weight> stored;  // FP8 weights by name, kept for the blocks' linears
   m.weights = assemble(m.config, [&](const std::string& name, const Shape&) {
     const TensorInfo& t = *ck.find(prefix + name);
     if (t.dtype != DType::F8_E4M3) return t.to_float();
-    return dequantize_fp8(t, *ck.find(prefix + name.substr(0, name.size() - 7) + "." + quant.scale_suffix), quant);
+    Fp8Weight f = read_fp8_weight(t, *ck.find(prefix + name.substr(0, name.size() - 7) + "." + quant.scale_suffix), quant);
+    std::vector<float> v = f.dequantized();
+    stored.emplace(name, std::move(f));
+    return v;
   });
+  for (size_t i = 0; i < m.weights.blocks.size(); ++i)
+    for (auto [module, l] : block_linears(m.weights.blocks[i], i))
+      if (auto it = stored.find(module + ".weight"); it != stored.end()) l->fp8 = std::move(it->second);
   return m;
 }
+
+namespace {
+
+// The one layout of a model's FP8 linears (none: no FP8 linear).
+std::optional<std::array<int64_t, 2>> fp8_layout(const std::map<std::string, const Fp8Weight*>& fp8) {
+  std::optional<std::array<int64_t, 2>> layout;
+  for (const auto& [name, f] : fp8) {
+    if (layout && *layout != f->block)
+      fail("save model: '{}' is FP8 in blocks of [{}, {}], the others in [{}, {}]: a checkpoint holds one layout", name,
+           f->block[0], f->block[1], (*layout)[0], (*layout)[1]);
+    layout = f->block;
+  }
+  return layout;
+}
+
+bool is_per_channel_or_tensor(const std::array<int64_t, 2>& b) { return b[1] == 0 && (b[0] == 0 || b[0] == 1); }
+
+// transformers' "fp8" for blocks, compressed-tensors for one scale per channel or per tensor; the
+// mergers (nn.Linear too) run as stored in BF16.
+nlohmann::ordered_json fp8_quantization_config(const std::array<int64_t, 2>& b) {
+  const nlohmann::ordered_json skip = {"model.visual.merger", "model.visual.deepstack_merger_list", "lm_head"};
+  if (!is_per_channel_or_tensor(b))
+    return {{"quant_method", "fp8"}, {"fmt", "e4m3"}, {"activation_scheme", "dynamic"}, {"weight_block_size", b},
+            {"modules_to_not_convert", skip}};
+  const nlohmann::ordered_json weights = {{"num_bits", 8}, {"type", "float"}, {"symmetric", true},
+                                          {"strategy", b[0] == 1 ? "channel" : "tensor"}, {"dynamic", false}};
+  const nlohmann::ordered_json acts = {{"num_bits", 8}, {"type", "float"}, {"symmetric", true}, {"strategy", "token"},
+                                       {"dynamic", true}};
+  return {{"quant_method", "compressed-tensors"}, {"format", "float-quantized"}, {"quantization_status", "compressed"},
+          {"ignore", skip},
+          {"config_groups", {{"group_0", {{"targets", {"Linear"}}, {"weights", weights}, {"input_activations", acts}}}}}};
+}
+
+void append_fp8(std::vector<TensorToWrite>& out, const std::string& module, const Fp8Weight& f) {
+  out.push_back({module + ".weight", DType::F8_E4M3, {f.out, f.in}, f.codes, {}});
+  std::vector<uint8_t> bytes(f.scales.size() * 4);
+  std::memcpy(bytes.data(), f.scales.data(), bytes.size());
+  std::vector<int64_t> shape;
+  if (f.block[0] == 1 && f.block[1] == 0) shape = {f.out, 1};
+  else if (f.block[0] == 0 && f.block[1] == 0) shape = {1};
+  else shape = {(f.out + f.block[0] - 1) / f.block[0], (f.in + f.block[1] - 1) / f.block[1]};
+  const char* suffix = is_per_channel_or_tensor(f.block) ? ".weight_scale" : ".weight_scale_inv";
+  out.push_back({module + suffix, DType::F32, shape, std::move(bytes), {}});
+}
+
+}  // namespace
 
 void save_model(const Model& m, const std::string& folder) {
   namespace fs = std::filesystem;
@@ -289,14 +370,16 @@ void save_model(const Model& m, const std::string& folder) {
                               {"num_position_embeddings", c.num_pos_embeddings},
                               {"deepstack_visual_indexes", c.deepstack},
                               {"hidden_act", c.hidden_act}};
-  const nlohmann::ordered_json doc = {{"model_type", "qwen3_vl"}, {"vision_config", v}};
+  nlohmann::ordered_json doc = {{"model_type", "qwen3_vl"}, {"vision_config", v}};
   // The tensors in expected_tensors() order, from the same assembly the loader uses, so a saved
   // model reads back identically.
   std::map<std::string, const std::vector<float>*> by_name;
+  std::map<std::string, const Fp8Weight*> fp8_by_name;
   const Weights& w = m.weights;
   auto lin = [&](const std::string& p, const Linear& l) {
     by_name[p + ".weight"] = &l.w;
     by_name[p + ".bias"] = &l.b;
+    if (l.fp8) fp8_by_name[p + ".weight"] = &*l.fp8;
   };
   auto nrm = [&](const std::string& p, const Norm& n) {
     by_name[p + ".weight"] = &n.w;
@@ -322,9 +405,15 @@ void save_model(const Model& m, const std::string& folder) {
   merger("merger.", w.merger);
   for (size_t k = 0; k < w.deepstack.size(); ++k) merger("deepstack_merger_list." + std::to_string(k) + ".", w.deepstack[k]);
   std::vector<TensorToWrite> tensors;
+  const std::optional<std::array<int64_t, 2>> layout = fp8_layout(fp8_by_name);
+  if (layout) doc["quantization_config"] = fp8_quantization_config(*layout);
   for (const auto& [name, shape] : expected_tensors(c)) {
     const auto it = by_name.find(name);
     if (it == by_name.end()) fail("save model: no weights for {}", name);
+    if (const auto f = fp8_by_name.find(name); f != fp8_by_name.end()) {
+      append_fp8(tensors, "model.visual." + name.substr(0, name.size() - 7), *f->second);
+      continue;
+    }
     TensorToWrite t{"model.visual." + name, DType::BF16, shape, {}, {}};
     t.bytes.resize(it->second->size() * 2);
     for (size_t i = 0; i < it->second->size(); ++i) {
