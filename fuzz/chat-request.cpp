@@ -1,7 +1,7 @@
 // Fuzzes the POST /v1/chat/completions body parser (src/server/request.cpp, parse_chat_request): any
 // bytes give an EncodeRequest or an ApiError with a 4xx status and a message, never a crash; every
-// uuid it accepts can name a cache folder, every item is an image or a clip with its uuid, URL
-// prefix and remote URL slot (a remote item carries no payload), and no reply would carry embeddings.
+// uuid it accepts can name a cache folder, every item is an image or a clip (a remote item carries
+// no payload), and no reply would carry embeddings.
 // The kwargs it keeps are then applied to a server's preprocessing (apply_mm_kwargs: accepted within
 // its limits, or refused with a message) and hashed into vLLM's key (vllm_mm_hash: 64 hex digits, or
 // the uuid itself when they say nothing).
@@ -18,14 +18,11 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const std::string_view body(reinterpret_cast<const char*>(data), size);
   try {
     const auto r = fovea::server::parse_chat_request(body, 4, "synthetic:tiny");
-    if (r.payloads.empty() || r.payloads.size() > 4 || r.return_embeddings != 0) std::abort();
-    if (r.uuids.size() != r.payloads.size() || r.url_prefixes.size() != r.payloads.size() ||
-        r.remote_urls.size() != r.payloads.size())
-      std::abort();
-    for (size_t i = 0; i < r.payloads.size(); ++i) {
-      if (r.kinds[i] != fovea::server::ItemKind::IMAGE && r.kinds[i] != fovea::server::ItemKind::VIDEO) std::abort();
-      if (!r.remote_urls[i].empty() && !r.payloads[i].empty()) std::abort();
-      if (!r.uuids[i].empty() && !fovea::ec_key_problem(r.uuids[i]).empty()) std::abort();
+    if (r.items.empty() || r.items.size() > 4 || r.return_embeddings != 0) std::abort();
+    for (const auto& it : r.items) {
+      if (it.kind != fovea::server::ItemKind::IMAGE && it.kind != fovea::server::ItemKind::VIDEO) std::abort();
+      if (!it.remote_url.empty() && !it.payload.empty()) std::abort();
+      if (!it.uuid.empty() && !fovea::ec_key_problem(it.uuid).empty()) std::abort();
     }
     static const fovea::InputConfig server = fovea::load_input_config("synthetic:tiny");
     try {

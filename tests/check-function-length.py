@@ -1,9 +1,11 @@
 #!/usr/bin/env python3
 """The house rule that front doors stay thin: no function in the given folders is longer than --max
-lines, from the line its signature starts on to its closing brace (docs/architecture.md). Prints each
+lines, from the line its signature starts on to its closing brace (C++, CUDA) or its last line
+(Python, each def on its own, nested ones too) (docs/architecture.md). Prints each
 one over, with file, line and length, and exits 1; --self-test checks that the check itself catches a
 long function and passes a short one (a check that can fail)."""
 import argparse
+import ast
 import os
 import re
 import sys
@@ -41,14 +43,23 @@ def definitions(path):
     return found
 
 
+def python_definitions(path):
+    """(first line, length, signature) of each def in a Python file, methods and nested ones included."""
+    tree = ast.parse(open(path, encoding="utf-8").read(), filename=path)
+    return [(n.lineno, n.end_lineno - n.lineno + 1, f"def {n.name}(...)") for n in ast.walk(tree)
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+
+
 def too_long(folders, limit):
     over = []
     for folder in folders:
         for root, _, files in os.walk(folder):
             for f in sorted(files):
+                path = os.path.join(root, f)
                 if f.endswith((".cpp", ".h", ".cu", ".cuh")):
-                    path = os.path.join(root, f)
                     over += [(path, line, n, sig) for line, n, sig in definitions(path) if n > limit]
+                elif f.endswith(".py"):
+                    over += [(path, line, n, sig) for line, n, sig in python_definitions(path) if n > limit]
     return over
 
 
@@ -59,10 +70,14 @@ def self_test():
             f.write("int short_one(int x) {\n" + body * 5 + "  return x;\n}\n")
             f.write("int long_one(int x,\n             int y) {\n" + body * 90 + "  return x;\n}\n")
             f.write("struct S {\n  void member() {\n" + body * 85 + "  }\n};\n")
+        with open(os.path.join(d, "b.py"), "w") as f:
+            f.write("def short_py(x):\n    return x\n\n\n")
+            f.write("def register():\n    class Inner:\n        def method(self):\n" + "            x = 1\n" * 84 + "\n")
         got = sorted(sig.split("(")[0] for _, _, _, sig in too_long([d], 80))
-    if got != ["int long_one", "void member"]:
-        sys.exit(f"check-function-length self-test: found {got}, wanted long_one and member")
-    print("check-function-length self-test: a 93-line function and an 87-line member are caught, a short one is not")
+    if got != ["def method", "def register", "int long_one", "void member"]:
+        sys.exit(f"check-function-length self-test: found {got}, wanted long_one, member, register and method")
+    print("check-function-length self-test: a 93-line function, an 87-line member, an 87-line Python def and the "
+          "85-line method inside it are caught, short ones are not")
 
 
 def main():

@@ -42,6 +42,7 @@ set(public_core
     json.h        # bounded JSON
     threads.h     # parallel_for, thread names
     sha256.h
+    base64.h      # RFC 4648 (data URLs, serve's replies)
     blake3.h      # BLAKE3 (vLLM's multimodal keys)
     system.h      # the machine query (src/core/*cuda-device*)
     cuda-support.h  # CUDA checks, device and pinned buffers (CUDA builds)

@@ -20,6 +20,7 @@
 
 #include "fovea/safetensors.h"
 #include "fovea/video.h"
+#include "fovea/model.h"
 #include "fovea/sha256.h"
 #include "test-util.h"
 #include <nlohmann/json.hpp>
@@ -231,6 +232,47 @@ TEST_F(Cli, Fp8LinearsFlag) {
   for (size_t i = 0; i < ya.size(); ++i) num += (ya[i] - yb[i]) * (ya[i] - yb[i]), den += ya[i] * ya[i];
   EXPECT_GT(std::sqrt(num / den), 1e-4);
   EXPECT_LT(std::sqrt(num / den), 0.2);
+}
+
+// --dump-dir: the CPU forward's intermediates, named as transformers' modules, consistent with each
+// other (a block's output is its input plus its attention and MLP outputs, in that order) and with
+// the tokens written beside them; the pixels and grid to rerun them. Not with the encoder cache.
+TEST_F(Cli, DumpDirWritesTheIntermediates) {
+  const std::string img = png("dump.png", 64, 48, 13, 251);
+  const std::string dir = file("dump");
+  const Result r = run("encode synthetic:tiny --device cpu --output-dtype f32 --dump-dir " + q(dir) + " " + q(img) +
+                       " -o " + q(file("out.safetensors")));
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_HAS(r.out, "intermediates of the CPU forward");
+  const auto d = fovea::Checkpoint::open(dir + "/intermediates.safetensors");
+  auto values = [&](const std::string& name) {
+    const fovea::TensorInfo* t = d.find(name);
+    EXPECT_NE(t, nullptr) << name;
+    return t ? t->to_float() : std::vector<float>{};
+  };
+  const auto cfg = *fovea::qwen3vl::synthetic_config("synthetic:tiny");
+  ASSERT_EQ(d.find("grid_thw")->shape, (std::vector<int64_t>{1, 3}));
+  const std::vector<float> grid = values("grid_thw");
+  const int64_t n = int64_t(grid[0] * grid[1] * grid[2]);
+  EXPECT_EQ(d.find("pixel_values")->shape, (std::vector<int64_t>{n, cfg.patch_dim()}));
+  EXPECT_EQ(d.find("patch_embed")->shape, (std::vector<int64_t>{n, cfg.hidden}));
+  std::vector<float> x = values("embed");
+  for (int l = 0; l < cfg.depth; ++l) {
+    const std::string b = "blocks." + std::to_string(l);
+    const std::vector<float> attn = values(b + ".attn"), mlp = values(b + ".mlp"), out = values(b);
+    ASSERT_EQ(attn.size(), x.size());
+    for (size_t i = 0; i < x.size(); ++i) x[i] = (x[i] + attn[i]) + mlp[i];
+    EXPECT_EQ(x, out) << b;
+  }
+  const auto o = fovea::Checkpoint::open(file("out.safetensors"));
+  EXPECT_EQ(values("merger"), o.find("image.0.embeddings")->to_float());
+  for (size_t k = 0; k < cfg.deepstack.size(); ++k)
+    EXPECT_EQ(values("deepstack_merger_list." + std::to_string(k)),
+              o.find("image.0.deepstack." + std::to_string(k))->to_float());
+  const Result both = run("encode synthetic:tiny --device cpu --dump-dir " + q(dir) + " --ec-storage-path " +
+                          q(file("ec")) + " " + q(img));
+  EXPECT_NE(both.code, 0);
+  EXPECT_HAS(both.err, "without --ec-storage-path");
 }
 
 // A scale file with fovea's fine scales: inspect shows them; an engine that runs per-tensor scales
@@ -523,8 +565,9 @@ TEST_F(Cli, CheckGoldenOnARealClip) {
   fovea::video::VideoConfig cfg;  // the checkpoints' video budget
   cfg.min_pixels = 4096;
   cfg.max_pixels = 25165824;
+  const std::string clip_file = std::string(FOVEA_SOURCE_DIR) + "/tests/data/video/bt709.mp4", bytes = slurp(clip_file);
   const fovea::video::Clip clip =
-      fovea::video::decode_clip_file(std::string(FOVEA_SOURCE_DIR) + "/tests/data/video/bt709.mp4", cfg);
+      fovea::video::decode_clip({reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size()}, clip_file, cfg);
   ASSERT_EQ(clip.patches.pixels.size(), size_t(64) * 1536);
   const std::vector<float> want = px->to_float();
   size_t differ = 0;

@@ -22,7 +22,7 @@ namespace {
 
 SystemInfo no_gpu(bool cuda_built = false) {
   SystemInfo s;
-  s.cuda_built = s.cudnn_built = s.cudnn_backend = cuda_built;
+  s.cuda_built = s.cudnn_built = cuda_built;
   s.cudnn_version = cuda_built ? 91900 : 0;
   s.gpu_error = "no GPU in this test";
   return s;
@@ -30,7 +30,7 @@ SystemInfo no_gpu(bool cuda_built = false) {
 SystemInfo with_gpu(const std::string& name, int major, int minor, bool cuda_built = true, bool cudnn_built = true) {
   SystemInfo s;
   s.cuda_built = cuda_built;
-  s.cudnn_built = s.cudnn_backend = cudnn_built;  // a build with the CUDNN backend
+  s.cudnn_built = cudnn_built;  // a build with the CUDNN backend
   s.cudnn_version = cudnn_built ? 91900 : 0;
   s.gpus.push_back({0, name, major, minor, 132, size_t(141) << 30});
   return s;
@@ -96,7 +96,7 @@ TEST(ResolveEngine, CudnnLimitsAreErrorsThatSayWhy) {
   const std::string fp8 = error_of({.backend = "CUDNN", .dtype = "fp8"}, h200());
   EXPECT_HAS(fp8, "runs BF16 only");
   EXPECT_HAS(fp8, "FOVEA (--device cuda)");  // FP8 runs on this H200 with FOVEA
-  EXPECT_HAS(error_of({.dtype = "fp8"}, a100()), "runs BF16 only");  // AUTO on Ampere is CUDNN: no FP8 there
+  EXPECT_HAS(error_of({.dtype = "fp8"}, a100()), "needs a Hopper GPU");  // AUTO FP8 is FOVEA's: not on Ampere
   SystemInfo old = a100();
   old.cudnn_version = 91400;
   EXPECT_HAS(error_of({}, old), "cuDNN 9.15 or newer at run time");
@@ -339,7 +339,7 @@ TEST(ResolveEngineErrors, BackendCannotRunThere) {
        {.backend = "CUDNN", .dtype = "fp8"},
        a100(),
        {"CUDNN", "BF16 only", "fp8 attention runs here on", "CPU (--device cpu)"}},
-      {"AUTO fp8 on sm_80", {.dtype = "fp8"}, a100(), {"BF16 only", "runs here on", "CPU (--device cpu)"}},
+      {"AUTO fp8 on sm_80", {.dtype = "fp8"}, a100(), {"FOVEA", "Hopper", "runs here on", "CPU (--device cpu)"}},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.name);
@@ -373,16 +373,32 @@ TEST(ScaleBookFromEngine, FollowsTheScaleMode) {
   EXPECT_HAS(fovea::test::error_of([&] { make_scale_book(resolve_engine({}, sys), 2); }), "bf16");
 }
 
-// Today's fovea has no CUDNN backend: the real machine query says so, and AUTO on a non-Hopper GPU
-// is then an error that names what runs, not a silent pick of a missing backend.
-// A build with cuDNN has the CUDNN backend; one without says so when it is asked for.
+// A build without cuDNN has no CUDNN backend: AUTO on a non-Hopper GPU is then an error that names
+// what runs, not a silent pick of a missing backend.
 TEST(ResolveEngineErrors, CudnnBackendMissingFromTheBuild) {
-  const SystemInfo here = query_system();
-  EXPECT_EQ(here.cudnn_backend, here.cudnn_built);
   SystemInfo sys = a100();
-  sys.cudnn_backend = false;
+  sys.cudnn_built = false;
   const std::string msg = error_of({}, sys);
-  EXPECT_HAS(msg, "built without the CUDNN backend");
+  EXPECT_HAS(msg, "built without cuDNN");
   EXPECT_HAS(msg, "CPU (--device cpu)");
   EXPECT_EQ(resolve_engine({.device = "cpu"}, sys).backend, AttnBackend::CPU);
+}
+
+// AUTO is one rule for the engine and the C ABI (best_backend): the CPU there; FOVEA on Hopper
+// (unless its kernels lack the head size: then CUDNN for BF16); CUDNN for BF16 elsewhere; FP8 is
+// FOVEA's alone, wherever asked.
+TEST(ResolveEngine, BestBackendIsOneRule) {
+  EXPECT_EQ(best_backend(AttnDtype::FP8, Device::CPU, h200()), AttnBackend::CPU);
+  EXPECT_EQ(best_backend(AttnDtype::BF16, Device::CUDA, h200()), AttnBackend::FOVEA);
+  EXPECT_EQ(best_backend(AttnDtype::BF16, Device::CUDA, h200(), false), AttnBackend::CUDNN);
+  EXPECT_EQ(best_backend(AttnDtype::FP8, Device::CUDA, h200(), false), AttnBackend::FOVEA);
+  EXPECT_EQ(best_backend(AttnDtype::BF16, Device::CUDA, a100()), AttnBackend::CUDNN);
+  EXPECT_EQ(best_backend(AttnDtype::FP8, Device::CUDA, a100()), AttnBackend::FOVEA);
+  for (const char* dtype : {"bf16", "fp8"})
+    for (const SystemInfo& sys : {h200(), a100()}) {
+      const EngineOptions o{.dtype = dtype, .device = "cuda"};
+      const AttnBackend want = best_backend(dtype == std::string("fp8") ? AttnDtype::FP8 : AttnDtype::BF16, Device::CUDA, sys);
+      if (!backend_unsupported(want, dtype == std::string("fp8") ? AttnDtype::FP8 : AttnDtype::BF16, Device::CUDA, sys))
+        EXPECT_EQ(resolve_engine(o, sys).backend, want) << dtype << " on " << sys.gpus[0].name;
+    }
 }

@@ -13,6 +13,7 @@ namespace {
 
 using fovea::server::ApiError;
 using fovea::server::parse_encode_request;
+using fovea::server::RequestItem;
 using fovea::server::http::check_head;
 
 int status_of(const std::string& head) { return check_head(head, 100).status; }
@@ -66,17 +67,25 @@ ApiError error_of(const std::string& body, size_t max_images = 16) {
   return {};
 }
 
+// One field of each of the request's items, in order.
+template <typename T>
+std::vector<T> items_of(const fovea::server::EncodeRequest& r, T RequestItem::*field) {
+  std::vector<T> out;
+  for (const RequestItem& it : r.items) out.push_back(it.*field);
+  return out;
+}
+
 TEST(EncodeRequest, ParsesEveryImageForm) {
   const auto r = parse_encode_request(
       R"({"images": ["data:image/png;base64,QUJD", "REVG", {"type": "image_url", "image_url": {"url": "R0hJ"}},
           {"type": "image_url", "image_url": "data:image/jpeg;base64,SktM"}], "encoding": "float",
           "return_deepstack": true, "model": "synthetic:tiny"})",
       16, "synthetic:tiny");
-  ASSERT_EQ(r.payloads.size(), 4u);
-  EXPECT_EQ(r.payloads[0], "QUJD");
-  EXPECT_EQ(r.payloads[1], "REVG");
-  EXPECT_EQ(r.payloads[2], "R0hJ");
-  EXPECT_EQ(r.payloads[3], "SktM");
+  ASSERT_EQ(r.items.size(), 4u);
+  EXPECT_EQ(r.items[0].payload, "QUJD");
+  EXPECT_EQ(r.items[1].payload, "REVG");
+  EXPECT_EQ(r.items[2].payload, "R0hJ");
+  EXPECT_EQ(r.items[3].payload, "SktM");
   EXPECT_FALSE(r.as_base64);
   EXPECT_TRUE(r.deepstack);
 }
@@ -98,16 +107,16 @@ TEST(EncodeRequest, LongPayloadsLiftedOutParseAsAPlainParse) {
                                           "\", {\"type\": \"image_url\", \"image_url\": {\"url\": \"" + c + "\"}}, \"" +
                                           short_one + "\", \"data:image/png;base64,QUJ\\/\"], \"model\": \"synthetic:tiny\"}",
                                       16, "synthetic:tiny");
-  ASSERT_EQ(r.payloads.size(), 5u);
-  EXPECT_EQ(r.payloads[0], a);
-  EXPECT_EQ(r.payloads[1], b);
-  EXPECT_EQ(r.payloads[2], c);
-  EXPECT_EQ(r.payloads[3], short_one);
-  EXPECT_EQ(r.payloads[4], "QUJ/");
+  ASSERT_EQ(r.items.size(), 5u);
+  EXPECT_EQ(r.items[0].payload, a);
+  EXPECT_EQ(r.items[1].payload, b);
+  EXPECT_EQ(r.items[2].payload, c);
+  EXPECT_EQ(r.items[3].payload, short_one);
+  EXPECT_EQ(r.items[4].payload, "QUJ/");
   const auto nul = parse_encode_request("{\"images\": [\"\\u00000\", \"" + b + "\"]}", 16, "synthetic:tiny");
-  ASSERT_EQ(nul.payloads.size(), 2u);
-  EXPECT_EQ(nul.payloads[0], std::string("\0" "0", 2));
-  EXPECT_EQ(nul.payloads[1], b);
+  ASSERT_EQ(nul.items.size(), 2u);
+  EXPECT_EQ(nul.items[0].payload, std::string("\0" "0", 2));
+  EXPECT_EQ(nul.items[1].payload, b);
   EXPECT_EQ(error_of("{\"images\": [\"" + b + "\"] \"x\"}").code, "invalid_json");
   EXPECT_EQ(error_of("{\"images\": [\"" + b).code, "invalid_json");
   EXPECT_EQ(error_of("{\"images\": [\"" + b + "\"], \"model\": \"" + b + "\"}").code, "model_not_found");
@@ -151,13 +160,15 @@ TEST(EncodeRequest, VideosBesideImages) {
       "{\"images\": [\"QUJD\", {\"type\": \"video_url\", \"video_url\": {\"url\": \"data:video/mp4;base64,REVG\"}, "
       "\"uuid\": \"clip\"}, \"data:image/png;base64,R0hJ\"], \"videos\": [\"data:video/webm;base64,SktM\", \"TU5P\"]}",
       8, "synthetic:tiny");
-  EXPECT_EQ(r.payloads, (std::vector<std::string>{"QUJD", "REVG", "R0hJ", "SktM", "TU5P"}));
-  EXPECT_EQ(r.kinds, (std::vector<ItemKind>{ItemKind::ANY, ItemKind::VIDEO, ItemKind::IMAGE, ItemKind::VIDEO, ItemKind::VIDEO}));
-  EXPECT_EQ(r.names, (std::vector<std::string>{"images[0]", "images[1]", "images[2]", "videos[0]", "videos[1]"}));
-  EXPECT_EQ(r.uuids[1], "clip");
-  EXPECT_EQ(r.url_prefixes[1], "data:video/mp4;base64,");
+  EXPECT_EQ(items_of(r, &RequestItem::payload), (std::vector<std::string>{"QUJD", "REVG", "R0hJ", "SktM", "TU5P"}));
+  EXPECT_EQ(items_of(r, &RequestItem::kind),
+            (std::vector<ItemKind>{ItemKind::ANY, ItemKind::VIDEO, ItemKind::IMAGE, ItemKind::VIDEO, ItemKind::VIDEO}));
+  EXPECT_EQ(items_of(r, &RequestItem::name),
+            (std::vector<std::string>{"images[0]", "images[1]", "images[2]", "videos[0]", "videos[1]"}));
+  EXPECT_EQ(r.items[1].uuid, "clip");
+  EXPECT_EQ(r.items[1].url_prefix, "data:video/mp4;base64,");
   // Only videos; the limit counts both arrays; an image part in "videos"; a malformed video item.
-  EXPECT_EQ(parse_encode_request("{\"videos\": [\"QUJD\"]}", 1, "synthetic:tiny").payloads.size(), 1u);
+  EXPECT_EQ(parse_encode_request("{\"videos\": [\"QUJD\"]}", 1, "synthetic:tiny").items.size(), 1u);
   EXPECT_EQ(error_of("{\"images\": [\"QUJD\"], \"videos\": [\"QUJD\"]}", 1).code, "too_many_images");
   EXPECT_EQ(error_of("{\"videos\": [{\"type\": \"image_url\", \"image_url\": \"QUJD\"}]}").code, "invalid_video");
   EXPECT_EQ(error_of("{\"videos\": [7]}").code, "invalid_video");
@@ -173,8 +184,9 @@ TEST(EncodeRequest, RefusesMalformedRequests) {
   EXPECT_EQ(error_of("{\"images\": [\"QUJD\", \"QUJD\"]}", 1).code, "too_many_images");
   {  // a URL is kept whole, to be read (or refused) by the server: not base64, never a payload
     const auto r = parse_encode_request("{\"images\": [\"http://example.com/a.png\", \"file:///m/b.png\", \"QUJD\"]}", 4, "m");
-    EXPECT_EQ(r.remote_urls, (std::vector<std::string>{"http://example.com/a.png", "file:///m/b.png", ""}));
-    EXPECT_EQ(r.payloads, (std::vector<std::string>{"", "", "QUJD"}));
+    EXPECT_EQ(items_of(r, &RequestItem::remote_url),
+              (std::vector<std::string>{"http://example.com/a.png", "file:///m/b.png", ""}));
+    EXPECT_EQ(items_of(r, &RequestItem::payload), (std::vector<std::string>{"", "", "QUJD"}));
   }
   EXPECT_EQ(error_of("{\"images\": [\"data:image/png,QUJD\"]}").code, "invalid_image");
   EXPECT_EQ(error_of("{\"images\": [{\"type\": \"image_url\"}]}").code, "invalid_image");

@@ -38,7 +38,7 @@
 #include "fovea/bf16.h"
 #include "fovea/safetensors.h"
 #include "fovea/sha256.h"
-#include "server/base64.h"
+#include "fovea/base64.h"
 #include "server/endpoints.h"
 #include "server/media-url.h"
 #include "test-util.h"
@@ -50,8 +50,8 @@ using json = nlohmann::json;
 using fovea::test::kTimeScale;
 using fovea::test::scaled_seconds;
 using fovea::test::slurp;
-using fovea::server::base64_decode;
-using fovea::server::base64_encode;
+using fovea::base64_decode;
+using fovea::base64_encode;
 
 namespace {
 
@@ -387,7 +387,7 @@ TEST(Base64, MatchesRfc4648AndRejectsWhatItShould) {
 // be the serial encoder's, byte for byte, at every length around the threshold and the ranges'
 // seams (n % 3 = 0, 1, 2), and decode back to the input.
 TEST(Base64, ParallelEncodeIsTheSerialOne) {
-  constexpr size_t kThreshold = fovea::server::kBase64ParallelBytes, kRange = 3 << 16, kSerial = SIZE_MAX;
+  constexpr size_t kThreshold = fovea::kBase64ParallelBytes, kRange = 3 << 16, kSerial = SIZE_MAX;
   std::mt19937 rng(11);
   std::vector<uint8_t> data(3 * kThreshold + 8);
   for (auto& b : data) b = uint8_t(rng());
@@ -401,7 +401,7 @@ TEST(Base64, ParallelEncodeIsTheSerialOne) {
     EXPECT_TRUE(base64_decode(serial, "v") == std::vector<uint8_t>(data.begin(), data.begin() + long(n)));
     for (const size_t from : {size_t(0), kSerial}) {  // appended after text already there, both paths
       std::string out = "\"prefix:";
-      fovea::server::base64_append(out, data.data(), n, from);
+      fovea::base64_append(out, data.data(), n, from);
       EXPECT_TRUE(out == "\"prefix:" + serial) << from;
     }
   }

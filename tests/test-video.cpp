@@ -21,6 +21,9 @@
 #include "fovea/threads.h"
 #include "fovea/video.h"
 #include "test-util.h"
+// The decoder's one call (decode_frames_at), private to src/video/: test-video has no src/ on its
+// include path.
+#include "video/decode.h"
 
 using namespace fovea;
 using namespace fovea::video;
@@ -39,6 +42,25 @@ VideoConfig checkpoint_config() {
   c.max_pixels = 25165824;
   return c;
 }
+
+#if FOVEA_HAVE_VIDEO
+// What a clip's header says (open_clip's ClipInfo, with the deadline of `limits`).
+ClipInfo info_of(std::span<const uint8_t> bytes, const std::string& name, const VideoLimits& limits = {}) {
+  return open_clip(bytes, name, limits, {}, deadline_of(limits)).info;
+}
+
+// The frames at `indices` (sorted) decoded to RGB at their own size, on the calling thread's share of
+// the cores: what the golden files and the ffmpeg command line are compared with.
+std::vector<image::Rgb8> frames_at(std::span<const uint8_t> bytes, const std::string& name,
+                                   const std::vector<int64_t>& indices) {
+  const VideoLimits limits;
+  const Clock::time_point deadline = deadline_of(limits);
+  const OpenedClip clip = open_clip(bytes, name, limits, {}, deadline);
+  std::vector<image::Rgb8> out(indices.size());
+  decode_frames_at(clip, indices, decoding_threads(), deadline, [&](size_t j, image::Rgb8&& f) { out[j] = std::move(f); });
+  return out;
+}
+#endif
 
 image::Rgb8 solid(int w, int h, uint8_t v) {
   image::Rgb8 f;
@@ -151,13 +173,13 @@ TEST(VideoMagic, ContainersAreRecognizedImagesAreNot) {
 #if FOVEA_HAVE_VIDEO
 
 TEST(VideoDecode, ProbeCountsFramesAndRate) {
-  const ClipInfo a = probe_clip(span_of(clip_bytes("h264.mp4")), "h264.mp4");
+  const ClipInfo a = info_of(span_of(clip_bytes("h264.mp4")), "h264.mp4");
   EXPECT_EQ(a.frames, 36);
   EXPECT_DOUBLE_EQ(a.fps, 12);
   EXPECT_EQ(a.width, 160);
   EXPECT_EQ(a.height, 120);
   EXPECT_EQ(a.codec, "h264");
-  const ClipInfo b = probe_clip(span_of(clip_bytes("vp9.webm")), "vp9.webm");
+  const ClipInfo b = info_of(span_of(clip_bytes("vp9.webm")), "vp9.webm");
   EXPECT_EQ(b.frames, 25);
   EXPECT_DOUBLE_EQ(b.fps, 10);
   EXPECT_EQ(b.codec, "vp9");
@@ -188,7 +210,7 @@ static double mean_diff_from_ffmpeg(const TempDir& dir, const std::string& path,
                                       "-pix_fmt rgb24 '{}'", path, frame, raw);
   EXPECT_EQ(std::system(cmd.c_str()), 0) << "the ffmpeg command line (Debian package ffmpeg) is needed: " << cmd;
   const std::string theirs = slurp(raw);
-  const std::vector<image::Rgb8> ours = decode_frames(span_of(read_file(path, "clip", size_t(1) << 24)), path, {frame});
+  const std::vector<image::Rgb8> ours = frames_at(span_of(read_file(path, "clip", size_t(1) << 24)), path, {frame});
   EXPECT_EQ(ours.size(), 1u);
   EXPECT_EQ(theirs.size(), ours.at(0).data.size());
   if (ours.size() != 1 || theirs.size() != ours[0].data.size()) return 1e9;
@@ -264,7 +286,7 @@ TEST(VideoDecode, AClipWhosePtsMisleadIsDecodedByCounting) {
   EXPECT_EQ(first.frames_decoded, first.info.frames);  // counted: nothing skipped
   // Counting agrees with the unmodified clip frame for frame (the pts never enter it).
   const std::string plain = clip_bytes("vp9.webm");
-  const auto a = decode_frames(span_of(bytes), "swapped.mp4", {5, 6}), b = decode_frames(span_of(plain), "vp9.webm", {5, 6});
+  const auto a = frames_at(span_of(bytes), "swapped.mp4", {5, 6}), b = frames_at(span_of(plain), "vp9.webm", {5, 6});
   ASSERT_EQ(a.size(), 2u);
   ASSERT_EQ(b.size(), 2u);
   EXPECT_EQ(a[0].data, b[0].data);
@@ -279,18 +301,18 @@ TEST(VideoDecode, AClipWhosePtsMisleadIsDecodedByCounting) {
 
 TEST(VideoDecode, BadInputIsAnErrorNamingTheClip) {
   const std::string good = clip_bytes("h264.mp4");
-  EXPECT_NE(error_of([] { probe_clip(span_of(std::string("hello, not a video at all")), "x.mp4"); }).find("video 'x.mp4'"),
+  EXPECT_NE(error_of([] { info_of(span_of(std::string("hello, not a video at all")), "x.mp4"); }).find("video 'x.mp4'"),
             std::string::npos);
-  EXPECT_NE(error_of([] { probe_clip({}, "empty.mp4"); }).find("empty"), std::string::npos);
+  EXPECT_NE(error_of([] { info_of({}, "empty.mp4"); }).find("empty"), std::string::npos);
   // Truncated: the header survives, frames are missing or the index points past the end.
   const std::string cut = good.substr(0, good.size() / 2);
   EXPECT_NE(error_of([&] { decode_clip(span_of(cut), "cut.mp4", VideoConfig{}); }).find("video 'cut.mp4'"), std::string::npos);
   VideoLimits small;
   small.max_frame_pixels = 100 * 100;
-  EXPECT_NE(error_of([&] { probe_clip(span_of(good), "big.mp4", small); }).find("exceed"), std::string::npos);
+  EXPECT_NE(error_of([&] { info_of(span_of(good), "big.mp4", small); }).find("exceed"), std::string::npos);
   VideoLimits short_clips;
   short_clips.max_seconds = 1;
-  EXPECT_NE(error_of([&] { probe_clip(span_of(good), "long.mp4", short_clips); }).find("--max-video-seconds"),
+  EXPECT_NE(error_of([&] { info_of(span_of(good), "long.mp4", short_clips); }).find("--max-video-seconds"),
             std::string::npos);
   VideoLimits no_time;
   no_time.deadline_seconds = 0;
@@ -508,7 +530,7 @@ TEST(VideoGolden, DecodedFramesMatchOpenCv) {
     SCOPED_TRACE(f);
     const auto indices = c.at("indices").get<std::vector<int64_t>>();
     const std::vector<image::Rgb8> theirs = golden_frames(c);
-    const std::vector<image::Rgb8> ours = decode_frames(span_of(clip_bytes(f)), f, indices);
+    const std::vector<image::Rgb8> ours = frames_at(span_of(clip_bytes(f)), f, indices);
     ASSERT_EQ(ours.size(), theirs.size());
     for (size_t k = 1; k < theirs.size(); ++k) ASSERT_NE(theirs[k].data, theirs[k - 1].data) << "a still clip tells nothing";
     double sum = 0;
@@ -600,7 +622,7 @@ std::string trun(uint32_t count) { return full("trun", 0x000001, u32(count) + u3
 std::string padding(const char* type, size_t n) { return box(type, std::string(n, '\0')); }
 }  // namespace mp4
 
-// What container_cost throws for these bytes, checked to be what decode_clip and probe_clip throw
+// What container_cost throws for these bytes, checked to be what decode_clip and open_clip throw
 // too, before FFmpeg opens the file (at once).
 std::string refused_tables(const std::string& bytes, const std::string& name) {
   const std::string msg = error_of([&] { container_cost(span_of(bytes), name); });
@@ -608,7 +630,7 @@ std::string refused_tables(const std::string& bytes, const std::string& name) {
 #if FOVEA_HAVE_VIDEO
   const auto t0 = Clock::now();
   EXPECT_EQ(error_of([&] { decode_clip(span_of(bytes), name, VideoConfig{}); }), msg);
-  EXPECT_EQ(error_of([&] { probe_clip(span_of(bytes), name); }), msg);
+  EXPECT_EQ(error_of([&] { info_of(span_of(bytes), name); }), msg);
   EXPECT_LT(seconds_since(t0), 0.5 * kTimeScale);
 #endif
   return msg;
@@ -753,7 +775,7 @@ TEST(VideoMp4Tables, RealClipsAreAcceptedWithTheirFrameCount) {
     SCOPED_TRACE(f);
     const std::string bytes = clip_bytes(f);
     const ContainerCost cost = container_cost(span_of(bytes), f);
-    const ClipInfo info = probe_clip(span_of(bytes), f);
+    const ClipInfo info = info_of(span_of(bytes), f);
     EXPECT_EQ(cost.index_entries, std::string_view(f).ends_with(".mp4") ? info.frames : 0);  // WebM has no sample tables
     EXPECT_GT(cost.open_bytes, 0);
   }
@@ -771,7 +793,7 @@ TEST(VideoMp4Tables, RealClipsAreAcceptedWithTheirFrameCount) {
     ASSERT_FALSE(bytes.empty());
     ContainerCost cost;
     EXPECT_NO_THROW(cost = container_cost(span_of(bytes), m.name));
-    const ClipInfo info = probe_clip(span_of(bytes), m.name);
+    const ClipInfo info = info_of(span_of(bytes), m.name);
     EXPECT_EQ(info.frames, 10);
     if (m.fragmented) {
       EXPECT_GE(cost.index_entries, info.frames);
@@ -810,7 +832,7 @@ TEST_P(VideoContainers, TenFramesDecodeToThePlannedGrid) {
   ASSERT_FALSE(bytes.empty());
   EXPECT_TRUE(looks_like_video(span_of(bytes)));
   const VideoConfig cfg;
-  const ClipInfo info = probe_clip(span_of(bytes), name);
+  const ClipInfo info = info_of(span_of(bytes), name);
   EXPECT_EQ(info.frames, 10);
   EXPECT_EQ(info.width, 64);
   EXPECT_EQ(info.height, 48);
@@ -853,7 +875,7 @@ TEST(VideoSizeLies, MatroskaHeaderSmallerThanItsFrames) {
     ASSERT_NE(at, std::string::npos);
     bytes.replace(at + 2, 2, std::string("\x00\x10", 2));
   }
-  const ClipInfo info = probe_clip(span_of(bytes), "lie.mkv");
+  const ClipInfo info = info_of(span_of(bytes), "lie.mkv");
   EXPECT_EQ(info.width, 16);
   EXPECT_EQ(info.height, 16);
   const std::string msg = error_of([&] { decode_clip(span_of(bytes), "lie.mkv", VideoConfig{}); });
@@ -869,7 +891,7 @@ TEST(VideoSizeLies, TransportStreamThatGrowsMidway) {
   ASSERT_FALSE(small.empty());
   ASSERT_FALSE(large.empty());
   const std::string bytes = small + large;
-  const ClipInfo info = probe_clip(span_of(bytes), "grows.ts");
+  const ClipInfo info = info_of(span_of(bytes), "grows.ts");
   EXPECT_EQ(info.width, 64);
   EXPECT_EQ(info.height, 48);
   VideoConfig every;
@@ -892,7 +914,7 @@ TEST(VideoSizeLies, AviHeaderSmallerThanItsMjpegFrame) {
   bytes.replace(strf + 8 + 4, 8, le16x16);   // biWidth, biHeight
   VideoLimits limits;
   limits.max_frame_pixels = 100'000;
-  const ClipInfo info = probe_clip(span_of(bytes), "lie.avi", limits);
+  const ClipInfo info = info_of(span_of(bytes), "lie.avi", limits);
   EXPECT_EQ(info.width, 16);
   EXPECT_EQ(info.height, 16);
   const std::string msg = error_of([&] { decode_clip(span_of(bytes), "lie.avi", VideoConfig{}, limits); });
@@ -915,7 +937,7 @@ TEST(VideoFrameRate, MatroskaWithoutDefaultDurationKeepsItsRate) {
   // An EBML Void of the same length: ID 0xEC, 1-byte size n + 2.
   bytes.replace(at, 4 + n, std::string(1, '\xEC') + char(0x80 | (n + 2)) + std::string(n + 2, '\0'));
   ASSERT_EQ(bytes.find(std::string("\x23\xE3\x83", 3)), std::string::npos);
-  const ClipInfo info = probe_clip(span_of(bytes), "60fps.mkv");
+  const ClipInfo info = info_of(span_of(bytes), "60fps.mkv");
   EXPECT_EQ(info.frames, 180);
   EXPECT_NEAR(info.fps, 60, 0.5);
   EXPECT_NEAR(info.seconds, 3, 0.05);
@@ -926,11 +948,11 @@ TEST(VideoMaxSeconds, AClipOneFrameOverTheLimitIsRefused) {
   const std::string bytes = clip_bytes("h264.mp4");  // 36 frames at 12 fps
   VideoLimits exact;
   exact.max_seconds = 36.0 / 12;
-  EXPECT_EQ(probe_clip(span_of(bytes), "exact.mp4", exact).frames, 36);
+  EXPECT_EQ(info_of(span_of(bytes), "exact.mp4", exact).frames, 36);
   EXPECT_NO_THROW(decode_clip(span_of(bytes), "exact.mp4", VideoConfig{}, exact));
   VideoLimits shorter;
   shorter.max_seconds = 35.0 / 12;
-  EXPECT_HAS(error_of([&] { probe_clip(span_of(bytes), "over.mp4", shorter); }), "--max-video-seconds");
+  EXPECT_HAS(error_of([&] { info_of(span_of(bytes), "over.mp4", shorter); }), "--max-video-seconds");
   EXPECT_HAS(error_of([&] { decode_clip(span_of(bytes), "over.mp4", VideoConfig{}, shorter); }), "video 'over.mp4'");
 }
 
@@ -962,7 +984,7 @@ TEST(VideoDeadline, OneAbsoluteDeadlineForOpeningAndEveryPass) {
 // (8-bit 4:2:0, 4 references, 2 reordered: 6 kept): more decoding threads, more pictures.
 TEST(VideoPlan, PeakCountsPacketsAndTheDecodersPictures) {
   const std::string bytes = clip_bytes("h264.mp4");
-  const ClipInfo info = probe_clip(span_of(bytes), "h264.mp4");
+  const ClipInfo info = info_of(span_of(bytes), "h264.mp4");
   EXPECT_GT(info.packet_bytes, int64_t(bytes.size()) / 2);
   EXPECT_LT(info.packet_bytes, 2 * int64_t(bytes.size()));
   EXPECT_EQ(info.decoder.held, 6);
@@ -1283,7 +1305,7 @@ TEST(VideoMemory, ThousandFpsFor200SecondsIsAcceptedWithin1_5xOfUse) {
   const std::string cmd = fmt::format("ffmpeg -v error -y -i '{}' -c copy '{}'", dir.file("1000fps.mp4"), dir.file("1000fps.mkv"));
   ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
   const std::string mkv = slurp(dir.file("1000fps.mkv"));
-  const ClipInfo info = probe_clip(span_of(mkv), "1000fps.mkv");
+  const ClipInfo info = info_of(span_of(mkv), "1000fps.mkv");
   EXPECT_EQ(info.frames, 200000);
   EXPECT_LE(info.packet_bytes, container_cost(span_of(mkv), "1000fps.mkv").open_bytes);
 }

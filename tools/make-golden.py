@@ -93,16 +93,24 @@ def video_pixels(path):
     return out["pixel_values_videos"].float(), [int(x) for x in out["video_grid_thw"][0]]
 
 
-def from_checkpoint(a):
+def load_vision_model(folder):
+    """transformers' Qwen3VLVisionModel, fp32, from a checkpoint folder as `fovea export-model` writes
+    it (config.json's vision_config, model.safetensors under "model.visual."; BF16, no FP8 tensors).
+    TF32 off, so no GPU kernel choice enters the reference."""
     from safetensors.torch import load_file
-    with open(os.path.join(a.model, "config.json")) as f:
+    with open(os.path.join(folder, "config.json")) as f:
         vc = dict(json.load(f)["vision_config"])
     vc.pop("model_type", None)
     model = Qwen3VLVisionModel(Qwen3VLVisionConfig(**vc)).to(torch.float32).eval()
-    state = {k.split("model.visual.", 1)[-1]: v.float() for k, v in load_file(os.path.join(a.model, "model.safetensors")).items()}
+    state = {k.split("model.visual.", 1)[-1]: v.float() for k, v in load_file(os.path.join(folder, "model.safetensors")).items()}
     model.load_state_dict(state, strict=True)
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
+    return model
+
+
+def from_checkpoint(a):
+    model = load_vision_model(a.model)
     grids = [[int(x) for x in g.split("x")] for g in a.grids.split(",")] if a.grids else []
     gen = torch.Generator().manual_seed(20261129)
     n = sum(t * h * w for t, h, w in grids)

@@ -292,7 +292,6 @@ class FlashAttention final : public Attention {
 // rotates q and k into a buffer of its own; plans are cached per shape bucket. Throws for FP8 (see
 // docs/backends.md) and where cuDNN is too old.
 std::unique_ptr<Attention> make_cudnn_attention(AttnDtype dtype, int heads, int head_dim);
-size_t cudnn_runtime_version();  // cudnnGetVersion() of the library this process loaded
 
 // Head dims the FOVEA kernels are built for: the one list the kernel dispatch
 // (src/attention/cuda/head-dims.cuh), the tests and the benches iterate.

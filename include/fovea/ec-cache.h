@@ -93,6 +93,10 @@ std::string ec_key_problem(std::string_view key);
 // and its bytes framed: a string's UTF-8, a bool 1 byte, an integer 8 bytes (int64; uint64 above
 // it), a float 8 bytes (float64), all little-endian as numpy writes them.
 std::string vllm_mm_hash(const std::string& model_id, InputKind modality, const std::string& uuid, const MmKwargs& k);
+// The uuid vLLM's EPD proxy gives an item sent as a data URL: the sha256 (hex) of
+// "data:<media_type>;base64,<bytes in standard base64>", the string it hashes (`fovea serve` keys a
+// request's data URL so; `encode --uuid-from data-url` a file so).
+std::string data_url_key(const std::string& media_type, const std::vector<uint8_t>& bytes);
 
 // Throws fovea::Error naming --ec-storage-min-age unless `seconds` is finite and not negative.
 void check_ec_min_age(double seconds);

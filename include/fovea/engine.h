@@ -52,6 +52,10 @@ struct EngineConfig {
 
 // Why a backend cannot run dtype on this device and machine, or nullopt if it can.
 std::optional<std::string> backend_unsupported(AttnBackend b, AttnDtype d, Device dev, const SystemInfo& sys);
+// The backend AUTO stands for, the one rule of the engine and the C ABI: CPU on the CPU; on a GPU,
+// FOVEA where it runs (and, `fovea_head_dim`, is built for the head size), else CUDNN for BF16. FP8
+// is FOVEA's alone, so AUTO FP8 is FOVEA even where it cannot run: backend_unsupported then says why.
+AttnBackend best_backend(AttnDtype d, Device dev, const SystemInfo& sys, bool fovea_head_dim = true);
 
 // Validates and resolves the flags; throws fovea::Error whose message names the offending option.
 EngineConfig resolve_engine(const EngineOptions& opt, const SystemInfo& sys);

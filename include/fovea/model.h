@@ -212,7 +212,11 @@ void quantize_weight_rows(const Linear& l, std::vector<uint8_t>& codes, std::vec
 struct ForwardResult {
   std::vector<float> merged;                  // [N/4, out_hidden]
   std::vector<std::vector<float>> deepstack;  // each [N/4, out_hidden]
-  std::map<std::string, std::vector<float>> intermediates;  // "embed" [N, D], "block0" [N, D], "last_hidden" [N, D]
+  // With keep_intermediates, named as transformers' modules whose outputs they are: "patch_embed"
+  // [N, D] (before the position embedding), "embed" (after it), for each block l "blocks.<l>.attn"
+  // and "blocks.<l>.mlp" (each before its residual add) and "blocks.<l>" (its output), "merger" and
+  // "deepstack_merger_list.<k>" [N/4, out_hidden]; and the input, "pixel_values" [N, patch_dim].
+  std::map<std::string, std::vector<float>> intermediates;
 };
 
 // The fp32 CPU reference forward (docs/encoder.md §CPU forward). pixels: [N, 1536] in merge-window order (docs/encoder.md §Merge-window order).

@@ -284,6 +284,9 @@ class EncoderRunner {
   EncoderOutputsBf16 run_bf16(const Batch& batch, bool with_deepstack = true);
   // The same into `out`, whose vectors are reused where large enough (warm memory, no page faults).
   void run_bf16(const Batch& batch, bool with_deepstack, EncoderOutputsBf16& out);
+  // From now on, each CPU forward keeps every intermediate (ForwardResult::intermediates) and, when
+  // it finishes, moves them into `*into` (`fovea encode --dump-dir`); nullptr stops. CPU engines only.
+  void keep_intermediates(std::map<std::string, std::vector<float>>* into);
   ScaleBook* book() { return book_ ? &*book_ : nullptr; }  // null for BF16
 
   // Where the last finished batch spent its time, ms: `plan` (host: the batch shape), `upload`
@@ -318,6 +321,7 @@ class EncoderRunner {
   std::unique_ptr<Gpu> gpu_;
   std::deque<std::unique_ptr<Flight>> flights_;
   EncoderOutputsBf16 cpu_views_;  // what finish_views() points into on the CPU
+  std::map<std::string, std::vector<float>>* intermediates_ = nullptr;  // keep_intermediates()
   Timings timings_;
 };
 

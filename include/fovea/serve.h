@@ -78,10 +78,6 @@ struct ServeOptions {
 // Whether this build fetches http(s) media URLs (libcurl was found at build time).
 bool http_media_supported();
 
-// The key vLLM's EPD proxy gives an item sent as a data URL: the sha256 (hex) of
-// "data:<media_type>;base64,<bytes in standard base64>", the string it hashes.
-std::string data_url_key(const std::string& media_type, const std::vector<uint8_t>& bytes);
-
 // Runs the server until SIGINT or SIGTERM; returns the exit code. Startup errors (options, model,
 // engine, port) throw fovea::Error.
 int serve(const ServeOptions& options);

@@ -17,9 +17,8 @@ struct GpuInfo {
 };
 
 struct SystemInfo {
+  // cudnn_built: the CUDNN attention backend is built in (it also needs cuDNN 9.15 or newer at run time).
   bool cuda_built = false, cudnn_built = false;
-  // The CUDNN attention backend is built in (it also needs cuDNN 9.15 or newer at run time).
-  bool cudnn_backend = false;
   int cuda_runtime_version = 0, cuda_driver_version = 0;  // 13000 = 13.0; 0 = unknown / none
   size_t cudnn_version = 0;                               // 91400 = 9.14.0; 0 = not built / not loadable
   std::vector<GpuInfo> gpus;

@@ -196,7 +196,7 @@ Clip preprocess_frames(const std::vector<image::Rgb8>& frames, const std::vector
 // MPEG-TS, FLV, Ogg), from their magic numbers alone.
 bool looks_like_video(std::span<const uint8_t> bytes);
 
-// ---- decoding (FFmpeg; src/video/decode-ffmpeg.cpp) -------------------------------------------------
+// ---- decoding (FFmpeg: src/video/decode-ffmpeg.cpp; decode_opened and decode_clip: video.cpp) ------
 // Whether this build decodes video (FFmpeg's libraries found at build time), and their versions.
 bool video_supported();
 std::string ffmpeg_versions();  // "libavformat 59.27.100, libavcodec ..." or "" without
@@ -243,10 +243,6 @@ OpenedClip open_clip(std::span<const uint8_t> bytes, const std::string& name, co
                      const image::PreprocessConfig& image_budget, Clock::time_point deadline);
 Clock::time_point deadline_of(const VideoLimits& limits);  // now + limits.deadline_seconds
 
-// open_clip's ClipInfo (its own deadline from limits).
-ClipInfo probe_clip(std::span<const uint8_t> bytes, const std::string& name, const VideoLimits& limits = {},
-                    const image::PreprocessConfig& image_budget = {});
-
 // Sample, decode, resize, patchify an opened clip: each sampled frame is converted to RGB
 // (libswscale, the colour matrix and range the stream is tagged with, BT.601 limited range when it
 // is not; bilinear chroma), resized to smart_resize_video's size as it is decoded, then patchified.
@@ -259,12 +255,5 @@ Clip decode_opened(const OpenedClip& clip, const VideoConfig& cfg, const VideoLi
 // open_clip then decode_opened, with one deadline.
 Clip decode_clip(std::span<const uint8_t> bytes, const std::string& name, const VideoConfig& cfg,
                  const VideoLimits& limits = {}, const image::PreprocessConfig& image_budget = {});
-Clip decode_clip_file(const std::string& path, const VideoConfig& cfg, const VideoLimits& limits = {},
-                      const image::PreprocessConfig& image_budget = {});
-
-// The frames at `indices` (sorted, unique), decoded and converted to RGB at their own size: what the
-// golden tools compare against another decoder. Bounded like decode_clip.
-std::vector<image::Rgb8> decode_frames(std::span<const uint8_t> bytes, const std::string& name,
-                                       const std::vector<int64_t>& indices, const VideoLimits& limits = {});
 
 }  // namespace fovea::video

@@ -132,13 +132,80 @@ def _capture_error(name):
         "cudagraph_mm_encoder off, or leave vLLM's attention in place with FOVEA_VLLM=0.")
 
 
+class _FoveaFp8:
+    """The FP8 half of fovea's MMEncoderAttention, a mixin before vLLM's class (_layer_class): its FP8
+    state where fovea serves the layer (static descales or a dynamic amax history, calibration), vLLM's
+    own elsewhere."""
+
+    def _init_fp8_state(self):
+        import torch
+
+        from . import attention as fovea_attention
+
+        cfg = _fp8_config()
+        if self.fovea_reason is not None:
+            parent = getattr(super(), "_init_fp8_state", None)
+            try:
+                if parent is not None:
+                    return parent()
+            except ValueError:  # vLLM's FP8 check: Blackwell only
+                if cfg is None or torch.cuda.get_device_capability()[0] != 9:
+                    raise
+                self.fovea_reason += "; FP8 asked, which vLLM's attention has only on Blackwell: runs BF16"
+            self._fp8_defaults(False)
+            return
+        self._fp8_defaults(cfg is not None)
+        if cfg is None:
+            return
+        static = getattr(cfg, "mm_encoder_fp8_scale_path", None)
+        self._fp8_dynamic_scale = not static
+        if static:
+            scales = _layer_scales(os.path.expanduser(static), self.layer_name)
+            # torch.tensor follows vLLM's `with torch.device(...)`: the buffer is made on the layer's device.
+            self.register_buffer("fovea_descale", torch.tensor(scales, dtype=torch.float32))
+            self.skip_scale_q, self.skip_scale_k, self.skip_scale_v = (s == 1.0 for s in scales)
+            return
+        state = list(memoryview(fovea_attention.fresh_state_bytes()).cast("i"))
+        self.register_buffer("fovea_amax_state", torch.tensor(state, dtype=torch.int32))
+        self.fovea_save = getattr(cfg, "mm_encoder_fp8_scale_save_path", None)
+        self.fovea_margin = float(getattr(cfg, "mm_encoder_fp8_scale_save_margin", 1.5))
+        self.fovea_calls = 0
+        _layers.append(weakref.ref(self))
+
+    def _fp8_defaults(self, enabled):
+        self.fp8_enabled, self._fp8_dynamic_scale, self.fp8_quant = enabled, False, None
+        self.skip_scale_q = self.skip_scale_k = self.skip_scale_v = False
+
+    def process_weights_after_loading(self, act_dtype=None):
+        # vLLM's loader calls this on every MMEncoderAttention to fill its FP8 scales; fovea's
+        # layers read theirs in the constructor.
+        if self.fovea_reason is not None:
+            parent = getattr(super(), "process_weights_after_loading", None)
+            return parent(act_dtype) if parent is not None else None
+        return None
+
+    def fovea_fp8_kwargs(self, device):
+        """The FP8 keyword arguments of fovea.torch's ops for this layer (its state on `device`)."""
+        if not self.fp8_enabled:
+            return {}
+        name = "fovea_descale" if hasattr(self, "fovea_descale") else "fovea_amax_state"
+        t = getattr(self, name)
+        if t.device != device:  # a layer built outside a device context and never moved
+            t = t.to(device)
+            setattr(self, name, t)
+        return {"descale": t} if name == "fovea_descale" else {"amax_state": t}
+
+    def fovea_after_call(self):
+        if self.fp8_enabled and self._fp8_dynamic_scale and self.fovea_save:
+            _count_and_calibrate(self)
+
+
 def _layer_class(base):
     import torch
 
-    from . import attention as fovea_attention
     from . import torch as fovea_torch
 
-    class FoveaMMEncoderAttention(base):
+    class FoveaMMEncoderAttention(_FoveaFp8, base):
         """MMEncoderAttention on fovea's kernel where fovea can serve it (fovea_reason None), vLLM's own
         forward elsewhere. vLLM's constructor runs; its FP8 set-up, which refuses every GPU but
         Blackwell, is replaced by fovea's for the layers fovea serves."""
@@ -154,49 +221,6 @@ def _layer_class(base):
             _pending.append((prefix, self.fovea_reason))
             if self.fovea_reason is None:
                 _served[0] += 1
-
-        def _init_fp8_state(self):
-            cfg = _fp8_config()
-            if self.fovea_reason is not None:
-                parent = getattr(super(), "_init_fp8_state", None)
-                try:
-                    if parent is not None:
-                        return parent()
-                except ValueError:  # vLLM's FP8 check: Blackwell only
-                    if cfg is None or torch.cuda.get_device_capability()[0] != 9:
-                        raise
-                    self.fovea_reason += "; FP8 asked, which vLLM's attention has only on Blackwell: runs BF16"
-                self._fp8_defaults(False)
-                return
-            self._fp8_defaults(cfg is not None)
-            if cfg is None:
-                return
-            static = getattr(cfg, "mm_encoder_fp8_scale_path", None)
-            self._fp8_dynamic_scale = not static
-            if static:
-                scales = _layer_scales(os.path.expanduser(static), self.layer_name)
-                # torch.tensor follows vLLM's `with torch.device(...)`: the buffer is made on the layer's device.
-                self.register_buffer("fovea_descale", torch.tensor(scales, dtype=torch.float32))
-                self.skip_scale_q, self.skip_scale_k, self.skip_scale_v = (s == 1.0 for s in scales)
-                return
-            state = list(memoryview(fovea_attention.fresh_state_bytes()).cast("i"))
-            self.register_buffer("fovea_amax_state", torch.tensor(state, dtype=torch.int32))
-            self.fovea_save = getattr(cfg, "mm_encoder_fp8_scale_save_path", None)
-            self.fovea_margin = float(getattr(cfg, "mm_encoder_fp8_scale_save_margin", 1.5))
-            self.fovea_calls = 0
-            _layers.append(weakref.ref(self))
-
-        def _fp8_defaults(self, enabled):
-            self.fp8_enabled, self._fp8_dynamic_scale, self.fp8_quant = enabled, False, None
-            self.skip_scale_q = self.skip_scale_k = self.skip_scale_v = False
-
-        def process_weights_after_loading(self, act_dtype=None):
-            # vLLM's loader calls this on every MMEncoderAttention to fill its FP8 scales; fovea's
-            # layers read theirs in the constructor.
-            if self.fovea_reason is not None:
-                parent = getattr(super(), "process_weights_after_loading", None)
-                return parent(act_dtype) if parent is not None else None
-            return None
 
         @classmethod
         def maybe_recompute_cu_seqlens(cls, attn_backend, cu_seqlens, hidden_size, tp_size, *args, **kwargs):
@@ -215,21 +239,6 @@ def _layer_class(base):
             t = torch.from_numpy(offsets).to(device, non_blocking=True)
             fovea_torch.remember_offsets(t, offsets.tolist())  # the layers plan without reading it back
             return t
-
-        def fovea_fp8_kwargs(self, device):
-            """The FP8 keyword arguments of fovea.torch's ops for this layer (its state on `device`)."""
-            if not self.fp8_enabled:
-                return {}
-            name = "fovea_descale" if hasattr(self, "fovea_descale") else "fovea_amax_state"
-            t = getattr(self, name)
-            if t.device != device:  # a layer built outside a device context and never moved
-                t = t.to(device)
-                setattr(self, name, t)
-            return {"descale": t} if name == "fovea_descale" else {"amax_state": t}
-
-        def fovea_after_call(self):
-            if self.fp8_enabled and self._fp8_dynamic_scale and self.fovea_save:
-                _count_and_calibrate(self)
 
         def forward_cuda(self, query, key, value, cu_seqlens=None, max_seqlen=None, sequence_lengths=None):
             _report()

@@ -196,8 +196,8 @@ AttnBackend resolve_backend(int32_t backend, AttnDtype dtype, int head_dim, int 
       return "the FOVEA kernels are built for head_dim 64, 72, 80 and 128, not " + std::to_string(head_dim);
     return backend_unsupported(c, dtype, Device::CUDA, sys);
   };
-  AttnBackend chosen = b;
-  if (b == AttnBackend::AUTO) chosen = !why(AttnBackend::FOVEA) || dtype == AttnDtype::FP8 ? AttnBackend::FOVEA : AttnBackend::CUDNN;
+  const AttnBackend chosen =
+      b == AttnBackend::AUTO ? best_backend(dtype, Device::CUDA, sys, cuda::flash_supports_head_dim(head_dim)) : b;
   if (auto w = why(chosen)) refuse(FOVEA_ATTN_UNSUPPORTED, dtype_name(dtype), " attention on the ", backend_name(chosen), " backend: ", *w);
   return chosen;
 }

@@ -10,6 +10,7 @@
 #include <future>
 #include <map>
 #include <optional>
+#include <span>
 
 #include <fmt/format.h>
 
@@ -28,9 +29,10 @@ namespace {
 
 struct Args {
   std::string model;
-  std::vector<std::string> images;
+  std::vector<std::string> inputs;
   std::string out;
   std::string output_dtype = "bf16";
+  std::string dump_dir;             // --dump-dir: the CPU forward's intermediates (write_intermediates)
   std::string ec_path;              // --ec-storage-path: fill vLLM's encoder cache instead of -o
   int64_t ec_max_bytes = 0;         // --ec-storage-max-bytes (0: no bound)
   double ec_min_age_s = 300;        // --ec-storage-min-age (0: no protection)
@@ -107,13 +109,13 @@ std::string file_url(const std::filesystem::path& p) {
 // or the sha256 of the URL a client sends for it, which vLLM's EPD proxy takes as the key: a data URL
 // of the file (data-url) or its file:// URL (file-url, for a server with --allowed-local-media-path).
 std::string uuid_of(const Args& a, size_t i, const InputConfig& in) {
-  const std::filesystem::path path(a.images[i]);
+  const std::filesystem::path path(a.inputs[i]);
   if (a.uuid_from == "filename") return path.filename().string();
   const auto hash = [](const std::string& s) { return sha256_hex(s); };
   if (a.uuid_from == "file-url") return hash(file_url(path));
-  const std::vector<uint8_t> bytes = read_input(a.images[i], in);
+  const std::vector<uint8_t> bytes = read_input(a.inputs[i], in);
   if (a.uuid_from == "sha256") return sha256_hex(bytes);
-  return server::data_url_key(media_type_of(path), bytes);  // a known type: fill_ec_cache checked
+  return data_url_key(media_type_of(path), bytes);  // a known type: fill_ec_cache checked
 }
 
 // The key vLLM's consumer looks for: the uuid, hashed with the kwargs and the model id when they say
@@ -122,7 +124,7 @@ std::string cache_key(const Args& a, size_t i, const InputConfig& in) {
   const MmKwargs k = parse_mm_kwargs(a.mm_processor_kwargs, a.media_io_kwargs);
   const std::string uuid = uuid_of(a, i, in);
   if (k.empty()) return uuid;
-  return vllm_mm_hash(a.model_id.empty() ? a.model : a.model_id, file_input_kind(a.images[i]), uuid, k);
+  return vllm_mm_hash(a.model_id.empty() ? a.model : a.model_id, file_input_kind(a.inputs[i]), uuid, k);
 }
 
 struct CacheWork {
@@ -138,9 +140,9 @@ struct CacheWork {
 // Keys every input; those already cached or repeated are skipped.
 CacheWork plan_cache_fill(const Args& a, EcCache& cache, const InputConfig& in) {
   CacheWork w;
-  w.keys.resize(a.images.size());
+  w.keys.resize(a.inputs.size());
   std::map<std::string, size_t> first;  // key -> the first input with it
-  for (size_t i = 0; i < a.images.size(); ++i) {
+  for (size_t i = 0; i < a.inputs.size(); ++i) {
     try {
       w.keys[i] = cache_key(a, i, in);
     } catch (const Error& e) {
@@ -148,13 +150,13 @@ CacheWork plan_cache_fill(const Args& a, EcCache& cache, const InputConfig& in) 
       continue;
     }
     if (const std::string why = ec_key_problem(w.keys[i]); !why.empty()) {
-      w.failure(fmt::format("input '{}': its file name cannot be a cache key: {}", a.images[i], why));
+      w.failure(fmt::format("input '{}': its file name cannot be a cache key: {}", a.inputs[i], why));
       continue;
     }
     if (const auto [at, fresh] = first.emplace(w.keys[i], i); !fresh) {
       if (a.uuid_from == "filename")
         fmt::print(stderr, "fovea: warning: input '{}' has the same file name as '{}': only the first is cached under '{}'\n",
-                   a.images[i], a.images[at->second], w.keys[i]);
+                   a.inputs[i], a.inputs[at->second], w.keys[i]);
       ++w.repeated;
       continue;
     }
@@ -172,7 +174,7 @@ constexpr size_t kGroup = 32;  // inputs prepared at once when filling the cache
 // One group's inputs prepared (todo[from, from + kGroup)).
 std::vector<PreparedInput> prepare_group(const Args& a, const CacheWork& w, size_t from, const InputConfig& in) {
   std::vector<std::string> paths;
-  for (size_t j = from; j < std::min(from + kGroup, w.todo.size()); ++j) paths.push_back(a.images[w.todo[j]]);
+  for (size_t j = from; j < std::min(from + kGroup, w.todo.size()); ++j) paths.push_back(a.inputs[w.todo[j]]);
   std::vector<std::vector<uint8_t>> none(paths.size());
   return prepare_files(paths, none, in);
 }
@@ -214,7 +216,7 @@ void encode_group(const Args& a, EncoderRunner& runner, const qwen3vl::VisionCon
 int fill_ec_cache(const Args& a, const EngineConfig& cfg) {
   if (a.uuid_from != "sha256" && a.uuid_from != "filename" && a.uuid_from != "data-url" && a.uuid_from != "file-url")
     fail("encode: --uuid-from: '{}' is not one of sha256, filename, data-url, file-url", a.uuid_from);
-  for (const std::string& p : a.images)
+  for (const std::string& p : a.inputs)
     if (a.uuid_from == "data-url" && media_type_of(p).empty())
       fail("encode: --uuid-from data-url: input '{}': its data URL's media type comes from its extension, and '{}' is "
            "not one it knows (.jpg .jpeg .png .gif .webp .bmp .tif .tiff .mp4 .mov .webm .avi .mkv)",
@@ -227,7 +229,7 @@ int fill_ec_cache(const Args& a, const EngineConfig& cfg) {
   EcCache cache(a.ec_path, a.ec_max_bytes, a.ec_min_age_s);
   CacheWork w = plan_cache_fill(a, cache, in);
   fmt::print(stderr, "encoder cache {}: {} inputs, {} already there, {} repeated, {} to encode\n", a.ec_path,
-             a.images.size(), w.cached, w.repeated, w.todo.size());
+             a.inputs.size(), w.cached, w.repeated, w.todo.size());
   if (!w.todo.empty()) {
     const qwen3vl::Model model = qwen3vl::load_model(a.model);
     EncoderRunner runner(model, cfg);
@@ -245,7 +247,7 @@ int fill_ec_cache(const Args& a, const EngineConfig& cfg) {
   const EcCache::Stats st = cache.stats();
   fmt::print("encoder cache {}: {} inputs: {} written, {} already there, {} repeated, {} failed; fovea's files {} "
              "({:.1f} MB), {} evicted, {} of other writers; {:.1f} s\n",
-             a.ec_path, a.images.size(), w.written, w.cached, w.repeated, w.failed, st.files, double(st.bytes) / 1e6,
+             a.ec_path, a.inputs.size(), w.written, w.cached, w.repeated, w.failed, st.files, double(st.bytes) / 1e6,
              st.evictions, st.foreign_files, seconds_since(t0));
   return w.failed ? 1 : 0;
 }
@@ -266,6 +268,26 @@ void load_encoder(Loaded& l, const Args& a, const EngineConfig& cfg, int64_t tok
   l.setup_ms = ms_since(t);
 }
 
+// --dump-dir: the CPU forward's intermediates in DIR/intermediates.safetensors, F32 [rows, width],
+// with grid_thw (F32 [inputs, 3], as golden files hold it), for tools/compare-intermediates.py.
+void write_intermediates(const std::string& dir, const qwen3vl::VisionConfig& c, const std::vector<qwen3vl::GridThw>& grids,
+                         const std::map<std::string, std::vector<float>>& values) {
+  std::filesystem::create_directories(dir);
+  auto bytes = [](const std::vector<float>& v) { return std::span(reinterpret_cast<const uint8_t*>(v.data()), v.size() * 4); };
+  std::vector<TensorToWrite> t;
+  for (const auto& [name, v] : values) {
+    const bool out = name == "merger" || name.rfind("deepstack_merger_list.", 0) == 0;
+    const int64_t width = name == "pixel_values" ? c.patch_dim() : out ? c.out_hidden : c.hidden;
+    t.push_back({name, DType::F32, {int64_t(v.size()) / width, width}, {}, bytes(v)});
+  }
+  std::vector<float> g;
+  for (const auto& thw : grids) g.insert(g.end(), thw.begin(), thw.end());
+  t.push_back({"grid_thw", DType::F32, {int64_t(grids.size()), 3}, {}, bytes(g)});
+  const std::string path = (std::filesystem::path(dir) / "intermediates.safetensors").string();
+  write_safetensors(path, t, {{"format", "pt"}, {"model", c.name}});
+  fmt::print("wrote {} intermediates of the CPU forward to {}\n", values.size(), path);
+}
+
 // The readable inputs' tensors from one forward: the encoder's bf16 bits as they are (views of
 // where they landed: pinned memory on the GPU, no copy), widened for --output-dtype f32, or the CPU
 // forward's fp32 as computed. Prints a line per input and the forward's times.
@@ -282,6 +304,8 @@ void encode_all(const Args& a, const EngineConfig& cfg, Loaded& l, std::vector<P
   const auto tf = Clock::now();
   std::vector<Bf16Rows> bf16;
   std::vector<F32Rows> fp32;
+  std::map<std::string, std::vector<float>> intermediates;
+  if (!a.dump_dir.empty()) l.runner->keep_intermediates(&intermediates);
   if (f32 && cfg.device == Device::CPU) {
     fp32 = split_inputs(l.runner->run(inputs), grids, vc);
   } else {
@@ -289,6 +313,7 @@ void encode_all(const Args& a, const EngineConfig& cfg, Loaded& l, std::vector<P
     bf16 = split_inputs(l.runner->finish_views(), grids, vc);
   }
   const double forward_ms = ms_since(tf);
+  if (!a.dump_dir.empty()) write_intermediates(a.dump_dir, vc, grids, intermediates);
   fmt::print("{:<9} {:<40} {:>14} {:>8} {:>10} {:>12}\n", "input", "file", "grid_thw", "tokens", "decode ms", "preprocess ms");
   int64_t patches = 0;
   for (size_t j = 0; j < ok.size(); ++j) {
@@ -296,8 +321,8 @@ void encode_all(const Args& a, const EngineConfig& cfg, Loaded& l, std::vector<P
     const auto& g = grids[j];
     const std::string name =
         fp32.empty() ? out.add(p.kind, g, bf16[j], f32, p.clip) : out.add(p.kind, g, std::move(fp32[j]), p.clip);
-    out.meta[name + ".file"] = a.images[ok[j]];
-    fmt::print("{:<9} {:<40} {:>14} {:>8} {:>10.1f} {:>12.1f}\n", name, a.images[ok[j]],
+    out.meta[name + ".file"] = a.inputs[ok[j]];
+    fmt::print("{:<9} {:<40} {:>14} {:>8} {:>10.1f} {:>12.1f}\n", name, a.inputs[ok[j]],
                fmt::format("({}, {}, {})", g[0], g[1], g[2]), visual_tokens(vc, g), p.decode_ms, p.preprocess_ms);
     patches += int64_t(g[0]) * g[1] * g[2];
   }
@@ -310,14 +335,17 @@ void encode_all(const Args& a, const EngineConfig& cfg, Loaded& l, std::vector<P
 
 int run(const Args& a) {
   const EngineConfig cfg = resolve_engine(a.engine, query_system());
-  if (a.images.empty()) fail("encode: no images given");
+  if (a.inputs.empty()) fail("encode: no inputs given (image files or video clips)");
+  if (!a.dump_dir.empty() && (cfg.device != Device::CPU || !a.ec_path.empty()))
+    fail("encode: --dump-dir keeps the CPU forward's intermediates: run it with --device cpu{}",
+         a.ec_path.empty() ? "" : ", without --ec-storage-path");
   if (!a.ec_path.empty()) return fill_ec_cache(a, cfg);
   if (a.output_dtype != "bf16" && a.output_dtype != "f32")
     fail("encode: --output-dtype: '{}' is not one of bf16, f32", a.output_dtype);
   const InputConfig in = load_input_config(a.model, a.preprocess, a.video);
-  Files files = read_inputs(a.images, in);
+  Files files = read_inputs(a.inputs, in);
   // Decoding and preprocessing run while the model loads and the encoder starts (weights to the GPU).
-  auto preparing = std::async(std::launch::async, [&] { return prepare_files(a.images, files.bytes, in); });
+  auto preparing = std::async(std::launch::async, [&] { return prepare_files(a.inputs, files.bytes, in); });
   Loaded l;
   try {
     load_encoder(l, a, cfg, files.tokens);
@@ -331,7 +359,7 @@ int run(const Args& a) {
     if (prepared[i].error) fmt::print(stderr, "fovea: error: {}\n", prepared[i].error_message());
     else ok.push_back(i);
   }
-  if (ok.empty()) fail("encode: none of the {} input(s) could be read", a.images.size());
+  if (ok.empty()) fail("encode: none of the {} input(s) could be read", a.inputs.size());
   OutputTensors out(l.model->config);
   out.meta = {{"model", a.model}, {"dtype", dtype_name(cfg.dtype)}, {"device", device_name(cfg.device)}};
   encode_all(a, cfg, l, prepared, ok, out);
@@ -340,8 +368,8 @@ int run(const Args& a) {
     write_safetensors(a.out, out.tensors(), out.meta);
     fmt::print("wrote {} ({:.1f} MB of tensors in {:.1f} ms)\n", a.out, double(out.bytes()) / 1e6, ms_since(tw));
   }
-  if (ok.size() < a.images.size()) {
-    fmt::print(stderr, "fovea: {} of {} input(s) failed\n", a.images.size() - ok.size(), a.images.size());
+  if (ok.size() < a.inputs.size()) {
+    fmt::print(stderr, "fovea: {} of {} input(s) failed\n", a.inputs.size() - ok.size(), a.inputs.size());
     return 1;
   }
   return 0;
@@ -353,9 +381,13 @@ void add_encode(CLI::App& app, Runner& runner) {
   auto* cmd = app.add_subcommand("encode", "image files and video clips to visual tokens (and deepstack features)");
   auto a = std::make_shared<Args>();
   cmd->add_option("MODEL", a->model, "checkpoint folder or synthetic:<preset>")->required();
-  cmd->add_option("INPUT", a->images, "images (JPEG, PNG, WebP, BMP, GIF) and video clips (MP4/MOV, WebM/MKV, AVI, ...)")
+  cmd->add_option("INPUT", a->inputs, "images (JPEG, PNG, WebP, BMP, GIF) and video clips (MP4/MOV, WebM/MKV, AVI, ...)")
       ->required();
   cmd->add_option("-o,--output", a->out, "write tokens, deepstack features and grid_thw to this safetensors file");
+  cmd->add_option("--dump-dir", a->dump_dir,
+                  "write the CPU forward's intermediates (patch embedding, each block's attention and MLP outputs and "
+                  "its output, the mergers; named as transformers' modules) to DIR/intermediates.safetensors, for "
+                  "tools/compare-intermediates.py (with --device cpu; a few GB for a 4K image)");
   cmd->add_option("--output-dtype", a->output_dtype,
                   "dtype of the written tokens and deepstack features: bf16 (what the encoder computes and an LLM "
                   "consumes) or f32")

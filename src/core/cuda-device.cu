@@ -15,7 +15,6 @@ SystemInfo query_system() {
   s.cudnn_built = FOVEA_HAVE_CUDNN;
 #if FOVEA_HAVE_CUDNN
   s.cudnn_version = cudnnGetVersion();
-  s.cudnn_backend = true;
 #endif
   cudaRuntimeGetVersion(&s.cuda_runtime_version);
   cudaDriverGetVersion(&s.cuda_driver_version);

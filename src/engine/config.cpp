@@ -16,6 +16,12 @@ namespace {
 bool is_hopper(const GpuInfo& g) { return g.cc_major == 9 && g.cc_minor == 0; }
 }  // namespace
 
+AttnBackend best_backend(AttnDtype d, Device dev, const SystemInfo& sys, bool fovea_head_dim) {
+  if (dev == Device::CPU) return AttnBackend::CPU;
+  const bool fovea = fovea_head_dim && !backend_unsupported(AttnBackend::FOVEA, d, dev, sys);
+  return fovea || d == AttnDtype::FP8 ? AttnBackend::FOVEA : AttnBackend::CUDNN;
+}
+
 std::optional<std::string> backend_unsupported(AttnBackend b, AttnDtype d, Device dev, const SystemInfo& sys) {
   switch (b) {
     case AttnBackend::AUTO:
@@ -34,8 +40,7 @@ std::optional<std::string> backend_unsupported(AttnBackend b, AttnDtype d, Devic
       return std::nullopt;
     case AttnBackend::CUDNN:
       if (dev != Device::CUDA) return "the CUDNN backend runs on a GPU (--device cuda)";
-      if (!sys.cudnn_built) return "this fovea was built without cuDNN";
-      if (!sys.cudnn_backend) return "this fovea was built without the CUDNN backend";
+      if (!sys.cudnn_built) return "this fovea was built without cuDNN (the CUDNN backend)";
       if (sys.cudnn_version < 91500)
         return fmt::format("the CUDNN backend needs cuDNN 9.15 or newer at run time (its SDPA operation with sequence "
                            "lengths); this process loaded {}.{}.{}", sys.cudnn_version / 10000, sys.cudnn_version / 100 % 100,
@@ -183,16 +188,7 @@ void resolve_backend(const EngineOptions& opt, const SystemInfo& sys, EngineConf
   const auto backend = parse_backend(opt.backend);
   if (!backend)
     fail("--mm-encoder-attn-backend: '{}' is not one of AUTO, FOVEA, CUDNN, FLASHINFER, CPU", opt.backend);
-  cfg.backend = *backend;
-  if (cfg.backend == AttnBackend::AUTO) {
-    if (cfg.device == Device::CPU) {
-      cfg.backend = AttnBackend::CPU;
-    } else if (!backend_unsupported(AttnBackend::FOVEA, cfg.dtype, cfg.device, sys)) {
-      cfg.backend = AttnBackend::FOVEA;
-    } else {
-      cfg.backend = AttnBackend::CUDNN;
-    }
-  }
+  cfg.backend = *backend == AttnBackend::AUTO ? best_backend(cfg.dtype, cfg.device, sys) : *backend;
   if (auto why = backend_unsupported(cfg.backend, cfg.dtype, cfg.device, sys)) {
     std::vector<std::string> can;
     for (AttnBackend b : {AttnBackend::FOVEA, AttnBackend::CUDNN, AttnBackend::CPU})

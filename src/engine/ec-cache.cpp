@@ -21,8 +21,10 @@
 
 #include <fmt/format.h>
 
+#include "fovea/base64.h"
 #include "fovea/error.h"
 #include "fovea/io.h"
+#include "fovea/sha256.h"
 #include "fovea/json.h"
 #include "fovea/safetensors.h"
 #include "fovea/threads.h"
@@ -684,6 +686,12 @@ EcCache::Stats EcCache::stats() const {
   s.files = int64_t(book_.own.size());
   s.foreign_files = int64_t(book_.foreign.size());
   return s;
+}
+
+std::string data_url_key(const std::string& media_type, const std::vector<uint8_t>& bytes) {
+  std::string url = "data:" + media_type + ";base64,";
+  base64_append(url, bytes.data(), bytes.size());
+  return sha256_hex(url);
 }
 
 }  // namespace fovea

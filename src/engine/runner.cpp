@@ -83,6 +83,7 @@ void EncoderRunner::start_cpu(const Batch& batch, bool with_deepstack) {
   o.fp8_linears = cfg_.fp8_linears;
   o.fp8_robust = cfg_.fp8_robust;
   o.fine_scales = fine_.empty() ? nullptr : &fine_;
+  o.keep_intermediates = intermediates_ != nullptr;
   f->cpu = qwen3vl::forward_cpu(model_, batch.pixels, batch.grids, o);
   f->host.forward = f->host.gpu = lap(t);
   flights_.push_back(std::move(f));
@@ -177,6 +178,7 @@ void EncoderRunner::finish_oldest(const std::function<void(qwen3vl::ForwardResul
   flights_.pop_front();
   timings_ = f->host;
   if (f->cpu) {
+    if (intermediates_) *intermediates_ = std::move(f->cpu->intermediates);
     cpu(*f->cpu, f->with_deepstack);
     return calibrate();
   }
@@ -264,16 +266,26 @@ EncoderOutputs EncoderRunner::run(const Batch& batch, bool with_deepstack) {
   return out;
 }
 
-EncoderOutputs EncoderRunner::run(const std::vector<const image::Patches*>& inputs, bool with_deepstack) {
-  if (!gpu_) {  // the CPU's fp32 as computed, from fp32 patches (raw ones normalized exactly)
-    Batch b;
-    for (const image::Patches* p : inputs) {
-      image::Patches fp32 = *p;
-      if (fp32.pixels.empty()) image::normalize_raw(fp32);
-      b.add(std::move(fp32));
-    }
-    return run(b, with_deepstack);
+namespace {
+// The CPU forward's batch: fp32 patches, raw ones normalized exactly.
+Batch fp32_batch(const std::vector<const image::Patches*>& inputs) {
+  Batch b;
+  for (const image::Patches* p : inputs) {
+    image::Patches fp32 = *p;
+    if (fp32.pixels.empty()) image::normalize_raw(fp32);
+    b.add(std::move(fp32));
   }
+  return b;
+}
+}  // namespace
+
+void EncoderRunner::keep_intermediates(std::map<std::string, std::vector<float>>* into) {
+  if (gpu_ && into) fail("encoder: the intermediates come from the CPU forward: run it with --device cpu");
+  intermediates_ = into;
+}
+
+EncoderOutputs EncoderRunner::run(const std::vector<const image::Patches*>& inputs, bool with_deepstack) {
+  if (!gpu_) return run(fp32_batch(inputs), with_deepstack);  // the CPU's fp32 as computed
   if (!flights_.empty()) fail("encoder: run() with {} batches started and not finished", flights_.size());
   start(inputs, with_deepstack);
   const Bf16Rows v = finish_views();

@@ -332,12 +332,11 @@ void Batcher::finish_batch(Replica& r, EncoderRunner& runner, Started& b) {
   for (const auto& g : b.grids) batch_tokens += visual_tokens(model_.config, g);
   std::string error;
   std::shared_ptr<EncoderOutputsBf16> out;
+  std::vector<Bf16Rows> rows;
   try {
     out = recycled_outputs(r);
     runner.finish(*out);
-    const size_t values = size_t(batch_tokens) * size_t(model_.config.out_hidden);
-    if (out->merged.size() != values)
-      error = fmt::format("the encoder gave {} values for {} rows", out->merged.size(), batch_tokens);
+    rows = split_inputs(rows_of(*out), b.grids, model_.config);  // throws unless the rows match the grids
     r.nonfinite = runner.nonfinite_amax();
   } catch (const std::exception& e) {
     error = e.what();
@@ -349,13 +348,10 @@ void Batcher::finish_batch(Replica& r, EncoderRunner& runner, Started& b) {
     return take_down(r, error);
   }
   const double forward_ms = runner.last_timings().gpu;
-  size_t row = 0;
   for (size_t i = 0; i < b.slots.size(); ++i) {
     InputResult& o = b.slots[i].job->outputs[b.slots[i].index];
     o.forward = out;
-    o.first_row = row;
-    o.tokens = visual_tokens(model_.config, b.grids[i]);
-    row += size_t(o.tokens);
+    o.rows = std::move(rows[i]);
     o.queue_ms = ms_between(b.slots[i].job->submitted, b.start);
     o.forward_ms = forward_ms;
     o.batch_inputs = int(b.slots.size());

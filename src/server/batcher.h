@@ -36,14 +36,8 @@ namespace fovea::server {
 // One input's outputs: its rows of the forward it was in. The forward's bf16 outputs are shared by
 // the inputs in it (no copy per input); deepstack is there if any job in that forward asked for it.
 struct InputResult {
-  std::shared_ptr<const EncoderOutputsBf16> forward;
-  size_t first_row = 0;                       // this input's first row in them
-  int64_t tokens = 0;                         // its rows
-  std::span<const uint16_t> merged(int out_hidden) const { return rows(forward->merged, out_hidden); }
-  std::span<const uint16_t> deepstack(size_t k, int out_hidden) const { return rows(forward->deepstack[k], out_hidden); }
-  std::span<const uint16_t> rows(const std::vector<uint16_t>& v, int out_hidden) const {
-    return {v.data() + first_row * size_t(out_hidden), size_t(tokens) * size_t(out_hidden)};
-  }
+  std::shared_ptr<const EncoderOutputsBf16> forward;  // kept alive while `rows` are read
+  Bf16Rows rows;                                      // this input's rows in it (split_inputs)
   double queue_ms = 0;                        // submit -> start of its forward
   double forward_ms = 0;                      // the GPU time of the forward it was part of
   int batch_inputs = 0;                       // inputs in that forward

@@ -19,7 +19,7 @@
 #include "fovea/safetensors.h"
 #include "fovea/sha256.h"
 #include "fovea/threads.h"
-#include "server/base64.h"
+#include "fovea/base64.h"
 
 namespace fovea::server {
 
@@ -35,12 +35,6 @@ const char* error_type(int status) {
   return "invalid_request_error";
 }
 }  // namespace
-
-std::string data_url_key(const std::string& media_type, const std::vector<uint8_t>& bytes) {
-  std::string url = "data:" + media_type + ";base64,";
-  base64_append(url, bytes.data(), bytes.size());
-  return sha256_hex(url);
-}
 
 http::Response error_response(const ApiError& e) {
   return json_response(e.status, {{"error", {{"message", e.message}, {"type", error_type(e.status)}, {"code", e.code}}}});
@@ -87,7 +81,7 @@ struct Exchange {
       if (budget) budget->release(bytes);
     }
   } fetched;
-  std::mutex fetch_mu;  // guards the two below and r.fetched while fetches run
+  std::mutex fetch_mu;  // guards the two below and the items' fetched while fetches run
   size_t fetching = 0;  // http(s) fetches not yet back
   std::optional<ApiError> fetch_error;
 };
@@ -118,20 +112,20 @@ void guarded(Exchange& x, const std::function<void()>& step) {
 void read_remote(Context& c, const ExchangePtr& xp, const std::function<void()>& fetched) {
   Exchange& x = *xp;
   EncodeRequest& r = x.r;
-  r.fetched.resize(r.payloads.size());
   x.fetched.budget = &c.fetch_budget;
   std::map<std::string_view, size_t> first;  // URL -> the item it is read for
   std::vector<size_t> http;
-  for (size_t i = 0; i < r.remote_urls.size(); ++i) {
-    if (r.remote_urls[i].empty()) continue;
-    if (!c.media) reject(400, "invalid_url", r.names[i] + ": this server reads no URLs");
-    if (!first.emplace(r.remote_urls[i], i).second) continue;
-    if (MediaSources::is_http(r.remote_urls[i])) {
+  for (size_t i = 0; i < r.items.size(); ++i) {
+    RequestItem& item = r.items[i];
+    if (item.remote_url.empty()) continue;
+    if (!c.media) reject(400, "invalid_url", item.name + ": this server reads no URLs");
+    if (!first.emplace(item.remote_url, i).second) continue;
+    if (MediaSources::is_http(item.remote_url)) {
       http.push_back(i);
       continue;
     }
     int64_t held = 0;
-    r.fetched[i] = c.media->read(r.remote_urls[i], r.names[i], c.fetch_budget, held);
+    item.fetched = c.media->read(item.remote_url, item.name, c.fetch_budget, held);
     x.fetched.bytes += held;
   }
   if (http.empty()) return fetched();
@@ -145,14 +139,14 @@ void read_remote(Context& c, const ExchangePtr& xp, const std::function<void()>&
         std::lock_guard lk(x.fetch_mu);
         if (f.error) failed->store(true);
         if (f.error && !x.fetch_error) x.fetch_error = std::move(f.error);
-        x.r.fetched[i] = std::move(f.bytes);
+        x.r.items[i].fetched = std::move(f.bytes);
         x.fetched.bytes += f.held;
         last = --x.fetching == 0;
       }
       if (last) fetched();
     };
     try {
-      c.media->fetch(r.remote_urls[i], r.names[i], x.deadline, c.fetch_budget, done, failed);
+      c.media->fetch(r.items[i].remote_url, r.items[i].name, x.deadline, c.fetch_budget, done, failed);
     } catch (const ApiError& e) {
       done({{}, 0, e});
     }
@@ -163,26 +157,28 @@ void read_remote(Context& c, const ExchangePtr& xp, const std::function<void()>&
 void copy_repeated_urls(Context& c, Exchange& x) {
   EncodeRequest& r = x.r;
   std::map<std::string_view, size_t> first;
-  for (size_t i = 0; i < r.remote_urls.size(); ++i) {
-    if (r.remote_urls[i].empty()) continue;
-    const auto [seen, fresh] = first.emplace(r.remote_urls[i], i);
+  for (size_t i = 0; i < r.items.size(); ++i) {
+    RequestItem& item = r.items[i];
+    if (item.remote_url.empty()) continue;
+    const auto [seen, fresh] = first.emplace(item.remote_url, i);
     if (fresh) continue;
-    const std::vector<uint8_t>& bytes = r.fetched[seen->second];
+    const std::vector<uint8_t>& bytes = r.items[seen->second].fetched;
     if (!c.fetch_budget.acquire(int64_t(bytes.size()), Clock::now()))
       reject(503, "server_busy", fmt::format("{}: no room for a copy of {}'s bytes now (--max-body-bytes-in-flight); retry later",
-                                             r.names[i], r.names[seen->second]));
+                                             item.name, r.items[seen->second].name));
     x.fetched.bytes += int64_t(bytes.size());
-    r.fetched[i] = bytes;
+    item.fetched = bytes;
   }
 }
 
 // The item's bytes; its base64 text (or what was read from its URL) is freed unless keep (it may be
 // decoded again).
 std::vector<uint8_t> item_bytes(EncodeRequest& r, size_t i, bool keep = false) {
-  if (!r.remote_urls[i].empty()) return keep ? r.fetched[i] : std::move(r.fetched[i]);
+  RequestItem& item = r.items[i];
+  if (!item.remote_url.empty()) return keep ? item.fetched : std::move(item.fetched);
   try {
-    std::vector<uint8_t> bytes = base64_decode(r.payloads[i], r.names[i]);
-    if (!keep) std::string().swap(r.payloads[i]);
+    std::vector<uint8_t> bytes = base64_decode(item.payload, item.name);
+    if (!keep) std::string().swap(item.payload);
     return bytes;
   } catch (const Error& e) {
     throw ApiError{400, "invalid_base64", e.what()};
@@ -215,7 +211,7 @@ std::vector<uint8_t> item_bytes(EncodeRequest& r, size_t i, bool keep = false) {
 struct Holds {
   Holds(Context& c, const Exchange& x, const std::vector<size_t>& which)
       : c(c), x(x), which(which), opening(which.size(), 0), admission(c.batcher) {
-    for (const size_t i : which) names.push_back(x.r.names[i]);
+    for (const size_t i : which) names.push_back(x.r.items[i].name);
   }
   ~Holds() {
     release();
@@ -298,8 +294,9 @@ std::vector<PreparedInput> prepare(Context& c, Exchange& x, Holds& holds) {
 // Whether items a and b hold the same bytes: the same text, the same URL (read once), or the same
 // bytes once decoded.
 bool same_bytes(EncodeRequest& r, size_t a, size_t b) {
-  if (r.remote_urls[a].empty() && r.remote_urls[b].empty() && r.payloads[a] == r.payloads[b]) return true;
-  if (!r.remote_urls[a].empty() && r.remote_urls[a] == r.remote_urls[b]) return true;
+  const RequestItem &ia = r.items[a], &ib = r.items[b];
+  if (ia.remote_url.empty() && ib.remote_url.empty() && ia.payload == ib.payload) return true;
+  if (!ia.remote_url.empty() && ia.remote_url == ib.remote_url) return true;
   return item_bytes(r, a, /*keep=*/true) == item_bytes(r, b, /*keep=*/true);
 }
 
@@ -314,17 +311,18 @@ void assign_keys(const Context& c, Exchange& x) {
   std::map<std::string, size_t> first;
   for (size_t i = 0; i < x.items.size(); ++i) {
     ReplyItem& it = x.items[i];
+    RequestItem& item = r.items[i];
     const std::string url =
-        !r.uuids[i].empty() ? "" : !r.remote_urls[i].empty() ? r.remote_urls[i] : r.url_prefixes[i] + r.payloads[i];
-    it.key = vllm_mm_hash(c.opt.served_name(), it.kind, r.uuids[i].empty() ? sha256_hex(url) : r.uuids[i], r.kwargs);
+        !item.uuid.empty() ? "" : !item.remote_url.empty() ? item.remote_url : item.url_prefix + item.payload;
+    it.key = vllm_mm_hash(c.opt.served_name(), it.kind, item.uuid.empty() ? sha256_hex(url) : item.uuid, r.kwargs);
     const auto [seen, fresh] = first.emplace(it.key, i);
     if (fresh) continue;
     if (!same_bytes(r, seen->second, i))
       reject(400, "invalid_uuid", fmt::format("{}: uuid {} is also {}'s, whose bytes differ: a uuid names one content",
-                                              r.names[i], quote_for_error(it.key), r.names[seen->second]));
+                                              item.name, quote_for_error(it.key), r.items[seen->second].name));
     it.same_as = seen->second;
-    std::string().swap(r.payloads[i]);
-    if (!r.fetched.empty()) std::vector<uint8_t>().swap(r.fetched[i]);
+    std::string().swap(item.payload);
+    std::vector<uint8_t>().swap(item.fetched);
   }
 }
 
@@ -365,7 +363,7 @@ void find_cached(Context& c, Exchange& x) {
   }
   for (size_t j = 0; j < hits.size(); ++j) {
     ReplyItem& it = x.items[hits[j]];
-    if (plans[j].error) reject_item(c, plans[j].error, it.kind, r.names[hits[j]], x.deadline);
+    if (plans[j].error) reject_item(c, plans[j].error, it.kind, r.items[hits[j]].name, x.deadline);
     it.grid = plans[j].plan.grid;
     it.clip = plans[j].plan.clip;
     it.timings = {{"decode", 0.0}, {"preprocess", 0.0}, {"probe", ms_since(t)}, {"queue", 0.0}, {"forward", 0.0}};
@@ -373,8 +371,8 @@ void find_cached(Context& c, Exchange& x) {
     try {
       it.loaded = c.cache->load(it.key, it.grid, c.model.config, r.deepstack);
       it.rows = it.loaded.rows;
-      std::string().swap(r.payloads[hits[j]]);
-      if (!r.fetched.empty()) std::vector<uint8_t>().swap(r.fetched[hits[j]]);
+      std::string().swap(r.items[hits[j]].payload);
+      std::vector<uint8_t>().swap(r.items[hits[j]].fetched);
     } catch (const Error&) {
       ReplyItem again;  // encoded after all
       again.kind = it.kind;
@@ -411,14 +409,12 @@ std::shared_ptr<Job> run_job(Context& c, const Exchange& x, std::vector<Prepared
 // The encoded items' rows, sampling and timings on their reply items; new cache entries written.
 void collect(Context& c, Exchange& x, const std::vector<size_t>& which, const std::vector<PreparedInput>& prepared,
              const Job& job) {
-  const int O = c.model.config.out_hidden;
   for (size_t j = 0; j < which.size(); ++j) {
     ReplyItem& it = x.items[which[j]];
     const InputResult& o = job.outputs[j];
     it.grid = job.inputs[j].grid;
     it.clip = prepared[j].clip;
-    it.rows.merged = o.merged(O);
-    for (size_t k = 0; k < o.forward->deepstack.size(); ++k) it.rows.deepstack.push_back(o.deepstack(k, O));
+    it.rows = o.rows;
     it.timings = {{"decode", prepared[j].decode_ms}, {"preprocess", prepared[j].preprocess_ms}, {"queue", o.queue_ms},
                   {"forward", o.forward_ms}};
     it.batch = {{"images", o.batch_inputs}, {"tokens", o.batch_tokens}};
@@ -426,9 +422,9 @@ void collect(Context& c, Exchange& x, const std::vector<size_t>& which, const st
     try {
       c.cache->store(it.key, it.rows, it.grid, c.model.config);
     } catch (const EcCacheFull& e) {  // every file it could evict may still be read by vLLM: retry later
-      reject(503, "ec_cache_full", fmt::format("{}: {}", x.r.names[which[j]], e.what()));
+      reject(503, "ec_cache_full", fmt::format("{}: {}", x.r.items[which[j]].name, e.what()));
     } catch (const Error& e) {
-      reject(500, "ec_cache_write_failed", fmt::format("{}: {}", x.r.names[which[j]], e.what()));
+      reject(500, "ec_cache_write_failed", fmt::format("{}: {}", x.r.items[which[j]].name, e.what()));
     }
   }
 }
@@ -553,7 +549,7 @@ void encode_items(Context& c, Exchange& x) {
 // The parsed request's items: URL items read (http(s) ones apart from the workers: this worker is
 // free meanwhile, and the request comes back to a worker when they are in), then encode_items.
 void start_items(Context& c, const ExchangePtr& xp) {
-  xp->items.resize(xp->r.payloads.size());
+  xp->items.resize(xp->r.items.size());
   read_remote(c, xp, [&c, xp, here = std::this_thread::get_id()] {
     if (std::this_thread::get_id() == here && xp->fetching == 0) return guarded(*xp, [&] { encode_items(c, *xp); });
     c.http->post([&c, xp] { guarded(*xp, [&] { encode_items(c, *xp); }); });

@@ -320,7 +320,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
     boost::system::error_code ec;
     parser_->put(asio::buffer(head.data(), head.size()), ec);
     if (ec == bhttp::error::body_limit) {
-      fail(413, "body_too_large", fmt::format("the request body exceeds {} bytes (--max-body-bytes)", s_.lim.max_body_bytes));
+      body_too_large();
       return false;
     }
     if ((ec && ec != bhttp::error::need_more) || !parser_->is_header_done()) {
@@ -349,7 +349,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
       return false;
     }
     if (const auto length = parser_->content_length(); length && *length > s_.lim.max_body_bytes) {
-      fail(413, "body_too_large", fmt::format("the request body exceeds {} bytes (--max-body-bytes)", s_.lim.max_body_bytes));
+      body_too_large();
       return false;
     }
     if (!reserve(parser_->content_length().value_or(has_body ? std::min<size_t>(s_.lim.max_body_bytes, 1 << 20) : 0)))
@@ -387,7 +387,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
       const size_t used = parser_->put(asio::buffer(in_.data(), in_.size()), ec);
       in_.erase(0, used);
       if (ec == bhttp::error::body_limit) {
-        fail(413, "body_too_large", fmt::format("the request body exceeds {} bytes (--max-body-bytes)", s_.lim.max_body_bytes));
+        body_too_large();
         return false;
       }
       if (ec && ec != bhttp::error::need_more) {
@@ -434,6 +434,9 @@ class Connection : public std::enable_shared_from_this<Connection> {
 
   // ---- writing --------------------------------------------------------------------------------
   // An error the layer answers itself; the connection closes after it.
+  void body_too_large() {
+    fail(413, "body_too_large", fmt::format("the request body exceeds {} bytes (--max-body-bytes)", s_.lim.max_body_bytes));
+  }
   void fail(int status, const std::string& code, const std::string& message, bool retry_after = false) {
     keep_alive_ = false;
     Response r = s_.handler.error(status, code, message);

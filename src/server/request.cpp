@@ -9,7 +9,7 @@
 #include "fovea/ec-cache.h"
 #include "fovea/error.h"
 #include "fovea/json.h"
-#include "server/base64.h"
+#include "fovea/base64.h"
 
 namespace fovea::server {
 
@@ -170,12 +170,11 @@ void add_item(EncodeRequest& r, json& item, const std::string& where, ItemKind k
                fmt::format("{}: uuid {} cannot name an encoder cache entry: {}", where, quote_for_error(uuid), why));
     }
   }
-  r.uuids.push_back(std::move(uuid));
-  r.url_prefixes.emplace_back();
-  r.remote_urls.emplace_back();
-  r.payloads.push_back(item_payload(*url, where, lifted, r.url_prefixes.back(), r.remote_urls.back(), kind));
-  r.kinds.push_back(kind);
-  r.names.push_back(where);
+  RequestItem& it = r.items.emplace_back();
+  it.uuid = std::move(uuid);
+  it.payload = item_payload(*url, where, lifted, it.url_prefix, it.remote_url, kind);
+  it.kind = kind;
+  it.name = where;
 }
 
 }  // namespace
@@ -331,11 +330,11 @@ EncodeRequest parse_chat_request(std::string_view body, size_t max_images, const
     if (!msg.is_object()) reject(400, "invalid_request", where + " must be an object {\"role\", \"content\"}");
     const auto content = msg.find("content");
     if (content != msg.end()) add_message_parts(r, *content, where + ".content", lifted);
-    if (r.payloads.size() > max_images)
+    if (r.items.size() > max_images)
       reject(400, "too_many_images",
              fmt::format("more than {} images in one request (--max-images-per-request)", max_images));
   }
-  if (r.payloads.empty())
+  if (r.items.empty())
     reject(400, "invalid_request", "the messages hold no image_url or video_url part: nothing to encode");
   return r;
 }
@@ -343,29 +342,30 @@ EncodeRequest parse_chat_request(std::string_view body, size_t max_images, const
 const char* invalid_item_code(InputKind k) { return k == InputKind::VIDEO ? "invalid_video" : "invalid_image"; }
 
 std::vector<InputKind> settle_kinds(const EncodeRequest& r) {
-  std::vector<InputKind> kinds(r.payloads.size());
+  std::vector<InputKind> kinds(r.items.size());
   for (size_t i = 0; i < kinds.size(); ++i) {
-    const std::string& b64 = r.payloads[i];
+    const RequestItem& it = r.items[i];
+    const std::string& b64 = it.payload;
     std::vector<uint8_t> head;
-    if (!r.remote_urls[i].empty()) {  // read already
-      const std::vector<uint8_t>& bytes = r.fetched.at(i);
+    if (!it.remote_url.empty()) {  // read already
+      const std::vector<uint8_t>& bytes = it.fetched;
       head.assign(bytes.begin(), bytes.begin() + std::min<size_t>(bytes.size(), 384));
     } else {
       try {  // 512 characters are 384 bytes, past every magic number input_kind reads
-        head = base64_decode(std::string_view(b64).substr(0, std::min<size_t>(b64.size(), 512) & ~size_t(3)), r.names[i]);
+        head = base64_decode(std::string_view(b64).substr(0, std::min<size_t>(b64.size(), 512) & ~size_t(3)), it.name);
       } catch (const Error&) {  // whitespace inside, or bad base64: decoding the item will say which
-        kinds[i] = r.kinds[i] == ItemKind::VIDEO ? InputKind::VIDEO : InputKind::IMAGE;
+        kinds[i] = it.kind == ItemKind::VIDEO ? InputKind::VIDEO : InputKind::IMAGE;
         continue;
       }
     }
     kinds[i] = input_kind(head);
-    if (r.kinds[i] == ItemKind::VIDEO && kinds[i] != InputKind::VIDEO)
+    if (it.kind == ItemKind::VIDEO && kinds[i] != InputKind::VIDEO)
       reject(400, "invalid_video",
              fmt::format("{}: a video_url item that is not a clip fovea reads (MP4/MOV, WebM/MKV, AVI, MPEG-TS, FLV, Ogg)",
-                         r.names[i]));
-    if (r.kinds[i] == ItemKind::IMAGE && kinds[i] == InputKind::VIDEO)
+                         it.name));
+    if (it.kind == ItemKind::IMAGE && kinds[i] == InputKind::VIDEO)
       reject(400, "invalid_image",
-             fmt::format("{}: an image_url item holding a video clip; send it as a video_url part", r.names[i]));
+             fmt::format("{}: an image_url item holding a video clip; send it as a video_url part", it.name));
   }
   return kinds;
 }

@@ -24,24 +24,29 @@ struct ApiError {
 // its bytes decide.
 enum class ItemKind { ANY, IMAGE, VIDEO };
 
+// One item of a request: an image or a clip, carried in the body or read from its URL.
+struct RequestItem {
+  std::string payload;  // its base64 text (a data URL's prefix removed); "" for a remote item
+  ItemKind kind = ItemKind::ANY;
+  std::string name;  // for messages: "images[2]", "videos[0]"
+  // Its "uuid" ("" when it has none: the encoder cache then keys it by the sha256 of its URL string
+  // as sent, as vLLM's EPD proxy does), and its data URL's prefix through the ',' ("" for bare
+  // base64), so that string can be hashed after the prefix is cut.
+  std::string uuid, url_prefix;
+  // Its file:// or http(s):// URL, read before it is decoded (media-url.h); "" for an item carried in
+  // the body. Its payload is then "" and its key the sha256 of this string.
+  std::string remote_url;
+  std::vector<uint8_t> fetched;  // a remote item's bytes, once the handler read them
+};
+
 struct EncodeRequest {
-  std::vector<std::string> payloads;  // each item's base64 text (a data URL's prefix removed)
-  std::vector<ItemKind> kinds;        // per item
-  std::vector<std::string> names;     // per item, for messages: "images[2]", "videos[0]"
+  std::vector<RequestItem> items;  // numbered as the parsers below say
   // "encoding": "base64" (the default: bf16 bytes in JSON, BF16 tensors in a safetensors reply) or
   // "float" (fp32: float lists in JSON, F32 tensors in safetensors). One field for both replies rather
   // than a separate "dtype": the JSON reply already pairs "float" with "dtype": "float32", and a body
   // then means the same values whichever Accept header asks for it.
   bool as_base64 = true;
   bool deepstack = false;             // "return_deepstack"
-  // Per image: its "uuid" ("" when it has none: the encoder cache then keys it by the sha256 of its
-  // URL string as sent, as vLLM's EPD proxy does), and its data URL's prefix through the ','
-  // ("" for bare base64), so that string can be hashed after the prefix is cut.
-  std::vector<std::string> uuids, url_prefixes;
-  // Per item: its file:// or http(s):// URL, read before it is decoded (media-url.h); "" for an item
-  // carried in the body. Its payload is then "" and its key the sha256 of this string.
-  std::vector<std::string> remote_urls;
-  std::vector<std::vector<uint8_t>> fetched;  // per item: a remote item's bytes, once the handler read them
   int return_embeddings = -1;  // "return_embeddings": 1 or 0; -1 when absent (then: not with the encoder cache)
   // A chat request's "mm_processor_kwargs" and "media_io_kwargs", as sent (key order kept): what they
   // ask of the preprocessing is checked and applied by fovea::apply_mm_kwargs, and vLLM's key for each

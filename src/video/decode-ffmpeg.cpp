@@ -1,12 +1,13 @@
 // Video decoding through FFmpeg's libraries (docs/video.md §Decoding): the container is read from
 // memory (no file or network access by FFmpeg), only the video stream is demuxed, a short list of
-// containers and video codecs is accepted, and a deadline interrupts demuxing and decoding.
+// containers and video codecs is accepted, and a deadline interrupts demuxing and decoding. This file
+// opens a clip (open_clip) and decodes the frames asked for (decode_frames_at, video/decode.h); what
+// a clip's decoding is made of (the plan, resizes beside decoding, patchify) is video.cpp's.
 #include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <deque>
 #include <functional>
-#include <future>
 #include <mutex>
 
 #include <fmt/format.h>
@@ -23,8 +24,8 @@ extern "C" {
 
 #include "fovea/clock.h"
 #include "fovea/error.h"
-#include "fovea/threads.h"
 #include "fovea/video.h"
+#include "video/decode.h"
 
 namespace fovea::video {
 
@@ -657,58 +658,6 @@ DecodeEnv env_of(const OpenedClip& clip, int threads, int64_t max_pixels, Clock:
   return env;
 }
 
-// Resizes batches of decoded frames on other threads while the next batch decodes (see decode_opened).
-// Batches of one frame are resized at once on this thread instead: one native frame held, not two
-// (the decoder then has one thread, for the memory its frames take or the share of the cores it has).
-class Resizer {
- public:
-  Resizer(size_t frames, int h, int w, int64_t batch) : sized_(frames), h_(h), w_(w), batch_(batch) {}
-  ~Resizer() {
-    if (resizing_.valid()) resizing_.wait();  // it writes into sized_
-  }
-  void add(size_t j, image::Rgb8&& f) {
-    if (batch_ == 1) {
-      sized_[j] = f.height != h_ || f.width != w_ ? image::resize_bicubic(f, h_, w_) : std::move(f);
-      return;
-    }
-    pending_.frames.push_back(std::move(f));
-    pending_.at.push_back(j);
-    if (int64_t(pending_.frames.size()) >= batch_) flush();
-  }
-  std::vector<image::Rgb8> finish() {
-    flush();
-    flush();  // the last batch's resize
-    return std::move(sized_);
-  }
-
- private:
-  void flush() {
-    if (resizing_.valid()) resizing_.get();
-    if (pending_.frames.empty()) return;
-    // The resize thread keeps the caller's share of the cores (ThreadCap is per thread).
-    resizing_ = std::async(std::launch::async, [this, cap = ThreadCap::current(), b = std::move(pending_)]() mutable {
-      ThreadCap capped(cap);
-      // Resized in place, then placed one by one: a batch may name a frame twice (a pass that gave
-      // up on pts placement hands its frames over again), and two threads must never write one slot.
-      parallel_for(int64_t(b.frames.size()), [&](int64_t i) {
-        image::Rgb8& f = b.frames[size_t(i)];
-        if (f.height != h_ || f.width != w_) f = image::resize_bicubic(f, h_, w_);
-      });
-      for (size_t i = 0; i < b.frames.size(); ++i) sized_[b.at[i]] = std::move(b.frames[i]);
-    });
-    pending_ = {};
-  }
-  struct Batch {
-    std::vector<image::Rgb8> frames;
-    std::vector<size_t> at;
-  };
-  std::vector<image::Rgb8> sized_;
-  const int h_, w_;
-  const int64_t batch_;
-  Batch pending_;
-  std::future<void> resizing_;  // the previous batch's resize
-};
-
 }  // namespace
 
 bool video_supported() { return true; }
@@ -733,71 +682,9 @@ OpenedClip open_clip(std::span<const uint8_t> bytes, const std::string& name, co
   return c;
 }
 
-ClipInfo probe_clip(std::span<const uint8_t> bytes, const std::string& name, const VideoLimits& limits,
-                    const image::PreprocessConfig& budget) {
-  return open_clip(bytes, name, limits, budget, deadline_of(limits)).info;
-}
-
-std::vector<image::Rgb8> decode_frames(std::span<const uint8_t> bytes, const std::string& name,
-                                       const std::vector<int64_t>& indices, const VideoLimits& limits) {
-  const Clock::time_point deadline = deadline_of(limits);
-  const OpenedClip clip = open_clip(bytes, name, limits, {}, deadline);
-  const ClipInfo& info = clip.info;
-  for (size_t i = 0; i < indices.size(); ++i)
-    if (indices[i] < 0 || indices[i] >= info.frames || (i && indices[i] < indices[i - 1]))
-      fail("video '{}': frame indices must be sorted within 0..{}", name, info.frames - 1);
-  const int64_t bytes_needed = int64_t(indices.size()) * info.width * info.height * 3;
-  if (bytes_needed > limits.max_bytes_in_flight)
-    fail("video '{}': {} frames of {}x{} need {} bytes, over the limit of {}", name, indices.size(), info.width, info.height,
-         bytes_needed, limits.max_bytes_in_flight);
-  std::vector<image::Rgb8> out(indices.size());
-  const DecodeEnv env = env_of(clip, decoding_threads(), clip.max_frame_pixels, deadline);
-  decode_indices(clip, indices, env, [&](size_t j, image::Rgb8&& f) { out[j] = std::move(f); });
-  return out;
-}
-
-Clip decode_opened(const OpenedClip& clip, const VideoConfig& cfg, const VideoLimits& limits, Clock::time_point deadline) {
-  const auto t0 = Clock::now();
-  const std::string& name = clip.info.name;
-  Clip c;
-  c.info = clip.info;
-  try {
-    const ClipPlan plan = plan_clip(c.info, cfg, limits);
-    c.indices = plan.indices;
-    const DecodeEnv env = env_of(clip, plan.threads, clip.max_frame_pixels, deadline);
-    // Decoding (this thread, and FFmpeg's frame threads) and resizing (the cores) overlap: each batch
-    // of decoded frames is resized on the other threads while the next batch decodes. Memory: the
-    // resized frames, the patches, and two batches of native frames (one resizing, one filling).
-    if (plan.batch < 1)
-      fail("{} frames resized to {}x{} with frames of {}x{} decoding need more than the limit of {} bytes", c.indices.size(),
-           plan.width, plan.height, c.info.width, c.info.height, limits.max_bytes_in_flight);
-    Resizer resizer(c.indices.size(), plan.height, plan.width, plan.batch);
-    c.frames_decoded = decode_indices(clip, c.indices, env, [&](size_t j, image::Rgb8&& f) { resizer.add(j, std::move(f)); });
-    const Clock::time_point decoded_at = Clock::now();
-    const std::vector<image::Rgb8> sized = resizer.finish();
-    c.timestamps = plan.timestamps;
-    c.patches = patchify_frames(sized, cfg);
-    // Resizing overlaps decoding, so the stages are wall time: decode_ms until the last frame is
-    // decoded (the resizes that ran meanwhile included), preprocess_ms after it (the last resizes and
-    // patchify).
-    c.decode_ms = ms_between(t0, decoded_at);
-    c.preprocess_ms = ms_since(decoded_at);
-  } catch (const Error& e) {
-    if (std::string_view(e.what()).starts_with("video '")) throw;
-    fail("video '{}': {}", name, e.what());
-  }
-  return c;
-}
-
-Clip decode_clip(std::span<const uint8_t> bytes, const std::string& name, const VideoConfig& cfg, const VideoLimits& limits,
-                 const image::PreprocessConfig& budget) {
-  const auto t0 = Clock::now();
-  const Clock::time_point deadline = deadline_of(limits);
-  const OpenedClip clip = open_clip(bytes, name, limits, budget, deadline);
-  const double open_ms = ms_since(t0);
-  Clip c = decode_opened(clip, cfg, limits, deadline);
-  c.decode_ms += open_ms;
-  return c;
+int64_t decode_frames_at(const OpenedClip& clip, const std::vector<int64_t>& indices, int threads,
+                         Clock::time_point deadline, const std::function<void(size_t, image::Rgb8&&)>& take) {
+  return decode_indices(clip, indices, env_of(clip, threads, clip.max_frame_pixels, deadline), take);
 }
 
 }  // namespace fovea::video

@@ -1,7 +1,8 @@
 // Video decoding in a build without FFmpeg's libraries (FOVEA_VIDEO=OFF, or they were not found):
-// every entry point says so.
+// FFmpeg's part (opening a clip, decoding its frames) says so; the rest of a clip's path is video.cpp's.
 #include "fovea/error.h"
 #include "fovea/video.h"
+#include "video/decode.h"
 
 namespace fovea::video {
 
@@ -14,23 +15,13 @@ namespace {
 
 bool video_supported() { return false; }
 std::string ffmpeg_versions() { return ""; }
-ClipInfo probe_clip(std::span<const uint8_t>, const std::string& name, const VideoLimits&, const image::PreprocessConfig&) {
-  unsupported(name);
-}
 OpenedClip open_clip(std::span<const uint8_t>, const std::string& name, const VideoLimits&, const image::PreprocessConfig&,
                      Clock::time_point) {
   unsupported(name);
 }
-Clip decode_opened(const OpenedClip& clip, const VideoConfig&, const VideoLimits&, Clock::time_point) {
+int64_t decode_frames_at(const OpenedClip& clip, const std::vector<int64_t>&, int, Clock::time_point,
+                         const std::function<void(size_t, image::Rgb8&&)>&) {
   unsupported(clip.info.name);
-}
-Clip decode_clip(std::span<const uint8_t>, const std::string& name, const VideoConfig&, const VideoLimits&,
-                 const image::PreprocessConfig&) {
-  unsupported(name);
-}
-std::vector<image::Rgb8> decode_frames(std::span<const uint8_t>, const std::string& name, const std::vector<int64_t>&,
-                                       const VideoLimits&) {
-  unsupported(name);
 }
 
 }  // namespace fovea::video

@@ -1,9 +1,13 @@
-// Video preprocessing without the decoder (docs/video.md): the config, frame sampling, smart_resize
-// over frames, timestamps and patchify; and what a clip's plan reserves (§What a clip reserves): the
-// layout and pictures its stream's own headers declare (H.264/HEVC parameter sets, VP9, AV1).
+// Video preprocessing around the decoder (docs/video.md): the config, frame sampling, smart_resize
+// over frames, timestamps and patchify; what a clip's plan reserves (§What a clip reserves): the
+// layout and pictures its stream's own headers declare (H.264/HEVC parameter sets, VP9, AV1); and a
+// clip's decoding (decode_opened, decode_clip): the plan, the decoder's frames (decode_frames_at,
+// video/decode.h: FFmpeg's side, decode-ffmpeg.cpp) resized as they come, patchify.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
+#include <future>
 #include <iterator>
 #include <optional>
 #include <span>
@@ -18,6 +22,7 @@
 #include "fovea/json.h"
 #include "fovea/threads.h"
 #include "fovea/video.h"
+#include "video/decode.h"
 
 namespace fovea::video {
 
@@ -607,10 +612,106 @@ int decoding_threads() { return std::clamp(ThreadCap::current(), 1, 16); }
 
 Clock::time_point deadline_of(const VideoLimits& l) { return Clock::now() + from_seconds(std::max(0.0, l.deadline_seconds)); }
 
-Clip decode_clip_file(const std::string& path, const VideoConfig& cfg, const VideoLimits& limits,
-                      const image::PreprocessConfig& image_budget) {
-  const std::string bytes = read_file(path, "video", limits.max_encoded_bytes);
-  return decode_clip({reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size()}, path, cfg, limits, image_budget);
+// ---- a clip's decoding: the plan, the decoder's frames resized as they come, patchify --------------
+
+namespace {
+
+// Resizes batches of decoded frames on other threads while the next batch decodes (see decode_opened).
+// Batches of one frame are resized at once on this thread instead: one native frame held, not two
+// (the decoder then has one thread, for the memory its frames take or the share of the cores it has).
+class Resizer {
+ public:
+  Resizer(size_t frames, int h, int w, int64_t batch) : sized_(frames), h_(h), w_(w), batch_(batch) {}
+  ~Resizer() {
+    if (resizing_.valid()) resizing_.wait();  // it writes into sized_
+  }
+  void add(size_t j, image::Rgb8&& f) {
+    if (batch_ == 1) {
+      sized_[j] = f.height != h_ || f.width != w_ ? image::resize_bicubic(f, h_, w_) : std::move(f);
+      return;
+    }
+    pending_.frames.push_back(std::move(f));
+    pending_.at.push_back(j);
+    if (int64_t(pending_.frames.size()) >= batch_) flush();
+  }
+  std::vector<image::Rgb8> finish() {
+    flush();
+    flush();  // the last batch's resize
+    return std::move(sized_);
+  }
+
+ private:
+  void flush() {
+    if (resizing_.valid()) resizing_.get();
+    if (pending_.frames.empty()) return;
+    // The resize thread keeps the caller's share of the cores (ThreadCap is per thread).
+    resizing_ = std::async(std::launch::async, [this, cap = ThreadCap::current(), b = std::move(pending_)]() mutable {
+      ThreadCap capped(cap);
+      // Resized in place, then placed one by one: a batch may name a frame twice (a pass that gave
+      // up on pts placement hands its frames over again), and two threads must never write one slot.
+      parallel_for(int64_t(b.frames.size()), [&](int64_t i) {
+        image::Rgb8& f = b.frames[size_t(i)];
+        if (f.height != h_ || f.width != w_) f = image::resize_bicubic(f, h_, w_);
+      });
+      for (size_t i = 0; i < b.frames.size(); ++i) sized_[b.at[i]] = std::move(b.frames[i]);
+    });
+    pending_ = {};
+  }
+  struct Batch {
+    std::vector<image::Rgb8> frames;
+    std::vector<size_t> at;
+  };
+  std::vector<image::Rgb8> sized_;
+  const int h_, w_;
+  const int64_t batch_;
+  Batch pending_;
+  std::future<void> resizing_;  // the previous batch's resize
+};
+
+}  // namespace
+
+Clip decode_opened(const OpenedClip& clip, const VideoConfig& cfg, const VideoLimits& limits, Clock::time_point deadline) {
+  const auto t0 = Clock::now();
+  const std::string& name = clip.info.name;
+  Clip c;
+  c.info = clip.info;
+  try {
+    const ClipPlan plan = plan_clip(c.info, cfg, limits);
+    c.indices = plan.indices;
+    // Decoding (this thread, and FFmpeg's frame threads) and resizing (the cores) overlap: each batch
+    // of decoded frames is resized on the other threads while the next batch decodes. Memory: the
+    // resized frames, the patches, and two batches of native frames (one resizing, one filling).
+    if (plan.batch < 1)
+      fail("{} frames resized to {}x{} with frames of {}x{} decoding need more than the limit of {} bytes", c.indices.size(),
+           plan.width, plan.height, c.info.width, c.info.height, limits.max_bytes_in_flight);
+    Resizer resizer(c.indices.size(), plan.height, plan.width, plan.batch);
+    c.frames_decoded = decode_frames_at(clip, c.indices, plan.threads, deadline,
+                                        [&](size_t j, image::Rgb8&& f) { resizer.add(j, std::move(f)); });
+    const Clock::time_point decoded_at = Clock::now();
+    const std::vector<image::Rgb8> sized = resizer.finish();
+    c.timestamps = plan.timestamps;
+    c.patches = patchify_frames(sized, cfg);
+    // Resizing overlaps decoding, so the stages are wall time: decode_ms until the last frame is
+    // decoded (the resizes that ran meanwhile included), preprocess_ms after it (the last resizes and
+    // patchify).
+    c.decode_ms = ms_between(t0, decoded_at);
+    c.preprocess_ms = ms_since(decoded_at);
+  } catch (const Error& e) {
+    if (std::string_view(e.what()).starts_with("video '")) throw;
+    fail("video '{}': {}", name, e.what());
+  }
+  return c;
+}
+
+Clip decode_clip(std::span<const uint8_t> bytes, const std::string& name, const VideoConfig& cfg, const VideoLimits& limits,
+                 const image::PreprocessConfig& budget) {
+  const auto t0 = Clock::now();
+  const Clock::time_point deadline = deadline_of(limits);
+  const OpenedClip clip = open_clip(bytes, name, limits, budget, deadline);
+  const double open_ms = ms_since(t0);
+  Clip c = decode_opened(clip, cfg, limits, deadline);
+  c.decode_ms += open_ms;
+  return c;
 }
 
 }  // namespace fovea::video

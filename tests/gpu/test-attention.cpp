@@ -622,7 +622,7 @@ TEST(FlashAttentionGpuRobustGraph, HistoryReplaysAsTheHostBook) {
   }
 }
 
-// A small case for compute-sanitizer (tools/device/run.sh runs it under memcheck).
+// A small case for compute-sanitizer (scripts/gpu-tests.sh runs it under memcheck).
 TEST(FlashAttentionGpuSmall, SanitizerCase) {
   const Problem p({1, 130, 64}, 2, 72, fresh_seed());
   expect_within_rule(run_and_check(p, AttnDtype::FP8), "small fp8");

@@ -301,6 +301,4 @@ std::unique_ptr<Attention> make_cudnn_attention(AttnDtype dtype, int heads, int 
   return std::make_unique<CudnnAttention>(dtype, heads, head_dim);
 }
 
-size_t cudnn_runtime_version() { return cudnnGetVersion(); }
-
 }  // namespace fovea::cuda

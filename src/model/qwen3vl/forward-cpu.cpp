@@ -186,6 +186,7 @@ ForwardResult forward_cpu(const Model& m, const std::vector<float>& pixels, cons
 
   ForwardResult res;
   std::vector<float> x = linear(W.patch_embed, pixels, N, opt.threads);
+  if (opt.keep_intermediates) res.intermediates["pixel_values"] = pixels, res.intermediates["patch_embed"] = x;
   const std::vector<float> pe = position_embedding(c, W.pos, grids);
   for (size_t i = 0; i < x.size(); ++i) x[i] += pe[i];
   if (opt.keep_intermediates) res.intermediates["embed"] = x;
@@ -229,7 +230,12 @@ ForwardResult forward_cpu(const Model& m, const std::vector<float>& pixels, cons
     for (auto& v : h) v = gelu_tanh(v);
     const std::vector<float> mlp = block_linear(b.fc2, h);
     for (size_t i = 0; i < x.size(); ++i) x[i] += mlp[i];
-    if (opt.keep_intermediates && layer == 0) res.intermediates["block0"] = x;
+    if (opt.keep_intermediates) {  // transformers' module names: blocks.<l>.attn and .mlp, before the residual adds
+      const std::string at = "blocks." + std::to_string(layer);
+      res.intermediates[at + ".attn"] = proj;
+      res.intermediates[at + ".mlp"] = mlp;
+      res.intermediates[at] = x;
+    }
     if (next_tap < c.deepstack.size() && c.deepstack[next_tap] == layer) {
       // Deepstack: shuffle [N, D] -> [N/4, 4D] first, then LayerNorm over 4D (docs/encoder.md §Deepstack).
       const Merger& dm = W.deepstack[next_tap];
@@ -237,9 +243,13 @@ ForwardResult forward_cpu(const Model& m, const std::vector<float>& pixels, cons
       ++next_tap;
     }
   }
-  if (opt.keep_intermediates) res.intermediates["last_hidden"] = x;
   // Final merger: LayerNorm over D per patch, then the shuffle (a no-op on the row-major buffer).
   res.merged = merger_mlp(W.merger, layer_norm(W.merger.norm, x, N, D), N / 4, opt.threads);
+  if (opt.keep_intermediates) {
+    res.intermediates["merger"] = res.merged;
+    for (size_t k = 0; k < res.deepstack.size(); ++k)
+      res.intermediates["deepstack_merger_list." + std::to_string(k)] = res.deepstack[k];
+  }
   return res;
 }
 

@@ -1,12 +1,12 @@
 // Base64 encode / strict decode (see base64.h).
-#include "server/base64.h"
+#include "fovea/base64.h"
 
 #include <array>
 
 #include "fovea/error.h"
 #include "fovea/threads.h"
 
-namespace fovea::server {
+namespace fovea {
 
 namespace {
 
@@ -125,4 +125,4 @@ std::vector<uint8_t> base64_decode(std::string_view text, const std::string& wha
   return out;
 }
 
-}  // namespace fovea::server
+}  // namespace fovea

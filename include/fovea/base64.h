@@ -1,12 +1,12 @@
-// Base64 (RFC 4648, standard alphabet) for `fovea serve`: images arrive as base64 or data URLs,
-// bf16 embeddings leave as base64.
+// Base64 (RFC 4648, standard alphabet): `fovea serve`'s images arrive as base64 or data URLs and its
+// bf16 embeddings leave as base64; vLLM's key of a data-URL item hashes one (data_url_key).
 #pragma once
 #include <cstdint>
 #include <string>
 #include <string_view>
 #include <vector>
 
-namespace fovea::server {
+namespace fovea {
 
 // Inputs of at least `parallel_from` bytes are encoded on all cores (fovea::parallel_ranges), to
 // the same text; tests lower it to compare the two paths.
@@ -20,4 +20,4 @@ constexpr size_t base64_size(size_t n) { return (n + 2) / 3 * 4; }
 // wrapped base64) skipped. Throws fovea::Error naming `what`, the offending character and its offset.
 std::vector<uint8_t> base64_decode(std::string_view text, const std::string& what);
 
-}  // namespace fovea::server
+}  // namespace fovea
