@@ -15,7 +15,6 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     if (bytes.size() > size / 4 * 3 + 3) std::abort();
     const std::string again = fovea::base64_encode(bytes.data(), bytes.size());
     if (fovea::base64_decode(again, "fuzz") != bytes) std::abort();
-  } catch (const fovea::Error&) {
-  }
+  } catch (const fovea::Error&) {}
   return 0;
 }

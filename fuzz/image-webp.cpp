@@ -3,4 +3,6 @@
 // fuzz/corpus/image-webp/ (small valid files of each layout); a small pixel guard keeps every run fast.
 #include "image-harness.h"
 
-extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) { return fovea::fuzz::decode_image(data, size); }
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  return fovea::fuzz::decode_image(data, size);
+}

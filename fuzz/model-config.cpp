@@ -21,7 +21,6 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     (void)c.merged_dim();
     const auto tensors = q::expected_tensors(c);  // every shape is computed from the config
     if (tensors.empty()) std::abort();
-  } catch (const fovea::Error&) {
-  }
+  } catch (const fovea::Error&) {}
   return 0;
 }

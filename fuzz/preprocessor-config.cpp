@@ -22,11 +22,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       try {
         const auto [rh, rw] = im::smart_resize(h, w, p.patch * p.merge, p.min_pixels, p.max_pixels);
         if (rh <= 0 || rw <= 0 || rh % (p.patch * p.merge) || rw % (p.patch * p.merge)) std::abort();
-      } catch (const fovea::Error&) {
-      }
+      } catch (const fovea::Error&) {}
     }
     im::check_against_model(p, "fuzz", *fovea::qwen3vl::synthetic_config("synthetic:tiny"));
-  } catch (const fovea::Error&) {
-  }
+  } catch (const fovea::Error&) {}
   return 0;
 }

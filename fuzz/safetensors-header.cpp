@@ -26,7 +26,6 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     std::sort(spans.begin(), spans.end());
     for (size_t i = 1; i < spans.size(); ++i)
       if (spans[i].first < spans[i - 1].second) std::abort();
-  } catch (const fovea::Error&) {
-  }
+  } catch (const fovea::Error&) {}
   return 0;
 }

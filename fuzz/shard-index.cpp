@@ -13,7 +13,6 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   try {
     for (const auto& [name, shard] : fovea::parse_checkpoint_index(text, "fuzz"))
       if (shard.empty() || shard == "." || shard == ".." || shard.find('/') != std::string::npos) std::abort();
-  } catch (const fovea::Error&) {
-  }
+  } catch (const fovea::Error&) {}
   return 0;
 }

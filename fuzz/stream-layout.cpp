@@ -22,11 +22,13 @@
 namespace {
 
 constexpr std::string_view kParsed[] = {"h264", "hevc", "vp9", "av1"};
-constexpr std::string_view kFixed[] = {"vp8", "mpeg4", "h263", "mpeg1video", "theora", "mjpeg", "mpeg2video", "rawvideo"};
+constexpr std::string_view kFixed[] = {"vp8",    "mpeg4", "h263",       "mpeg1video",
+                                       "theora", "mjpeg", "mpeg2video", "rawvideo"};
 
 bool same(const fovea::video::StreamLayout& a, const fovea::video::StreamLayout& b) {
   return a.chroma == b.chroma && a.sample_bytes == b.sample_bytes && a.refs == b.refs && a.reorder == b.reorder &&
-         a.from_header == b.from_header && a.side_per_pixel == b.side_per_pixel && a.thread_per_pixel == b.thread_per_pixel;
+         a.from_header == b.from_header && a.side_per_pixel == b.side_per_pixel &&
+         a.thread_per_pixel == b.thread_per_pixel;
 }
 
 }  // namespace

@@ -15,6 +15,7 @@ pkgs=(cmake ninja-build g++ pkg-config
       b3sum                # BLAKE3 as its authors compute it, against fovea's own (tests/test-blake3.cpp; test-only)
       python3-numpy        # the C ABI's test through the Python package (python/tests/test_capi.py)
       python3-setuptools python3-wheel  # the wheel check (tests/python-wheel-test.py: scripts/python-wheel.sh)
+      clang-format         # the tree's format (.clang-format; ctest check-format)
       clang libclang-rt-14-dev llvm-14 python3)  # the sanitizer/fuzz build, its symbolizer, the hostile suite
 missing=()
 for p in "${pkgs[@]}"; do

@@ -19,9 +19,11 @@ int main(void) {
   q.stride_token = k.stride_token = v.stride_token = 3 * 64;
   q.stride_head = k.stride_head = v.stride_head = 64;
   o.data = out, o.stride_token = 64, o.stride_head = 64;
-  if (fovea_attn_abi_version() != FOVEA_ATTN_ABI_VERSION) return printf("ABI version %d\n", fovea_attn_abi_version()), 1;
+  if (fovea_attn_abi_version() != FOVEA_ATTN_ABI_VERSION)
+    return printf("ABI version %d\n", fovea_attn_abi_version()), 1;
   if (fovea_attn_create(FOVEA_ATTN_BF16, FOVEA_ATTN_AUTO, 1, 64, FOVEA_ATTN_DEVICE_CPU, &h) != FOVEA_ATTN_OK ||
-      fovea_attn_plan(h, cu, 1, NULL) != FOVEA_ATTN_OK || fovea_attn_prepare(h, &q, &k, &v, NULL, 0.0f, NULL) != FOVEA_ATTN_OK ||
+      fovea_attn_plan(h, cu, 1, NULL) != FOVEA_ATTN_OK ||
+      fovea_attn_prepare(h, &q, &k, &v, NULL, 0.0f, NULL) != FOVEA_ATTN_OK ||
       fovea_attn_attend(h, &o, NULL) != FOVEA_ATTN_OK)
     return printf("failed: %s\n", fovea_attn_last_error()), 1;
   for (i = 0; i < sizeof out / sizeof out[0]; ++i) bad |= out[i] != 0x3F80;

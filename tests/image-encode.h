@@ -26,16 +26,23 @@ inline std::vector<uint8_t> encode_png(int w, int h, int color_type, int depth, 
                                        const std::vector<uint8_t>& trns = {}) {
   std::vector<uint8_t> out;
   png_structp png = png_create_write_struct(
-      PNG_LIBPNG_VER_STRING, nullptr, [](png_structp, png_const_charp m) { std::fprintf(stderr, "libpng: %s\n", m); std::abort(); },
+      PNG_LIBPNG_VER_STRING, nullptr,
+      [](png_structp, png_const_charp m) {
+        std::fprintf(stderr, "libpng: %s\n", m);
+        std::abort();
+      },
       nullptr);
   png_infop info = png_create_info_struct(png);
   png_set_write_fn(
       png, &out,
-      [](png_structp p, png_bytep d, size_t n) { static_cast<std::vector<uint8_t>*>(png_get_io_ptr(p))->insert(
-                                                     static_cast<std::vector<uint8_t>*>(png_get_io_ptr(p))->end(), d, d + n); },
+      [](png_structp p, png_bytep d, size_t n) {
+        static_cast<std::vector<uint8_t>*>(png_get_io_ptr(p))
+            ->insert(static_cast<std::vector<uint8_t>*>(png_get_io_ptr(p))->end(), d, d + n);
+      },
       [](png_structp) {});
   png_set_IHDR(png, info, png_uint_32(w), png_uint_32(h), depth, color_type,
-               interlace ? PNG_INTERLACE_ADAM7 : PNG_INTERLACE_NONE, PNG_COMPRESSION_TYPE_DEFAULT, PNG_FILTER_TYPE_DEFAULT);
+               interlace ? PNG_INTERLACE_ADAM7 : PNG_INTERLACE_NONE, PNG_COMPRESSION_TYPE_DEFAULT,
+               PNG_FILTER_TYPE_DEFAULT);
   std::vector<png_color> pal;
   for (size_t i = 0; i + 2 < plte.size(); i += 3) pal.push_back({plte[i], plte[i + 1], plte[i + 2]});
   if (!pal.empty()) png_set_PLTE(png, info, pal.data(), int(pal.size()));
@@ -45,7 +52,8 @@ inline std::vector<uint8_t> encode_png(int w, int h, int color_type, int depth, 
     } else {
       png_color_16 c{};
       c.gray = png_uint_16(trns[0] << 8 | trns[1]);
-      if (trns.size() >= 6) c.red = c.gray, c.green = png_uint_16(trns[2] << 8 | trns[3]), c.blue = png_uint_16(trns[4] << 8 | trns[5]);
+      if (trns.size() >= 6)
+        c.red = c.gray, c.green = png_uint_16(trns[2] << 8 | trns[3]), c.blue = png_uint_16(trns[4] << 8 | trns[5]);
       png_set_tRNS(png, info, nullptr, 0, &c);
     }
   }
@@ -84,7 +92,10 @@ inline std::vector<uint8_t> encode_jpeg(int w, int h, int components, const std:
   c.image_width = JDIMENSION(w);
   c.image_height = JDIMENSION(h);
   c.input_components = components;
-  c.in_color_space = components == 1 ? JCS_GRAYSCALE : components == 3 ? JCS_RGB : components == 4 ? JCS_CMYK : JCS_UNKNOWN;
+  c.in_color_space = components == 1   ? JCS_GRAYSCALE
+                     : components == 3 ? JCS_RGB
+                     : components == 4 ? JCS_CMYK
+                                       : JCS_UNKNOWN;
   jpeg_set_defaults(&c);
   if (components == 4) jpeg_set_colorspace(&c, ycck ? JCS_YCCK : JCS_CMYK);
   jpeg_set_quality(&c, quality, TRUE);
@@ -120,17 +131,24 @@ struct GifSpec {
 inline std::vector<uint8_t> encode_gif(const GifSpec& s) {
   std::vector<uint8_t> out;
   int err = 0;
-  GifFileType* g = EGifOpen(&out, [](GifFileType* f, const GifByteType* d, int n) {
-    static_cast<std::vector<uint8_t>*>(f->UserData)->insert(static_cast<std::vector<uint8_t>*>(f->UserData)->end(), d, d + n);
-    return n;
-  }, &err);
+  GifFileType* g = EGifOpen(
+      &out,
+      [](GifFileType* f, const GifByteType* d, int n) {
+        static_cast<std::vector<uint8_t>*>(f->UserData)
+            ->insert(static_cast<std::vector<uint8_t>*>(f->UserData)->end(), d, d + n);
+        return n;
+      },
+      &err);
   if (!g) std::abort();
   EGifSetGifVersion(g, true);
   std::vector<GifColorType> colours;
-  for (size_t i = 0; i + 2 < s.palette.size(); i += 3) colours.push_back({s.palette[i], s.palette[i + 1], s.palette[i + 2]});
+  for (size_t i = 0; i + 2 < s.palette.size(); i += 3)
+    colours.push_back({s.palette[i], s.palette[i + 1], s.palette[i + 2]});
   ColorMapObject* map = GifMakeMapObject(int(colours.size()), colours.data());
   if (!map) std::abort();
-  auto ok = [](int r) { if (r != GIF_OK) std::abort(); };
+  auto ok = [](int r) {
+    if (r != GIF_OK) std::abort();
+  };
   ok(EGifPutScreenDesc(g, s.screen_w, s.screen_h, 8, 0, s.local_palette ? nullptr : map));
   auto frame = [&](const std::vector<uint8_t>& px) {
     if (s.transparent >= 0) {
@@ -204,8 +222,8 @@ inline std::vector<uint8_t> make_animated_webp(int canvas_w, int canvas_h, const
     put_le(anmf, uint64_t(f.y / 2), 3);
     put_le(anmf, uint64_t(f.w - 1), 3);
     put_le(anmf, uint64_t(f.h - 1), 3);
-    put_le(anmf, 100, 3);  // duration
-    anmf.push_back(0x02);  // no blending, no disposal
+    put_le(anmf, 100, 3);                                          // duration
+    anmf.push_back(0x02);                                          // no blending, no disposal
     anmf.insert(anmf.end(), f.still.begin() + 12, f.still.end());  // the file's chunks after RIFF....WEBP
     chunk(body, "ANMF", anmf);
   }
@@ -242,7 +260,7 @@ inline std::vector<uint8_t> make_bmp(const BmpSpec& s) {
     put_le(info, 1, 2);
     put_le(info, uint64_t(s.bits), 2);
     put_le(info, s.compression, 4);
-    put_le(info, 0, 4);                 // image size
+    put_le(info, 0, 4);  // image size
     put_le(info, 2835, 4), put_le(info, 2835, 4);
     put_le(info, s.colours_used, 4), put_le(info, 0, 4);
     if (s.header >= 52)

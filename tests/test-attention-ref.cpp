@@ -17,8 +17,8 @@
 #include "test-util.h"
 
 using namespace fovea;
-using fovea::test::fresh_seed;
 using cpu::RefMode;
+using fovea::test::fresh_seed;
 using test::error_of;
 
 namespace {
@@ -70,9 +70,9 @@ TEST(AttentionRef, SingleTokenSegmentReturnsV) {
           const float v = x.at(2, t, h, d);
           const cpu::RefOptions o = mode(m, x);
           const double want = m == RefMode::EXACT ? v
-                              : m == RefMode::BF16 ? bf16_round(v)
-                                                   : bf16_round(e4m3_to_float(e4m3_quantize(v, o.fp8_scales.v)) *
-                                                                o.fp8_scales.v);
+                              : m == RefMode::BF16
+                                  ? bf16_round(v)
+                                  : bf16_round(e4m3_to_float(e4m3_quantize(v, o.fp8_scales.v)) * o.fp8_scales.v);
           EXPECT_EQ(out[size_t((t * 3 + h) * 8 + d)], want) << cpu::ref_mode_name(m) << " token " << t;
         }
   }
@@ -264,7 +264,8 @@ TEST(AttentionRef, ScalesAreApplied) {
   const auto ref = x.run(mode(RefMode::EXACT));
   cpu::RefOptions good = mode(RefMode::FP8, x), saturating = good, coarse = good;
   for (float* s : {&saturating.fp8_scales.q, &saturating.fp8_scales.k, &saturating.fp8_scales.v}) *s /= 20;
-  for (float* s : {&coarse.fp8_scales.q, &coarse.fp8_scales.k, &coarse.fp8_scales.v}) *s *= 1e5f;  // amax maps to 0.0045: all subnormal
+  for (float* s : {&coarse.fp8_scales.q, &coarse.fp8_scales.k, &coarse.fp8_scales.v})
+    *s *= 1e5f;  // amax maps to 0.0045: all subnormal
   const double e_good = compare(x.run(good).data(), ref.data(), int64_t(ref.size())).rel_l2;
   const double e_sat = compare(x.run(saturating).data(), ref.data(), int64_t(ref.size())).rel_l2;
   const double e_coarse = compare(x.run(coarse).data(), ref.data(), int64_t(ref.size())).rel_l2;
@@ -282,8 +283,10 @@ TEST(AttentionRef, NanStaysInItsSegment) {
       for (int h = 0; h < 2; ++h)
         for (int d = 0; d < 16; ++d) {
           const double v = out[size_t((t * 2 + h) * 16 + d)];
-          if (t >= 50 && h == 1) EXPECT_TRUE(std::isnan(v));
-          else ASSERT_TRUE(std::isfinite(v)) << t << "," << h;
+          if (t >= 50 && h == 1)
+            EXPECT_TRUE(std::isnan(v));
+          else
+            ASSERT_TRUE(std::isfinite(v)) << t << "," << h;
         }
   }
   EXPECT_TRUE(std::isinf(amax(x.shape, x.view(1))));  // the scale book then ignores and counts it
@@ -299,7 +302,9 @@ TEST(AttentionRef, AmaxIsTheLargestAbsoluteValue) {
 TEST(AttentionRef, ValidatesItsInputs) {
   Qkv x = random_qkv({4}, 1, 8, fresh_seed());
   std::vector<double> out(32);
-  auto run = [&](VarlenShape s, cpu::RefOptions o) { cpu::attention(s, x.view(0), x.view(1), x.view(2), o, out.data()); };
+  auto run = [&](VarlenShape s, cpu::RefOptions o) {
+    cpu::attention(s, x.view(0), x.view(1), x.view(2), o, out.data());
+  };
   auto msg = [&](VarlenShape s, cpu::RefOptions o) -> std::string {
     try {
       run(s, o);
@@ -340,9 +345,9 @@ TEST(Rope, TablesFollowTheSpecAndRotationKeepsPairNorms) {
   rope_tables_grid(sh, cos, sin);
   // Token 5 of segment 0 sits at row 1, column 2; hd 8 has inv_freq {1, 10000^-0.5}.
   const int t = 5, half = 4;
-  EXPECT_FLOAT_EQ(cos[t * half + 0], std::cos(1.0f));                                 // row * 1
+  EXPECT_FLOAT_EQ(cos[t * half + 0], std::cos(1.0f));                                  // row * 1
   EXPECT_FLOAT_EQ(sin[t * half + 1], float(std::sin(1.0 * std::pow(10000.0, -0.5))));  // row * f1
-  EXPECT_FLOAT_EQ(cos[t * half + 2], std::cos(2.0f));                                 // col * 1
+  EXPECT_FLOAT_EQ(cos[t * half + 2], std::cos(2.0f));                                  // col * 1
   EXPECT_FLOAT_EQ(cos[(10 + 3) * half + 2], std::cos(1.0f));  // segment 1, token 3: row 1, col 1
   std::vector<float> x = random_values(17 * 3 * 2 * 8, Dist::NORMAL, fresh_seed(), false), y = x;
   apply_rope_qk(sh, cos, sin, y);
@@ -401,8 +406,9 @@ TEST(Fp8Fine, CurrentScalesAreTheMeansAndAmaxesTheyName) {
   }
   // Non-finite inputs are named.
   y.at(2, 5, 1, 3) = std::numeric_limits<float>::quiet_NaN();
-  EXPECT_NE(error_of([&] { cpu::current_fine_scales(y.shape, y.view(0), y.view(1), y.view(2), {false, false, true}); })
-                .find("v holds a non-finite value"),
+  EXPECT_NE(error_of([&] {
+              cpu::current_fine_scales(y.shape, y.view(0), y.view(1), y.view(2), {false, false, true});
+            }).find("v holds a non-finite value"),
             std::string::npos);
 }
 
@@ -410,7 +416,8 @@ TEST(Fp8Fine, CurrentScalesAreTheMeansAndAmaxesTheyName) {
 // cpu::current_fine_scales' arrays; a non-finite value clears `finite`, wherever it is.
 TEST(Fp8Fine, AFreshHistoryFirstForwardIsCurrentScaling) {
   const Qkv x = random_qkv({40, 24, 3}, 3, 8, fresh_seed(), Dist::CHANNELS);
-  const cpu::Fp8Fine cur = cpu::current_fine_scales(x.shape, x.view(0), x.view(1), x.view(2), {true, true, true, false});
+  const cpu::Fp8Fine cur =
+      cpu::current_fine_scales(x.shape, x.view(0), x.view(1), x.view(2), {true, true, true, false});
   const FineBatch b = cpu::fine_batch(x.shape, x.view(0), x.view(1), x.view(2));
   EXPECT_TRUE(b.finite);
   EXPECT_EQ(b.tokens, 67);
@@ -448,7 +455,8 @@ TEST(Fp8Fine, ExactTransformsKeepWellSpreadInputsAsAccurate) {
   const Qkv x = random_qkv({200, 57}, 4, 72, fresh_seed());
   const std::vector<double> ref = x.run(mode(RefMode::EXACT));
   const double tensor = compare(x.run(mode(RefMode::FP8, x)).data(), ref.data(), int64_t(ref.size())).rel_l2;
-  for (cpu::Fp8FineParts parts : {cpu::Fp8FineParts{true, true, true, false}, cpu::Fp8FineParts{true, true, true, true}}) {
+  for (cpu::Fp8FineParts parts :
+       {cpu::Fp8FineParts{true, true, true, false}, cpu::Fp8FineParts{true, true, true, true}}) {
     const std::vector<double> out = x.run(fine_mode(x, parts));
     const ErrorStats e = compare(out.data(), ref.data(), int64_t(ref.size()));
     EXPECT_EQ(e.nonfinite, 0);
@@ -495,8 +503,9 @@ TEST(Fp8Fine, OutlierChannelsNeedTheRobustScheme) {
   const double nosplit = err(fine_mode(x, {true, true, true, false}));
   const double rotated = err(fine_mode(x, {true, true, true, true}));
   const double robust = err(fine_mode(x, cpu::kRobustParts));
-  std::printf("channels: bf16 %.3e fp8 tensor %.3e robust %.3e (without the split %.3e, rotated %.3e) | spread fp8 %.3e\n",
-              bf16, tensor, robust, nosplit, rotated, fp8_spread);
+  std::printf(
+      "channels: bf16 %.3e fp8 tensor %.3e robust %.3e (without the split %.3e, rotated %.3e) | spread fp8 %.3e\n",
+      bf16, tensor, robust, nosplit, rotated, fp8_spread);
   EXPECT_LT(bf16, 0.01);
   EXPECT_GT(tensor, 1.5 * fp8_spread);  // the failure the scheme is for
   EXPECT_LT(robust, tensor / 2);
@@ -514,7 +523,8 @@ TEST(Fp8Exact, EachOperandCarriesPartOfTheError) {
     o.fp8_exact = e;
     return compare(x.run(o).data(), ref.data(), int64_t(ref.size())).rel_l2;
   };
-  const double fp8 = err({}), qk = err({true, false, false}), v = err({false, true, false}), p = err({false, false, true});
+  const double fp8 = err({}), qk = err({true, false, false}), v = err({false, true, false}),
+               p = err({false, false, true});
   const double none = err({true, true, true});
   std::printf("fp8 %.3e; exact qk %.3e, v %.3e, p %.3e, all %.3e\n", fp8, qk, v, p, none);
   EXPECT_LT(qk, fp8);
@@ -534,7 +544,8 @@ TEST(Fp8Fine, MalformedFineScalesAreRefusedByName) {
   };
   EXPECT_NE(why([](cpu::Fp8Fine& f) { f.q_head.push_back(1.0f); }).find("q holds 3 scales, not 2"), std::string::npos);
   EXPECT_NE(why([](cpu::Fp8Fine& f) { f.v_channel.resize(3); }).find("v holds 3 scales, not 16"), std::string::npos);
-  EXPECT_NE(why([](cpu::Fp8Fine& f) { f.k_head[1] = 0.0f; }).find("k scale must be a finite number > 0"), std::string::npos);
+  EXPECT_NE(why([](cpu::Fp8Fine& f) { f.k_head[1] = 0.0f; }).find("k scale must be a finite number > 0"),
+            std::string::npos);
   EXPECT_NE(why([](cpu::Fp8Fine& f) { f.k_mean.pop_back(); }).find("k_mean holds 15 values"), std::string::npos);
   EXPECT_NE(why([](cpu::Fp8Fine& f) { f.k_mean[0] = INFINITY; }).find("k_mean must be finite"), std::string::npos);
   EXPECT_NE(why([](cpu::Fp8Fine&) {}, RefMode::BF16).find("fine FP8 scales given for bf16 mode"), std::string::npos);
@@ -543,9 +554,9 @@ TEST(Fp8Fine, MalformedFineScalesAreRefusedByName) {
 // ---- per rotary pair Q <-> K smoothing (Fp8Fine::qk_pair) ------------------------------------------
 
 TEST(Fp8Pairs, TheFactorIsThePowerOfTwoNearestTheBalance) {
-  EXPECT_EQ(cpu::qk_pair_factor(1.0f, 64.0f), 8.0f);     // both sides end at 8
-  EXPECT_EQ(cpu::qk_pair_factor(1.0f, 48.0f), 8.0f);     // sqrt(48) = 6.9: 2^2.79 rounds to 2^3
-  EXPECT_EQ(cpu::qk_pair_factor(64.0f, 1.0f), 0.125f);   // Q the larger: Q shrinks
+  EXPECT_EQ(cpu::qk_pair_factor(1.0f, 64.0f), 8.0f);    // both sides end at 8
+  EXPECT_EQ(cpu::qk_pair_factor(1.0f, 48.0f), 8.0f);    // sqrt(48) = 6.9: 2^2.79 rounds to 2^3
+  EXPECT_EQ(cpu::qk_pair_factor(64.0f, 1.0f), 0.125f);  // Q the larger: Q shrinks
   EXPECT_EQ(cpu::qk_pair_factor(3.0f, 3.5f), 1.0f);
   EXPECT_EQ(cpu::qk_pair_factor(1.0f, 0x1p40f), std::ldexp(1.0f, cpu::kQkPairMaxLog2));  // clamped
   EXPECT_EQ(cpu::qk_pair_factor(0x1p40f, 1.0f), std::ldexp(1.0f, -cpu::kQkPairMaxLog2));
@@ -567,7 +578,8 @@ TEST(Fp8Pairs, PowerOfTwoFactorsWithMatchingScalesChangeNoBit) {
   }
   EXPECT_EQ(x.run(paired), x.run(plain));
   // current_fine_scales picks the factors from the pairs' amaxes and scales the smoothed tensors.
-  const cpu::Fp8Fine c = cpu::current_fine_scales(x.shape, x.view(0), x.view(1), x.view(2), {false, true, false, false, true});
+  const cpu::Fp8Fine c =
+      cpu::current_fine_scales(x.shape, x.view(0), x.view(1), x.view(2), {false, true, false, false, true});
   ASSERT_EQ(c.qk_pair.size(), 8u);
   for (int h = 0; h < 2; ++h)
     for (int p = 0; p < 4; ++p) {
@@ -603,7 +615,9 @@ TEST(Fp8Pairs, RopedOutlierChannelsNeedSplitPairsNotFactors) {
       rope_tables_grid(x.shape, cos, sin);
       apply_rope_qk(x.shape, cos, sin, x.data);
       const std::vector<double> ref = x.run(mode(RefMode::EXACT));
-      auto err = [&](const cpu::RefOptions& o) { return compare(x.run(o).data(), ref.data(), int64_t(ref.size())).rel_l2; };
+      auto err = [&](const cpu::RefOptions& o) {
+        return compare(x.run(o).data(), ref.data(), int64_t(ref.size())).rel_l2;
+      };
       const double nosplit = err(fine_mode(x, {true, true, true, false}));
       const double paired = err(fine_mode(x, {true, true, true, false, true}));
       gain.push_back(paired / nosplit);
@@ -631,7 +645,7 @@ TEST(Fp8Pairs, SplitPairsAreTheLargestProducts) {
     const float sign = t % 2 ? 1.0f : -1.0f;  // K's outliers swing: K's mean does not take them away
     x.at(1, t, 0, 6) += 60.0f * sign;         // head 0: pair 6 by K, pair 1 by Q
     x.at(0, t, 0, 1) += 10.0f;
-    x.at(0, t, 1, 3) += 9.0f;                 // head 1: pair 3 in both
+    x.at(0, t, 1, 3) += 9.0f;  // head 1: pair 3 in both
     x.at(1, t, 1, 3 + half) += 9.0f * sign;
   }
   const cpu::Fp8Fine f = cpu::current_fine_scales(x.shape, x.view(0), x.view(1), x.view(2), cpu::kRobustParts);
@@ -672,20 +686,27 @@ TEST(Fp8Pairs, MalformedFactorsAndSplitsAreRefusedByName) {
     return error_of([&] { x.run(o); });
   };
   const cpu::Fp8FineParts pairs = {true, true, true, false, true};
-  EXPECT_NE(why(pairs, [](cpu::Fp8Fine& f) { f.qk_pair.pop_back(); }).find("qk_pair holds 7 values, not 8"), std::string::npos);
-  EXPECT_NE(why(pairs, [](cpu::Fp8Fine& f) { f.qk_pair[3] = 0.0f; }).find("qk_pair must be finite and > 0"), std::string::npos);
-  EXPECT_NE(why(pairs, [](cpu::Fp8Fine& f) { f.qk_pair[0] = NAN; }).find("qk_pair must be finite and > 0"), std::string::npos);
+  EXPECT_NE(why(pairs, [](cpu::Fp8Fine& f) { f.qk_pair.pop_back(); }).find("qk_pair holds 7 values, not 8"),
+            std::string::npos);
+  EXPECT_NE(why(pairs, [](cpu::Fp8Fine& f) { f.qk_pair[3] = 0.0f; }).find("qk_pair must be finite and > 0"),
+            std::string::npos);
+  EXPECT_NE(why(pairs, [](cpu::Fp8Fine& f) { f.qk_pair[0] = NAN; }).find("qk_pair must be finite and > 0"),
+            std::string::npos);
   EXPECT_NE(why(pairs, [](cpu::Fp8Fine& f) { f.rotate_qk = true; }).find("qk_pair and rotate_qk cannot be combined"),
             std::string::npos);
   const cpu::Fp8FineParts split = cpu::kRobustParts;
   EXPECT_NE(why(split, [](cpu::Fp8Fine& f) { f.qk_split.pop_back(); }).find("7 split pairs, not 8"), std::string::npos);
-  EXPECT_NE(why(split, [](cpu::Fp8Fine& f) { f.qk_split[5] = 4; }).find("head 1: split pair 4 is not a rotary pair (0..3)"),
-            std::string::npos);
+  EXPECT_NE(
+      why(split, [](cpu::Fp8Fine& f) { f.qk_split[5] = 4; }).find("head 1: split pair 4 is not a rotary pair (0..3)"),
+      std::string::npos);
   EXPECT_NE(why(split, [](cpu::Fp8Fine& f) { f.qk_split[2] = -2; }).find("split pair -2 is not"), std::string::npos);
-  EXPECT_NE(why(split, [](cpu::Fp8Fine& f) { f.qk_split[1] = f.qk_split[0]; }).find("is given twice"), std::string::npos);
-  EXPECT_NE(why(split, [](cpu::Fp8Fine& f) { f.rotate_qk = true; }).find("qk_split cannot be combined"), std::string::npos);
-  EXPECT_NE(error_of([&] { cpu::current_fine_scales(x.shape, x.view(0), x.view(1), x.view(2), {false, true, false, true, true}); })
-                .find("cannot be combined"),
+  EXPECT_NE(why(split, [](cpu::Fp8Fine& f) { f.qk_split[1] = f.qk_split[0]; }).find("is given twice"),
+            std::string::npos);
+  EXPECT_NE(why(split, [](cpu::Fp8Fine& f) { f.rotate_qk = true; }).find("qk_split cannot be combined"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] {
+              cpu::current_fine_scales(x.shape, x.view(0), x.view(1), x.view(2), {false, true, false, true, true});
+            }).find("cannot be combined"),
             std::string::npos);
 }
 
@@ -712,7 +733,8 @@ TEST(RandomInputs, KeyChannelOutliersAreApartAndReproducible) {
 }
 
 TEST(RandomInputs, ChannelOutliersAreLargeAndReproducible) {
-  const std::vector<float> a = fovea::random_qkv(50, 3, 16, Dist::CHANNELS, 11), b = fovea::random_qkv(50, 3, 16, Dist::CHANNELS, 11);
+  const std::vector<float> a = fovea::random_qkv(50, 3, 16, Dist::CHANNELS, 11),
+                           b = fovea::random_qkv(50, 3, 16, Dist::CHANNELS, 11);
   EXPECT_EQ(a, b);
   // Every head's Q and K have a channel whose mean over tokens is at least 20 in size; V a channel
   // whose values reach beyond 10 (a scale of 20-50 on N(0, 1)).
@@ -744,8 +766,10 @@ namespace {
 
 struct ScopedEnv {
   explicit ScopedEnv(const char* value) {
-    if (value) setenv("FOVEA_FLASH_WARPGROUPS", value, 1);
-    else unsetenv("FOVEA_FLASH_WARPGROUPS");
+    if (value)
+      setenv("FOVEA_FLASH_WARPGROUPS", value, 1);
+    else
+      unsetenv("FOVEA_FLASH_WARPGROUPS");
   }
   ~ScopedEnv() { unsetenv("FOVEA_FLASH_WARPGROUPS"); }
 };

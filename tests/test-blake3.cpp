@@ -69,7 +69,8 @@ TEST(Blake3, OfficialVectorsWholeAndExtended) {
 TEST(Blake3, IncrementalMatchesOneShot) {
   for (const Vector& v : kVectors) {
     const std::vector<uint8_t> in = input_of(v.len);
-    for (const size_t step : {size_t(1), size_t(63), size_t(64), size_t(65), size_t(1023), size_t(1024), size_t(4097)}) {
+    for (const size_t step :
+         {size_t(1), size_t(63), size_t(64), size_t(65), size_t(1023), size_t(1024), size_t(4097)}) {
       if (step == 1 && v.len > 9000) continue;  // slow and says nothing more
       Blake3 h;
       for (size_t i = 0; i < in.size(); i += step)

@@ -37,7 +37,9 @@ std::string many_keys(size_t n) {
   return s + "}";
 }
 
-std::string layer_entry(int i) { return "\"visual.blocks." + std::to_string(i) + ".attn.attn\":{\"q\":1,\"k\":1,\"v\":1}"; }
+std::string layer_entry(int i) {
+  return "\"visual.blocks." + std::to_string(i) + ".attn.attn\":{\"q\":1,\"k\":1,\"v\":1}";
+}
 
 std::string raw_safetensors(const std::string& header, const std::string& data) {
   std::string s(8, '\0');
@@ -47,7 +49,8 @@ std::string raw_safetensors(const std::string& header, const std::string& data) 
 
 std::string safetensors_error(const std::string& header, const std::string& data) {
   const std::string bytes = raw_safetensors(header, data);
-  return error_of([&] { parse_safetensors(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size(), "t.safetensors"); });
+  return error_of(
+      [&] { parse_safetensors(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size(), "t.safetensors"); });
 }
 
 const std::string kTinyConfig = std::string(FOVEA_SOURCE_DIR) + "/tests/data/qwen3vl-tiny/config.json";
@@ -57,7 +60,8 @@ const std::string kTinyConfig = std::string(FOVEA_SOURCE_DIR) + "/tests/data/qwe
 // ---- bounded JSON -------------------------------------------------------------------------------------
 
 TEST(BoundedJson, ValidDocumentsParseAsNlohmannDoes) {
-  const std::string text = R"({"a": [1, -2, 3.5, true, false, null, "x\u00e9\n"], "b": {"c": {"d": []}, "e": {}}, "f": 18446744073709551615})";
+  const std::string text =
+      R"({"a": [1, -2, 3.5, true, false, null, "x\u00e9\n"], "b": {"c": {"d": []}, "e": {}}, "f": 18446744073709551615})";
   const json mine = parse_json_bounded(text, {}, "doc");
   EXPECT_EQ(mine, json::parse(text));
   EXPECT_EQ(parse_json_bounded("7", {}, "doc"), json(7));
@@ -130,7 +134,8 @@ TEST(BoundedJson, DuplicateKeysAreRefused) {
              "doc: key 'a' appears twice in the top-level object");
   EXPECT_HAS(error_of([] { parse_json_bounded(R"({"x": [{"q": 1, "q": 2}]})", {}, "doc"); }),
              "key 'q' appears twice in '[0]'");
-  EXPECT_HAS(error_of([] { parse_json_bounded(R"({"x": {"q": 1, "q": 2}})", {}, "doc"); }), "key 'q' appears twice in 'x'");
+  EXPECT_HAS(error_of([] { parse_json_bounded(R"({"x": {"q": 1, "q": 2}})", {}, "doc"); }),
+             "key 'q' appears twice in 'x'");
 }
 
 TEST(BoundedJson, InvalidJsonNamesLineAndColumnAndCutsTheToken) {
@@ -186,8 +191,9 @@ TEST(BoundedScaleFile, TwoHundredThousandLayersAreRefused) {
   for (int i = 0; i < kMaxScaleLayers; ++i) text += (i ? "," : "") + layer_entry(i);
   EXPECT_EQ(parse_scale_file(text + "}", "s.json").layers.size(), size_t(kMaxScaleLayers));
   EXPECT_HAS(error_of([] { parse_scale_file("{" + layer_entry(4096) + "}", "s.json"); }), "over the limit of 4095");
-  EXPECT_HAS(error_of([] { parse_scale_file("{" + layer_entry(0).replace(15, 1, "99999999999999999999") + "}", "s.json"); }),
-             "over the limit of 4095");
+  EXPECT_HAS(
+      error_of([] { parse_scale_file("{" + layer_entry(0).replace(15, 1, "99999999999999999999") + "}", "s.json"); }),
+      "over the limit of 4095");
 }
 
 // A ~1 MB key crashed std::regex by recursion; the key limit refuses it, and the hand-written key
@@ -204,10 +210,12 @@ TEST(BoundedScaleFile, HugeKeyAndDeepValuesAreErrorsNotCrashes) {
   // Keys that look almost like layer names.
   for (const char* bad : {"visual.blocks..attn.attn", "xvisual.blocks.1.attn.attn", "visual.blocks.1.attn.att",
                           ".attn.attn", "visual.blocks.1a.attn.attn"})
-    EXPECT_HAS(error_of([&] { parse_scale_file(std::string("{\"") + bad + "\": {\"q\":1,\"k\":1,\"v\":1}}", "s.json"); }),
-               "is not a layer name")
+    EXPECT_HAS(
+        error_of([&] { parse_scale_file(std::string("{\"") + bad + "\": {\"q\":1,\"k\":1,\"v\":1}}", "s.json"); }),
+        "is not a layer name")
         << bad;
-  EXPECT_EQ(parse_scale_file("{\"a.b.visual.blocks.7.attn.attn\": {\"q\":1,\"k\":1,\"v\":1}}", "s.json").layers.count(7), 1u);
+  EXPECT_EQ(
+      parse_scale_file("{\"a.b.visual.blocks.7.attn.attn\": {\"q\":1,\"k\":1,\"v\":1}}", "s.json").layers.count(7), 1u);
 }
 
 // ---- config.json ranges -------------------------------------------------------------------------------
@@ -328,7 +336,8 @@ TEST(RegularFilesOnly, ReadFileIsBounded) {
   TempDir dir;
   const std::string p = dir.write("f.txt", std::string(1000, 'x'));
   EXPECT_EQ(read_file(p, "file", 1000).size(), 1000u);
-  EXPECT_HAS(error_of([&] { read_file(p, "thing", 999); }), "thing '" + p + "': 1000 bytes, larger than the limit of 999 bytes");
+  EXPECT_HAS(error_of([&] { read_file(p, "thing", 999); }),
+             "thing '" + p + "': 1000 bytes, larger than the limit of 999 bytes");
   EXPECT_EQ(read_file(dir.write("empty", "")), "");
   EXPECT_HAS(error_of([&] { read_file(dir.path.string()); }), "is a folder");
 }
@@ -338,17 +347,23 @@ TEST(RegularFilesOnly, ReadFileIsBounded) {
 TEST(BoundedSafetensors, OverlappingOffsetsAreRefused) {
   const std::string d(16, '\0');
   std::string msg = safetensors_error(R"({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
-                                          "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}})", d);
+                                          "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}})",
+                                      d);
   EXPECT_HAS(msg, "t.safetensors");
   EXPECT_HAS(msg, "tensors 'a' [0, 8] and 'b' [4, 12] overlap");
   // The same range twice (an alias), and one inside another.
   EXPECT_HAS(safetensors_error(R"({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
-                                   "b": {"dtype": "BF16", "shape": [4], "data_offsets": [0, 8]}})", d), "overlap");
+                                   "b": {"dtype": "BF16", "shape": [4], "data_offsets": [0, 8]}})",
+                               d),
+             "overlap");
   EXPECT_HAS(safetensors_error(R"({"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},
-                                   "b": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}})", d), "overlap");
+                                   "b": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}})",
+                               d),
+             "overlap");
   // Adjacent and empty tensors do not overlap.
   const std::string ok = raw_safetensors(R"({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
-      "e": {"dtype": "F32", "shape": [0], "data_offsets": [4, 4]}, "b": {"dtype": "F32", "shape": [2], "data_offsets": [8, 16]}})", d);
+      "e": {"dtype": "F32", "shape": [0], "data_offsets": [4, 4]}, "b": {"dtype": "F32", "shape": [2], "data_offsets": [8, 16]}})",
+                                         d);
   EXPECT_EQ(parse_safetensors(reinterpret_cast<const uint8_t*>(ok.data()), ok.size(), "t").size(), 3u);
 }
 
@@ -356,14 +371,18 @@ TEST(BoundedSafetensors, OutOfRangeOffsetsAndSizeOverflowAreRefused) {
   const std::string d(8, '\0');
   EXPECT_HAS(safetensors_error(R"({"a": {"dtype": "F32", "shape": [2], "data_offsets": [8, 16]}})", d),
              "truncated: tensor 'a' needs bytes up to");
-  EXPECT_HAS(safetensors_error(R"({"a": {"dtype": "F32", "shape": [2], "data_offsets": [9223372036854775800, 9223372036854775807]}})", d),
-             "span 7 bytes");
+  EXPECT_HAS(
+      safetensors_error(
+          R"({"a": {"dtype": "F32", "shape": [2], "data_offsets": [9223372036854775800, 9223372036854775807]}})", d),
+      "span 7 bytes");
   // 2^62 elements of 4 bytes: numel fits int64, the byte count does not.
   EXPECT_HAS(safetensors_error(R"({"a": {"dtype": "F32", "shape": [4611686018427387904], "data_offsets": [0, 8]}})", d),
              "needs more than 2^63");
-  EXPECT_HAS(safetensors_error(R"({"a": {"dtype": "F32", "shape": [3037000500, 3037000500], "data_offsets": [0, 8]}})", d),
-             "needs more than 2^63");
-  EXPECT_HAS(safetensors_error(R"({"a": {"dtype": "F32", "shape": [1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1], "data_offsets": [0, 4]}})", d),
+  EXPECT_HAS(
+      safetensors_error(R"({"a": {"dtype": "F32", "shape": [3037000500, 3037000500], "data_offsets": [0, 8]}})", d),
+      "needs more than 2^63");
+  EXPECT_HAS(safetensors_error(
+                 R"({"a": {"dtype": "F32", "shape": [1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1], "data_offsets": [0, 4]}})", d),
              "17 dimensions, more than the limit of 16");
   std::string deep = "{\"a\": {\"dtype\": \"F32\", \"shape\": [[[[[[1]]]]]], \"data_offsets\": [0, 4]}}";
   EXPECT_HAS(safetensors_error(deep, d), "nesting deeper than 4 levels");
@@ -377,7 +396,8 @@ TEST(BoundedSafetensors, IndexShardsAreFileNamesBesideTheIndex) {
   }
   EXPECT_HAS(error_of([] { parse_checkpoint_index(R"({"weight_map": {"a": "s", "a": "t"}})", "i.json"); }),
              "key 'a' appears twice");
-  const auto wm = parse_checkpoint_index(R"({"metadata": {"total_size": 8}, "weight_map": {"a": "s1", "b": "s1"}})", "i.json");
+  const auto wm =
+      parse_checkpoint_index(R"({"metadata": {"total_size": 8}, "weight_map": {"a": "s1", "b": "s1"}})", "i.json");
   EXPECT_EQ(wm.size(), 2u);
   EXPECT_EQ(wm.at("b"), "s1");
 }

@@ -80,9 +80,11 @@ TEST(CApi, CpuMatchesTheReferenceBitForBit) {
     Handle h;
     ASSERT_EQ(fovea_attn_create(dtype, FOVEA_ATTN_AUTO, 2, 72, FOVEA_ATTN_DEVICE_CPU, &h.h), FOVEA_ATTN_OK) << last();
     EXPECT_EQ(fovea_attn_backend_of(h.h), FOVEA_ATTN_CPU);
-    ASSERT_EQ(fovea_attn_plan(h.h, b.shape.cu_seqlens.data(), b.shape.num_segments(), nullptr), FOVEA_ATTN_OK) << last();
+    ASSERT_EQ(fovea_attn_plan(h.h, b.shape.cu_seqlens.data(), b.shape.num_segments(), nullptr), FOVEA_ATTN_OK)
+        << last();
     const float fixed[3] = {0.004f, 0.005f, 0.006f};
-    const fovea_attn_scales sc{dtype == FOVEA_ATTN_FP8 ? FOVEA_ATTN_SCALES_STATIC : FOVEA_ATTN_SCALES_NONE, fixed, nullptr};
+    const fovea_attn_scales sc{dtype == FOVEA_ATTN_FP8 ? FOVEA_ATTN_SCALES_STATIC : FOVEA_ATTN_SCALES_NONE, fixed,
+                               nullptr};
     fovea_attn_view q = b.view(0), k = b.view(1), v = b.view(2);
     ASSERT_EQ(fovea_attn_prepare(h.h, &q, &k, &v, &sc, 0.0f, nullptr), FOVEA_ATTN_OK) << last();
     std::vector<uint16_t> out(size_t(b.shape.total_tokens() * b.row()), 0x7FC0);  // NaN
@@ -99,7 +101,8 @@ TEST(CApi, CpuMatchesTheReferenceBitForBit) {
 
 TEST(CApi, HostileCallsFailWithMessages) {
   fovea_attn* h = nullptr;
-  EXPECT_EQ(fovea_attn_create(FOVEA_ATTN_BF16, FOVEA_ATTN_CPU, 2, 64, FOVEA_ATTN_DEVICE_CPU, nullptr), FOVEA_ATTN_INVALID);
+  EXPECT_EQ(fovea_attn_create(FOVEA_ATTN_BF16, FOVEA_ATTN_CPU, 2, 64, FOVEA_ATTN_DEVICE_CPU, nullptr),
+            FOVEA_ATTN_INVALID);
   EXPECT_EQ(fovea_attn_create(7, FOVEA_ATTN_CPU, 2, 64, FOVEA_ATTN_DEVICE_CPU, &h), FOVEA_ATTN_INVALID);
   EXPECT_NE(last().find("unknown dtype 7"), std::string::npos) << last();
   EXPECT_EQ(h, nullptr);
@@ -133,7 +136,8 @@ TEST(CApi, HostileCallsFailWithMessages) {
   EXPECT_EQ(fovea_attn_prepare(hh.h, &q, &k, &v, nullptr, 0.3f, nullptr), FOVEA_ATTN_UNSUPPORTED);
   EXPECT_EQ(fovea_attn_prepare_fused(hh.h, b.bits.data(), 5, nullptr, nullptr, nullptr, nullptr), FOVEA_ATTN_INVALID);
   float cos = 1;
-  EXPECT_EQ(fovea_attn_prepare_fused(hh.h, b.bits.data(), 3 * 128, &cos, nullptr, nullptr, nullptr), FOVEA_ATTN_INVALID);
+  EXPECT_EQ(fovea_attn_prepare_fused(hh.h, b.bits.data(), 3 * 128, &cos, nullptr, nullptr, nullptr),
+            FOVEA_ATTN_INVALID);
   std::vector<uint16_t> out(size_t(14 * 128));
   fovea_attn_view o{out.data(), 128, 64};
   EXPECT_EQ(fovea_attn_attend(hh.h, &o, nullptr), FOVEA_ATTN_INVALID);
@@ -213,14 +217,18 @@ std::vector<BadState> bad_states() {
        "amax_state.t[0].pos (q's ring position) = 17 is outside [0, 16)"},
       {"pos 16", [](auto& t) { t.pos = 16; }, 2, "amax_state.t[2].pos (v's ring position) = 16 is outside [0, 16)"},
       {"pos -1", [](auto& t) { t.pos = -1; }, 2, "amax_state.t[2].pos (v's ring position) = -1 is outside [0, 16)"},
-      {"filled 17", [](auto& t) { t.filled = 17; }, 2, "amax_state.t[2].filled (v's fill count) = 17 is outside [0, 16]"},
+      {"filled 17", [](auto& t) { t.filled = 17; }, 2,
+       "amax_state.t[2].filled (v's fill count) = 17 is outside [0, 16]"},
       {"filled INT32_MIN", [](auto& t) { t.filled = INT32_MIN; }, 0,
        "amax_state.t[0].filled (q's fill count) = -2147483648 is outside [0, 16]"},
       {"pos ahead of filled", [](auto& t) { t.pos = 7, t.filled = 3; }, 1,
        "amax_state.t[1].pos (k's ring position) = 7 with filled = 3"},
-      {"a NaN amax", [](auto& t) { t.pos = t.filled = 2, t.ring[1] = NAN; }, 1, "amax_state.t[1].ring[1] (k's amax) = nan"},
-      {"an infinite amax", [](auto& t) { t.pos = t.filled = 1, t.ring[0] = INFINITY; }, 0, "amax_state.t[0].ring[0] (q's amax) = inf"},
-      {"a negative amax", [](auto& t) { t.pos = t.filled = 1, t.ring[0] = -2.0f; }, 2, "amax_state.t[2].ring[0] (v's amax) = -2"},
+      {"a NaN amax", [](auto& t) { t.pos = t.filled = 2, t.ring[1] = NAN; }, 1,
+       "amax_state.t[1].ring[1] (k's amax) = nan"},
+      {"an infinite amax", [](auto& t) { t.pos = t.filled = 1, t.ring[0] = INFINITY; }, 0,
+       "amax_state.t[0].ring[0] (q's amax) = inf"},
+      {"a negative amax", [](auto& t) { t.pos = t.filled = 1, t.ring[0] = -2.0f; }, 2,
+       "amax_state.t[2].ring[0] (v's amax) = -2"},
   };
 }
 
@@ -229,8 +237,10 @@ struct Fp8Cpu {
   Batch b{{5, 9}, 2, 64, 11};
   Handle h;
   Fp8Cpu() {
-    EXPECT_EQ(fovea_attn_create(FOVEA_ATTN_FP8, FOVEA_ATTN_CPU, 2, 64, FOVEA_ATTN_DEVICE_CPU, &h.h), FOVEA_ATTN_OK) << last();
-    EXPECT_EQ(fovea_attn_plan(h.h, b.shape.cu_seqlens.data(), b.shape.num_segments(), nullptr), FOVEA_ATTN_OK) << last();
+    EXPECT_EQ(fovea_attn_create(FOVEA_ATTN_FP8, FOVEA_ATTN_CPU, 2, 64, FOVEA_ATTN_DEVICE_CPU, &h.h), FOVEA_ATTN_OK)
+        << last();
+    EXPECT_EQ(fovea_attn_plan(h.h, b.shape.cu_seqlens.data(), b.shape.num_segments(), nullptr), FOVEA_ATTN_OK)
+        << last();
   }
   int32_t prepare(const fovea_attn_scales& sc, bool fused) {
     if (fused) return fovea_attn_prepare_fused(h.h, b.bits.data(), 3 * b.row(), nullptr, nullptr, &sc, nullptr);
@@ -287,21 +297,26 @@ TEST(CApi, HeadSizesWhoseProductOverflowsAreRefusedAtCreate) {
   for (auto dtype : {FOVEA_ATTN_BF16, FOVEA_ATTN_FP8}) {
     fovea_attn* h = reinterpret_cast<fovea_attn*>(uintptr_t(0x1));  // must be reset to null
     // 2^30 x 2^30: the products wrapped to 0 and prepare wrote into an empty buffer (SIGSEGV).
-    EXPECT_EQ(fovea_attn_create(dtype, FOVEA_ATTN_CPU, 1 << 30, 1 << 30, FOVEA_ATTN_DEVICE_CPU, &h), FOVEA_ATTN_INVALID);
+    EXPECT_EQ(fovea_attn_create(dtype, FOVEA_ATTN_CPU, 1 << 30, 1 << 30, FOVEA_ATTN_DEVICE_CPU, &h),
+              FOVEA_ATTN_INVALID);
     EXPECT_EQ(h, nullptr);
     EXPECT_NE(last().find("heads x head_dim = 1073741824 x 1073741824"), std::string::npos) << last();
     EXPECT_NE(last().find("PTRDIFF_MAX"), std::string::npos) << last();
-    EXPECT_EQ(fovea_attn_create(dtype, FOVEA_ATTN_CPU, INT32_MAX, 1 << 30, FOVEA_ATTN_DEVICE_CPU, &h), FOVEA_ATTN_INVALID);
+    EXPECT_EQ(fovea_attn_create(dtype, FOVEA_ATTN_CPU, INT32_MAX, 1 << 30, FOVEA_ATTN_DEVICE_CPU, &h),
+              FOVEA_ATTN_INVALID);
     // The bound is 3 x heads x head_dim x 8 bytes <= PTRDIFF_MAX: 2^30 x 2^29 is over, 2^30 x 2^28 within.
-    EXPECT_EQ(fovea_attn_create(dtype, FOVEA_ATTN_CPU, 1 << 30, 1 << 29, FOVEA_ATTN_DEVICE_CPU, &h), FOVEA_ATTN_INVALID);
+    EXPECT_EQ(fovea_attn_create(dtype, FOVEA_ATTN_CPU, 1 << 30, 1 << 29, FOVEA_ATTN_DEVICE_CPU, &h),
+              FOVEA_ATTN_INVALID);
     Handle ok;
-    EXPECT_EQ(fovea_attn_create(dtype, FOVEA_ATTN_CPU, 1 << 30, 1 << 28, FOVEA_ATTN_DEVICE_CPU, &ok.h), FOVEA_ATTN_OK) << last();
+    EXPECT_EQ(fovea_attn_create(dtype, FOVEA_ATTN_CPU, 1 << 30, 1 << 28, FOVEA_ATTN_DEVICE_CPU, &ok.h), FOVEA_ATTN_OK)
+        << last();
   }
 }
 
 TEST(CApi, TokenCountsWhoseBuffersOverflowAreRefusedAtPlan) {
   Handle h;
-  ASSERT_EQ(fovea_attn_create(FOVEA_ATTN_BF16, FOVEA_ATTN_CPU, 1 << 15, 1 << 15, FOVEA_ATTN_DEVICE_CPU, &h.h), FOVEA_ATTN_OK);
+  ASSERT_EQ(fovea_attn_create(FOVEA_ATTN_BF16, FOVEA_ATTN_CPU, 1 << 15, 1 << 15, FOVEA_ATTN_DEVICE_CPU, &h.h),
+            FOVEA_ATTN_OK);
   const int32_t cu[] = {0, 7, INT32_MAX};
   EXPECT_EQ(fovea_attn_plan(h.h, cu, 2, nullptr), FOVEA_ATTN_INVALID);
   EXPECT_NE(last().find("cu_seqlens[2] = 2147483647 tokens of 32768 heads x 32768"), std::string::npos) << last();
@@ -320,7 +335,8 @@ TEST(CApi, SegmentOffsetsAreReadUpToTheFirstBadEntry) {
   ASSERT_EQ(fovea_attn_create(FOVEA_ATTN_BF16, FOVEA_ATTN_CPU, 2, 64, FOVEA_ATTN_DEVICE_CPU, &h.h), FOVEA_ATTN_OK);
   // A heap array of exactly three entries: under ASan a read past cu[2] fails the test.
   const std::vector<int32_t> cu = {0, 5, 3};
-  EXPECT_EQ(fovea_attn_plan(h.h, cu.data(), INT32_MAX, nullptr), FOVEA_ATTN_INVALID);  // was: num_segments + 1 overflowed
+  EXPECT_EQ(fovea_attn_plan(h.h, cu.data(), INT32_MAX, nullptr),
+            FOVEA_ATTN_INVALID);  // was: num_segments + 1 overflowed
   EXPECT_NE(last().find("cu_seqlens[2] = 3 is not above cu_seqlens[1] = 5"), std::string::npos) << last();
   const std::vector<int32_t> neg = {-4, 5};
   EXPECT_EQ(fovea_attn_plan(h.h, neg.data(), INT32_MAX, nullptr), FOVEA_ATTN_INVALID);
@@ -328,8 +344,9 @@ TEST(CApi, SegmentOffsetsAreReadUpToTheFirstBadEntry) {
   const std::vector<int32_t> wrapped = {0, 5, INT32_MIN + 5};  // 2^32 + 5 truncated to int32 by a careless caller
   EXPECT_EQ(fovea_attn_plan(h.h, wrapped.data(), 2, nullptr), FOVEA_ATTN_INVALID);
   EXPECT_NE(last().find("cu_seqlens[2] = -2147483643"), std::string::npos) << last();
-  EXPECT_EQ(fovea_attn_plan(h.h, reinterpret_cast<const int32_t*>(reinterpret_cast<uintptr_t>(cu.data()) + 2), 1, nullptr),
-            FOVEA_ATTN_INVALID);
+  EXPECT_EQ(
+      fovea_attn_plan(h.h, reinterpret_cast<const int32_t*>(reinterpret_cast<uintptr_t>(cu.data()) + 2), 1, nullptr),
+      FOVEA_ATTN_INVALID);
   EXPECT_NE(last().find("cu_seqlens is not 4-byte aligned"), std::string::npos) << last();
 }
 
@@ -342,21 +359,26 @@ TEST(CApi, ViewsThatReachPastTheAddressSpaceAreRefused) {
   // 13 tokens x 2^61 elements wraps int64; one head 2^62 elements on is 2^63 bytes, past PTRDIFF_MAX (a
   // view within it is the caller's word for its buffer, as any pointer is).
   const int64_t big = int64_t(1) << 61;
-  fovea_attn_view far_tokens{q.data, big, 64}, far_heads{q.data, 64, 2 * big}, odd{reinterpret_cast<char*>(q.data) + 1, 384, 64},
+  fovea_attn_view far_tokens{q.data, big, 64}, far_heads{q.data, 64, 2 * big},
+      odd{reinterpret_cast<char*>(q.data) + 1, 384, 64},
       at_the_end{reinterpret_cast<void*>(UINTPTR_MAX - 1023), 384, 64};
   EXPECT_EQ(fovea_attn_prepare(h.h, &far_tokens, &k, &v, nullptr, 0, nullptr), FOVEA_ATTN_INVALID);
   EXPECT_NE(last().find("q: 14 tokens at stride_token 2305843009213693952"), std::string::npos) << last();
   EXPECT_EQ(fovea_attn_prepare(h.h, &q, &far_heads, &v, nullptr, 0, nullptr), FOVEA_ATTN_INVALID);  // heads outer
-  EXPECT_NE(last().find("k: 14 tokens at stride_token 64 and 2 heads at stride_head 4611686018427387904"), std::string::npos) << last();
+  EXPECT_NE(last().find("k: 14 tokens at stride_token 64 and 2 heads at stride_head 4611686018427387904"),
+            std::string::npos)
+      << last();
   EXPECT_EQ(fovea_attn_prepare(h.h, &q, &k, &odd, nullptr, 0, nullptr), FOVEA_ATTN_INVALID);
   EXPECT_NE(last().find("v is not 2-byte aligned"), std::string::npos) << last();
   EXPECT_EQ(fovea_attn_prepare(h.h, &q, &k, &at_the_end, nullptr, 0, nullptr), FOVEA_ATTN_INVALID);
   EXPECT_NE(last().find("end of the address space"), std::string::npos) << last();
-  EXPECT_EQ(fovea_attn_prepare_fused(h.h, b.bits.data(), int64_t(1) << 62, nullptr, nullptr, nullptr, nullptr), FOVEA_ATTN_INVALID);
+  EXPECT_EQ(fovea_attn_prepare_fused(h.h, b.bits.data(), int64_t(1) << 62, nullptr, nullptr, nullptr, nullptr),
+            FOVEA_ATTN_INVALID);
   EXPECT_NE(last().find("qkv: 14 tokens at stride_token 4611686018427387904"), std::string::npos) << last();
   float table[64];
-  EXPECT_EQ(fovea_attn_prepare_fused(h.h, b.bits.data(), 3 * b.row(), table, reinterpret_cast<float*>(reinterpret_cast<char*>(table) + 2),
-                                     nullptr, nullptr), FOVEA_ATTN_INVALID);
+  EXPECT_EQ(fovea_attn_prepare_fused(h.h, b.bits.data(), 3 * b.row(), table,
+                                     reinterpret_cast<float*>(reinterpret_cast<char*>(table) + 2), nullptr, nullptr),
+            FOVEA_ATTN_INVALID);
   EXPECT_NE(last().find("rope_sin is not 4-byte aligned"), std::string::npos) << last();
 
   // The output: refused before a single element is written; a good call writes inside the guards only.

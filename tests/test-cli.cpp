@@ -1,5 +1,6 @@
-// Tests of the fovea command (docs/architecture.md §Engine configuration): scales inspect, info with the engine flags and their
-// option errors (docs/fp8.md §Engine options), and bench attention on the CPU. Runs the built binary (FOVEA_BIN).
+// Tests of the fovea command (docs/architecture.md §Engine configuration): scales inspect, info with the engine flags
+// and their option errors (docs/fp8.md §Engine options), and bench attention on the CPU. Runs the built binary
+// (FOVEA_BIN).
 #include <sys/stat.h>
 #include <sys/wait.h>
 
@@ -40,7 +41,6 @@ std::vector<std::string> split_ws(const std::string& line) {
   return out;
 }
 
-
 struct Result {
   int code = -1;
   std::string out, err;
@@ -73,7 +73,8 @@ class Cli : public ::testing::Test {
   }
   Result run_with(const std::string& prefix, const std::string& args) const {
     const fs::path out = io / "stdout", err = io / "stderr";
-    const std::string cmd = prefix + "'" + FOVEA_BIN + "' " + args + " >'" + out.string() + "' 2>'" + err.string() + "'";
+    const std::string cmd =
+        prefix + "'" + FOVEA_BIN + "' " + args + " >'" + out.string() + "' 2>'" + err.string() + "'";
     const int status = std::system(cmd.c_str());
     Result r;
     r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
@@ -128,7 +129,8 @@ TEST_F(Cli, ScalesInspectPrintsEveryLayerAndTheImpliedAmax) {
   std::string text = "{";
   for (size_t i = 0; i < scales.size(); ++i)
     text += (i ? ", \"" : "\"") + layer(int(i)) + "\": {\"q\": " + nlohmann::json(scales[i][0]).dump() +
-            ", \"k_scale\": " + nlohmann::json(scales[i][1]).dump() + ", \"v\": " + nlohmann::json(scales[i][2]).dump() + "}";
+            ", \"k_scale\": " + nlohmann::json(scales[i][1]).dump() +
+            ", \"v\": " + nlohmann::json(scales[i][2]).dump() + "}";
   const std::string path = write("s.json", text + "}");
 
   const Result r = run("scales inspect " + q(path));
@@ -217,7 +219,8 @@ TEST_F(Cli, Fp8LinearsFlag) {
   info_prints("--device cpu", "linears: bf16");
   info_prints("--device cpu --fp8-linears", "linears: fp8");
   const std::string img = png("lin.png", 64, 48, 11, 253);
-  const Result a = run("encode synthetic:tiny --device cpu --output-dtype f32 " + q(img) + " -o " + q(file("a.safetensors")));
+  const Result a =
+      run("encode synthetic:tiny --device cpu --output-dtype f32 " + q(img) + " -o " + q(file("a.safetensors")));
   ASSERT_EQ(a.code, 0) << a.err;
   const Result b = run("encode synthetic:tiny --device cpu --output-dtype f32 --fp8-linears " + q(img) + " -o " +
                        q(file("b.safetensors")));
@@ -226,7 +229,8 @@ TEST_F(Cli, Fp8LinearsFlag) {
   const auto ca = fovea::Checkpoint::open(file("a.safetensors")), cb = fovea::Checkpoint::open(file("b.safetensors"));
   ASSERT_NE(ca.find("image.0.embeddings"), nullptr);
   ASSERT_NE(cb.find("image.0.embeddings"), nullptr);
-  const std::vector<float> ya = ca.find("image.0.embeddings")->to_float(), yb = cb.find("image.0.embeddings")->to_float();
+  const std::vector<float> ya = ca.find("image.0.embeddings")->to_float(),
+                           yb = cb.find("image.0.embeddings")->to_float();
   ASSERT_EQ(ya.size(), yb.size());
   double num = 0, den = 0;
   for (size_t i = 0; i < ya.size(); ++i) num += (ya[i] - yb[i]) * (ya[i] - yb[i]), den += ya[i] * ya[i];
@@ -279,7 +283,8 @@ TEST_F(Cli, DumpDirWritesTheIntermediates) {
 // uses the file's q/k/v and says the fine ones are not used.
 TEST_F(Cli, ScaleFileWithFineScales) {
   auto layer_entry = [](int i) {
-    return "\"" + layer(i) + "\": {\"q\": 1, \"k\": 1, \"v\": 1, \"fovea_q_head\": [0.5, 0.25], "
+    return "\"" + layer(i) +
+           "\": {\"q\": 1, \"k\": 1, \"v\": 1, \"fovea_q_head\": [0.5, 0.25], "
            "\"fovea_k_head\": [2, 4], \"fovea_v_channel\": [1, 2, 3, 4], \"fovea_k_mean\": [0, 1, -1, 0.5]}";
   };
   std::string with_split = layer_entry(1);  // head_dim 2: one pair a head, room for it
@@ -295,11 +300,13 @@ TEST_F(Cli, ScaleFileWithFineScales) {
   // auto runs robust on layer 1 only; forced tensor warns that the fine scales go unused.
   info_prints("--device cpu --mm-encoder-attn-dtype fp8 --mm-encoder-fp8-scale-path " + q(path),
               "robust on some layers, tensor on the rest");
-  const Result info = run("info --device cpu --mm-encoder-attn-dtype fp8 --fp8-scheme tensor --mm-encoder-fp8-scale-path " + q(path));
+  const Result info =
+      run("info --device cpu --mm-encoder-attn-dtype fp8 --fp8-scheme tensor --mm-encoder-fp8-scale-path " + q(path));
   ASSERT_EQ(info.code, 0) << info.err;
   EXPECT_HAS(info.out, "static, 2 layers");
   EXPECT_HAS(info.err, "fine scales");
-  const std::string newer = write("newer.json", "{\"" + layer(0) + "\": {\"q\": 1, \"k\": 1, \"v\": 1, \"fovea_rotation\": 1}}");
+  const std::string newer =
+      write("newer.json", "{\"" + layer(0) + "\": {\"q\": 1, \"k\": 1, \"v\": 1, \"fovea_rotation\": 1}}");
   const Result bad = run("info --device cpu --mm-encoder-attn-dtype fp8 --mm-encoder-fp8-scale-path " + q(newer));
   EXPECT_NE(bad.code, 0);
   EXPECT_HAS(bad.err, "fovea_rotation");
@@ -313,13 +320,14 @@ TEST_F(Cli, Fp8SchemeFlag) {
   EXPECT_NE(bad.code, 0);
   EXPECT_HAS(bad.err, "--fp8-scheme robust needs --mm-encoder-attn-dtype fp8");
   const std::string img = png("robust.png", 48, 64, 5, 241);
-  const Result enc = run("encode synthetic:tiny --device cpu --mm-encoder-attn-dtype fp8 --fp8-scheme robust " + q(img) +
-                         " -o " + q(file("r.safetensors")));
+  const Result enc = run("encode synthetic:tiny --device cpu --mm-encoder-attn-dtype fp8 --fp8-scheme robust " +
+                         q(img) + " -o " + q(file("r.safetensors")));
   ASSERT_EQ(enc.code, 0) << enc.err;
   EXPECT_TRUE(fs::exists(file("r.safetensors")));
   // Calibration with the robust scheme writes the fine scales; static robust FP8 then runs from them.
-  const std::string base = "bench mm-processor --model synthetic:tiny --dataset-name random-mm --random-mm-size 64x96 "
-                           "--device cpu --mm-encoder-attn-dtype fp8 --fp8-scheme robust ";
+  const std::string base =
+      "bench mm-processor --model synthetic:tiny --dataset-name random-mm --random-mm-size 64x96 "
+      "--device cpu --mm-encoder-attn-dtype fp8 --fp8-scheme robust ";
   const std::string cal = file("robust.json");
   const Result c = run(base + "--num-warmups 6 --num-prompts 10 --mm-encoder-fp8-scale-save-path " + q(cal));
   ASSERT_EQ(c.code, 0) << c.err;
@@ -328,14 +336,16 @@ TEST_F(Cli, Fp8SchemeFlag) {
   EXPECT_EQ(f.fine.at(0).q_head.size(), 4u);  // synthetic:tiny: 4 heads of 16
   EXPECT_EQ(f.fine.at(2).k_mean.size(), 64u);
   EXPECT_EQ(f.fine.at(2).qk_split.size(), 16u);  // head_dim 16: room for 4 of its 8 pairs a head
-  EXPECT_TRUE(std::any_of(f.fine.at(2).qk_split.begin(), f.fine.at(2).qk_split.end(), [](int32_t p) { return p >= 0; }));
+  EXPECT_TRUE(
+      std::any_of(f.fine.at(2).qk_split.begin(), f.fine.at(2).qk_split.end(), [](int32_t p) { return p >= 0; }));
   const Result st = run(base + "--num-warmups 0 --num-prompts 2 --mm-encoder-fp8-scale-path " + q(cal));
   EXPECT_EQ(st.code, 0) << st.err;
   EXPECT_HAS(st.out, "static");
   // auto calibrates with the robust scheme, so its file says which layers need it.
   const std::string autocal = file("auto.json");
-  const std::string base_auto = "bench mm-processor --model synthetic:tiny --dataset-name random-mm --random-mm-size 64x96 "
-                                "--device cpu --mm-encoder-attn-dtype fp8 ";
+  const std::string base_auto =
+      "bench mm-processor --model synthetic:tiny --dataset-name random-mm --random-mm-size 64x96 "
+      "--device cpu --mm-encoder-attn-dtype fp8 ";
   const Result ca = run(base_auto + "--num-warmups 6 --num-prompts 10 --mm-encoder-fp8-scale-save-path " + q(autocal));
   ASSERT_EQ(ca.code, 0) << ca.err;
   const fovea::ScaleFile fa = fovea::read_scale_file(autocal);
@@ -426,8 +436,10 @@ TEST_F(Cli, BenchAttentionWritesJsonWithSensibleErrors) {
 // kernels lack are one-line errors.
 TEST_F(Cli, BenchAttentionComparesFp8Schemes) {
   const std::string json_path = file("schemes.json");
-  const Result r = run("bench attention --device cpu --seqlens 200,57 --heads 4 --head-dim 72 --dist channels "
-                       "--dtype fp8 --fp8-scheme tensor,robust-nosplit,robust+rotate,robust --json " + q(json_path));
+  const Result r =
+      run("bench attention --device cpu --seqlens 200,57 --heads 4 --head-dim 72 --dist channels "
+          "--dtype fp8 --fp8-scheme tensor,robust-nosplit,robust+rotate,robust --json " +
+          q(json_path));
   ASSERT_EQ(r.code, 0) << r.err;
   const nlohmann::json doc = nlohmann::json::parse(slurp(json_path));
   ASSERT_EQ(doc.at("results").size(), 4u) << doc.dump(2);
@@ -443,17 +455,24 @@ TEST_F(Cli, BenchAttentionComparesFp8Schemes) {
   EXPECT_LT(rel[1], rel[0] / 1.5);
   EXPECT_LT(rel[2], rel[1]);
   EXPECT_LT(rel[3], rel[2]);
-  expect_one_line_error(run("bench attention --device cpu --seqlens 8 --heads 1 --head-dim 8 --fp8-scheme tensor,hadamard"),
-                        "--fp8-scheme");
+  expect_one_line_error(
+      run("bench attention --device cpu --seqlens 8 --heads 1 --head-dim 8 --fp8-scheme tensor,hadamard"),
+      "--fp8-scheme");
   expect_one_line_error(run("bench attention --device cpu --seqlens 8 --heads 1 --head-dim 8 --dist spiky"), "--dist");
   // The GPU runs tensor and robust only: another scheme is refused before any GPU is looked for.
-  expect_one_line_error(run("bench attention --device cuda --seqlens 8 --heads 1 --head-dim 72 --fp8-scheme robust,rotate"),
-                        "--fp8-scheme rotate");
+  expect_one_line_error(
+      run("bench attention --device cuda --seqlens 8 --heads 1 --head-dim 72 --fp8-scheme robust,rotate"),
+      "--fp8-scheme rotate");
   // --fp8-exact (the emulation's operands left unquantized): CPU only, named operands only; recorded.
-  expect_one_line_error(run("bench attention --device cpu --seqlens 8 --heads 1 --head-dim 8 --fp8-exact qk,w"), "--fp8-exact");
-  expect_one_line_error(run("bench attention --device cuda --seqlens 8 --heads 1 --head-dim 72 --fp8-exact p"), "--fp8-exact");
+  expect_one_line_error(run("bench attention --device cpu --seqlens 8 --heads 1 --head-dim 8 --fp8-exact qk,w"),
+                        "--fp8-exact");
+  expect_one_line_error(run("bench attention --device cuda --seqlens 8 --heads 1 --head-dim 72 --fp8-exact p"),
+                        "--fp8-exact");
   const std::string ej = file("exact.json");
-  ASSERT_EQ(run("bench attention --device cpu --seqlens 64 --heads 2 --head-dim 8 --dtype fp8 --fp8-exact p,v --json " + q(ej)).code, 0);
+  ASSERT_EQ(run("bench attention --device cpu --seqlens 64 --heads 2 --head-dim 8 --dtype fp8 --fp8-exact p,v --json " +
+                q(ej))
+                .code,
+            0);
   std::ifstream ef(ej);
   EXPECT_HAS(std::string(std::istreambuf_iterator<char>(ef), {}), "\"fp8_exact\": \"p,v\"");
 }
@@ -482,7 +501,8 @@ TEST_F(Cli, BenchAttentionCuda) {
   ASSERT_EQ(info.code, 0) << info.err;
   const bool hopper = info.out.find("sm_90") != std::string::npos;
   const std::string json = file("gpu.json");
-  const Result r = run("bench attention --device cuda --seqlens 5,300 --heads 2 --head-dim 72 --reps 2 --json '" + json + "'");
+  const Result r =
+      run("bench attention --device cuda --seqlens 5,300 --heads 2 --head-dim 72 --reps 2 --json '" + json + "'");
   if (!hopper) {
     EXPECT_NE(r.code, 0);
     EXPECT_NE(r.err.find("--device cuda"), std::string::npos) << r.err;
@@ -503,7 +523,8 @@ TEST_F(Cli, BenchAttentionCuda) {
 TEST_F(Cli, CheckGoldenOnTheCpu) {
   const std::string data = std::string(FOVEA_SOURCE_DIR) + "/tests/data/qwen3vl-tiny";
   const std::string json = file("check.json");
-  const Result r = run("check-golden '" + data + "' '" + data + "/golden.safetensors' --device cpu --json '" + json + "'");
+  const Result r =
+      run("check-golden '" + data + "' '" + data + "/golden.safetensors' --device cpu --json '" + json + "'");
   ASSERT_EQ(r.code, 0) << r.err;
   const auto doc = nlohmann::json::parse(slurp(json));
   ASSERT_EQ(doc["outputs"].size(), 3u);  // merged + 2 deepstack
@@ -524,7 +545,8 @@ TEST_F(Cli, CheckGoldenOnTheCpu) {
 TEST_F(Cli, CheckGoldenRequireRatio) {
   const std::string g = std::string(FOVEA_SOURCE_DIR) + "/tests/data/qwen3vl-8b-2blocks/golden.safetensors";
   const std::string json = file("ratio.json");
-  const Result ok = run("check-golden synthetic:qwen3-vl-8b-2blocks '" + g + "' --device cpu --require-ratio 1.5 --json '" + json + "'");
+  const Result ok = run("check-golden synthetic:qwen3-vl-8b-2blocks '" + g +
+                        "' --device cpu --require-ratio 1.5 --json '" + json + "'");
   ASSERT_EQ(ok.code, 0) << ok.err;
   // Named, not a range-for over parse(...)["outputs"]: that temporary dies before the loop runs.
   const auto doc = nlohmann::json::parse(slurp(json));
@@ -536,7 +558,8 @@ TEST_F(Cli, CheckGoldenRequireRatio) {
   EXPECT_EQ(over.code, 1);
   EXPECT_NE(over.err.find("exceeds 1 x transformers BF16's on merged"), std::string::npos) << over.err;
   const std::string tiny = std::string(FOVEA_SOURCE_DIR) + "/tests/data/qwen3vl-tiny";
-  const Result none = run("check-golden '" + tiny + "' '" + tiny + "/golden.safetensors' --device cpu --require-ratio 1.5");
+  const Result none =
+      run("check-golden '" + tiny + "' '" + tiny + "/golden.safetensors' --device cpu --require-ratio 1.5");
   EXPECT_EQ(none.code, 1);
   EXPECT_NE(none.err.find("needs transformers' BF16 outputs"), std::string::npos) << none.err;
   EXPECT_EQ(none.out.find("output"), std::string::npos) << "no forward before the refusal: " << none.out;
@@ -551,7 +574,8 @@ TEST_F(Cli, CheckGoldenRequireRatio) {
 TEST_F(Cli, CheckGoldenOnARealClip) {
   const std::string g = std::string(FOVEA_SOURCE_DIR) + "/tests/data/qwen3vl-8b-2blocks/golden-video.safetensors";
   const std::string json = file("video-ratio.json");
-  const Result ok = run("check-golden synthetic:qwen3-vl-8b-2blocks '" + g + "' --device cpu --require-ratio 1.5 --json '" + json + "'");
+  const Result ok = run("check-golden synthetic:qwen3-vl-8b-2blocks '" + g +
+                        "' --device cpu --require-ratio 1.5 --json '" + json + "'");
   ASSERT_EQ(ok.code, 0) << ok.err;
   const auto doc = nlohmann::json::parse(slurp(json));
   ASSERT_EQ(doc["outputs"].size(), 3u);  // merged and the 2-block model's two deepstack outputs
@@ -578,8 +602,9 @@ TEST_F(Cli, CheckGoldenOnARealClip) {
 // bench mm-processor on the CPU: per-stage statistics, and calibration writes the scale file after
 // exactly 16 complete forwards with warm-ups counted (15 requests: no file; 16: the file).
 TEST_F(Cli, BenchMmProcessorCalibrates) {
-  const std::string base = "bench mm-processor --model synthetic:tiny --dataset-name random-mm --random-mm-size 64x96 "
-                           "--device cpu --mm-encoder-attn-dtype fp8 --metric-percentiles 50,99 ";
+  const std::string base =
+      "bench mm-processor --model synthetic:tiny --dataset-name random-mm --random-mm-size 64x96 "
+      "--device cpu --mm-encoder-attn-dtype fp8 --metric-percentiles 50,99 ";
   const std::string s15 = file("s15.json"), s16 = file("s16.json"), json = file("mm.json");
   const Result r15 = run(base + "--num-warmups 5 --num-prompts 10 --mm-encoder-fp8-scale-save-path '" + s15 + "'");
   ASSERT_EQ(r15.code, 0) << r15.err;
@@ -596,13 +621,16 @@ TEST_F(Cli, BenchMmProcessorCalibrates) {
   }
   EXPECT_GT(doc["stages"]["encoder forward"]["mean_ms"].get<double>(), 0.0);
   // The whole forward and its parts under their own keys: the whole is at least its GPU/CPU part.
-  EXPECT_GE(doc["stages"]["encoder forward"]["mean_ms"].get<double>(), doc["stages"]["encoder.forward"]["mean_ms"].get<double>());
-  for (const char* part : {"encoder.plan", "encoder.upload", "encoder.download"}) EXPECT_TRUE(doc["stages"].contains(part)) << part;
+  EXPECT_GE(doc["stages"]["encoder forward"]["mean_ms"].get<double>(),
+            doc["stages"]["encoder.forward"]["mean_ms"].get<double>());
+  for (const char* part : {"encoder.plan", "encoder.upload", "encoder.download"})
+    EXPECT_TRUE(doc["stages"].contains(part)) << part;
   // Static scales from that file on the same dataset; a bad dataset path is an error naming it.
   const Result st = run(base + "--num-warmups 0 --num-prompts 2 --mm-encoder-fp8-scale-path '" + s16 + "'");
   EXPECT_EQ(st.code, 0) << st.err;
   EXPECT_NE(st.out.find("static"), std::string::npos) << st.out;
-  const Result bad = run("bench mm-processor --model synthetic:tiny --dataset-name folder --dataset-path /nonexistent --device cpu");
+  const Result bad =
+      run("bench mm-processor --model synthetic:tiny --dataset-name folder --dataset-path /nonexistent --device cpu");
   EXPECT_NE(bad.code, 0);
   EXPECT_NE(bad.err.find("/nonexistent"), std::string::npos) << bad.err;
 }
@@ -619,12 +647,14 @@ TEST_F(Cli, BenchMmProcessorFolderWithClipsAndImages) {
   fs::rename(png("b.png", 256, 256, 7, 251), ds / "b.png");
   std::ofstream(ds / "notes.txt") << "not an input";
   const std::string json = file("mm.json");
-  const Result r = run("bench mm-processor --model synthetic:tiny --device cpu --dataset-name folder --dataset-path " +
-                       q(ds.string()) + " --images-per-request 3 --num-warmups 0 --num-prompts 2 --output-json " + q(json));
+  const Result r =
+      run("bench mm-processor --model synthetic:tiny --device cpu --dataset-name folder --dataset-path " +
+          q(ds.string()) + " --images-per-request 3 --num-warmups 0 --num-prompts 2 --output-json " + q(json));
   ASSERT_EQ(r.code, 0) << r.err;
   EXPECT_HAS(r.out, "(1 images, 1 clips)");
-  EXPECT_HAS(r.out, "request 1/2: 200 visual tokens | image b.png grid (1, 16, 16) 64 tokens | video h264.mp4 grid (3, 8, 12) "
-                    "72 tokens | image b.png grid (1, 16, 16) 64 tokens\n");
+  EXPECT_HAS(r.out,
+             "request 1/2: 200 visual tokens | image b.png grid (1, 16, 16) 64 tokens | video h264.mp4 grid (3, 8, 12) "
+             "72 tokens | image b.png grid (1, 16, 16) 64 tokens\n");
   EXPECT_HAS(r.out, "request 2/2: 208 visual tokens | video h264.mp4");
   const auto doc = nlohmann::json::parse(slurp(json));
   EXPECT_EQ(doc["decode"], "files");
@@ -645,9 +675,14 @@ TEST_F(Cli, BenchMmProcessorFolderWithClipsAndImages) {
   fs::create_directories(none);
   fs::create_directories(bad);
   std::ofstream(none / "notes.txt") << "not an input";
-  std::ofstream(bad / "broken.mp4") << std::string("\0\0\0\x18" "ftypisom", 12) << std::string(200, 'x');
-  const std::string base = "bench mm-processor --model synthetic:tiny --device cpu --dataset-name folder --num-prompts 1 "
-                           "--dataset-path ";
+  std::ofstream(bad / "broken.mp4") << std::string(
+                                           "\0\0\0\x18"
+                                           "ftypisom",
+                                           12)
+                                    << std::string(200, 'x');
+  const std::string base =
+      "bench mm-processor --model synthetic:tiny --device cpu --dataset-name folder --num-prompts 1 "
+      "--dataset-path ";
   expect_one_line_error(run(base + q(none.string())), "'" + none.string() + "' has no images");
   expect_one_line_error(run(base + q(bad.string())), "video '" + (bad / "broken.mp4").string() + "'");
 }
@@ -658,15 +693,17 @@ TEST_F(Cli, BenchMmProcessorFolderWithClipsAndImages) {
 // scales them to 160x224: grid (2, 10, 14), 70 tokens. 30 frames at 10 fps: 3 s, 6 frames, scaled
 // to 128x192: grid (3, 8, 12), 72 tokens.
 TEST_F(Cli, BenchMmProcessorRandomClips) {
-  const std::string base = "bench mm-processor --model synthetic:tiny --device cpu --dataset-name random-mm "
-                           "--random-mm-size 64x96 --num-warmups 1 --num-prompts 2 ";
+  const std::string base =
+      "bench mm-processor --model synthetic:tiny --device cpu --dataset-name random-mm "
+      "--random-mm-size 64x96 --num-warmups 1 --num-prompts 2 ";
   const std::string json = file("mm.json");
   Result r = run(base + "--random-mm-num-frames 8 --images-per-request 2 --output-json " + q(json));
   ASSERT_EQ(r.code, 0) << r.err;
   EXPECT_HAS(r.out, "dataset random-mm 64x96, 8 frames at 30 fps");
   EXPECT_HAS(r.out, "decode: generated in memory");
-  EXPECT_HAS(r.out, "request 1/3 (warm-up): 140 visual tokens | video random grid (2, 10, 14) 70 tokens | video random "
-                    "grid (2, 10, 14) 70 tokens\n");
+  EXPECT_HAS(r.out,
+             "request 1/3 (warm-up): 140 visual tokens | video random grid (2, 10, 14) 70 tokens | video random "
+             "grid (2, 10, 14) 70 tokens\n");
   EXPECT_HAS(r.out, "request 3/3: 140 visual tokens");
   const auto doc = nlohmann::json::parse(slurp(json));
   EXPECT_EQ(doc["decode"], "generated in memory");
@@ -685,10 +722,13 @@ TEST_F(Cli, BenchMmProcessorRandomClips) {
   EXPECT_HAS(r.out, "request 3/3: 70 visual tokens | image random grid (1, 14, 20) 70 tokens\n");
   EXPECT_EQ(nlohmann::json::parse(slurp(json))["stages"]["decode"]["mean_ms"].get<double>(), 0.0);
   // Bad values are clear errors; so is a video config that samples too few frames for a clip.
-  expect_one_line_error(run(base + "--random-mm-num-frames 0"), "--random-mm-num-frames must be in 1..4096 (1: images), got 0");
-  expect_one_line_error(run(base + "--random-mm-num-frames 8 --random-mm-fps 0"), "--random-mm-fps must be in (0, 1000], got 0");
-  expect_one_line_error(run(base + "--random-mm-num-frames 8 --video-max-frames 1"),
-                        "random-mm clip of 8 frames of 64x96 at 30 fps: 1 frame(s): a clip needs at least temporal_patch_size = 2");
+  expect_one_line_error(run(base + "--random-mm-num-frames 0"),
+                        "--random-mm-num-frames must be in 1..4096 (1: images), got 0");
+  expect_one_line_error(run(base + "--random-mm-num-frames 8 --random-mm-fps 0"),
+                        "--random-mm-fps must be in (0, 1000], got 0");
+  expect_one_line_error(
+      run(base + "--random-mm-num-frames 8 --video-max-frames 1"),
+      "random-mm clip of 8 frames of 64x96 at 30 fps: 1 frame(s): a clip needs at least temporal_patch_size = 2");
 }
 
 namespace {
@@ -710,8 +750,8 @@ TEST_F(Cli, EncodeFillsVllmsEncoderCache) {
   const std::string cache = file("cache");
   std::string list;
   for (const auto& p : images) list += " " + q(p);
-  Result r = run("encode synthetic:tiny --device cpu" + list + " " + q(file("broken.png")) + " --ec-storage-path " + q(cache) +
-                 " --max-batch-tokens 40");
+  Result r = run("encode synthetic:tiny --device cpu" + list + " " + q(file("broken.png")) + " --ec-storage-path " +
+                 q(cache) + " --max-batch-tokens 40");
   EXPECT_EQ(r.code, 1) << r.err;  // the broken image
   EXPECT_HAS(r.err, "image '" + file("broken.png") + "'");
   EXPECT_HAS(r.out, "3 written, 0 already there, 0 repeated, 1 failed");
@@ -729,7 +769,8 @@ TEST_F(Cli, EncodeFillsVllmsEncoderCache) {
     const fovea::TensorInfo* merged = one.find("image.0.embeddings");
     ASSERT_NE(merged, nullptr);
     std::vector<const fovea::TensorInfo*> parts = {merged};
-    for (int k = 0; const fovea::TensorInfo* d = one.find("image.0.deepstack." + std::to_string(k)); ++k) parts.push_back(d);
+    for (int k = 0; const fovea::TensorInfo* d = one.find("image.0.deepstack." + std::to_string(k)); ++k)
+      parts.push_back(d);
     const int64_t tokens = merged->shape[0], O = merged->shape[1];
     EXPECT_EQ(t->dtype, fovea::DType::BF16);
     EXPECT_EQ(t->shape, (std::vector<int64_t>{tokens, O * int64_t(parts.size())}));
@@ -765,23 +806,28 @@ TEST_F(Cli, EncodeFillsVllmsEncoderCache) {
     }
     return out;
   };
-  r = run("encode synthetic:tiny --device cpu " + q(images[0]) + " --ec-storage-path " + q(cache) + " --uuid-from data-url");
+  r = run("encode synthetic:tiny --device cpu " + q(images[0]) + " --ec-storage-path " + q(cache) +
+          " --uuid-from data-url");
   EXPECT_EQ(r.code, 0) << r.err;
-  EXPECT_TRUE(fs::exists(fs::path(cache) / hash("data:image/png;base64," + base64(slurp(images[0]))) / "encoder_cache.safetensors"));
+  EXPECT_TRUE(fs::exists(fs::path(cache) / hash("data:image/png;base64," + base64(slurp(images[0]))) /
+                         "encoder_cache.safetensors"));
   const std::string spaced = write("a b%.png", slurp(images[1]));
-  r = run("encode synthetic:tiny --device cpu " + q(spaced) + " --ec-storage-path " + q(cache) + " --uuid-from file-url");
+  r = run("encode synthetic:tiny --device cpu " + q(spaced) + " --ec-storage-path " + q(cache) +
+          " --uuid-from file-url");
   EXPECT_EQ(r.code, 0) << r.err;
   std::string as_uri = "file://";
   as_uri += fs::absolute(spaced).parent_path().string();
   as_uri += "/a%20b%25.png";
   EXPECT_TRUE(fs::exists(fs::path(cache) / hash(as_uri) / "encoder_cache.safetensors")) << as_uri;
-  expect_one_line_error(run("encode synthetic:tiny --device cpu " + q(write("x.raw", slurp(images[0]))) + " --ec-storage-path " +
-                            q(cache) + " --uuid-from data-url"),
+  expect_one_line_error(run("encode synthetic:tiny --device cpu " + q(write("x.raw", slurp(images[0]))) +
+                            " --ec-storage-path " + q(cache) + " --uuid-from data-url"),
                         "is not one it knows");
-  expect_one_line_error(run("encode synthetic:tiny --device cpu" + list + " --ec-storage-path " + q(cache) + " --uuid-from md5"),
-                        "--uuid-from: 'md5' is not one of sha256, filename, data-url, file-url");
-  expect_one_line_error(run("encode synthetic:tiny --device cpu" + list + " --ec-storage-path " + q(cache) + " -o x.safetensors"),
-                        "two different outputs");
+  expect_one_line_error(
+      run("encode synthetic:tiny --device cpu" + list + " --ec-storage-path " + q(cache) + " --uuid-from md5"),
+      "--uuid-from: 'md5' is not one of sha256, filename, data-url, file-url");
+  expect_one_line_error(
+      run("encode synthetic:tiny --device cpu" + list + " --ec-storage-path " + q(cache) + " -o x.safetensors"),
+      "two different outputs");
 }
 
 // Clips fill the encoder cache too, beside images: the clip's file holds the rows `encode -o` writes
@@ -804,7 +850,8 @@ TEST_F(Cli, EncodeFillsTheEncoderCacheWithClips) {
   ASSERT_NE(t, nullptr);
   std::vector<const fovea::TensorInfo*> parts = {one.find("video.0.embeddings")};
   ASSERT_NE(parts[0], nullptr);
-  for (int k = 0; const fovea::TensorInfo* d = one.find("video.0.deepstack." + std::to_string(k)); ++k) parts.push_back(d);
+  for (int k = 0; const fovea::TensorInfo* d = one.find("video.0.deepstack." + std::to_string(k)); ++k)
+    parts.push_back(d);
   const int64_t tokens = parts[0]->shape[0], O = parts[0]->shape[1];
   EXPECT_EQ(tokens, 90);  // vp9.webm at the class defaults: grid (3, 10, 12)
   ASSERT_EQ(t->shape, (std::vector<int64_t>{tokens, O * int64_t(parts.size())}));
@@ -825,8 +872,8 @@ TEST_F(Cli, EncodeRefusesFifosAndDevicesAtOnce) {
   const std::string fifo = file("clip.mp4");
   ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
   for (const std::string& input : {fifo, std::string("/dev/zero")}) {
-    for (const std::string& out : {" -o " + q(file("out.safetensors")),
-                                   " --ec-storage-path " + q(file("cache")) + " --uuid-from filename"}) {
+    for (const std::string& out :
+         {" -o " + q(file("out.safetensors")), " --ec-storage-path " + q(file("cache")) + " --uuid-from filename"}) {
       SCOPED_TRACE(input + out);
       const auto t0 = std::chrono::steady_clock::now();
       const Result r = run_within(10, "encode synthetic:tiny --device cpu " + q(input) + out);

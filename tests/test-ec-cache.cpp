@@ -40,15 +40,18 @@ std::span<const uint8_t> bytes_of(std::string_view s) { return {reinterpret_cast
 TEST(Sha256, KnownAnswers) {
   EXPECT_EQ(sha256_hex(bytes_of("")), "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855");
   EXPECT_EQ(sha256_hex(bytes_of("abc")), "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
-  EXPECT_EQ(sha256_hex(std::string_view("abc")), sha256_hex(bytes_of("abc"))) << "the text overload hashes the same bytes";
-  EXPECT_EQ(sha256_hex(bytes_of("abcdbcdecdefdefgefghfghighijhijkijkljklmklmnlmnomnopnopq")),  // 56 bytes: two tail blocks
-            "248d6a61d20638b8e5c026930c3e6039a33ce45964ff2167f6ecedd419db06c1");
+  EXPECT_EQ(sha256_hex(std::string_view("abc")), sha256_hex(bytes_of("abc")))
+      << "the text overload hashes the same bytes";
+  EXPECT_EQ(
+      sha256_hex(bytes_of("abcdbcdecdefdefgefghfghighijhijkijkljklmklmnlmnomnopnopq")),  // 56 bytes: two tail blocks
+      "248d6a61d20638b8e5c026930c3e6039a33ce45964ff2167f6ecedd419db06c1");
   EXPECT_EQ(sha256_hex(bytes_of(std::string(1000000, 'a'))),
             "cdc76e5c9914fb9281a1c7e284d73e67f1809a48a497200e046d39ccc7112cd0");
 }
 
 TEST(EcCache, KeysAreOneSafeFolderName) {
-  for (const std::string& ok : std::vector<std::string>{"a", "0c4f-uuid", "sha256:abc", std::string(255, 'k'), ".hidden", "a b"})
+  for (const std::string& ok :
+       std::vector<std::string>{"a", "0c4f-uuid", "sha256:abc", std::string(255, 'k'), ".hidden", "a b"})
     EXPECT_EQ(ec_key_problem(ok), "") << ok;
   EXPECT_HAS(ec_key_problem(""), "empty");
   EXPECT_HAS(ec_key_problem(std::string(256, 'k')), "256 bytes");
@@ -127,7 +130,8 @@ TEST(EcCache, FileIsVllmsLayout) {
     const std::string path = cache.path_of(key);
     EXPECT_EQ(path, (fs::path(dir.file("cache")) / key / "encoder_cache.safetensors").string());
     std::vector<std::string> names;
-    for (const auto& e : fs::directory_iterator(fs::path(path).parent_path())) names.push_back(e.path().filename().string());
+    for (const auto& e : fs::directory_iterator(fs::path(path).parent_path()))
+      names.push_back(e.path().filename().string());
     EXPECT_EQ(names, std::vector<std::string>{"encoder_cache.safetensors"});
     const std::string bytes = test::slurp(path);
     const auto ts = parse_safetensors(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size(), path);
@@ -151,7 +155,8 @@ TEST(EcCache, FileIsVllmsLayout) {
     ASSERT_EQ(back.rows.deepstack.size(), k);
     for (size_t d = 0; d < k; ++d)
       EXPECT_TRUE(std::equal(back.rows.deepstack[d].begin(), back.rows.deepstack[d].end(), out.deepstack[d].begin(),
-                             out.deepstack[d].end())) << "deepstack " << d;
+                             out.deepstack[d].end()))
+          << "deepstack " << d;
     EXPECT_TRUE(cache.load(key, {1, 2, int(tokens) * 2}, cfg, /*with_deepstack=*/false).rows.deepstack.empty());
     EXPECT_HAS(error_of([&] { cache.load(key, {1, 2, int(tokens + 1) * 2}, cfg); }), "not BF16 [38");
     const EcCache::Stats s = cache.stats();
@@ -159,10 +164,11 @@ TEST(EcCache, FileIsVllmsLayout) {
     EXPECT_EQ(s.misses, 1u);
     EXPECT_EQ(s.writes, 1u);
   }
-  EXPECT_HAS(error_of([&] {
-               EcCache(dir.file("cache"), 0).store("a/b", random_outputs(1, 4, 0, 1).view(), {1, 2, 2}, config_with(4, 0));
-             }),
-             "'/'");
+  EXPECT_HAS(
+      error_of([&] {
+        EcCache(dir.file("cache"), 0).store("a/b", random_outputs(1, 4, 0, 1).view(), {1, 2, 2}, config_with(4, 0));
+      }),
+      "'/'");
 }
 
 // A reader polling for the file while entries are rewritten never opens a partial one.
@@ -192,7 +198,8 @@ TEST(EcCache, ReaderNeverSeesAPartialFile) {
     }
   });
   for (int i = 0; i < 40; ++i)
-    cache.store("k", random_outputs(size_t(200 + 97 * (i % 5)), 16, 3, unsigned(i)).view(), {1, 2, 2}, config_with(16, 3));
+    cache.store("k", random_outputs(size_t(200 + 97 * (i % 5)), 16, 3, unsigned(i)).view(), {1, 2, 2},
+                config_with(16, 3));
   done = true;
   reader.join();
   EXPECT_GT(opened, 0);
@@ -206,7 +213,8 @@ TEST(EcCache, FailedWriteLeavesNothing) {
   TempDir dir;
   EcCache cache(dir.file("c"), 0);
   fs::create_directories(fs::path(dir.file("c")) / "was-there");
-  struct sigaction ignore {}, old {};
+  struct sigaction ignore {
+  }, old{};
   ignore.sa_handler = SIG_IGN;
   sigaction(SIGXFSZ, &ignore, &old);
   rlimit saved{};
@@ -481,7 +489,6 @@ TEST(EcCache, ExternalDeletionShowsInStatsAndBudget) {
   EXPECT_TRUE(fs::exists(cache.path_of("d")));
 }
 
-
 // --ec-storage-min-age: a negative or non-finite age is an error naming the flag, at the cache too.
 TEST(EcCacheMinAge, NegativeOrNonFiniteIsAnError) {
   TempDir dir;
@@ -576,9 +583,9 @@ TEST(EcCacheMinAge, OldEntriesGoAndAHitProtectsAgain) {
   EXPECT_TRUE(fs::exists(cache.path_of("a")));
   std::this_thread::sleep_for(past_min_age);
   EXPECT_TRUE(cache.lookup("c"));  // c young, a old: a store c alone keeps from fitting is refused...
-  EXPECT_THROW(cache.store("big", random_outputs(kTokens * 2, 16, 1, 9).view(), {1, 2, int(kTokens) * 4},
-                           config_with(16, 1)),
-               EcCacheFull);
+  EXPECT_THROW(
+      cache.store("big", random_outputs(kTokens * 2, 16, 1, 9).view(), {1, 2, int(kTokens) * 4}, config_with(16, 1)),
+      EcCacheFull);
   EXPECT_TRUE(fs::exists(cache.path_of("a")));  // ...and a, old, is not evicted for nothing
   store_small(cache, "d");                      // one that fits once a goes: a goes
   EXPECT_FALSE(fs::exists(cache.path_of("a")));
@@ -632,14 +639,14 @@ TEST(EcCacheMinAge, CountersCountVanishedFilesAndLoadFailures) {
   std::ofstream(cache.path_of("c"), std::ios::binary | std::ios::trunc) << good.substr(0, good.size() / 2);
   EXPECT_THROW(cache.load("c", kGrid, cfg), Error);  // damaged, still there: a failure, not vanished
   fs::remove(cache.path_of("d"));
-  EXPECT_THROW(cache.load("d", kGrid, cfg), Error);  // gone: both
+  EXPECT_THROW(cache.load("d", kGrid, cfg), Error);        // gone: both
   const std::vector<uint8_t> values(kTokens * 32 * 2, 7);  // another writer's file, no mark, in e's place
   write_safetensors(cache.path_of("e"), {{"ec_cache", DType::BF16, {int64_t(kTokens), 32}, values, {}}});
   EXPECT_EQ(cache.load("e", kGrid, cfg).rows.merged.size(), kTokens * 16);  // read, and now another writer's
   EcCache::Stats s = cache.stats();
   EXPECT_EQ(s.vanished, 4u);
   EXPECT_EQ(s.load_failures, 2u);
-  EXPECT_EQ(s.files, 1);  // c
+  EXPECT_EQ(s.files, 1);          // c
   EXPECT_EQ(s.foreign_files, 1);  // e
   // Eviction finding its file replaced by another writer's: not deleted, counted.
   EcCache budget(dir.file("b"), 2 * one + one / 2, 0);
@@ -664,7 +671,8 @@ TEST(VllmMmHash, MatchesVllmsHasher) {
   EXPECT_EQ(fovea::vllm_mm_hash("synthetic:tiny", fovea::InputKind::IMAGE, "abc", k), "abc");  // nothing: the uuid
   k.processor = nlohmann::ordered_json::object();
   k.media_io = nlohmann::ordered_json::parse(R"({"image": {}, "video": null})");
-  EXPECT_EQ(fovea::vllm_mm_hash("synthetic:tiny", fovea::InputKind::IMAGE, "abc", k), "abc");  // {} and null say nothing
+  EXPECT_EQ(fovea::vllm_mm_hash("synthetic:tiny", fovea::InputKind::IMAGE, "abc", k),
+            "abc");  // {} and null say nothing
   k.processor = nlohmann::ordered_json::parse(R"({"max_pixels": 40000})");
   EXPECT_EQ(fovea::vllm_mm_hash("synthetic:tiny", fovea::InputKind::IMAGE, "abc", k),
             "0bdbb3792a85f586bb922c2aa5e2634801cd0a31ee208ece60351a3b23567a0e");
@@ -680,7 +688,8 @@ TEST(VllmMmHash, MatchesVllmsHasher) {
   k.processor = nlohmann::ordered_json::parse(R"({"size": {"shortest_edge": 4096, "longest_edge": 65536}})");
   fovea::MmKwargs swapped;
   swapped.processor = nlohmann::ordered_json::parse(R"({"size": {"longest_edge": 65536, "shortest_edge": 4096}})");
-  EXPECT_NE(fovea::vllm_mm_hash("m", fovea::InputKind::IMAGE, "u", k), fovea::vllm_mm_hash("m", fovea::InputKind::IMAGE, "u", swapped));
+  EXPECT_NE(fovea::vllm_mm_hash("m", fovea::InputKind::IMAGE, "u", k),
+            fovea::vllm_mm_hash("m", fovea::InputKind::IMAGE, "u", swapped));
   // Only videos_kwargs: an image's identifier is its uuid, a clip's is hashed.
   k.processor = nlohmann::ordered_json::parse(R"({"videos_kwargs": {"fps": 1}})");
   EXPECT_EQ(fovea::vllm_mm_hash("m", fovea::InputKind::IMAGE, "u", k), "u");
@@ -709,7 +718,8 @@ TEST(MmKwargs, AppliedWithinTheServersLimits) {
   EXPECT_EQ(lower.video.fps, 1);
   EXPECT_EQ(lower.video.num_frames, 4);
   EXPECT_EQ(lower.video.max_pixels, server.video.max_pixels);  // flat max_pixels: images only
-  const fovea::InputConfig sized = apply(R"({"size": {"longest_edge": 50000}, "videos_kwargs": {"max_pixels": 60000}})");
+  const fovea::InputConfig sized =
+      apply(R"({"size": {"longest_edge": 50000}, "videos_kwargs": {"max_pixels": 60000}})");
   EXPECT_EQ(sized.image.max_pixels, 50000);
   EXPECT_EQ(sized.video.max_pixels, 60000);
   EXPECT_EQ(apply(R"({"images_kwargs": {"min_pixels": 1024, "max_pixels": 2048}})").image.min_pixels, 1024);

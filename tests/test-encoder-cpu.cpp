@@ -230,8 +230,10 @@ TEST(EncoderForward, RejectsBadInputs) {
 
 TEST(EncoderLoad, Qwen35ConfigsHaveNoDeepstackAndPrefixesAndDtypesVary) {
   // Qwen3.5: same ViT, no deepstack key; Qwen3-VL without the key gets the class default.
-  EXPECT_TRUE(parse_config(R"({"model_type": "qwen3_5", "vision_config": {"out_hidden_size": 4096}})", "c").deepstack.empty());
-  EXPECT_EQ(parse_config(R"({"model_type": "qwen3_vl", "vision_config": {}})", "c").deepstack, (std::vector<int>{8, 16, 24}));
+  EXPECT_TRUE(
+      parse_config(R"({"model_type": "qwen3_5", "vision_config": {"out_hidden_size": 4096}})", "c").deepstack.empty());
+  EXPECT_EQ(parse_config(R"({"model_type": "qwen3_vl", "vision_config": {}})", "c").deepstack,
+            (std::vector<int>{8, 16, 24}));
   EXPECT_HAS(error_of([] { parse_config(R"({"vision_config": {"hidden_size": 1000}})", "cfg.json"); }), "num_heads");
   EXPECT_HAS(error_of([] { parse_config(R"({"vision_config": {"depth": "x"}})", "cfg.json"); }), "vision_config.depth");
   EXPECT_HAS(error_of([] { parse_config("{", "cfg.json"); }), "cfg.json");
@@ -310,7 +312,10 @@ TEST(EncoderSave, SyntheticRoundTripsThroughACheckpoint) {
   EXPECT_HAS(error_of([&] { save_model(a, (dir.path / "missing").string()); }), "does not exist");
   const fs::path cli = dir.path / "cli";
   fs::create_directories(cli);
-  ASSERT_EQ(std::system((std::string("'") + FOVEA_BIN + "' export-model synthetic:tiny '" + cli.string() + "' >/dev/null").c_str()), 0);
+  ASSERT_EQ(
+      std::system(
+          (std::string("'") + FOVEA_BIN + "' export-model synthetic:tiny '" + cli.string() + "' >/dev/null").c_str()),
+      0);
   EXPECT_EQ(load_model(cli.string()).weights.merger.fc2.w, a.weights.merger.fc2.w);
 }
 
@@ -358,7 +363,8 @@ TEST(Fp8Linear, IsTheQuantizedProductWithPerRowAndPerChannelScales) {
     for (int o = 0; o < out; ++o) {
       const double ws = quantized(l.w.data() + o * in, in, wq);
       double acc = 0, mag = 0;  // mag: the sum of |terms|, what bounds fp32 summation error
-      for (int i = 0; i < in; ++i) acc += xq[size_t(i)] * wq[size_t(i)], mag += std::fabs(xq[size_t(i)] * wq[size_t(i)]);
+      for (int i = 0; i < in; ++i)
+        acc += xq[size_t(i)] * wq[size_t(i)], mag += std::fabs(xq[size_t(i)] * wq[size_t(i)]);
       const double want = acc * xs * ws + l.b[size_t(o)];
       const double got = y[size_t(r * out + o)];
       worst = std::max(worst, std::fabs(got - want) / (mag * xs * ws + std::fabs(l.b[size_t(o)]) + 1e-30));
@@ -368,7 +374,8 @@ TEST(Fp8Linear, IsTheQuantizedProductWithPerRowAndPerChannelScales) {
   EXPECT_LT(worst, 1e-5);  // fp32 summation of exact products
 
   // Per-row scales: the large row's relative error is that of an ordinary row.
-  const std::vector<float> ref = linear_fp8(Linear{l.w, std::vector<float>(size_t(out), 0.f), out, in, std::nullopt}, x, rows);
+  const std::vector<float> ref =
+      linear_fp8(Linear{l.w, std::vector<float>(size_t(out), 0.f), out, in, std::nullopt}, x, rows);
   auto row_rel = [&](int r) {
     double num = 0, den = 0;
     for (int o = 0; o < out; ++o) {
@@ -460,10 +467,10 @@ TEST(EncoderFp8, RobustSchemeHoldsUpUnderOutlierChannels) {
   EXPECT_LT(robust, 1.5 * bf16);
 
   // Static robust scales: the fine scales a file would hold, one per layer, used as given.
-  std::vector<FineScales> fine(size_t(m.config.depth), FineScales{std::vector<float>(size_t(H), 1e-3f),
-                                                                   std::vector<float>(size_t(H), 1e-3f),
-                                                                   std::vector<float>(size_t(H) * hd, 1e-3f),
-                                                                   std::vector<float>(size_t(H) * hd, 0.0f)});
+  std::vector<FineScales> fine(
+      size_t(m.config.depth),
+      FineScales{std::vector<float>(size_t(H), 1e-3f), std::vector<float>(size_t(H), 1e-3f),
+                 std::vector<float>(size_t(H) * hd, 1e-3f), std::vector<float>(size_t(H) * hd, 0.0f)});
   ScaleBook book = ScaleBook::dynamic(m.config.depth);
   ForwardOptions o;
   o.attention = cpu::RefMode::FP8;
@@ -535,7 +542,8 @@ TEST(EncoderFp8, AutoRunsRobustOnlyOnTheLayersThatNeedIt) {
   const Golden g = load_golden();
   TempDir dir;
   const Model m = outlier_model(), plain = load_model(kTiny);
-  const ScaleFile file = calibrate_robust(m, g, dir.file("outliers.json")), calm = calibrate_robust(plain, g, dir.file("plain.json"));
+  const ScaleFile file = calibrate_robust(m, g, dir.file("outliers.json")),
+                  calm = calibrate_robust(plain, g, dir.file("plain.json"));
   for (int l = 0; l < m.config.depth; ++l) {
     std::printf("layer %d robust gain: plain %.3f, outlier channels %.3f\n", l, calm.fine.at(l).robust_gain,
                 file.fine.at(l).robust_gain);

@@ -95,7 +95,7 @@ TEST(ResolveEngine, AutoOnAmpereIsCudnn) {
 TEST(ResolveEngine, CudnnLimitsAreErrorsThatSayWhy) {
   const std::string fp8 = error_of({.backend = "CUDNN", .dtype = "fp8"}, h200());
   EXPECT_HAS(fp8, "runs BF16 only");
-  EXPECT_HAS(fp8, "FOVEA (--device cuda)");  // FP8 runs on this H200 with FOVEA
+  EXPECT_HAS(fp8, "FOVEA (--device cuda)");                              // FP8 runs on this H200 with FOVEA
   EXPECT_HAS(error_of({.dtype = "fp8"}, a100()), "needs a Hopper GPU");  // AUTO FP8 is FOVEA's: not on Ampere
   SystemInfo old = a100();
   old.cudnn_version = 91400;
@@ -142,8 +142,7 @@ TEST(ResolveEngine, Fp8ScaleModes) {
   EXPECT_EQ(st.scale_file->layers.at(1), (QkvScales{1, 2, 4}));
 
   const std::string save = dir.file("out.json");
-  const EngineConfig cal =
-      resolve_engine({.dtype = "fp8", .scale_save_path = save, .scale_save_margin = 2.0}, h200());
+  const EngineConfig cal = resolve_engine({.dtype = "fp8", .scale_save_path = save, .scale_save_margin = 2.0}, h200());
   EXPECT_EQ(cal.scale_mode, ScaleMode::CALIBRATE);
   EXPECT_EQ(cal.scale_save_path, save);
   EXPECT_EQ(cal.scale_save_margin, 2.0f);
@@ -183,7 +182,8 @@ TEST(ResolveEngine, Fp8Scheme) {
   EngineOptions st = r;
   st.scale_path = dir.write("plain.json", kValidScales);
   EXPECT_NE(err(st, no_gpu()).find("needs the file's fine scales"), std::string::npos);
-  const std::string fine = dir.write("fine.json",
+  const std::string fine = dir.write(
+      "fine.json",
       R"({"visual.blocks.0.attn.attn": {"q": 1, "k": 1, "v": 1, "fovea_q_head": [1], "fovea_k_head": [1], "fovea_v_channel": [1, 2], "fovea_k_mean": [0, 0]},
           "visual.blocks.1.attn.attn": {"q": 1, "k": 1, "v": 1, "fovea_q_head": [2], "fovea_k_head": [2], "fovea_v_channel": [3, 4], "fovea_k_mean": [1, -1]}})");
   st.scale_path = fine;
@@ -212,7 +212,8 @@ TEST(ResolveEngine, Fp8SchemeAutoChoosesPerLayerFromTheFile) {
   auto layer = [](int l, const std::string& gain) {
     const std::string g = gain.empty() ? "" : ", \"fovea_robust_gain\": " + gain;
     return "\"visual.blocks." + std::to_string(l) + ".attn.attn\": {\"q\": 1, \"k\": 2, \"v\": 3, \"fovea_q_head\": [" +
-           std::to_string(l + 1) + "], \"fovea_k_head\": [1], \"fovea_v_channel\": [1, 2], \"fovea_k_mean\": [0, 5]" + g + "}";
+           std::to_string(l + 1) + "], \"fovea_k_head\": [1], \"fovea_v_channel\": [1, 2], \"fovea_k_mean\": [0, 5]" +
+           g + "}";
   };
   o.scale_path = dir.write("mixed.json", "{" + layer(0, "1.2") + ", " + layer(1, "7.5") + ", " + layer(2, "2") + "}");
   const EngineConfig mixed = resolve_engine(o, h200());
@@ -271,7 +272,9 @@ TEST(ResolveEngineErrors, ScaleOptions) {
       {"scale path with bf16", {.dtype = "bf16", .scale_path = scales}, {kScaleFlag, kDtypeFlag}},
       {"save path without fp8", {.scale_save_path = save}, {kSaveFlag, kDtypeFlag}},
       {"both paths", {.dtype = "fp8", .scale_path = scales, .scale_save_path = save}, {kScaleFlag, kSaveFlag}},
-      {"save folder missing", {.dtype = "fp8", .scale_save_path = dir.file("missing/out.json")}, {kSaveFlag, "missing"}},
+      {"save folder missing",
+       {.dtype = "fp8", .scale_save_path = dir.file("missing/out.json")},
+       {kSaveFlag, "missing"}},
       {"save path is a folder", {.dtype = "fp8", .scale_save_path = dir.file("folder")}, {kSaveFlag, "folder"}},
       {"margin 0", {.dtype = "fp8", .scale_save_path = save, .scale_save_margin = 0.0}, {kMarginFlag}},
       {"margin -1", {.dtype = "fp8", .scale_save_path = save, .scale_save_margin = -1.0}, {kMarginFlag}},
@@ -367,7 +370,8 @@ TEST(ScaleBookFromEngine, FollowsTheScaleMode) {
   EXPECT_EQ(st.mode(), ScaleMode::STATIC);
   EXPECT_EQ(st.scales(1), (QkvScales{1, 2, 4}));
   // The file has layers 0 and 1: a 3-layer model is an error naming the file and the missing layer.
-  const std::string e = fovea::test::error_of([&] { make_scale_book(resolve_engine({.dtype = "fp8", .scale_path = file}, sys), 3); });
+  const std::string e =
+      fovea::test::error_of([&] { make_scale_book(resolve_engine({.dtype = "fp8", .scale_path = file}, sys), 3); });
   EXPECT_HAS(e, file);
   EXPECT_HAS(e, "visual.blocks.2.attn.attn");
   EXPECT_HAS(fovea::test::error_of([&] { make_scale_book(resolve_engine({}, sys), 2); }), "bf16");
@@ -397,7 +401,8 @@ TEST(ResolveEngine, BestBackendIsOneRule) {
   for (const char* dtype : {"bf16", "fp8"})
     for (const SystemInfo& sys : {h200(), a100()}) {
       const EngineOptions o{.dtype = dtype, .device = "cuda"};
-      const AttnBackend want = best_backend(dtype == std::string("fp8") ? AttnDtype::FP8 : AttnDtype::BF16, Device::CUDA, sys);
+      const AttnBackend want =
+          best_backend(dtype == std::string("fp8") ? AttnDtype::FP8 : AttnDtype::BF16, Device::CUDA, sys);
       if (!backend_unsupported(want, dtype == std::string("fp8") ? AttnDtype::FP8 : AttnDtype::BF16, Device::CUDA, sys))
         EXPECT_EQ(resolve_engine(o, sys).backend, want) << dtype << " on " << sys.gpus[0].name;
     }

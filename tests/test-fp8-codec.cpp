@@ -91,16 +91,16 @@ TEST(Fp8Codec, Bf16MatchesCudaOnEveryFloat) {
 TEST(Fp8Codec, SpecExamples) {
   EXPECT_EQ(e4m3_from_float(448.0f), 0x7E);
   EXPECT_EQ(e4m3_from_float(-448.0f), 0xFE);
-  EXPECT_EQ(e4m3_from_float(1e9f), 0x7E);                           // saturates
-  EXPECT_EQ(e4m3_from_float(-INFINITY), 0xFE);                      // no infinities in E4M3
+  EXPECT_EQ(e4m3_from_float(1e9f), 0x7E);       // saturates
+  EXPECT_EQ(e4m3_from_float(-INFINITY), 0xFE);  // no infinities in E4M3
   EXPECT_EQ(e4m3_from_float(NAN), kE4M3NaN);
-  EXPECT_EQ(e4m3_from_float(1.0f), 0x38);                           // exponent 7 = bias
-  EXPECT_EQ(e4m3_from_float(1.0625f), 0x38);                        // halfway 1 and 1.125: to even
-  EXPECT_EQ(e4m3_from_float(1.1875f), 0x3A);                        // halfway 1.125 and 1.25: to even
-  EXPECT_EQ(e4m3_from_float(std::ldexp(1.0f, -9)), 0x01);           // smallest subnormal
-  EXPECT_EQ(e4m3_from_float(std::ldexp(1.0f, -10)), 0x00);          // half of it: ties to even (0)
-  EXPECT_EQ(e4m3_from_float(std::ldexp(1.5f, -9)), 0x02);           // 1.5 units: ties to even (2)
-  EXPECT_EQ(e4m3_from_float(std::ldexp(1.0f, -6)), 0x08);           // smallest normal
+  EXPECT_EQ(e4m3_from_float(1.0f), 0x38);                   // exponent 7 = bias
+  EXPECT_EQ(e4m3_from_float(1.0625f), 0x38);                // halfway 1 and 1.125: to even
+  EXPECT_EQ(e4m3_from_float(1.1875f), 0x3A);                // halfway 1.125 and 1.25: to even
+  EXPECT_EQ(e4m3_from_float(std::ldexp(1.0f, -9)), 0x01);   // smallest subnormal
+  EXPECT_EQ(e4m3_from_float(std::ldexp(1.0f, -10)), 0x00);  // half of it: ties to even (0)
+  EXPECT_EQ(e4m3_from_float(std::ldexp(1.5f, -9)), 0x02);   // 1.5 units: ties to even (2)
+  EXPECT_EQ(e4m3_from_float(std::ldexp(1.0f, -6)), 0x08);   // smallest normal
   EXPECT_EQ(e4m3_to_float(0x7E), 448.0f);
   EXPECT_EQ(e4m3_to_float(0x01), std::ldexp(1.0f, -9));
   EXPECT_TRUE(std::isnan(e4m3_to_float(0xFF)));
@@ -112,8 +112,13 @@ TEST(Fp8Codec, SpecExamples) {
 // included), and edge operands; the E4M3 codes agree with them.
 TEST(Fp8Codec, DivisionByReciprocalIsTheDivision) {
   std::mt19937_64 rng(test::fresh_seed());
-  const auto bits = [](uint32_t u) { float x; std::memcpy(&x, &u, 4); return x; };
-  std::vector<float> xs = {0.0f, -0.0f, 1.0f, -1.0f, 448.0f, 0x1p-100f, 0x1p-101f, 0x1.fep-101f, 65504.0f, 3e38f, bits(0x00010000u)};
+  const auto bits = [](uint32_t u) {
+    float x;
+    std::memcpy(&x, &u, 4);
+    return x;
+  };
+  std::vector<float> xs = {0.0f,      -0.0f,        1.0f,     -1.0f, 448.0f,           0x1p-100f,
+                           0x1p-101f, 0x1.fep-101f, 65504.0f, 3e38f, bits(0x00010000u)};
   std::vector<float> ss = {FLT_MIN, 1.0f, 0x1p-100f, 0x1p100f, 0x1.fffffep-1f, 0x1.000002p0f, 3.0f, 1e-30f, 1e30f};
   int64_t n = 0;
   for (int i = 0; i < 4000000; ++i) {

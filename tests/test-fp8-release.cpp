@@ -135,18 +135,24 @@ void add_fp8(std::vector<TensorToWrite>& out, const std::string& name, const std
 
 json quantization_config(const Layout& l) {
   if (l.method == "compressed-tensors") {
-    const json w = {{"num_bits", 8}, {"type", "float"}, {"symmetric", true}, {"strategy", "channel"},
+    const json w = {{"num_bits", 8},    {"type", "float"},       {"symmetric", true},         {"strategy", "channel"},
                     {"dynamic", false}, {"group_size", nullptr}, {"block_structure", nullptr}};
     const json a = {{"num_bits", 8}, {"type", "float"}, {"symmetric", true}, {"strategy", "token"}, {"dynamic", true}};
     json ignore = {"lm_head"};
     if (!l.vision_fp8) ignore.push_back("re:.*visual.*");
-    return {{"quant_method", "compressed-tensors"}, {"format", "float-quantized"}, {"quantization_status", "compressed"},
-            {"ignore", ignore}, {"config_groups", {{"group_0", {{"targets", {"Linear"}}, {"weights", w}, {"input_activations", a}}}}}};
+    return {{"quant_method", "compressed-tensors"},
+            {"format", "float-quantized"},
+            {"quantization_status", "compressed"},
+            {"ignore", ignore},
+            {"config_groups", {{"group_0", {{"targets", {"Linear"}}, {"weights", w}, {"input_activations", a}}}}}};
   }
   json skip = {"lm_head"};
   if (!l.vision_fp8) skip.push_back("model.visual");
-  return {{"quant_method", "fp8"}, {"fmt", "e4m3"}, {"activation_scheme", "dynamic"},
-          {"weight_block_size", l.block}, {"modules_to_not_convert", skip}};
+  return {{"quant_method", "fp8"},
+          {"fmt", "e4m3"},
+          {"activation_scheme", "dynamic"},
+          {"weight_block_size", l.block},
+          {"modules_to_not_convert", skip}};
 }
 
 // The tiny golden model's vision tower (tests/data/qwen3vl-tiny, BF16) inside a release whose
@@ -225,9 +231,8 @@ void expect_loads_as_reference(const Layout& l) {
   });
   EXPECT_EQ(fp8 > 0, l.vision_fp8);
   // The language model was skipped by name, FP8 and all.
-  const Checkpoint ck = Checkpoint::open((dir.path / "release").string(), [](const std::string& n) {
-    return n.rfind("model.visual.", 0) == 0;
-  });
+  const Checkpoint ck = Checkpoint::open((dir.path / "release").string(),
+                                         [](const std::string& n) { return n.rfind("model.visual.", 0) == 0; });
   EXPECT_EQ(ck.skipped().count("model.language_model.layers.0.mlp.down_proj.weight"), 1u);
   EXPECT_EQ(ck.skipped().count("lm_head.weight"), 1u);
 }
@@ -261,7 +266,9 @@ TEST(Fp8Release, CompressedTensorsPerChannel) {
 }
 
 TEST(Fp8Release, QuantizationConfigIsRead) {
-  const auto q = [](const json& qc) { return parse_quantization_config(json{{"quantization_config", qc}}.dump(), "m/config.json"); };
+  const auto q = [](const json& qc) {
+    return parse_quantization_config(json{{"quantization_config", qc}}.dump(), "m/config.json");
+  };
   EXPECT_EQ(parse_quantization_config("{}", "c").method, "");
   const QuantConfig fp8 = q(quantization_config({"fp8", {128, 128}, false}));
   EXPECT_EQ(fp8.method, "fp8");
@@ -313,17 +320,22 @@ TEST(Fp8Release, CommandsReadIt) {
   const std::vector<uint8_t> png = encode_png_rgb(64, 48, rgb);
   const fs::path img = dir.write("img.png", std::string(png.begin(), png.end())), err = dir.path / "err";
   auto encode = [&](const fs::path& model, const std::string& out) {  // every output tensor's bytes
-    EXPECT_EQ(run_fovea("encode " + q(model) + " " + q(img) + " --device cpu --output-dtype f32 -o " + q(dir.path / out), err), 0)
+    EXPECT_EQ(
+        run_fovea("encode " + q(model) + " " + q(img) + " --device cpu --output-dtype f32 -o " + q(dir.path / out),
+                  err),
+        0)
         << slurp(err);
     std::map<std::string, std::vector<uint8_t>> t;
     const Checkpoint ck = Checkpoint::open((dir.path / out).string());
-    for (const auto& [name, info] : ck.tensors())
-      t[name] = std::vector<uint8_t>(info.data, info.data + info.bytes);
+    for (const auto& [name, info] : ck.tensors()) t[name] = std::vector<uint8_t>(info.data, info.data + info.bytes);
     EXPECT_FALSE(t.empty());
     return t;
   };
   EXPECT_EQ(encode(dir.path / "bf16-vision", "a.safetensors"), encode(kTiny, "b.safetensors"));
-  EXPECT_EQ(run_fovea("check-golden " + q(dir.path / "bf16-vision") + " " + q(kTiny + "/golden.safetensors") + " --device cpu", err), 0)
+  EXPECT_EQ(run_fovea("check-golden " + q(dir.path / "bf16-vision") + " " + q(kTiny + "/golden.safetensors") +
+                          " --device cpu",
+                      err),
+            0)
       << slurp(err);
   for (const char* name : {"fp8-vision", "ct-vision"}) {
     const fs::path exported = dir.path / (std::string(name) + "-bf16");
@@ -382,7 +394,11 @@ TEST(Fp8ReleaseErrors, ScalesNameTheTensor) {
   });
   EXPECT_HAS(m, "a scale of dtype F16: FP8 scales are F32 or BF16");
   // The per-channel layout: [out, 1].
-  m = load_error([](Release& r) { tensor(r, kQkv + ".weight_scale")->shape = {1, 192}; }, {"compressed-tensors", {}, true});
+  m = load_error(
+      [](Release& r) {
+        tensor(r, kQkv + ".weight_scale")->shape = {1, 192};
+      },
+      {"compressed-tensors", {}, true});
   EXPECT_HAS(m, "tensor '" + kQkv + ".weight_scale'");
   EXPECT_HAS(m, "shape [1, 192], expected [192, 1]");
 }
@@ -391,11 +407,20 @@ TEST(Fp8ReleaseErrors, MissingOrOrphanTensors) {
   std::string m = load_error([](Release& r) {
     std::erase_if(r.vision, [](const TensorToWrite& t) { return t.name == kQkv + ".weight_scale_inv"; });
   });
-  EXPECT_HAS(m, "tensor '" + kQkv + ".weight' is F8_E4M3 without its scale: '" + kQkv + ".weight_scale_inv' is not in the checkpoint");
-  m = load_error([](Release& r) { r.vision.push_back({"model.visual.blocks.0.attn.extra.weight_scale_inv", DType::F32, {1, 1}, bytes_of(std::vector<float>{1})}); });
+  EXPECT_HAS(m, "tensor '" + kQkv + ".weight' is F8_E4M3 without its scale: '" + kQkv +
+                    ".weight_scale_inv' is not in the checkpoint");
+  m = load_error([](Release& r) {
+    r.vision.push_back(
+        {"model.visual.blocks.0.attn.extra.weight_scale_inv", DType::F32, {1, 1}, bytes_of(std::vector<float>{1})});
+  });
   EXPECT_HAS(m, "tensor 'model.visual.blocks.0.attn.extra.weight_scale_inv' is a scale without its tensor");
-  m = load_error([](Release& r) { r.vision.push_back({"model.visual.blocks.0.norm1.weight_scale_inv", DType::F32, {1, 1}, bytes_of(std::vector<float>{1})}); });
-  EXPECT_HAS(m, "tensor 'model.visual.blocks.0.norm1.weight_scale_inv' is a scale of 'model.visual.blocks.0.norm1.weight', which is BF16, not F8_E4M3");
+  m = load_error([](Release& r) {
+    r.vision.push_back(
+        {"model.visual.blocks.0.norm1.weight_scale_inv", DType::F32, {1, 1}, bytes_of(std::vector<float>{1})});
+  });
+  EXPECT_HAS(m,
+             "tensor 'model.visual.blocks.0.norm1.weight_scale_inv' is a scale of "
+             "'model.visual.blocks.0.norm1.weight', which is BF16, not F8_E4M3");
   // A compressed-tensors scale in an fp8 release.
   m = load_error([](Release& r) {
     for (auto& t : r.vision)
@@ -429,13 +454,15 @@ TEST(Fp8ReleaseErrors, ConfigFieldsAreNamed) {
   EXPECT_HAS(with("modules_to_not_convert", "lm_head"), "quantization_config.modules_to_not_convert is not a list");
   const std::string listed = with("modules_to_not_convert", json{"lm_head", "model.visual.blocks.0"});
   EXPECT_HAS(listed, "tensor 'model.visual.blocks.0.attn.proj.weight' is F8_E4M3, but ");
-  EXPECT_HAS(listed, "config.json: quantization_config.modules_to_not_convert lists its module "
-                     "'model.visual.blocks.0.attn.proj' as not converted");
+  EXPECT_HAS(listed,
+             "config.json: quantization_config.modules_to_not_convert lists its module "
+             "'model.visual.blocks.0.attn.proj' as not converted");
   EXPECT_HAS(load_error([](Release& r) { r.config.erase("quantization_config"); }),
              "model.visual.blocks.0.attn.proj.weight' is F8_E4M3, but");
   const Layout ct{"compressed-tensors", {}, true};
   auto weights = [&](const std::string& key, const json& v) {
-    return load_error([&](Release& r) { r.config["quantization_config"]["config_groups"]["group_0"]["weights"][key] = v; }, ct);
+    return load_error(
+        [&](Release& r) { r.config["quantization_config"]["config_groups"]["group_0"]["weights"][key] = v; }, ct);
   };
   EXPECT_HAS(weights("strategy", "group"), "config_groups.group_0.weights.strategy is \"group\"");
   EXPECT_HAS(weights("num_bits", 4), "config_groups.group_0.weights.num_bits is 4");
@@ -453,7 +480,8 @@ std::pair<std::vector<uint8_t>, std::vector<float>> file_fp8(const Release& r, c
   std::pair<std::vector<uint8_t>, std::vector<float>> out;
   for (const TensorToWrite& t : r.vision) {
     if (t.name == "model.visual." + module + ".weight") out.first = t.bytes;
-    if (t.name == "model.visual." + module + ".weight_scale_inv" || t.name == "model.visual." + module + ".weight_scale") {
+    if (t.name == "model.visual." + module + ".weight_scale_inv" ||
+        t.name == "model.visual." + module + ".weight_scale") {
       TensorInfo v;
       v.dtype = t.dtype, v.shape = t.shape, v.data = t.bytes.data(), v.bytes = t.bytes.size();
       out.second = v.to_float();
@@ -466,7 +494,8 @@ std::pair<std::vector<uint8_t>, std::vector<float>> file_fp8(const Release& r, c
 // with amax / 448, each 128-deep (block layout) or whole (per channel) partial sum of exact products
 // scaled by the weight's scale for that block times the row's.
 std::vector<double> stored_product(const std::vector<uint8_t>& codes, const std::vector<float>& scales, bool blocks,
-                                   const std::vector<float>& bias, const std::vector<float>& x, int rows, int out, int in) {
+                                   const std::vector<float>& bias, const std::vector<float>& x, int rows, int out,
+                                   int in) {
   std::vector<double> y(size_t(rows) * out);
   const int kb = (in + 127) / 128;
   for (int r = 0; r < rows; ++r) {
@@ -548,7 +577,8 @@ TEST(Fp8Release, Fp8LinearsRefuseOtherBlockSizes) {
 // load_model reads them back identically; export-model --fp8-weights writes either layout, or none.
 TEST(Fp8Release, SavedAsStoredAndReadBack) {
   for (const auto& [block, method] : {std::pair<std::array<int64_t, 2>, std::string>{{128, 128}, "fp8"},
-                                      {{1, 0}, "compressed-tensors"}, {{0, 0}, "compressed-tensors"}}) {
+                                      {{1, 0}, "compressed-tensors"},
+                                      {{0, 0}, "compressed-tensors"}}) {
     TempDir dir;
     Model m = load_model(kTiny);
     quantize_block_linears(m, block);
@@ -573,8 +603,10 @@ TEST(Fp8Release, SavedAsStoredAndReadBack) {
   const fs::path err = dir.path / "err";
   fs::create_directories(dir.path / "fp8");
   fs::create_directories(dir.path / "bf16");
-  ASSERT_EQ(run_fovea("export-model " + q(kTiny) + " " + q(dir.path / "fp8") + " --fp8-weights blocks", err), 0) << slurp(err);
-  ASSERT_EQ(run_fovea("export-model " + q(dir.path / "fp8") + " " + q(dir.path / "bf16") + " --fp8-weights none", err), 0)
+  ASSERT_EQ(run_fovea("export-model " + q(kTiny) + " " + q(dir.path / "fp8") + " --fp8-weights blocks", err), 0)
+      << slurp(err);
+  ASSERT_EQ(run_fovea("export-model " + q(dir.path / "fp8") + " " + q(dir.path / "bf16") + " --fp8-weights none", err),
+            0)
       << slurp(err);
   const Model fp8 = load_model((dir.path / "fp8").string()), bf16 = load_model((dir.path / "bf16").string());
   EXPECT_TRUE(fp8.weights.blocks[0].fc2.fp8);

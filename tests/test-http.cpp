@@ -103,10 +103,11 @@ TEST(EncodeRequest, LongPayloadsLiftedOutParseAsAPlainParse) {
     return t;
   };
   const std::string a = b64(5000), b = b64(300000), c = b64(4096), short_one = b64(12);
-  const auto r = parse_encode_request("{\"images\": [\"data:image/png;base64," + a + "\", \"" + b +
-                                          "\", {\"type\": \"image_url\", \"image_url\": {\"url\": \"" + c + "\"}}, \"" +
-                                          short_one + "\", \"data:image/png;base64,QUJ\\/\"], \"model\": \"synthetic:tiny\"}",
-                                      16, "synthetic:tiny");
+  const auto r =
+      parse_encode_request("{\"images\": [\"data:image/png;base64," + a + "\", \"" + b +
+                               "\", {\"type\": \"image_url\", \"image_url\": {\"url\": \"" + c + "\"}}, \"" +
+                               short_one + "\", \"data:image/png;base64,QUJ\\/\"], \"model\": \"synthetic:tiny\"}",
+                           16, "synthetic:tiny");
   ASSERT_EQ(r.items.size(), 5u);
   EXPECT_EQ(r.items[0].payload, a);
   EXPECT_EQ(r.items[1].payload, b);
@@ -115,7 +116,9 @@ TEST(EncodeRequest, LongPayloadsLiftedOutParseAsAPlainParse) {
   EXPECT_EQ(r.items[4].payload, "QUJ/");
   const auto nul = parse_encode_request("{\"images\": [\"\\u00000\", \"" + b + "\"]}", 16, "synthetic:tiny");
   ASSERT_EQ(nul.items.size(), 2u);
-  EXPECT_EQ(nul.items[0].payload, std::string("\0" "0", 2));
+  EXPECT_EQ(nul.items[0].payload, std::string("\0"
+                                              "0",
+                                              2));
   EXPECT_EQ(nul.items[1].payload, b);
   EXPECT_EQ(error_of("{\"images\": [\"" + b + "\"] \"x\"}").code, "invalid_json");
   EXPECT_EQ(error_of("{\"images\": [\"" + b).code, "invalid_json");
@@ -183,7 +186,8 @@ TEST(EncodeRequest, RefusesMalformedRequests) {
   EXPECT_EQ(error_of("{\"images\": [\"QUJD\"], \"images\": [\"QUJD\"]}").code, "invalid_json");  // duplicate key
   EXPECT_EQ(error_of("{\"images\": [\"QUJD\", \"QUJD\"]}", 1).code, "too_many_images");
   {  // a URL is kept whole, to be read (or refused) by the server: not base64, never a payload
-    const auto r = parse_encode_request("{\"images\": [\"http://example.com/a.png\", \"file:///m/b.png\", \"QUJD\"]}", 4, "m");
+    const auto r =
+        parse_encode_request("{\"images\": [\"http://example.com/a.png\", \"file:///m/b.png\", \"QUJD\"]}", 4, "m");
     EXPECT_EQ(items_of(r, &RequestItem::remote_url),
               (std::vector<std::string>{"http://example.com/a.png", "file:///m/b.png", ""}));
     EXPECT_EQ(items_of(r, &RequestItem::payload), (std::vector<std::string>{"", "", "QUJD"}));

@@ -1,8 +1,7 @@
-// Image decoding and preprocessing (docs/encoder.md §Decoding to §Patchify): smart_resize's rounding, the patch layout, the
-// antialiased bicubic resize, RGB conversion as Pillow's convert("RGB") gives it for every format and
-// layout fovea reads, the pixel guard and the memory bound read from the header, and every bad input
-// named in its error. Test images are written with the libraries fovea decodes with
-// (tests/image-encode.h), or by hand where a layout needs it.
+// Image decoding and preprocessing (docs/encoder.md §Decoding to §Patchify): smart_resize's rounding, the patch layout,
+// the antialiased bicubic resize, RGB conversion as Pillow's convert("RGB") gives it for every format and layout fovea
+// reads, the pixel guard and the memory bound read from the header, and every bad input named in its error. Test images
+// are written with the libraries fovea decodes with (tests/image-encode.h), or by hand where a layout needs it.
 #include <malloc.h>
 #include <sys/wait.h>
 
@@ -83,8 +82,9 @@ int pillow_cmyk_channel(int stored_c, int stored_k) {
 }  // namespace
 
 TEST(SmartResize, MatchesTransformersOnTheSpecTable) {
-  // docs/encoder.md §smart_resize (shipped defaults: factor 32, min 65536, max 16777216): half-to-even rounding matters.
-  EXPECT_EQ(smart_resize(720, 1280, 32, 65536, 16777216), std::make_pair(704, 1280));   // 22.5 -> 22
+  // docs/encoder.md §smart_resize (shipped defaults: factor 32, min 65536, max 16777216): half-to-even rounding
+  // matters.
+  EXPECT_EQ(smart_resize(720, 1280, 32, 65536, 16777216), std::make_pair(704, 1280));  // 22.5 -> 22
   EXPECT_EQ(smart_resize(1080, 1920, 32, 65536, 16777216), std::make_pair(1088, 1920));
   EXPECT_EQ(smart_resize(1440, 2560, 32, 65536, 16777216), std::make_pair(1440, 2560));
   EXPECT_EQ(smart_resize(2160, 3840, 32, 65536, 16777216), std::make_pair(2176, 3840));  // 67.5 -> 68
@@ -115,7 +115,8 @@ TEST(Patchify, RowsAndColumnsFollowTheSpecLayout) {
                 for (int px : {0, 9, 15}) {
                   const int c = ch * 512 + t * 256 + py * 16 + px;
                   const int y = (2 * bh + mh) * 16 + py, x = (2 * bw + mw) * 16 + px;
-                  const float want = (float(img.data[(size_t(y) * 96 + x) * 3 + ch]) - 127.5f) / 127.5f;  // docs/encoder.md §Normalization
+                  const float want = (float(img.data[(size_t(y) * 96 + x) * 3 + ch]) - 127.5f) /
+                                     127.5f;  // docs/encoder.md §Normalization
                   ASSERT_EQ(p.pixels[size_t(r) * 1536 + c], want) << r << "," << c;
                 }
         }
@@ -222,7 +223,8 @@ TEST(Decode, FormatsAndRgbConversion) {
   // Grey replicated to RGB; alpha dropped, as transformers' convert("RGB") does (tests/data/processor).
   const Rgb8 grey = decode_memory(encode_png(2, 1, PNG_COLOR_TYPE_GRAY, 8, {10, 200}), "grey");
   EXPECT_EQ(grey.data, (Bytes{10, 10, 10, 200, 200, 200}));
-  const Rgb8 rgba = decode_memory(encode_png(3, 1, PNG_COLOR_TYPE_RGB_ALPHA, 8, {0, 0, 0, 0, 0, 0, 0, 255, 100, 50, 0, 128}), "rgba");
+  const Rgb8 rgba =
+      decode_memory(encode_png(3, 1, PNG_COLOR_TYPE_RGB_ALPHA, 8, {0, 0, 0, 0, 0, 0, 0, 255, 100, 50, 0, 128}), "rgba");
   EXPECT_EQ(rgba.data, (Bytes{0, 0, 0, 0, 0, 0, 100, 50, 0}));
   // From a file.
   const std::string path = dir.write("a.png", as_string(encode_png_rgb(20, 12, g.data)));
@@ -248,8 +250,10 @@ TEST(Decode, PngEveryColourTypeAndDepthAsPillow) {
             grey3({0, 200, 255, 255}));
   EXPECT_EQ(rgb(encode_png(2, 1, PNG_COLOR_TYPE_GRAY, 8, {7, 9}, false, {}, {0, 7})), grey3({7, 9}));  // tRNS ignored
   EXPECT_EQ(rgb(encode_png(2, 1, PNG_COLOR_TYPE_GRAY_ALPHA, 8, {30, 0, 40, 255})), grey3({30, 40}));
-  EXPECT_EQ(rgb(encode_png(2, 1, PNG_COLOR_TYPE_GRAY_ALPHA, 16, {0x12, 0x34, 0, 0, 0xAB, 0xCD, 0xFF, 0xFF})), grey3({0x12, 0xAB}));
-  EXPECT_EQ(rgb(encode_png(1, 1, PNG_COLOR_TYPE_RGB, 16, {0xAB, 0x01, 0xCD, 0x02, 0xEF, 0x03})), (Bytes{0xAB, 0xCD, 0xEF}));
+  EXPECT_EQ(rgb(encode_png(2, 1, PNG_COLOR_TYPE_GRAY_ALPHA, 16, {0x12, 0x34, 0, 0, 0xAB, 0xCD, 0xFF, 0xFF})),
+            grey3({0x12, 0xAB}));
+  EXPECT_EQ(rgb(encode_png(1, 1, PNG_COLOR_TYPE_RGB, 16, {0xAB, 0x01, 0xCD, 0x02, 0xEF, 0x03})),
+            (Bytes{0xAB, 0xCD, 0xEF}));
   EXPECT_EQ(rgb(encode_png(1, 1, PNG_COLOR_TYPE_RGB_ALPHA, 16, {0x10, 0xFF, 0x20, 0xFF, 0x30, 0xFF, 0x00, 0x00})),
             (Bytes{0x10, 0x20, 0x30}));
   // Palette: 3 PLTE entries, tRNS on two of them; index 3 is past PLTE (black, as Pillow's palette).
@@ -292,12 +296,14 @@ TEST(Decode, JpegAsPillowDecodesIt) {
   const Rgb8 grey = decode_memory(encode_jpeg(67, 45, 1, grey_in, 90), "grey.jpg");
   Bytes grey_rgb;
   for (uint8_t v : grey_in) grey_rgb.insert(grey_rgb.end(), 3, v);
-  for (size_t i = 0; i < grey.data.size(); i += 3) ASSERT_TRUE(grey.data[i] == grey.data[i + 1] && grey.data[i] == grey.data[i + 2]);
+  for (size_t i = 0; i < grey.data.size(); i += 3)
+    ASSERT_TRUE(grey.data[i] == grey.data[i + 1] && grey.data[i] == grey.data[i + 2]);
   EXPECT_LT(max_diff(grey.data, grey_rgb), 40);
   // Flat CMYK (stored values 30, 100, 200, 60): Pillow inverts them, then r = nk - nk * c' / 255.
   Bytes cmyk;
   for (int i = 0; i < 16 * 16; ++i) cmyk.insert(cmyk.end(), {30, 100, 200, 60});
-  const Bytes want = {uint8_t(pillow_cmyk_channel(30, 60)), uint8_t(pillow_cmyk_channel(100, 60)), uint8_t(pillow_cmyk_channel(200, 60))};
+  const Bytes want = {uint8_t(pillow_cmyk_channel(30, 60)), uint8_t(pillow_cmyk_channel(100, 60)),
+                      uint8_t(pillow_cmyk_channel(200, 60))};
   EXPECT_EQ(want, (Bytes{7, 24, 47}));
   for (bool ycck : {false, true}) {
     const Rgb8 d = decode_memory(encode_jpeg(16, 16, 4, cmyk, 100, false, ycck), "cmyk.jpg");
@@ -366,7 +372,8 @@ TEST(Decode, WebpLosslessLossyAndAnimatedAsPillow) {
   const Rgb8 t = textured(33, 17, 10);
   EXPECT_EQ(decode_memory(encode_webp_lossless(33, 17, 3, t.data), "l.webp").data, t.data);
   Bytes rgba;
-  for (size_t i = 0; i < t.data.size(); i += 3) rgba.insert(rgba.end(), {t.data[i], t.data[i + 1], t.data[i + 2], uint8_t(1 + i % 255)});
+  for (size_t i = 0; i < t.data.size(); i += 3)
+    rgba.insert(rgba.end(), {t.data[i], t.data[i + 1], t.data[i + 2], uint8_t(1 + i % 255)});
   EXPECT_EQ(decode_memory(encode_webp_lossless(33, 17, 4, rgba), "la.webp").data, t.data);
   const Bytes lossy = encode_webp_lossy(33, 17, t.data, 90);
   const Rgb8 d = decode_memory(lossy, "lossy.webp");
@@ -379,9 +386,11 @@ TEST(Decode, WebpLosslessLossyAndAnimatedAsPillow) {
   // Animated: canvas 10x8, frame 1 is 4x4 at (2, 2), frame 2 covers everything and is ignored.
   const Rgb8 f1 = textured(4, 4, 11);
   Bytes f1a;
-  for (size_t i = 0; i < f1.data.size(); i += 3) f1a.insert(f1a.end(), {f1.data[i], f1.data[i + 1], f1.data[i + 2], 200});
-  const Bytes anim = make_animated_webp(
-      10, 8, {{encode_webp_lossless(4, 4, 4, f1a), 2, 2, 4, 4}, {encode_webp_lossless(10, 8, 3, textured(10, 8, 12).data), 0, 0, 10, 8}});
+  for (size_t i = 0; i < f1.data.size(); i += 3)
+    f1a.insert(f1a.end(), {f1.data[i], f1.data[i + 1], f1.data[i + 2], 200});
+  const Bytes anim = make_animated_webp(10, 8,
+                                        {{encode_webp_lossless(4, 4, 4, f1a), 2, 2, 4, 4},
+                                         {encode_webp_lossless(10, 8, 3, textured(10, 8, 12).data), 0, 0, 10, 8}});
   const Rgb8 a = decode_memory(anim, "anim.webp");
   ASSERT_EQ(a.width, 10);
   ASSERT_EQ(a.height, 8);
@@ -429,7 +438,7 @@ TEST(Decode, BmpLayoutsAsPillow) {
   EXPECT_EQ(rgb(s), want);  // BGRX: the fourth byte ignored
   s.header = 124, s.compression = 3, s.masks = {0xFF, 0xFF00, 0xFF0000, 0xFF000000};
   s.rows_top_first = rows(4, [](const uint8_t* p) { return Bytes{p[0], p[1], p[2], 9}; });
-  EXPECT_EQ(rgb(s), want);  // RGBA bit fields, alpha dropped
+  EXPECT_EQ(rgb(s), want);                            // RGBA bit fields, alpha dropped
   s.header = 40, s.masks = {0xFF0000, 0xFF00, 0xFF};  // 40-byte header: the masks follow it
   s.rows_top_first = rows(4, [](const uint8_t* p) { return Bytes{p[2], p[1], p[0], 0}; });
   EXPECT_EQ(rgb(s), want);
@@ -451,13 +460,19 @@ TEST(Decode, BmpLayoutsAsPillow) {
   p.rows_top_first = {{1, 200, 3, 0}};
   EXPECT_EQ(rgb(p), (Bytes{1, 1, 1, 200, 200, 200, 3, 3, 3, 0, 0, 0}));
   p.bits = 4, p.colours_used = 0, p.palette = noise(16 * 4, 14), p.rows_top_first = {{0x1F, 0x80}};
-  auto entry = [&](int i) { return Bytes{p.palette[size_t(4 * i + 2)], p.palette[size_t(4 * i + 1)], p.palette[size_t(4 * i)]}; };
+  auto entry = [&](int i) {
+    return Bytes{p.palette[size_t(4 * i + 2)], p.palette[size_t(4 * i + 1)], p.palette[size_t(4 * i)]};
+  };
   Bytes w4;
-  for (int i : {1, 15, 8, 0}) { const Bytes e = entry(i); w4.insert(w4.end(), e.begin(), e.end()); }
+  for (int i : {1, 15, 8, 0}) {
+    const Bytes e = entry(i);
+    w4.insert(w4.end(), e.begin(), e.end());
+  }
   EXPECT_EQ(rgb(p), w4);
   p.bits = 1, p.width = 10, p.palette = {0, 0, 255, 0, 0, 255, 0, 0}, p.rows_top_first = {{0xA5, 0x40}};
   Bytes w1;
-  for (int bit : {1, 0, 1, 0, 0, 1, 0, 1, 0, 1}) w1.insert(w1.end(), {uint8_t(bit ? 0 : 255), uint8_t(bit ? 255 : 0), 0});
+  for (int bit : {1, 0, 1, 0, 0, 1, 0, 1, 0, 1})
+    w1.insert(w1.end(), {uint8_t(bit ? 0 : 255), uint8_t(bit ? 255 : 0), 0});
   EXPECT_EQ(rgb(p), w1);
   // Refused, naming the reason.
   BmpSpec r = s;
@@ -504,7 +519,8 @@ TEST(Decode, TruncatedAndCorruptFilesAreNamed) {
   // Damaged, not short: an EOI marker in the middle of a JPEG's scan; a flipped byte in a PNG's IDAT.
   Bytes jpg = std::get<1>(files[0]);
   jpg[jpg.size() / 2] = 0xFF, jpg[jpg.size() / 2 + 1] = 0xD9;
-  EXPECT_HAS(error_of([&] { decode_memory(jpg, "damaged.jpg"); }), "image 'damaged.jpg': corrupt JPEG: Corrupt JPEG data");
+  EXPECT_HAS(error_of([&] { decode_memory(jpg, "damaged.jpg"); }),
+             "image 'damaged.jpg': corrupt JPEG: Corrupt JPEG data");
   Bytes png = std::get<1>(files[2]);
   png[png.size() / 2] ^= 0x55;
   EXPECT_HAS(error_of([&] { decode_memory(png, "damaged.png"); }), "image 'damaged.png': corrupt PNG: IDAT: ");
@@ -584,7 +600,8 @@ TEST(Decode, PixelGuardRefusesHugeHeadersBeforeDecoding) {
   // GIF: a 65535x65535 logical screen around a 1x1 frame.
   GifSpec g;
   g.screen_w = g.screen_h = 65535, g.frame_w = g.frame_h = 1, g.palette = Bytes(6, 0), g.indices = {0};
-  EXPECT_HAS(error_of([&] { decode_memory(encode_gif(g), "huge.gif"); }), "65535x65535 = 4294836225 pixels exceeds the limit");
+  EXPECT_HAS(error_of([&] { decode_memory(encode_gif(g), "huge.gif"); }),
+             "65535x65535 = 4294836225 pixels exceeds the limit");
   // WebP: a VP8L header rewritten to 16384x16384.
   Bytes webp = encode_webp_lossless(4, 4, 3, Bytes(48, 1));
   ASSERT_EQ(webp[20], 0x2F);
@@ -650,7 +667,8 @@ TEST(Decode, ProbeAndPeakBytesBoundWhatDecodingTakes) {
   const std::vector<std::tuple<std::string, Bytes, ImageFormat, int, int>> files = {
       {"baseline.jpg", encode_jpeg_rgb(1600, 1200, t.data, 90), ImageFormat::JPEG, 1600, 1200},
       {"progressive.jpg", encode_jpeg(1600, 1200, 3, t.data, 90, true), ImageFormat::JPEG, 1600, 1200},
-      {"rgba16-interlaced.png", encode_png(1600, 1200, PNG_COLOR_TYPE_RGB_ALPHA, 16, rgba16, true), ImageFormat::PNG, 1600, 1200},
+      {"rgba16-interlaced.png", encode_png(1600, 1200, PNG_COLOR_TYPE_RGB_ALPHA, 16, rgba16, true), ImageFormat::PNG,
+       1600, 1200},
       {"rgb.png", encode_png_rgb(1600, 1200, t.data), ImageFormat::PNG, 1600, 1200},
       {"frame.gif", encode_gif(gs), ImageFormat::GIF, 1600, 1200},
       {"lossless.webp", encode_webp_lossless(800, 600, 3, small.data), ImageFormat::WEBP, 800, 600},
@@ -675,12 +693,14 @@ TEST(Decode, ProbeAndPeakBytesBoundWhatDecodingTakes) {
       EXPECT_GE(bound, 3 * int64_t(w) * h + int64_t(oh) * ow * 3 * 2 * 4);  // at least the image and the patches
       if (kSanitized) continue;
       const std::string path = dir.write(name, as_string(bytes)), result = dir.file(name + ".peak");
-      const std::string cmd = "FOVEA_PEAK_FILE='" + path + "' FOVEA_PEAK_OUT='" + result + "' FOVEA_PEAK_MAX_PIXELS=" +
-                              std::to_string(budget) + " '" + self +
-                              "' --gtest_also_run_disabled_tests --gtest_filter=DecodeMeasure.DISABLED_PeakOfOneFile >/dev/null";
+      const std::string cmd =
+          "FOVEA_PEAK_FILE='" + path + "' FOVEA_PEAK_OUT='" + result +
+          "' FOVEA_PEAK_MAX_PIXELS=" + std::to_string(budget) + " '" + self +
+          "' --gtest_also_run_disabled_tests --gtest_filter=DecodeMeasure.DISABLED_PeakOfOneFile >/dev/null";
       ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
       const long long used = std::atoll(slurp(result).c_str());
-      std::printf("  %-24s %4dx%-4d %10lld %12lld %12lld\n", name.c_str(), w, h, (long long)budget, (long long)bound, used);
+      std::printf("  %-24s %4dx%-4d %10lld %12lld %12lld\n", name.c_str(), w, h, (long long)budget, (long long)bound,
+                  used);
       EXPECT_GT(used, 0);
       EXPECT_LE(used, bound);
       EXPECT_LE(bound, used + used / 2 + (int64_t(16) << 20));
@@ -701,7 +721,9 @@ TEST(PreprocessConfig, OverridesApplyAndInvertedBudgetsAreRefused) {
   EXPECT_EQ(o.max_pixels, 262144);
   EXPECT_EQ(o.max_image_pixels, 1000);
   EXPECT_EQ(image_pixel_limit(o), 1000);
-  EXPECT_HAS(error_of([] { load_preprocess_config("synthetic:tiny", {0, 40000}); }),
+  EXPECT_HAS(error_of([] {
+               load_preprocess_config("synthetic:tiny", {0, 40000});
+             }),
              "--max-pixels 40000 is below --min-pixels 65536");
   EXPECT_HAS(error_of([] { load_preprocess_config("synthetic:tiny", {0, 0, -1}); }), "--max-image-pixels");
 }
@@ -710,7 +732,8 @@ TEST(ListImages, TakesEveryDecodedExtension) {
   TempDir dir;
   for (const char* f : {"a.JPG", "b.jpeg", "c.png", "d.webp", "e.bmp", "f.GIF", "g.txt", "h.tiff"}) dir.write(f, "x");
   std::vector<std::string> names;
-  for (const auto& p : list_images(dir.path.string(), "--dataset-path")) names.push_back(fs::path(p).filename().string());
+  for (const auto& p : list_images(dir.path.string(), "--dataset-path"))
+    names.push_back(fs::path(p).filename().string());
   EXPECT_EQ(names, (std::vector<std::string>{"a.JPG", "b.jpeg", "c.png", "d.webp", "e.bmp", "f.GIF"}));
 }
 
@@ -762,7 +785,8 @@ TEST(EncodeCli, EncodesTheGoodImagesAndReportsTheBadOne) {
                        size_t first, size_t n) {
     const TensorInfo* t = c.find(name);
     if (!t || t->dtype != dtype || size_t(t->numel()) != n) return false;
-    if (dtype == DType::F32) return t->to_float() == std::vector<float>(ref.begin() + long(first), ref.begin() + long(first + n));
+    if (dtype == DType::F32)
+      return t->to_float() == std::vector<float>(ref.begin() + long(first), ref.begin() + long(first + n));
     for (size_t i = 0; i < n; ++i)
       if (uint16_t(t->data[2 * i] | t->data[2 * i + 1] << 8) != bf16_from_float(ref[first + i])) return false;
     return true;
@@ -774,7 +798,9 @@ TEST(EncodeCli, EncodesTheGoodImagesAndReportsTheBadOne) {
 
   const std::string out32 = dir.file("out32.safetensors");
   ASSERT_EQ(std::system((std::string("'") + FOVEA_BIN + "' encode synthetic:tiny '" + pa + "' '" + pb +
-                         "' --device cpu --output-dtype f32 -o '" + out32 + "' >/dev/null").c_str()), 0);
+                         "' --device cpu --output-dtype f32 -o '" + out32 + "' >/dev/null")
+                            .c_str()),
+            0);
   const Checkpoint ck32 = Checkpoint::open(out32);
   EXPECT_EQ(ck32.find("image.1.grid_thw")->to_float(), (std::vector<float>{1, 52, 6}));
   EXPECT_EQ(ck32.find("image.1.grid_thw")->dtype, DType::F32);
@@ -784,7 +810,8 @@ TEST(EncodeCli, EncodesTheGoodImagesAndReportsTheBadOne) {
 
   const int bad_dtype = std::system((std::string("'") + FOVEA_BIN + "' encode synthetic:tiny '" + pa +
                                      "' --device cpu --output-dtype fp16 -o '" + dir.file("never.safetensors") +
-                                     "' >/dev/null 2>'" + err + "'").c_str());
+                                     "' >/dev/null 2>'" + err + "'")
+                                        .c_str());
   EXPECT_TRUE(WIFEXITED(bad_dtype) && WEXITSTATUS(bad_dtype) == 1) << bad_dtype;
   std::ifstream ef2(err);
   EXPECT_HAS(std::string((std::istreambuf_iterator<char>(ef2)), std::istreambuf_iterator<char>()),
@@ -800,7 +827,7 @@ TEST(EncodeCli, EveryBadInputIsNamedAndTheRestEncoded) {
   const auto good = encode_png_rgb(96, 64, gradient(96, 64).data);
   const auto jpg = encode_jpeg_rgb(64, 64, gradient(64, 64).data, 95);
   const auto tiny = encode_png_rgb(3, 2, gradient(3, 2).data);
-  const auto wide = encode_png_rgb(402, 2, gradient(402, 2).data);  // 201:1
+  const auto wide = encode_png_rgb(402, 2, gradient(402, 2).data);     // 201:1
   const auto big = encode_png_rgb(300, 300, gradient(300, 300).data);  // over --max-image-pixels
   struct Case {
     std::string path, expect;
@@ -812,11 +839,16 @@ TEST(EncodeCli, EveryBadInputIsNamedAndTheRestEncoded) {
       {dir.write("wide.png", std::string(wide.begin(), wide.end())), "over 200:1"},
       {dir.write("big.png", std::string(big.begin(), big.end())), "exceeds the limit of 50000"},
       {dir.file("missing.bmp"), "missing.bmp"},
-      {[&] { fs::create_directories(dir.file("folder.png")); return dir.file("folder.png"); }(), "folder.png"},
+      {[&] {
+         fs::create_directories(dir.file("folder.png"));
+         return dir.file("folder.png");
+       }(),
+       "folder.png"},
   };
   const std::string a = dir.write("a.png", std::string(good.begin(), good.end()));
   const std::string t = dir.write("tiny.png", std::string(tiny.begin(), tiny.end()));
-  std::string cmd = std::string("'") + FOVEA_BIN + "' encode synthetic:tiny --device cpu --max-image-pixels 50000 '" + a + "'";
+  std::string cmd =
+      std::string("'") + FOVEA_BIN + "' encode synthetic:tiny --device cpu --max-image-pixels 50000 '" + a + "'";
   for (const auto& c : bad) cmd += " '" + c.path + "'";
   const std::string out = dir.file("out.safetensors"), err = dir.file("err.txt");
   cmd += " '" + t + "' -o '" + out + "' >/dev/null 2>'" + err + "'";
@@ -853,7 +885,8 @@ TEST(EncodeCli, CalibrationHoldsOnOtherImages) {
   fs::create_directories(dir.path / "out");
   const std::string scales = (dir.path / "out" / "scales.json").string(), json = (dir.path / "out" / "r.json").string();
   const std::string base = std::string("'") + FOVEA_BIN + "' bench calibration --dataset-path '" + dir.path.string() +
-                           "' --calibration-images 2 --device cpu --scale-file '" + scales + "' --output-json '" + json + "' ";
+                           "' --calibration-images 2 --device cpu --scale-file '" + scales + "' --output-json '" +
+                           json + "' ";
   auto read_json = [&] {
     std::ifstream f(json);
     return nlohmann::json::parse(f);
@@ -879,8 +912,13 @@ TEST(EncodeCli, CalibrationHoldsOnOtherImages) {
     EXPECT_EQ(s.v, at15.v);
   }
 
-  ASSERT_EQ(std::system((base + "--model synthetic:tiny-outliers --fp8-scheme robust,tensor,auto --margins 1.5,1,1.5:fovea_v_channel=1:q=2 "
-                                "--reference fp32 >/dev/null").c_str()), 0);
+  ASSERT_EQ(
+      std::system(
+          (base +
+           "--model synthetic:tiny-outliers --fp8-scheme robust,tensor,auto --margins 1.5,1,1.5:fovea_v_channel=1:q=2 "
+           "--reference fp32 >/dev/null")
+              .c_str()),
+      0);
   const ScaleFile file = read_scale_file(scales);  // the first scheme's, with the first margin
   ASSERT_EQ(file.fine.size(), 3u);
   for (const auto& [l, f] : file.fine) EXPECT_GE(f.robust_gain, kAutoRobustGain) << "layer " << l;
@@ -903,7 +941,8 @@ TEST(EncodeCli, CalibrationHoldsOnOtherImages) {
   // The file the third margin runs from: 1.5 everywhere but V's channels (1) and q (2).
   for (const auto& r : out["rows"]) EXPECT_GT(r["robust static x1.5 fovea_v_channel=1 q=2"].get<double>(), 0.0);
   for (const auto& s : out["summary"])
-    if (s["mode"].get<std::string>().find(" static ") != std::string::npos) EXPECT_TRUE(s.contains("static_over_dynamic_mean")) << s.dump();
+    if (s["mode"].get<std::string>().find(" static ") != std::string::npos)
+      EXPECT_TRUE(s.contains("static_over_dynamic_mean")) << s.dump();
 
   // Bad values are refused naming the flag.
   for (const char* bad : {"--reference fp16", "--margins 0", "--margins 1.5:fovea_k_mean=1", "--margins 1.5:v=x",

@@ -66,14 +66,17 @@ TEST(Pipeline, PrepareInputsKeepsEachInputsErrorAndMatchesPreprocess) {
     planned[i]++;
   };
   hooks.done = [&](size_t i, const PreparedInput&) { done[i]++; };
-  const std::vector<PreparedInput> p = prepare_inputs(names, [&](size_t i) {
-    if (i == 1) fail("input one cannot be read");
-    return files[i];
-  }, cfg, hooks);
+  const std::vector<PreparedInput> p = prepare_inputs(
+      names,
+      [&](size_t i) {
+        if (i == 1) fail("input one cannot be read");
+        return files[i];
+      },
+      cfg, hooks);
   ASSERT_EQ(p.size(), n);
   for (size_t i = 0; i < n; ++i) {
     SCOPED_TRACE(i);
-    EXPECT_EQ(done[i].load(), 1);  // exactly once, failed or not
+    EXPECT_EQ(done[i].load(), 1);                  // exactly once, failed or not
     EXPECT_EQ(planned[i].load(), i == 1 ? 0 : 1);  // before decoding: never for the unreadable one
     if (i == 1 || i == 3) {
       EXPECT_TRUE(p[i].error);
@@ -97,10 +100,12 @@ TEST(Pipeline, PrepareInputsKeepsEachInputsErrorAndMatchesPreprocess) {
       EXPECT_EQ(p[i].clip->fps, ref.info.fps);
       continue;
     }
-    const image::Patches ref = image::preprocess(noise_image(kSizes[i].first, kSizes[i].second, unsigned(i)), cfg.image, true);
+    const image::Patches ref =
+        image::preprocess(noise_image(kSizes[i].first, kSizes[i].second, unsigned(i)), cfg.image, true);
     EXPECT_EQ(p[i].patches.grid, ref.grid);
     EXPECT_EQ(p[i].patches.raw, ref.raw);  // images: raw uint8, normalized by the encoder
-    EXPECT_EQ(probe_input(files[i], names[i], cfg).tokens, visual_tokens(qwen3vl::load_model("synthetic:tiny").config, ref.grid));
+    EXPECT_EQ(probe_input(files[i], names[i], cfg).tokens,
+              visual_tokens(qwen3vl::load_model("synthetic:tiny").config, ref.grid));
   }
   EXPECT_EQ(p[1].error_message(), "input one cannot be read");
   EXPECT_HAS(p[3].error_message(), "input-3");
@@ -108,7 +113,8 @@ TEST(Pipeline, PrepareInputsKeepsEachInputsErrorAndMatchesPreprocess) {
   hooks.planned = [](size_t i, const InputPlan&) {
     if (i == 0) fail("no room for input zero");
   };
-  const std::vector<PreparedInput> q = prepare_inputs({"a", "b"}, [&](size_t i) { return files[i == 0 ? 0 : 2]; }, cfg, hooks);
+  const std::vector<PreparedInput> q = prepare_inputs(
+      {"a", "b"}, [&](size_t i) { return files[i == 0 ? 0 : 2]; }, cfg, hooks);
   EXPECT_EQ(q[0].error_message(), "no room for input zero");
   EXPECT_FALSE(q[1].error);
   // The kind is the bytes', whatever the name.
@@ -138,7 +144,8 @@ TEST(Pipeline, EveryClipErrorNamesItsClip) {
   InputConfig cfg = load_input_config("synthetic:tiny");
   cfg.limits.max_frame_pixels = int64_t(1) << 26;  // past the pixel check: the plan refuses it
   const std::vector<std::string> names = {"one-frame.mp4", "thin.mp4"};
-  const std::vector<PreparedInput> p = prepare_inputs(names, [&](size_t i) { return files[i]; }, cfg);
+  const std::vector<PreparedInput> p = prepare_inputs(
+      names, [&](size_t i) { return files[i]; }, cfg);
   ASSERT_EQ(p.size(), 2u);
   for (size_t i = 0; i < 2; ++i) {
     SCOPED_TRACE(names[i]);
@@ -163,7 +170,8 @@ TEST(Pipeline, FileInputKindRefusesFifosAndDevicesAtOnce) {
   std::atomic<bool> returned{false};
   std::thread writer([&] {
     const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(3);
-    while (!returned && std::chrono::steady_clock::now() < until) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    while (!returned && std::chrono::steady_clock::now() < until)
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
     if (returned) return;
     const int fd = ::open(fifo.c_str(), O_WRONLY | O_NONBLOCK);  // a blocked reader is there: this opens
     if (fd >= 0) ::close(fd);
@@ -233,7 +241,8 @@ TEST(Pipeline, BatchPacksAndSplitInputsCutsBackEveryRow) {
   }
   EncoderOutputs short_by_one = make();
   short_by_one.merged.resize(27);
-  EXPECT_HAS(error_of([&] { split_inputs(std::move(short_by_one), grids, c); }), "27 values for 3 inputs of 10 visual tokens");
+  EXPECT_HAS(error_of([&] { split_inputs(std::move(short_by_one), grids, c); }),
+             "27 values for 3 inputs of 10 visual tokens");
   EncoderOutputs bad_deepstack = make();
   bad_deepstack.deepstack[0].pop_back();
   EXPECT_HAS(error_of([&] { split_inputs(std::move(bad_deepstack), grids, c); }), "deepstack output has 29 values");
@@ -243,7 +252,7 @@ TEST(Pipeline, BatchPacksAndSplitInputsCutsBackEveryRow) {
   out.add(InputKind::IMAGE, grids[1], F32Rows(parts[1]));
   out.add(InputKind::IMAGE, grids[2], F32Rows(parts[2]));
   const std::vector<TensorToWrite> t(out.tensors().begin() + 8, out.tensors().end());  // image.2's
-  ASSERT_EQ(t.size(), 4u);  // embeddings, 2 deepstack, grid
+  ASSERT_EQ(t.size(), 4u);                                                             // embeddings, 2 deepstack, grid
   EXPECT_EQ(t[0].name, "image.2.embeddings");
   EXPECT_EQ(t[0].dtype, DType::F32);
   EXPECT_EQ(t[0].shape, (std::vector<int64_t>{6, 3}));
@@ -256,7 +265,8 @@ TEST(Pipeline, BatchPacksAndSplitInputsCutsBackEveryRow) {
   EXPECT_EQ(g[0], 1.f);
   EXPECT_EQ(g[1], 4.f);
   EXPECT_EQ(g[2], 6.f);
-  EXPECT_HAS(error_of([&] { out.add(InputKind::IMAGE, grids[0], F32Rows(parts[2])); }), "18 embedding values, not 2 x 3");
+  EXPECT_HAS(error_of([&] { out.add(InputKind::IMAGE, grids[0], F32Rows(parts[2])); }),
+             "18 embedding values, not 2 x 3");
 }
 
 // The bf16 split cuts the same rows as the fp32 one, as views into the outputs (no copy), and checks
@@ -288,7 +298,8 @@ TEST(Pipeline, Bf16SplitViewsEveryRowAndOutputTensorsWriteTheBits) {
   }
   EncoderOutputsBf16 short_by_one = o;
   short_by_one.merged.resize(27);
-  EXPECT_HAS(error_of([&] { split_inputs(rows_of(short_by_one), grids, c); }), "27 values for 3 inputs of 10 visual tokens");
+  EXPECT_HAS(error_of([&] { split_inputs(rows_of(short_by_one), grids, c); }),
+             "27 values for 3 inputs of 10 visual tokens");
   EncoderOutputsBf16 bad_deepstack = o;
   bad_deepstack.deepstack[0].pop_back();
   EXPECT_HAS(error_of([&] { split_inputs(rows_of(bad_deepstack), grids, c); }), "deepstack output has 29 values");
@@ -340,7 +351,8 @@ TEST(Pipeline, Bf16SplitViewsEveryRowAndOutputTensorsWriteTheBits) {
   EXPECT_HAS(error_of([&] { out.add(InputKind::IMAGE, grids[0], parts[2]); }), "18 embedding values, not 2 x 3");
   Bf16Rows short_deepstack = parts[0];
   short_deepstack.deepstack[1] = short_deepstack.deepstack[1].first(5);
-  EXPECT_HAS(error_of([&] { out.add(InputKind::IMAGE, grids[0], short_deepstack); }), "deepstack 1 has 5 values, not 6");
+  EXPECT_HAS(error_of([&] { out.add(InputKind::IMAGE, grids[0], short_deepstack); }),
+             "deepstack 1 has 5 values, not 6");
 }
 
 // Packed attention never crosses images: three images encoded in one batch give, row for row, what
@@ -350,7 +362,8 @@ TEST(Pipeline, PackedBatchMatchesImagesRunAlone) {
   const qwen3vl::Model model = qwen3vl::load_model("synthetic:tiny");
   const InputConfig cfg = load_input_config("synthetic:tiny");
   std::vector<PreparedInput> p;
-  for (size_t i = 0; i < 3; ++i) p.push_back(prepare_image(noise_image(kSizes[i].first, kSizes[i].second, unsigned(40 + i)), cfg));
+  for (size_t i = 0; i < 3; ++i)
+    p.push_back(prepare_image(noise_image(kSizes[i].first, kSizes[i].second, unsigned(40 + i)), cfg));
   for (PreparedInput& x : p) image::normalize_raw(x.patches);  // the fp32 rows a Batch takes
   for (const char* dtype : {"bf16", "fp8"}) {
     SCOPED_TRACE(dtype);
@@ -388,7 +401,8 @@ TEST(Pipeline, PackedBatchMatchesImagesRunAlone) {
       ASSERT_EQ(b.deepstack.size(), f.deepstack.size());
       for (size_t i = 0; i < f.merged.size(); ++i) ASSERT_EQ(b.merged[i], bf16_from_float(f.merged[i])) << i;
       for (size_t k = 0; k < f.deepstack.size(); ++k)
-        for (size_t i = 0; i < f.deepstack[k].size(); ++i) ASSERT_EQ(b.deepstack[k][i], bf16_from_float(f.deepstack[k][i]));
+        for (size_t i = 0; i < f.deepstack[k].size(); ++i)
+          ASSERT_EQ(b.deepstack[k][i], bf16_from_float(f.deepstack[k][i]));
       EXPECT_TRUE(runner.run_bf16(all, false).deepstack.empty());
     }
   }
@@ -404,7 +418,9 @@ TEST(Pipeline, StartAndFinishPipelineBatchesInOrder) {
     std::vector<PreparedInput> v;
     for (size_t i = 0; i < 4; ++i) {
       v.push_back(prepare_image(noise_image(kSizes[i].first, kSizes[i].second, unsigned(70 + i)), cfg));
-      if (!raw) v.back().patches = image::preprocess(noise_image(kSizes[i].first, kSizes[i].second, unsigned(70 + i)), cfg.image);
+      if (!raw)
+        v.back().patches =
+            image::preprocess(noise_image(kSizes[i].first, kSizes[i].second, unsigned(70 + i)), cfg.image);
     }
     return v;
   };
@@ -437,7 +453,8 @@ TEST(Pipeline, StartAndFinishPipelineBatchesInOrder) {
     EXPECT_TRUE(std::equal(v.merged.begin(), v.merged.end(), want1.merged.begin(), want1.merged.end()));
     ASSERT_EQ(v.deepstack.size(), ds ? want1.deepstack.size() : 0u);
     for (size_t k = 0; k < v.deepstack.size(); ++k)
-      EXPECT_TRUE(std::equal(v.deepstack[k].begin(), v.deepstack[k].end(), want1.deepstack[k].begin(), want1.deepstack[k].end()));
+      EXPECT_TRUE(std::equal(v.deepstack[k].begin(), v.deepstack[k].end(), want1.deepstack[k].begin(),
+                             want1.deepstack[k].end()));
   }
   EXPECT_HAS(error_of([&] { runner.finish_views(); }), "no batch started");
   // A batch mixing raw and fp32 patches (images beside a video clip) takes the raw ones normalized

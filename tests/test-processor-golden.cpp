@@ -89,21 +89,23 @@ void check_golden_set(const std::string& dir) {
     }
     d.values = want.size();
     d.mean = sum / double(want.size());
-    std::printf("  %-36s %-5s grid (%d, %d, %d)  max |diff| %3d levels  mean %.4f levels  (%zu values)\n",
-                name.c_str(), c["mode"].get<std::string>().c_str(), got.grid[0], got.grid[1], got.grid[2], d.max, d.mean,
-                d.values);
+    std::printf("  %-36s %-5s grid (%d, %d, %d)  max |diff| %3d levels  mean %.4f levels  (%zu values)\n", name.c_str(),
+                c["mode"].get<std::string>().c_str(), got.grid[0], got.grid[1], got.grid[2], d.max, d.mean, d.values);
     EXPECT_EQ(d.max, 0) << (c["lossless"].get<bool>() ? "lossless image" : "JPEG") << ": levels must be identical";
   }
 }
 
 }  // namespace
 
-TEST(ProcessorGolden, SyntheticImages) { check_golden_set(env_or("FOVEA_ROOT", FOVEA_SOURCE_DIR) + "/tests/data/processor"); }
+TEST(ProcessorGolden, SyntheticImages) {
+  check_golden_set(env_or("FOVEA_ROOT", FOVEA_SOURCE_DIR) + "/tests/data/processor");
+}
 
 TEST(ProcessorGolden, Photos) {
   const std::string dir = env_or("FOVEA_PROCESSOR_GOLDEN", std::string(FOVEA_SOURCE_DIR) + "/data/processor-photos");
   ASSERT_TRUE(fs::exists(dir + "/cases.json"))
-      << dir << " has no golden set: run tools/fetch-photos.sh, then tools/make-processor-golden.py --photos data/photos "
+      << dir
+      << " has no golden set: run tools/fetch-photos.sh, then tools/make-processor-golden.py --photos data/photos "
       << "where transformers is installed";
   check_golden_set(dir);
   if (fs::exists(dir + "/full/cases.json")) check_golden_set(dir + "/full");

@@ -72,8 +72,15 @@ double f16_reference(uint16_t h) {
 TEST(Safetensors, RoundTripExactValues) {
   TempDir dir;
   const std::vector<uint16_t> f16 = {0x3C00, 0xC100, 0x7BFF, 0x0001, 0x7C00, 0xFC00, 0x8000, 0x03FF, 0x0400};
-  const std::vector<float> f16_want = {1.0f, -2.5f, 65504.0f, std::ldexp(1.0f, -24), INFINITY, -INFINITY, -0.0f,
-                                       std::ldexp(1023.0f, -24), std::ldexp(1.0f, -14)};
+  const std::vector<float> f16_want = {1.0f,
+                                       -2.5f,
+                                       65504.0f,
+                                       std::ldexp(1.0f, -24),
+                                       INFINITY,
+                                       -INFINITY,
+                                       -0.0f,
+                                       std::ldexp(1023.0f, -24),
+                                       std::ldexp(1.0f, -14)};
   const std::vector<float> bf_vals = {1.0f, -3.5f, 0.0078125f, std::ldexp(1.0f, 100), -0.0f, std::ldexp(1.0f, -130)};
   std::vector<uint16_t> bf;
   for (float x : bf_vals) bf.push_back(bf16_from_float(x));
@@ -140,9 +147,10 @@ TEST(Safetensors, MetadataAlignmentAndOffsets) {
   TempDir dir;
   const std::string p = dir.file("m.safetensors");
   // An odd-sized F16 tensor first: later tensors land unaligned, which to_float must tolerate.
-  write_safetensors(p, {{"a", DType::F16, {3}, bytes_of(std::vector<uint16_t>{0x3C00, 0x4000, 0x4200})},
-                        f32("b", {2}, {5.5f, -6.0f})},
-                    {{"format", "pt"}, {"producer", "fovea"}});
+  write_safetensors(
+      p,
+      {{"a", DType::F16, {3}, bytes_of(std::vector<uint16_t>{0x3C00, 0x4000, 0x4200})}, f32("b", {2}, {5.5f, -6.0f})},
+      {{"format", "pt"}, {"producer", "fovea"}});
   const auto [h, start] = raw_header(p);
   EXPECT_EQ(start % 8, 0u);
   EXPECT_EQ(h["__metadata__"], (nlohmann::json{{"format", "pt"}, {"producer", "fovea"}}));
@@ -193,7 +201,8 @@ TEST(Safetensors, MovedCheckpointKeepsMapping) {
 TEST(Checkpoint, FolderWithIndexAndTwoShards) {
   TempDir dir;
   write_safetensors(dir.file("model-00001-of-00002.safetensors"), {f32("a", {1}, {1.0f}), f32("b", {1}, {2.0f})});
-  write_safetensors(dir.file("model-00002-of-00002.safetensors"), {f32("c", {2}, {3.0f, 4.0f}), f32("extra", {1}, {5.0f})});
+  write_safetensors(dir.file("model-00002-of-00002.safetensors"),
+                    {f32("c", {2}, {3.0f, 4.0f}), f32("extra", {1}, {5.0f})});
   dir.write("model.safetensors.index.json",
             R"({"metadata": {"total_size": 20}, "weight_map": {"a": "model-00001-of-00002.safetensors",
                 "b": "model-00001-of-00002.safetensors", "c": "model-00002-of-00002.safetensors"}})");
@@ -272,7 +281,8 @@ TEST(Checkpoint, IndexErrors) {
   EXPECT_HAS(msg, idx);
   EXPECT_HAS(msg, "not valid JSON");
 
-  dir.write("model.safetensors.index.json", R"({"metadata": {"total_size": 1e999}, "weight_map": {"a": "s1.safetensors"}})");
+  dir.write("model.safetensors.index.json",
+            R"({"metadata": {"total_size": 1e999}, "weight_map": {"a": "s1.safetensors"}})");
   msg = error_of([&] { Checkpoint::open(idx); });
   EXPECT_HAS(msg, idx);
   EXPECT_HAS(msg, "not valid JSON");
@@ -344,7 +354,8 @@ TEST(SafetensorsErrors, BadEntries) {
       {R"({"dtype": "F32", "shape": [2], "data_offsets": [0]})", "data_offsets is not [begin, end]"},
       {R"({"dtype": "F32", "shape": [2], "data_offsets": "0-8"})", "data_offsets is not [begin, end]"},
       {R"({"dtype": "F32", "shape": [2], "data_offsets": [-8, 0]})", "data_offsets is not [begin, end]"},
-      {R"({"dtype": "F32", "shape": [2], "data_offsets": [0, 18446744073709551615]})", "data_offsets is not [begin, end]"},
+      {R"({"dtype": "F32", "shape": [2], "data_offsets": [0, 18446744073709551615]})",
+       "data_offsets is not [begin, end]"},
       {R"({"dtype": "I64", "shape": [1], "data_offsets": [0, 8]})",
        "dtype I64 is not supported: vision checkpoints hold BF16, F16, F32 or F8_E4M3 (with its scale)"},
       {R"({"dtype": "F32", "shape": [-2], "data_offsets": [0, 8]})", "negative dimension in shape [-2]"},
@@ -363,14 +374,15 @@ TEST(SafetensorsErrors, BadEntries) {
   }
   // The truncation message gives the byte the tensor needs and the file's actual size.
   const std::string h = R"({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}})";
-  EXPECT_HAS(open_error(dir, h, d8),
-             "needs bytes up to " + std::to_string(8 + h.size() + 16) + ", the file has " + std::to_string(8 + h.size() + 8));
+  EXPECT_HAS(open_error(dir, h, d8), "needs bytes up to " + std::to_string(8 + h.size() + 16) + ", the file has " +
+                                         std::to_string(8 + h.size() + 8));
 }
 
 TEST(SafetensorsErrors, EveryTruncationIsAnError) {
   TempDir dir;
   const std::string good = dir.file("good.safetensors");
-  write_safetensors(good, {{"h", DType::F16, {3}, bytes_of(std::vector<uint16_t>{1, 2, 3})}, f32("w", {4}, {1, 2, 3, 4})},
+  write_safetensors(good,
+                    {{"h", DType::F16, {3}, bytes_of(std::vector<uint16_t>{1, 2, 3})}, f32("w", {4}, {1, 2, 3, 4})},
                     {{"k", "v"}});
   const std::string full = read_file(good);
   const uint64_t start = raw_header(good).second;
@@ -442,14 +454,17 @@ TEST(SafetensorsSkip, SkippedTensorsKeepEveryHeaderCheck) {
   };
   const std::string d8(8, '\0');
   EXPECT_HAS(err(R"({"dtype": "Q7", "shape": [1], "data_offsets": [0, 1]})", d8), "dtype Q7 is not supported");
-  EXPECT_HAS(err(R"({"dtype": "I64", "shape": [2], "data_offsets": [0, 8]})", d8), "span 8 bytes, but shape [2] of I64 needs 16");
-  EXPECT_HAS(err(R"({"dtype": "F8_E4M3", "shape": [16], "data_offsets": [0, 16]})", d8), "truncated: tensor 'lm' needs bytes up to");
+  EXPECT_HAS(err(R"({"dtype": "I64", "shape": [2], "data_offsets": [0, 8]})", d8),
+             "span 8 bytes, but shape [2] of I64 needs 16");
+  EXPECT_HAS(err(R"({"dtype": "F8_E4M3", "shape": [16], "data_offsets": [0, 16]})", d8),
+             "truncated: tensor 'lm' needs bytes up to");
   EXPECT_HAS(err(R"({"dtype": "F4", "shape": [3], "data_offsets": [0, 1]})", d8), "needs part of a byte");
   EXPECT_HAS(err(R"({"dtype": "F8_E4M3", "shape": [-1], "data_offsets": [0, 1]})", d8), "negative dimension");
   // Overlap with a kept tensor is still found.
-  const std::string p = dir.write("overlap.safetensors",
-                                  raw(R"({"lm": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]},
-                                          "v": {"dtype": "F32", "shape": [1], "data_offsets": [2, 6]}})", d8));
+  const std::string p =
+      dir.write("overlap.safetensors", raw(R"({"lm": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]},
+                                          "v": {"dtype": "F32", "shape": [1], "data_offsets": [2, 6]}})",
+                                           d8));
   EXPECT_HAS(error_of([&] { Checkpoint::open(p, none); }), "overlap in the data");
   // A sharded index still needs every listed tensor in its shard, skipped ones included.
   write_safetensors(dir.file("s1.safetensors"), {f32("a", {1}, {1})});

@@ -1,5 +1,5 @@
-// Tests of the FP8 scale book (docs/fp8.md §Scale book, §Dynamic scaling, §Calibration): the amax ring of dynamic scaling, static scales, and
-// calibration (16 complete forwards, then s x margin written atomically).
+// Tests of the FP8 scale book (docs/fp8.md §Scale book, §Dynamic scaling, §Calibration): the amax ring of dynamic
+// scaling, static scales, and calibration (16 complete forwards, then s x margin written atomically).
 #include <algorithm>
 #include <array>
 #include <cfloat>
@@ -25,7 +25,6 @@ namespace {
 
 constexpr float kInf = std::numeric_limits<float>::infinity();
 const float kNaN = std::numeric_limits<float>::quiet_NaN();
-
 
 AmaxHistory fresh() {
   AmaxHistory h;
@@ -463,7 +462,8 @@ TEST(FineHistory, CalibrationWritesTheFineScalesAndMatchingPerTensorOnes) {
       book.record_fine(l, b);
       float k = 0.0f;
       for (size_t i = 0; i < b.k_hi.size(); ++i) k = std::max({k, std::fabs(b.k_hi[i]), std::fabs(b.k_lo[i])});
-      plain.record(l, *std::max_element(b.q_amax.begin(), b.q_amax.end()), k,  // per channel: the largest is the tensor's
+      plain.record(l, *std::max_element(b.q_amax.begin(), b.q_amax.end()),
+                   k,  // per channel: the largest is the tensor's
                    *std::max_element(b.v_amax.begin(), b.v_amax.end()));
     }
     EXPECT_EQ(book.complete_forwards(), uint32_t(f + 1));
@@ -490,7 +490,8 @@ TEST(FineHistory, CalibrationWritesTheFineScalesAndMatchingPerTensorOnes) {
       for (int d = 0; d < hd; ++d) {
         const size_t i = size_t(h) * hd + d;
         float hi = -kInf, lo = kInf;
-        for (const FineBatch& b : bs) hi = std::max(hi, b.k_hi[i]), lo = std::min(lo, b.k_lo[i]), q_chan[i] = std::max(q_chan[i], b.q_amax[i]);
+        for (const FineBatch& b : bs)
+          hi = std::max(hi, b.k_hi[i]), lo = std::min(lo, b.k_lo[i]), q_chan[i] = std::max(q_chan[i], b.q_amax[i]);
         k_chan[i] = std::max(hi - got.k_mean[i], got.k_mean[i] - lo);
         k = std::max(k, k_chan[i]);
         q = std::max(q, q_chan[i]);
@@ -502,8 +503,10 @@ TEST(FineHistory, CalibrationWritesTheFineScalesAndMatchingPerTensorOnes) {
     EXPECT_EQ(got.qk_split.size(), size_t(H) * 3) << "head_dim 6: room for all 3 pairs";
     std::vector<float> k_abs(size_t(H) * hd, 0.0f);
     for (const FineBatch& b : bs)
-      for (size_t i = 0; i < k_abs.size(); ++i) k_abs[i] = std::max({k_abs[i], std::fabs(b.k_hi[i]), std::fabs(b.k_lo[i])});
-    EXPECT_EQ(got.robust_gain, robust_gain(H, hd, q_chan.data(), k_abs.data(), k_chan.data(), got.qk_split)) << "layer " << l;
+      for (size_t i = 0; i < k_abs.size(); ++i)
+        k_abs[i] = std::max({k_abs[i], std::fabs(b.k_hi[i]), std::fabs(b.k_lo[i])});
+    EXPECT_EQ(got.robust_gain, robust_gain(H, hd, q_chan.data(), k_abs.data(), k_chan.data(), got.qk_split))
+        << "layer " << l;
     EXPECT_GT(got.robust_gain, 0.0f);
   }
 }
@@ -538,14 +541,16 @@ TEST(RobustGain, HandWorkedWellSpreadAndOutliers) {
   std::uniform_real_distribution<float> mag(2.5f, 4.5f);
   std::vector<float> qa(H * hd), ka(H * hd), kc(H * hd);
   for (size_t i = 0; i < qa.size(); ++i) qa[i] = mag(rng), ka[i] = mag(rng), kc[i] = ka[i] * 0.9f;
-  const float plain = robust_gain(H, hd, qa.data(), ka.data(), kc.data(), pick_split_pairs(H, hd, qa.data(), kc.data()));
+  const float plain =
+      robust_gain(H, hd, qa.data(), ka.data(), kc.data(), pick_split_pairs(H, hd, qa.data(), kc.data()));
   EXPECT_GE(plain, 1.0f);
   EXPECT_LT(plain, kAutoRobustGain);
   for (int h = 0; h < H; ++h) {
     for (int c : {2, 13, hd / 2 - 6}) ka[size_t(h * hd + c)] += 40.0f, kc[size_t(h * hd + c)] += 40.0f;
     for (int c : {2, 13, hd / 2 - 6}) qa[size_t(h * hd + c)] += 15.0f;
   }
-  const float outliers = robust_gain(H, hd, qa.data(), ka.data(), kc.data(), pick_split_pairs(H, hd, qa.data(), kc.data()));
+  const float outliers =
+      robust_gain(H, hd, qa.data(), ka.data(), kc.data(), pick_split_pairs(H, hd, qa.data(), kc.data()));
   EXPECT_GT(outliers, 3.0f * kAutoRobustGain) << "plain " << plain;
   EXPECT_NEAR(robust_gain(H, hd, qa.data(), ka.data(), kc.data(), {}), 1.0f, 0.2f) << "without the split nothing moves";
 }
@@ -562,7 +567,8 @@ TEST(SplitPairs, TiesZerosAndRoom) {
   const std::vector<float> q = {1, 2, 0, 1, 1, 2, 0, kNaN}, k = {3, 1.5f, 5, 1, 1, 1, 5, 1};
   // shares: pair 0 1*3 = 3, pair 1 2*1.5 = 3, pair 2 0*5 = 0, pair 3 NaN
   EXPECT_EQ(pick_split_pairs(1, 8, q.data(), k.data()), (std::vector<int32_t>{0, 1, -1, -1}));
-  EXPECT_TRUE(pick_split_pairs(2, 64, std::vector<float>(128, 1.0f).data(), std::vector<float>(128, 1.0f).data()).empty());
+  EXPECT_TRUE(
+      pick_split_pairs(2, 64, std::vector<float>(128, 1.0f).data(), std::vector<float>(128, 1.0f).data()).empty());
   EXPECT_HAS(error_of([] { check_split_pairs({0, 0, -1, -1}, 1, 8, "x"); }), "x: head 0: split pair 0 is given twice");
   EXPECT_HAS(error_of([] { check_split_pairs({0, 1}, 1, 8, "x"); }), "x: 2 split pairs, not 4");
   check_split_pairs({-1, -1, -1, -1}, 1, 8, "x");

@@ -30,9 +30,9 @@ const float kNaN = std::numeric_limits<float>::quiet_NaN();
 const std::string L0 = "visual.blocks.0.attn.attn";
 const std::string L1 = "visual.blocks.1.attn.attn";
 
-
 bool has_any(const std::string& msg, const std::vector<std::string>& words) {
-  return std::any_of(words.begin(), words.end(), [&](const std::string& w) { return msg.find(w) != std::string::npos; });
+  return std::any_of(words.begin(), words.end(),
+                     [&](const std::string& w) { return msg.find(w) != std::string::npos; });
 }
 
 // {"q": q, "k": k, "v": v} as JSON text.
@@ -250,12 +250,15 @@ TEST(ReadScaleFileErrors, EveryBadInputNamesFileLayerAndProblem) {
       {"nested-bad-value", "{\"layers\": {" + l0 + entry("-1") + "}}", L0, {"> 0"}},
       {"second-layer-bad", "{" + l0 + entry("0.5") + ", \"" + L1 + "\": " + entry("0.5", "0") + "}", L1, {"> 0"}},
       {"not-a-layer-name", "{\"visual.blocks.0.mlp\": " + entry("0.5") + "}", "visual.blocks.0.mlp", {"not a layer"}},
-      {"not-a-layer-index", "{\"visual.blocks.x.attn.attn\": " + entry("0.5") + "}", "visual.blocks.x.attn.attn",
+      {"not-a-layer-index",
+       "{\"visual.blocks.x.attn.attn\": " + entry("0.5") + "}",
+       "visual.blocks.x.attn.attn",
        {"not a layer"}},
       {"duplicate-layer",
        "{\"visual.blocks.3.attn.attn\": " + entry("0.5") + ", \"model.visual.blocks.3.attn.attn\": " + entry("0.5") +
            "}",
-       "model.visual.blocks.3.attn.attn", {"twice"}},
+       "model.visual.blocks.3.attn.attn",
+       {"twice"}},
   };
   TempDir dir;
   for (const Case& c : cases) {
@@ -266,7 +269,8 @@ TEST(ReadScaleFileErrors, EveryBadInputNamesFileLayerAndProblem) {
     if (!c.layer.empty()) {
       EXPECT_HAS(msg, "'" + c.layer + "'");
     }
-    EXPECT_TRUE(has_any(msg, c.words)) << "message: " << msg << "\nnames none of: " << ::testing::PrintToString(c.words);
+    EXPECT_TRUE(has_any(msg, c.words)) << "message: " << msg
+                                       << "\nnames none of: " << ::testing::PrintToString(c.words);
   }
 }
 
@@ -288,7 +292,8 @@ TEST(ReadScaleFileErrors, ValueOverflowingDoubleNamesFileLayerAndProblem) {
 TEST(ScalesForModel, MissingLayerListsTheLayersTheFileHas) {
   TempDir dir;
   std::string text = "{";
-  for (int i : {0, 2, 5}) text += (i ? ", " : "") + ("\"visual.blocks." + std::to_string(i) + ".attn.attn\": ") + entry("1");
+  for (int i : {0, 2, 5})
+    text += (i ? ", " : "") + ("\"visual.blocks." + std::to_string(i) + ".attn.attn\": ") + entry("1");
   const std::string path = dir.write("gaps.json", text + "}");
   const ScaleFile f = read_scale_file(path);
   const std::string msg = error_of([&] { scales_for_model(f, 3); });
@@ -320,7 +325,8 @@ TEST(ScalesForModel, ExtraLayersAreAWarningAndIgnored) {
 
 TEST(ReadScaleFileErrors, RepeatedKeysAreErrors) {
   TempDir dir;
-  const std::string layer_twice = dir.write("a.json", "{\"" + L0 + "\": " + entry("0.5") + ", \"" + L0 + "\": " + entry("0.25") + "}");
+  const std::string layer_twice =
+      dir.write("a.json", "{\"" + L0 + "\": " + entry("0.5") + ", \"" + L0 + "\": " + entry("0.25") + "}");
   const std::string e1 = error_of([&] { read_scale_file(layer_twice); });
   EXPECT_HAS(e1, layer_twice);
   EXPECT_HAS(e1, L0);
@@ -351,7 +357,9 @@ std::string fine_entry(const std::string& qh, const std::string& kh, const std::
 std::string with_field(const std::string& fine, const std::string& field, const std::string& value) {
   return fine.substr(0, fine.size() - 1) + ", \"" + field + "\": " + value + "}";
 }
-std::string with_split(const std::string& fine, const std::string& split) { return with_field(fine, "fovea_qk_split", split); }
+std::string with_split(const std::string& fine, const std::string& split) {
+  return with_field(fine, "fovea_qk_split", split);
+}
 
 }  // namespace
 
@@ -392,7 +400,8 @@ TEST(FineScales, RoundTripBitExactAndQkvStayVllmReadable) {
     EXPECT_EQ(f.layers.at(l), scales[size_t(l)]);
     const FineScales& g = f.fine.at(l);
     ASSERT_EQ(g.v_channel.size(), size_t(channels));
-    for (int c = 0; c < channels; ++c) ASSERT_EQ(float_bits(g.v_channel[size_t(c)]), float_bits(fine[size_t(l)].v_channel[size_t(c)]));
+    for (int c = 0; c < channels; ++c)
+      ASSERT_EQ(float_bits(g.v_channel[size_t(c)]), float_bits(fine[size_t(l)].v_channel[size_t(c)]));
     EXPECT_EQ(float_bits(g.robust_gain), float_bits(fine[size_t(l)].robust_gain));
     EXPECT_EQ(g, fine[size_t(l)]);
   }
@@ -411,22 +420,34 @@ TEST(FineScales, BadFieldsAreErrorsNamingFileLayerAndProblem) {
     std::vector<std::string> words;
   };
   const std::vector<Case> cases = {
-      {"two-of-four", "{" + l0 + "{\"q\": 1, \"k\": 1, \"v\": 1, \"fovea_q_head\": [1], \"fovea_k_head\": [1]}}", {"all of", "2 of them"}},
-      {"three-of-four", "{" + l0 + "{\"q\": 1, \"k\": 1, \"v\": 1, \"fovea_q_head\": [1], \"fovea_k_head\": [1], \"fovea_v_channel\": [1]}}",
+      {"two-of-four",
+       "{" + l0 + "{\"q\": 1, \"k\": 1, \"v\": 1, \"fovea_q_head\": [1], \"fovea_k_head\": [1]}}",
+       {"all of", "2 of them"}},
+      {"three-of-four",
+       "{" + l0 +
+           "{\"q\": 1, \"k\": 1, \"v\": 1, \"fovea_q_head\": [1], \"fovea_k_head\": [1], \"fovea_v_channel\": [1]}}",
        {"fovea_k_mean", "3 of them"}},
       {"mean-length", "{" + l0 + fine_entry("[1, 2]", "[1, 2]", "[1, 2, 3, 4]", "[0, 0]") + "}", {"fovea_k_mean 2"}},
-      {"mean-not-finite", "{" + l0 + fine_entry("[1]", "[1]", "[1, 2]", "[0, 1e39]") + "}", {"fovea_k_mean[1]", "finite float32"}},
-      {"mean-string", "{" + l0 + fine_entry("[1]", "[1]", "[1, 2]", "[0, \"x\"]") + "}", {"fovea_k_mean[1]", "not a number"}},
+      {"mean-not-finite",
+       "{" + l0 + fine_entry("[1]", "[1]", "[1, 2]", "[0, 1e39]") + "}",
+       {"fovea_k_mean[1]", "finite float32"}},
+      {"mean-string",
+       "{" + l0 + fine_entry("[1]", "[1]", "[1, 2]", "[0, \"x\"]") + "}",
+       {"fovea_k_mean[1]", "not a number"}},
       {"not-array", "{" + l0 + fine_entry("1", "[1]", "[1]") + "}", {"fovea_q_head", "not a non-empty array"}},
       {"empty-array", "{" + l0 + fine_entry("[]", "[1]", "[1]") + "}", {"not a non-empty array"}},
-      {"string-value", "{" + l0 + fine_entry("[1, \"2\"]", "[1, 2]", "[1, 2]") + "}", {"fovea_q_head[1]", "not a number"}},
+      {"string-value",
+       "{" + l0 + fine_entry("[1, \"2\"]", "[1, 2]", "[1, 2]") + "}",
+       {"fovea_q_head[1]", "not a number"}},
       {"zero-value", "{" + l0 + fine_entry("[1, 2]", "[1, 2]", "[1, 0, 1, 1]") + "}", {"fovea_v_channel[1]", "> 0"}},
       {"negative-value", "{" + l0 + fine_entry("[1, 2]", "[-1, 2]", "[1, 1]") + "}", {"fovea_k_head[0]"}},
       {"beyond-float", "{" + l0 + fine_entry("[1, 1e39]", "[1, 2]", "[1, 1]") + "}", {"float32"}},
       {"k-heads-differ", "{" + l0 + fine_entry("[1, 2]", "[1, 2, 3]", "[1, 2, 3, 4, 5, 6]") + "}", {"one per head"}},
       {"v-not-multiple", "{" + l0 + fine_entry("[1, 2]", "[1, 2]", "[1, 2, 3]") + "}", {"heads x head_dim"}},
       {"nested-array", "{" + l0 + fine_entry("[[1], 2]", "[1, 2]", "[1, 2]") + "}", {"fovea_q_head[0]"}},
-      {"unknown-fovea-field", "{" + l0 + "{\"q\": 1, \"k\": 1, \"v\": 1, \"fovea_rotation\": [1]}}", {"fovea_rotation", "newer fovea"}},
+      {"unknown-fovea-field",
+       "{" + l0 + "{\"q\": 1, \"k\": 1, \"v\": 1, \"fovea_rotation\": [1]}}",
+       {"fovea_rotation", "newer fovea"}},
       {"only-one-layer-has-them", "{" + l0 + ok + ", " + l1 + entry("1") + "}", {"every layer or for none"}},
       // fovea_qk_split: 2 heads of 2 channels, so 1 pair each, room for it: [p0, p1], each 0 or -1
       {"split-count", "{" + l0 + with_split(ok, "[0]") + "}", {"fovea_qk_split: 1 split pairs, not 2"}},
@@ -436,14 +457,23 @@ TEST(FineScales, BadFieldsAreErrorsNamingFileLayerAndProblem) {
       {"split-huge", "{" + l0 + with_split(ok, "[0, 18446744073709551615]") + "}", {"fovea_qk_split[1]"}},
       {"split-string", "{" + l0 + with_split(ok, "[\"0\", 0]") + "}", {"fovea_qk_split[0]"}},
       {"split-not-array", "{" + l0 + with_split(ok, "3") + "}", {"fovea_qk_split", "not an array"}},
-      {"split-alone", "{" + l0 + "{\"q\": 1, \"k\": 1, \"v\": 1, \"fovea_qk_split\": [0]}}", {"without the fine scales"}},
-      {"gain-alone", "{" + l0 + "{\"q\": 1, \"k\": 1, \"v\": 1, \"fovea_robust_gain\": 3}}",
+      {"split-alone",
+       "{" + l0 + "{\"q\": 1, \"k\": 1, \"v\": 1, \"fovea_qk_split\": [0]}}",
+       {"without the fine scales"}},
+      {"gain-alone",
+       "{" + l0 + "{\"q\": 1, \"k\": 1, \"v\": 1, \"fovea_robust_gain\": 3}}",
        {"fovea_robust_gain", "without the fine scales"}},
       {"gain-zero", "{" + l0 + with_field(ok, "fovea_robust_gain", "0") + "}", {"fovea_robust_gain", "> 0"}},
       {"gain-negative", "{" + l0 + with_field(ok, "fovea_robust_gain", "-2") + "}", {"fovea_robust_gain"}},
-      {"gain-array", "{" + l0 + with_field(ok, "fovea_robust_gain", "[2]") + "}", {"fovea_robust_gain", "not a number"}},
-      {"gain-beyond-float", "{" + l0 + with_field(ok, "fovea_robust_gain", "1e39") + "}", {"fovea_robust_gain", "float32"}},
-      {"shapes-differ-across-layers", "{" + l0 + ok + ", " + l1 + fine_entry("[1]", "[1]", "[1, 2]") + "}", {"heads and"}},
+      {"gain-array",
+       "{" + l0 + with_field(ok, "fovea_robust_gain", "[2]") + "}",
+       {"fovea_robust_gain", "not a number"}},
+      {"gain-beyond-float",
+       "{" + l0 + with_field(ok, "fovea_robust_gain", "1e39") + "}",
+       {"fovea_robust_gain", "float32"}},
+      {"shapes-differ-across-layers",
+       "{" + l0 + ok + ", " + l1 + fine_entry("[1]", "[1]", "[1, 2]") + "}",
+       {"heads and"}},
   };
   for (const Case& c : cases) {
     const std::string msg = error_of([&] { parse_scale_file(c.text, "fine.json"); });
@@ -477,7 +507,9 @@ TEST(FineScales, WriterRefusesWhatTheReaderWould) {
   EXPECT_HAS(refused({good, FineScales{{1, 2}, {1, 2}, {1, 0, 1, 1}, {0, 0, 0, 0}, {}}}), "fovea_v_channel");
   EXPECT_HAS(refused({good, FineScales{{1, 2}, {1, kNaN}, {1, 1, 1, 1}, {0, 0, 0, 0}, {}}}), "fovea_k_head");
   EXPECT_HAS(refused({good, FineScales{{1, 2}, {1, 2}, {1, 1, 1, 1}, {0, 0, 0}, {}}}), "refusing");
-  EXPECT_HAS(refused({good, FineScales{{1, 2}, {1, 2}, {1, 1, 1, 1}, {0, std::numeric_limits<float>::infinity(), 0, 0}, {}}}), "fovea_k_mean");
+  EXPECT_HAS(
+      refused({good, FineScales{{1, 2}, {1, 2}, {1, 1, 1, 1}, {0, std::numeric_limits<float>::infinity(), 0, 0}, {}}}),
+      "fovea_k_mean");
   EXPECT_HAS(refused({good, FineScales{{1, 2}, {1, 2}, {1, 1, 1, 1}, {0, 0, 0, 0}, {0, 1}}}), "fovea_qk_split");
   EXPECT_HAS(refused({good, FineScales{{1, 2}, {1, 2}, {1, 1, 1, 1}, {0, 0, 0, 0}, {0}}}), "1 split pairs, not 2");
   for (float gain : {kNaN, -1.0f, std::numeric_limits<float>::infinity()}) {

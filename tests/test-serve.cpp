@@ -47,11 +47,11 @@ extern char** environ;
 
 namespace fs = std::filesystem;
 using json = nlohmann::json;
+using fovea::base64_decode;
+using fovea::base64_encode;
 using fovea::test::kTimeScale;
 using fovea::test::scaled_seconds;
 using fovea::test::slurp;
-using fovea::base64_decode;
-using fovea::base64_encode;
 
 namespace {
 
@@ -66,8 +66,8 @@ struct TestImage {
   std::string mime;         // for data URLs
   std::array<int, 3> grid;  // from encode
   int64_t tokens = 0;
-  std::vector<float> embeddings;               // [tokens, 48] fp32, from encode --output-dtype f32
-  std::vector<std::vector<float>> deepstack;   // 2 x [tokens, 48]
+  std::vector<float> embeddings;              // [tokens, 48] fp32, from encode --output-dtype f32
+  std::vector<std::vector<float>> deepstack;  // 2 x [tokens, 48]
 };
 
 std::string encode_image(const std::string& kind, int w, int h, uint32_t seed) {
@@ -77,7 +77,8 @@ std::string encode_image(const std::string& kind, int w, int h, uint32_t seed) {
     for (int x = 0; x < w; ++x)
       for (int c = 0; c < 3; ++c)  // a gradient with noise: neither flat nor pure noise
         px[(size_t(y) * w + x) * 3 + c] = uint8_t((x * (c + 1) * 255 / w + y * 128 / h + rng() % 64) % 256);
-  const std::vector<uint8_t> out = kind == "png" ? fovea::test::encode_png_rgb(w, h, px) : fovea::test::encode_jpeg_rgb(w, h, px, 90);
+  const std::vector<uint8_t> out =
+      kind == "png" ? fovea::test::encode_png_rgb(w, h, px) : fovea::test::encode_jpeg_rgb(w, h, px, 90);
   return std::string(out.begin(), out.end());
 }
 
@@ -128,7 +129,8 @@ class ServerProcess {
  public:
   // Starts `fovea serve synthetic:tiny --device cpu --port 0 PIXELS EXTRA` and waits for the
   // "listening on" line.
-  ServerProcess(const fs::path& dir, const std::vector<std::string>& extra, const std::vector<std::string>& pixels = kPixels)
+  ServerProcess(const fs::path& dir, const std::vector<std::string>& extra,
+                const std::vector<std::string>& pixels = kPixels)
       : out_(dir / "server.out"), err_(dir / "server.err") {
     std::vector<std::string> args = {FOVEA_BIN, "serve", "synthetic:tiny", "--device", "cpu", "--port", "0"};
     args.insert(args.end(), pixels.begin(), pixels.end());
@@ -275,7 +277,8 @@ double check_reply(const httplib::Result& r, const std::vector<const TestImage*>
       EXPECT_EQ(g, (std::vector<float>{float(sent[j]->grid[0]), float(sent[j]->grid[1]), float(sent[j]->grid[2])}));
       worst = std::max(worst, max_rel_error(tensor(ck, p + ".embeddings"), sent[j]->embeddings));
       for (int k = 0; k < 2 && deepstack; ++k)
-        worst = std::max(worst, max_rel_error(tensor(ck, p + ".deepstack." + std::to_string(k)), sent[j]->deepstack[size_t(k)]));
+        worst = std::max(
+            worst, max_rel_error(tensor(ck, p + ".deepstack." + std::to_string(k)), sent[j]->deepstack[size_t(k)]));
     }
     return worst;
   }
@@ -291,8 +294,11 @@ double check_reply(const httplib::Result& r, const std::vector<const TestImage*>
     EXPECT_EQ(d.at("grid_thw"), json(im.grid));
     EXPECT_EQ(d.at("num_tokens"), im.tokens);
     EXPECT_EQ(d.at("hidden_size"), 48);
-    for (const char* t : {"decode", "preprocess", "queue", "forward"}) EXPECT_GE(d.at("timings_ms").at(t).get<double>(), 0.0) << t;
-    const auto values = [&](const json& v) { return as_base64 ? bf16_values(v.get<std::string>()) : v.get<std::vector<float>>(); };
+    for (const char* t : {"decode", "preprocess", "queue", "forward"})
+      EXPECT_GE(d.at("timings_ms").at(t).get<double>(), 0.0) << t;
+    const auto values = [&](const json& v) {
+      return as_base64 ? bf16_values(v.get<std::string>()) : v.get<std::vector<float>>();
+    };
     worst = std::max(worst, max_rel_error(values(d.at("embeddings")), im.embeddings));
     EXPECT_EQ(d.contains("deepstack"), deepstack);
     if (deepstack && d.contains("deepstack")) {
@@ -359,8 +365,12 @@ class Serve : public ::testing::Test {
 
 // RFC 4648 test vectors, and the strict decoder's errors.
 TEST(Base64, MatchesRfc4648AndRejectsWhatItShould) {
-  const std::pair<std::string, std::string> vectors[] = {{"", ""},         {"f", "Zg=="},         {"fo", "Zm8="},
-                                                         {"foo", "Zm9v"},  {"foob", "Zm9vYg=="},  {"fooba", "Zm9vYmE="},
+  const std::pair<std::string, std::string> vectors[] = {{"", ""},
+                                                         {"f", "Zg=="},
+                                                         {"fo", "Zm8="},
+                                                         {"foo", "Zm9v"},
+                                                         {"foob", "Zm9vYg=="},
+                                                         {"fooba", "Zm9vYmE="},
                                                          {"foobar", "Zm9vYmFy"}};
   for (const auto& [plain, coded] : vectors) {
     EXPECT_EQ(b64(plain), coded);
@@ -375,7 +385,8 @@ TEST(Base64, MatchesRfc4648AndRejectsWhatItShould) {
   for (int i = 0; i < 256; ++i) all[size_t(i)] = char(i);
   const auto round = base64_decode(b64(all), "v");
   EXPECT_EQ(std::string(round.begin(), round.end()), all);
-  EXPECT_HAS(fovea::test::error_of([] { base64_decode("Zm9v!", "images[3]"); }), "images[3]: invalid base64: '!' at offset 4");
+  EXPECT_HAS(fovea::test::error_of([] { base64_decode("Zm9v!", "images[3]"); }),
+             "images[3]: invalid base64: '!' at offset 4");
   EXPECT_HAS(fovea::test::error_of([] { base64_decode("Zm9vY", "x"); }), "truncated");
   EXPECT_HAS(fovea::test::error_of([] { base64_decode("Zg==Zg==", "x"); }), "after '=' padding");
   EXPECT_HAS(fovea::test::error_of([] { base64_decode("Zm9v=Zm9v", "x"); }), "after '=' padding at offset 5");
@@ -405,7 +416,8 @@ TEST(Base64, ParallelEncodeIsTheSerialOne) {
       EXPECT_TRUE(out == "\"prefix:" + serial) << from;
     }
   }
-  for (size_t n = 0; n < 10; ++n) EXPECT_EQ(base64_encode(data.data(), n, 0), base64_encode(data.data(), n, kSerial)) << n;
+  for (size_t n = 0; n < 10; ++n)
+    EXPECT_EQ(base64_encode(data.data(), n, 0), base64_encode(data.data(), n, kSerial)) << n;
 }
 
 // The decoder's fast path (four characters at a time) and its per-character path agree: random
@@ -435,8 +447,9 @@ TEST(Base64, DecodeOfWrappedAndBrokenText) {
       std::string bad = text;
       const size_t at = rng() % bad.size();
       bad[at] = t % 2 ? '*' : '\x80';
-      EXPECT_HAS(fovea::test::error_of([&] { base64_decode(bad, "x"); }),
-                 std::string("x: invalid base64: ") + (t % 2 ? "'*'" : "byte 0x80") + " at offset " + std::to_string(at));
+      EXPECT_HAS(
+          fovea::test::error_of([&] { base64_decode(bad, "x"); }),
+          std::string("x: invalid base64: ") + (t % 2 ? "'*'" : "byte 0x80") + " at offset " + std::to_string(at));
     }
     if (n % 3) {  // data after the padding, wherever the quantum boundary falls
       EXPECT_HAS(fovea::test::error_of([&] { base64_decode(text + "Zm9v", "x"); }), "after '=' padding");
@@ -474,7 +487,8 @@ TEST_F(Serve, ConcurrentClientsMatchEncode) {
         if (mode == 2 || f32_safetensors) body["encoding"] = "float";
         if (mode == 0) body["encoding"] = "base64";
         if (deepstack || k % 5 == 0) body["return_deepstack"] = deepstack;
-        const httplib::Headers headers = mode == 3 ? httplib::Headers{{"Accept", "application/octet-stream"}} : httplib::Headers{};
+        const httplib::Headers headers =
+            mode == 3 ? httplib::Headers{{"Accept", "application/octet-stream"}} : httplib::Headers{};
         const auto r = cli->Post("/v1/encode", headers, body.dump(), "application/json");
         const fs::path scratch = dir_ / ("reply." + std::to_string(t) + ".safetensors");
         std::optional<fovea::DType> octet;
@@ -552,7 +566,8 @@ TEST_F(Serve, EncoderCacheForVllm) {
     const std::vector<float> all = t->to_float();
     for (int64_t r = 0; r < tokens; ++r)
       for (int p = 0; p < 3; ++p)
-        parts[size_t(p)].insert(parts[size_t(p)].end(), all.begin() + (r * 3 + p) * 48, all.begin() + (r * 3 + p + 1) * 48);
+        parts[size_t(p)].insert(parts[size_t(p)].end(), all.begin() + (r * 3 + p) * 48,
+                                all.begin() + (r * 3 + p + 1) * 48);
     return parts;
   };
   const TestImage &a = image(0), &b = image(1), &c = image(2);
@@ -636,7 +651,8 @@ TEST_F(Serve, EncoderCacheForVllm) {
           const std::string bytes = slurp(f);
           opened += 1;
           try {
-            const auto ts = fovea::parse_safetensors(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size(), f.string());
+            const auto ts =
+                fovea::parse_safetensors(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size(), f.string());
             if (ts.size() != 1 || ts[0].shape.size() != 2 || ts[0].shape[1] != 48 * 3) partial += 1;
           } catch (const fovea::Error&) {
             partial += 1;
@@ -645,7 +661,8 @@ TEST_F(Serve, EncoderCacheForVllm) {
       }
     });
     for (int i = 0; i < 12; ++i) {
-      r = cli->Post("/v1/encode", request({{&image(size_t(i)), "poll-" + std::to_string(i)}}, false), "application/json");
+      r = cli->Post("/v1/encode", request({{&image(size_t(i)), "poll-" + std::to_string(i)}}, false),
+                    "application/json");
       EXPECT_TRUE(r && r->status == 200);
     }
     writing = false;
@@ -693,9 +710,7 @@ TEST_F(Serve, ChatCompletionsIsVllmsEncodeInstance) {
   ASSERT_GT(server.port(), 0);
   auto cli = client(server.port());
   const auto url_of = [](const TestImage& im) { return "data:" + im.mime + ";base64," + b64(im.bytes); };
-  const auto key_of = [](const std::string& url) {
-    return fovea::sha256_hex(url);
-  };
+  const auto key_of = [](const std::string& url) { return fovea::sha256_hex(url); };
   // The proxy's request for a group of images (a repeated one included), and its rewrite.
   const auto proxy = [&](const std::vector<const TestImage*>& group, const json& extra) {
     json parts = json::array();
@@ -739,11 +754,15 @@ TEST_F(Serve, ChatCompletionsIsVllmsEncodeInstance) {
   check_rewrite(proxy({&b, &c, &b}, json::object()), {&b, &c, &b});  // b twice: one entry, both positions
   check_rewrite(proxy({&a, &c}, json::object()), {&a, &c});          // both cached now
   // A client's own chat request: text parts and messages beside the images, its own uuid kept.
-  json own = {{"model", "synthetic:tiny"}, {"max_tokens", 64}, {"temperature", 0},
-              {"messages", {{{"role", "system"}, {"content", "be brief"}},
-                            {{"role", "user"}, {"content", {{{"type", "text"}, {"text", "what is this?"}},
-                                                            {{"type", "image_url"}, {"image_url", {{"url", url_of(a)}}},
-                                                             {"uuid", "client-key"}}}}}}}};
+  json own = {{"model", "synthetic:tiny"},
+              {"max_tokens", 64},
+              {"temperature", 0},
+              {"messages",
+               {{{"role", "system"}, {"content", "be brief"}},
+                {{"role", "user"},
+                 {"content",
+                  {{{"type", "text"}, {"text", "what is this?"}},
+                   {{"type", "image_url"}, {"image_url", {{"url", url_of(a)}}}, {"uuid", "client-key"}}}}}}}};
   auto r = cli->Post("/v1/chat/completions", own.dump(), "application/json");
   ASSERT_TRUE(r && r->status == 200) << (r ? r->body : "no reply");
   EXPECT_EQ(json::parse(r->body)["ec_transfer_params"]["client-key"]["item_indices"], json::array({0}));
@@ -765,7 +784,9 @@ TEST_F(Serve, ChatCompletionsIsVllmsEncodeInstance) {
   }
   // vLLM's proxy forwards the client's kwargs, priority and session_id (PR #56786): {} and null say
   // nothing (the key stays the uuid), priority and session_id are ignored.
-  check_rewrite(proxy({&a}, {{"mm_processor_kwargs", json::object()}, {"media_io_kwargs", nullptr}, {"priority", 3},
+  check_rewrite(proxy({&a}, {{"mm_processor_kwargs", json::object()},
+                             {"media_io_kwargs", nullptr},
+                             {"priority", 3},
                              {"session_id", "s-1"}}),
                 {&a});
   // A lower max_pixels: a smaller grid, stored under the identifier vLLM's consumer derives from the
@@ -801,15 +822,16 @@ TEST_F(Serve, ChatCompletionsIsVllmsEncodeInstance) {
     const json doc = json::parse(r->body);
     const json& meta = doc["ec_transfer_params"][key_of(clip_url)]["metadata"];
     EXPECT_EQ(meta["video_grid_thw"], json::array({3, 8, 12}));  // 6 frames sampled at 2 fps, 192x128
-    ASSERT_EQ(meta["timestamps"].size(), 3u);                     // one per temporal patch
+    ASSERT_EQ(meta["timestamps"].size(), 3u);                    // one per temporal patch
     EXPECT_NEAR(meta["timestamps"][1].get<double>(), (14 + 21) / 24.0, 1e-9);
     EXPECT_FALSE(meta.contains("image_grid_thw"));
     EXPECT_EQ(doc["usage"]["prompt_tokens"], 3 * 8 * 12 / 4);
     const auto ck = fovea::Checkpoint::open((cache / key_of(clip_url) / "encoder_cache.safetensors").string());
     EXPECT_EQ(ck.find("ec_cache")->shape, (std::vector<int64_t>{3 * 8 * 12 / 4, 48 * 3}));
   }
-  EXPECT_EQ(error_of(cli->Post("/v1/chat/completions", clip_request("data:video/mp4;base64,AAAA"), "application/json")).code,
-            "invalid_video");
+  EXPECT_EQ(
+      error_of(cli->Post("/v1/chat/completions", clip_request("data:video/mp4;base64,AAAA"), "application/json")).code,
+      "invalid_video");
   json text_only = {{"messages", {{{"role", "user"}, {"content", "hello"}}}}};
   EXPECT_EQ(error_of(cli->Post("/v1/chat/completions", text_only.dump(), "application/json")).status, 400);
   // Without the cache the endpoint says what it needs; --served-model-name is the name requests give.
@@ -869,15 +891,30 @@ TEST(MediaUrls, AddressFilterSeesIpv4InsideIpv6) {
     EXPECT_NE(why.find(what), std::string::npos) << text << ": \"" << why << "\"";
   };
   // 10.0.0.1, 127.0.0.1 and 169.254.169.254 in every embedding, refused as those addresses are.
-  for (const char* a : {"10.0.0.1", "::ffff:10.0.0.1", "::ffff:0:10.0.0.1", "::10.0.0.1", "64:ff9b::a00:1",
-                        "64:ff9b::10.0.0.1", "64:ff9b:1:a00:0:100::", "64:ff9b:1:a:0:100::", "64:ff9b:1:0:a:0:100:0",
-                        "64:ff9b:1::10.0.0.1", "2002:a00:1::1", "2001:0:a00:1::1", "2001:0:4136:e378:8000:63bf:f5ff:fffe",
-                        "fe80::5efe:10.0.0.1", "2001:db8::200:5efe:10.0.0.1", "::ffff:127.0.0.1", "64:ff9b::7f00:1",
-                        "2002:7f00:1::", "::1", "fd00::1"})
+  for (const char* a : {"10.0.0.1",
+                        "::ffff:10.0.0.1",
+                        "::ffff:0:10.0.0.1",
+                        "::10.0.0.1",
+                        "64:ff9b::a00:1",
+                        "64:ff9b::10.0.0.1",
+                        "64:ff9b:1:a00:0:100::",
+                        "64:ff9b:1:a:0:100::",
+                        "64:ff9b:1:0:a:0:100:0",
+                        "64:ff9b:1::10.0.0.1",
+                        "2002:a00:1::1",
+                        "2001:0:a00:1::1",
+                        "2001:0:4136:e378:8000:63bf:f5ff:fffe",
+                        "fe80::5efe:10.0.0.1",
+                        "2001:db8::200:5efe:10.0.0.1",
+                        "::ffff:127.0.0.1",
+                        "64:ff9b::7f00:1",
+                        "2002:7f00:1::",
+                        "::1",
+                        "fd00::1"})
     says(a, "loopback or private");
   for (const char* a : {"169.254.169.254", "::ffff:169.254.169.254", "64:ff9b::a9fe:a9fe", "2002:a9fe:a9fe::1",
-                        "::169.254.169.254", "64:ff9b:1:a9fe:a9:fe00::", "2001:0:a9fe:a9fe::", "fe80::1", "fec0::1", "ff02::1", "::",
-                        "0.0.0.0", "224.0.0.1", "::ffff:255.255.255.255"})
+                        "::169.254.169.254", "64:ff9b:1:a9fe:a9:fe00::", "2001:0:a9fe:a9fe::", "fe80::1", "fec0::1",
+                        "ff02::1", "::", "0.0.0.0", "224.0.0.1", "::ffff:255.255.255.255"})
     says(a, "link-local");
   // With --allow-private-media-urls private ones pass, link-local ones never.
   EXPECT_EQ(problem("64:ff9b::a00:1", true), "");
@@ -923,7 +960,8 @@ TEST_F(Serve, OneKeyNamesOneContent) {
     const json body = {{"messages", {{{"role", "user"}, {"content", parts}}}}};
     return cli->Post("/v1/chat/completions", body.dump(), "application/json");
   };
-  const std::string a = "data:image/png;base64," + b64(image(0).bytes), b = "data:image/png;base64," + b64(image(1).bytes);
+  const std::string a = "data:image/png;base64," + b64(image(0).bytes),
+                    b = "data:image/png;base64," + b64(image(1).bytes);
   // 16 parts of one image under one uuid: one encode, one file, every position listed.
   json parts = json::array();
   for (int i = 0; i < 16; ++i) parts.push_back(part(a, "same"));
@@ -971,7 +1009,7 @@ TEST_F(Serve, UrlItemsAreReadOnlyWhereAllowed) {
   std::ofstream(media / "sub" / "a b.png", std::ios::binary) << a.bytes;
   std::ofstream(outside, std::ios::binary) << a.bytes;
   fs::create_symlink(outside, media / "out-link.png");
-  fs::create_symlink("sub/a b.png", media / "in-link.png");             // relative, staying inside: followed
+  fs::create_symlink("sub/a b.png", media / "in-link.png");               // relative, staying inside: followed
   fs::create_symlink(media / "sub" / "a b.png", media / "abs-link.png");  // absolute: never followed
   ::mkfifo((media / "fifo.png").c_str(), 0600);
   std::ofstream(media / "big.png", std::ios::binary) << std::string(300 << 10, 'x');
@@ -987,7 +1025,9 @@ TEST_F(Serve, UrlItemsAreReadOnlyWhereAllowed) {
   web.Get("/away", [&](const httplib::Request&, httplib::Response& res) {  // to a host not allowed
     res.set_redirect("http://localhost:" + std::to_string(port) + "/a.png");
   });
-  web.Get("/big", [&](const httplib::Request&, httplib::Response& res) { res.set_content(std::string(300 << 10, 'x'), "image/png"); });
+  web.Get("/big", [&](const httplib::Request&, httplib::Response& res) {
+    res.set_content(std::string(300 << 10, 'x'), "image/png");
+  });
   web.Get("/slow", [&](const httplib::Request&, httplib::Response& res) {
     std::this_thread::sleep_for(std::chrono::milliseconds(2500));
     res.set_content(a.bytes, "image/png");
@@ -1006,15 +1046,14 @@ TEST_F(Serve, UrlItemsAreReadOnlyWhereAllowed) {
     const json body = {{"messages", {{{"role", "user"}, {"content", {part}}}}}};
     return cli->Post("/v1/chat/completions", body.dump(), "application/json");
   };
-  const auto key_of = [](const std::string& url) {
-    return fovea::sha256_hex(url);
-  };
-  for (const std::string& url : {"file://" + (media / "sub" / "a%20b.png").string(), "file://" + (media / "in-link.png").string(),
-                                 "file://localhost" + (media / "sub" / ".." / "sub" / "a%20b.png").string(),
-                                 site + "/a.png", site + "/hop/3"}) {
+  const auto key_of = [](const std::string& url) { return fovea::sha256_hex(url); };
+  for (const std::string& url :
+       {"file://" + (media / "sub" / "a%20b.png").string(), "file://" + (media / "in-link.png").string(),
+        "file://localhost" + (media / "sub" / ".." / "sub" / "a%20b.png").string(), site + "/a.png", site + "/hop/3"}) {
     const auto r = chat(url);
     ASSERT_TRUE(r && r->status == 200) << url << ": " << (r ? r->body : "no reply");
-    EXPECT_EQ(json::parse(r->body)["ec_transfer_params"][key_of(url)]["metadata"]["image_grid_thw"], json(a.grid)) << url;
+    EXPECT_EQ(json::parse(r->body)["ec_transfer_params"][key_of(url)]["metadata"]["image_grid_thw"], json(a.grid))
+        << url;
     EXPECT_TRUE(fs::exists(cache / key_of(url) / "encoder_cache.safetensors")) << url;
   }
   // /v1/encode takes them too, and its embeddings are the inline image's.
@@ -1067,7 +1106,8 @@ TEST_F(Serve, SafetensorsReplyIsBf16UnlessFloatIsAsked) {
   auto cli = client(server.port());
   const httplib::Headers octet = {{"Accept", "application/octet-stream"}};
   const auto post = [&](const char* encoding, const httplib::Headers& h) {
-    const json body = {{"images", json::array({image_item(image(2), 0)})}, {"encoding", encoding}, {"return_deepstack", true}};
+    const json body = {
+        {"images", json::array({image_item(image(2), 0)})}, {"encoding", encoding}, {"return_deepstack", true}};
     const auto r = cli->Post("/v1/encode", h, body.dump(), "application/json");
     EXPECT_TRUE(r && r->status == 200) << (r ? r->body : httplib::to_string(r.error()));
     return r ? r->body : "";
@@ -1077,7 +1117,8 @@ TEST_F(Serve, SafetensorsReplyIsBf16UnlessFloatIsAsked) {
   const std::vector<std::string> names = {"image.0.embeddings", "image.0.deepstack.0", "image.0.deepstack.1"};
   std::map<std::string, std::vector<uint8_t>> bits;  // name -> the base64 reply's bytes
   bits[names[0]] = base64_decode(doc.at("data")[0].at("embeddings").get<std::string>(), "reply");
-  for (size_t k = 0; k < 2; ++k) bits[names[k + 1]] = base64_decode(doc.at("data")[0].at("deepstack")[k].get<std::string>(), "reply");
+  for (size_t k = 0; k < 2; ++k)
+    bits[names[k + 1]] = base64_decode(doc.at("data")[0].at("deepstack")[k].get<std::string>(), "reply");
   const auto widened = [](const std::vector<uint8_t>& b) {
     std::vector<float> v(b.size() / 2);
     for (size_t i = 0; i < v.size(); ++i) v[i] = fovea::bf16_to_float(uint16_t(b[2 * i] | b[2 * i + 1] << 8));
@@ -1213,10 +1254,18 @@ TEST_F(Serve, VideosBesideImagesMatchEncode) {
     std::string code, says;
   };
   const std::vector<Case> cases = {
-      {"an image in videos", {{"videos", {png_b64}}}, "invalid_video", "videos[0]: a video_url item that is not a clip"},
-      {"a clip in an image_url part", {{"images", {{{"type", "image_url"}, {"image_url", "data:video/mp4;base64," + clip_b64}}}}},
-       "invalid_image", "images[0]: an image_url item holding a video clip"},
-      {"an image_url part in videos", {{"videos", {image_item(image(0), 2)}}}, "invalid_video", "videos[0]: an image_url part"},
+      {"an image in videos",
+       {{"videos", {png_b64}}},
+       "invalid_video",
+       "videos[0]: a video_url item that is not a clip"},
+      {"a clip in an image_url part",
+       {{"images", {{{"type", "image_url"}, {"image_url", "data:video/mp4;base64," + clip_b64}}}}},
+       "invalid_image",
+       "images[0]: an image_url item holding a video clip"},
+      {"an image_url part in videos",
+       {{"videos", {image_item(image(0), 2)}}},
+       "invalid_video",
+       "videos[0]: an image_url part"},
       {"a truncated clip", {{"videos", {b64(clip.substr(0, clip.size() / 3))}}}, "invalid_video", "videos[0]"},
       {"videos not an array", {{"videos", "x"}}, "invalid_request", "\"videos\" must be an array"},
   };
@@ -1246,8 +1295,8 @@ TEST_F(Serve, VideosBesideImagesMatchEncode) {
 }
 
 TEST_F(Serve, BadRequestsGetTheRight4xxAndTheServerKeepsServing) {
-  ServerProcess server(dir_, {"--max-images-per-request", "4", "--max-body-bytes", "1000000", "--max-image-pixels", "40000",
-                              "--max-video-seconds", "2"});
+  ServerProcess server(dir_, {"--max-images-per-request", "4", "--max-body-bytes", "1000000", "--max-image-pixels",
+                              "40000", "--max-video-seconds", "2"});
   const std::string clip = slurp(fs::path(FOVEA_SOURCE_DIR) / "tests/data/video/h264.mp4");  // 3 s
   ASSERT_GT(server.port(), 0);
   auto cli = client(server.port());
@@ -1339,7 +1388,8 @@ TEST_F(Serve, BadRequestsGetTheRight4xxAndTheServerKeepsServing) {
 
   const std::string m = get_metrics(server.port());
   for (const auto& [status, n] : expected)
-    EXPECT_EQ(metric(m, "fovea_requests_total{path=\"/v1/encode\",code=\"" + std::to_string(status) + "\"}"), n) << status;
+    EXPECT_EQ(metric(m, "fovea_requests_total{path=\"/v1/encode\",code=\"" + std::to_string(status) + "\"}"), n)
+        << status;
   EXPECT_EQ(metric(m, "fovea_requests_total{path=\"/v1/encode\",code=\"405\"}"), 1);
   EXPECT_EQ(metric(m, "fovea_requests_total{path=\"/v1/encode\",code=\"200\"}"), 1);
   EXPECT_EQ(metric(m, "fovea_requests_total{path=\"other\",code=\"404\"}"), 1);
@@ -1357,15 +1407,17 @@ TEST_F(Serve, FullQueueIs503AndSlowRequestIs504) {
   // (3.3 s for the 128; the 64 this test sent before took 1.7 s and it failed), parsing and decoding
   // about 6 ms an image (0.8 s), so the request waits in the queue for over a second. Sanitizer
   // builds lengthen the timeout 8x (kTimeScale) and slow the forward 6-9x (150-240 ms).
-  ServerProcess server(dir_, {"--max-queue", "1", "--max-batch-tokens", "1", "--request-timeout", scaled_seconds(2),
-                              "--max-images-per-request", "128"},
+  ServerProcess server(dir_,
+                       {"--max-queue", "1", "--max-batch-tokens", "1", "--request-timeout", scaled_seconds(2),
+                        "--max-images-per-request", "128"},
                        {"--min-pixels", "65536", "--max-pixels", "65536"});
   ASSERT_GT(server.port(), 0);
   constexpr int kSlowImages = 128;
   json slow = {{"images", json::array()}};
   for (int i = 0; i < kSlowImages; ++i) slow["images"].push_back(image_item(image(size_t(i)), 1));
   std::optional<httplib::Result> slow_reply;
-  std::thread slow_client([&] { slow_reply = client(server.port())->Post("/v1/encode", slow.dump(), "application/json"); });
+  std::thread slow_client(
+      [&] { slow_reply = client(server.port())->Post("/v1/encode", slow.dump(), "application/json"); });
   bool queued = false;
   for (int i = 0; i < 4000 * kTimeScale && !queued; ++i) {  // until the slow request is in the queue
     queued = metric(get_metrics(server.port()), "fovea_queue_depth") == 1;
@@ -1402,14 +1454,16 @@ TEST_F(Serve, FullQueueIs503AndSlowRequestIs504) {
 // outlast --request-timeout: 128 one-image forwards. With 64 it did not, always: under the
 // sanitizers 64 took 15.4 s against the scaled 16 s timeout (2026-12-02).
 TEST_F(Serve, QueueTokenLimitIs503) {
-  ServerProcess server(dir_, {"--max-queue", "8", "--max-queue-tokens", "100", "--max-batch-tokens", "1",
-                              "--request-timeout", scaled_seconds(2), "--max-images-per-request", "128"},
+  ServerProcess server(dir_,
+                       {"--max-queue", "8", "--max-queue-tokens", "100", "--max-batch-tokens", "1", "--request-timeout",
+                        scaled_seconds(2), "--max-images-per-request", "128"},
                        {"--min-pixels", "65536", "--max-pixels", "65536"});
   ASSERT_GT(server.port(), 0);
   json big = {{"images", json::array()}};
   for (int i = 0; i < 128; ++i) big["images"].push_back(image_item(image(size_t(i)), 1));
   std::optional<httplib::Result> big_reply;
-  std::thread big_client([&] { big_reply = client(server.port())->Post("/v1/encode", big.dump(), "application/json"); });
+  std::thread big_client(
+      [&] { big_reply = client(server.port())->Post("/v1/encode", big.dump(), "application/json"); });
   bool queued = false;
   for (int i = 0; i < 4000 * kTimeScale && !queued; ++i) {
     queued = metric(get_metrics(server.port()), "fovea_queue_depth") == 1;
@@ -1457,7 +1511,9 @@ TEST_F(Serve, SigtermFinishesRequestsInFlightAndExitsZero) {
   EXPECT_EQ(server.stop(SIGTERM), 0) << server.err();
   for (auto& th : threads) th.join();
   for (int t = 0; t < kClients; ++t)
-    EXPECT_LE(check_reply(*replies[size_t(t)], sent[size_t(t)], std::nullopt, false, dir_ / "reply.safetensors"), kBf16Ulp) << t;
+    EXPECT_LE(check_reply(*replies[size_t(t)], sent[size_t(t)], std::nullopt, false, dir_ / "reply.safetensors"),
+              kBf16Ulp)
+        << t;
   const std::string out = server.out();
   EXPECT_HAS(out, "finishing");
   EXPECT_EQ(out.find("finishing 0 request(s)"), std::string::npos) << "nothing was in flight at SIGTERM:\n" << out;
@@ -1525,7 +1581,8 @@ TEST_F(Serve, AFailingReplicaIsTakenOutAndTheOthersServe) {
         for (int i = 0; i < 5; ++i) {
           const TestImage* im = &image(size_t(t + i));
           const auto r = cli->Post("/v1/encode", json{{"images", {image_item(*im, 0)}}}.dump(), "application/json");
-          if (r && r->status == 200 && check_reply(r, {im}, std::nullopt, false, dir_ / "reply.safetensors") <= kBf16Ulp)
+          if (r && r->status == 200 &&
+              check_reply(r, {im}, std::nullopt, false, dir_ / "reply.safetensors") <= kBf16Ulp)
             ++ok;
           else if (r && r->status == 500 && r->body.find("encoder forward failed on cpu:1") != std::string::npos)
             ++failed;
@@ -1589,10 +1646,11 @@ TEST_F(Serve, DrainSecondsKeepServingWhileReadySays503) {
   }
   EXPECT_TRUE(stopping);
   const TestImage* im = &image(1);
-  EXPECT_LE(check_reply(client(server.port())->Post("/v1/encode", json{{"images", {image_item(*im, 0)}}}.dump(),
-                                                     "application/json"),
-                        {im}, std::nullopt, false, dir_ / "reply.safetensors"),
-            kBf16Ulp);
+  EXPECT_LE(
+      check_reply(
+          client(server.port())->Post("/v1/encode", json{{"images", {image_item(*im, 0)}}}.dump(), "application/json"),
+          {im}, std::nullopt, false, dir_ / "reply.safetensors"),
+      kBf16Ulp);
   EXPECT_EQ(server.stop(0), 0) << server.err();  // signal 0: only wait for the exit
   EXPECT_HAS(server.out(), "serving on for");
 }
@@ -1612,8 +1670,8 @@ TEST_F(Serve, BadOptionsFailAtStartup) {
             "calibration runs on one encoder replica"}}) {
     SCOPED_TRACE(args);
     const std::string err = (dir_ / "err.txt").string();
-    const std::string cmd = std::string("'") + FOVEA_BIN + "' serve synthetic:tiny --device cpu " + args +
-                            " >/dev/null 2>'" + err + "'";
+    const std::string cmd =
+        std::string("'") + FOVEA_BIN + "' serve synthetic:tiny --device cpu " + args + " >/dev/null 2>'" + err + "'";
     const int status = std::system(cmd.c_str());
     EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 1) << status;
     EXPECT_HAS(slurp(err), says);

@@ -33,7 +33,9 @@ namespace {
 
 std::string clip_path(const std::string& name) { return std::string(FOVEA_SOURCE_DIR) + "/tests/data/video/" + name; }
 std::string clip_bytes(const std::string& name) { return read_file(clip_path(name), "clip", size_t(1) << 24); }
-std::span<const uint8_t> span_of(const std::string& s) { return {reinterpret_cast<const uint8_t*>(s.data()), s.size()}; }
+std::span<const uint8_t> span_of(const std::string& s) {
+  return {reinterpret_cast<const uint8_t*>(s.data()), s.size()};
+}
 
 // The checkpoint's video budget (Qwen3-VL-8B-Instruct's video_preprocessor_config.json).
 VideoConfig checkpoint_config() {
@@ -57,7 +59,8 @@ std::vector<image::Rgb8> frames_at(std::span<const uint8_t> bytes, const std::st
   const Clock::time_point deadline = deadline_of(limits);
   const OpenedClip clip = open_clip(bytes, name, limits, {}, deadline);
   std::vector<image::Rgb8> out(indices.size());
-  decode_frames_at(clip, indices, decoding_threads(), deadline, [&](size_t j, image::Rgb8&& f) { out[j] = std::move(f); });
+  decode_frames_at(clip, indices, decoding_threads(), deadline,
+                   [&](size_t j, image::Rgb8&& f) { out[j] = std::move(f); });
   return out;
 }
 #endif
@@ -74,21 +77,21 @@ image::Rgb8 solid(int w, int h, uint8_t v) {
 
 TEST(VideoSampling, LinspaceRoundsHalfToEvenAsNumpy) {
   EXPECT_EQ(linspace_indices(36, 6), (std::vector<int64_t>{0, 7, 14, 21, 28, 35}));
-  EXPECT_EQ(linspace_indices(4, 3), (std::vector<int64_t>{0, 2, 3}));   // 1.5 -> 2
-  EXPECT_EQ(linspace_indices(6, 3), (std::vector<int64_t>{0, 2, 5}));   // 2.5 -> 2
+  EXPECT_EQ(linspace_indices(4, 3), (std::vector<int64_t>{0, 2, 3}));  // 1.5 -> 2
+  EXPECT_EQ(linspace_indices(6, 3), (std::vector<int64_t>{0, 2, 5}));  // 2.5 -> 2
   EXPECT_EQ(linspace_indices(10, 1), (std::vector<int64_t>{0}));
   EXPECT_EQ(linspace_indices(3, 5), (std::vector<int64_t>{0, 0, 1, 2, 2}));  // 0.5 -> 0, 1.5 -> 2
   EXPECT_THROW(linspace_indices(0, 3), Error);
 }
 
 TEST(VideoSampling, FramesFollowFpsAndClamp) {
-  const VideoConfig c;  // fps 2, 4..768 frames
-  EXPECT_EQ(sample_indices(36, 12, c).size(), 6u);     // 3 s at 2 fps
-  EXPECT_EQ(sample_indices(25, 10, c).size(), 5u);     // odd: padded later, not here
-  EXPECT_EQ(sample_indices(30, 30, c).size(), 4u);     // 1 s: min_frames
-  EXPECT_EQ(sample_indices(3, 30, c).size(), 3u);      // fewer frames than min_frames: all of them
+  const VideoConfig c;                                       // fps 2, 4..768 frames
+  EXPECT_EQ(sample_indices(36, 12, c).size(), 6u);           // 3 s at 2 fps
+  EXPECT_EQ(sample_indices(25, 10, c).size(), 5u);           // odd: padded later, not here
+  EXPECT_EQ(sample_indices(30, 30, c).size(), 4u);           // 1 s: min_frames
+  EXPECT_EQ(sample_indices(3, 30, c).size(), 3u);            // fewer frames than min_frames: all of them
   EXPECT_EQ(sample_indices(3600 * 30, 30, c).size(), 768u);  // an hour: max_frames
-  EXPECT_EQ(sample_indices(100, 0, c).size(), 8u);     // no rate: 24 fps assumed, int(100 / 24 * 2)
+  EXPECT_EQ(sample_indices(100, 0, c).size(), 8u);           // no rate: 24 fps assumed, int(100 / 24 * 2)
   VideoConfig n = c;
   n.num_frames = 7;
   EXPECT_EQ(sample_indices(1000, 30, n).size(), 7u);
@@ -164,7 +167,8 @@ TEST(VideoConfigFile, CheckpointFieldsAndBadValues) {
 }
 
 TEST(VideoMagic, ContainersAreRecognizedImagesAreNot) {
-  for (const char* f : {"h264.mp4", "vp9.webm", "bt709.mp4"}) EXPECT_TRUE(looks_like_video(span_of(clip_bytes(f)))) << f;
+  for (const char* f : {"h264.mp4", "vp9.webm", "bt709.mp4"})
+    EXPECT_TRUE(looks_like_video(span_of(clip_bytes(f)))) << f;
   const std::string png = "\x89PNG\r\n\x1a\n0000000000";
   EXPECT_FALSE(looks_like_video(span_of(png)));
   EXPECT_FALSE(looks_like_video({}));
@@ -206,8 +210,10 @@ TEST(VideoDecode, ClipsBecomePatchesWithGridsAndTimestamps) {
 // swscale settings, so a few levels apart at chroma edges): the mean absolute difference.
 static double mean_diff_from_ffmpeg(const TempDir& dir, const std::string& path, int frame) {
   const std::string raw = dir.file("frame.rgb");
-  const std::string cmd = fmt::format("ffmpeg -v error -y -i '{}' -vf \"select=eq(n\\,{})\" -frames:v 1 -f rawvideo "
-                                      "-pix_fmt rgb24 '{}'", path, frame, raw);
+  const std::string cmd = fmt::format(
+      "ffmpeg -v error -y -i '{}' -vf \"select=eq(n\\,{})\" -frames:v 1 -f rawvideo "
+      "-pix_fmt rgb24 '{}'",
+      path, frame, raw);
   EXPECT_EQ(std::system(cmd.c_str()), 0) << "the ffmpeg command line (Debian package ffmpeg) is needed: " << cmd;
   const std::string theirs = slurp(raw);
   const std::vector<image::Rgb8> ours = frames_at(span_of(read_file(path, "clip", size_t(1) << 24)), path, {frame});
@@ -244,8 +250,10 @@ TEST(VideoDecode, OddWidthsDecodeLikeTheFfmpegCommandLine) {
   for (const auto& [w, h] : {std::pair{2, 2}, {18, 10}, {34, 18}, {90, 50}}) {
     SCOPED_TRACE(fmt::format("{}x{}", w, h));
     const std::string clip = dir.file(fmt::format("odd-{}x{}.avi", w, h));
-    const std::string cmd = fmt::format("ffmpeg -v error -y -f lavfi -i testsrc2=size={}x{}:rate=10:duration=1 "
-                                        "-pix_fmt yuv420p -c:v mpeg4 -q:v 2 '{}'", w, h, clip);
+    const std::string cmd = fmt::format(
+        "ffmpeg -v error -y -f lavfi -i testsrc2=size={}x{}:rate=10:duration=1 "
+        "-pix_fmt yuv420p -c:v mpeg4 -q:v 2 '{}'",
+        w, h, clip);
     ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
     for (int run = 0; run < 20; ++run) {
       const Clip c = decode_clip(span_of(read_file(clip, "clip", size_t(1) << 24)), clip, VideoConfig{});
@@ -306,7 +314,8 @@ TEST(VideoDecode, BadInputIsAnErrorNamingTheClip) {
   EXPECT_NE(error_of([] { info_of({}, "empty.mp4"); }).find("empty"), std::string::npos);
   // Truncated: the header survives, frames are missing or the index points past the end.
   const std::string cut = good.substr(0, good.size() / 2);
-  EXPECT_NE(error_of([&] { decode_clip(span_of(cut), "cut.mp4", VideoConfig{}); }).find("video 'cut.mp4'"), std::string::npos);
+  EXPECT_NE(error_of([&] { decode_clip(span_of(cut), "cut.mp4", VideoConfig{}); }).find("video 'cut.mp4'"),
+            std::string::npos);
   VideoLimits small;
   small.max_frame_pixels = 100 * 100;
   EXPECT_NE(error_of([&] { info_of(span_of(good), "big.mp4", small); }).find("exceed"), std::string::npos);
@@ -408,8 +417,8 @@ const nlohmann::json& golden_cases() {
   const nlohmann::json& cases = video_golden().cases;
   std::set<std::string> keys;
   for (const auto& c : cases) keys.insert(c.at("clip").get<std::string>() + "/" + c.at("config").get<std::string>());
-  EXPECT_EQ(keys, (std::set<std::string>{"bt709.mp4/checkpoint", "bt709.mp4/default", "h264.mp4/checkpoint", "h264.mp4/default",
-                                         "vp9.webm/checkpoint", "vp9.webm/default"}));
+  EXPECT_EQ(keys, (std::set<std::string>{"bt709.mp4/checkpoint", "bt709.mp4/default", "h264.mp4/checkpoint",
+                                         "h264.mp4/default", "vp9.webm/checkpoint", "vp9.webm/default"}));
   EXPECT_EQ(cases.size(), keys.size());
   return cases;
 }
@@ -502,8 +511,8 @@ TEST(VideoGolden, PreprocessedFramesMatchTransformers) {
       worst = std::max(worst, d);
       differ += d > 0;
     }
-    std::printf("%s: grid %dx%dx%d, pixels: max |diff| %.3g (%.1f levels), %zu of %zu differ\n", key.c_str(), grid[0], grid[1],
-                grid[2], worst, worst * 127.5, differ, codes.size());
+    std::printf("%s: grid %dx%dx%d, pixels: max |diff| %.3g (%.1f levels), %zu of %zu differ\n", key.c_str(), grid[0],
+                grid[1], grid[2], worst, worst * 127.5, differ, codes.size());
     EXPECT_EQ(differ, 0u);
     ++seen;
   }
@@ -532,7 +541,8 @@ TEST(VideoGolden, DecodedFramesMatchOpenCv) {
     const std::vector<image::Rgb8> theirs = golden_frames(c);
     const std::vector<image::Rgb8> ours = frames_at(span_of(clip_bytes(f)), f, indices);
     ASSERT_EQ(ours.size(), theirs.size());
-    for (size_t k = 1; k < theirs.size(); ++k) ASSERT_NE(theirs[k].data, theirs[k - 1].data) << "a still clip tells nothing";
+    for (size_t k = 1; k < theirs.size(); ++k)
+      ASSERT_NE(theirs[k].data, theirs[k - 1].data) << "a still clip tells nothing";
     double sum = 0;
     int worst = 0;
     size_t n = 0;
@@ -591,13 +601,21 @@ std::string u32(uint32_t v) {
   return {b, 4};
 }
 std::string u64(uint64_t v) { return u32(uint32_t(v >> 32)) + u32(uint32_t(v)); }
-std::string box(const char* type, const std::string& body) { return u32(uint32_t(8 + body.size())) + std::string(type, 4) + body; }
-std::string full(const char* type, uint32_t version_flags, const std::string& body) { return box(type, u32(version_flags) + body); }
+std::string box(const char* type, const std::string& body) {
+  return u32(uint32_t(8 + body.size())) + std::string(type, 4) + body;
+}
+std::string full(const char* type, uint32_t version_flags, const std::string& body) {
+  return box(type, u32(version_flags) + body);
+}
 std::string ftyp() { return box("ftyp", "isom" + u32(512) + "isomiso2mp41"); }
-std::string hdlr(const char* handler) { return full("hdlr", 0, u32(0) + std::string(handler, 4) + std::string(13, '\0')); }
+std::string hdlr(const char* handler) {
+  return full("hdlr", 0, u32(0) + std::string(handler, 4) + std::string(13, '\0'));
+}
 std::string stts(uint32_t samples) { return full("stts", 0, u32(1) + u32(samples) + u32(512)); }
 std::string stsc() { return full("stsc", 0, u32(1) + u32(1) + u32(1) + u32(1)); }
-std::string stsz(uint32_t size, uint32_t count) { return full("stsz", 0, u32(size) + u32(count)); }  // one size: no entries
+std::string stsz(uint32_t size, uint32_t count) {
+  return full("stsz", 0, u32(size) + u32(count));
+}  // one size: no entries
 std::string stco(uint32_t offset) { return full("stco", 0, u32(1) + u32(offset)); }
 // An edit list of `edits` entries (version 0: 12 bytes each), each over the whole track.
 std::string edts(uint32_t edits) {
@@ -641,8 +659,8 @@ std::string refused_tables(const std::string& bytes, const std::string& name) {
 std::string ffmpeg_clip(const std::filesystem::path& dir, const std::string& name, const std::string& size, double rate,
                         double seconds, const std::string& args) {
   const std::string path = (dir / name).string();
-  const std::string cmd = fmt::format("ffmpeg -v error -y -f lavfi -i testsrc2=size={}:rate={}:duration={} {} '{}'", size,
-                                      rate, seconds, args, path);
+  const std::string cmd = fmt::format("ffmpeg -v error -y -f lavfi -i testsrc2=size={}:rate={}:duration={} {} '{}'",
+                                      size, rate, seconds, args, path);
   EXPECT_EQ(std::system(cmd.c_str()), 0) << "the ffmpeg command line (Debian package ffmpeg) is needed: " << cmd;
   return slurp(path);
 }
@@ -661,15 +679,16 @@ void put32(std::string& bytes, size_t at, uint32_t v) { bytes.replace(at, 4, mp4
 
 // Honest synthetic tables give their index: a sample each, copied once per edit.
 TEST(VideoMp4Tables, HonestSyntheticTablesGiveTheirIndex) {
-  const ContainerCost plain = container_cost(span_of(mp4::file(mp4::honest_tables(100), "", mp4::padding("mdat", 100))), "a.mp4");
+  const ContainerCost plain =
+      container_cost(span_of(mp4::file(mp4::honest_tables(100), "", mp4::padding("mdat", 100))), "a.mp4");
   EXPECT_EQ(plain.index_entries, 100);
   EXPECT_GE(plain.open_bytes, 100 * kIndexEntryBytes + kContainerBaseBytes);
   const ContainerCost edited =
       container_cost(span_of(mp4::file(mp4::honest_tables(100), mp4::edts(3), mp4::padding("mdat", 100))), "b.mp4");
   EXPECT_EQ(edited.index_entries, 300);
   // Fragments: the moov's empty tables, then runs of 10 and 5 samples.
-  const std::string frag = mp4::file(mp4::honest_tables(0), "", mp4::moof(mp4::trun(10)) + mp4::moof(mp4::trun(5)) +
-                                                                   mp4::padding("mdat", 64));
+  const std::string frag = mp4::file(mp4::honest_tables(0), "",
+                                     mp4::moof(mp4::trun(10)) + mp4::moof(mp4::trun(5)) + mp4::padding("mdat", 64));
   EXPECT_EQ(container_cost(span_of(frag), "frag.mp4").index_entries, 15);
   // 16 boxes deep is allowed.
   std::string deep = mp4::padding("free", 4);
@@ -687,8 +706,9 @@ TEST(VideoMp4Tables, HonestSyntheticTablesGiveTheirIndex) {
 TEST(VideoMp4Tables, SyntheticBombsAreRefusedNamingTheBox) {
   using namespace mp4;
   // stsz: one size of 1 byte, 80 million samples, in a file of about 1 KB.
-  EXPECT_HAS(refused_tables(file(stts(1) + stsc() + stsz(1, 80'000'000) + stco(0), "", padding("free", 1000)), "stsz.mp4"),
-             "stsz box lists 80000000 samples of 1 bytes in a file of");
+  EXPECT_HAS(
+      refused_tables(file(stts(1) + stsc() + stsz(1, 80'000'000) + stco(0), "", padding("free", 1000)), "stsz.mp4"),
+      "stsz box lists 80000000 samples of 1 bytes in a file of");
   // 2000 edits over 10,000 one-byte samples (the file holds them): 20 million index entries.
   EXPECT_HAS(refused_tables(file(honest_tables(10'000), edts(2000), padding("free", 16'000)), "elst.mp4"),
              "video 'elst.mp4': its sample tables describe 20000000 samples");
@@ -697,23 +717,27 @@ TEST(VideoMp4Tables, SyntheticBombsAreRefusedNamingTheBox) {
              "trun box lists 80000000 samples in a file of");
   // The same behind a first box FFmpeg's probe does not know (it finds the moov further on; found
   // by the fuzzer: 2.7 GB of index for 2.4 KB).
-  EXPECT_HAS(refused_tables(padding("spif", 20) + file(honest_tables(0), "", moof(trun(80'000'000)) + padding("mdat", 64)),
-                            "trun-behind.mp4"),
-             "trun box lists 80000000 samples in a file of");
+  EXPECT_HAS(
+      refused_tables(padding("spif", 20) + file(honest_tables(0), "", moof(trun(80'000'000)) + padding("mdat", 64)),
+                     "trun-behind.mp4"),
+      "trun box lists 80000000 samples in a file of");
   // Per-sample fields (a duration each: flags 0x100) that the box cannot hold.
-  EXPECT_HAS(refused_tables(file(honest_tables(0), "", moof(full("trun", 0x000101, u32(1000) + u32(0) + u32(1))) +
-                                                         padding("mdat", 4096)), "trun2.mp4"),
+  EXPECT_HAS(refused_tables(file(honest_tables(0), "",
+                                 moof(full("trun", 0x000101, u32(1000) + u32(0) + u32(1))) + padding("mdat", 4096)),
+                            "trun2.mp4"),
              "trun box lists 1000 samples of 4 bytes in");
   // A chunk table of 500 million entries in 12 bytes.
   EXPECT_HAS(refused_tables(file(stts(1) + stsc() + stsz(1, 1) + full("stco", 0, u32(500'000'000) + u32(0)), "",
-                                 padding("free", 100)), "stco.mp4"),
+                                 padding("free", 100)),
+                            "stco.mp4"),
              "stco box lists 500000000 entries of 4 bytes in 12 bytes");
   // 17 boxes deep.
   std::string deep = padding("free", 4);
   for (int i = 0; i < 17; ++i) deep = box("moov", deep);
   EXPECT_HAS(refused_tables(ftyp() + deep, "deep.mp4"), "boxes nested deeper than 16");
   // A box smaller than its own header: 32-bit size 4, and a 64-bit size 12 (its header is 16).
-  EXPECT_HAS(refused_tables(ftyp() + u32(4) + "moov" + std::string(64, '\0'), "small.mp4"), "moov box smaller than its header");
+  EXPECT_HAS(refused_tables(ftyp() + u32(4) + "moov" + std::string(64, '\0'), "small.mp4"),
+             "moov box smaller than its header");
   EXPECT_HAS(refused_tables(ftyp() + u32(1) + "moov" + u64(12) + std::string(64, '\0'), "small64.mp4"),
              "moov box smaller than its header");
   // Inside the sample table too.
@@ -738,8 +762,8 @@ TEST(VideoMp4Tables, SyntheticBombsAreRefusedNamingTheBox) {
 TEST(VideoMp4Tables, EditedFfmpegClipsAreRefusedNamingTheBox) {
   TempDir dir;
   const std::string plain = ffmpeg_clip(dir.path, "plain.mp4", "32x32", 10, 1, kX264);
-  const std::string frag =
-      ffmpeg_clip(dir.path, "frag.mp4", "32x32", 10, 1, std::string(kX264) + " -movflags frag_keyframe+empty_moov+default_base_moof");
+  const std::string frag = ffmpeg_clip(dir.path, "frag.mp4", "32x32", 10, 1,
+                                       std::string(kX264) + " -movflags frag_keyframe+empty_moov+default_base_moof");
   ASSERT_FALSE(plain.empty());
   ASSERT_FALSE(frag.empty());
   EXPECT_EQ(container_cost(span_of(plain), "plain.mp4").index_entries, 10);
@@ -748,7 +772,7 @@ TEST(VideoMp4Tables, EditedFfmpegClipsAreRefusedNamingTheBox) {
   std::string stsz = plain;
   const size_t z = body_of(stsz, "stsz");
   ASSERT_NE(z, std::string::npos);
-  put32(stsz, z + 4, 1);            // one size for every sample: 1 byte
+  put32(stsz, z + 4, 1);           // one size for every sample: 1 byte
   put32(stsz, z + 8, 80'000'000);  // and 80 million of them
   EXPECT_HAS(refused_tables(stsz, "stsz-bomb.mp4"),
              fmt::format("stsz box lists 80000000 samples of 1 bytes in a file of {}", stsz.size()));
@@ -763,9 +787,10 @@ TEST(VideoMp4Tables, EditedFfmpegClipsAreRefusedNamingTheBox) {
   const size_t t = body_of(trun, "trun");
   ASSERT_NE(t, std::string::npos);
   ASSERT_TRUE(uint8_t(trun[t + 3]) & 1) << "ffmpeg's trun has a data offset";
-  put32(trun, t, 0x000001);          // no per-sample fields
-  put32(trun, t + 4, 80'000'000);    // the count; the data offset stays where it was
-  EXPECT_HAS(refused_tables(trun, "trun-bomb.mp4"), fmt::format("trun box lists 80000000 samples in a file of {} bytes", trun.size()));
+  put32(trun, t, 0x000001);        // no per-sample fields
+  put32(trun, t + 4, 80'000'000);  // the count; the data offset stays where it was
+  EXPECT_HAS(refused_tables(trun, "trun-bomb.mp4"),
+             fmt::format("trun box lists 80000000 samples in a file of {} bytes", trun.size()));
 }
 
 // Honest files: the committed clips and ffmpeg's MP4, MOV and fragmented MP4 are opened as before,
@@ -776,7 +801,8 @@ TEST(VideoMp4Tables, RealClipsAreAcceptedWithTheirFrameCount) {
     const std::string bytes = clip_bytes(f);
     const ContainerCost cost = container_cost(span_of(bytes), f);
     const ClipInfo info = info_of(span_of(bytes), f);
-    EXPECT_EQ(cost.index_entries, std::string_view(f).ends_with(".mp4") ? info.frames : 0);  // WebM has no sample tables
+    EXPECT_EQ(cost.index_entries,
+              std::string_view(f).ends_with(".mp4") ? info.frames : 0);  // WebM has no sample tables
     EXPECT_GT(cost.open_bytes, 0);
   }
   TempDir dir;
@@ -818,7 +844,8 @@ TEST_P(VideoContainers, TenFramesDecodeToThePlannedGrid) {
   const ContainerCase& c = GetParam();
   struct Scratch {  // TempDir would name it by the suite, whose name has a '/'
     std::filesystem::path path;
-    explicit Scratch(const std::string& ext) : path(std::filesystem::path(FOVEA_TEST_TMP) / ("test-video.container-" + ext)) {
+    explicit Scratch(const std::string& ext)
+        : path(std::filesystem::path(FOVEA_TEST_TMP) / ("test-video.container-" + ext)) {
       std::filesystem::remove_all(path);
       std::filesystem::create_directories(path);
     }
@@ -852,17 +879,16 @@ TEST_P(VideoContainers, TenFramesDecodeToThePlannedGrid) {
 
 // Ogg at -q:v 10: at libtheora's -q:v 5 one of these frames is coded as an empty packet (a repeat),
 // which the Ogg demuxer never returns: 9 packets, and the rate taken from their span (8.9 fps).
-INSTANTIATE_TEST_SUITE_P(
-    EveryContainer, VideoContainers,
-    ::testing::Values(ContainerCase{"mp4", "-c:v libx264 -pix_fmt yuv420p", "mp4", "h264"},
-                      ContainerCase{"mov", "-c:v libx264 -pix_fmt yuv420p", "mov", "h264"},
-                      ContainerCase{"mkv", "-c:v libx264 -pix_fmt yuv420p", "matroska", "h264"},
-                      ContainerCase{"webm", "-c:v libvpx-vp9 -b:v 200k", "webm", "vp9"},
-                      ContainerCase{"avi", "-c:v mpeg4 -q:v 4", "avi", "mpeg4"},
-                      ContainerCase{"ts", "-c:v libx264 -pix_fmt yuv420p", "mpegts", "h264"},
-                      ContainerCase{"flv", "-c:v libx264 -pix_fmt yuv420p", "flv", "h264"},
-                      ContainerCase{"ogg", "-c:v libtheora -q:v 10", "ogg", "theora"}),
-    [](const ::testing::TestParamInfo<ContainerCase>& i) { return std::string(i.param.ext); });
+INSTANTIATE_TEST_SUITE_P(EveryContainer, VideoContainers,
+                         ::testing::Values(ContainerCase{"mp4", "-c:v libx264 -pix_fmt yuv420p", "mp4", "h264"},
+                                           ContainerCase{"mov", "-c:v libx264 -pix_fmt yuv420p", "mov", "h264"},
+                                           ContainerCase{"mkv", "-c:v libx264 -pix_fmt yuv420p", "matroska", "h264"},
+                                           ContainerCase{"webm", "-c:v libvpx-vp9 -b:v 200k", "webm", "vp9"},
+                                           ContainerCase{"avi", "-c:v mpeg4 -q:v 4", "avi", "mpeg4"},
+                                           ContainerCase{"ts", "-c:v libx264 -pix_fmt yuv420p", "mpegts", "h264"},
+                                           ContainerCase{"flv", "-c:v libx264 -pix_fmt yuv420p", "flv", "h264"},
+                                           ContainerCase{"ogg", "-c:v libtheora -q:v 10", "ogg", "theora"}),
+                         [](const ::testing::TestParamInfo<ContainerCase>& i) { return std::string(i.param.ext); });
 
 // A Matroska header saying 16x16 over 512x512 H.264 frames: the decoder's frame is refused before
 // it is allocated, naming both sizes.
@@ -887,7 +913,8 @@ TEST(VideoSizeLies, MatroskaHeaderSmallerThanItsFrames) {
 TEST(VideoSizeLies, TransportStreamThatGrowsMidway) {
   TempDir dir;
   const std::string small = ffmpeg_clip(dir.path, "small.ts", "64x48", 10, 1, kX264);
-  const std::string large = ffmpeg_clip(dir.path, "large.ts", "256x256", 10, 0.3, std::string(kX264) + " -preset ultrafast");
+  const std::string large =
+      ffmpeg_clip(dir.path, "large.ts", "256x256", 10, 0.3, std::string(kX264) + " -preset ultrafast");
   ASSERT_FALSE(small.empty());
   ASSERT_FALSE(large.empty());
   const std::string bytes = small + large;
@@ -897,7 +924,9 @@ TEST(VideoSizeLies, TransportStreamThatGrowsMidway) {
   VideoConfig every;
   every.sample_frames = false;  // the large frames are sampled too
   const std::string msg = error_of([&] { decode_clip(span_of(bytes), "grows.ts", every); });
-  EXPECT_HAS(msg, "video 'grows.ts': a frame of 256x256 where the stream said 64x48 (a size change mid-stream is not supported)");
+  EXPECT_HAS(
+      msg,
+      "video 'grows.ts': a frame of 256x256 where the stream said 64x48 (a size change mid-stream is not supported)");
 }
 
 // An AVI whose avih and strf say 16x16 over a 512x512 MJPEG frame, under a pixel limit of 100,000:
@@ -972,7 +1001,8 @@ TEST(VideoDeadline, OneAbsoluteDeadlineForOpeningAndEveryPass) {
   const std::string swapped = clip_bytes("pts-swapped.mp4");
   const OpenedClip two = open_clip(span_of(swapped), "swapped.mp4", limits, {}, deadline_of(limits));
   t0 = Clock::now();
-  const std::string msg2 = error_of([&] { decode_opened(two, VideoConfig{}, limits, Clock::now() + std::chrono::milliseconds(1)); });
+  const std::string msg2 =
+      error_of([&] { decode_opened(two, VideoConfig{}, limits, Clock::now() + std::chrono::milliseconds(1)); });
   EXPECT_HAS(msg2, "video 'swapped.mp4'");
   EXPECT_HAS(msg2, "longer than the limit");
   EXPECT_LT(seconds_since(t0), 0.5 * kTimeScale);
@@ -1006,7 +1036,8 @@ TEST(VideoPlan, PeakCountsPacketsAndTheDecodersPictures) {
   // One thread: each frame is resized as it comes (one native frame); four: two batches of four.
   EXPECT_EQ(one.frame_bytes(), one.resized_bytes + one.patch_bytes + one.native_frame_bytes + one.resize_pass_bytes);
   ASSERT_EQ(four.indices.size(), 6u);  // 3 s at 2 fps: 6 native frames at most, 4 resizing
-  EXPECT_EQ(four.frame_bytes(), four.resized_bytes + four.patch_bytes + 6 * four.native_frame_bytes + 4 * four.resize_pass_bytes);
+  EXPECT_EQ(four.frame_bytes(),
+            four.resized_bytes + four.patch_bytes + 6 * four.native_frame_bytes + 4 * four.resize_pass_bytes);
 }
 
 #endif
@@ -1115,7 +1146,8 @@ TEST(VideoStreamLayout, ParameterSetsGiveLayoutAndPicturesKept) {
   ASSERT_NE(std::search(escaped.begin(), escaped.end(), std::begin(prevention), std::end(prevention)), escaped.end());
   EXPECT_EQ(stream_layout("h264", annex_b(escaped), {}).refs, 1);
   // No SPS, or one cut short: H.264's most (4:4:4, 16-bit samples, 16 + 16 pictures).
-  for (const StreamLayout& l : {stream_layout("h264", {}, {}), stream_layout("h264", annex_b({sps.begin(), sps.begin() + 6}), {})}) {
+  for (const StreamLayout& l :
+       {stream_layout("h264", {}, {}), stream_layout("h264", annex_b({sps.begin(), sps.begin() + 6}), {})}) {
     EXPECT_FALSE(l.from_header);
     EXPECT_EQ(l.chroma * l.sample_bytes, 6);
     EXPECT_EQ(l.refs + l.reorder, 32);
@@ -1165,7 +1197,8 @@ TEST(VideoPlan, ThreadsFitTheDecoderInHalfTheInFlightBytes) {
   EXPECT_GT(info.decoder.bytes(3), VideoLimits{}.max_bytes_in_flight / 2);
   EXPECT_EQ(plan.batch, 2);
   // 4 frames sampled (2 s at 2 fps): 4 native frames of 201 MB at most.
-  EXPECT_EQ(plan.frame_bytes(), plan.resized_bytes + plan.patch_bytes + 4 * int64_t(8192) * 8192 * 3 + 2 * plan.resize_pass_bytes);
+  EXPECT_EQ(plan.frame_bytes(),
+            plan.resized_bytes + plan.patch_bytes + 4 * int64_t(8192) * 8192 * 3 + 2 * plan.resize_pass_bytes);
   EXPECT_LT(plan.peak_bytes(), int64_t(2) << 30);  // within fovea serve's default --max-decode-bytes
   // Four references: one thread, whose pictures alone pass half the bytes.
   info.decoder.held = 6;
@@ -1195,8 +1228,10 @@ struct Measured {
 
 Measured measure_in_child(const std::string& path) {
   const std::string exe = std::filesystem::read_symlink("/proc/self/exe").string();
-  const std::string cmd = fmt::format("FOVEA_TEST_MEASURE_CLIP='{}' '{}' --gtest_also_run_disabled_tests "
-                                      "--gtest_filter=VideoMemory.DISABLED_Child 2>&1", path, exe);
+  const std::string cmd = fmt::format(
+      "FOVEA_TEST_MEASURE_CLIP='{}' '{}' --gtest_also_run_disabled_tests "
+      "--gtest_filter=VideoMemory.DISABLED_Child 2>&1",
+      path, exe);
   Measured m;
   FILE* p = popen(cmd.c_str(), "r");
   if (!p) return m;
@@ -1204,8 +1239,8 @@ Measured measure_in_child(const std::string& path) {
   while (std::fgets(line, sizeof line, p)) {
     m.output += line;
     long long r, u, orr, ou, t;
-    if (std::sscanf(line, "measured reserved=%lld used=%lld open_reserved=%lld open_used=%lld threads=%lld", &r, &u, &orr,
-                    &ou, &t) == 5)
+    if (std::sscanf(line, "measured reserved=%lld used=%lld open_reserved=%lld open_used=%lld threads=%lld", &r, &u,
+                    &orr, &ou, &t) == 5)
       m = {r, u, orr, ou, t, m.output};
   }
   m.status = pclose(p);
@@ -1216,13 +1251,15 @@ Measured measure_in_child(const std::string& path) {
 // default limits and that its reservation bounds the RSS it used, within 1.5x, or within 12 MiB for a
 // small clip, where the allocator's noise is of that size (a 16x16 clip at 1000 fps for 200 s used
 // 18.2 to 23.6 MB over runs, against 27 MB reserved).
-Measured expect_reservation_bounds_use(const TempDir& dir, const std::string& name, const std::string& size, double rate,
-                                       double seconds, const std::string& args) {
+Measured expect_reservation_bounds_use(const TempDir& dir, const std::string& name, const std::string& size,
+                                       double rate, double seconds, const std::string& args) {
   const std::string bytes = ffmpeg_clip(dir.path, name, size, rate, seconds, args);
   const Measured m = measure_in_child(dir.file(name));
-  std::printf("%-44s | reserved %8.1f MB | used %8.1f MB | %.2fx | %lld threads | opening: reserved %.1f MB, used %.1f MB\n",
-              (name + " (" + size + ")").c_str(), m.reserved / 1e6, m.used / 1e6, double(m.reserved) / double(std::max<int64_t>(1, m.used)),
-              (long long)m.threads, m.open_reserved / 1e6, m.open_used / 1e6);
+  std::printf(
+      "%-44s | reserved %8.1f MB | used %8.1f MB | %.2fx | %lld threads | opening: reserved %.1f MB, used %.1f MB\n",
+      (name + " (" + size + ")").c_str(), m.reserved / 1e6, m.used / 1e6,
+      double(m.reserved) / double(std::max<int64_t>(1, m.used)), (long long)m.threads, m.open_reserved / 1e6,
+      m.open_used / 1e6);
   EXPECT_EQ(m.status, 0) << m.output;
   EXPECT_GT(m.reserved, 0) << "the clip must be accepted under the default limits\n" << m.output;
   if (kSanitized) return m;  // ASan's allocator, not fovea's buffers, makes the RSS there: acceptance only
@@ -1248,7 +1285,9 @@ TEST(VideoMemory, DISABLED_Child) {
   const ThreadCap two(2);
   const InputConfig cfg;
   const std::string warm = clip_bytes("h264.mp4");
-  ASSERT_FALSE(prepare_inputs({"h264.mp4"}, [&](size_t) { return std::vector<uint8_t>(warm.begin(), warm.end()); }, cfg, {})[0].error);
+  ASSERT_FALSE(
+      prepare_inputs({"h264.mp4"}, [&](size_t) { return std::vector<uint8_t>(warm.begin(), warm.end()); }, cfg, {})[0]
+          .error);
   const std::string file = read_file(path, "clip", cfg.limits.max_encoded_bytes);
   const std::vector<uint8_t> bytes(file.begin(), file.end());
   const auto reset_peak = [] { std::ofstream("/proc/self/clear_refs") << "5"; };
@@ -1267,11 +1306,15 @@ TEST(VideoMemory, DISABLED_Child) {
     reset_peak();
   };
   hooks.done = [&](size_t, const PreparedInput&) { used = (status_kib("VmHWM:") - base) * 1024; };
-  const std::vector<PreparedInput> out = prepare_inputs({"clip"}, [&](size_t) {
-    malloc_trim(0);
-    base = status_kib("VmRSS:");  // before the copy of the bytes opening reads (the body's own copy is the caller's)
-    return bytes;
-  }, cfg, hooks);
+  const std::vector<PreparedInput> out = prepare_inputs(
+      {"clip"},
+      [&](size_t) {
+        malloc_trim(0);
+        base =
+            status_kib("VmRSS:");  // before the copy of the bytes opening reads (the body's own copy is the caller's)
+        return bytes;
+      },
+      cfg, hooks);
   ASSERT_FALSE(out[0].error) << out[0].error_message();
   std::printf("measured reserved=%lld used=%lld open_reserved=%lld open_used=%lld threads=%d\n", (long long)reserved,
               (long long)used, (long long)open_reserved, (long long)open_used, decoding_threads());
@@ -1284,8 +1327,9 @@ TEST(VideoMemory, DISABLED_Child) {
 // the decoder's pool fills (5 pictures on 2 threads) and 4 frames are sampled.
 TEST(VideoMemory, PixelLimitFramesReserveWithin1_5xOfUse) {
   TempDir dir;
-  const Measured m = expect_reservation_bounds_use(dir, "limit.mp4", "8192x8192", 10, 0.1,
-                                                   std::string(kX264) + " -preset ultrafast -vf tpad=stop_mode=clone:stop=7");
+  const Measured m =
+      expect_reservation_bounds_use(dir, "limit.mp4", "8192x8192", 10, 0.1,
+                                    std::string(kX264) + " -preset ultrafast -vf tpad=stop_mode=clone:stop=7");
   EXPECT_LT(m.reserved, int64_t(2) << 30);  // within fovea serve's default --max-decode-bytes
 }
 
@@ -1302,7 +1346,8 @@ TEST(VideoMemory, ManySmallFramesReserveWithin1_5xOfUse) {
 TEST(VideoMemory, ThousandFpsFor200SecondsIsAcceptedWithin1_5xOfUse) {
   TempDir dir;
   expect_reservation_bounds_use(dir, "1000fps.mp4", "16x16", 1000, 200, kX264);
-  const std::string cmd = fmt::format("ffmpeg -v error -y -i '{}' -c copy '{}'", dir.file("1000fps.mp4"), dir.file("1000fps.mkv"));
+  const std::string cmd =
+      fmt::format("ffmpeg -v error -y -i '{}' -c copy '{}'", dir.file("1000fps.mp4"), dir.file("1000fps.mkv"));
   ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
   const std::string mkv = slurp(dir.file("1000fps.mkv"));
   const ClipInfo info = info_of(span_of(mkv), "1000fps.mkv");

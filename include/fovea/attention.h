@@ -1,5 +1,6 @@
 // fovea/attention.h: packed varlen ("THD") attention for vision encoders: the backend enum, the batch
-// description, and the CPU reference that is the oracle for every other backend (docs/architecture.md §Engine configuration; docs/fp8.md §Correctness).
+// description, and the CPU reference that is the oracle for every other backend (docs/architecture.md §Engine
+// configuration; docs/fp8.md §Correctness).
 //
 // Layout: q, k, v are [total_tokens, heads, head_dim] views (token and head strides in elements, the
 // last dimension contiguous), so they can be read straight out of a fused qkv [N, 3, H, hd] tensor.
@@ -164,8 +165,8 @@ Fp8Fine current_fine_scales(const VarlenShape& shape, ThdView<const float> q, Th
 FineBatch fine_batch(const VarlenShape& shape, ThdView<const float> q, ThdView<const float> k, ThdView<const float> v);
 
 // out: contiguous [total_tokens, heads, head_dim]. In BF16/FP8 modes every value is a bf16 value.
-void attention(const VarlenShape& shape, ThdView<const float> q, ThdView<const float> k,
-               ThdView<const float> v, const RefOptions& opt, double* out);
+void attention(const VarlenShape& shape, ThdView<const float> q, ThdView<const float> k, ThdView<const float> v,
+               const RefOptions& opt, double* out);
 
 }  // namespace cpu
 
@@ -306,8 +307,8 @@ constexpr bool flash_supports_head_dim(int head_dim) {
 }  // namespace cuda
 
 struct ErrorStats {
-  double rel_l2 = 0;    // ||out - ref||_2 / ||ref||_2; NaN if out has a non-finite value
-  double max_abs = 0;   // max |out - ref|; NaN likewise
+  double rel_l2 = 0;   // ||out - ref||_2 / ||ref||_2; NaN if out has a non-finite value
+  double max_abs = 0;  // max |out - ref|; NaN likewise
   double mean_abs = 0;
   int64_t nonfinite = 0;  // non-finite values in out
 };

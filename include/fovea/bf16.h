@@ -1,5 +1,6 @@
 // fovea/bf16.h: bfloat16 rounding, host and device (the CPU reference's BF16 emulation, the GPU
-// encoder's uploads): round-to-nearest-even, NaN -> canonical 0x7FFF as CUDA does. Agrees bit for bit with cuda_bf16.h's
+// encoder's uploads): round-to-nearest-even, NaN -> canonical 0x7FFF as CUDA does. Agrees bit for bit with
+// cuda_bf16.h's
 // __float2bfloat16_rn on all 2^32 floats (tests/test-fp8-codec.cpp).
 #pragma once
 #include <cstddef>

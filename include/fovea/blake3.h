@@ -28,9 +28,9 @@ class Blake3 {
   void push_chunk(const Words& cv);                         // a finished chunk's chaining value
   std::array<uint8_t, 64> block_{};  // the current chunk's pending bytes (never empty once full: kept for the end)
   size_t block_len_ = 0;
-  size_t blocks_done_ = 0;  // blocks of the current chunk compressed
-  uint64_t chunks_ = 0;     // chunks finished
-  Words cv_{};              // the current chunk's chaining value
+  size_t blocks_done_ = 0;    // blocks of the current chunk compressed
+  uint64_t chunks_ = 0;       // chunks finished
+  Words cv_{};                // the current chunk's chaining value
   std::vector<Words> stack_;  // subtree chaining values waiting for their sibling
 };
 

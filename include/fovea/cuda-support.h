@@ -36,12 +36,11 @@ inline std::string status_text(cudnnStatus_t s) { return cudnnGetErrorString(s);
 }  // namespace fovea::cuda
 
 // Checks a CUDA runtime, cuBLAS(Lt) or cuDNN call; throws fovea::Error naming the call, file and line.
-#define FOVEA_CUDA_CHECK(call)                                                                     \
-  do {                                                                                             \
-    const auto st_ = (call);                                                                       \
-    if (!::fovea::cuda::status_ok(st_))                                                            \
-      ::fovea::fail_cat(#call, " failed: ", ::fovea::cuda::status_text(st_), " at ", __FILE__, ":", \
-                        __LINE__);                                                                 \
+#define FOVEA_CUDA_CHECK(call)                                                                                 \
+  do {                                                                                                         \
+    const auto st_ = (call);                                                                                   \
+    if (!::fovea::cuda::status_ok(st_))                                                                        \
+      ::fovea::fail_cat(#call, " failed: ", ::fovea::cuda::status_text(st_), " at ", __FILE__, ":", __LINE__); \
   } while (0)
 
 namespace fovea::cuda {
@@ -54,8 +53,7 @@ class OwnedBuffer {
   OwnedBuffer() = default;
   explicit OwnedBuffer(size_t count) { reset(count); }
   ~OwnedBuffer() { release(); }
-  OwnedBuffer(OwnedBuffer&& o) noexcept
-      : data_(std::exchange(o.data_, nullptr)), count_(std::exchange(o.count_, 0)) {}
+  OwnedBuffer(OwnedBuffer&& o) noexcept : data_(std::exchange(o.data_, nullptr)), count_(std::exchange(o.count_, 0)) {}
   OwnedBuffer& operator=(OwnedBuffer&& o) noexcept {
     if (this != &o) {
       release();

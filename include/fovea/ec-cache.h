@@ -175,32 +175,32 @@ class EcCache {
       int64_t used_ns = 0;  // steady clock, of the last write or hit (young entries: min_age_)
     };
     std::unordered_map<std::string, Entry> own;  // fovea's files
-    std::map<uint64_t, std::string> by_age;       // tick -> key, oldest first
-    std::unordered_set<std::string> foreign;      // other writers' files
-    int64_t bytes = 0;                            // of fovea's files
+    std::map<uint64_t, std::string> by_age;      // tick -> key, oldest first
+    std::unordered_set<std::string> foreign;     // other writers' files
+    int64_t bytes = 0;                           // of fovea's files
     uint64_t tick = 0;
     void add(const std::string& key, int64_t bytes, int64_t used_ns);  // as the most recently used
-    void touch(const std::string& key, int64_t used_ns);                // the most recently used now
-    void forget(const std::string& key);               // whoever's it was
+    void touch(const std::string& key, int64_t used_ns);               // the most recently used now
+    void forget(const std::string& key);                               // whoever's it was
   };
 
   struct Found {  // a file found by the start-up scan
     std::string key;
     int64_t bytes = 0, mtime_ns = 0;
   };
-  void scan();                                             // the constructor's reading of the folder
+  void scan();  // the constructor's reading of the folder
   void scan_key(const std::string& key, std::vector<Found>& found);
-  void recheck() const;                                    // with mu_ held: the accounting rule's re-check
+  void recheck() const;  // with mu_ held: the accounting rule's re-check
   // With mu_ held: what fovea's files would hold with `size` bytes written as `key` (its file now
   // replaced) beside the stores in flight.
   int64_t held_with(const std::string& key, int64_t size) const;
   bool young(const Book::Entry& e, int64_t now_ns) const { return now_ns - e.used_ns < min_age_ns_; }
-  int64_t kept_bytes(const std::string& key) const;        // with mu_ held: what no eviction frees
-  void make_room(const std::string& key, int64_t size);    // with mu_ held: the eviction rule's decision
+  int64_t kept_bytes(const std::string& key) const;                    // with mu_ held: what no eviction frees
+  void make_room(const std::string& key, int64_t size);                // with mu_ held: the eviction rule's decision
   uint64_t evict_for(const std::string& key, int64_t size, bool dry);  // with mu_ held
   [[noreturn]] void refuse(const std::string& key, int64_t size, int64_t kept);  // with mu_ held
-  void evict(const std::string& key);                      // with mu_ held: one entry, if still fovea's
-  void forget_vanished(const std::string& key) const;      // with mu_ held: one of fovea's found gone
+  void evict(const std::string& key);                                      // with mu_ held: one entry, if still fovea's
+  void forget_vanished(const std::string& key) const;                      // with mu_ held: one of fovea's found gone
   void note_load(const std::string& key, bool loaded, bool marked) const;  // the books after a load
   // load() without the counting; *marked: whether the file carries fovea's mark.
   EcEntry read_back(const std::string& key, const qwen3vl::GridThw& grid, const qwen3vl::VisionConfig& c,
@@ -213,15 +213,15 @@ class EcCache {
   const std::string dir_;
   const int64_t max_bytes_;
   const int64_t min_age_ns_;  // entries used more recently are young: never evicted
-  const int dir_fd_;  // DIR, opened once; everything below it is reached from here
+  const int dir_fd_;          // DIR, opened once; everything below it is reached from here
   mutable std::mutex mu_;
   mutable Book book_;
-  int64_t last_stamp_ns_ = 0;  // the latest modification time stamp() set or found
+  int64_t last_stamp_ns_ = 0;                           // the latest modification time stamp() set or found
   static constexpr int64_t kRecheckNs = 1'000'000'000;  // re-checks at most once a second
-  mutable int64_t last_recheck_ns_ = 0;                  // steady clock, of the last re-check
-  int64_t pending_bytes_ = 0;  // reserved by stores between their decision and their file in place
+  mutable int64_t last_recheck_ns_ = 0;                 // steady clock, of the last re-check
+  int64_t pending_bytes_ = 0;                     // reserved by stores between their decision and their file in place
   std::unordered_map<std::string, int> writing_;  // their keys (stores of each): never evicted meanwhile
-  mutable Stats stats_;        // the counters (bytes and files are the book's); load() counts too
+  mutable Stats stats_;                           // the counters (bytes and files are the book's); load() counts too
 };
 
 }  // namespace fovea

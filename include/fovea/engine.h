@@ -19,8 +19,8 @@ struct EngineOptions {
   std::string scale_path;        // --mm-encoder-fp8-scale-path
   std::string scale_save_path;   // --mm-encoder-fp8-scale-save-path
   double scale_save_margin = kDefaultScaleMargin;
-  std::string device;  // cuda, cpu; empty: cuda when a GPU is visible, else cpu
-  bool fp8_linears = false;  // --fp8-linears (fovea's own): the blocks' linears as FP8 GEMMs
+  std::string device;               // cuda, cpu; empty: cuda when a GPU is visible, else cpu
+  bool fp8_linears = false;         // --fp8-linears (fovea's own): the blocks' linears as FP8 GEMMs
   std::string fp8_scheme = "auto";  // --fp8-scheme (fovea's own): auto, tensor, robust
 };
 
@@ -30,14 +30,14 @@ const char* device_name(Device d);
 struct EngineConfig {
   Device device = Device::CPU;
   AttnBackend backend = AttnBackend::CPU;
-  AttnDtype dtype = AttnDtype::BF16;     // resolved: BF16 or FP8
-  std::string dtype_note;                // how auto was resolved, if it was
-  std::optional<ScaleMode> scale_mode;   // set iff dtype is FP8
+  AttnDtype dtype = AttnDtype::BF16;    // resolved: BF16 or FP8
+  std::string dtype_note;               // how auto was resolved, if it was
+  std::optional<ScaleMode> scale_mode;  // set iff dtype is FP8
   std::string scale_path, scale_save_path;
   float scale_save_margin = kDefaultScaleMargin;
-  std::optional<ScaleFile> scale_file;   // static mode: the file, read and validated
-  std::optional<GpuInfo> gpu;            // device CUDA: the GPU used (device 0)
-  bool fp8_linears = false;              // docs/fp8.md §FP8 linears
+  std::optional<ScaleFile> scale_file;  // static mode: the file, read and validated
+  std::optional<GpuInfo> gpu;           // device CUDA: the GPU used (device 0)
+  bool fp8_linears = false;             // docs/fp8.md §FP8 linears
   // FP8 only: the scheme robust to outlier channels (docs/fp8.md §Outlier channels: K smoothing,
   // per-head Q/K and per-channel V scales, split pairs) instead of per-tensor scales; how auto was
   // resolved. With fp8_auto_layers (auto with a static file) only the layers robust_layer() names run

@@ -41,7 +41,7 @@ void warn(const std::string& message);
 }  // namespace fovea
 
 // FOVEA_CHECK(cond, message parts...): throw fovea::Error naming file and line when cond is false.
-#define FOVEA_CHECK(cond, ...)                                                                       \
-  do {                                                                                               \
+#define FOVEA_CHECK(cond, ...)                                                                                   \
+  do {                                                                                                           \
     if (!(cond)) ::fovea::fail_cat(__VA_ARGS__, " (", __FILE__, ":", __LINE__, ": check '", #cond, "' failed)"); \
   } while (0)

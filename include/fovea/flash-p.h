@@ -43,6 +43,8 @@ constexpr uint32_t fp8_poly_exp_pairs(int head_dim) { return head_dim <= 80 ? FO
 #ifndef FOVEA_FP8_TC_ROW_SUM
 #define FOVEA_FP8_TC_ROW_SUM 1
 #endif
-constexpr bool fp8_tensor_row_sum(int head_dim) { return FOVEA_FP8_TC_ROW_SUM && (head_dim + 8 <= 80 || head_dim > 80); }
+constexpr bool fp8_tensor_row_sum(int head_dim) {
+  return FOVEA_FP8_TC_ROW_SUM && (head_dim + 8 <= 80 || head_dim > 80);
+}
 
 }  // namespace fovea

@@ -100,8 +100,8 @@ typedef struct {
 
 typedef struct fovea_attn fovea_attn;
 
-int32_t fovea_attn_abi_version(void);  /* FOVEA_ATTN_ABI_VERSION of the library */
-const char* fovea_attn_version(void);  /* fovea's version, e.g. "0.1.0" */
+int32_t fovea_attn_abi_version(void); /* FOVEA_ATTN_ABI_VERSION of the library */
+const char* fovea_attn_version(void); /* fovea's version, e.g. "0.1.0" */
 /* The message of the calling thread's last failing call ("" if none); valid until its next call. */
 const char* fovea_attn_last_error(void);
 
@@ -112,7 +112,7 @@ void fovea_attn_amax_state_init(fovea_attn_amax_state* state);
  * PTRDIFF_MAX; a GPU backend has its own head_dim limits (UNSUPPORTED). */
 int32_t fovea_attn_create(int32_t dtype, int32_t backend, int32_t heads, int32_t head_dim, int32_t device,
                           fovea_attn** out);
-void fovea_attn_destroy(fovea_attn* h); /* NULL is a no-op */
+void fovea_attn_destroy(fovea_attn* h);             /* NULL is a no-op */
 int32_t fovea_attn_backend_of(const fovea_attn* h); /* the resolved backend */
 
 /* cu_seqlens: host int32 [num_segments + 1], 0 = cu[0] < cu[1] < ... = total tokens. Entries are read
@@ -123,9 +123,8 @@ int32_t fovea_attn_plan(fovea_attn* h, const int32_t* cu_seqlens, int32_t num_se
 
 /* Q, K, V as three views (after RoPE). softmax_scale: 0 for 1/sqrt(head_dim), the only scale the
  * kernels take; any other value is refused. */
-int32_t fovea_attn_prepare(fovea_attn* h, const fovea_attn_view* q, const fovea_attn_view* k,
-                           const fovea_attn_view* v, const fovea_attn_scales* scales, float softmax_scale,
-                           void* stream);
+int32_t fovea_attn_prepare(fovea_attn* h, const fovea_attn_view* q, const fovea_attn_view* k, const fovea_attn_view* v,
+                           const fovea_attn_scales* scales, float softmax_scale, void* stream);
 /* fovea's fused path: the qkv projection's output [tokens, 3, heads, head_dim] (token stride in
  * elements, >= 3 * heads * head_dim, a multiple of 8; 16-byte aligned) and Qwen3-VL's 2D RoPE
  * tables fp32 [tokens, head_dim / 2] (the angle of columns d and d + head_dim / 2), or both NULL. */

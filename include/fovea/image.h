@@ -1,6 +1,6 @@
 // fovea/image.h: image files to the encoder's pixel rows, as transformers' Qwen3-VL image processor
-// (torchvision backend) does it (docs/encoder.md §Decoding to §Patchify): decode (JPEG: libjpeg-turbo, PNG: libpng, GIF first frame:
-// giflib, WebP first frame: libwebp, BMP: fovea's own; src/image/decode*.cpp), RGB conversion,
+// (torchvision backend) does it (docs/encoder.md §Decoding to §Patchify): decode (JPEG: libjpeg-turbo, PNG: libpng, GIF
+// first frame: giflib, WebP first frame: libwebp, BMP: fovea's own; src/image/decode*.cpp), RGB conversion,
 // smart_resize, antialiased bicubic resize on uint8, rescale + normalize, patchify in merge-window
 // order. Every bad input is a fovea::Error naming the file.
 #pragma once
@@ -24,7 +24,8 @@ struct Rgb8 {
 
 struct PreprocessConfig {
   int patch = 16, merge = 2, temporal = 2;
-  int64_t min_pixels = 65536, max_pixels = 16777216;  // hub preprocessor_config.json (docs/encoder.md §Preprocessing config)
+  int64_t min_pixels = 65536,
+          max_pixels = 16777216;  // hub preprocessor_config.json (docs/encoder.md §Preprocessing config)
   float mean[3] = {0.5f, 0.5f, 0.5f};
   float std[3] = {0.5f, 0.5f, 0.5f};
   // Decompression-bomb guard: an image whose header claims more pixels is refused before any pixel
@@ -34,8 +35,8 @@ struct PreprocessConfig {
 
 // Command-line overrides of a model's preprocessing (0: keep the model's value).
 struct PreprocessOverrides {
-  int64_t min_pixels = 0, max_pixels = 0;      // --min-pixels, --max-pixels
-  int64_t max_image_pixels = 0;                // --max-image-pixels (0: auto, image_pixel_limit())
+  int64_t min_pixels = 0, max_pixels = 0;  // --min-pixels, --max-pixels
+  int64_t max_image_pixels = 0;            // --max-image-pixels (0: auto, image_pixel_limit())
 };
 
 // The preprocessing of a model: its folder's preprocessor_config.json, or the shipped Qwen3-VL
@@ -133,7 +134,8 @@ qwen3vl::GridThw resized_grid(int height, int width, const PreprocessConfig& cfg
 Rgb8 resize_bicubic(const Rgb8& in, int out_h, int out_w);
 
 struct Patches {
-  std::vector<float> pixels;  // [t*h*w, 3*temporal*patch*patch], merge-window row order (docs/encoder.md §Merge-window order)
+  std::vector<float>
+      pixels;  // [t*h*w, 3*temporal*patch*patch], merge-window row order (docs/encoder.md §Merge-window order)
   qwen3vl::GridThw grid;
   // The compact form patchify_raw() gives instead of `pixels`: the uint8 samples [t*h*w, 3*patch*patch]
   // (columns c, py, px of the one frame), same row order; rescale, normalize and the temporal

@@ -13,11 +13,11 @@
 namespace fovea {
 
 struct JsonLimits {
-  size_t max_bytes = size_t(1) << 20;        // length of the text
-  int max_depth = 32;                        // nesting of arrays/objects (the top level is depth 1)
-  size_t max_elements = size_t(1) << 16;     // values of any kind, in total (keys not counted)
-  size_t max_object_keys = 1024;             // keys per object
-  size_t max_string_bytes = size_t(1) << 20; // bytes per string (keys included)
+  size_t max_bytes = size_t(1) << 20;         // length of the text
+  int max_depth = 32;                         // nesting of arrays/objects (the top level is depth 1)
+  size_t max_elements = size_t(1) << 16;      // values of any kind, in total (keys not counted)
+  size_t max_object_keys = 1024;              // keys per object
+  size_t max_string_bytes = size_t(1) << 20;  // bytes per string (keys included)
 };
 
 // Parses `text` into a DOM (nlohmann::json: object keys sorted in a std::map, so lookups are

@@ -15,25 +15,25 @@
 namespace fovea {
 struct JsonLimits;  // fovea/json.h
 struct TensorInfo;  // fovea/safetensors.h
-}
+}  // namespace fovea
 
 namespace fovea::qwen3vl {
 
 // Supported ranges of the vision config, checked at load (validate()) so a hostile or corrupt
 // config.json is refused with the field, the value and the range before anything is allocated.
 // The largest released Qwen3-VL encoder has depth 27, hidden 1152, intermediate 4304, 16 heads.
-constexpr int kMaxDepth = 256;               // depth: 1..256 blocks
-constexpr int kMaxHidden = 65536;            // hidden_size: 1..65536, divisible by num_heads
-constexpr int kMaxHeads = 1024;              // num_heads: 1..1024
-constexpr int kMaxHeadDim = 512;             // head_dim = hidden / heads: a multiple of 4, <= 512
-constexpr int kMaxIntermediate = 262144;     // intermediate_size: 1..262144
-constexpr int kMaxInChannels = 4;            // in_channels: 1..4 (images are RGB: 3)
-constexpr int kMaxPatch = 64;                // patch_size: 1..64
-constexpr int kMaxTemporalPatch = 4;         // temporal_patch_size: 1..4
-constexpr int kMaxMerge = 8;                 // spatial_merge_size: 1..8 (the forward supports 2)
-constexpr int kMaxOutHidden = 65536;         // out_hidden_size: 1..65536
-constexpr int kMaxPosEmbeddings = 65536;     // num_position_embeddings: 1..65536, a perfect square
-                                             // deepstack_visual_indexes: increasing, within 0..depth-1
+constexpr int kMaxDepth = 256;            // depth: 1..256 blocks
+constexpr int kMaxHidden = 65536;         // hidden_size: 1..65536, divisible by num_heads
+constexpr int kMaxHeads = 1024;           // num_heads: 1..1024
+constexpr int kMaxHeadDim = 512;          // head_dim = hidden / heads: a multiple of 4, <= 512
+constexpr int kMaxIntermediate = 262144;  // intermediate_size: 1..262144
+constexpr int kMaxInChannels = 4;         // in_channels: 1..4 (images are RGB: 3)
+constexpr int kMaxPatch = 64;             // patch_size: 1..64
+constexpr int kMaxTemporalPatch = 4;      // temporal_patch_size: 1..4
+constexpr int kMaxMerge = 8;              // spatial_merge_size: 1..8 (the forward supports 2)
+constexpr int kMaxOutHidden = 65536;      // out_hidden_size: 1..65536
+constexpr int kMaxPosEmbeddings = 65536;  // num_position_embeddings: 1..65536, a perfect square
+                                          // deepstack_visual_indexes: increasing, within 0..depth-1
 
 struct VisionConfig {
   std::string name;  // where it came from: a folder or "synthetic:<preset>"
@@ -45,8 +45,8 @@ struct VisionConfig {
 
   int head_dim() const { return hidden / heads; }
   int patch_dim() const { return in_channels * temporal_patch * patch * patch; }  // 1536
-  int merged_dim() const { return hidden * merge * merge; }                         // 4D
-  int pos_side() const;                                                              // 48
+  int merged_dim() const { return hidden * merge * merge; }                       // 4D
+  int pos_side() const;                                                           // 48
   void validate() const;  // throws fovea::Error naming the field
 };
 
@@ -74,13 +74,13 @@ bool synthetic_outliers(const std::string& spec);
 // positive integers up to kMaxQuantBlock) is a fovea::Error naming the field.
 constexpr int64_t kMaxQuantBlock = 65536;
 struct QuantConfig {
-  std::string where;                  // "<config.json>: quantization_config", for messages
-  std::string method;                 // "" (none), "fp8" or "compressed-tensors"
-  std::string scale_suffix;           // the scale of `<module>.weight`: "weight_scale_inv" or "weight_scale"
-  std::array<int64_t, 2> block{};     // [rows, cols] one scale covers; 0: the whole dimension
-  std::string activation_scheme;      // "dynamic" or "static": read, not used (fovea runs bf16 activations)
+  std::string where;                       // "<config.json>: quantization_config", for messages
+  std::string method;                      // "" (none), "fp8" or "compressed-tensors"
+  std::string scale_suffix;                // the scale of `<module>.weight`: "weight_scale_inv" or "weight_scale"
+  std::array<int64_t, 2> block{};          // [rows, cols] one scale covers; 0: the whole dimension
+  std::string activation_scheme;           // "dynamic" or "static": read, not used (fovea runs bf16 activations)
   std::vector<std::string> not_converted;  // modules_to_not_convert / ignore, as written
-  std::string scheme() const;         // "blocks of [128, 128]", "one per output channel", "one per tensor"
+  std::string scheme() const;              // "blocks of [128, 128]", "one per output channel", "one per tensor"
 };
 QuantConfig parse_quantization_config(std::string_view config_json_text, const std::string& where);
 // Whether `module` is listed in not_converted: an entry equal to it, a parent of it ("model.visual")
@@ -219,7 +219,8 @@ struct ForwardResult {
   std::map<std::string, std::vector<float>> intermediates;
 };
 
-// The fp32 CPU reference forward (docs/encoder.md §CPU forward). pixels: [N, 1536] in merge-window order (docs/encoder.md §Merge-window order).
+// The fp32 CPU reference forward (docs/encoder.md §CPU forward). pixels: [N, 1536] in merge-window order
+// (docs/encoder.md §Merge-window order).
 ForwardResult forward_cpu(const Model& m, const std::vector<float>& pixels, const std::vector<GridThw>& grids,
                           const ForwardOptions& opt = {});
 

@@ -112,11 +112,11 @@ InputPlan probe_input(std::span<const uint8_t> bytes, const std::string& name, c
 
 struct PreparedInput {
   InputKind kind = InputKind::IMAGE;
-  image::Patches patches;     // empty when `error` is set
+  image::Patches patches;            // empty when `error` is set
   std::optional<ClipSampling> clip;  // set for a clip
-  std::exception_ptr error;   // what reading, decoding or preprocessing threw, as thrown
+  std::exception_ptr error;          // what reading, decoding or preprocessing threw, as thrown
   double decode_ms = 0, preprocess_ms = 0;
-  int64_t frames_decoded = 0;  // clips: frames the decoder produced
+  int64_t frames_decoded = 0;         // clips: frames the decoder produced
   std::string error_message() const;  // error's what(); empty if none
 };
 
@@ -173,8 +173,8 @@ PreparedInput prepare_clip(video::Clip&& clip);
 // n synthetic inputs of uniform noise (vLLM's random-mm): height x width images when frames is 1,
 // else clips of `frames` frames at `fps` of which only the sampled frames are made (their making is
 // the clip's decode time). Prepared as prepare_inputs runs them; seeds seed, seed + 1, ...
-std::vector<PreparedInput> prepare_synthetic(size_t n, int height, int width, int64_t frames, double fps,
-                                             unsigned seed, const InputConfig& cfg);
+std::vector<PreparedInput> prepare_synthetic(size_t n, int height, int width, int64_t frames, double fps, unsigned seed,
+                                             const InputConfig& cfg);
 
 // What preparing a list of inputs cost in wall time: the images run in parallel (the slowest one's
 // stages), the clips one after another (theirs summed).
@@ -204,8 +204,8 @@ std::vector<std::pair<size_t, size_t>> pack_forwards(std::span<const int64_t> to
 // ---- one varlen batch -------------------------------------------------------------------------------
 
 struct Batch {
-  std::vector<float> pixels;             // [patches, patch_dim], the inputs one after another
-  std::vector<qwen3vl::GridThw> grids;   // one per input
+  std::vector<float> pixels;            // [patches, patch_dim], the inputs one after another
+  std::vector<qwen3vl::GridThw> grids;  // one per input
   // Moves one input's fp32 patches to the end (p.pixels is left empty: no second copy is kept).
   void add(image::Patches&& p);
   int64_t tokens(const qwen3vl::VisionConfig& c) const;  // visual tokens of all inputs
@@ -320,7 +320,7 @@ class EncoderRunner {
   std::vector<FineScales> fine_;  // static robust FP8: the scale file's fine scales per layer
   std::unique_ptr<Gpu> gpu_;
   std::deque<std::unique_ptr<Flight>> flights_;
-  EncoderOutputsBf16 cpu_views_;  // what finish_views() points into on the CPU
+  EncoderOutputsBf16 cpu_views_;                                        // what finish_views() points into on the CPU
   std::map<std::string, std::vector<float>>* intermediates_ = nullptr;  // keep_intermediates()
   Timings timings_;
 };
@@ -338,9 +338,10 @@ class OutputTensors {
   // Adds one input's tensors; returns its prefix ("image.0", "video.1") for the caller's metadata.
   std::string add(InputKind kind, const qwen3vl::GridThw& g, const Bf16Rows& rows, bool widen = false,
                   const std::optional<ClipSampling>& clip = {});
-  std::string add(InputKind kind, const qwen3vl::GridThw& g, F32Rows&& rows, const std::optional<ClipSampling>& clip = {});
+  std::string add(InputKind kind, const qwen3vl::GridThw& g, F32Rows&& rows,
+                  const std::optional<ClipSampling>& clip = {});
   const std::vector<TensorToWrite>& tensors() const { return tensors_; }
-  size_t bytes() const;  // of the tensors' data
+  size_t bytes() const;                     // of the tensors' data
   std::map<std::string, std::string> meta;  // the file's metadata (clip extras are added here)
 
  private:
@@ -348,8 +349,8 @@ class OutputTensors {
   void add_grid_and_times(const std::string& p, const qwen3vl::GridThw& g, const std::optional<ClipSampling>& clip);
   const qwen3vl::VisionConfig& c_;
   std::vector<TensorToWrite> tensors_;
-  size_t count_[2] = {0, 0};                 // inputs added, by kind
-  std::deque<std::vector<float>> owned_;     // widened rows and timestamps, alive until the write
+  size_t count_[2] = {0, 0};              // inputs added, by kind
+  std::deque<std::vector<float>> owned_;  // widened rows and timestamps, alive until the write
 };
 
 }  // namespace fovea

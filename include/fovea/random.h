@@ -8,13 +8,13 @@
 namespace fovea {
 
 enum class Dist {
-  NORMAL,    // N(0, 1)
-  OUTLIERS,  // N(0, 1) + N(0, 100) * Bernoulli(0.001): the FlashAttention-3 paper's outlier test
-             // (N(0, 100) has variance 100, i.e. standard deviation 10)
-  CHANNELS,  // N(0, 1) with outlier channels, as trained vision transformers have them ("massive
-             // activations"): per head, 2 channels of Q and K carry a large offset (20-50, either
-             // sign; K's also varies, N(0, 4)) and 2 channels of V are scaled by 20-50. Needs the
-             // [tokens, 3, heads, head_dim] structure: random_qkv.
+  NORMAL,        // N(0, 1)
+  OUTLIERS,      // N(0, 1) + N(0, 100) * Bernoulli(0.001): the FlashAttention-3 paper's outlier test
+                 // (N(0, 100) has variance 100, i.e. standard deviation 10)
+  CHANNELS,      // N(0, 1) with outlier channels, as trained vision transformers have them ("massive
+                 // activations"): per head, 2 channels of Q and K carry a large offset (20-50, either
+                 // sign; K's also varies, N(0, 4)) and 2 channels of V are scaled by 20-50. Needs the
+                 // [tokens, 3, heads, head_dim] structure: random_qkv.
   KEY_CHANNELS,  // as CHANNELS, but Q's and K's outliers apart, as in trained ViTs where K carries the
                  // larger ones: per head, 3 channels of K offset by 20-50 (N(0, 4) around it), one
                  // other channel of Q offset by 10-20, 2 channels of V scaled by 20-50. random_qkv.

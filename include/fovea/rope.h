@@ -9,8 +9,8 @@ namespace fovea {
 // cos/sin tables [N, hd/2] for a packed batch whose segment s is a grid of rows x cols patches in
 // row-major order, rows*cols = len_s (cols = floor(sqrt(len)), so any length works): the first hd/4
 // angles are row * inv_freq[j], the next hd/4 col * inv_freq[j], inv_freq[j] = 10000^(-2j/(hd/2)).
-// (The encoder's real tables follow the merge-window order (docs/encoder.md §Merge-window order); this helper is for tests
-// and benchmarks, where any valid positions do.)
+// (The encoder's real tables follow the merge-window order (docs/encoder.md §Merge-window order); this helper is for
+// tests and benchmarks, where any valid positions do.)
 void rope_tables_grid(const VarlenShape& shape, std::vector<float>& cos, std::vector<float>& sin);
 
 // Rotates the q and k heads of a fused [N, 3, H, hd] fp32 buffer in place, rotate-half convention,

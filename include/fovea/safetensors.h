@@ -26,7 +26,7 @@ struct TensorInfo {
   std::vector<int64_t> shape;
   const uint8_t* data = nullptr;  // inside the mapping, little-endian
   size_t bytes = 0;
-  std::string file;               // the file that holds it
+  std::string file;  // the file that holds it
   int64_t numel() const;
   // The values as fp32 (bf16 and f16 widened exactly). An F8_E4M3 tensor is an error: its values
   // mean nothing without its scale.
@@ -85,9 +85,9 @@ struct TensorToWrite {
   std::string name;
   DType dtype = DType::F32;
   std::vector<int64_t> shape;
-  std::vector<uint8_t> bytes;      // little-endian, numel * element size
+  std::vector<uint8_t> bytes;       // little-endian, numel * element size
   std::span<const uint8_t> view{};  // used instead when `bytes` is empty: the caller's memory, which
-                                   // must outlive the write (no copy of large outputs)
+                                    // must outlive the write (no copy of large outputs)
   std::span<const uint8_t> data() const { return bytes.empty() ? view : std::span<const uint8_t>(bytes); }
 };
 void write_safetensors(const std::string& path, const std::vector<TensorToWrite>& tensors,

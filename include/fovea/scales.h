@@ -165,11 +165,11 @@ struct FineBatch {
 
 // Counters of a FineHistory (plain data: host or device memory).
 struct FineCounts {
-  int32_t pos;        // next ring slot to write
-  int32_t filled;     // valid ring slots, <= 16
-  uint32_t updates;   // forwards recorded, finite or not
-  uint32_t nonfinite; // forwards with a non-finite value: not recorded
-  double tokens;      // tokens of the recorded forwards (k_sum's count)
+  int32_t pos;         // next ring slot to write
+  int32_t filled;      // valid ring slots, <= 16
+  uint32_t updates;    // forwards recorded, finite or not
+  uint32_t nonfinite;  // forwards with a non-finite value: not recorded
+  double tokens;       // tokens of the recorded forwards (k_sum's count)
 };
 
 // Dynamic state of the robust scheme for one layer. Rings of the last 16 finite forwards' amax, per
@@ -266,10 +266,10 @@ class ScaleBook {
  private:
   ScaleMode mode_ = ScaleMode::DYNAMIC;
   int num_layers_ = 0;
-  std::vector<LayerAmax> amax_;      // dynamic and calibrate
-  std::vector<QkvScales> fixed_;     // static
-  std::vector<FineHistory> fine_;    // robust scheme: dynamic and calibrate
-  std::string save_path_;            // calibrate
+  std::vector<LayerAmax> amax_;    // dynamic and calibrate
+  std::vector<QkvScales> fixed_;   // static
+  std::vector<FineHistory> fine_;  // robust scheme: dynamic and calibrate
+  std::string save_path_;          // calibrate
   float margin_ = kDefaultScaleMargin;
   bool calibration_written_ = false;
   void check_layer(int layer) const;
@@ -285,10 +285,10 @@ std::string scale_layer_name(int layer);  // "visual.blocks.<layer>.attn.attn"
 
 struct ScaleFile {
   std::string path;
-  bool nested = false;                // the entries were under "layers"
-  std::map<int, QkvScales> layers;    // by block index
-  std::map<int, std::string> names;   // the key each layer had in the file
-  std::map<int, FineScales> fine;     // every layer's, or empty: a file has them for all or none
+  bool nested = false;               // the entries were under "layers"
+  std::map<int, QkvScales> layers;   // by block index
+  std::map<int, std::string> names;  // the key each layer had in the file
+  std::map<int, FineScales> fine;    // every layer's, or empty: a file has them for all or none
 };
 
 // Limits (a real file has 27 layers, ~3 KB): at most kMaxScaleLayers layers, each index below it;

@@ -27,18 +27,18 @@ namespace fovea::server {
 
 // The HTTP layer's bounds (--max-header-bytes, --max-body-bytes, the deadlines, ...).
 struct HttpLimits {
-  size_t max_header_bytes = 16 << 10;          // request line + header fields + CRLFs
+  size_t max_header_bytes = 16 << 10;  // request line + header fields + CRLFs
   size_t max_header_fields = 100;
-  size_t max_body_bytes = size_t(64) << 20;    // one request's body, any transfer encoding
+  size_t max_body_bytes = size_t(64) << 20;           // one request's body, any transfer encoding
   size_t max_body_bytes_in_flight = size_t(1) << 30;  // bodies being read or handled, all connections
-  double header_timeout_s = 10;                // first byte of a request -> end of its head
-  double body_timeout_s = 60;                  // end of the head -> end of the body
-  double keep_alive_timeout_s = 5;             // idle between requests, then closed
-  double write_timeout_s = 60;                 // writing one reply
-  double shutdown_grace_s = 1;                 // on shutdown: how long requests still arriving get 503
-  double drain_delay_s = 0;                    // on SIGTERM: serve on this long with /ready at 503 first
-  double shutdown_timeout_s = 25;              // then: requests in flight get this long, the rest 503 at once
-  size_t max_connections = 1024;               // more are answered 503 and closed
+  double header_timeout_s = 10;                       // first byte of a request -> end of its head
+  double body_timeout_s = 60;                         // end of the head -> end of the body
+  double keep_alive_timeout_s = 5;                    // idle between requests, then closed
+  double write_timeout_s = 60;                        // writing one reply
+  double shutdown_grace_s = 1;                        // on shutdown: how long requests still arriving get 503
+  double drain_delay_s = 0;                           // on SIGTERM: serve on this long with /ready at 503 first
+  double shutdown_timeout_s = 25;                     // then: requests in flight get this long, the rest 503 at once
+  size_t max_connections = 1024;                      // more are answered 503 and closed
 };
 
 struct ServeOptions {
@@ -48,11 +48,11 @@ struct ServeOptions {
   std::string served_model_name;
   const std::string& served_name() const { return served_model_name.empty() ? model : served_model_name; }
   std::string host = "127.0.0.1";
-  int port = 8000;                           // 0: any free port (the one taken is printed)
-  int64_t max_batch_tokens = 16384;          // visual tokens per forward (an image larger runs alone)
-  size_t max_queue = 64;                     // requests waiting; more get 503
-  int64_t max_queue_tokens = 65536;          // visual tokens waiting (their pixels are held: ~24 KB
-                                             // each); more get 503, but an idle queue takes any request
+  int port = 8000;                   // 0: any free port (the one taken is printed)
+  int64_t max_batch_tokens = 16384;  // visual tokens per forward (an image larger runs alone)
+  size_t max_queue = 64;             // requests waiting; more get 503
+  int64_t max_queue_tokens = 65536;  // visual tokens waiting (their pixels are held: ~24 KB
+                                     // each); more get 503, but an idle queue takes any request
   size_t max_images_per_request = 16;
   image::PreprocessOverrides preprocess;        // resize budget (0: the checkpoint's), bomb guard
   video::VideoOverrides video;                  // clips: fps, video budget, frames, length (0: the checkpoint's)

@@ -25,29 +25,29 @@ struct VideoConfig {
   int64_t min_pixels = 128 * 32 * 32, max_pixels = 768 * 32 * 32;  // size.shortest_edge / longest_edge: frames x h x w
   float mean[3] = {0.5f, 0.5f, 0.5f};
   float std[3] = {0.5f, 0.5f, 0.5f};
-  double fps = 2;                 // frames sampled per second of video
-  int64_t num_frames = 0;         // > 0: exactly this many frames, whatever the length (fps is then unused)
+  double fps = 2;          // frames sampled per second of video
+  int64_t num_frames = 0;  // > 0: exactly this many frames, whatever the length (fps is then unused)
   int64_t min_frames = 4, max_frames = 768;
-  bool sample_frames = true;      // do_sample_frames; false: every frame (still at most kMaxFrames)
+  bool sample_frames = true;  // do_sample_frames; false: every frame (still at most kMaxFrames)
 };
 
 // The hard bounds, whatever a config says: frames decoded per clip and the clip's length.
 constexpr int64_t kMaxFrames = 4096;
 // Limits on what one clip may cost (fovea encode/serve flags; 0 keeps these defaults).
 struct VideoLimits {
-  double max_seconds = 3600;                      // --max-video-seconds: the container's duration
-  int64_t max_frame_pixels = 0;                   // a frame's width x height; 0: image::image_pixel_limit of the image budget
+  double max_seconds = 3600;     // --max-video-seconds: the container's duration
+  int64_t max_frame_pixels = 0;  // a frame's width x height; 0: image::image_pixel_limit of the image budget
   int64_t max_bytes_in_flight = int64_t(2) << 30;  // decoded frames held at once (native + resized), bytes
-  double deadline_seconds = 300;                  // wall-clock limit on decoding one clip
-  size_t max_encoded_bytes = size_t(2) << 30;     // the file itself
+  double deadline_seconds = 300;                   // wall-clock limit on decoding one clip
+  size_t max_encoded_bytes = size_t(2) << 30;      // the file itself
 };
 
 // Command-line overrides of a model's video preprocessing (0: keep the model's value).
 struct VideoOverrides {
-  double fps = 0;                       // --video-fps
+  double fps = 0;                          // --video-fps
   int64_t min_pixels = 0, max_pixels = 0;  // --video-min-pixels, --video-max-pixels
-  int64_t max_frames = 0;               // --video-max-frames
-  double max_seconds = 0;               // --max-video-seconds
+  int64_t max_frames = 0;                  // --video-max-frames
+  double max_seconds = 0;                  // --max-video-seconds
 };
 
 // The text of a video_preprocessor_config.json (`where` names it in messages): the image fields
@@ -78,7 +78,8 @@ struct StreamLayout {
   // of coefficient tables).
   double side_per_pixel = 1, thread_per_pixel = 1;
 };
-StreamLayout stream_layout(std::string_view codec, std::span<const uint8_t> extradata, std::span<const uint8_t> packets);
+StreamLayout stream_layout(std::string_view codec, std::span<const uint8_t> extradata,
+                           std::span<const uint8_t> packets);
 
 // FFmpeg's contexts, libswscale's, and what the allocator keeps of opening (1 to 3 MB measured on
 // clips of 64x48 to 640x360 in a process that has decoded a clip before: FFmpeg's one-time tables,
@@ -111,9 +112,9 @@ struct DecoderCost {
 struct ClipInfo {
   std::string name, container, codec;
   int width = 0, height = 0;
-  double fps = 0;          // the stream's average frame rate (24 when the container gives none, as transformers)
-  int64_t frames = 0;      // the video stream's packets, counted (exact, as torchcodec's exact mode)
-  double seconds = 0;      // frames / fps
+  double fps = 0;      // the stream's average frame rate (24 when the container gives none, as transformers)
+  int64_t frames = 0;  // the video stream's packets, counted (exact, as torchcodec's exact mode)
+  double seconds = 0;  // frames / fps
   // The video packets' pts, sorted: frame i is shown at frame_pts[i]. Empty when a packet has none,
   // two share one, or one is marked discard (an edit list): decoding then counts frames instead.
   std::vector<int64_t> frame_pts;
@@ -251,7 +252,8 @@ Clock::time_point deadline_of(const VideoLimits& limits);  // now + limits.deadl
 // pixel limit, and a frame whose size is not the header's, or one past the plan's pool of pictures
 // (DecoderCost::pool_bytes), is refused before it is allocated. At most two batches of decoded
 // frames (ClipPlan::batch each) are held beside the resized ones (limits.max_bytes_in_flight).
-Clip decode_opened(const OpenedClip& clip, const VideoConfig& cfg, const VideoLimits& limits, Clock::time_point deadline);
+Clip decode_opened(const OpenedClip& clip, const VideoConfig& cfg, const VideoLimits& limits,
+                   Clock::time_point deadline);
 // open_clip then decode_opened, with one deadline.
 Clip decode_clip(std::span<const uint8_t> bytes, const std::string& name, const VideoConfig& cfg,
                  const VideoLimits& limits = {}, const image::PreprocessConfig& image_budget = {});

@@ -75,8 +75,8 @@ void VarlenShape::validate() const {
   if (cu_seqlens[0] != 0) fail("attention: cu_seqlens[0] must be 0, got {}", cu_seqlens[0]);
   for (size_t i = 1; i < cu_seqlens.size(); ++i)
     if (cu_seqlens[i] <= cu_seqlens[i - 1])
-      fail("attention: segment {} is empty or negative (cu_seqlens[{}] = {}, cu_seqlens[{}] = {})", i - 1,
-           i - 1, cu_seqlens[i - 1], i, cu_seqlens[i]);
+      fail("attention: segment {} is empty or negative (cu_seqlens[{}] = {}, cu_seqlens[{}] = {})", i - 1, i - 1,
+           cu_seqlens[i - 1], i, cu_seqlens[i]);
 }
 
 VarlenShape varlen_from_seqlens(const std::vector<int>& seqlens, int heads, int head_dim) {
@@ -102,8 +102,10 @@ float amax(const VarlenShape& shape, ThdView<const float> x) {
       const float* r = x.row(t, h);
       for (int d = 0; d < shape.head_dim; ++d) {
         const float a = std::fabs(r[d]);
-        if (!std::isfinite(a)) nonfinite = true;
-        else m = std::max(m, a);
+        if (!std::isfinite(a))
+          nonfinite = true;
+        else
+          m = std::max(m, a);
       }
     }
   return nonfinite ? std::numeric_limits<float>::infinity() : m;

@@ -120,7 +120,8 @@ void check_amax_history(const AmaxHistory& t, const std::string& name, int i) {
   if (t.pos < 0 || t.pos >= kAmaxHistoryLen)
     refuse(FOVEA_ATTN_INVALID, f, "pos (", w, "'s ring position) = ", t.pos, " is outside [0, ", kAmaxHistoryLen, ")");
   if (t.filled < 0 || t.filled > kAmaxHistoryLen)
-    refuse(FOVEA_ATTN_INVALID, f, "filled (", w, "'s fill count) = ", t.filled, " is outside [0, ", kAmaxHistoryLen, "]");
+    refuse(FOVEA_ATTN_INVALID, f, "filled (", w, "'s fill count) = ", t.filled, " is outside [0, ", kAmaxHistoryLen,
+           "]");
   if (t.filled < kAmaxHistoryLen && t.pos != t.filled)
     refuse(FOVEA_ATTN_INVALID, f, "pos (", w, "'s ring position) = ", t.pos, " with filled = ", t.filled,
            ": a ring that has not wrapped writes slot `filled` next");
@@ -188,7 +189,8 @@ AttnBackend resolve_backend(int32_t backend, AttnDtype dtype, int head_dim, int 
   const SystemInfo all = query_system();
   if (!all.cuda_built) refuse(FOVEA_ATTN_UNSUPPORTED, "this fovea was built without CUDA");
   if (size_t(device) >= all.gpus.size())
-    refuse(FOVEA_ATTN_INVALID, "device ", device, ": ", all.gpus.size(), " GPU(s) visible", all.gpus.empty() ? " (" + all.gpu_error + ")" : "");
+    refuse(FOVEA_ATTN_INVALID, "device ", device, ": ", all.gpus.size(), " GPU(s) visible",
+           all.gpus.empty() ? " (" + all.gpu_error + ")" : "");
   SystemInfo sys = all;  // the engine's rules look at GPU 0: this one
   sys.gpus = {all.gpus[size_t(device)]};
   const auto why = [&](AttnBackend c) -> std::optional<std::string> {
@@ -198,7 +200,8 @@ AttnBackend resolve_backend(int32_t backend, AttnDtype dtype, int head_dim, int 
   };
   const AttnBackend chosen =
       b == AttnBackend::AUTO ? best_backend(dtype, Device::CUDA, sys, cuda::flash_supports_head_dim(head_dim)) : b;
-  if (auto w = why(chosen)) refuse(FOVEA_ATTN_UNSUPPORTED, dtype_name(dtype), " attention on the ", backend_name(chosen), " backend: ", *w);
+  if (auto w = why(chosen))
+    refuse(FOVEA_ATTN_UNSUPPORTED, dtype_name(dtype), " attention on the ", backend_name(chosen), " backend: ", *w);
   return chosen;
 }
 
@@ -206,8 +209,8 @@ void check_head_sizes(int32_t heads, int32_t head_dim) {
   if (heads <= 0 || head_dim <= 0 || head_dim % 2 != 0)
     refuse(FOVEA_ATTN_INVALID, "heads must be > 0 and head_dim even and > 0 (got ", heads, ", ", head_dim, ")");
   if (token_bytes(heads, head_dim) < 0)
-    refuse(FOVEA_ATTN_INVALID, "heads x head_dim = ", heads, " x ", head_dim, ": a token's q, k and v (3 x heads x head_dim x ",
-           kWidestElement, " bytes) exceed PTRDIFF_MAX bytes");
+    refuse(FOVEA_ATTN_INVALID, "heads x head_dim = ", heads, " x ", head_dim,
+           ": a token's q, k and v (3 x heads x head_dim x ", kWidestElement, " bytes) exceed PTRDIFF_MAX bytes");
 }
 
 // The bytes a view of `n` tokens spans from `data`, (n - 1) x stride_token + (heads - 1) x stride_head +
@@ -217,12 +220,12 @@ void check_extent(const fovea_attn& h, const void* data, int64_t stride_token, i
   const int64_t n = h.shape.total_tokens();
   int64_t a = 0, b = 0, e = 0;
   const bool wraps = __builtin_mul_overflow(n - 1, stride_token, &a) ||
-                     __builtin_mul_overflow(stride_head, int64_t(h.heads) - 1, &b) || __builtin_add_overflow(a, b, &e) ||
-                     __builtin_add_overflow(e, row_elems, &e);
+                     __builtin_mul_overflow(stride_head, int64_t(h.heads) - 1, &b) ||
+                     __builtin_add_overflow(a, b, &e) || __builtin_add_overflow(e, row_elems, &e);
   const int64_t bytes = wraps ? -1 : size_product({e, int64_t(sizeof(uint16_t))});
   if (bytes < 0 || reinterpret_cast<uintptr_t>(data) > UINTPTR_MAX - uint64_t(bytes))
-    refuse(FOVEA_ATTN_INVALID, name, ": ", n, " tokens at stride_token ", stride_token, " and ", h.heads, " heads at stride_head ",
-           stride_head, " reach past PTRDIFF_MAX bytes or the end of the address space");
+    refuse(FOVEA_ATTN_INVALID, name, ": ", n, " tokens at stride_token ", stride_token, " and ", h.heads,
+           " heads at stride_head ", stride_head, " reach past PTRDIFF_MAX bytes or the end of the address space");
 }
 
 void check_view(const fovea_attn& h, const fovea_attn_view* v, const char* name) {
@@ -236,8 +239,8 @@ void check_view(const fovea_attn& h, const fovea_attn_view* v, const char* name)
   const bool tokens_inner =
       v->stride_token >= h.head_dim && v->stride_head >= saturated_mul(v->stride_token, h.shape.total_tokens());
   if (!heads_inner && !tokens_inner)
-    refuse(FOVEA_ATTN_INVALID, name, ": strides (token ", v->stride_token, ", head ", v->stride_head, ") overlap rows of ",
-           h.head_dim, " elements");
+    refuse(FOVEA_ATTN_INVALID, name, ": strides (token ", v->stride_token, ", head ", v->stride_head,
+           ") overlap rows of ", h.head_dim, " elements");
 }
 
 void check_scales(const fovea_attn& h, const fovea_attn_scales* s) {
@@ -255,10 +258,12 @@ void check_scales(const fovea_attn& h, const fovea_attn_scales* s) {
   // Host memory is checked before a forward reads or writes it; a GPU handle's is device memory, which
   // the host does not read (prepare makes no host synchronization).
   if (h.backend != AttnBackend::CPU) return;
-  if (mode == FOVEA_ATTN_SCALES_DYNAMIC) return check_amax_state(*static_cast<const LayerAmax*>(s->state), "amax_state");
+  if (mode == FOVEA_ATTN_SCALES_DYNAMIC)
+    return check_amax_state(*static_cast<const LayerAmax*>(s->state), "amax_state");
   for (int i = 0; i < 3; ++i)
     if (!(s->fixed[i] > 0.0f) || (float_bits(s->fixed[i]) & 0x7F800000u) == 0x7F800000u)
-      refuse(FOVEA_ATTN_INVALID, "static scales: fixed[", i, "] (", kQkvNames[i], ") = ", s->fixed[i], " is not a finite number > 0");
+      refuse(FOVEA_ATTN_INVALID, "static scales: fixed[", i, "] (", kQkvNames[i], ") = ", s->fixed[i],
+             " is not a finite number > 0");
 }
 
 // ---- the CPU reference -----------------------------------------------------------------------------
@@ -270,7 +275,8 @@ void cpu_gather(const fovea_attn& h, const fovea_attn_view& v, std::vector<float
   for (int64_t t = 0; t < n; ++t)
     for (int hh = 0; hh < h.heads; ++hh)
       for (int d = 0; d < h.head_dim; ++d)
-        dst[size_t((t * h.heads + hh) * h.head_dim + d)] = bf16_to_float(src[t * v.stride_token + hh * v.stride_head + d]);
+        dst[size_t((t * h.heads + hh) * h.head_dim + d)] =
+            bf16_to_float(src[t * v.stride_token + hh * v.stride_head + d]);
 }
 
 // The scales the CPU attends with: fixed, or this batch recorded into the host state first.
@@ -302,8 +308,7 @@ void cpu_prepare_fused(fovea_attn& h, const void* qkv, int64_t stride, const flo
   std::vector<float>* dst[3] = {&h.q, &h.k, &h.v};
   for (int w = 0; w < 3; ++w) {
     dst[w]->resize(size_t(n * row));
-    for (int64_t t = 0; t < n; ++t)
-      std::copy_n(all.begin() + (t * 3 + w) * row, row, dst[w]->begin() + t * row);
+    for (int64_t t = 0; t < n; ++t) std::copy_n(all.begin() + (t * 3 + w) * row, row, dst[w]->begin() + t * row);
   }
 }
 
@@ -316,7 +321,8 @@ void cpu_attend(fovea_attn& h, const fovea_attn_view& out) {
   for (int64_t t = 0; t < h.shape.total_tokens(); ++t)
     for (int hh = 0; hh < h.heads; ++hh)
       for (int d = 0; d < h.head_dim; ++d)
-        dst[t * out.stride_token + hh * out.stride_head + d] = bf16_from_float(float(o[size_t((t * h.heads + hh) * h.head_dim + d)]));
+        dst[t * out.stride_token + hh * out.stride_head + d] =
+            bf16_from_float(float(o[size_t((t * h.heads + hh) * h.head_dim + d)]));
 }
 
 // ---- the GPU backends ------------------------------------------------------------------------------
@@ -338,7 +344,8 @@ bool capturing(cudaStream_t stream) {
 void ensure(cuda::DeviceBuffer<uint16_t>& buf, size_t count, cudaStream_t stream, const char* what) {
   if (buf.count() >= count) return;
   if (capturing(stream))
-    refuse(FOVEA_ATTN_INVALID, what, " needs a larger buffer, which cannot be allocated during a CUDA graph capture: "
+    refuse(FOVEA_ATTN_INVALID, what,
+           " needs a larger buffer, which cannot be allocated during a CUDA graph capture: "
            "run this shape once before capturing it");
   buf.reset(count);
 }
@@ -359,7 +366,8 @@ void copy_rows(void* dst, int64_t dst_token, int64_t dst_head, const void* src, 
                                        size_t(hd) * b, size_t(n), cudaMemcpyDeviceToDevice, stream));
 }
 
-void gpu_prepare_views(fovea_attn& h, const fovea_attn_view* const (&x)[3], const fovea_attn_scales* s, cudaStream_t stream) {
+void gpu_prepare_views(fovea_attn& h, const fovea_attn_view* const (&x)[3], const fovea_attn_scales* s,
+                       cudaStream_t stream) {
   const int64_t n = h.shape.total_tokens(), row = h.row();
   ensure(h.fused, size_t(n * 3 * row), stream, "prepare from three views");
   for (int w = 0; w < 3; ++w)
@@ -370,8 +378,8 @@ void gpu_prepare_views(fovea_attn& h, const fovea_attn_view* const (&x)[3], cons
 
 void gpu_attend(fovea_attn& h, const fovea_attn_view& out, cudaStream_t stream) {
   const int64_t n = h.shape.total_tokens(), row = h.row();
-  const bool packed = out.stride_token == row && out.stride_head == h.head_dim &&
-                      reinterpret_cast<uintptr_t>(out.data) % 16 == 0;
+  const bool packed =
+      out.stride_token == row && out.stride_head == h.head_dim && reinterpret_cast<uintptr_t>(out.data) % 16 == 0;
   if (packed) return h.gpu->attend(out.data, stream);
   ensure(h.out, size_t(n * row), stream, "attend into a strided output");
   h.gpu->attend(h.out.data(), stream);
@@ -381,7 +389,8 @@ void gpu_attend(fovea_attn& h, const fovea_attn_view& out, cudaStream_t stream) 
 
 void check_layers(int32_t num_layers) {
   if (num_layers <= 0 || num_layers > kMaxScaleLayers)
-    refuse(FOVEA_ATTN_INVALID, "num_layers = ", num_layers, " is outside [1, ", kMaxScaleLayers, "] (FOVEA_ATTN_MAX_LAYERS)");
+    refuse(FOVEA_ATTN_INVALID, "num_layers = ", num_layers, " is outside [1, ", kMaxScaleLayers,
+           "] (FOVEA_ATTN_MAX_LAYERS)");
 }
 
 // cu_seqlens read entry by entry and refused at the first out of order (a num_segments larger than the
@@ -399,8 +408,9 @@ std::vector<int32_t> read_cu_seqlens(const fovea_attn& h, const int32_t* cu, int
     out.push_back(cu[i]);
   }
   if (size_product({out.back(), token_bytes(h.heads, h.head_dim)}) < 0)
-    refuse(FOVEA_ATTN_INVALID, "cu_seqlens[", num_segments, "] = ", out.back(), " tokens of ", h.heads, " heads x ", h.head_dim,
-           ": the tokens' q, k and v (tokens x 3 x heads x head_dim x ", kWidestElement, " bytes) exceed PTRDIFF_MAX bytes");
+    refuse(FOVEA_ATTN_INVALID, "cu_seqlens[", num_segments, "] = ", out.back(), " tokens of ", h.heads, " heads x ",
+           h.head_dim, ": the tokens' q, k and v (tokens x 3 x heads x head_dim x ", kWidestElement,
+           " bytes) exceed PTRDIFF_MAX bytes");
   return out;
 }
 
@@ -445,7 +455,8 @@ int32_t fovea_attn_set_allocator(fovea_attn_alloc_fn alloc, fovea_attn_free_fn f
   });
 }
 
-int32_t fovea_attn_create(int32_t dtype, int32_t backend, int32_t heads, int32_t head_dim, int32_t device, fovea_attn** out) {
+int32_t fovea_attn_create(int32_t dtype, int32_t backend, int32_t heads, int32_t head_dim, int32_t device,
+                          fovea_attn** out) {
   return guarded("fovea_attn_create", [&] {
     need(out != nullptr, "`out` is null");
     *out = nullptr;
@@ -458,8 +469,10 @@ int32_t fovea_attn_create(int32_t dtype, int32_t backend, int32_t heads, int32_t
 #if FOVEA_HAVE_CUDA
     if (h->backend != AttnBackend::CPU) {
       DeviceGuard g(device);
-      if (h->backend == AttnBackend::FOVEA) h->gpu = std::make_unique<cuda::FlashAttention>(h->dtype, heads, head_dim);
-      else h->gpu = cuda::make_cudnn_attention(h->dtype, heads, head_dim);
+      if (h->backend == AttnBackend::FOVEA)
+        h->gpu = std::make_unique<cuda::FlashAttention>(h->dtype, heads, head_dim);
+      else
+        h->gpu = cuda::make_cudnn_attention(h->dtype, heads, head_dim);
     }
 #endif
     *out = h.release();
@@ -474,8 +487,7 @@ void fovea_attn_destroy(fovea_attn* h) {
       DeviceGuard g(h->device);  // its buffers are freed on their own device
       delete h;
       return;
-    } catch (...) {
-    }
+    } catch (...) {}
   }
 #endif
   delete h;
@@ -512,7 +524,8 @@ int32_t fovea_attn_prepare(fovea_attn* hp, const fovea_attn_view* q, const fovea
     if (!h.planned) refuse(FOVEA_ATTN_INVALID, "prepare before plan");
     const float want = 1.0f / std::sqrt(float(h.head_dim));
     if (softmax_scale != 0.0f && !(std::fabs(softmax_scale - want) <= 1e-6f * want))
-      refuse(FOVEA_ATTN_UNSUPPORTED, "softmax scale ", softmax_scale, ": the kernels take 1/sqrt(head_dim) = ", want, " only");
+      refuse(FOVEA_ATTN_UNSUPPORTED, "softmax scale ", softmax_scale, ": the kernels take 1/sqrt(head_dim) = ", want,
+             " only");
     check_view(h, q, "q"), check_view(h, k, "k"), check_view(h, v, "v");
     check_scales(h, scales);
     h.prepared = false;
@@ -597,18 +610,21 @@ int32_t fovea_attn_scale_file_write(const char* path, int32_t num_layers, const 
       s[size_t(i)] = {qkv[3 * i], qkv[3 * i + 1], qkv[3 * i + 2]};
       for (int j = 0; j < 3; ++j)
         if (!(std::isfinite(qkv[3 * i + j]) && qkv[3 * i + j] > 0))
-          refuse(FOVEA_ATTN_INVALID, "layer ", i, ": scale ", kQkvNames[j], " = ", qkv[3 * i + j], " is not a finite number > 0");
+          refuse(FOVEA_ATTN_INVALID, "layer ", i, ": scale ", kQkvNames[j], " = ", qkv[3 * i + j],
+                 " is not a finite number > 0");
     }
     write_scale_file(path, s);
   });
 }
 
-int32_t fovea_attn_calibrated_scales(const fovea_attn_amax_state* states, int32_t num_layers, float margin, float* qkv) {
+int32_t fovea_attn_calibrated_scales(const fovea_attn_amax_state* states, int32_t num_layers, float margin,
+                                     float* qkv) {
   return guarded("fovea_attn_calibrated_scales", [&] {
     need(states && qkv, "states or qkv is null");
     check_aligned(states, alignof(LayerAmax), "states"), check_aligned(qkv, alignof(float), "qkv");
     check_layers(num_layers);
-    if (!(margin > 0) || !std::isfinite(margin)) refuse(FOVEA_ATTN_INVALID, "margin must be a finite number > 0, got ", margin);
+    if (!(margin > 0) || !std::isfinite(margin))
+      refuse(FOVEA_ATTN_INVALID, "margin must be a finite number > 0, got ", margin);
     ScaleBook book = ScaleBook::dynamic(num_layers);
     for (int32_t i = 0; i < num_layers; ++i) {
       std::memcpy(&book.amax_state()[size_t(i)], &states[i], sizeof(LayerAmax));

@@ -37,7 +37,7 @@ struct Args {
   std::string json_path;
   std::string fp8_schemes = "tensor";
   std::string fp8_exact;  // CPU, measurement only: operands FP8 leaves unquantized (qk, v, p)
-  bool rope = false;  // CPU: RoPE on q and k first (the GPU bench always applies it)
+  bool rope = false;      // CPU: RoPE on q and k first (the GPU bench always applies it)
 };
 
 // FP8 scale schemes the CPU bench compares (fovea/attention.h, Fp8Fine): per-tensor (vLLM's), and
@@ -66,8 +66,10 @@ std::vector<Fp8Scheme> parse_schemes(const std::string& s) {
     for (const Fp8Scheme& f : kFp8Schemes)
       if (item == f.name) found = &f;
     if (!found)
-      fail("--fp8-scheme: '{}' is not one of tensor, smooth-k, per-head, per-channel-v, robust, robust-nosplit, rotate, "
-           "robust+rotate, pairs, robust+pairs", item);
+      fail(
+          "--fp8-scheme: '{}' is not one of tensor, smooth-k, per-head, per-channel-v, robust, robust-nosplit, rotate, "
+          "robust+rotate, pairs, robust+pairs",
+          item);
     out.push_back(*found);
   }
   if (out.empty()) fail("--fp8-scheme: empty list");
@@ -85,7 +87,9 @@ std::vector<AttnDtype> parse_dtypes(const std::string& s) {
   return out;
 }
 
-nlohmann::ordered_json num(double x) { return std::isfinite(x) ? nlohmann::ordered_json(x) : nlohmann::ordered_json(nullptr); }
+nlohmann::ordered_json num(double x) {
+  return std::isfinite(x) ? nlohmann::ordered_json(x) : nlohmann::ordered_json(nullptr);
+}
 
 // What both devices bench: the parsed flags and one packed varlen batch.
 struct Bench {
@@ -132,7 +136,8 @@ struct CpuRun {
 std::vector<CpuRun> cpu_runs(const Bench& b) {
   std::vector<CpuRun> runs;
   for (AttnDtype d : b.dtypes) {
-    if (d != AttnDtype::FP8) runs.push_back({d, nullptr});
+    if (d != AttnDtype::FP8)
+      runs.push_back({d, nullptr});
     else
       for (const Fp8Scheme& sc : b.schemes) runs.push_back({d, &sc});
   }
@@ -183,26 +188,26 @@ int run_bench_cpu(const Bench& b) {
   }
   const std::vector<float>& qkv = a.rope ? roped : b.qkv;
   const CpuInputs in{b.shape, qkv_view(qkv, 0, H, hd), qkv_view(qkv, 1, H, hd), qkv_view(qkv, 2, H, hd)};
-  fmt::print("fovea bench attention | device cpu | seqlens {} ({} segments, {} tokens) | heads {} | head_dim {} | "
-             "dist {}{} | seed {}\n",
-             a.seqlens, b.shape.num_segments(), N, H, hd, a.dist, a.rope ? " | rope" : "", a.seed);
+  fmt::print(
+      "fovea bench attention | device cpu | seqlens {} ({} segments, {} tokens) | heads {} | head_dim {} | "
+      "dist {}{} | seed {}\n",
+      a.seqlens, b.shape.num_segments(), N, H, hd, a.dist, a.rope ? " | rope" : "", a.seed);
   std::vector<double> ref(size_t(N * H * hd)), out(ref.size());
   cpu::RefOptions exact;
   exact.threads = a.threads;
   const double ref_ms = timed_attention(in, exact, ref);
 
   nlohmann::ordered_json results = nlohmann::ordered_json::array();
-  fmt::print("{:<6} | {:<13} | {:<8} | {:>12} | {:>12} | {:>12} | {:>10}\n", "dtype", "fp8 scheme", "backend",
-             "rel_l2", "max_abs", "mean_abs", "ms");
-  fmt::print("{:<6} | {:<13} | {:<8} | {:>12} | {:>12} | {:>12} | {:>10.1f}\n", "fp64", "", "CPU", "(reference)", "", "",
-             ref_ms);
+  fmt::print("{:<6} | {:<13} | {:<8} | {:>12} | {:>12} | {:>12} | {:>10}\n", "dtype", "fp8 scheme", "backend", "rel_l2",
+             "max_abs", "mean_abs", "ms");
+  fmt::print("{:<6} | {:<13} | {:<8} | {:>12} | {:>12} | {:>12} | {:>10.1f}\n", "fp64", "", "CPU", "(reference)", "",
+             "", ref_ms);
   for (const CpuRun& run : cpu_runs(b)) results.push_back(cpu_row(b, in, run, ref, out));
   if (!a.json_path.empty()) {
     const nlohmann::ordered_json doc = {
-        {"bench", "attention"}, {"device", "cpu"},    {"seqlens", b.seqlens},   {"heads", H},
-        {"head_dim", hd},       {"dist", a.dist},     {"rope", a.rope},         {"seed", a.seed},
-        {"flops", b.shape.flops()},
-        {"reference_ms", ref_ms}, {"results", results}};
+        {"bench", "attention"},     {"device", "cpu"},        {"seqlens", b.seqlens}, {"heads", H},
+        {"head_dim", hd},           {"dist", a.dist},         {"rope", a.rope},       {"seed", a.seed},
+        {"flops", b.shape.flops()}, {"reference_ms", ref_ms}, {"results", results}};
     write_json(a.json_path, doc);
   }
   return 0;
@@ -222,13 +227,22 @@ int run_bench(const Args& a) {
   const VarlenShape shape = varlen_from_seqlens(seqlens, a.heads, a.head_dim);
   cpu::Fp8Exact exact;
   for (const std::string& p : split_list(a.fp8_exact)) {
-    if (p == "qk") exact.qk = true;
-    else if (p == "v") exact.v = true;
-    else if (p == "p") exact.p = true;
-    else fail("--fp8-exact: '{}' is not one of qk, v, p", p);
+    if (p == "qk")
+      exact.qk = true;
+    else if (p == "v")
+      exact.v = true;
+    else if (p == "p")
+      exact.p = true;
+    else
+      fail("--fp8-exact: '{}' is not one of qk, v, p", p);
   }
   if (a.device == "cuda" && !a.fp8_exact.empty()) fail("--fp8-exact is for the CPU emulation (--device cpu) only");
-  const Bench b{a, shape, std::move(seqlens), std::move(dtypes), std::move(schemes), exact,
+  const Bench b{a,
+                shape,
+                std::move(seqlens),
+                std::move(dtypes),
+                std::move(schemes),
+                exact,
                 random_qkv(shape.total_tokens(), a.heads, a.head_dim, *dist, a.seed)};
   if (a.device == "cuda") {
     for (const Fp8Scheme& f : b.schemes)
@@ -307,17 +321,20 @@ struct BenchScales {
   // The robust scheme's arrays (k_mean, q_head, k_head, v_channel), two sets: 0 static, 1 the one
   // the dynamic runs fill.
   std::vector<cuda::DeviceBuffer<float>> fine;
-  cuda::DeviceFineHistory history;  // the dynamic runs record into a history, as the encoder's layers do
+  cuda::DeviceFineHistory history;                 // the dynamic runs record into a history, as the encoder's layers do
   std::vector<cuda::DeviceBuffer<int32_t>> split;  // the split pairs of each set (none where head_dim has no room)
 
   cuda::FineArrays fine_arrays(int set) const {
     return cuda::FineArrays{fine[size_t(4 * set)].data(), fine[size_t(4 * set + 1)].data(),
-                            fine[size_t(4 * set + 2)].data(), fine[size_t(4 * set + 3)].data(), split[size_t(set)].data()};
+                            fine[size_t(4 * set + 2)].data(), fine[size_t(4 * set + 3)].data(),
+                            split[size_t(set)].data()};
   }
   cuda::DeviceScales static_scales(bool robust) const {
     cuda::DeviceScales sc;
-    if (robust) sc.fine = fine_arrays(0);
-    else sc.fixed = fixed.data();
+    if (robust)
+      sc.fine = fine_arrays(0);
+    else
+      sc.fixed = fixed.data();
     return sc;
   }
   cuda::DeviceScales dynamic_scales(bool robust) const {
@@ -340,8 +357,11 @@ BenchScales make_scales(const Bench& b, const std::vector<float>& rot) {
       ScaleBook::dynamic(1).record(0, amax(b.shape, all(0)), amax(b.shape, all(1)), amax(b.shape, all(2)));
   LayerAmax fresh;
   for (auto& t : fresh.t) amax_history_reset(t);
-  BenchScales sc{upload(std::vector<float>{st_all.q, st_all.k, st_all.v}), upload(std::vector<LayerAmax>{fresh}), {},
-                 cuda::DeviceFineHistory{FineHistory(int(H), int(hd))}, {}};
+  BenchScales sc{upload(std::vector<float>{st_all.q, st_all.k, st_all.v}),
+                 upload(std::vector<LayerAmax>{fresh}),
+                 {},
+                 cuda::DeviceFineHistory{FineHistory(int(H), int(hd))},
+                 {}};
   // Both robust sets start from these inputs' arrays (cpu::current_fine_scales).
   const cpu::Fp8Fine fine = cpu::current_fine_scales(b.shape, all(0), all(1), all(2), cpu::kRobustParts);
   for (int set = 0; set < 2; ++set) {
@@ -363,7 +383,8 @@ std::vector<CudaRun> cuda_runs(const Bench& b, const std::vector<AttnBackend>& b
   std::vector<CudaRun> runs;
   for (const AttnBackend be : backends)
     for (AttnDtype d : b.dtypes) {
-      if (d != AttnDtype::FP8) runs.push_back({d, false, be});  // BF16 has no scale scheme
+      if (d != AttnDtype::FP8)
+        runs.push_back({d, false, be});  // BF16 has no scale scheme
       else if (be == AttnBackend::FOVEA)
         for (const Fp8Scheme& f : b.schemes) runs.push_back({d, std::string(f.name) == "robust", be});
     }
@@ -432,12 +453,17 @@ nlohmann::ordered_json report_row(const CudaBench& c, const CudaRun& run, const 
   // CUDNN backend's BF16.
   const std::string label = cudnn ? "cudnn" : run.robust ? "fp8-r" : dtype_name(d);
   const double tflops = c.b.shape.flops() / (t.attn_ms * 1e-3) / 1e12;
-  const std::string rel = check ? fmt::format("{:.3e}", e.rel_l2) : "-", mx = check ? fmt::format("{:.3e}", e.max_abs) : "-";
-  fmt::print("{:<6} | {:>9.4f} | {:>8.1f} | {:>12.4f} | {:>13.4f} | {:>10.4f} | {:>10} | {:>10}\n", label,
-             t.attn_ms, tflops, t.prep_ms, t.prep_dyn_ms, t.attn_ms + t.prep_ms, rel, mx);
-  nlohmann::ordered_json entry = {{"dtype", dtype_name(d)},     {"backend", backend_name(run.backend)}, {"attn_ms", t.attn_ms},
+  const std::string rel = check ? fmt::format("{:.3e}", e.rel_l2) : "-",
+                    mx = check ? fmt::format("{:.3e}", e.max_abs) : "-";
+  fmt::print("{:<6} | {:>9.4f} | {:>8.1f} | {:>12.4f} | {:>13.4f} | {:>10.4f} | {:>10} | {:>10}\n", label, t.attn_ms,
+             tflops, t.prep_ms, t.prep_dyn_ms, t.attn_ms + t.prep_ms, rel, mx);
+  nlohmann::ordered_json entry = {{"dtype", dtype_name(d)},
+                                  {"backend", backend_name(run.backend)},
+                                  {"attn_ms", t.attn_ms},
                                   {"fp8_scheme", fp8 ? (run.robust ? "robust" : "tensor") : "-"},
-                                  {"tflops", tflops},           {"prepare_ms", t.prep_ms},  {"prepare_dynamic_ms", t.prep_dyn_ms},
+                                  {"tflops", tflops},
+                                  {"prepare_ms", t.prep_ms},
+                                  {"prepare_dynamic_ms", t.prep_dyn_ms},
                                   {"total_ms", t.attn_ms + t.prep_ms}};
   entry["rel_l2"] = num(check ? e.rel_l2 : NAN);  // null when not checked
   entry["max_abs"] = num(check ? e.max_abs : NAN);
@@ -461,7 +487,8 @@ int run_bench_cuda(const Bench& b) {
   for (const AttnBackend be : backends)
     for (const AttnDtype d : b.dtypes)
       if (be == AttnBackend::FOVEA || d == AttnDtype::BF16)
-        if (auto why = backend_unsupported(be, d, Device::CUDA, sys)) fail("--device cuda --backend {}: {}", backend_name(be), *why);
+        if (auto why = backend_unsupported(be, d, Device::CUDA, sys))
+          fail("--device cuda --backend {}: {}", backend_name(be), *why);
   const int64_t N = b.shape.total_tokens(), H = b.shape.heads, hd = b.shape.head_dim;
 
   const DeviceInputs in = upload_inputs(b);
@@ -470,9 +497,10 @@ int run_bench_cuda(const Bench& b) {
   const BenchScales scales = make_scales(b, in.rot);
 
   const GpuInfo& gpu = sys.gpus.at(0);
-  fmt::print("fovea bench attention | device cuda ({}) | backend FOVEA | seqlens {} ({} segments, {} tokens) | heads {} | "
-             "head_dim {} | dist {} | seed {} | median of {}\n",
-             gpu.name, a.seqlens, b.shape.num_segments(), N, H, hd, a.dist, a.seed, a.reps);
+  fmt::print(
+      "fovea bench attention | device cuda ({}) | backend FOVEA | seqlens {} ({} segments, {} tokens) | heads {} | "
+      "head_dim {} | dist {} | seed {} | median of {}\n",
+      gpu.name, a.seqlens, b.shape.num_segments(), N, H, hd, a.dist, a.seed, a.reps);
   fmt::print("{:<6} | {:>9} | {:>8} | {:>12} | {:>13} | {:>10} | {:>10} | {:>10}\n", "dtype", "attn ms", "TFLOP/s",
              "prep ms", "prep dyn ms", "total ms", "rel_l2", "max_abs");
   const CudaBench c{b, in, scales, check, ref};
@@ -480,9 +508,9 @@ int run_bench_cuda(const Bench& b) {
   for (const CudaRun& run : cuda_runs(b, backends)) results.push_back(cuda_row(c, run));
   if (!a.json_path.empty()) {
     const nlohmann::ordered_json doc = {{"bench", "attention"}, {"device", "cuda"},  {"gpu", gpu.name},
-                                        {"seqlens", b.seqlens},  {"heads", H},        {"head_dim", hd},
-                                        {"dist", a.dist},        {"seed", a.seed},    {"flops", b.shape.flops()},
-                                        {"reps", a.reps},        {"results", results}};
+                                        {"seqlens", b.seqlens}, {"heads", H},        {"head_dim", hd},
+                                        {"dist", a.dist},       {"seed", a.seed},    {"flops", b.shape.flops()},
+                                        {"reps", a.reps},       {"results", results}};
     write_json(a.json_path, doc);
   }
   return 0;
@@ -503,13 +531,16 @@ void add_bench_attention(CLI::App* bench, Runner& run) {
       ->capture_default_str();
   cmd->add_option("--heads", a->heads, "attention heads")->capture_default_str();
   cmd->add_option("--head-dim", a->head_dim, "head dimension")->capture_default_str();
-  cmd->add_option("--dist", a->dist, "input distribution: normal | outliers (N(0,1) + N(0,100)*Bernoulli(0.001)) | "
-                  "channels (outlier channels per head in Q, K and V) | key-channels (K's outlier channels larger than Q's, apart)")
+  cmd->add_option("--dist", a->dist,
+                  "input distribution: normal | outliers (N(0,1) + N(0,100)*Bernoulli(0.001)) | "
+                  "channels (outlier channels per head in Q, K and V) | key-channels (K's outlier channels larger than "
+                  "Q's, apart)")
       ->capture_default_str();
   cmd->add_option("--dtype", a->dtypes, "comma list of dtypes: bf16, fp8")->capture_default_str();
   cmd->add_option("--device", a->device, "cpu (the reference emulations) or cuda (the GPU kernels)")
       ->capture_default_str();
-  cmd->add_option("--backend", a->backend, "comma list of GPU backends: FOVEA, CUDNN (FLASHINFER; BF16 rows only)")->capture_default_str();
+  cmd->add_option("--backend", a->backend, "comma list of GPU backends: FOVEA, CUDNN (FLASHINFER; BF16 rows only)")
+      ->capture_default_str();
   cmd->add_option("--reps", a->reps, "GPU: timed repetitions (median reported)")->capture_default_str();
   cmd->add_option("--warmup", a->warmup, "GPU: untimed warm-up runs")->capture_default_str();
   cmd->add_option("--check", a->check, "GPU: error against fp64 on head 0 (skipped when sum(S^2) > 2^28)")
@@ -517,14 +548,16 @@ void add_bench_attention(CLI::App* bench, Runner& run) {
   cmd->add_option("--seed", a->seed, "random seed")->capture_default_str();
   cmd->add_option("--threads", a->threads, "CPU threads (0: all)")->capture_default_str();
   cmd->add_option("--json", a->json_path, "write the results as JSON to this file");
-  cmd->add_option("--fp8-exact", a->fp8_exact,
-                  "CPU, measurement only: comma list of FP8 operands left unquantized (qk, v, p), to see what E4M3 costs "
-                  "in each");
-  cmd->add_option("--fp8-scheme", a->fp8_schemes,
-                  "comma list of FP8 scale schemes: tensor (vLLM's), smooth-k, per-head, per-channel-v, robust (all three, "
-                  "and at head_dim 72 / 80 each head's largest rotary pairs split into two E4M3 terms; these two on the GPU "
-                  "too), robust-nosplit, rotate (Q and K times an orthonormal DCT), robust+rotate, pairs (Q and K rescaled "
-                  "per rotary pair, per-head scales), robust+pairs")
+  cmd->add_option(
+      "--fp8-exact", a->fp8_exact,
+      "CPU, measurement only: comma list of FP8 operands left unquantized (qk, v, p), to see what E4M3 costs "
+      "in each");
+  cmd->add_option(
+         "--fp8-scheme", a->fp8_schemes,
+         "comma list of FP8 scale schemes: tensor (vLLM's), smooth-k, per-head, per-channel-v, robust (all three, "
+         "and at head_dim 72 / 80 each head's largest rotary pairs split into two E4M3 terms; these two on the GPU "
+         "too), robust-nosplit, rotate (Q and K times an orthonormal DCT), robust+rotate, pairs (Q and K rescaled "
+         "per rotary pair, per-head scales), robust+pairs")
       ->capture_default_str();
   cmd->add_option("--rope", a->rope, "--device cpu: apply RoPE to q and k first (the GPU bench always does)")
       ->capture_default_str();

@@ -77,8 +77,10 @@ Margin parse_margin(const std::string& spec) {
       const size_t eq = t.find('=');
       const std::string f = t.substr(0, eq);
       if (eq == std::string::npos || std::find(std::begin(fields), std::end(fields), f) == std::end(fields))
-        fail("--margins: '{}' in '{}' is not FIELD=VALUE with FIELD one of q, k, v, fovea_q_head, fovea_k_head, "
-             "fovea_v_channel", t, spec);
+        fail(
+            "--margins: '{}' in '{}' is not FIELD=VALUE with FIELD one of q, k, v, fovea_q_head, fovea_k_head, "
+            "fovea_v_channel",
+            t, spec);
       m.field[f] = margin_value(t.substr(eq + 1), spec);
       m.name += fmt::format(" {}={:g}", f, m.field[f]);
     }
@@ -158,15 +160,19 @@ double worst_of(const std::vector<double>& v) { return *std::max_element(v.begin
 class Bench {
  public:
   Bench(const Args& a, const fs::path& tmp)
-      : a_(a), tmp_(tmp), sys_(query_system()), model_(qwen3vl::load_model(a.model)),
-        pcfg_(image::load_preprocess_config(a.model, {0, a.max_pixels})), fp32_(a.reference == "fp32") {
+      : a_(a),
+        tmp_(tmp),
+        sys_(query_system()),
+        model_(qwen3vl::load_model(a.model)),
+        pcfg_(image::load_preprocess_config(a.model, {0, a.max_pixels})),
+        fp32_(a.reference == "fp32") {
     for (const std::string& m : a.margins) margins_.push_back(parse_margin(m));
     if (fp32_) modes_.push_back({"bf16", std::make_unique<EncoderRunner>(model_, config("bf16", "", "", "")), {}, {}});
   }
 
   // Calibrates `scheme` on `calib` (and on `held` for the drift) and adds its dynamic and static modes.
-  void add_scheme(const std::string& scheme, const std::vector<std::string>& calib, const std::vector<std::string>& held,
-                  bool write_file) {
+  void add_scheme(const std::string& scheme, const std::vector<std::string>& calib,
+                  const std::vector<std::string>& held, bool write_file) {
     // auto calibrates with the robust scheme (resolve_engine): the same forwards, so the same files.
     const std::string as = scheme == "auto" ? "robust" : scheme;
     if (!calibrated_.contains(as))
@@ -182,7 +188,8 @@ class Bench {
       drift_[scheme][field] = {{"worst", d.worst}, {"above", d.above}, {"count", d.count}};
     }
     fmt::print("\n");
-    modes_.push_back({scheme + " dynamic", std::make_unique<EncoderRunner>(model_, config("fp8", scheme, "", "")), {}, {}});
+    modes_.push_back(
+        {scheme + " dynamic", std::make_unique<EncoderRunner>(model_, config("fp8", scheme, "", "")), {}, {}});
     for (size_t i = 0; i < margins_.size(); ++i) {
       const std::string path = (tmp_ / fmt::format("{}-margin-{}.json", scheme, i)).string();
       write_with_margin(first, margins_[i], path);
@@ -201,7 +208,8 @@ class Bench {
     if (!fp32_) bf16_ref = std::make_unique<EncoderRunner>(model_, config("bf16", "", "", ""));
     for (const std::string& f : held) {
       const Batch b = load(f);
-      const std::vector<float> ref = fp32_ ? qwen3vl::forward_cpu(model_, b.pixels, b.grids).merged : bf16_ref->run(b).merged;
+      const std::vector<float> ref =
+          fp32_ ? qwen3vl::forward_cpu(model_, b.pixels, b.grids).merged : bf16_ref->run(b).merged;
       nlohmann::ordered_json row = {{"image", f}, {"tokens", ref.size() / size_t(O)}};
       std::string line = fmt::format("{} ({} tokens):", fs::path(f).filename().string(), ref.size() / size_t(O));
       for (Mode& m : modes_) {
@@ -238,13 +246,17 @@ class Bench {
         rx = fmt::format("{:.2f}", mean_of(m.ratio)), wx = fmt::format("{:.2f}", worst_of(m.ratio));
         s["mean_over_bf16"] = mean_of(m.ratio), s["worst_over_bf16"] = worst_of(m.ratio);
       }
-      fmt::print("{:<44} | {:>10.3e} | {:>10.3e} | {:>11} | {:>11} | {:>23}\n", m.name, mean_of(m.err), worst_of(m.err), rx,
-                 wx, vs_dyn);
+      fmt::print("{:<44} | {:>10.3e} | {:>10.3e} | {:>11} | {:>11} | {:>23}\n", m.name, mean_of(m.err), worst_of(m.err),
+                 rx, wx, vs_dyn);
       out.push_back(s);
     }
-    return {{"model", a_.model},   {"reference", a_.reference}, {"calibration_images", a_.calibration_images},
-            {"device", device_name(config("bf16", "", "", "").device)}, {"drift", drift_},
-            {"summary", out},      {"rows", rows_}};
+    return {{"model", a_.model},
+            {"reference", a_.reference},
+            {"calibration_images", a_.calibration_images},
+            {"device", device_name(config("bf16", "", "", "").device)},
+            {"drift", drift_},
+            {"summary", out},
+            {"rows", rows_}};
   }
 
  private:
@@ -267,7 +279,8 @@ class Bench {
   }
 
   // 16 forwards cycling through `images` with scheme's calibration; the file at `path` (margin 1).
-  ScaleFile calibrate(const std::string& scheme, const std::vector<std::string>& images, const std::string& path) const {
+  ScaleFile calibrate(const std::string& scheme, const std::vector<std::string>& images,
+                      const std::string& path) const {
     EncoderRunner runner(model_, config("fp8", scheme, "", path));
     for (int i = 0; !runner.book()->calibration_written(); ++i) {
       runner.run(load(images[size_t(i) % images.size()]));
@@ -319,12 +332,16 @@ int run(const Args& a) {
 
 void add_bench_calibration(CLI::App* bench, Runner& runner) {
   auto* cmd = bench->add_subcommand(
-      "calibration", "calibrate FP8 scales on some images, check static and dynamic FP8 on the others against BF16 or fp32");
+      "calibration",
+      "calibrate FP8 scales on some images, check static and dynamic FP8 on the others against BF16 or fp32");
   auto a = std::make_shared<Args>();
   cmd->add_option("--model", a->model, "checkpoint folder or synthetic:<preset>")->required();
-  cmd->add_option("--dataset-path", a->path, "folder of images: the first --calibration-images calibrate, the rest are held out")->required();
+  cmd->add_option("--dataset-path", a->path,
+                  "folder of images: the first --calibration-images calibrate, the rest are held out")
+      ->required();
   cmd->add_option("--calibration-images", a->calibration_images, "images used for calibration")->capture_default_str();
-  cmd->add_option("--scale-file", a->scale_path, "where the first scheme's calibrated scales are written (first margin)")
+  cmd->add_option("--scale-file", a->scale_path,
+                  "where the first scheme's calibrated scales are written (first margin)")
       ->capture_default_str();
   cmd->add_option("--fp8-scheme", a->schemes, "FP8 schemes to compare (comma list of auto, tensor, robust)")
       ->delimiter(',')
@@ -340,8 +357,9 @@ void add_bench_calibration(CLI::App* bench, Runner& runner) {
   cmd->add_option("--output-json", a->json_path, "write the per-image results and the summary as JSON");
   cmd->add_option("--device", a->engine.device, "cuda or cpu (default: cuda when a GPU is visible)");
   cmd->add_option("--mm-encoder-attn-backend", a->engine.backend, "attention backend")->capture_default_str();
-  cmd->add_flag("--fp8-linears", a->engine.fp8_linears,
-                "the FP8 modes (calibration included) also run the blocks' linears in FP8; the BF16 reference does not");
+  cmd->add_flag(
+      "--fp8-linears", a->engine.fp8_linears,
+      "the FP8 modes (calibration included) also run the blocks' linears in FP8; the BF16 reference does not");
   cmd->callback([&runner, a] { runner = [a] { return run(*a); }; });
 }
 

@@ -55,15 +55,19 @@ std::vector<std::string> parse_modes(const std::string& list) {
   for (const auto& m : modes)
     if (const std::string b = attention_mode(m);
         b != "bf16" && b != "cudnn-bf16" && b != "fp8-dynamic" && b != "fp8-static" && b != "fp8-robust")
-      fail("--dtype: '{}' is not one of bf16, cudnn-bf16, fp8-dynamic, fp8-static, fp8-robust, each optionally followed by "
-           "+fp8-linears", m);
+      fail(
+          "--dtype: '{}' is not one of bf16, cudnn-bf16, fp8-dynamic, fp8-static, fp8-robust, each optionally followed "
+          "by "
+          "+fp8-linears",
+          m);
   return modes;
 }
 
 std::vector<Resolution> parse_resolutions(const std::string& list) {
   std::vector<Resolution> res;
   for (const auto& r : split_list(list)) {
-    auto it = std::find_if(kResolutions.begin(), kResolutions.end(), [&](const auto& x) { return std::get<0>(x) == r; });
+    auto it =
+        std::find_if(kResolutions.begin(), kResolutions.end(), [&](const auto& x) { return std::get<0>(x) == r; });
     if (it == kResolutions.end()) fail("--resolutions: '{}' is not one of HD, FullHD, QHD, 4K", r);
     res.push_back(*it);
   }
@@ -132,8 +136,9 @@ void bench_resolution(const Bench& b, const Resolution& r, nlohmann::ordered_jso
   // Static scales: from the dynamic run when there is one, else from one dynamic forward first.
   std::optional<std::vector<QkvScales>> calibrated;
   for (const std::string& mode : b.modes) {
-    ScaleBook book = attention_mode(mode) == "fp8-static" ? ScaleBook::fixed(calibrated ? *calibrated : calibrate(b, in))
-                                                          : ScaleBook::dynamic(b.model.config.depth);
+    ScaleBook book = attention_mode(mode) == "fp8-static"
+                         ? ScaleBook::fixed(calibrated ? *calibrated : calibrate(b, in))
+                         : ScaleBook::dynamic(b.model.config.depth);
     qwen3vl::cuda::Encoder enc(b.model, encoder_options(mode, book));
     enc.plan(in.grids);
     enc.upload_pixels(in.px, b.s);
@@ -147,7 +152,11 @@ void bench_resolution(const Bench& b, const Resolution& r, nlohmann::ordered_jso
     const std::string speedup = bf16_ms > 0 ? fmt::format("{:.2f}", bf16_ms / med) : "-";
     fmt::print("{:<7} | {:>7} | {:<23} | {:>10.2f} | {:>8}\n", res, in.tokens, mode, med, speedup);
     std::fflush(stdout);
-    rows.push_back({{"resolution", res}, {"input", desc}, {"images", b.a.images}, {"tokens", in.tokens}, {"mode", mode},
+    rows.push_back({{"resolution", res},
+                    {"input", desc},
+                    {"images", b.a.images},
+                    {"tokens", in.tokens},
+                    {"mode", mode},
                     {"median_ms", med}});
   }
 }
@@ -162,15 +171,18 @@ int run(const Args& a) {
   const std::vector<Resolution> res = parse_resolutions(a.resolutions);
   const Clock::time_point t0 = Clock::now();
   const qwen3vl::Model model = qwen3vl::load_model(a.model);
-  fmt::print("fovea bench encoder | {} | {} ({} blocks, hidden {}, head_dim {}) | {} images per request | loaded in {:.1f} s\n",
-             sys.gpus.at(0).name, a.model, model.config.depth, model.config.hidden, model.config.head_dim(), a.images,
-             seconds_since(t0));
+  fmt::print(
+      "fovea bench encoder | {} | {} ({} blocks, hidden {}, head_dim {}) | {} images per request | loaded in {:.1f} "
+      "s\n",
+      sys.gpus.at(0).name, a.model, model.config.depth, model.config.hidden, model.config.head_dim(), a.images,
+      seconds_since(t0));
   fmt::print("{:<7} | {:>7} | {:<23} | {:>10} | {:>8}\n", "res", "tokens", "mode", "median ms", "x bf16");
   const cuda::Stream s;
   nlohmann::ordered_json rows = nlohmann::ordered_json::array();
   for (const Resolution& r : res) bench_resolution({a, model, modes, s}, r, rows);
   if (!a.json_path.empty()) {
-    const nlohmann::ordered_json doc = {{"bench", "encoder"}, {"model", a.model}, {"gpu", sys.gpus.at(0).name}, {"rows", rows}};
+    const nlohmann::ordered_json doc = {
+        {"bench", "encoder"}, {"model", a.model}, {"gpu", sys.gpus.at(0).name}, {"rows", rows}};
     write_file_atomic(a.json_path, doc.dump(2) + "\n", "--json");
   }
   return 0;
@@ -189,9 +201,13 @@ void add_bench_encoder(CLI::App* bench, Runner& runner) {
   auto a = std::make_shared<Args>();
   cmd->add_option("MODEL", a->model, "checkpoint folder or synthetic:<preset>")->required();
   cmd->add_option("--resolutions", a->resolutions, "comma list of HD, FullHD, QHD, 4K")->capture_default_str();
-  cmd->add_option("--images-per-request", a->images, "images encoded together (one packed batch)")->capture_default_str();
-  cmd->add_option("--dtype", a->modes, "comma list of bf16, cudnn-bf16 (the CUDNN backend), fp8-dynamic, fp8-static, fp8-robust (dynamic, the scheme robust to outlier channels), each optionally with +fp8-linears "
-                  "(the blocks' linears as FP8 GEMMs)")->capture_default_str();
+  cmd->add_option("--images-per-request", a->images, "images encoded together (one packed batch)")
+      ->capture_default_str();
+  cmd->add_option("--dtype", a->modes,
+                  "comma list of bf16, cudnn-bf16 (the CUDNN backend), fp8-dynamic, fp8-static, fp8-robust (dynamic, "
+                  "the scheme robust to outlier channels), each optionally with +fp8-linears "
+                  "(the blocks' linears as FP8 GEMMs)")
+      ->capture_default_str();
   cmd->add_option("--reps", a->reps, "timed graph replays (median reported)")->capture_default_str();
   cmd->add_option("--warmup", a->warmup, "untimed replays first")->capture_default_str();
   cmd->add_option("--json", a->json_path, "write the results as JSON to this file");

@@ -79,7 +79,8 @@ std::vector<std::string> list_folder(const std::string& folder) {
     if (!e.is_regular_file(ec)) continue;
     std::string ext = e.path().extension().string();
     for (auto& c : ext) c = char(std::tolower(static_cast<unsigned char>(c)));
-    const bool image = ext == ".jpg" || ext == ".jpeg" || ext == ".png" || ext == ".webp" || ext == ".bmp" || ext == ".gif";
+    const bool image =
+        ext == ".jpg" || ext == ".jpeg" || ext == ".png" || ext == ".webp" || ext == ".bmp" || ext == ".gif";
     if (image || file_input_kind(e.path().string()) == InputKind::VIDEO) files.push_back(e.path().string());
   }
   if (ec) fail("--dataset-path '{}': {}", folder, ec.message());
@@ -130,7 +131,8 @@ std::vector<PreparedInput> prepare_request(const Args& a, const Dataset& d, cons
     }
   }
   for (std::string& n : names) n = d.files[next++ % d.files.size()];
-  std::vector<PreparedInput> p = prepare_inputs(names, [&](size_t k) { return read_input(names[k], in); }, in);
+  std::vector<PreparedInput> p = prepare_inputs(
+      names, [&](size_t k) { return read_input(names[k], in); }, in);
   for (const PreparedInput& x : p)
     if (x.error) std::rethrow_exception(x.error);
   return p;
@@ -149,8 +151,12 @@ nlohmann::ordered_json report_stages(const Stages& t, const std::vector<double>&
   // The encoder forward's parts (EncoderRunner::Timings): batch-shape planning, pixel upload, the
   // forward itself, outputs back to the host.
   for (const auto& [name, v] : {std::pair<const char*, const std::vector<double>*>{"decode", &t.decode},
-                                {"preprocess", &t.preprocess}, {"encoder forward", &t.forward}, {"  plan", &t.plan},
-                                {"  upload", &t.upload}, {"  forward", &t.gpu}, {"  download", &t.download},
+                                {"preprocess", &t.preprocess},
+                                {"encoder forward", &t.forward},
+                                {"  plan", &t.plan},
+                                {"  upload", &t.upload},
+                                {"  forward", &t.gpu},
+                                {"  download", &t.download},
                                 {"total", &t.total}}) {
     const Summary s = summarize(*v, pcts);
     std::string row = fmt::format("{:<16} | {:>9.2f} | {:>9.2f} | {:>9.2f}", name, s.mean, s.median, s.std);
@@ -176,6 +182,21 @@ void check_args(const Args& a) {
   if (!(a.random_fps > 0 && a.random_fps <= 1000)) fail("--random-mm-fps must be in (0, 1000], got {}", a.random_fps);
 }
 
+// --output-json: the run's settings, each stage's percentiles and every request's items.
+void write_json(const Args& a, const Dataset& d, const EngineConfig& cfg, const nlohmann::ordered_json& stages,
+                const nlohmann::ordered_json& per_request) {
+  nlohmann::ordered_json doc = {{"bench", "mm-processor"}, {"model", a.model},     {"dataset", a.dataset},
+                                {"requests", a.prompts},   {"warmups", a.warmups}, {"images_per_request", a.images},
+                                {"decode", d.decode_note}};
+  if (d.files.empty())
+    doc["random_mm"] = {{"size", a.random_size}, {"num_frames", a.random_frames}, {"fps", a.random_fps}};
+  doc["dtype"] = dtype_name(cfg.dtype);
+  doc["device"] = device_name(cfg.device);
+  doc["stages"] = stages;
+  doc["per_request"] = per_request;
+  write_file_atomic(a.json_path, doc.dump(2) + "\n", "--output-json");
+}
+
 int run(const Args& a) {
   const EngineConfig cfg = resolve_engine(a.engine, query_system());
   check_args(a);
@@ -185,9 +206,10 @@ int run(const Args& a) {
   const Dataset d = load_dataset(a);
   EncoderRunner runner(model, cfg);
   const ScaleBook* book = runner.book();
-  fmt::print("fovea bench mm-processor | {} | dataset {} | {} requests x {} item(s) (+{} warm-up) | decode: {} | {} on {}{}\n",
-             a.model, d.about, a.prompts, a.images, a.warmups, d.decode_note, dtype_name(cfg.dtype), device_name(cfg.device),
-             book ? fmt::format(" ({} scales)", scale_mode_name(book->mode())) : "");
+  fmt::print(
+      "fovea bench mm-processor | {} | dataset {} | {} requests x {} item(s) (+{} warm-up) | decode: {} | {} on {}{}\n",
+      a.model, d.about, a.prompts, a.images, a.warmups, d.decode_note, dtype_name(cfg.dtype), device_name(cfg.device),
+      book ? fmt::format(" ({} scales)", scale_mode_name(book->mode())) : "");
   Stages t;
   std::mt19937 rng(1234);
   const int total = a.warmups + a.prompts;
@@ -210,7 +232,8 @@ int run(const Args& a) {
       tokens += n;
       const char* kind = input_kind_name(prepared[k].kind);
       line += fmt::format(" | {} {} grid ({}, {}, {}) {} tokens", kind,
-                          d.files.empty() ? "random" : std::filesystem::path(names[k]).filename().string(), g[0], g[1], g[2], n);
+                          d.files.empty() ? "random" : std::filesystem::path(names[k]).filename().string(), g[0], g[1],
+                          g[2], n);
       detail.push_back({{"kind", kind}, {"file", names[k]}, {"grid_thw", g}, {"tokens", n}});
     }
     // As serve runs it: the inputs' patches uploaded as they are, bf16 outputs (deepstack included)
@@ -222,15 +245,20 @@ int run(const Args& a) {
     if (req >= a.warmups) {
       const auto& rt = runner.last_timings();
       const PrepareTimes pt = prepare_times(prepared);
-      for (const auto& [v, x] : {std::pair{&t.plan, rt.plan}, {&t.upload, rt.upload}, {&t.gpu, rt.forward},
-                                 {&t.download, rt.download}, {&t.decode, pt.decode_ms}, {&t.preprocess, pt.preprocess_ms},
-                                 {&t.forward, fwd_ms}, {&t.total, ms_since(t0)}})
+      for (const auto& [v, x] : {std::pair{&t.plan, rt.plan},
+                                 {&t.upload, rt.upload},
+                                 {&t.gpu, rt.forward},
+                                 {&t.download, rt.download},
+                                 {&t.decode, pt.decode_ms},
+                                 {&t.preprocess, pt.preprocess_ms},
+                                 {&t.forward, fwd_ms},
+                                 {&t.total, ms_since(t0)}})
         v->push_back(x);
     }
     const bool saved_now = book && book->calibration_written() && !saved_said;
     saved_said = saved_said || saved_now;
-    fmt::print("request {}/{}{}: {} visual tokens{}{}\n", req + 1, total, req < a.warmups ? " (warm-up)" : "", tokens, line,
-               saved_now ? " | scales saved" : "");
+    fmt::print("request {}/{}{}: {} visual tokens{}{}\n", req + 1, total, req < a.warmups ? " (warm-up)" : "", tokens,
+               line, saved_now ? " | scales saved" : "");
     std::fflush(stdout);  // progress, when stdout is a pipe
     per_request.push_back({{"warmup", req < a.warmups}, {"tokens", tokens}, {"items", detail}});
   }
@@ -238,30 +266,22 @@ int run(const Args& a) {
   if (book && book->mode() == ScaleMode::CALIBRATE)
     fmt::print("calibration: {} complete forwards; scale file {}\n", book->complete_forwards(),
                book->calibration_written() ? "written to " + book->save_path() : "NOT written (needs 16 forwards)");
-  if (!a.json_path.empty()) {
-    nlohmann::ordered_json doc = {{"bench", "mm-processor"}, {"model", a.model}, {"dataset", a.dataset},
-                                  {"requests", a.prompts}, {"warmups", a.warmups}, {"images_per_request", a.images},
-                                  {"decode", d.decode_note}};
-    if (d.files.empty()) doc["random_mm"] = {{"size", a.random_size}, {"num_frames", a.random_frames}, {"fps", a.random_fps}};
-    doc["dtype"] = dtype_name(cfg.dtype);
-    doc["device"] = device_name(cfg.device);
-    doc["stages"] = stages;
-    doc["per_request"] = per_request;
-    write_file_atomic(a.json_path, doc.dump(2) + "\n", "--output-json");
-  }
+  if (!a.json_path.empty()) write_json(a, d, cfg, stages, per_request);
   return 0;
 }
 
 }  // namespace
 
 void add_bench_mm_processor(CLI::App* bench, Runner& runner) {
-  auto* cmd = bench->add_subcommand("mm-processor", "decode + preprocess + encoder forward over a dataset, per-stage statistics");
+  auto* cmd = bench->add_subcommand("mm-processor",
+                                    "decode + preprocess + encoder forward over a dataset, per-stage statistics");
   auto a = std::make_shared<Args>();
   cmd->add_option("--model", a->model, "checkpoint folder or synthetic:<preset>")->required();
   cmd->add_option("--dataset-name", a->dataset, "random-mm or folder")->capture_default_str();
   cmd->add_option("--dataset-path", a->path, "folder of images and video clips (dataset folder)");
   cmd->add_option("--num-prompts", a->prompts, "timed requests")->capture_default_str();
-  cmd->add_option("--num-warmups", a->warmups, "untimed requests first (they count toward calibration)")->capture_default_str();
+  cmd->add_option("--num-warmups", a->warmups, "untimed requests first (they count toward calibration)")
+      ->capture_default_str();
   cmd->add_option("--images-per-request", a->images, "items (images or clips) encoded together per request")
       ->capture_default_str();
   cmd->add_option("--random-mm-size", a->random_size, "random-mm: image or frame size HxW")->capture_default_str();

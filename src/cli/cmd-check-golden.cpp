@@ -49,8 +49,9 @@ int run(const Args& a) {
   EncoderRunner runner(m, cfg);
   auto [merged, deepstack] = runner.run(batch);
   const ScaleBook* book = runner.book();
-  fmt::print("fovea check-golden | {} | {} | device {} | {} attention{}{}{}\n", a.model, a.golden, device_name(cfg.device),
-             dtype_name(cfg.dtype), book ? fmt::format(" ({} scales)", scale_mode_name(book->mode())) : "",
+  fmt::print("fovea check-golden | {} | {} | device {} | {} attention{}{}{}\n", a.model, a.golden,
+             device_name(cfg.device), dtype_name(cfg.dtype),
+             book ? fmt::format(" ({} scales)", scale_mode_name(book->mode())) : "",
              cfg.fp8_robust ? ", robust scheme" : "", cfg.fp8_linears ? " | fp8 linears" : "");
   fmt::print("{:<12} | {:>14} | {:>12} | {:>18} | {:>12}\n", "output", "rel_l2 vs ref", "mean cosine",
              "transformers bf16", "ratio");
@@ -75,8 +76,11 @@ int run(const Args& a) {
     if (!std::isfinite(d.rel_l2)) fail("check-golden: fovea's '{}' has non-finite values", name);
   }
   if (!a.json_path.empty()) {
-    const nlohmann::ordered_json doc = {{"model", a.model}, {"golden", a.golden}, {"device", device_name(cfg.device)},
-                                        {"dtype", dtype_name(cfg.dtype)}, {"outputs", rows}};
+    const nlohmann::ordered_json doc = {{"model", a.model},
+                                        {"golden", a.golden},
+                                        {"device", device_name(cfg.device)},
+                                        {"dtype", dtype_name(cfg.dtype)},
+                                        {"outputs", rows}};
     write_file_atomic(a.json_path, doc.dump(2) + "\n", "--json");
   }
   if (!over.empty())
@@ -88,13 +92,16 @@ int run(const Args& a) {
 }  // namespace
 
 void add_check_golden(CLI::App& app, Runner& runner) {
-  auto* cmd = app.add_subcommand("check-golden", "run the encoder on a golden file's pixels and report its error against the stored reference outputs");
+  auto* cmd = app.add_subcommand(
+      "check-golden",
+      "run the encoder on a golden file's pixels and report its error against the stored reference outputs");
   auto a = std::make_shared<Args>();
   cmd->add_option("MODEL", a->model, "checkpoint folder or synthetic:<preset>")->required();
   cmd->add_option("GOLDEN", a->golden, "safetensors file from tools/make-golden.py")->required();
   cmd->add_option("--json", a->json_path, "write the results as JSON to this file");
-  cmd->add_option("--require-ratio", a->require_ratio,
-                  "exit 1 when fovea's rel. error on any output exceeds this multiple of transformers BF16's (e.g. 1.5)")
+  cmd->add_option(
+         "--require-ratio", a->require_ratio,
+         "exit 1 when fovea's rel. error on any output exceeds this multiple of transformers BF16's (e.g. 1.5)")
       ->check(CLI::PositiveNumber);
   add_engine_flags(cmd, a->engine);
   cmd->callback([&runner, a] { runner = [a] { return run(*a); }; });

@@ -32,16 +32,16 @@ struct Args {
   std::vector<std::string> inputs;
   std::string out;
   std::string output_dtype = "bf16";
-  std::string dump_dir;             // --dump-dir: the CPU forward's intermediates (write_intermediates)
-  std::string ec_path;              // --ec-storage-path: fill vLLM's encoder cache instead of -o
-  int64_t ec_max_bytes = 0;         // --ec-storage-max-bytes (0: no bound)
-  double ec_min_age_s = 300;        // --ec-storage-min-age (0: no protection)
+  std::string dump_dir;              // --dump-dir: the CPU forward's intermediates (write_intermediates)
+  std::string ec_path;               // --ec-storage-path: fill vLLM's encoder cache instead of -o
+  int64_t ec_max_bytes = 0;          // --ec-storage-max-bytes (0: no bound)
+  double ec_min_age_s = 300;         // --ec-storage-min-age (0: no protection)
   std::string uuid_from = "sha256";  // --uuid-from: sha256, filename, data-url or file-url (cache_key)
   std::string mm_processor_kwargs, media_io_kwargs;  // vLLM's flags: JSON, applied and hashed as serve does
-  std::string model_id;             // --served-model-name: the model id vLLM hashes with the kwargs (default MODEL)
+  std::string model_id;              // --served-model-name: the model id vLLM hashes with the kwargs (default MODEL)
   int64_t max_batch_tokens = 16384;  // visual tokens per forward when filling the cache
   image::PreprocessOverrides preprocess;  // 0: the checkpoint's preprocessor_config.json
-  video::VideoOverrides video;           // 0: the checkpoint's video_preprocessor_config.json
+  video::VideoOverrides video;            // 0: the checkpoint's video_preprocessor_config.json
   EngineOptions engine;
 };
 
@@ -59,23 +59,21 @@ Files read_inputs(const std::vector<std::string>& paths, const InputConfig& in) 
     try {
       f.bytes[i] = read_input(paths[i], in);
       f.tokens += probe_input(f.bytes[i], paths[i], in).tokens;
-    } catch (const Error&) {
-    }
+    } catch (const Error&) {}
   }
   return f;
 }
 
 // The files as prepare_inputs reads them: the bytes read already (then freed), or the file again
 // (whose read then fails, naming it).
-std::vector<PreparedInput> prepare_files(const std::vector<std::string>& paths, std::vector<std::vector<uint8_t>>& bytes,
-                                         const InputConfig& in) {
-  std::vector<PreparedInput> out = prepare_inputs(paths, [&](size_t i) {
-    return bytes[i].empty() ? read_input(paths[i], in) : std::move(bytes[i]);
-  }, in);
+std::vector<PreparedInput> prepare_files(const std::vector<std::string>& paths,
+                                         std::vector<std::vector<uint8_t>>& bytes, const InputConfig& in) {
+  std::vector<PreparedInput> out = prepare_inputs(
+      paths, [&](size_t i) { return bytes[i].empty() ? read_input(paths[i], in) : std::move(bytes[i]); }, in);
   for (size_t i = 0; i < out.size(); ++i)
     if (const auto& clip = out[i].clip)
-      fmt::print(stderr, "video {}: {} frames sampled at {:.3g} fps, {} decoded\n", paths[i], clip->frame_indices.size(),
-                 clip->fps, out[i].frames_decoded);
+      fmt::print(stderr, "video {}: {} frames sampled at {:.3g} fps, {} decoded\n", paths[i],
+                 clip->frame_indices.size(), clip->fps, out[i].frames_decoded);
   return out;
 }
 
@@ -83,9 +81,9 @@ std::vector<PreparedInput> prepare_files(const std::vector<std::string>& paths, 
 // extension ("" if it is not one of these).
 std::string media_type_of(const std::filesystem::path& p) {
   static const std::map<std::string, std::string> types = {
-      {".jpg", "image/jpeg"},  {".jpeg", "image/jpeg"},      {".png", "image/png"},         {".gif", "image/gif"},
-      {".webp", "image/webp"}, {".bmp", "image/bmp"},        {".tif", "image/tiff"},        {".tiff", "image/tiff"},
-      {".mp4", "video/mp4"},   {".mov", "video/quicktime"},  {".webm", "video/webm"},       {".avi", "video/x-msvideo"},
+      {".jpg", "image/jpeg"},      {".jpeg", "image/jpeg"},     {".png", "image/png"},   {".gif", "image/gif"},
+      {".webp", "image/webp"},     {".bmp", "image/bmp"},       {".tif", "image/tiff"},  {".tiff", "image/tiff"},
+      {".mp4", "video/mp4"},       {".mov", "video/quicktime"}, {".webm", "video/webm"}, {".avi", "video/x-msvideo"},
       {".mkv", "video/x-matroska"}};
   std::string ext = p.extension().string();
   for (char& ch : ext) ch = char(std::tolower(static_cast<unsigned char>(ch)));
@@ -99,8 +97,10 @@ std::string file_url(const std::filesystem::path& p) {
   std::string out = "file://";
   for (const char ch : std::filesystem::absolute(p).string()) {
     const auto u = static_cast<unsigned char>(ch);
-    if (std::isalnum(u) || std::strchr("_.-~/", ch)) out += ch;
-    else out += fmt::format("%{:02X}", u);
+    if (std::isalnum(u) || std::strchr("_.-~/", ch))
+      out += ch;
+    else
+      out += fmt::format("%{:02X}", u);
   }
   return out;
 }
@@ -155,7 +155,8 @@ CacheWork plan_cache_fill(const Args& a, EcCache& cache, const InputConfig& in) 
     }
     if (const auto [at, fresh] = first.emplace(w.keys[i], i); !fresh) {
       if (a.uuid_from == "filename")
-        fmt::print(stderr, "fovea: warning: input '{}' has the same file name as '{}': only the first is cached under '{}'\n",
+        fmt::print(stderr,
+                   "fovea: warning: input '{}' has the same file name as '{}': only the first is cached under '{}'\n",
                    a.inputs[i], a.inputs[at->second], w.keys[i]);
       ++w.repeated;
       continue;
@@ -201,7 +202,8 @@ void encode_group(const Args& a, EncoderRunner& runner, const qwen3vl::VisionCon
     }
     runner.start(inputs, true);
     const std::vector<Bf16Rows> rows = split_inputs(runner.finish_views(), grids, vc);
-    for (size_t k = b; k < e; ++k, ++w.written) cache.store(w.keys[w.todo[from + ok[k]]], rows[k - b], grids[k - b], vc);
+    for (size_t k = b; k < e; ++k, ++w.written)
+      cache.store(w.keys[w.todo[from + ok[k]]], rows[k - b], grids[k - b], vc);
     encoded += e - b;
     const double s = seconds_since(started);
     fmt::print(stderr, "encoder cache: {}/{} encoded, {} written, {} failed, {:.1f} inputs/s\n", encoded, w.todo.size(),
@@ -218,9 +220,10 @@ int fill_ec_cache(const Args& a, const EngineConfig& cfg) {
     fail("encode: --uuid-from: '{}' is not one of sha256, filename, data-url, file-url", a.uuid_from);
   for (const std::string& p : a.inputs)
     if (a.uuid_from == "data-url" && media_type_of(p).empty())
-      fail("encode: --uuid-from data-url: input '{}': its data URL's media type comes from its extension, and '{}' is "
-           "not one it knows (.jpg .jpeg .png .gif .webp .bmp .tif .tiff .mp4 .mov .webm .avi .mkv)",
-           p, std::filesystem::path(p).extension().string());
+      fail(
+          "encode: --uuid-from data-url: input '{}': its data URL's media type comes from its extension, and '{}' is "
+          "not one it knows (.jpg .jpeg .png .gif .webp .bmp .tif .tiff .mp4 .mov .webm .avi .mkv)",
+          p, std::filesystem::path(p).extension().string());
   if (!a.out.empty()) fail("encode: -o and --ec-storage-path are two different outputs; give one of them");
   if (a.max_batch_tokens < 1) fail("encode: --max-batch-tokens must be at least 1, not {}", a.max_batch_tokens);
   const auto t0 = Clock::now();
@@ -236,7 +239,8 @@ int fill_ec_cache(const Args& a, const EngineConfig& cfg) {
     runner.reserve(a.max_batch_tokens, /*with_deepstack=*/true);
     const auto started = Clock::now();
     size_t encoded = 0;
-    std::future<std::vector<PreparedInput>> next = std::async(std::launch::async, prepare_group, std::cref(a), std::cref(w), 0, std::cref(in));
+    std::future<std::vector<PreparedInput>> next =
+        std::async(std::launch::async, prepare_group, std::cref(a), std::cref(w), 0, std::cref(in));
     for (size_t from = 0; from < w.todo.size(); from += kGroup) {
       std::vector<PreparedInput> group = next.get();
       if (from + kGroup < w.todo.size())
@@ -245,10 +249,11 @@ int fill_ec_cache(const Args& a, const EngineConfig& cfg) {
     }
   }
   const EcCache::Stats st = cache.stats();
-  fmt::print("encoder cache {}: {} inputs: {} written, {} already there, {} repeated, {} failed; fovea's files {} "
-             "({:.1f} MB), {} evicted, {} of other writers; {:.1f} s\n",
-             a.ec_path, a.inputs.size(), w.written, w.cached, w.repeated, w.failed, st.files, double(st.bytes) / 1e6,
-             st.evictions, st.foreign_files, seconds_since(t0));
+  fmt::print(
+      "encoder cache {}: {} inputs: {} written, {} already there, {} repeated, {} failed; fovea's files {} "
+      "({:.1f} MB), {} evicted, {} of other writers; {:.1f} s\n",
+      a.ec_path, a.inputs.size(), w.written, w.cached, w.repeated, w.failed, st.files, double(st.bytes) / 1e6,
+      st.evictions, st.foreign_files, seconds_since(t0));
   return w.failed ? 1 : 0;
 }
 
@@ -270,10 +275,13 @@ void load_encoder(Loaded& l, const Args& a, const EngineConfig& cfg, int64_t tok
 
 // --dump-dir: the CPU forward's intermediates in DIR/intermediates.safetensors, F32 [rows, width],
 // with grid_thw (F32 [inputs, 3], as golden files hold it), for tools/compare-intermediates.py.
-void write_intermediates(const std::string& dir, const qwen3vl::VisionConfig& c, const std::vector<qwen3vl::GridThw>& grids,
+void write_intermediates(const std::string& dir, const qwen3vl::VisionConfig& c,
+                         const std::vector<qwen3vl::GridThw>& grids,
                          const std::map<std::string, std::vector<float>>& values) {
   std::filesystem::create_directories(dir);
-  auto bytes = [](const std::vector<float>& v) { return std::span(reinterpret_cast<const uint8_t*>(v.data()), v.size() * 4); };
+  auto bytes = [](const std::vector<float>& v) {
+    return std::span(reinterpret_cast<const uint8_t*>(v.data()), v.size() * 4);
+  };
   std::vector<TensorToWrite> t;
   for (const auto& [name, v] : values) {
     const bool out = name == "merger" || name.rfind("deepstack_merger_list.", 0) == 0;
@@ -314,7 +322,8 @@ void encode_all(const Args& a, const EngineConfig& cfg, Loaded& l, std::vector<P
   }
   const double forward_ms = ms_since(tf);
   if (!a.dump_dir.empty()) write_intermediates(a.dump_dir, vc, grids, intermediates);
-  fmt::print("{:<9} {:<40} {:>14} {:>8} {:>10} {:>12}\n", "input", "file", "grid_thw", "tokens", "decode ms", "preprocess ms");
+  fmt::print("{:<9} {:<40} {:>14} {:>8} {:>10} {:>12}\n", "input", "file", "grid_thw", "tokens", "decode ms",
+             "preprocess ms");
   int64_t patches = 0;
   for (size_t j = 0; j < ok.size(); ++j) {
     const PreparedInput& p = prepared[ok[j]];
@@ -327,10 +336,11 @@ void encode_all(const Args& a, const EngineConfig& cfg, Loaded& l, std::vector<P
     patches += int64_t(g[0]) * g[1] * g[2];
   }
   const EncoderRunner::Timings& rt = l.runner->last_timings();
-  fmt::print("model load {:.1f} ms | encoder setup {:.1f} ms | encoder forward ({} inputs, {} patches, {}{} on {}) {:.1f} ms: "
-             "plan {:.1f}, upload {:.1f}, forward {:.1f}, download {:.1f}\n",
-             l.load_ms, l.setup_ms, ok.size(), patches, dtype_name(cfg.dtype), cfg.fp8_linears ? ", fp8 linears" : "",
-             device_name(cfg.device), forward_ms, rt.plan, rt.upload, rt.forward, rt.download);
+  fmt::print(
+      "model load {:.1f} ms | encoder setup {:.1f} ms | encoder forward ({} inputs, {} patches, {}{} on {}) {:.1f} ms: "
+      "plan {:.1f}, upload {:.1f}, forward {:.1f}, download {:.1f}\n",
+      l.load_ms, l.setup_ms, ok.size(), patches, dtype_name(cfg.dtype), cfg.fp8_linears ? ", fp8 linears" : "",
+      device_name(cfg.device), forward_ms, rt.plan, rt.upload, rt.forward, rt.download);
 }
 
 int run(const Args& a) {
@@ -356,8 +366,10 @@ int run(const Args& a) {
   std::vector<PreparedInput> prepared = preparing.get();
   std::vector<size_t> ok;
   for (size_t i = 0; i < prepared.size(); ++i) {
-    if (prepared[i].error) fmt::print(stderr, "fovea: error: {}\n", prepared[i].error_message());
-    else ok.push_back(i);
+    if (prepared[i].error)
+      fmt::print(stderr, "fovea: error: {}\n", prepared[i].error_message());
+    else
+      ok.push_back(i);
   }
   if (ok.empty()) fail("encode: none of the {} input(s) could be read", a.inputs.size());
   OutputTensors out(l.model->config);
@@ -381,7 +393,8 @@ void add_encode(CLI::App& app, Runner& runner) {
   auto* cmd = app.add_subcommand("encode", "image files and video clips to visual tokens (and deepstack features)");
   auto a = std::make_shared<Args>();
   cmd->add_option("MODEL", a->model, "checkpoint folder or synthetic:<preset>")->required();
-  cmd->add_option("INPUT", a->inputs, "images (JPEG, PNG, WebP, BMP, GIF) and video clips (MP4/MOV, WebM/MKV, AVI, ...)")
+  cmd->add_option("INPUT", a->inputs,
+                  "images (JPEG, PNG, WebP, BMP, GIF) and video clips (MP4/MOV, WebM/MKV, AVI, ...)")
       ->required();
   cmd->add_option("-o,--output", a->out, "write tokens, deepstack features and grid_thw to this safetensors file");
   cmd->add_option("--dump-dir", a->dump_dir,
@@ -398,11 +411,12 @@ void add_encode(CLI::App& app, Runner& runner) {
   cmd->add_option("--ec-storage-max-bytes", a->ec_max_bytes,
                   "bound the bytes of the cache files fovea wrote there, least recently used first (0: none)")
       ->capture_default_str();
-  cmd->add_option("--ec-storage-min-age", a->ec_min_age_s,
-                  "seconds a cache file fovea wrote or found (a hit) is kept from eviction after that use: vLLM checks the "
-                  "file when it schedules the request and reads it later, and the proxy's round trip, prefill and the "
-                  "consumer's queue happen in between; filling past --ec-storage-max-bytes with younger files is an "
-                  "error, as their eviction would be (0: no protection)")
+  cmd->add_option(
+         "--ec-storage-min-age", a->ec_min_age_s,
+         "seconds a cache file fovea wrote or found (a hit) is kept from eviction after that use: vLLM checks the "
+         "file when it schedules the request and reads it later, and the proxy's round trip, prefill and the "
+         "consumer's queue happen in between; filling past --ec-storage-max-bytes with younger files is an "
+         "error, as their eviction would be (0: no protection)")
       ->capture_default_str();
   cmd->add_option("--mm-processor-kwargs", a->mm_processor_kwargs,
                   "with --ec-storage-path: the mm_processor_kwargs (JSON, vLLM's flag) the clients' requests will "
@@ -414,11 +428,12 @@ void add_encode(CLI::App& app, Runner& runner) {
   cmd->add_option("--served-model-name", a->model_id,
                   "with --mm-processor-kwargs: the model id vLLM's consumer hashes into its keys (the MODEL it was "
                   "started with; default: this MODEL)");
-  cmd->add_option("--uuid-from", a->uuid_from,
-                  "each input's key, and who finds it: sha256 (of the file's bytes) or filename: a client that sends "
-                  "that as the part's uuid; data-url: vLLM's EPD proxy, for a client sending the file as "
-                  "data:<type by extension>;base64,<standard base64, no line breaks>; file-url: the proxy, for a client "
-                  "sending file://<absolute path, percent-encoded as Python's Path.as_uri()>")
+  cmd->add_option(
+         "--uuid-from", a->uuid_from,
+         "each input's key, and who finds it: sha256 (of the file's bytes) or filename: a client that sends "
+         "that as the part's uuid; data-url: vLLM's EPD proxy, for a client sending the file as "
+         "data:<type by extension>;base64,<standard base64, no line breaks>; file-url: the proxy, for a client "
+         "sending file://<absolute path, percent-encoded as Python's Path.as_uri()>")
       ->capture_default_str();
   cmd->add_option("--max-batch-tokens", a->max_batch_tokens, "visual tokens per forward when filling the cache")
       ->capture_default_str();

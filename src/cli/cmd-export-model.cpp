@@ -9,7 +9,8 @@
 namespace fovea::cli {
 
 void add_export_model(CLI::App& app, Runner& run) {
-  auto* cmd = app.add_subcommand("export-model", "write a model (e.g. synthetic:qwen3-vl-8b) as a Hugging Face-style checkpoint folder");
+  auto* cmd = app.add_subcommand(
+      "export-model", "write a model (e.g. synthetic:qwen3-vl-8b) as a Hugging Face-style checkpoint folder");
   struct Args {
     std::string model, folder, fp8 = "keep";
   };
@@ -30,8 +31,8 @@ void add_export_model(CLI::App& app, Runner& run) {
         for (auto& b : m.weights.blocks)
           for (auto [name, l] : qwen3vl::block_linears(b, 0)) l->fp8.reset();
       qwen3vl::save_model(m, a->folder);
-      fmt::print("wrote {} ({} blocks, hidden {}) to {}/config.json and {}/model.safetensors\n", a->model, m.config.depth,
-                 m.config.hidden, a->folder, a->folder);
+      fmt::print("wrote {} ({} blocks, hidden {}) to {}/config.json and {}/model.safetensors\n", a->model,
+                 m.config.depth, m.config.hidden, a->folder, a->folder);
       return 0;
     };
   });

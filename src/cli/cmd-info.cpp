@@ -25,7 +25,8 @@ void add_info(CLI::App& app, Runner& run) {
                  sys.cudnn_version ? fmt::format(" ({}.{}.{})", sys.cudnn_version / 10000,
                                                  sys.cudnn_version / 100 % 100, sys.cudnn_version % 100)
                                    : "");
-      fmt::print("video: {}\n", video::video_supported() ? "yes (" + video::ffmpeg_versions() + ")" : "no (built without FFmpeg's libraries)");
+      fmt::print("video: {}\n", video::video_supported() ? "yes (" + video::ffmpeg_versions() + ")"
+                                                         : "no (built without FFmpeg's libraries)");
       fmt::print("http media: {}\n", server::http_media_supported()
                                          ? "yes (fovea serve --allowed-media-domains; libcurl)"
                                          : "no (built without libcurl: fovea serve refuses http(s) URLs)");
@@ -45,7 +46,8 @@ void add_info(CLI::App& app, Runner& run) {
               runs += runs.empty() ? dtype_name(d) : fmt::format(", {}", dtype_name(d));
             }
           }
-          fmt::print("  {:<6} {}{}\n", backend_name(b), runs.empty() ? "-" : runs, why.empty() ? "" : "  [" + why + "]");
+          fmt::print("  {:<6} {}{}\n", backend_name(b), runs.empty() ? "-" : runs,
+                     why.empty() ? "" : "  [" + why + "]");
         }
       }
       std::fflush(stdout);
@@ -54,7 +56,8 @@ void add_info(CLI::App& app, Runner& run) {
       fmt::print("  device:  {}{}\n", device_name(cfg.device),
                  cfg.gpu ? fmt::format(" (GPU {}: {})", cfg.gpu->index, cfg.gpu->name) : "");
       fmt::print("  backend: {}\n", backend_name(cfg.backend));
-      fmt::print("  dtype:   {}{}\n", dtype_name(cfg.dtype), cfg.dtype_note.empty() ? "" : "  [" + cfg.dtype_note + "]");
+      fmt::print("  dtype:   {}{}\n", dtype_name(cfg.dtype),
+                 cfg.dtype_note.empty() ? "" : "  [" + cfg.dtype_note + "]");
       if (!cfg.scale_mode) {
         fmt::print("  scales:  none (bf16 attention)\n");
       } else if (*cfg.scale_mode == ScaleMode::STATIC) {
@@ -66,10 +69,13 @@ void add_info(CLI::App& app, Runner& run) {
         fmt::print("  scales:  dynamic (per-tensor amax, history of {} forwards)\n", kAmaxHistoryLen);
       }
       if (cfg.scale_mode)
-        fmt::print("  scheme:  {}{}\n", !cfg.fp8_robust ? "tensor" : cfg.fp8_auto_layers ? "robust on some layers, tensor on the rest"
-                                                                        : "robust (K smoothing, per-head Q/K, per-channel V, split pairs)",
+        fmt::print("  scheme:  {}{}\n",
+                   !cfg.fp8_robust       ? "tensor"
+                   : cfg.fp8_auto_layers ? "robust on some layers, tensor on the rest"
+                                         : "robust (K smoothing, per-head Q/K, per-channel V, split pairs)",
                    cfg.scheme_note.empty() ? "" : "  [" + cfg.scheme_note + "]");
-      fmt::print("  linears: {}\n", cfg.fp8_linears ? "fp8 (--fp8-linears: E4M3, per-token and per-channel scales)" : "bf16");
+      fmt::print("  linears: {}\n",
+                 cfg.fp8_linears ? "fp8 (--fp8-linears: E4M3, per-token and per-channel scales)" : "bf16");
       return 0;
     };
   });

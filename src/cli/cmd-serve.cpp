@@ -13,14 +13,16 @@ void add_ec_storage_flags(CLI::App* cmd, server::ServeOptions& o) {
   cmd->add_option("--ec-storage-path", o.ec_storage_path,
                   "write each image's encoder outputs to vLLM's encoder cache in this folder (its ECExampleConnector's "
                   "shared_storage_path): DIR/<uuid>/encoder_cache.safetensors; images already there are not encoded");
-  cmd->add_option("--ec-storage-max-bytes", o.ec_storage_max_bytes,
-                  "bound the bytes of the cache files fovea wrote there, least recently written or read first (0: none)")
+  cmd->add_option(
+         "--ec-storage-max-bytes", o.ec_storage_max_bytes,
+         "bound the bytes of the cache files fovea wrote there, least recently written or read first (0: none)")
       ->capture_default_str();
-  cmd->add_option("--ec-storage-min-age", o.ec_storage_min_age_s,
-                  "seconds a cache file fovea wrote or found (a hit) is kept from eviction after that use: vLLM checks the "
-                  "file when it schedules the request and reads it later, and the proxy's round trip, prefill and the "
-                  "consumer's queue happen in between; a write that only younger files keep from fitting "
-                  "--ec-storage-max-bytes is refused (0: no protection)")
+  cmd->add_option(
+         "--ec-storage-min-age", o.ec_storage_min_age_s,
+         "seconds a cache file fovea wrote or found (a hit) is kept from eviction after that use: vLLM checks the "
+         "file when it schedules the request and reads it later, and the proxy's round trip, prefill and the "
+         "consumer's queue happen in between; a write that only younger files keep from fitting "
+         "--ec-storage-max-bytes is refused (0: no protection)")
       ->capture_default_str();
 }
 
@@ -50,7 +52,9 @@ void add_media_url_flags(CLI::App* cmd, server::ServeOptions& o) {
 }  // namespace
 
 void add_serve(CLI::App& app, Runner& runner) {
-  auto* cmd = app.add_subcommand("serve", "HTTP encoder service: POST /v1/encode, POST /v1/chat/completions (vLLM's encode instance), /health, /v1/models, /metrics");
+  auto* cmd = app.add_subcommand("serve",
+                                 "HTTP encoder service: POST /v1/encode, POST /v1/chat/completions (vLLM's encode "
+                                 "instance), /health, /v1/models, /metrics");
   auto o = std::make_shared<server::ServeOptions>();
   cmd->add_option("MODEL", o->model, "checkpoint folder or synthetic:<preset>")->required();
   cmd->add_option("--served-model-name", o->served_model_name,

@@ -74,9 +74,8 @@ void base64_append(std::string& out, const uint8_t* data, size_t n, size_t paral
   // Ranges of whole 3-byte groups each fill their own 4-character groups: only the last range can
   // end in padding, so the text is the serial encoder's, byte for byte.
   constexpr int64_t kChunk = 3 << 16;
-  parallel_ranges(int64_t(n), kChunk, [&](int64_t lo, int64_t hi) {
-    encode_into(data + lo, size_t(hi - lo), dst + size_t(lo) / 3 * 4);
-  });
+  parallel_ranges(int64_t(n), kChunk,
+                  [&](int64_t lo, int64_t hi) { encode_into(data + lo, size_t(hi - lo), dst + size_t(lo) / 3 * 4); });
 }
 
 std::string base64_encode(const uint8_t* data, size_t n, size_t parallel_from) {
@@ -119,7 +118,8 @@ std::vector<uint8_t> base64_decode(std::string_view text, const std::string& wha
       acc &= (1u << bits) - 1;
     }
   }
-  if (digits % 4 == 1) fail("{}: invalid base64: truncated ({} characters is not a whole number of bytes)", what, digits);
+  if (digits % 4 == 1)
+    fail("{}: invalid base64: truncated ({} characters is not a whole number of bytes)", what, digits);
   if (pad > 0 && (digits + pad) % 4 != 0) fail("{}: invalid base64: wrong '=' padding", what);
   out.resize(size_t(o - out.data()));
   return out;

@@ -39,8 +39,22 @@ std::array<uint32_t, 16> compress(const uint32_t cv[8], const uint8_t block[kBlo
   for (int i = 0; i < 16; ++i)
     m[i] = uint32_t(block[4 * i]) | uint32_t(block[4 * i + 1]) << 8 | uint32_t(block[4 * i + 2]) << 16 |
            uint32_t(block[4 * i + 3]) << 24;
-  uint32_t v[16] = {cv[0], cv[1], cv[2], cv[3], cv[4], cv[5], cv[6], cv[7], kIv[0], kIv[1], kIv[2], kIv[3],
-                    uint32_t(counter), uint32_t(counter >> 32), len, flags};
+  uint32_t v[16] = {cv[0],
+                    cv[1],
+                    cv[2],
+                    cv[3],
+                    cv[4],
+                    cv[5],
+                    cv[6],
+                    cv[7],
+                    kIv[0],
+                    kIv[1],
+                    kIv[2],
+                    kIv[3],
+                    uint32_t(counter),
+                    uint32_t(counter >> 32),
+                    len,
+                    flags};
   for (int round = 0; round < 7; ++round) {
     g(v, 0, 4, 8, 12, m[0], m[1]);
     g(v, 1, 5, 9, 13, m[2], m[3]);
@@ -116,7 +130,7 @@ void Blake3::push_chunk(const Words& cv) {
 void Blake3::update(std::span<const uint8_t> data) {
   size_t i = 0;
   while (i < data.size()) {
-    if (block_len_ == kBlock) {  // a full block is compressed only once more input follows it
+    if (block_len_ == kBlock) {                   // a full block is compressed only once more input follows it
       if (blocks_done_ + 1 == kChunk / kBlock) {  // the chunk's last block: the chunk ends
         const auto o = compress(cv_.data(), block_.data(), chunks_, kBlock, kChunkEnd);
         Words cv;

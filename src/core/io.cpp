@@ -73,9 +73,10 @@ Fd open_regular_file(const std::string& path, const std::string& what, struct st
   if (S_ISDIR(st->st_mode)) fail("{} '{}': is a folder, not a file", what, path);
   if (!S_ISREG(st->st_mode))
     fail("{} '{}': is not a regular file ({})", what, path,
-         S_ISFIFO(st->st_mode) ? "a FIFO" : S_ISCHR(st->st_mode) || S_ISBLK(st->st_mode) ? "a device"
-                                     : S_ISSOCK(st->st_mode)                              ? "a socket"
-                                                                                          : "not a plain file");
+         S_ISFIFO(st->st_mode)                          ? "a FIFO"
+         : S_ISCHR(st->st_mode) || S_ISBLK(st->st_mode) ? "a device"
+         : S_ISSOCK(st->st_mode)                        ? "a socket"
+                                                        : "not a plain file");
   return fd;
 }
 
@@ -86,12 +87,9 @@ std::string read_file(const std::string& path, const std::string& what, size_t m
     fail("{} '{}': {} bytes, larger than the limit of {} bytes", what, path, uint64_t(st.st_size), max_bytes);
   std::string out(size_t(st.st_size), '\0');
   switch (read_to_end(fd.get(), out, max_bytes)) {
-    case ReadEnd::OK:
-      return out;
-    case ReadEnd::ERROR:
-      fail("{} '{}': read error: {}", what, path, std::strerror(errno));
-    case ReadEnd::TOO_LARGE:
-      break;
+    case ReadEnd::OK: return out;
+    case ReadEnd::ERROR: fail("{} '{}': read error: {}", what, path, std::strerror(errno));
+    case ReadEnd::TOO_LARGE: break;
   }
   fail("{} '{}': larger than the limit of {} bytes (it grew while being read)", what, path, max_bytes);
 }

@@ -202,9 +202,9 @@ class BoundedHandler {
   BoundedHandler(const JsonLimits& limits, const size_t* read) : limits_(limits), read_(read) {}
 
   J root;
-  std::string error;      // set when the parse was stopped; the message without "<what>"
-  bool syntax = false;    // the error is nlohmann's (the text is not valid JSON)
-  size_t error_at = 0;    // byte offset the error refers to
+  std::string error;    // set when the parse was stopped; the message without "<what>"
+  bool syntax = false;  // the error is nlohmann's (the text is not valid JSON)
+  size_t error_at = 0;  // byte offset the error refers to
 
   bool null() { return value(J(nullptr)); }
   bool boolean(bool b) { return value(J(b)); }
@@ -229,8 +229,9 @@ class BoundedHandler {
     if (!check_string(k, "a key")) return false;
     const auto& obj = f.container->template get_ref<const typename J::object_t&>();
     if (obj.find(k) != obj.end()) {
-      const std::string where = stack_.size() < 2 ? std::string("the top-level object")
-                                                  : "'" + escape_for_error(stack_[stack_.size() - 2].label(false)) + "'";
+      const std::string where = stack_.size() < 2
+                                    ? std::string("the top-level object")
+                                    : "'" + escape_for_error(stack_[stack_.size() - 2].label(false)) + "'";
       return stop(fmt::format("key '{}' appears twice in {}", escape_for_error(k), where), false);
     }
     f.key = std::move(k);
@@ -315,8 +316,8 @@ class BoundedHandler {
 
   bool check_string(const std::string& s, const char* kind) {
     if (s.size() > limits_.max_string_bytes)
-      return stop(fmt::format("{} of {} bytes is longer than the limit of {} bytes", kind, s.size(),
-                              limits_.max_string_bytes));
+      return stop(
+          fmt::format("{} of {} bytes is longer than the limit of {} bytes", kind, s.size(), limits_.max_string_bytes));
     return true;
   }
 

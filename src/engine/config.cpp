@@ -24,8 +24,7 @@ AttnBackend best_backend(AttnDtype d, Device dev, const SystemInfo& sys, bool fo
 
 std::optional<std::string> backend_unsupported(AttnBackend b, AttnDtype d, Device dev, const SystemInfo& sys) {
   switch (b) {
-    case AttnBackend::AUTO:
-      return "AUTO is resolved before this check";
+    case AttnBackend::AUTO: return "AUTO is resolved before this check";
     case AttnBackend::CPU:
       if (dev != Device::CPU) return "the CPU backend runs with --device cpu";
       return std::nullopt;
@@ -42,9 +41,10 @@ std::optional<std::string> backend_unsupported(AttnBackend b, AttnDtype d, Devic
       if (dev != Device::CUDA) return "the CUDNN backend runs on a GPU (--device cuda)";
       if (!sys.cudnn_built) return "this fovea was built without cuDNN (the CUDNN backend)";
       if (sys.cudnn_version < 91500)
-        return fmt::format("the CUDNN backend needs cuDNN 9.15 or newer at run time (its SDPA operation with sequence "
-                           "lengths); this process loaded {}.{}.{}", sys.cudnn_version / 10000, sys.cudnn_version / 100 % 100,
-                           sys.cudnn_version % 100);
+        return fmt::format(
+            "the CUDNN backend needs cuDNN 9.15 or newer at run time (its SDPA operation with sequence "
+            "lengths); this process loaded {}.{}.{}",
+            sys.cudnn_version / 10000, sys.cudnn_version / 100 % 100, sys.cudnn_version % 100);
       if (sys.gpus.empty()) return "no GPU is visible";
       if (sys.gpus[0].cc_major < 8)
         return fmt::format("the CUDNN backend needs sm_80 or newer (this build's oldest target); GPU 0 is sm_{}{}",
@@ -64,12 +64,15 @@ namespace {
 void static_scheme(EngineConfig& cfg, const std::string& path, bool autoscheme) {
   const ScaleFile& file = *cfg.scale_file;
   if (cfg.fp8_robust && file.fine.empty())
-    fail("--fp8-scheme robust with static scales needs the file's fine scales (fovea_q_head, fovea_k_head, "
-         "fovea_v_channel, fovea_k_mean; docs/fp8.md §Fine scales); '{}' has per-layer q/k/v only", path);
+    fail(
+        "--fp8-scheme robust with static scales needs the file's fine scales (fovea_q_head, fovea_k_head, "
+        "fovea_v_channel, fovea_k_mean; docs/fp8.md §Fine scales); '{}' has per-layer q/k/v only",
+        path);
   std::vector<int> robust;
   for (const auto& [l, f] : file.fine)
     if (auto_runs_robust(f)) robust.push_back(l);
-  const bool gains = std::any_of(file.fine.begin(), file.fine.end(), [](const auto& f) { return f.second.robust_gain > 0; });
+  const bool gains =
+      std::any_of(file.fine.begin(), file.fine.end(), [](const auto& f) { return f.second.robust_gain > 0; });
   if (autoscheme && !robust.empty()) {
     cfg.fp8_robust = cfg.fp8_auto_layers = true;
     cfg.scheme_note = fmt::format("auto: robust on layers {} of {} (fovea_robust_gain >= {}), tensor on the rest",
@@ -77,10 +80,11 @@ void static_scheme(EngineConfig& cfg, const std::string& path, bool autoscheme) 
   } else if (autoscheme && gains) {
     cfg.scheme_note = fmt::format("auto: tensor (no layer's fovea_robust_gain reaches {})", kAutoRobustGain);
   } else if (!cfg.fp8_robust && !file.fine.empty()) {
-    warn(fmt::format("--mm-encoder-fp8-scale-path: '{}' also has fine scales (fovea_q_head, fovea_k_head, "
-                     "fovea_v_channel, fovea_k_mean) for the FP8 scheme robust to outlier channels, unused with per-tensor "
-                     "scales (--fp8-scheme robust uses them{}); the per-layer q/k/v are used, as vLLM uses them",
-                     path, autoscheme ? "; auto needs a file whose calibration wrote fovea_robust_gain" : ""));
+    warn(fmt::format(
+        "--mm-encoder-fp8-scale-path: '{}' also has fine scales (fovea_q_head, fovea_k_head, "
+        "fovea_v_channel, fovea_k_mean) for the FP8 scheme robust to outlier channels, unused with per-tensor "
+        "scales (--fp8-scheme robust uses them{}); the per-layer q/k/v are used, as vLLM uses them",
+        path, autoscheme ? "; auto needs a file whose calibration wrote fovea_robust_gain" : ""));
   }
 }
 
@@ -130,12 +134,14 @@ void check_fp8_flags(const EngineOptions& opt, EngineConfig& cfg) {
   if (opt.fp8_scheme != "auto" && opt.fp8_scheme != "tensor" && opt.fp8_scheme != "robust")
     fail("--fp8-scheme: '{}' is not one of auto, tensor, robust", opt.fp8_scheme);
   if (opt.fp8_scheme == "robust") {
-    if (!fp8) fail("--fp8-scheme robust needs --mm-encoder-attn-dtype fp8 (the attention dtype is {})", dtype_name(cfg.dtype));
+    if (!fp8)
+      fail("--fp8-scheme robust needs --mm-encoder-attn-dtype fp8 (the attention dtype is {})", dtype_name(cfg.dtype));
     cfg.fp8_robust = true;
   }
   if (!opt.scale_path.empty() && !opt.scale_save_path.empty())
-    fail("--mm-encoder-fp8-scale-path and --mm-encoder-fp8-scale-save-path are exclusive: static scales are read "
-         "from a file, calibration writes one");
+    fail(
+        "--mm-encoder-fp8-scale-path and --mm-encoder-fp8-scale-save-path are exclusive: static scales are read "
+        "from a file, calibration writes one");
   if (!opt.scale_path.empty() && !fp8)
     fail("--mm-encoder-fp8-scale-path needs --mm-encoder-attn-dtype fp8 (the attention dtype is {})",
          dtype_name(cfg.dtype));
@@ -169,8 +175,9 @@ void resolve_scales(const EngineOptions& opt, EngineConfig& cfg) {
     cfg.scale_mode = ScaleMode::CALIBRATE;
     if (autoscheme) {  // the statistic comes from the robust scheme's histories
       cfg.fp8_robust = true;
-      cfg.scheme_note = "auto: calibrating with the robust scheme, whose file records per layer whether it needs it "
-                        "(fovea_robust_gain); serve with the file and auto to use it";
+      cfg.scheme_note =
+          "auto: calibrating with the robust scheme, whose file records per layer whether it needs it "
+          "(fovea_robust_gain); serve with the file and auto to use it";
     }
   } else {
     cfg.scale_mode = ScaleMode::DYNAMIC;
@@ -179,15 +186,15 @@ void resolve_scales(const EngineOptions& opt, EngineConfig& cfg) {
     // Per-tensor scales (vLLM's): without a calibrated file no statistic says which layers have
     // outlier channels, and on well-spread inputs the robust scheme gains little and costs more
     // (bench/RESULTS.md); --fp8-scheme robust forces it.
-    cfg.scheme_note = "auto: tensor (robust is chosen per layer only from a calibrated file, or with --fp8-scheme robust)";
+    cfg.scheme_note =
+        "auto: tensor (robust is chosen per layer only from a calibrated file, or with --fp8-scheme robust)";
 }
 
 // --mm-encoder-attn-backend: AUTO is the CPU on the CPU, FOVEA where it runs, else CUDNN; a backend that
 // cannot run here is an error listing what can.
 void resolve_backend(const EngineOptions& opt, const SystemInfo& sys, EngineConfig& cfg) {
   const auto backend = parse_backend(opt.backend);
-  if (!backend)
-    fail("--mm-encoder-attn-backend: '{}' is not one of AUTO, FOVEA, CUDNN, FLASHINFER, CPU", opt.backend);
+  if (!backend) fail("--mm-encoder-attn-backend: '{}' is not one of AUTO, FOVEA, CUDNN, FLASHINFER, CPU", opt.backend);
   cfg.backend = *backend == AttnBackend::AUTO ? best_backend(cfg.dtype, cfg.device, sys) : *backend;
   if (auto why = backend_unsupported(cfg.backend, cfg.dtype, cfg.device, sys)) {
     std::vector<std::string> can;
@@ -213,8 +220,10 @@ EngineConfig resolve_engine(const EngineOptions& opt, const SystemInfo& sys) {
   cfg.scale_save_path = opt.scale_save_path;
   resolve_backend(opt, sys, cfg);
   if (cfg.fp8_linears && cfg.device == Device::CUDA && !sys.gpus.empty() && sys.gpus[0].cc_major < 9)
-    fail("--fp8-linears on the GPU needs sm_90 or newer (cuBLASLt's per-token and per-channel FP8 scales); GPU 0 is {} (sm_{}{})",
-         sys.gpus[0].name, sys.gpus[0].cc_major, sys.gpus[0].cc_minor);
+    fail(
+        "--fp8-linears on the GPU needs sm_90 or newer (cuBLASLt's per-token and per-channel FP8 scales); GPU 0 is {} "
+        "(sm_{}{})",
+        sys.gpus[0].name, sys.gpus[0].cc_major, sys.gpus[0].cc_minor);
   return cfg;
 }
 

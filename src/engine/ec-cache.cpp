@@ -328,8 +328,10 @@ std::string ec_key_problem(std::string_view key) {
 
 void check_ec_min_age(double seconds) {
   if (!std::isfinite(seconds) || seconds < 0)
-    fail("--ec-storage-min-age {}: not a number of seconds of at least 0 (0: cache files get no protection "
-         "from eviction)", seconds);
+    fail(
+        "--ec-storage-min-age {}: not a number of seconds of at least 0 (0: cache files get no protection "
+        "from eviction)",
+        seconds);
 }
 
 namespace {
@@ -341,10 +343,12 @@ EntryFile entry_file(const Bf16Rows& t, const qwen3vl::GridThw& grid, const qwen
   if (e.O == 0 || t.merged.size() % e.O != 0) fail("encoder cache: {} values are not rows of {}", t.merged.size(), e.O);
   e.count = t.merged.size() / e.O;
   for (const auto& d : t.deepstack)
-    if (d.size() != t.merged.size()) fail("encoder cache: a deepstack output has {} values, not {}", d.size(), t.merged.size());
+    if (d.size() != t.merged.size())
+      fail("encoder cache: a deepstack output has {} values, not {}", d.size(), t.merged.size());
   const TensorToWrite tensor{kEcCacheTensor, DType::BF16, {int64_t(e.count), int64_t(e.O * e.parts)}, {}, {}};
   const std::map<std::string, std::string> meta = {
-      {kWriterKey, kWriter}, {"grid_thw", fmt::format("[{}, {}, {}]", grid[0], grid[1], grid[2])},
+      {kWriterKey, kWriter},
+      {"grid_thw", fmt::format("[{}, {}, {}]", grid[0], grid[1], grid[2])},
       {"layout", "merger output, then deepstack 0..k-1, along the last dimension"}};
   size_t data = 0;
   e.head = safetensors_header(path, {tensor}, meta, &data);
@@ -548,7 +552,8 @@ void EcCache::evict(const std::string& key) {
   const std::string path = path_of(key);
   const Fd folder = open_folder_at(dir_fd_, key);
   const Fd file = folder ? open_file_at(folder.get(), kEcCacheFile) : Fd();
-  struct stat st {}, named {};
+  struct stat st {
+  }, named{};
   const bool regular = file && ::fstat(file.get(), &st) == 0 && S_ISREG(st.st_mode);
   const bool ours = regular && written_by_fovea(file.get(), st, path);
   // POSIX has no unlink through a descriptor: checking that the name still holds the file just read
@@ -593,7 +598,8 @@ bool EcCache::lookup(const std::string& key) {
 
 void EcCache::store(const std::string& key, const Bf16Rows& t, const qwen3vl::GridThw& grid,
                     const qwen3vl::VisionConfig& c) {
-  if (const std::string why = ec_key_problem(key); !why.empty()) fail("encoder cache key {}: {}", quote_for_error(key), why);
+  if (const std::string why = ec_key_problem(key); !why.empty())
+    fail("encoder cache key {}: {}", quote_for_error(key), why);
   const std::string path = path_of(key);
   // The file's exact size is known before anything is written: it decides whether it may be.
   const EntryFile entry = entry_file(t, grid, c, path);
@@ -651,13 +657,15 @@ void EcCache::note_load(const std::string& key, bool loaded, bool marked) const 
 
 EcEntry EcCache::read_back(const std::string& key, const qwen3vl::GridThw& grid, const qwen3vl::VisionConfig& c,
                            bool with_deepstack, bool* marked) const {
-  if (const std::string why = ec_key_problem(key); !why.empty()) fail("encoder cache key {}: {}", quote_for_error(key), why);
+  if (const std::string why = ec_key_problem(key); !why.empty())
+    fail("encoder cache key {}: {}", quote_for_error(key), why);
   const int64_t tokens = visual_tokens(c, grid), O = c.out_hidden, parts = 1 + int64_t(c.deepstack.size());
   const int64_t width = O * parts;
   const std::string path = path_of(key);
   const std::string bytes = read_entry(dir_fd_, dir_, key, size_t(tokens * width * 2) + (1 << 20));
   *marked = bytes_by_fovea(bytes, path);
-  const std::vector<TensorInfo> ts = parse_safetensors(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size(), path);
+  const std::vector<TensorInfo> ts =
+      parse_safetensors(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size(), path);
   if (ts.size() != 1 || ts[0].name != kEcCacheTensor)
     fail("encoder cache file '{}': holds {} tensor(s), not the one tensor '{}'", path, ts.size(), kEcCacheTensor);
   const TensorInfo& t = ts[0];

@@ -36,22 +36,25 @@ InputKind file_input_kind(const std::string& path) {
 
 InputConfig load_input_config(const std::string& model, const image::PreprocessOverrides& image,
                               const video::VideoOverrides& video) {
-  return {image::load_preprocess_config(model, image), video::load_video_config(model, video), video::limits_from(video)};
+  return {image::load_preprocess_config(model, image), video::load_video_config(model, video),
+          video::limits_from(video)};
 }
 
-size_t max_input_bytes(const InputConfig& cfg) { return std::max(image::kMaxEncodedImageBytes, cfg.limits.max_encoded_bytes); }
+size_t max_input_bytes(const InputConfig& cfg) {
+  return std::max(image::kMaxEncodedImageBytes, cfg.limits.max_encoded_bytes);
+}
 
 std::vector<uint8_t> read_input(const std::string& path, const InputConfig& cfg) {
   const std::string s = read_file(path, "input", max_input_bytes(cfg));
   return {s.begin(), s.end()};
 }
 
-int64_t patch_bytes(const image::Patches& p) {
-  return int64_t(p.pixels.size() * sizeof(float) + p.raw.size());
-}
+int64_t patch_bytes(const image::Patches& p) { return int64_t(p.pixels.size() * sizeof(float) + p.raw.size()); }
 
 namespace {
-int64_t tokens_of(const qwen3vl::GridThw& g, int merge) { return int64_t(g[0]) * g[1] * g[2] / (int64_t(merge) * merge); }
+int64_t tokens_of(const qwen3vl::GridThw& g, int merge) {
+  return int64_t(g[0]) * g[1] * g[2] / (int64_t(merge) * merge);
+}
 }  // namespace
 
 int64_t visual_tokens(const qwen3vl::VisionConfig& c, const qwen3vl::GridThw& g) { return tokens_of(g, c.merge); }
@@ -110,7 +113,6 @@ void guarded(PreparedInput& p, F&& step) {
 }
 
 }  // namespace
-
 
 int64_t prepare_peak_bytes(const std::vector<InputPlan>& plans) {
   int64_t held = 0, images = 0, clip = 0;
@@ -296,11 +298,12 @@ image::Rgb8 noise(int height, int width, std::seed_seq&& seed) {
 }
 }  // namespace
 
-std::vector<PreparedInput> prepare_synthetic(size_t n, int height, int width, int64_t frames, double fps,
-                                             unsigned seed, const InputConfig& cfg) {
+std::vector<PreparedInput> prepare_synthetic(size_t n, int height, int width, int64_t frames, double fps, unsigned seed,
+                                             const InputConfig& cfg) {
   std::vector<PreparedInput> out(n);
   if (frames == 1) {
-    parallel_for(int64_t(n), [&](int64_t k) { out[size_t(k)] = prepare_image(noise(height, width, {seed + unsigned(k)}), cfg); });
+    parallel_for(int64_t(n),
+                 [&](int64_t k) { out[size_t(k)] = prepare_image(noise(height, width, {seed + unsigned(k)}), cfg); });
     return out;
   }
   for (size_t k = 0; k < n; ++k) {

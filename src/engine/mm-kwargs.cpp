@@ -90,21 +90,24 @@ void read_processor_key(const std::string& key, const ojson& v, const std::strin
     if (videos) read_size(v, where, a.video_min, a.video_max);
     return;
   }
-  if (v.is_null() && (key == "max_pixels" || key == "min_pixels" || (videos && (key == "fps" || key == "num_frames" ||
-                                                                                 key == "min_frames" || key == "max_frames"))))
+  if (v.is_null() && (key == "max_pixels" || key == "min_pixels" ||
+                      (videos && (key == "fps" || key == "num_frames" || key == "min_frames" || key == "max_frames"))))
     return;
   const int64_t frames = server.video.max_frames;
   if (key == "max_pixels" || key == "min_pixels") {
     const int64_t px = integer_in(v, where, 1, image::kMaxPixelBudget);
-    (video_pixels ? (key == "max_pixels" ? a.video_max : a.video_min) : (key == "max_pixels" ? a.image_max : a.image_min)) = px;
+    (video_pixels ? (key == "max_pixels" ? a.video_max : a.video_min)
+                  : (key == "max_pixels" ? a.image_max : a.image_min)) = px;
   } else if (videos && key == "fps") {
     a.fps = number_in(v, where, 0.01, 240);
   } else if (videos && (key == "num_frames" || key == "min_frames" || key == "max_frames")) {
     const int64_t n = integer_in(v, where, 1, frames);
     (key == "num_frames" ? a.num_frames : key == "min_frames" ? a.min_frames : a.max_frames) = n;
   } else {
-    fail("{}: not implemented (fovea takes max_pixels, min_pixels, size, fps, num_frames, min_frames, max_frames, "
-         "images_kwargs, videos_kwargs)", where);
+    fail(
+        "{}: not implemented (fovea takes max_pixels, min_pixels, size, fps, num_frames, min_frames, max_frames, "
+        "images_kwargs, videos_kwargs)",
+        where);
   }
 }
 
@@ -121,8 +124,8 @@ Asked read_processor(const ojson& p, const InputConfig& server) {
     if (value.is_null()) continue;
     if (!value.is_object()) fail("{}: must be an object, not {}", where, type_of(value));
     for (const auto& [k, v] : value.items())
-      read_processor_key(k, v, where + "." + escape_for_error(k, 32), key == "images_kwargs" ? "images_kwargs" : "videos_kwargs",
-                         a, server);
+      read_processor_key(k, v, where + "." + escape_for_error(k, 32),
+                         key == "images_kwargs" ? "images_kwargs" : "videos_kwargs", a, server);
   }
   return a;
 }
@@ -136,9 +139,10 @@ void check_media_io(const ojson& m) {
     if (options.is_null()) continue;
     if (!options.is_object()) fail("{}: must be an object, not {}", where, type_of(options));
     if (!options.empty())
-      fail("{}.{}: not implemented: fovea reads an item once and samples a clip's frames as the processor does; vLLM's "
-           "loader options are not applied (send fps / num_frames in mm_processor_kwargs)",
-           where, escape_for_error(options.begin().key(), 32));
+      fail(
+          "{}.{}: not implemented: fovea reads an item once and samples a clip's frames as the processor does; vLLM's "
+          "loader options are not applied (send fps / num_frames in mm_processor_kwargs)",
+          where, escape_for_error(options.begin().key(), 32));
   }
 }
 
@@ -161,9 +165,10 @@ InputConfig apply_mm_kwargs(const InputConfig& server, const MmKwargs& k) {
   check_media_io(k.media_io);
   const Asked a = read_processor(k.processor, server);
   InputConfig c = server;
-  narrow(c.image.min_pixels, c.image.max_pixels, a.image_min, a.image_max, "mm_processor_kwargs (images): ", "--max-pixels");
-  narrow(c.video.min_pixels, c.video.max_pixels, a.video_min, a.video_max, "mm_processor_kwargs (videos): ",
-         "--video-max-pixels");
+  narrow(c.image.min_pixels, c.image.max_pixels, a.image_min, a.image_max,
+         "mm_processor_kwargs (images): ", "--max-pixels");
+  narrow(c.video.min_pixels, c.video.max_pixels, a.video_min, a.video_max,
+         "mm_processor_kwargs (videos): ", "--video-max-pixels");
   if (a.fps) c.video.fps = *a.fps;
   if (a.num_frames) c.video.num_frames = *a.num_frames;
   if (a.max_frames) c.video.max_frames = *a.max_frames;
@@ -243,7 +248,7 @@ void Framer::value(const ojson& v) {
 
 std::string vllm_mm_hash(const std::string& model_id, InputKind modality, const std::string& uuid, const MmKwargs& k) {
   const std::string name = input_kind_name(modality);  // "image", "video": vLLM's modality names
-  std::map<std::string, ojson> args;                  // the hasher's arguments, in name order
+  std::map<std::string, ojson> args;                   // the hasher's arguments, in name order
   if (k.media_io.is_object() && k.media_io.contains(name) && says_something(k.media_io.at(name)))
     args["media_io_kwargs"] = ojson{{name, k.media_io.at(name)}};
   const char* scoped = modality == InputKind::VIDEO ? "videos_kwargs" : "images_kwargs";

@@ -104,8 +104,10 @@ void EncoderRunner::start_gpu(const std::vector<qwen3vl::GridThw>& grids, bool w
   pack(raw ? static_cast<void*>(enc.raw_staging()) : enc.pixel_staging());
   f->host.upload = lap(t);
   FOVEA_CUDA_CHECK(cudaEventRecord(f->ev[0], s));
-  if (raw) enc.upload_raw(norm->mean, norm->std, s);
-  else enc.upload_staged(s);
+  if (raw)
+    enc.upload_raw(norm->mean, norm->std, s);
+  else
+    enc.upload_staged(s);
   FOVEA_CUDA_CHECK(cudaEventRecord(f->ev[1], s));
   enc.forward(s);
   FOVEA_CUDA_CHECK(cudaEventRecord(f->ev[2], s));
@@ -119,8 +121,9 @@ void EncoderRunner::start_gpu(const std::vector<qwen3vl::GridThw>& grids, bool w
 
 void EncoderRunner::start(const Batch& batch, bool with_deepstack) {
   if (!gpu_) return start_cpu(batch, with_deepstack);
-  start_gpu(batch.grids, with_deepstack, false,
-            [&](void* dst) { to_bf16(batch.pixels.data(), batch.pixels.size(), static_cast<uint16_t*>(dst)); }, nullptr);
+  start_gpu(
+      batch.grids, with_deepstack, false,
+      [&](void* dst) { to_bf16(batch.pixels.data(), batch.pixels.size(), static_cast<uint16_t*>(dst)); }, nullptr);
 }
 
 void EncoderRunner::start(const std::vector<const image::Patches*>& images, bool with_deepstack) {
@@ -132,7 +135,8 @@ void EncoderRunner::start(const std::vector<const image::Patches*>& images, bool
   bool raw = true;
   std::vector<qwen3vl::GridThw> grids;
   for (const image::Patches* p : images) {
-    if (p->raw.empty() && p->pixels.empty()) fail("encoder: an input of grid ({}, {}, {}) without pixels", p->grid[0], p->grid[1], p->grid[2]);
+    if (p->raw.empty() && p->pixels.empty())
+      fail("encoder: an input of grid ({}, {}, {}) without pixels", p->grid[0], p->grid[1], p->grid[2]);
     raw = raw && !p->raw.empty() && std::memcmp(&p->norm, &images[0]->norm, sizeof p->norm) == 0;
     grids.push_back(p->grid);
   }
@@ -155,20 +159,23 @@ void EncoderRunner::start(const std::vector<const image::Patches*>& images, bool
     }
     return start_cpu(b, with_deepstack);
   }
-  start_gpu(grids, with_deepstack, raw, [&](void* dst) {
-    auto* at = static_cast<uint8_t*>(dst);
-    for (const image::Patches* p : images) {  // straight into place: raw bytes copied, fp32 rounded on every core
-      if (raw) {
-        std::memcpy(at, p->raw.data(), p->raw.size());
-        at += p->raw.size();
-      } else {
-        image::Patches scratch;
-        const std::vector<float>& px = fp32_rows(*p, scratch);
-        to_bf16(px.data(), px.size(), reinterpret_cast<uint16_t*>(at));
-        at += px.size() * 2;
-      }
-    }
-  }, raw ? &images[0]->norm : nullptr);
+  start_gpu(
+      grids, with_deepstack, raw,
+      [&](void* dst) {
+        auto* at = static_cast<uint8_t*>(dst);
+        for (const image::Patches* p : images) {  // straight into place: raw bytes copied, fp32 rounded on every core
+          if (raw) {
+            std::memcpy(at, p->raw.data(), p->raw.size());
+            at += p->raw.size();
+          } else {
+            image::Patches scratch;
+            const std::vector<float>& px = fp32_rows(*p, scratch);
+            to_bf16(px.data(), px.size(), reinterpret_cast<uint16_t*>(at));
+            at += px.size() * 2;
+          }
+        }
+      },
+      raw ? &images[0]->norm : nullptr);
 }
 
 void EncoderRunner::finish_oldest(const std::function<void(qwen3vl::ForwardResult&, bool)>& cpu,

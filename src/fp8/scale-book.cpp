@@ -148,8 +148,8 @@ void check_split_pairs(const std::vector<int32_t>& split, int heads, int head_di
   if (split.empty()) return;
   const int n = fp8_split_pairs(head_dim);
   if (split.size() != size_t(heads) * size_t(n))
-    fail("{}: {} split pairs, not {} ({} heads x {} at head_dim {})", what, split.size(), size_t(heads) * size_t(n), heads,
-         n, head_dim);
+    fail("{}: {} split pairs, not {} ({} heads x {} at head_dim {})", what, split.size(), size_t(heads) * size_t(n),
+         heads, n, head_dim);
   for (int h = 0; h < heads; ++h)
     for (int i = 0; i < n; ++i) {
       const int32_t p = split[size_t(h) * n + i];
@@ -161,10 +161,12 @@ void check_split_pairs(const std::vector<int32_t>& split, int heads, int head_di
 }
 
 void ScaleBook::enable_fine(int heads, int head_dim) {
-  if (mode_ == ScaleMode::STATIC) fail("scale book: static scales keep no fine history (the robust scheme needs a file's fine scales)");
+  if (mode_ == ScaleMode::STATIC)
+    fail("scale book: static scales keep no fine history (the robust scheme needs a file's fine scales)");
   if (has_fine()) {
     if (fine_[0].heads != heads || fine_[0].head_dim != head_dim)
-      fail("scale book: the fine history is for {} heads of {}, not {} of {}", fine_[0].heads, fine_[0].head_dim, heads, head_dim);
+      fail("scale book: the fine history is for {} heads of {}, not {} of {}", fine_[0].heads, fine_[0].head_dim, heads,
+           head_dim);
     return;
   }
   fine_.assign(size_t(num_layers_), FineHistory(heads, head_dim));
@@ -196,12 +198,15 @@ FineScales ScaleBook::record_fine(int layer, const FineBatch& b) {
     d = std::max(d, k_chan[i]);
     float& q = qa[i / size_t(f.head_dim)];
     q = std::max(q, b.q_amax[i]);
-    out.v_channel[i] = fine_ring_scale(fine_ring_prev(f.v_ring.data() + i, int(cells), filled, slot, keep), keep, b.v_amax[i]);
+    out.v_channel[i] =
+        fine_ring_scale(fine_ring_prev(f.v_ring.data() + i, int(cells), filled, slot, keep), keep, b.v_amax[i]);
   }
   if (fp8_split_pairs(f.head_dim) > 0) out.qk_split = pick_split_pairs(H, f.head_dim, b.q_amax.data(), k_chan.data());
   for (int h = 0; h < H; ++h) {
-    out.q_head[size_t(h)] = fine_ring_scale(fine_ring_prev(f.q_ring.data() + h, H, filled, slot, keep), keep, qa[size_t(h)]);
-    out.k_head[size_t(h)] = fine_ring_scale(fine_ring_prev(f.k_ring.data() + h, H, filled, slot, keep), keep, dev[size_t(h)]);
+    out.q_head[size_t(h)] =
+        fine_ring_scale(fine_ring_prev(f.q_ring.data() + h, H, filled, slot, keep), keep, qa[size_t(h)]);
+    out.k_head[size_t(h)] =
+        fine_ring_scale(fine_ring_prev(f.k_ring.data() + h, H, filled, slot, keep), keep, dev[size_t(h)]);
   }
   c.updates += 1;
   if (!keep) {
@@ -246,7 +251,8 @@ std::vector<FineScales> ScaleBook::calibrated_fine(float margin) const {
       k_chan[i] = smoothed_amax(f.k_hi[i], f.k_lo[i], o.k_mean[i]);
       float& d = o.k_head[i / size_t(f.head_dim)];
       d = std::max(d, k_chan[i]);
-      o.v_channel[i] = amax_to_scale(fine_ring_prev(f.v_ring.data() + i, int(cells), f.counts.filled, 0, false)) * margin;
+      o.v_channel[i] =
+          amax_to_scale(fine_ring_prev(f.v_ring.data() + i, int(cells), f.counts.filled, 0, false)) * margin;
     }
     for (int h = 0; h < H; ++h) {
       o.q_head[size_t(h)] = amax_to_scale(fine_ring_prev(f.q_ring.data() + h, H, f.counts.filled, 0, false)) * margin;
@@ -282,8 +288,8 @@ std::vector<QkvScales> ScaleBook::calibrated(float margin) const {
     const auto& l = amax_[size_t(i)];
     for (int t = 0; t < 3; ++t)
       if (l.t[t].filled == 0)
-        fail("calibration: layer {} ({}): every {} amax seen was non-finite ({} of {}); no scale to save",
-             i, scale_layer_name(i), kQkvNames[t], l.t[t].nonfinite, l.t[t].updates);
+        fail("calibration: layer {} ({}): every {} amax seen was non-finite ({} of {}); no scale to save", i,
+             scale_layer_name(i), kQkvNames[t], l.t[t].nonfinite, l.t[t].updates);
     out[size_t(i)] = {amax_history_scale(l.t[Q]) * margin, amax_history_scale(l.t[K]) * margin,
                       amax_history_scale(l.t[V]) * margin};
   }

@@ -25,12 +25,12 @@ namespace {
 // what would cost real time or memory.
 JsonLimits scale_file_limits() {
   JsonLimits l;
-  l.max_bytes = size_t(4) << 20;          // 4096 layers of long decimals, indented, fit in ~1 MB
-  l.max_depth = 8;                        // {"layers": {"<layer>": {"q": 1}}} is depth 3
-  l.max_elements = size_t(1) << 20;       // 4096 layers x (entry + 3 values), or 27 layers with
-                                          // 16 + 16 + 1152 fine scales each: ~32000
+  l.max_bytes = size_t(4) << 20;             // 4096 layers of long decimals, indented, fit in ~1 MB
+  l.max_depth = 8;                           // {"layers": {"<layer>": {"q": 1}}} is depth 3
+  l.max_elements = size_t(1) << 20;          // 4096 layers x (entry + 3 values), or 27 layers with
+                                             // 16 + 16 + 1152 fine scales each: ~32000
   l.max_object_keys = kMaxScaleLayers + 64;  // the layers object, plus a few unknown keys
-  l.max_string_bytes = 1024;              // a layer key is ~30 bytes, a prefix adds a few more
+  l.max_string_bytes = 1024;                 // a layer key is ~30 bytes, a prefix adds a few more
   return l;
 }
 
@@ -62,8 +62,7 @@ std::string describe(const json& v) { return fmt::format("{} ({})", quote_for_er
 // A dequantization scale as the file gives it: a JSON number, finite, > 0 and a positive finite
 // float32; `what` names it in messages.
 float scale_value(const std::string& path, const std::string& layer, const std::string& what, const json& v) {
-  if (!v.is_number())
-    fail("scale file '{}': layer '{}': '{}' is {}, not a number", path, layer, what, describe(v));
+  if (!v.is_number()) fail("scale file '{}': layer '{}': '{}' is {}, not a number", path, layer, what, describe(v));
   const double d = v.get<double>();
   if (!std::isfinite(d) || !(d > 0.0))
     fail("scale file '{}': layer '{}': '{}' is {}; a scale must be a finite number > 0", path, layer, what, v.dump());
@@ -74,13 +73,12 @@ float scale_value(const std::string& path, const std::string& layer, const std::
 }
 
 constexpr const char* kFineFields[] = {"fovea_q_head", "fovea_k_head", "fovea_v_channel", "fovea_k_mean"};
-constexpr const char* kSplitField = "fovea_qk_split";  // optional, with the four above
+constexpr const char* kSplitField = "fovea_qk_split";    // optional, with the four above
 constexpr const char* kGainField = "fovea_robust_gain";  // optional, with the four above
 
 // K's mean as the file gives it: a JSON number that is a finite float32 (of any sign).
 float mean_value(const std::string& path, const std::string& layer, const std::string& what, const json& v) {
-  if (!v.is_number())
-    fail("scale file '{}': layer '{}': '{}' is {}, not a number", path, layer, what, describe(v));
+  if (!v.is_number()) fail("scale file '{}': layer '{}': '{}' is {}, not a number", path, layer, what, describe(v));
   const double d = v.get<double>();
   const float f = float(d);
   if (!std::isfinite(d) || !std::isfinite(f))
@@ -95,14 +93,17 @@ std::optional<FineScales> read_fine(const std::string& path, const std::string& 
   for (const char* f : kFineFields) present += entry.contains(f);
   if (present == 0) return std::nullopt;
   if (present != 4)
-    fail("scale file '{}': layer '{}': the fine scales come as all of fovea_q_head, fovea_k_head, fovea_v_channel "
-         "and fovea_k_mean or none; {} of them are given", path, layer, present);
+    fail(
+        "scale file '{}': layer '{}': the fine scales come as all of fovea_q_head, fovea_k_head, fovea_v_channel "
+        "and fovea_k_mean or none; {} of them are given",
+        path, layer, present);
   FineScales out;
   std::vector<float>* into[] = {&out.q_head, &out.k_head, &out.v_channel, &out.k_mean};
   for (int i = 0; i < 4; ++i) {
     const json& a = entry.at(kFineFields[i]);
     if (!a.is_array() || a.empty())
-      fail("scale file '{}': layer '{}': '{}' is {}, not a non-empty array of numbers", path, layer, kFineFields[i], describe(a));
+      fail("scale file '{}': layer '{}': '{}' is {}, not a non-empty array of numbers", path, layer, kFineFields[i],
+           describe(a));
     if (a.size() > size_t(kMaxFineScales))
       fail("scale file '{}': layer '{}': '{}' has {} values, more than the limit of {}", path, layer, kFineFields[i],
            a.size(), kMaxFineScales);
@@ -113,9 +114,10 @@ std::optional<FineScales> read_fine(const std::string& path, const std::string& 
   }
   if (out.k_head.size() != out.q_head.size() || out.v_channel.size() % out.q_head.size() != 0 ||
       out.k_mean.size() != out.v_channel.size())
-    fail("scale file '{}': layer '{}': fovea_q_head has {} values, fovea_k_head {}, fovea_v_channel {} and fovea_k_mean "
-         "{}; expected one per head, one per head, heads x head_dim and heads x head_dim", path, layer, out.q_head.size(),
-         out.k_head.size(), out.v_channel.size(), out.k_mean.size());
+    fail(
+        "scale file '{}': layer '{}': fovea_q_head has {} values, fovea_k_head {}, fovea_v_channel {} and fovea_k_mean "
+        "{}; expected one per head, one per head, heads x head_dim and heads x head_dim",
+        path, layer, out.q_head.size(), out.k_head.size(), out.v_channel.size(), out.k_mean.size());
   if (entry.contains(kSplitField)) {  // optional: heads x fp8_split_pairs(head_dim) integers
     const json& a = entry.at(kSplitField);
     if (!a.is_array() || a.size() > size_t(kMaxFineScales))
@@ -123,7 +125,8 @@ std::optional<FineScales> read_fine(const std::string& path, const std::string& 
            describe(a), kMaxFineScales);
     for (size_t j = 0; j < a.size(); ++j) {
       const json& x = a[j];  // a huge unsigned value must not wrap to -1
-      if (!x.is_number_integer() || (x.is_number_unsigned() ? x.get<uint64_t>() > uint64_t(kMaxFineScales) : x.get<int64_t>() < -1))
+      if (!x.is_number_integer() ||
+          (x.is_number_unsigned() ? x.get<uint64_t>() > uint64_t(kMaxFineScales) : x.get<int64_t>() < -1))
         fail("scale file '{}': layer '{}': '{}[{}]' is {}, not a rotary pair index or -1", path, layer, kSplitField, j,
              a[j].dump());
       out.qk_split.push_back(int32_t(a[j].get<int64_t>()));
@@ -141,10 +144,9 @@ float read_value(const std::string& path, const std::string& layer, const json& 
   const std::string alias = name + "_scale";
   const bool has_name = entry.contains(name), has_alias = entry.contains(alias);
   if (has_name && has_alias)
-    fail("scale file '{}': layer '{}': both '{}' and '{}' are given (they are aliases; keep one)", path,
-         layer, name, alias);
-  if (!has_name && !has_alias)
-    fail("scale file '{}': layer '{}': missing '{}' (or '{}')", path, layer, name, alias);
+    fail("scale file '{}': layer '{}': both '{}' and '{}' are given (they are aliases; keep one)", path, layer, name,
+         alias);
+  if (!has_name && !has_alias) fail("scale file '{}': layer '{}': missing '{}' (or '{}')", path, layer, name, alias);
   return scale_value(path, layer, has_name ? name : alias, has_name ? entry.at(name) : entry.at(alias));
 }
 
@@ -190,22 +192,33 @@ ScaleFile parse_scale_file(std::string_view text, const std::string& path) {
     s.v = read_value(path, key, entry, V);
     for (const auto& [k2, unused] : entry.items()) {
       (void)unused;
-      static const char* known[] = {"q", "k", "v", "q_scale", "k_scale", "v_scale",
-                                    "fovea_q_head", "fovea_k_head", "fovea_v_channel", "fovea_k_mean", kSplitField,
+      static const char* known[] = {"q",
+                                    "k",
+                                    "v",
+                                    "q_scale",
+                                    "k_scale",
+                                    "v_scale",
+                                    "fovea_q_head",
+                                    "fovea_k_head",
+                                    "fovea_v_channel",
+                                    "fovea_k_mean",
+                                    kSplitField,
                                     kGainField};
       if (std::find(std::begin(known), std::end(known), k2) != std::end(known)) continue;
       if (k2.starts_with("fovea_"))  // written by a newer fovea for a scheme this one cannot run
-        fail("scale file '{}': layer '{}': field '{}' is not one this fovea knows (a file from a newer fovea?); "
-             "it knows fovea_q_head, fovea_k_head, fovea_v_channel, fovea_k_mean, fovea_qk_split, fovea_robust_gain", path, key,
-             escape_for_error(k2));
+        fail(
+            "scale file '{}': layer '{}': field '{}' is not one this fovea knows (a file from a newer fovea?); "
+            "it knows fovea_q_head, fovea_k_head, fovea_v_channel, fovea_k_mean, fovea_qk_split, fovea_robust_gain",
+            path, key, escape_for_error(k2));
       warn(fmt::format("scale file '{}': layer '{}': ignoring unknown field '{}'", path, key, escape_for_error(k2)));
     }
-    if (auto fine = read_fine(path, key, entry)) out.fine[idx] = std::move(*fine);
+    if (auto fine = read_fine(path, key, entry))
+      out.fine[idx] = std::move(*fine);
     else
       for (const char* f : {kSplitField, kGainField})
         if (entry.contains(f))
-          fail("scale file '{}': layer '{}': '{}' is given without the fine scales it goes with (fovea_q_head, ...)", path,
-               key, f);
+          fail("scale file '{}': layer '{}': '{}' is given without the fine scales it goes with (fovea_q_head, ...)",
+               path, key, f);
     out.layers[idx] = s;
     out.names[idx] = key;
   }
@@ -213,8 +226,10 @@ ScaleFile parse_scale_file(std::string_view text, const std::string& path) {
     for (const auto& [i, unused] : out.layers) {
       (void)unused;
       if (!out.fine.count(i))
-        fail("scale file '{}': layer '{}' has no fine scales (fovea_q_head, ...) but layer '{}' has; a file has them "
-             "for every layer or for none", path, out.names[i], out.names[out.fine.begin()->first]);
+        fail(
+            "scale file '{}': layer '{}' has no fine scales (fovea_q_head, ...) but layer '{}' has; a file has them "
+            "for every layer or for none",
+            path, out.names[i], out.names[out.fine.begin()->first]);
     }
     const FineScales& first = out.fine.begin()->second;
     for (const auto& [i, f] : out.fine)
@@ -233,10 +248,10 @@ std::vector<QkvScales> scales_for_model(const ScaleFile& file, int num_layers) {
   if (!missing.empty()) {
     std::vector<int> have;
     for (const auto& [i, s] : file.layers) have.push_back(i);
-    fail("scale file '{}': the model has {} attention layers (visual.blocks.0-{}); the file lacks {} of them "
-         "(first missing: {}); the file has layers {}",
-         file.path, num_layers, num_layers - 1, missing.size(), scale_layer_name(missing.front()),
-         fmt::join(have, ","));
+    fail(
+        "scale file '{}': the model has {} attention layers (visual.blocks.0-{}); the file lacks {} of them "
+        "(first missing: {}); the file has layers {}",
+        file.path, num_layers, num_layers - 1, missing.size(), scale_layer_name(missing.front()), fmt::join(have, ","));
   }
   std::vector<int> extra;
   for (const auto& [i, s] : file.layers)
@@ -249,7 +264,8 @@ std::vector<QkvScales> scales_for_model(const ScaleFile& file, int num_layers) {
   return out;
 }
 
-void write_scale_file(const std::string& path, const std::vector<QkvScales>& scales, const std::vector<FineScales>* fine) {
+void write_scale_file(const std::string& path, const std::vector<QkvScales>& scales,
+                      const std::vector<FineScales>* fine) {
   if (scales.empty()) fail("scale file '{}': nothing to write (zero layers)", path);
   if (fine && fine->size() != scales.size())
     fail("scale file '{}': {} layers of scales but {} of fine scales", path, scales.size(), fine->size());
@@ -258,8 +274,8 @@ void write_scale_file(const std::string& path, const std::vector<QkvScales>& sca
     const auto& s = scales[i];
     for (int t = 0; t < 3; ++t)
       if (!std::isfinite(s[t]) || !(s[t] > 0.0f))
-        fail("scale file '{}': refusing to write layer {} {} = {} (not a finite number > 0)", path, i,
-             kQkvNames[t], s[t]);
+        fail("scale file '{}': refusing to write layer {} {} = {} (not a finite number > 0)", path, i, kQkvNames[t],
+             s[t]);
     // nlohmann writes the shortest decimal that reads back to the same double; float -> double is
     // exact, so the file round-trips every float bit for bit.
     doc[scale_layer_name(int(i))] = {{"q", double(s.q)}, {"k", double(s.k)}, {"v", double(s.v)}};
@@ -269,9 +285,11 @@ void write_scale_file(const std::string& path, const std::vector<QkvScales>& sca
           f.v_channel.size() % f.q_head.size() != 0 || f.v_channel.size() > size_t(kMaxFineScales) ||
           f.k_mean.size() != f.v_channel.size() ||
           (i > 0 && (f.q_head.size() != (*fine)[0].q_head.size() || f.v_channel.size() != (*fine)[0].v_channel.size())))
-        fail("scale file '{}': refusing to write layer {}'s fine scales: {} / {} / {} / {} values (one per head, one per "
-             "head, heads x head_dim twice, the same for every layer)", path, i, f.q_head.size(), f.k_head.size(),
-             f.v_channel.size(), f.k_mean.size());
+        fail(
+            "scale file '{}': refusing to write layer {}'s fine scales: {} / {} / {} / {} values (one per head, one "
+            "per "
+            "head, heads x head_dim twice, the same for every layer)",
+            path, i, f.q_head.size(), f.k_head.size(), f.v_channel.size(), f.k_mean.size());
       const std::vector<float>* parts[] = {&f.q_head, &f.k_head, &f.v_channel, &f.k_mean};
       for (int p = 0; p < 4; ++p) {
         nlohmann::ordered_json arr = nlohmann::ordered_json::array();

@@ -36,7 +36,7 @@ struct Layout {
   bool top_down = false;
   int bits = 0;
   uint32_t compression = kRgb;
-  int64_t offset = 0, stride = 0;  // the first pixel row (as stored) and the bytes per row
+  int64_t offset = 0, stride = 0;       // the first pixel row (as stored) and the bytes per row
   std::array<int, 3> byte_of{2, 1, 0};  // 24/32 bit: which byte of a pixel holds R, G, B
   bool rgb565 = false;                  // 16 bit: 5-6-5, else 5-5-5
   std::array<uint8_t, 256 * 3> palette{};
@@ -88,11 +88,16 @@ Layout read_layout(std::span<const uint8_t> b, const std::string& name) {
         fail("image '{}': BMP of {} bits per pixel is not supported", name, L.bits);
       break;
     case kBitfields: {
-      const auto rgb = [&](uint32_t r, uint32_t g, uint32_t bl) { return masks[0] == r && masks[1] == g && masks[2] == bl; };
+      const auto rgb = [&](uint32_t r, uint32_t g, uint32_t bl) {
+        return masks[0] == r && masks[1] == g && masks[2] == bl;
+      };
       bool ok = false;
       if (L.bits == 32) {
         // Pillow's table: (R, G, B, A) masks -> the bytes holding R, G, B.
-        struct Known { uint32_t m[4]; std::array<int, 3> bytes; };
+        struct Known {
+          uint32_t m[4];
+          std::array<int, 3> bytes;
+        };
         static constexpr Known kKnown[] = {
             {{0xFF0000, 0xFF00, 0xFF, 0}, {2, 1, 0}},          {{0xFF000000, 0xFF0000, 0xFF00, 0}, {3, 2, 1}},
             {{0xFF000000, 0xFF00, 0xFF, 0}, {3, 1, 0}},        {{0xFF000000, 0xFF0000, 0xFF00, 0xFF}, {3, 2, 1}},
@@ -107,18 +112,16 @@ Layout read_layout(std::span<const uint8_t> b, const std::string& name) {
         ok = L.rgb565 || rgb(0x7C00, 0x3E0, 0x1F);
       }
       if (!ok)
-        fail("image '{}': BMP bit fields {:#x}/{:#x}/{:#x}/{:#x} at {} bits are not supported", name, masks[0], masks[1],
-             masks[2], masks[3], L.bits);
+        fail("image '{}': BMP bit fields {:#x}/{:#x}/{:#x}/{:#x} at {} bits are not supported", name, masks[0],
+             masks[1], masks[2], masks[3], L.bits);
       break;
     }
     case kRle8:
-    case kRle4:
-      fail("image '{}': RLE-compressed BMP is not supported (save it uncompressed or as PNG)", name);
+    case kRle4: fail("image '{}': RLE-compressed BMP is not supported (save it uncompressed or as PNG)", name);
     case kJpeg:
     case kPng:
       fail("image '{}': a BMP holding a {} stream is not supported", name, L.compression == kJpeg ? "JPEG" : "PNG");
-    default:
-      fail("image '{}': BMP compression {} is not supported", name, L.compression);
+    default: fail("image '{}': BMP compression {} is not supported", name, L.compression);
   }
   // The palette: entries of 4 bytes (3 for the 12-byte header), the first 256 of them used.
   if (L.bits <= 8) {
@@ -134,12 +137,15 @@ Layout read_layout(std::span<const uint8_t> b, const std::string& name) {
       ramp = ramp && e[0] == want && e[1] == want && e[2] == want;
     }
     if (ramp && colours != 2)  // Pillow's "L": the index is the grey level, past the palette too
-      for (int i = 0; i < 256; ++i) L.palette[size_t(3 * i)] = L.palette[size_t(3 * i + 1)] = L.palette[size_t(3 * i + 2)] = uint8_t(i);
+      for (int i = 0; i < 256; ++i)
+        L.palette[size_t(3 * i)] = L.palette[size_t(3 * i + 1)] = L.palette[size_t(3 * i + 2)] = uint8_t(i);
   }
   L.offset = le32(b.data() + 10);
   const int64_t palette_bytes = L.bits <= 8 ? colours * entry : 0;
-  if (L.offset == 0) L.offset = after + palette_bytes;                                 // Pillow: "offset or fp.tell()"
-  else if (L.offset == 14 + header && L.bits <= 8) L.offset += palette_bytes;         // Pillow's tolerance
+  if (L.offset == 0)
+    L.offset = after + palette_bytes;  // Pillow: "offset or fp.tell()"
+  else if (L.offset == 14 + header && L.bits <= 8)
+    L.offset += palette_bytes;                            // Pillow's tolerance
   L.stride = ((width * L.bits + 31) >> 3) & ~int64_t(3);  // < 2^31 * 32 / 8: no overflow in 64 bits
   return L;
 }
@@ -157,8 +163,8 @@ Rgb8 decode_bmp(std::span<const uint8_t> b, const ImageInfo& info) {
   // stride * height <= 2^33 * 2^31: fits in 64 bits; compared with what the file holds.
   if (L.offset > int64_t(b.size()) || L.stride * L.height > int64_t(b.size()) - L.offset)
     corrupt(info.name, "BMP",
-            fmt::format("{} rows of {} bytes from offset {} need {} bytes; the file has {}", L.height, L.stride, L.offset,
-                        L.offset + L.stride * L.height, b.size()),
+            fmt::format("{} rows of {} bytes from offset {} need {} bytes; the file has {}", L.height, L.stride,
+                        L.offset, L.offset + L.stride * L.height, b.size()),
             true);
   Rgb8 out = blank_image(info);
   const size_t w = size_t(L.width);

@@ -100,7 +100,8 @@ ImageInfo probe_gif(std::span<const uint8_t> b, const std::string& name) {
 Rgb8 decode_gif(std::span<const uint8_t> b, const ImageInfo& info) {
   Gif g;
   const Frame f = open_first_frame(g, b, info.name);
-  if (f.canvas_w != info.width || f.canvas_h != info.height) fail("image '{}': GIF header changed between reads", info.name);
+  if (f.canvas_w != info.width || f.canvas_h != info.height)
+    fail("image '{}': GIF header changed between reads", info.name);
   // The palette as 256 RGB entries.
   uint8_t table[256 * 3] = {};
   const ColorMapObject* map = g.file->Image.ColorMap ? g.file->Image.ColorMap : g.file->SColorMap;

@@ -121,7 +121,9 @@ int64_t decoder_bytes(const jpeg_decompress_struct& c) {
   return (jpeg_has_multiple_scans(const_cast<j_decompress_ptr>(&c)) ? coef : 0) + rows + out_row + (int64_t(1) << 20);
 }
 
-[[noreturn]] void fail_jpeg(const std::string& name, const Decoder& d) { corrupt(name, "JPEG", d.message, d.truncated); }
+[[noreturn]] void fail_jpeg(const std::string& name, const Decoder& d) {
+  corrupt(name, "JPEG", d.message, d.truncated);
+}
 
 // Pillow's MULDIV255: a * b / 255, rounded.
 inline int muldiv255(int a, int b) {

@@ -130,11 +130,14 @@ ImageInfo probe_png(std::span<const uint8_t> b, const std::string& name) {
   const int depth = b[24], color_type = b[25], interlace = b[28];
   if (w == 0 || h == 0 || w > kMaxSide || h > kMaxSide)
     fail("image '{}': PNG size {}x{} is outside 1..{} per side", name, w, h, kMaxSide);
-  const bool depth_ok = (color_type == PNG_COLOR_TYPE_GRAY && (depth == 1 || depth == 2 || depth == 4 || depth == 8 || depth == 16)) ||
-                        (color_type == PNG_COLOR_TYPE_PALETTE && (depth == 1 || depth == 2 || depth == 4 || depth == 8)) ||
-                        ((color_type == PNG_COLOR_TYPE_RGB || color_type == PNG_COLOR_TYPE_GRAY_ALPHA ||
-                          color_type == PNG_COLOR_TYPE_RGB_ALPHA) && (depth == 8 || depth == 16));
-  if (!depth_ok) corrupt(name, "PNG", fmt::format("bit depth {} with colour type {} is not a valid PNG", depth, color_type));
+  const bool depth_ok =
+      (color_type == PNG_COLOR_TYPE_GRAY && (depth == 1 || depth == 2 || depth == 4 || depth == 8 || depth == 16)) ||
+      (color_type == PNG_COLOR_TYPE_PALETTE && (depth == 1 || depth == 2 || depth == 4 || depth == 8)) ||
+      ((color_type == PNG_COLOR_TYPE_RGB || color_type == PNG_COLOR_TYPE_GRAY_ALPHA ||
+        color_type == PNG_COLOR_TYPE_RGB_ALPHA) &&
+       (depth == 8 || depth == 16));
+  if (!depth_ok)
+    corrupt(name, "PNG", fmt::format("bit depth {} with colour type {} is not a valid PNG", depth, color_type));
   // libpng's buffers: two rows (current and previous, filtered) and zlib's window; an interlaced
   // image is read whole (Adam7 passes) unless it is 8-bit RGB, which goes straight into the output.
   const int64_t rb = row_bytes(w, color_type, depth) + 1;
@@ -200,7 +203,8 @@ Rgb8 decode_png(std::span<const uint8_t> b, const ImageInfo& info) {
           rows.resize(h);
           for (size_t y = 0; y < h; ++y) rows[y] = raw.data() + y * rb;
           png_read_image(p.png, rows.data());
-          for (size_t y = 0; y < h; ++y) convert_row(rows[y], out.data.data() + y * w * 3, w, color_type, depth, palette);
+          for (size_t y = 0; y < h; ++y)
+            convert_row(rows[y], out.data.data() + y * w * 3, w, color_type, depth, palette);
         } else {
           raw.resize(rb);
           for (size_t y = 0; y < h; ++y) {

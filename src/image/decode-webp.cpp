@@ -56,7 +56,8 @@ void decode_into(std::span<const uint8_t> bitstream, uint8_t* dst, size_t stride
   VP8StatusCode s = WebPGetFeatures(bitstream.data(), bitstream.size(), &config.input);
   if (s != VP8_STATUS_OK) webp_error(name, s);
   if (config.input.width != w || config.input.height != h)
-    corrupt(name, "WebP", fmt::format("the bitstream is {}x{}, its frame {}x{}", config.input.width, config.input.height, w, h));
+    corrupt(name, "WebP",
+            fmt::format("the bitstream is {}x{}, its frame {}x{}", config.input.width, config.input.height, w, h));
   config.output.colorspace = MODE_RGB;
   config.output.is_external_memory = 1;
   config.output.u.RGBA.rgba = dst;
@@ -86,7 +87,8 @@ Rgb8 decode_webp(std::span<const uint8_t> b, const ImageInfo& info) {
   WebPBitstreamFeatures f;
   const VP8StatusCode s = WebPGetFeatures(b.data(), b.size(), &f);
   if (s != VP8_STATUS_OK) webp_error(info.name, s);
-  if (f.width != info.width || f.height != info.height) fail("image '{}': WebP header changed between reads", info.name);
+  if (f.width != info.width || f.height != info.height)
+    fail("image '{}': WebP header changed between reads", info.name);
   Rgb8 out = blank_image(info);  // (0, 0, 0): an animation's transparent-black canvas
   const size_t stride = size_t(info.width) * 3;
   if (!f.has_animation) {
@@ -97,15 +99,17 @@ Rgb8 decode_webp(std::span<const uint8_t> b, const ImageInfo& info) {
   const WebPData data{b.data(), b.size()};
   dm.d = WebPDemux(&data);
   if (!dm.d) corrupt(info.name, "WebP", "cannot parse the animation's chunks (corrupt or truncated)");
-  if (int(WebPDemuxGetI(dm.d, WEBP_FF_CANVAS_WIDTH)) != info.width || int(WebPDemuxGetI(dm.d, WEBP_FF_CANVAS_HEIGHT)) != info.height)
+  if (int(WebPDemuxGetI(dm.d, WEBP_FF_CANVAS_WIDTH)) != info.width ||
+      int(WebPDemuxGetI(dm.d, WEBP_FF_CANVAS_HEIGHT)) != info.height)
     corrupt(info.name, "WebP", "the animation's canvas differs from its header");
   dm.have_frame = WebPDemuxGetFrame(dm.d, 1, &dm.it);
   if (!dm.have_frame) corrupt(info.name, "WebP", "the animation has no frame");
   const WebPIterator& it = dm.it;
   if (it.x_offset < 0 || it.y_offset < 0 || it.width <= 0 || it.height <= 0 || it.x_offset > info.width - it.width ||
       it.y_offset > info.height - it.height)
-    corrupt(info.name, "WebP", fmt::format("frame 1 ({}x{} at {},{}) is outside the {}x{} canvas", it.width, it.height,
-                                           it.x_offset, it.y_offset, info.width, info.height));
+    corrupt(info.name, "WebP",
+            fmt::format("frame 1 ({}x{} at {},{}) is outside the {}x{} canvas", it.width, it.height, it.x_offset,
+                        it.y_offset, info.width, info.height));
   const size_t offset = size_t(it.y_offset) * stride + size_t(it.x_offset) * 3;
   decode_into({it.fragment.bytes, it.fragment.size}, out.data.data() + offset, stride, out.data.size() - offset,
               it.width, it.height, info.name);

@@ -113,8 +113,8 @@ Rgb8 blank_image(const ImageInfo& info) {
   img.width = info.width;
   img.height = info.height;
   img.name = info.name;
-  img.data.resize(checked_mul<size_t>(checked_mul<size_t>(size_t(info.width), size_t(info.height), "image size"), 3,
-                                      "image size"));
+  img.data.resize(
+      checked_mul<size_t>(checked_mul<size_t>(size_t(info.width), size_t(info.height), "image size"), 3, "image size"));
   return img;
 }
 

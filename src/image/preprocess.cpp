@@ -1,4 +1,5 @@
-// smart_resize, the antialiased bicubic resize, normalization and patchify (docs/encoder.md §smart_resize to §Patchify).
+// smart_resize, the antialiased bicubic resize, normalization and patchify (docs/encoder.md §smart_resize to
+// §Patchify).
 #include <algorithm>
 #include <cctype>
 #include <cmath>
@@ -40,7 +41,7 @@ PreprocessConfig parse_preprocess_config(std::string_view text, const std::strin
                      const char* shown) {
     if (!obj.contains(key) || obj.at(key).is_null()) return;
     const nlohmann::json& v = obj.at(key);
-    const bool ok = v.is_number_unsigned() ? v.get<uint64_t>() <= uint64_t(hi) && int64_t(v.get<uint64_t>()) >= lo
+    const bool ok = v.is_number_unsigned()  ? v.get<uint64_t>() <= uint64_t(hi) && int64_t(v.get<uint64_t>()) >= lo
                     : v.is_number_integer() ? v.get<int64_t>() >= lo && v.get<int64_t>() <= hi
                                             : false;
     if (!ok) fail("{}: {} is {}; it must be an integer in {}..{}", where, shown, quote_for_error(v), lo, hi);
@@ -57,8 +58,7 @@ PreprocessConfig parse_preprocess_config(std::string_view text, const std::strin
   }
   integer(j, "min_pixels", c.min_pixels, 1, kMaxPixelBudget, "min_pixels");
   integer(j, "max_pixels", c.max_pixels, 1, kMaxPixelBudget, "max_pixels");
-  if (c.max_pixels < c.min_pixels)
-    fail("{}: max_pixels {} is below min_pixels {}", where, c.max_pixels, c.min_pixels);
+  if (c.max_pixels < c.min_pixels) fail("{}: max_pixels {} is below min_pixels {}", where, c.max_pixels, c.min_pixels);
   small("patch_size", c.patch, qwen3vl::kMaxPatch);
   small("merge_size", c.merge, qwen3vl::kMaxMerge);
   small("temporal_patch_size", c.temporal, qwen3vl::kMaxTemporalPatch);
@@ -66,7 +66,8 @@ PreprocessConfig parse_preprocess_config(std::string_view text, const std::strin
     if (!j.contains(key) || j.at(key).is_null()) continue;
     const bool is_std = std::string_view(key) == "image_std";
     const nlohmann::json& v = j.at(key);
-    if (!v.is_array() || v.size() != 3) fail("{}: {} is {}; it must be a list of 3 numbers", where, key, quote_for_error(v));
+    if (!v.is_array() || v.size() != 3)
+      fail("{}: {} is {}; it must be a list of 3 numbers", where, key, quote_for_error(v));
     for (size_t i = 0; i < 3; ++i) {
       const double x = v[i].is_number() ? v[i].get<double>() : std::nan("");
       const bool ok = is_std ? x >= 1e-6 && x <= 1e6 : x >= -1e6 && x <= 1e6;  // false for NaN
@@ -103,7 +104,8 @@ std::optional<std::string> model_folder_file(const std::string& model, const cha
 
 std::optional<qwen3vl::VisionConfig> readable_model_config(const std::string& model) {
   std::error_code ec;
-  if (!std::filesystem::is_directory(model, ec)) return qwen3vl::synthetic_config(model);  // unknown names: load_model reports them
+  if (!std::filesystem::is_directory(model, ec))
+    return qwen3vl::synthetic_config(model);  // unknown names: load_model reports them
   // config.json: the same reader load_model uses; without one load_model fails, naming it.
   const std::optional<std::string> cp = model_folder_file(model, "config.json");
   if (!cp) return std::nullopt;
@@ -118,7 +120,8 @@ PreprocessConfig model_preprocess_config(const std::string& model, std::string& 
   PreprocessConfig c;
   where = "the shipped Qwen3-VL preprocessing defaults";
   if (const std::optional<std::string> path = model_folder_file(model, "preprocessor_config.json")) {
-    c = parse_preprocess_config(read_file(*path, "preprocessor config", qwen3vl::config_json_limits().max_bytes), *path);
+    c = parse_preprocess_config(read_file(*path, "preprocessor config", qwen3vl::config_json_limits().max_bytes),
+                                *path);
     where = *path;
   }
   if (const auto mc = readable_model_config(model)) check_against_model(c, where, *mc);
@@ -238,13 +241,16 @@ Rgb8 resize_bicubic(const Rgb8& in, int out_h, int out_w) {
     mid.data = in.data;
   } else {
     const Taps t = taps(in.width, out_w);
-    parallel_for(in.height, [&](int64_t y) {
-      for (int x = 0; x < out_w; ++x)
-        for (int c = 0; c < 3; ++c)
-          mid.data[(size_t(y) * out_w + x) * 3 + c] =
-              convolve(in.data.data() + (size_t(y) * in.width + t.start[size_t(x)]) * 3 + c, 3,
-                       t.weights.data() + size_t(x) * t.ksize, t.count[size_t(x)], t.precision);
-    }, threads_for(int64_t(out_w) * in.height), 8);
+    parallel_for(
+        in.height,
+        [&](int64_t y) {
+          for (int x = 0; x < out_w; ++x)
+            for (int c = 0; c < 3; ++c)
+              mid.data[(size_t(y) * out_w + x) * 3 + c] =
+                  convolve(in.data.data() + (size_t(y) * in.width + t.start[size_t(x)]) * 3 + c, 3,
+                           t.weights.data() + size_t(x) * t.ksize, t.count[size_t(x)], t.precision);
+        },
+        threads_for(int64_t(out_w) * in.height), 8);
   }
   if (out_h == in.height) return mid;
   Rgb8 out;
@@ -252,13 +258,16 @@ Rgb8 resize_bicubic(const Rgb8& in, int out_h, int out_w) {
   out.height = out_h;
   out.data.resize(size_t(out_w) * out_h * 3);
   const Taps t = taps(in.height, out_h);
-  parallel_for(out_h, [&](int64_t y) {
-    for (int x = 0; x < out_w; ++x)
-      for (int c = 0; c < 3; ++c)
-        out.data[(size_t(y) * out_w + x) * 3 + c] =
-            convolve(mid.data.data() + (size_t(t.start[size_t(y)]) * out_w + x) * 3 + c, size_t(out_w) * 3,
-                     t.weights.data() + size_t(y) * t.ksize, t.count[size_t(y)], t.precision);
-  }, threads_for(int64_t(out_w) * out_h), 8);
+  parallel_for(
+      out_h,
+      [&](int64_t y) {
+        for (int x = 0; x < out_w; ++x)
+          for (int c = 0; c < 3; ++c)
+            out.data[(size_t(y) * out_w + x) * 3 + c] =
+                convolve(mid.data.data() + (size_t(t.start[size_t(y)]) * out_w + x) * 3 + c, size_t(out_w) * 3,
+                         t.weights.data() + size_t(y) * t.ksize, t.count[size_t(y)], t.precision);
+      },
+      threads_for(int64_t(out_w) * out_h), 8);
   return out;
 }
 
@@ -298,7 +307,8 @@ Patches patchify(const Rgb8& img, const PreprocessConfig& cfg) {
       for (int t = 0; t < T; ++t)
         for (int py = 0; py < P; ++py)
           for (int px = 0; px < P; ++px)
-            dst[((c * T + t) * P + py) * P + px] = normalize(img.data[(size_t(y0 + py) * img.width + x0 + px) * 3 + c], cfg.mean, cfg.std, c);
+            dst[((c * T + t) * P + py) * P + px] =
+                normalize(img.data[(size_t(y0 + py) * img.width + x0 + px) * 3 + c], cfg.mean, cfg.std, c);
   });
   return out;
 }
@@ -317,21 +327,25 @@ Patches patchify_raw(const Rgb8& img, const PreprocessConfig& cfg) {
     uint8_t* dst = out.raw.data() + r * row;
     for (int c = 0; c < 3; ++c)
       for (int py = 0; py < P; ++py)
-        for (int px = 0; px < P; ++px) dst[(c * P + py) * P + px] = img.data[(size_t(y0 + py) * img.width + x0 + px) * 3 + c];
+        for (int px = 0; px < P; ++px)
+          dst[(c * P + py) * P + px] = img.data[(size_t(y0 + py) * img.width + x0 + px) * 3 + c];
   });
   return out;
 }
 
 void normalize_raw(Patches& p) {
   const int T = p.norm.temporal;
-  const size_t rows = size_t(p.grid[0]) * p.grid[1] * p.grid[2], in_row = rows ? p.raw.size() / rows : 0, plane = in_row / 3;
-  if (p.raw.empty() || T < 1 || rows * in_row != p.raw.size() || plane * 3 != in_row) fail("normalize_raw: these are not raw patches");
+  const size_t rows = size_t(p.grid[0]) * p.grid[1] * p.grid[2], in_row = rows ? p.raw.size() / rows : 0,
+               plane = in_row / 3;
+  if (p.raw.empty() || T < 1 || rows * in_row != p.raw.size() || plane * 3 != in_row)
+    fail("normalize_raw: these are not raw patches");
   p.pixels.resize(rows * in_row * size_t(T));
   float* dst = p.pixels.data();
   for (size_t r = 0; r < rows; ++r)
     for (int c = 0; c < 3; ++c)
       for (int t = 0; t < T; ++t)
-        for (size_t k = 0; k < plane; ++k) *dst++ = normalize(p.raw[r * in_row + c * plane + k], p.norm.mean, p.norm.std, c);
+        for (size_t k = 0; k < plane; ++k)
+          *dst++ = normalize(p.raw[r * in_row + c * plane + k], p.norm.mean, p.norm.std, c);
 }
 
 std::pair<int, int> resized_size(int height, int width, const PreprocessConfig& cfg) {

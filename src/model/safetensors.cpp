@@ -47,10 +47,10 @@ constexpr size_t kMaxShardName = 255;  // one path component (NAME_MAX)
 JsonLimits header_limits() {
   JsonLimits l;
   l.max_bytes = size_t(kMaxHeader);
-  l.max_depth = 4;  // {name: {"shape": [..]}} is depth 3
-  l.max_object_keys = kMaxTensorsPerFile + 1;  // the tensors and __metadata__
+  l.max_depth = 4;                                               // {name: {"shape": [..]}} is depth 3
+  l.max_object_keys = kMaxTensorsPerFile + 1;                    // the tensors and __metadata__
   l.max_elements = 8 * (kMaxTensorsPerFile + 1) + 4 * kMaxRank;  // entry, dtype, shape, offsets pair
-  l.max_string_bytes = size_t(1) << 20;  // __metadata__ values may hold a small JSON document
+  l.max_string_bytes = size_t(1) << 20;                          // __metadata__ values may hold a small JSON document
   return l;
 }
 
@@ -70,7 +70,7 @@ size_t elem_size(DType d) { return dtype_size(d); }
 float f16_to_float(uint16_t h) {
   const uint32_t sign = uint32_t(h & 0x8000u) << 16, exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu;
   if (exp == 0x1F) return bits_float(sign | 0x7F800000u | (man << 13));  // inf, NaN (payload kept)
-  if (exp == 0) {                                                       // zero or subnormal: man * 2^-24
+  if (exp == 0) {                                                        // zero or subnormal: man * 2^-24
     const float v = std::ldexp(float(man), -24);
     return sign ? -v : v;
   }
@@ -103,9 +103,9 @@ bool json_int(const json& j, int64_t& out) {
 // Bits per element of every dtype the safetensors format defines (0: not one of them).
 int format_dtype_bits(const std::string& s) {
   static const std::map<std::string, int> bits = {
-      {"BOOL", 8},  {"U8", 8},      {"I8", 8},      {"F8_E5M2", 8}, {"F8_E4M3", 8}, {"F8_E8M0", 8}, {"I16", 16},
-      {"U16", 16},  {"F16", 16},    {"BF16", 16},   {"I32", 32},    {"U32", 32},    {"F32", 32},    {"F64", 64},
-      {"I64", 64},  {"U64", 64},    {"C64", 64},    {"F4", 4},      {"F6_E2M3", 6}, {"F6_E3M2", 6}};
+      {"BOOL", 8}, {"U8", 8},   {"I8", 8},    {"F8_E5M2", 8}, {"F8_E4M3", 8}, {"F8_E8M0", 8}, {"I16", 16},
+      {"U16", 16}, {"F16", 16}, {"BF16", 16}, {"I32", 32},    {"U32", 32},    {"F32", 32},    {"F64", 64},
+      {"I64", 64}, {"U64", 64}, {"C64", 64},  {"F4", 4},      {"F6_E2M3", 6}, {"F6_E3M2", 6}};
   const auto it = bits.find(s);
   return it == bits.end() ? 0 : it->second;
 }
@@ -181,7 +181,8 @@ std::vector<int64_t> entry_shape(const json& e, const std::string& path, const s
   for (const json& d : e["shape"]) {
     int64_t v = 0;
     if (!json_int(d, v)) bad("shape is not an array of integers");
-    if (v < 0) fail("safetensors file '{}': tensor '{}': negative dimension in shape {}", path, shown, e["shape"].dump());
+    if (v < 0)
+      fail("safetensors file '{}': tensor '{}': negative dimension in shape {}", path, shown, e["shape"].dump());
     shape.push_back(v);
   }
   return shape;
@@ -200,9 +201,10 @@ Entry parse_entry(const std::string& shown, const json& e, const std::string& pa
   out.dtype = escape_for_error(e["dtype"].get<std::string>(), 32);
   const int bits = format_dtype_bits(out.dtype);
   if (kept ? !reader_dtype(out.dtype) : bits == 0)
-    fail("safetensors file '{}': tensor '{}': dtype {} is not supported: vision checkpoints hold BF16, F16, F32 or "
-         "F8_E4M3 (with its scale)",
-         path, shown, out.dtype);
+    fail(
+        "safetensors file '{}': tensor '{}': dtype {} is not supported: vision checkpoints hold BF16, F16, F32 or "
+        "F8_E4M3 (with its scale)",
+        path, shown, out.dtype);
   out.shape = entry_shape(e, path, shown);
   const json& off = e["data_offsets"];
   int64_t& begin = out.begin;
@@ -218,7 +220,9 @@ Entry parse_entry(const std::string& shown, const json& e, const std::string& pa
   if (too_big || !whole || end - begin != numel * bits / 8)
     fail("safetensors file '{}': tensor '{}': data_offsets [{}, {}] span {} bytes, but shape {} of {} needs {}", path,
          shown, begin, end, end - begin, shape_str(out.shape), out.dtype,
-         too_big ? std::string("more than 2^63") : whole ? std::to_string(numel * bits / 8) : std::string("part of a byte"));
+         too_big ? std::string("more than 2^63")
+         : whole ? std::to_string(numel * bits / 8)
+                 : std::string("part of a byte"));
   if (uint64_t(end) > data_size)
     fail("safetensors file '{}': truncated: tensor '{}' needs bytes up to {}, the file has {}", path, shown,
          header_end + uint64_t(end), header_end + data_size);
@@ -235,8 +239,8 @@ std::vector<TensorInfo> parse_safetensors(const uint8_t* bytes, size_t size, con
   uint64_t n = 0;
   for (int i = 7; i >= 0; --i) n = (n << 8) | bytes[i];  // little-endian regardless of host
   if (n > kMaxHeader)
-    fail("safetensors file '{}': header length {} is absurd (over {} bytes): corrupt or not a safetensors file",
-         path, n, kMaxHeader);
+    fail("safetensors file '{}': header length {} is absurd (over {} bytes): corrupt or not a safetensors file", path,
+         n, kMaxHeader);
   if (8 + n > size)
     fail("safetensors file '{}': truncated: the header needs bytes up to {}, the file has {}", path, 8 + n, size);
   const std::string_view text(reinterpret_cast<const char*>(bytes + 8), size_t(n));
@@ -269,9 +273,8 @@ std::vector<TensorInfo> parse_safetensors(const uint8_t* bytes, size_t size, con
   // No two tensors share a byte: sorted by begin, each non-empty span starts at or after the end of
   // every span before it (an aliasing header would let writes through one tensor change another,
   // and is what a crafted file uses to pass a size check with less data).
-  std::sort(spans.begin(), spans.end(), [](const Span& a, const Span& b) {
-    return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
-  });
+  std::sort(spans.begin(), spans.end(),
+            [](const Span& a, const Span& b) { return a.begin != b.begin ? a.begin < b.begin : a.end < b.end; });
   const Span* last = nullptr;  // the non-empty span reaching furthest so far
   for (const Span& sp : spans) {
     if (sp.begin == sp.end) continue;
@@ -297,8 +300,8 @@ class SafetensorsFile {
     Fd fd = open_regular_file(p, "safetensors file", &st);
     size_ = size_t(st.st_size);
     if (size_ < 8) {  // mmap of an empty file fails, and there is no header length to read anyway
-      fail("safetensors file '{}': only {} bytes, shorter than the 8-byte header length: not a safetensors file",
-           p, size_);
+      fail("safetensors file '{}': only {} bytes, shorter than the 8-byte header length: not a safetensors file", p,
+           size_);
     }
     void* m = ::mmap(nullptr, size_, PROT_READ, MAP_PRIVATE, fd.get(), 0);
     const int err = errno;
@@ -372,7 +375,8 @@ Checkpoint Checkpoint::open(const std::string& path, const TensorFilter& keep) {
 
   // Sharded: the index maps tensor names to shard files beside it.
   const std::string ip = index.string();
-  const std::map<std::string, std::string> wm = parse_checkpoint_index(read_file(ip, "checkpoint index", kMaxIndexBytes), ip);
+  const std::map<std::string, std::string> wm =
+      parse_checkpoint_index(read_file(ip, "checkpoint index", kMaxIndexBytes), ip);
   std::map<std::string, std::string> shard_path;  // shard name -> its path, each loaded once
   for (const auto& [name, s] : wm) {
     if (shard_path.count(s)) continue;
@@ -409,9 +413,10 @@ std::map<std::string, std::string> parse_checkpoint_index(std::string_view text,
     // /dev/zero, ../../secret or a folder.
     if (s.empty() || s == "." || s == ".." || s.size() > kMaxShardName || s.find('/') != std::string::npos ||
         s.find('\0') != std::string::npos)
-      fail("checkpoint index '{}': weight_map['{}'] = {} is not a file name beside the index (one path component, "
-           "at most {} bytes)",
-           ip, shown, quote_for_error(s), kMaxShardName);
+      fail(
+          "checkpoint index '{}': weight_map['{}'] = {} is not a file name beside the index (one path component, "
+          "at most {} bytes)",
+          ip, shown, quote_for_error(s), kMaxShardName);
     if (shards.insert(s).second && shards.size() > kMaxShards)
       fail("checkpoint index '{}': more than {} shard files (the limit)", ip, kMaxShards);
     out.emplace(name, s);

@@ -14,7 +14,10 @@ namespace fovea::server {
 
 Batcher::Batcher(const qwen3vl::Model& model, const EngineConfig& cfg, const std::vector<ReplicaSpec>& replicas,
                  size_t max_queue, int64_t max_queue_tokens, int64_t max_batch_tokens)
-    : model_(model), cfg_(cfg), max_queue_(max_queue), max_queue_tokens_(max_queue_tokens),
+    : model_(model),
+      cfg_(cfg),
+      max_queue_(max_queue),
+      max_queue_tokens_(max_queue_tokens),
       max_batch_tokens_(max_batch_tokens) {
   if (replicas.empty()) fail("serve: no encoder replica to start");
   std::string hook;  // FOVEA_TEST_FAIL_REPLICA=NAME:K
@@ -22,7 +25,8 @@ Batcher::Batcher(const qwen3vl::Model& model, const EngineConfig& cfg, const std
   for (const ReplicaSpec& spec : replicas) {
     auto r = std::make_unique<Replica>();
     r->spec = spec;
-    if (const std::string prefix = spec.name + ":"; hook.starts_with(prefix)) r->fail_at = std::atoll(hook.c_str() + prefix.size());
+    if (const std::string prefix = spec.name + ":"; hook.starts_with(prefix))
+      r->fail_at = std::atoll(hook.c_str() + prefix.size());
     replicas_.push_back(std::move(r));
   }
   // Every replica starts at once (loading weights onto several GPUs in parallel); the first failure,
@@ -57,8 +61,10 @@ std::string Batcher::full_for(int64_t tokens, bool counted, int64_t own) const {
     return fmt::format("the encoder queue is full ({} requests waiting or being decoded, --max-queue)", requests);
   const int64_t others = queued_tokens() + admitted_tokens_ - own;
   if (requests > 0 && others + own + tokens > max_queue_tokens_)
-    return fmt::format("the encoder queue holds {} visual tokens (requests waiting or being decoded); this request's {} "
-                       "would pass --max-queue-tokens {}", others, own + tokens, max_queue_tokens_);
+    return fmt::format(
+        "the encoder queue holds {} visual tokens (requests waiting or being decoded); this request's {} "
+        "would pass --max-queue-tokens {}",
+        others, own + tokens, max_queue_tokens_);
   return "";
 }
 
@@ -72,8 +78,10 @@ std::string Batcher::late_for(int64_t tokens, bool counted, Clock::time_point de
   const double need_s = 1.1 * double(ahead) * seconds_per_token_ / double(up) + seconds_per_forward_;
   const double left_s = seconds_between(Clock::now(), deadline);
   if (need_s <= left_s) return "";
-  return fmt::format("the encoder would need about {:.1f} s for the {} visual tokens queued ahead and this request's, "
-                     "and its deadline is {:.1f} s away (--request-timeout)", need_s, ahead, std::max(0.0, left_s));
+  return fmt::format(
+      "the encoder would need about {:.1f} s for the {} visual tokens queued ahead and this request's, "
+      "and its deadline is {:.1f} s away (--request-timeout)",
+      need_s, ahead, std::max(0.0, left_s));
 }
 
 void Batcher::release(Admission& a) {
@@ -165,17 +173,27 @@ size_t Batcher::queue_depth() const {
   return queue_.size();
 }
 
-uint64_t Batcher::forwards() const { return total([](const Replica& r) { return r.forwards.load(); }); }
-uint64_t Batcher::inputs_encoded() const { return total([](const Replica& r) { return r.inputs.load(); }); }
-uint64_t Batcher::tokens_encoded() const { return total([](const Replica& r) { return r.tokens.load(); }); }
+uint64_t Batcher::forwards() const {
+  return total([](const Replica& r) { return r.forwards.load(); });
+}
+uint64_t Batcher::inputs_encoded() const {
+  return total([](const Replica& r) { return r.inputs.load(); });
+}
+uint64_t Batcher::tokens_encoded() const {
+  return total([](const Replica& r) { return r.tokens.load(); });
+}
 double Batcher::forward_seconds() const {
   return double(total([](const Replica& r) { return r.forward_us.load(); })) / 1e6;
 }
 uint64_t Batcher::failed_forwards() const {
   return total([](const Replica& r) { return r.failed_forwards.load(); });
 }
-uint64_t Batcher::nonfinite_amax() const { return total([](const Replica& r) { return r.nonfinite.load(); }); }
-size_t Batcher::replicas_up() const { return total([](const Replica& r) { return size_t(r.up.load()); }); }
+uint64_t Batcher::nonfinite_amax() const {
+  return total([](const Replica& r) { return r.nonfinite.load(); });
+}
+size_t Batcher::replicas_up() const {
+  return total([](const Replica& r) { return size_t(r.up.load()); });
+}
 
 std::vector<ReplicaState> Batcher::replicas() const {
   std::vector<ReplicaState> out;
@@ -190,7 +208,8 @@ int64_t Batcher::queued_tokens() const {
   int64_t tokens = 0;
   for (const auto& job : queue_)
     if (!job->abandoned && job->error.empty())
-      for (size_t i = job->next; i < job->inputs.size(); ++i) tokens += visual_tokens(model_.config, job->inputs[i].grid);
+      for (size_t i = job->next; i < job->inputs.size(); ++i)
+        tokens += visual_tokens(model_.config, job->inputs[i].grid);
   return tokens;
 }
 
@@ -366,7 +385,8 @@ void Batcher::finish_batch(Replica& r, EncoderRunner& runner, Started& b) {
     if (batch_tokens > 0) {
       const double sample = forward_ms / 1000 / double(batch_tokens);
       seconds_per_token_ = seconds_per_token_ > 0 ? 0.8 * seconds_per_token_ + 0.2 * sample : sample;
-      seconds_per_forward_ = seconds_per_forward_ > 0 ? 0.8 * seconds_per_forward_ + 0.2 * forward_ms / 1000 : forward_ms / 1000;
+      seconds_per_forward_ =
+          seconds_per_forward_ > 0 ? 0.8 * seconds_per_forward_ + 0.2 * forward_ms / 1000 : forward_ms / 1000;
     }
     for (const Slot& s : b.slots) s.job->done += 1;
   }

@@ -4,12 +4,12 @@
 // and packs the inputs (images and clips) of queued requests, first come first served, into one
 // varlen forward of at most max_batch_tokens visual tokens (fovea::ForwardPacker); the first idle
 // worker takes the next batch. An input is never split; one larger than the limit runs alone. A
-// request's inputs may spread over several forwards and replicas. Each worker is a two-deep pipeline (EncoderRunner::start / finish): it starts
-// forward n+1 (packing its pixels into pinned memory, enqueueing it behind forward n) before it
-// waits for forward n and hands out its outputs, so its GPU runs back to back.
-// A forward that throws fails the requests in it and takes its replica out of rotation (a forward of
-// preprocessed patches fails only when the device does: a CUDA error); the other replicas keep
-// serving. With none left, queued and new requests fail at once.
+// request's inputs may spread over several forwards and replicas. Each worker is a two-deep pipeline
+// (EncoderRunner::start / finish): it starts forward n+1 (packing its pixels into pinned memory, enqueueing it behind
+// forward n) before it waits for forward n and hands out its outputs, so its GPU runs back to back. A forward that
+// throws fails the requests in it and takes its replica out of rotation (a forward of preprocessed patches fails only
+// when the device does: a CUDA error); the other replicas keep serving. With none left, queued and new requests fail at
+// once.
 #pragma once
 #include <atomic>
 #include <chrono>
@@ -38,10 +38,10 @@ namespace fovea::server {
 struct InputResult {
   std::shared_ptr<const EncoderOutputsBf16> forward;  // kept alive while `rows` are read
   Bf16Rows rows;                                      // this input's rows in it (split_inputs)
-  double queue_ms = 0;                        // submit -> start of its forward
-  double forward_ms = 0;                      // the GPU time of the forward it was part of
-  int batch_inputs = 0;                       // inputs in that forward
-  int64_t batch_tokens = 0;                   // visual tokens in that forward
+  double queue_ms = 0;                                // submit -> start of its forward
+  double forward_ms = 0;                              // the GPU time of the forward it was part of
+  int batch_inputs = 0;                               // inputs in that forward
+  int64_t batch_tokens = 0;                           // visual tokens in that forward
 };
 
 // One request in the queue. The worker writes outputs; the waiting thread reads them once done.
@@ -78,8 +78,8 @@ class Batcher {
   // Starts one worker per replica (each creates its encoder on its device, all at once); throws,
   // naming the replica, if any cannot start. The environment variable FOVEA_TEST_FAIL_REPLICA=NAME:K
   // (a test hook) makes replica NAME fail its K-th forward as a device failing would.
-  Batcher(const qwen3vl::Model& model, const EngineConfig& cfg, const std::vector<ReplicaSpec>& replicas, size_t max_queue,
-          int64_t max_queue_tokens, int64_t max_batch_tokens);
+  Batcher(const qwen3vl::Model& model, const EngineConfig& cfg, const std::vector<ReplicaSpec>& replicas,
+          size_t max_queue, int64_t max_queue_tokens, int64_t max_batch_tokens);
   ~Batcher();  // stop()
 
   // Room in the queue held for a request whose inputs are still being decoded: admitted from their
@@ -163,9 +163,9 @@ class Batcher {
   // Why a request of `tokens` more would miss its deadline behind the work ahead ("" if it would not);
   // with mu_ held.
   std::string late_for(int64_t tokens, bool counted, Clock::time_point deadline) const;
-  void release(Admission& a);  // with mu_ held
-  int64_t queued_tokens() const;   // with mu_ held: visual tokens of the inputs not yet taken
-  struct Started {  // a forward in flight
+  void release(Admission& a);     // with mu_ held
+  int64_t queued_tokens() const;  // with mu_ held: visual tokens of the inputs not yet taken
+  struct Started {                // a forward in flight
     std::vector<Slot> slots;
     std::vector<qwen3vl::GridThw> grids;
     bool deepstack = false;
@@ -198,10 +198,10 @@ class Batcher {
   std::condition_variable queued_;  // workers: something to do, or stop
   std::condition_variable done_;    // waiters: some job progressed
   std::deque<std::shared_ptr<Job>> queue_;
-  int64_t admitted_tokens_ = 0;   // held by admissions not yet submitted
+  int64_t admitted_tokens_ = 0;  // held by admissions not yet submitted
   size_t admitted_requests_ = 0;
   bool stopping_ = false;
-  double seconds_per_token_ = 0;    // exponential averages over forwards (0: none yet); for admit's estimate
+  double seconds_per_token_ = 0;  // exponential averages over forwards (0: none yet); for admit's estimate
   double seconds_per_forward_ = 0;
   std::vector<std::unique_ptr<Replica>> replicas_;
 };

@@ -18,7 +18,8 @@ class ByteBudget {
   bool acquire(int64_t bytes, Clock::time_point deadline) {
     std::unique_lock lk(mu_);
     if (bytes > capacity_ || closed_) return false;
-    if (!freed_.wait_until(lk, deadline, [&] { return closed_ || used_ + bytes <= capacity_; }) || closed_) return false;
+    if (!freed_.wait_until(lk, deadline, [&] { return closed_ || used_ + bytes <= capacity_; }) || closed_)
+      return false;
     used_ += bytes;
     return true;
   }

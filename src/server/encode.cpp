@@ -37,7 +37,8 @@ const char* error_type(int status) {
 }  // namespace
 
 http::Response error_response(const ApiError& e) {
-  return json_response(e.status, {{"error", {{"message", e.message}, {"type", error_type(e.status)}, {"code", e.code}}}});
+  return json_response(e.status,
+                       {{"error", {{"message", e.message}, {"type", error_type(e.status)}, {"code", e.code}}}});
 }
 
 namespace {
@@ -67,14 +68,14 @@ struct Exchange {
   InputConfig inputs;  // the server's preprocessing, narrowed by the request's kwargs (apply_mm_kwargs)
   std::vector<ReplyItem> items;
   Clock::time_point deadline, received;
-  Clock::time_point mark;  // when the last phase ended (Metrics::add_phase)
-  bool embeddings = true;  // the reply carries embeddings
-  bool octet = false;      // a safetensors reply
-  std::string request_id;  // a chat reply's id
+  Clock::time_point mark;    // when the last phase ended (Metrics::add_phase)
+  bool embeddings = true;    // the reply carries embeddings
+  bool octet = false;        // a safetensors reply
+  std::string request_id;    // a chat reply's id
   std::shared_ptr<Job> job;  // holds the forwards' outputs the reply's rows view
   http::Handler::Reply reply;
   std::function<http::Response(const Context&, const Exchange&)> answer;  // the reply once the items are done
-  struct Held {              // room the URL items' bytes took in Context::fetch_budget
+  struct Held {  // room the URL items' bytes took in Context::fetch_budget
     ByteBudget* budget = nullptr;
     std::atomic<int64_t> bytes = 0;
     ~Held() {
@@ -164,8 +165,9 @@ void copy_repeated_urls(Context& c, Exchange& x) {
     if (fresh) continue;
     const std::vector<uint8_t>& bytes = r.items[seen->second].fetched;
     if (!c.fetch_budget.acquire(int64_t(bytes.size()), Clock::now()))
-      reject(503, "server_busy", fmt::format("{}: no room for a copy of {}'s bytes now (--max-body-bytes-in-flight); retry later",
-                                             item.name, r.items[seen->second].name));
+      reject(503, "server_busy",
+             fmt::format("{}: no room for a copy of {}'s bytes now (--max-body-bytes-in-flight); retry later",
+                         item.name, r.items[seen->second].name));
     x.fetched.bytes += int64_t(bytes.size());
     item.fetched = bytes;
   }
@@ -195,7 +197,8 @@ std::vector<uint8_t> item_bytes(EncodeRequest& r, size_t i, bool keep = false) {
     throw;
   } catch (const Error& e) {
     if (Clock::now() > deadline)
-      reject(504, "timeout", fmt::format("{}: not decoded within {} s (--request-timeout)", name, c.opt.request_timeout_s));
+      reject(504, "timeout",
+             fmt::format("{}: not decoded within {} s (--request-timeout)", name, c.opt.request_timeout_s));
     const std::string what = e.what();  // decode errors name the item, preprocess errors do not
     reject(400, invalid_item_code(kind),
            what.find(name) != std::string::npos ? what : fmt::format("{} '{}': {}", input_kind_name(kind), name, what));
@@ -222,12 +225,14 @@ struct Holds {
     ByteBudget& budget = c.decode_budget;
     if (bytes > budget.capacity())
       throw ApiError{400, invalid_item_code(kind),
-                     fmt::format("{} needs {} bytes to decode, more than the server's {} (--max-decode-bytes)", what, bytes,
-                                 budget.capacity())};
+                     fmt::format("{} needs {} bytes to decode, more than the server's {} (--max-decode-bytes)", what,
+                                 bytes, budget.capacity())};
     if (!budget.acquire(bytes, x.deadline))
-      throw ApiError{503, "server_busy",
-                     fmt::format("{}: no room to decode before the request's deadline (the server's images and clips being "
-                                 "decoded hold {} of {} bytes, --max-decode-bytes)", what, budget.used(), budget.capacity())};
+      throw ApiError{
+          503, "server_busy",
+          fmt::format("{}: no room to decode before the request's deadline (the server's images and clips being "
+                      "decoded hold {} of {} bytes, --max-decode-bytes)",
+                      what, budget.used(), budget.capacity())};
   }
   void open(size_t j, int64_t bytes) {  // item j's hooks run one after another on one thread
     if (bytes == 0) {
@@ -240,7 +245,8 @@ struct Holds {
   void admit(size_t j, const InputPlan& p) {
     std::string refused;
     if (!c.batcher.admit(admission, p.tokens, refused, x.deadline))
-      throw ApiError{503, "queue_full", fmt::format("{} '{}': {}; retry later", input_kind_name(p.kind), names[j], refused)};
+      throw ApiError{503, "queue_full",
+                     fmt::format("{} '{}': {}; retry later", input_kind_name(p.kind), names[j], refused)};
   }
   void all(int64_t bytes) {
     const bool one = names.size() == 1;
@@ -284,8 +290,8 @@ std::vector<PreparedInput> prepare(Context& c, Exchange& x, Holds& holds) {
   hooks.opening = [&](size_t j, int64_t bytes) { holds.open(j, bytes); };
   hooks.planned = [&](size_t j, const InputPlan& p) { holds.admit(j, p); };
   hooks.all_planned = [&](int64_t bytes) { holds.all(bytes); };
-  std::vector<PreparedInput> out =
-      prepare_inputs(holds.names, [&](size_t j) { return item_bytes(x.r, holds.which[j]); }, x.inputs, hooks);
+  std::vector<PreparedInput> out = prepare_inputs(
+      holds.names, [&](size_t j) { return item_bytes(x.r, holds.which[j]); }, x.inputs, hooks);
   for (size_t j = 0; j < out.size(); ++j)
     if (out[j].error) reject_item(c, out[j].error, out[j].kind, holds.names[j], x.deadline);
   return out;
@@ -312,14 +318,16 @@ void assign_keys(const Context& c, Exchange& x) {
   for (size_t i = 0; i < x.items.size(); ++i) {
     ReplyItem& it = x.items[i];
     RequestItem& item = r.items[i];
-    const std::string url =
-        !item.uuid.empty() ? "" : !item.remote_url.empty() ? item.remote_url : item.url_prefix + item.payload;
+    const std::string url = !item.uuid.empty()         ? ""
+                            : !item.remote_url.empty() ? item.remote_url
+                                                       : item.url_prefix + item.payload;
     it.key = vllm_mm_hash(c.opt.served_name(), it.kind, item.uuid.empty() ? sha256_hex(url) : item.uuid, r.kwargs);
     const auto [seen, fresh] = first.emplace(it.key, i);
     if (fresh) continue;
     if (!same_bytes(r, seen->second, i))
-      reject(400, "invalid_uuid", fmt::format("{}: uuid {} is also {}'s, whose bytes differ: a uuid names one content",
-                                              item.name, quote_for_error(it.key), r.items[seen->second].name));
+      reject(400, "invalid_uuid",
+             fmt::format("{}: uuid {} is also {}'s, whose bytes differ: a uuid names one content", item.name,
+                         quote_for_error(it.key), r.items[seen->second].name));
     it.same_as = seen->second;
     std::string().swap(item.payload);
     std::vector<uint8_t>().swap(item.fetched);
@@ -359,7 +367,8 @@ void find_cached(Context& c, Exchange& x) {
     PrepareHooks hooks;
     hooks.deadline = x.deadline;
     hooks.opening = [&](size_t j, int64_t bytes) { holds.open(j, bytes); };
-    plans = plan_inputs(holds.names, [&](size_t j) { return item_bytes(r, hits[j], x.embeddings); }, x.inputs, hooks);
+    plans = plan_inputs(
+        holds.names, [&](size_t j) { return item_bytes(r, hits[j], x.embeddings); }, x.inputs, hooks);
   }
   for (size_t j = 0; j < hits.size(); ++j) {
     ReplyItem& it = x.items[hits[j]];
@@ -400,8 +409,7 @@ std::shared_ptr<Job> run_job(Context& c, const Exchange& x, std::vector<Prepared
     case Batcher::Wait::FAILED:
       if (c.abandoned) reject(503, "shutting_down", error);
       reject(500, "encoder_error", error);
-    case Batcher::Wait::DONE:
-      break;
+    case Batcher::Wait::DONE: break;
   }
   return job;
 }
@@ -415,7 +423,9 @@ void collect(Context& c, Exchange& x, const std::vector<size_t>& which, const st
     it.grid = job.inputs[j].grid;
     it.clip = prepared[j].clip;
     it.rows = o.rows;
-    it.timings = {{"decode", prepared[j].decode_ms}, {"preprocess", prepared[j].preprocess_ms}, {"queue", o.queue_ms},
+    it.timings = {{"decode", prepared[j].decode_ms},
+                  {"preprocess", prepared[j].preprocess_ms},
+                  {"queue", o.queue_ms},
                   {"forward", o.forward_ms}};
     it.batch = {{"images", o.batch_inputs}, {"tokens", o.batch_tokens}};
     if (!c.cache) continue;
@@ -455,14 +465,19 @@ std::string json_reply(const Context& c, const Exchange& x, double total_ms) {
       bytes += (1 + (r.deepstack ? it.rows.deepstack.size() : 0)) * base64_size(it.rows.merged.size() * 2) + 1024;
     out.reserve(bytes + 1024);
   }
-  out += open_object({{"object", "list"}, {"model", c.opt.served_name()}, {"encoding", r.as_base64 ? "base64" : "float"},
+  out += open_object({{"object", "list"},
+                      {"model", c.opt.served_name()},
+                      {"encoding", r.as_base64 ? "base64" : "float"},
                       {"dtype", r.as_base64 ? "bf16" : "float32"}});
   out += ",\"data\":[";
   for (size_t i = 0; i < x.items.size(); ++i) {
     const ReplyItem& it = x.items[i];
     if (i) out += ',';
-    json head = {{"index", i}, {"type", input_kind_name(it.kind)}, {"grid_thw", it.grid},
-                 {"num_tokens", visual_tokens(c.model.config, it.grid)}, {"hidden_size", c.model.config.out_hidden}};
+    json head = {{"index", i},
+                 {"type", input_kind_name(it.kind)},
+                 {"grid_thw", it.grid},
+                 {"num_tokens", visual_tokens(c.model.config, it.grid)},
+                 {"hidden_size", c.model.config.out_hidden}};
     if (it.clip) {
       head["fps"] = it.clip->fps;
       head["frame_indices"] = it.clip->frame_indices;
@@ -497,11 +512,11 @@ std::string json_reply(const Context& c, const Exchange& x, double total_ms) {
 // the metadata.
 std::string safetensors_reply(const Context& c, const Exchange& x) {
   OutputTensors out(c.model.config);
-  out.meta = {{"model", c.opt.served_name()}, {"dtype", dtype_name(c.engine.dtype)}, {"device", device_name(c.engine.device)}};
+  out.meta = {
+      {"model", c.opt.served_name()}, {"dtype", dtype_name(c.engine.dtype)}, {"device", device_name(c.engine.device)}};
   for (const ReplyItem& it : x.items) {
     const Bf16Rows rows{it.rows.merged, x.r.deepstack ? it.rows.deepstack : std::vector<std::span<const uint16_t>>{}};
-    const std::string p =
-        out.add(it.kind, it.grid, rows, /*widen=*/!x.r.as_base64, it.clip);
+    const std::string p = out.add(it.kind, it.grid, rows, /*widen=*/!x.r.as_base64, it.clip);
     out.meta[p + ".timings_ms"] = dump(it.timings);
     if (c.cache) {
       out.meta[p + ".uuid"] = it.key;
@@ -595,17 +610,16 @@ std::string chat_reply(const Context& c, const Exchange& x, const std::string& r
     if (entry.empty()) entry = {{"metadata", embeds_metadata(it)}, {"item_indices", json::array()}};
     entry["item_indices"].push_back(i);
   }
-  const json reply = {
-      {"id", "chatcmpl-" + request_id},
-      {"object", "chat.completion"},
-      {"created", std::time(nullptr)},
-      {"model", c.opt.served_name()},
-      {"choices", json::array({{{"index", 0},
-                                {"message", {{"role", "assistant"}, {"content", ""}}},
-                                {"logprobs", nullptr},
-                                {"finish_reason", "stop"}}})},
-      {"usage", {{"prompt_tokens", tokens}, {"completion_tokens", 0}, {"total_tokens", tokens}}},
-      {"ec_transfer_params", std::move(params)}};
+  const json reply = {{"id", "chatcmpl-" + request_id},
+                      {"object", "chat.completion"},
+                      {"created", std::time(nullptr)},
+                      {"model", c.opt.served_name()},
+                      {"choices", json::array({{{"index", 0},
+                                                {"message", {{"role", "assistant"}, {"content", ""}}},
+                                                {"logprobs", nullptr},
+                                                {"finish_reason", "stop"}}})},
+                      {"usage", {{"prompt_tokens", tokens}, {"completion_tokens", 0}, {"total_tokens", tokens}}},
+                      {"ec_transfer_params", std::move(params)}};
   return dump(reply);
 }
 

@@ -41,7 +41,7 @@ struct Context {
   ByteBudget fetch_budget;  // the bytes of URL items being read and held, as request bodies are (media-url.h)
   Metrics metrics;
   http::Server* http = nullptr;
-  EcCache* cache = nullptr;  // --ec-storage-path
+  EcCache* cache = nullptr;             // --ec-storage-path
   const MediaSources* media = nullptr;  // file:// and http(s):// items (null: data URLs and base64 only)
   int64_t started_unix = std::time(nullptr);
   std::atomic<bool> abandoned{false};  // shutdown's timeout passed: requests still here are answered 503 already

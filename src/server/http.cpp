@@ -75,9 +75,9 @@ const char* reason(int status) {
 
 // A reply's status line and fields; the body is the second buffer of the same gathered write (never copied).
 std::string serialize_head(const Response& r, bool keep_alive) {
-  std::string out = fmt::format("HTTP/1.1 {} {}\r\nContent-Type: {}\r\nContent-Length: {}\r\nConnection: {}\r\n",
-                                r.status, reason(r.status), r.content_type, r.body.size(),
-                                keep_alive ? "keep-alive" : "close");
+  std::string out =
+      fmt::format("HTTP/1.1 {} {}\r\nContent-Type: {}\r\nContent-Length: {}\r\nConnection: {}\r\n", r.status,
+                  reason(r.status), r.content_type, r.body.size(), keep_alive ? "keep-alive" : "close");
   for (const auto& h : r.headers) out += fmt::format("{}: {}\r\n", h.name, h.value);
   out += "\r\n";
   return out;
@@ -86,7 +86,8 @@ std::string serialize_head(const Response& r, bool keep_alive) {
 // Names a worker thread once, for debuggers and top, and lowers its priority below the network
 // thread's (kBulkNice): decoding never keeps /health or a reply's write waiting for a core.
 void name_worker() {
-  static thread_local const bool named = (name_this_thread("fovea-worker"), lower_this_thread_priority(kBulkNice), true);
+  static thread_local const bool named =
+      (name_this_thread("fovea-worker"), lower_this_thread_priority(kBulkNice), true);
   (void)named;
 }
 
@@ -161,8 +162,7 @@ HeadCheck check_head(std::string_view head, size_t max_fields) {
 class Connection;
 
 struct Server::Impl {
-  Impl(const Options& o, Handler& h)
-      : opt(o), lim(o.limits), handler(h), pool(size_t(o.threads)) {}
+  Impl(const Options& o, Handler& h) : opt(o), lim(o.limits), handler(h), pool(size_t(o.threads)) {}
 
   const Options opt;
   const Limits lim;
@@ -173,8 +173,8 @@ struct Server::Impl {
   asio::steady_timer accept_retry{io};
   asio::thread_pool pool;
   std::unordered_set<std::shared_ptr<Connection>> conns;  // network thread only
-  size_t body_bytes_reserved = 0;                          // network thread only
-  std::atomic<size_t> in_flight{0};                         // requests being read or handled
+  size_t body_bytes_reserved = 0;                         // network thread only
+  std::atomic<size_t> in_flight{0};                       // requests being read or handled
   std::atomic<bool> draining{false};
   std::atomic<bool> stopping{false};  // a first signal arrived
   asio::steady_timer drain_delay{io};
@@ -213,8 +213,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
       case State::BODY:
         fail(503, "shutting_down", "the server is shutting down; this request's body had not been read; retry");
         break;
-      default:
-        break;  // being handled or written: its reply goes out, then the connection closes
+      default: break;  // being handled or written: its reply goes out, then the connection closes
     }
   }
 
@@ -222,8 +221,10 @@ class Connection : public std::enable_shared_from_this<Connection> {
   // reply, when it comes, is dropped).
   void on_drain_timeout() {
     if (state_ != State::WORK) return;
-    fail(503, "shutting_down", fmt::format("the server is shutting down and this request did not finish within {} s "
-                                           "(--shutdown-timeout); retry", s_.lim.shutdown_timeout_s));
+    fail(503, "shutting_down",
+         fmt::format("the server is shutting down and this request did not finish within {} s "
+                     "(--shutdown-timeout); retry",
+                     s_.lim.shutdown_timeout_s));
   }
 
  private:
@@ -242,10 +243,13 @@ class Connection : public std::enable_shared_from_this<Connection> {
   void on_read(boost::system::error_code ec, size_t n) {
     if (state_ == State::CLOSED) return;
     if (state_ == State::LINGER) {  // discarding what the client still sends after our last reply
-      if (ec) close(); else read();
+      if (ec)
+        close();
+      else
+        read();
       return;
     }
-    if (ec) {  // EOF or reset
+    if (ec) {                        // EOF or reset
       if (state_ == State::WRITE) {  // a reply is going out (a 408, say): let it finish, then close
         keep_alive_ = false;
         return;
@@ -277,8 +281,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
         case State::BODY:
           if (!on_body()) return;
           break;
-        default:
-          return;
+        default: return;
       }
     }
   }
@@ -368,7 +371,8 @@ class Connection : public std::enable_shared_from_this<Connection> {
     if (s_.body_bytes_reserved > reserved_ && s_.body_bytes_reserved + more > s_.lim.max_body_bytes_in_flight) {
       fail(503, "server_busy",
            fmt::format("request bodies being received take {} bytes; this one would pass the server's limit of {}; "
-                       "retry later", s_.body_bytes_reserved, s_.lim.max_body_bytes_in_flight),
+                       "retry later",
+                       s_.body_bytes_reserved, s_.lim.max_body_bytes_in_flight),
            true);
       return false;
     }
@@ -435,7 +439,8 @@ class Connection : public std::enable_shared_from_this<Connection> {
   // ---- writing --------------------------------------------------------------------------------
   // An error the layer answers itself; the connection closes after it.
   void body_too_large() {
-    fail(413, "body_too_large", fmt::format("the request body exceeds {} bytes (--max-body-bytes)", s_.lim.max_body_bytes));
+    fail(413, "body_too_large",
+         fmt::format("the request body exceeds {} bytes (--max-body-bytes)", s_.lim.max_body_bytes));
   }
   void fail(int status, const std::string& code, const std::string& message, bool retry_after = false) {
     keep_alive_ = false;
@@ -547,14 +552,12 @@ class Connection : public std::enable_shared_from_this<Connection> {
       case State::BODY:
         fail(408, "request_timeout", fmt::format("the request body did not arrive within {} s", s_.lim.body_timeout_s));
         break;
-      case State::WORK:
-        break;
+      case State::WORK: break;
       case State::WRITE:
       case State::LINGER:
         close();  // the client does not read its reply, or lingering is over
         break;
-      case State::CLOSED:
-        break;
+      case State::CLOSED: break;
     }
   }
 
@@ -584,8 +587,9 @@ class Connection : public std::enable_shared_from_this<Connection> {
 void Server::Impl::start(tcp::socket s) {
   if (conns.size() >= lim.max_connections) {
     // Best effort, never blocking: a fresh socket's send buffer takes this short reply.
-    Response r = handler.error(503, "too_many_connections",
-                               fmt::format("the server has {} open connections (its limit); retry later", conns.size()));
+    Response r =
+        handler.error(503, "too_many_connections",
+                      fmt::format("the server has {} open connections (its limit); retry later", conns.size()));
     r.headers.push_back({"Retry-After", "1"});
     const std::string head = serialize_head(r, false);
     boost::system::error_code ec;
@@ -662,9 +666,7 @@ Server::Server(const Options& o, Handler& handler) : impl_(std::make_unique<Impl
   s.port = s.acceptor.local_endpoint().port();
 }
 
-Server::~Server() {
-  impl_->pool.join();
-}
+Server::~Server() { impl_->pool.join(); }
 
 int Server::port() const { return impl_->port; }
 size_t Server::in_flight() const { return impl_->in_flight; }

@@ -18,10 +18,10 @@
 //   413 body over max_body_bytes, 431 head over max_header_bytes or max_header_fields,
 //   503 connection limit, body-bytes budget, or shutting down (each closes the connection).
 // Shutdown (SIGINT/SIGTERM): first, for limits.drain_delay_s, go on serving while stopping() is
-// true (the service's readiness probe says 503, so a load balancer stops sending); then stop accepting (connections already in the kernel's backlog are taken
-// first), answer every request whose body was fully read (within limits.shutdown_timeout_s: then
-// those still being handled get 503 at once and Handler::abandon() is called), answer 503 to every
-// request whose head or body was still arriving and to any that arrives within a grace period, then
+// true (the service's readiness probe says 503, so a load balancer stops sending); then stop accepting (connections
+// already in the kernel's backlog are taken first), answer every request whose body was fully read (within
+// limits.shutdown_timeout_s: then those still being handled get 503 at once and Handler::abandon() is called), answer
+// 503 to every request whose head or body was still arriving and to any that arrives within a grace period, then
 // return. A second signal exits at once (code 1).
 #pragma once
 #include <cstddef>
@@ -42,7 +42,6 @@ using Limits = HttpLimits;  // fovea/serve.h: they are serve's flags
 // How much lower the priority of threads doing bulk work (the workers, the encoder replicas, the
 // fetching thread) is than the network thread's, in nice steps.
 inline constexpr int kBulkNice = 5;
-
 
 struct Header {
   std::string name, value;

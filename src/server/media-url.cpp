@@ -106,11 +106,14 @@ int open_beneath(int dir_fd, const std::string& rel) {
 
 std::string open_failure(int err) {
   switch (err) {
-    case ENOENT: case ENOTDIR: return "no such file below --allowed-local-media-path";
-    case EXDEV: case ELOOP:
+    case ENOENT:
+    case ENOTDIR: return "no such file below --allowed-local-media-path";
+    case EXDEV:
+    case ELOOP:
       return "it leads out of --allowed-local-media-path (through \"..\" or a symlink), or through an absolute "
              "symlink (only relative symlinks that stay inside are followed)";
-    case EACCES: case EPERM: return "permission denied";
+    case EACCES:
+    case EPERM: return "permission denied";
     case ENOSYS: return "this kernel cannot open a file strictly beneath a folder (openat2, Linux 5.6)";
     default: return std::strerror(err);
   }
@@ -174,7 +177,8 @@ MediaSources::MediaSources(const ServeOptions& o)
   }
   if (!domains_.empty() && !http_media_supported())
     throw Error("--allowed-media-domains: this build of fovea cannot fetch http(s) URLs (built without libcurl)");
-  if (!(timeout_s_ > 0) || timeout_s_ > 3600) throw Error("--media-fetch-timeout must be more than 0 and at most 3600 seconds");
+  if (!(timeout_s_ > 0) || timeout_s_ > 3600)
+    throw Error("--media-fetch-timeout must be more than 0 and at most 3600 seconds");
 #ifdef FOVEA_HAVE_CURL
   static std::once_flag once;
   std::call_once(once, [] { curl_global_init(CURL_GLOBAL_DEFAULT); });
@@ -189,8 +193,8 @@ MediaSources::~MediaSources() {
 std::string MediaSources::describe() const {
   std::string files = local_fd_ >= 0 ? fmt::format("file:// below {}", local_real_) : "no file://";
   std::string web = domains_.empty() ? "no http(s)://"
-                    : any_domain_   ? "http(s):// from any host"
-                                    : fmt::format("http(s):// from {}", fmt::join(domains_, ", "));
+                    : any_domain_    ? "http(s):// from any host"
+                                     : fmt::format("http(s):// from {}", fmt::join(domains_, ", "));
   if (!domains_.empty()) web += private_ok_ ? " (private addresses too)" : " (public addresses only)";
   return files + "; " + web;
 }
@@ -217,10 +221,11 @@ std::vector<uint8_t> MediaSources::read(const std::string& url, const std::strin
   if (rel.empty()) bad_url(name, url, fmt::format("not below --allowed-local-media-path ({})", local_root_));
   const Fd fd(open_beneath(local_fd_, rel));
   if (!fd) bad_url(name, url, open_failure(errno));
-  struct stat st{};
+  struct stat st {};
   if (::fstat(fd.get(), &st) != 0 || !S_ISREG(st.st_mode)) bad_url(name, url, "not a regular file");
   if (st.st_size > max_bytes_)
-    bad_url(name, url, fmt::format("{} bytes, more than an item may be ({}, --max-body-bytes)", st.st_size, max_bytes_));
+    bad_url(name, url,
+            fmt::format("{} bytes, more than an item may be ({}, --max-body-bytes)", st.st_size, max_bytes_));
   if (!take(budget, st.st_size, held)) no_room(budget, name, url);
   std::vector<uint8_t> bytes(size_t(st.st_size));
   const ssize_t got = pread_full(fd.get(), bytes.data(), bytes.size(), 0);
@@ -256,16 +261,19 @@ bool starts_with_bytes(const in6_addr& a, std::initializer_list<uint8_t> prefix)
 // prefix 64:ff9b::/96, RFC 3056 6to4, RFC 4380 Teredo's server and client, RFC 5214 ISATAP
 // interface ids). The local-use NAT64 prefix 64:ff9b:1::/48 is local_use_nat64's.
 std::vector<uint32_t> embedded_v4(const in6_addr& a) {
-  const auto zero = [&](int from, int to) { return std::all_of(a.s6_addr + from, a.s6_addr + to, [](uint8_t b) { return b == 0; }); };
+  const auto zero = [&](int from, int to) {
+    return std::all_of(a.s6_addr + from, a.s6_addr + to, [](uint8_t b) { return b == 0; });
+  };
   std::vector<uint32_t> out;
   if (zero(0, 10) && a.s6_addr[10] == 0xff && a.s6_addr[11] == 0xff) out.push_back(v4_at(a, 12));  // ::ffff:a.b.c.d
-  if (zero(0, 8) && a.s6_addr[8] == 0xff && a.s6_addr[9] == 0xff && zero(10, 12)) out.push_back(v4_at(a, 12));  // ::ffff:0:a.b.c.d
+  if (zero(0, 8) && a.s6_addr[8] == 0xff && a.s6_addr[9] == 0xff && zero(10, 12))
+    out.push_back(v4_at(a, 12));                                     // ::ffff:0:a.b.c.d
   if (zero(0, 12) && v4_at(a, 12) > 1) out.push_back(v4_at(a, 12));  // ::a.b.c.d (not :: or ::1)
   if (starts_with_bytes(a, {0x00, 0x64, 0xff, 0x9b}) && zero(4, 12)) out.push_back(v4_at(a, 12));  // 64:ff9b::/96
-  if (starts_with_bytes(a, {0x20, 0x02})) out.push_back(v4_at(a, 2));  // 6to4 2002::/16
-  if (starts_with_bytes(a, {0x20, 0x01, 0x00, 0x00})) {                 // Teredo 2001::/32
-    out.push_back(v4_at(a, 4));                                          // the server
-    out.push_back(~v4_at(a, 12));                                        // the client, obfuscated
+  if (starts_with_bytes(a, {0x20, 0x02})) out.push_back(v4_at(a, 2));                              // 6to4 2002::/16
+  if (starts_with_bytes(a, {0x20, 0x01, 0x00, 0x00})) {                                            // Teredo 2001::/32
+    out.push_back(v4_at(a, 4));                                                                    // the server
+    out.push_back(~v4_at(a, 12));  // the client, obfuscated
   }
   if ((a.s6_addr[8] & 0xfd) == 0 && a.s6_addr[9] == 0 && a.s6_addr[10] == 0x5e && a.s6_addr[11] == 0xfe)
     out.push_back(v4_at(a, 12));  // ISATAP ::0:5efe:a.b.c.d or ::200:5efe:a.b.c.d
@@ -289,13 +297,15 @@ std::string local_use_nat64(const in6_addr& a, bool private_ok) {
 }  // namespace
 
 std::string address_problem(const sockaddr* sa, bool private_ok) {
-  if (sa->sa_family == AF_INET) return v4_problem(ntohl(reinterpret_cast<const sockaddr_in*>(sa)->sin_addr.s_addr), private_ok);
+  if (sa->sa_family == AF_INET)
+    return v4_problem(ntohl(reinterpret_cast<const sockaddr_in*>(sa)->sin_addr.s_addr), private_ok);
   if (sa->sa_family != AF_INET6) return "not an IP address";
   const in6_addr& a = reinterpret_cast<const sockaddr_in6*>(sa)->sin6_addr;
   if (starts_with_bytes(a, {0x00, 0x64, 0xff, 0x9b, 0x00, 0x01})) return local_use_nat64(a, private_ok);
   for (const uint32_t v4 : embedded_v4(a))
     if (std::string why = v4_problem(v4, private_ok); !why.empty()) return why + " (embedded in an IPv6 address)";
-  if (IN6_IS_ADDR_LINKLOCAL(&a) || IN6_IS_ADDR_UNSPECIFIED(&a) || IN6_IS_ADDR_MULTICAST(&a) || IN6_IS_ADDR_SITELOCAL(&a))
+  if (IN6_IS_ADDR_LINKLOCAL(&a) || IN6_IS_ADDR_UNSPECIFIED(&a) || IN6_IS_ADDR_MULTICAST(&a) ||
+      IN6_IS_ADDR_SITELOCAL(&a))
     return "a link-local, site-local, unspecified or multicast address";
   const bool priv = IN6_IS_ADDR_LOOPBACK(&a) || (a.s6_addr[0] & 0xfe) == 0xfc;  // ::1, unique local fc00::/7
   return priv && !private_ok ? kPrivate : "";
@@ -361,8 +371,9 @@ curl_socket_t on_socket(void* p, curlsocktype, curl_sockaddr* a) {
   Sink& s = *static_cast<Sink*>(p);
   if (std::string why = address_problem(&a->addr, s.private_ok); !why.empty()) {
     char text[INET6_ADDRSTRLEN] = "?";
-    const void* raw = a->family == AF_INET ? static_cast<const void*>(&reinterpret_cast<const sockaddr_in*>(&a->addr)->sin_addr)
-                                           : static_cast<const void*>(&reinterpret_cast<const sockaddr_in6*>(&a->addr)->sin6_addr);
+    const void* raw = a->family == AF_INET
+                          ? static_cast<const void*>(&reinterpret_cast<const sockaddr_in*>(&a->addr)->sin_addr)
+                          : static_cast<const void*>(&reinterpret_cast<const sockaddr_in6*>(&a->addr)->sin6_addr);
     inet_ntop(a->family, raw, text, sizeof text);
     s.refused = fmt::format("its host resolves to {}, {}", text, why);
     return CURL_SOCKET_BAD;
@@ -375,7 +386,8 @@ bool url_parts(const std::string& url, std::string& scheme, std::string& host) {
   CURLU* u = curl_url();
   char *s = nullptr, *h = nullptr;
   const bool ok = curl_url_set(u, CURLUPART_URL, url.c_str(), 0) == CURLUE_OK &&
-                  curl_url_get(u, CURLUPART_SCHEME, &s, 0) == CURLUE_OK && curl_url_get(u, CURLUPART_HOST, &h, 0) == CURLUE_OK;
+                  curl_url_get(u, CURLUPART_SCHEME, &s, 0) == CURLUE_OK &&
+                  curl_url_get(u, CURLUPART_HOST, &h, 0) == CURLUE_OK;
   if (ok) {
     scheme = lower(s);
     host = lower(h);
@@ -464,11 +476,14 @@ void Fetcher::finish(std::unique_ptr<Transfer>&& owned, std::optional<ApiError> 
 // The transfer's current hop checked (scheme, host) and handed to libcurl.
 void Fetcher::begin(std::unique_ptr<Transfer> t) {
   std::string scheme, host;
-  if (!url_parts(t->url, scheme, host)) return finish(std::move(t), url_error(t->name, t->url, "not a URL libcurl can parse"));
+  if (!url_parts(t->url, scheme, host))
+    return finish(std::move(t), url_error(t->name, t->url, "not a URL libcurl can parse"));
   if (scheme != "http" && scheme != "https")
     return finish(std::move(t), url_error(t->name, t->url, "redirected to a scheme other than http(s)"));
   if (!t->from->domain_allowed(host))
-    return finish(std::move(t), url_error(t->name, t->url, fmt::format("host {} is not in --allowed-media-domains", quote_for_error(host))));
+    return finish(
+        std::move(t),
+        url_error(t->name, t->url, fmt::format("host {} is not in --allowed-media-domains", quote_for_error(host))));
   if (t->easy) curl_easy_cleanup(t->easy);
   CURL* e = t->easy = curl_easy_init();
   t->sink.easy = e;
@@ -476,7 +491,7 @@ void Fetcher::begin(std::unique_ptr<Transfer> t) {
   curl_easy_setopt(e, CURLOPT_URL, t->url.c_str());
   curl_easy_setopt(e, CURLOPT_PROTOCOLS_STR, "http,https");
   curl_easy_setopt(e, CURLOPT_FOLLOWLOCATION, 0L);  // followed here, each hop checked
-  curl_easy_setopt(e, CURLOPT_PROXY, "");            // no proxy from the environment: the address check is the host's
+  curl_easy_setopt(e, CURLOPT_PROXY, "");           // no proxy from the environment: the address check is the host's
   curl_easy_setopt(e, CURLOPT_NOSIGNAL, 1L);
   curl_easy_setopt(e, CURLOPT_MAXFILESIZE_LARGE, curl_off_t(t->sink.max_bytes));
   curl_easy_setopt(e, CURLOPT_WRITEFUNCTION, on_data);
@@ -495,14 +510,18 @@ void Fetcher::ended(std::unique_ptr<Transfer> t, CURLcode rc) {
   Sink& s = t->sink;
   if (rc != CURLE_OK) {
     if (s.status == 503)
-      return finish(std::move(t), ApiError{503, "server_busy",
-                                           fmt::format("{}: {}: no room for its bytes now (the items being read hold {} of {} "
-                                                       "bytes, --max-body-bytes-in-flight); retry later",
-                                                       t->name, shown(t->url), s.budget->used(), s.budget->capacity())});
+      return finish(std::move(t),
+                    ApiError{503, "server_busy",
+                             fmt::format("{}: {}: no room for its bytes now (the items being read hold {} of {} "
+                                         "bytes, --max-body-bytes-in-flight); retry later",
+                                         t->name, shown(t->url), s.budget->used(), s.budget->capacity())});
     if (!s.refused.empty()) return finish(std::move(t), url_error(t->name, t->url, s.refused));
     if (rc == CURLE_FILESIZE_EXCEEDED)
-      return finish(std::move(t), url_error(t->name, t->url, fmt::format("more than {} bytes (--max-body-bytes)", s.max_bytes)));
-    return finish(std::move(t), url_error(t->name, t->url, fmt::format("could not fetch it: {}", *t->error ? t->error : curl_easy_strerror(rc))));
+      return finish(std::move(t),
+                    url_error(t->name, t->url, fmt::format("more than {} bytes (--max-body-bytes)", s.max_bytes)));
+    return finish(std::move(t),
+                  url_error(t->name, t->url,
+                            fmt::format("could not fetch it: {}", *t->error ? t->error : curl_easy_strerror(rc))));
   }
   long code = 0;
   curl_easy_getinfo(t->easy, CURLINFO_RESPONSE_CODE, &code);
@@ -531,10 +550,13 @@ void Fetcher::expire(Clock::time_point now) {
     }
     std::unique_ptr<Transfer> t = std::move(running_[k]);
     running_.erase(running_.begin() + std::ptrdiff_t(k));
-    ApiError e = cancelled        ? url_error(t->name, t->first, "not needed: another item of its request failed")
+    ApiError e = cancelled ? url_error(t->name, t->first, "not needed: another item of its request failed")
                  : now >= t->deadline
-                     ? ApiError{504, "timeout", fmt::format("{}: {}: not fetched before the request's deadline (--request-timeout)", t->name, shown(t->first))}
-                     : url_error(t->name, t->first, fmt::format("not fetched within {} s (--media-fetch-timeout)", t->from->timeout_s_));
+                     ? ApiError{504, "timeout",
+                                fmt::format("{}: {}: not fetched before the request's deadline (--request-timeout)",
+                                            t->name, shown(t->first))}
+                     : url_error(t->name, t->first,
+                                 fmt::format("not fetched within {} s (--media-fetch-timeout)", t->from->timeout_s_));
     finish(std::move(t), std::move(e));
   }
 }
@@ -580,8 +602,8 @@ void Fetcher::loop() {
   }
 }
 
-void MediaSources::fetch(const std::string& url, const std::string& name, Clock::time_point deadline, ByteBudget& budget,
-                         FetchDone done, std::shared_ptr<const std::atomic<bool>> cancel) const {
+void MediaSources::fetch(const std::string& url, const std::string& name, Clock::time_point deadline,
+                         ByteBudget& budget, FetchDone done, std::shared_ptr<const std::atomic<bool>> cancel) const {
   if (domains_.empty())
     bad_url(name, url, "http(s) URLs are fetched only from --allowed-media-domains, which this server was not given");
   auto t = std::make_unique<Fetcher::Transfer>();

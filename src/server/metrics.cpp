@@ -83,16 +83,19 @@ void render_worker(std::string& out, const Batcher& batcher, int64_t in_flight) 
          batcher.queue_depth());
   const uint64_t inputs = batcher.inputs_encoded();  // read once: the alias shows the same value
   sample(out, "fovea_inputs_encoded_total", "counter", "Inputs (images and clips) encoded.", inputs);
-  sample(out, "fovea_images_encoded_total", "counter",
-         "Deprecated alias of fovea_inputs_encoded_total (same value, images and clips); removed after the next release.",
-         inputs);
+  sample(
+      out, "fovea_images_encoded_total", "counter",
+      "Deprecated alias of fovea_inputs_encoded_total (same value, images and clips); removed after the next release.",
+      inputs);
   sample(out, "fovea_tokens_encoded_total", "counter", "Visual tokens (merger output rows) produced.",
          batcher.tokens_encoded());
   sample(out, "fovea_encoder_forwards_total", "counter", "Encoder forwards (batches) run.", batcher.forwards());
   sample(out, "fovea_encoder_failed_forwards_total", "counter", "Encoder forwards that threw.",
          batcher.failed_forwards());
-  sample(out, "fovea_encoder_forward_seconds_total", "counter", "GPU time of the encoder forwards (pixel upload to outputs copied back, from CUDA events; wall time on the CPU).",
-         batcher.forward_seconds());
+  sample(
+      out, "fovea_encoder_forward_seconds_total", "counter",
+      "GPU time of the encoder forwards (pixel upload to outputs copied back, from CUDA events; wall time on the CPU).",
+      batcher.forward_seconds());
 }
 
 // Per encoder replica (fovea serve --devices / --workers), labelled by device.
@@ -101,7 +104,8 @@ void render_replicas(std::string& out, const std::vector<ReplicaState>& replicas
     header(out, name, type, help);
     for (const ReplicaState& r : replicas) out += fmt::format("{}{{device=\"{}\"}} {}\n", name, r.name, value(r));
   };
-  per_replica("fovea_device_up", "gauge", "1 while the encoder replica on this device is in rotation, 0 once taken out.",
+  per_replica("fovea_device_up", "gauge",
+              "1 while the encoder replica on this device is in rotation, 0 once taken out.",
               [](const ReplicaState& r) { return int(r.up); });
   per_replica("fovea_device_forwards_total", "counter", "Encoder forwards run on this device.",
               [](const ReplicaState& r) { return r.forwards; });
@@ -130,12 +134,14 @@ void render_engine(std::string& out, const std::string& model, const EngineConfi
 
 // The encoder cache (--ec-storage-path).
 void render_cache(std::string& out, const EcCache::Stats& s) {
-  sample(out, "fovea_ec_cache_bytes", "gauge", "Bytes of the encoder cache files fovea wrote (--ec-storage-path).", s.bytes);
+  sample(out, "fovea_ec_cache_bytes", "gauge", "Bytes of the encoder cache files fovea wrote (--ec-storage-path).",
+         s.bytes);
   sample(out, "fovea_ec_cache_files", "gauge", "Encoder cache files fovea wrote and holds.", s.files);
   sample(out, "fovea_ec_cache_foreign_files", "gauge", "Encoder cache files of other writers (never deleted).",
          s.foreign_files);
   sample(out, "fovea_ec_cache_hits_total", "counter", "Images found in the encoder cache (not encoded).", s.hits);
-  sample(out, "fovea_ec_cache_misses_total", "counter", "Images not in the encoder cache (encoded and written).", s.misses);
+  sample(out, "fovea_ec_cache_misses_total", "counter", "Images not in the encoder cache (encoded and written).",
+         s.misses);
   sample(out, "fovea_ec_cache_writes_total", "counter", "Encoder cache files written.", s.writes);
   sample(out, "fovea_ec_cache_evictions_total", "counter",
          "Encoder cache files fovea deleted to stay within --ec-storage-max-bytes.", s.evictions);

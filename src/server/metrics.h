@@ -21,7 +21,8 @@ namespace fovea::server {
 // for decode memory included), encoder (queued and encoded), reply (building the reply body), write
 // (handing it to the client). Summed over requests: a load test reads the mean of each.
 enum class Phase { READ, WAIT, PARSE, DECODE, ENCODER, REPLY, WRITE };
-inline constexpr std::array<const char*, 7> kPhaseNames = {"read", "wait", "parse", "decode", "encoder", "reply", "write"};
+inline constexpr std::array<const char*, 7> kPhaseNames = {"read",    "wait",  "parse", "decode",
+                                                           "encoder", "reply", "write"};
 
 class Metrics {
  public:
@@ -30,14 +31,14 @@ class Metrics {
   void add_phase(Phase p, double seconds);
 
   // `cache` (null without --ec-storage-path) adds the encoder cache's series.
-  std::string render(const std::string& model, const EngineConfig& engine, const Batcher& batcher,
-                     int64_t in_flight, const EcCache* cache = nullptr) const;
+  std::string render(const std::string& model, const EngineConfig& engine, const Batcher& batcher, int64_t in_flight,
+                     const EcCache* cache = nullptr) const;
 
  private:
   // Upper bounds of the latency buckets, seconds (+Inf implied): a tiny CPU model answers in
   // milliseconds, several 4K images on a GPU in about a second, a deep queue in tens.
   static constexpr std::array<double, 14> kBuckets = {0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
-                                                      1,     2.5,  5,     10,   30,  60,  120};
+                                                      1,     2.5,  5,     10,   30,  60,   120};
   mutable std::mutex mu_;
   std::map<std::pair<std::string, int>, uint64_t> responses_;
   std::array<uint64_t, kBuckets.size() + 1> bucket_counts_{};  // per bucket, not cumulative; last: +Inf

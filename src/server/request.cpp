@@ -89,8 +89,9 @@ bool is_remote(std::string_view s) {
   const size_t colon = s.find(':');
   if (colon == 0 || colon == std::string_view::npos || colon > 16 || !std::isalpha(static_cast<unsigned char>(s[0])))
     return false;
-  return std::all_of(s.begin(), s.begin() + colon,
-                     [](char ch) { return std::isalnum(static_cast<unsigned char>(ch)) || ch == '+' || ch == '-' || ch == '.'; });
+  return std::all_of(s.begin(), s.begin() + colon, [](char ch) {
+    return std::isalnum(static_cast<unsigned char>(ch)) || ch == '+' || ch == '-' || ch == '.';
+  });
 }
 
 // An item's URL string as its base64 text; `prefix` gets what was cut (a data URL's head), and a
@@ -100,7 +101,8 @@ std::string item_payload(json& url_value, const std::string& where, const Lifted
                          std::string& remote, ItemKind& kind) {
   json* url = &url_value;
   if (!url->is_string())
-    reject(400, item_code(kind), fmt::format("{}: expected a data URL or base64 string, got {}", where, url->type_name()));
+    reject(400, item_code(kind),
+           fmt::format("{}: expected a data URL or base64 string, got {}", where, url->type_name()));
   std::string s = std::move(url->get_ref<std::string&>());
   if (const std::string_view* part = lifted_part(s, lifted)) s.assign(*part);
   if (s.starts_with("data:")) {
@@ -108,8 +110,9 @@ std::string item_payload(json& url_value, const std::string& where, const Lifted
     if (comma == std::string::npos) reject(400, item_code(kind), where + ": data URL without ','");
     const std::string_view head = std::string_view(s).substr(0, comma);
     if (!head.ends_with(";base64"))
-      reject(400, item_code(kind), where + ": only base64 data URLs are accepted (data:image/png;base64,..., data:video/mp4;base64,...)");
-    const ItemKind said = head.starts_with("data:video/") ? ItemKind::VIDEO
+      reject(400, item_code(kind),
+             where + ": only base64 data URLs are accepted (data:image/png;base64,..., data:video/mp4;base64,...)");
+    const ItemKind said = head.starts_with("data:video/")   ? ItemKind::VIDEO
                           : head.starts_with("data:image/") ? ItemKind::IMAGE
                                                             : ItemKind::ANY;
     if (kind == ItemKind::ANY) kind = said;
@@ -154,15 +157,17 @@ void add_item(EncodeRequest& r, json& item, const std::string& where, ItemKind k
     const auto part = t == "image_url" || t == "video_url" ? item.find(t) : item.end();
     if (part == item.end() || item.size() != size_t(id != item.end() ? 3 : 2))
       reject(400, item_code(t == "video_url" ? ItemKind::VIDEO : kind),
-             where + ": an object must be a content part {\"type\": \"image_url\", \"image_url\": {\"url\": ...}} or "
-                     "{\"type\": \"video_url\", \"video_url\": {\"url\": ...}}, with a \"uuid\" or without");
+             where +
+                 ": an object must be a content part {\"type\": \"image_url\", \"image_url\": {\"url\": ...}} or "
+                 "{\"type\": \"video_url\", \"video_url\": {\"url\": ...}}, with a \"uuid\" or without");
     const ItemKind said = t == "video_url" ? ItemKind::VIDEO : ItemKind::IMAGE;
     if (kind != ItemKind::ANY && said != kind)
       reject(400, "invalid_video", fmt::format("{}: an {} part in \"videos\"", where, t));
     kind = said;
     url = part->is_object() && part->contains("url") ? &part->at("url") : &*part;
     if (id != item.end()) {
-      if (!id->is_string()) reject(400, "invalid_uuid", fmt::format("{}: \"uuid\" must be a string, not {}", where, id->type_name()));
+      if (!id->is_string())
+        reject(400, "invalid_uuid", fmt::format("{}: \"uuid\" must be a string, not {}", where, id->type_name()));
       uuid = id->get<std::string>();
       if (const std::string_view* long_one = lifted_part(uuid, lifted)) uuid.assign(*long_one);
       if (const std::string why = ec_key_problem(uuid); !why.empty())
@@ -184,7 +189,8 @@ EncodeRequest parse_encode_request(std::string_view body, size_t max_images, con
   // per image; anything far beyond that is refused before it is built.
   const Lifted lifted = lift_long_strings(body);
   json doc = parse_body(body, lifted, 64 + 8 * max_images, 16);
-  if (!doc.is_object()) reject(400, "invalid_request", "the body must be a JSON object with an \"images\" or \"videos\" array");
+  if (!doc.is_object())
+    reject(400, "invalid_request", "the body must be a JSON object with an \"images\" or \"videos\" array");
   EncodeRequest r;
   for (auto& [key, value] : doc.items()) {
     if (key == "images" || key == "videos") continue;
@@ -205,8 +211,9 @@ EncodeRequest parse_encode_request(std::string_view body, size_t max_images, con
                fmt::format("model {} is not served here; this server serves \"{}\"", quote_for_error(value), model));
     } else {
       reject(400, "invalid_request",
-             fmt::format("unknown field {} (accepted: images, videos, encoding, return_deepstack, return_embeddings, model)",
-                         quote_for_error(std::string_view(key))));
+             fmt::format(
+                 "unknown field {} (accepted: images, videos, encoding, return_deepstack, return_embeddings, model)",
+                 quote_for_error(std::string_view(key))));
     }
   }
   size_t items = 0;
@@ -214,7 +221,8 @@ EncodeRequest parse_encode_request(std::string_view body, size_t max_images, con
     const auto a = doc.find(key);
     if (a == doc.end()) continue;
     if (!a->is_array())
-      reject(400, "invalid_request", fmt::format("\"{}\" must be an array of data URLs, base64 strings or content parts", key));
+      reject(400, "invalid_request",
+             fmt::format("\"{}\" must be an array of data URLs, base64 strings or content parts", key));
     items += a->size();
   }
   if (items == 0)
@@ -223,7 +231,8 @@ EncodeRequest parse_encode_request(std::string_view body, size_t max_images, con
            "video_url content parts");
   if (items > max_images)
     reject(400, "too_many_images",
-           fmt::format("{} images and videos in one request; the limit is {} (--max-images-per-request)", items, max_images));
+           fmt::format("{} images and videos in one request; the limit is {} (--max-images-per-request)", items,
+                       max_images));
   for (const char* key : {"images", "videos"}) {
     const auto a = doc.find(key);
     if (a == doc.end()) continue;
@@ -273,7 +282,8 @@ MmKwargs ordered_kwargs(const json& doc, std::string_view body, const Lifted& li
   lim.max_string_bytes = body.size();
   nlohmann::ordered_json again;
   try {
-    again = parse_json_bounded_ordered(lifted.parts.empty() ? body : std::string_view(lifted.skeleton), lim, "the request body");
+    again = parse_json_bounded_ordered(lifted.parts.empty() ? body : std::string_view(lifted.skeleton), lim,
+                                       "the request body");
   } catch (const Error& e) {  // not reached: the same text passed the same limits
     reject(400, "invalid_json", e.what());
   }
@@ -294,8 +304,9 @@ void add_message_parts(EncodeRequest& r, json& content, const std::string& where
     const std::string t = part.is_object() && type != part.end() && type->is_string() ? type->get<std::string>() : "";
     if (t == "text") continue;
     if (t != "image_url" && t != "video_url")
-      reject(400, "invalid_request",
-             fmt::format("{}: a content part of type {} (accepted: text, image_url, video_url)", at, quote_for_error(t)));
+      reject(
+          400, "invalid_request",
+          fmt::format("{}: a content part of type {} (accepted: text, image_url, video_url)", at, quote_for_error(t)));
     add_item(r, part, at, t == "video_url" ? ItemKind::VIDEO : ItemKind::IMAGE, lifted);
   }
 }
@@ -312,8 +323,9 @@ EncodeRequest parse_chat_request(std::string_view body, size_t max_images, const
     if (const char* why = refused_field(key)) reject(400, "unsupported_field", fmt::format("\"{}\": {}", key, why));
     check_forwarded(key, value);
     if (key == "stream" && value != false)
-      reject(400, "unsupported_field", "\"stream\": an encode instance answers once, when the files are written; send "
-                                       "\"stream\": false (vLLM's EPD proxy does)");
+      reject(400, "unsupported_field",
+             "\"stream\": an encode instance answers once, when the files are written; send "
+             "\"stream\": false (vLLM's EPD proxy does)");
     if (key == "model" && !value.is_null() && value != model)
       reject(404, "model_not_found",
              fmt::format("model {} is not served here; this server serves \"{}\"", quote_for_error(value), model));
@@ -360,9 +372,10 @@ std::vector<InputKind> settle_kinds(const EncodeRequest& r) {
     }
     kinds[i] = input_kind(head);
     if (it.kind == ItemKind::VIDEO && kinds[i] != InputKind::VIDEO)
-      reject(400, "invalid_video",
-             fmt::format("{}: a video_url item that is not a clip fovea reads (MP4/MOV, WebM/MKV, AVI, MPEG-TS, FLV, Ogg)",
-                         it.name));
+      reject(
+          400, "invalid_video",
+          fmt::format("{}: a video_url item that is not a clip fovea reads (MP4/MOV, WebM/MKV, AVI, MPEG-TS, FLV, Ogg)",
+                      it.name));
     if (it.kind == ItemKind::IMAGE && kinds[i] == InputKind::VIDEO)
       reject(400, "invalid_image",
              fmt::format("{}: an image_url item holding a video clip; send it as a video_url part", it.name));

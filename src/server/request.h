@@ -46,7 +46,7 @@ struct EncodeRequest {
   // than a separate "dtype": the JSON reply already pairs "float" with "dtype": "float32", and a body
   // then means the same values whichever Accept header asks for it.
   bool as_base64 = true;
-  bool deepstack = false;             // "return_deepstack"
+  bool deepstack = false;      // "return_deepstack"
   int return_embeddings = -1;  // "return_embeddings": 1 or 0; -1 when absent (then: not with the encoder cache)
   // A chat request's "mm_processor_kwargs" and "media_io_kwargs", as sent (key order kept): what they
   // ask of the preprocessing is checked and applied by fovea::apply_mm_kwargs, and vLLM's key for each

@@ -41,12 +41,13 @@ class Service final : public http::Handler {
     static const std::map<std::string, std::string> kAllowed = endpoint_methods();
     const auto known = kAllowed.find(req.path);
     if (known == kAllowed.end())
-      return error_response({404, "not_found", fmt::format("no endpoint {} {} (endpoints: {})", req.method,
-                                                           quote_for_error(req.path), endpoint_list())});
+      return error_response(
+          {404, "not_found",
+           fmt::format("no endpoint {} {} (endpoints: {})", req.method, quote_for_error(req.path), endpoint_list())});
     if (req.method != known->second) {
-      http::Response r = error_response({405, "method_not_allowed",
-                                         fmt::format("{} {}: this endpoint takes {}", req.method.substr(0, 32),
-                                                     req.path, known->second)});
+      http::Response r = error_response(
+          {405, "method_not_allowed",
+           fmt::format("{} {}: this endpoint takes {}", req.method.substr(0, 32), req.path, known->second)});
       r.headers.push_back({"Allow", known->second});
       return r;
     }
@@ -64,21 +65,27 @@ class Service final : public http::Handler {
     }
     if (req.path == "/ready") {
       // Ready: taking requests (not stopping, a replica up, the encoder queue not full).
-      if (c_.http->stopping()) return json_response(503, {{"status", "stopping"}, {"reason", "the server is shutting down"}});
+      if (c_.http->stopping())
+        return json_response(503, {{"status", "stopping"}, {"reason", "the server is shutting down"}});
       if (c_.batcher.replicas_up() == 0)
         return json_response(503, {{"status", "down"}, {"reason", "no encoder device is up"}});
       const size_t depth = c_.batcher.queue_depth();
       if (depth >= c_.opt.max_queue)
-        return json_response(503, {{"status", "busy"}, {"reason", fmt::format("the encoder queue is full ({} requests)", depth)}});
+        return json_response(
+            503, {{"status", "busy"}, {"reason", fmt::format("the encoder queue is full ({} requests)", depth)}});
       return json_response(200, {{"status", "ready"}});
     }
     if (req.path == "/v1/models") {
-      const json model = {{"id", c_.opt.served_name()}, {"object", "model"}, {"created", c_.started_unix}, {"owned_by", "fovea"}};
+      const json model = {
+          {"id", c_.opt.served_name()}, {"object", "model"}, {"created", c_.started_unix}, {"owned_by", "fovea"}};
       return json_response(200, {{"object", "list"}, {"data", json::array({model})}});
     }
     if (req.path == "/metrics")
-      return http::Response{200, "text/plain; version=0.0.4; charset=utf-8",
-                            c_.metrics.render(c_.opt.served_name(), c_.engine, c_.batcher, int64_t(c_.http->in_flight()), c_.cache), {}};
+      return http::Response{
+          200,
+          "text/plain; version=0.0.4; charset=utf-8",
+          c_.metrics.render(c_.opt.served_name(), c_.engine, c_.batcher, int64_t(c_.http->in_flight()), c_.cache),
+          {}};
     if (req.header("content-type").starts_with("multipart/"))
       return error_response({415, "unsupported_media_type",
                              "multipart bodies are not accepted: POST the JSON object (application/json)"});
@@ -132,8 +139,10 @@ void check_options(const ServeOptions& o) {
   if (o.max_images_per_request < 1) fail("--max-images-per-request must be at least 1");
   if (o.threads < 1 || o.threads > 4096) fail("--threads must be in [1, 4096], not {}", o.threads);
   // Deadlines: positive and finite, at most a day (a timer of 1e300 s would overflow).
-  for (const auto& [flag, v] : {std::pair{"--header-timeout", o.http.header_timeout_s}, {"--body-timeout", o.http.body_timeout_s},
-                                {"--keep-alive-timeout", o.http.keep_alive_timeout_s}, {"--request-timeout", o.request_timeout_s}})
+  for (const auto& [flag, v] : {std::pair{"--header-timeout", o.http.header_timeout_s},
+                                {"--body-timeout", o.http.body_timeout_s},
+                                {"--keep-alive-timeout", o.http.keep_alive_timeout_s},
+                                {"--request-timeout", o.request_timeout_s}})
     if (!(v > 0 && v <= 86400)) fail("{} must be in (0, 86400] seconds, not {}", flag, v);
   if (o.http.max_header_bytes < 256 || o.http.max_header_bytes > (size_t(1) << 20))
     fail("--max-header-bytes must be in [256, 1048576], not {}", o.http.max_header_bytes);
@@ -165,7 +174,8 @@ std::vector<ReplicaSpec> replica_specs(const ServeOptions& o, const EngineConfig
     for (int i = 0; i < o.workers; ++i) out.push_back({fmt::format("cpu:{}", i), -1});
     return out;
   }
-  if (o.workers != 1) fail("--workers is for --device cpu; on GPUs, --devices 0,1,... or all gives one replica per GPU");
+  if (o.workers != 1)
+    fail("--workers is for --device cpu; on GPUs, --devices 0,1,... or all gives one replica per GPU");
   std::vector<int> gpus;
   if (o.devices.empty()) {
     gpus = {0};
@@ -175,7 +185,8 @@ std::vector<ReplicaSpec> replica_specs(const ServeOptions& o, const EngineConfig
     for (const std::string& item : split_list(o.devices)) {
       const std::optional<int> v = parse_int(item);
       if (!v || *v < 0) fail("--devices {}: '{}' is not a GPU index (a list such as 0,1, or all)", o.devices, item);
-      if (std::find(gpus.begin(), gpus.end(), *v) != gpus.end()) fail("--devices {}: GPU {} is listed twice", o.devices, *v);
+      if (std::find(gpus.begin(), gpus.end(), *v) != gpus.end())
+        fail("--devices {}: GPU {} is listed twice", o.devices, *v);
       gpus.push_back(*v);
     }
   }
@@ -192,8 +203,10 @@ std::vector<ReplicaSpec> replica_specs(const ServeOptions& o, const EngineConfig
       fail("--devices: GPU {} ({}) cannot run this engine: {}", g, it->name, e.what());
     }
     if (here.backend != engine.backend)
-      fail("--devices: GPU {} ({}) would run the {} backend, GPU {} the {} one; give GPUs of one kind or "
-           "--mm-encoder-attn-backend", g, it->name, backend_name(here.backend), gpus[0], backend_name(engine.backend));
+      fail(
+          "--devices: GPU {} ({}) would run the {} backend, GPU {} the {} one; give GPUs of one kind or "
+          "--mm-encoder-attn-backend",
+          g, it->name, backend_name(here.backend), gpus[0], backend_name(engine.backend));
     out.push_back({fmt::format("cuda:{}", g), g});
   }
   return out;
@@ -212,8 +225,9 @@ int serve(const ServeOptions& o) {
   const EngineConfig engine = resolve_engine(o.engine, sys);
   const std::vector<ReplicaSpec> replicas = replica_specs(o, engine, sys);
   if (replicas.size() > 1 && engine.scale_mode == ScaleMode::CALIBRATE)
-    fail("--mm-encoder-fp8-scale-save-path: calibration runs on one encoder replica (its 16 forwards make one "
-         "file); calibrate without --devices / --workers, then serve the file with --mm-encoder-fp8-scale-path");
+    fail(
+        "--mm-encoder-fp8-scale-save-path: calibration runs on one encoder replica (its 16 forwards make one "
+        "file); calibrate without --devices / --workers, then serve the file with --mm-encoder-fp8-scale-path");
   InputConfig inputs = load_input_config(o.model, o.preprocess, o.video);
   const qwen3vl::Model model = qwen3vl::load_model(o.model);
   std::optional<EcCache> cache;
@@ -237,20 +251,23 @@ int serve(const ServeOptions& o) {
   c.http = &server;
 
   const auto& cfg = model.config;
-  fmt::print("fovea serve: model {} ({} blocks, out_hidden {}), {} attention{} on {} ({} backend); "
-             "batches of up to {} tokens, queue of {} requests; {} encoder replica(s): {}\n",
-             o.model, cfg.depth, cfg.out_hidden, dtype_name(engine.dtype),
-             engine.scale_mode ? fmt::format(" ({} scales)", scale_mode_name(*engine.scale_mode)) : "",
-             device_name(engine.device), backend_name(engine.backend), o.max_batch_tokens, o.max_queue, replicas.size(),
-             fmt::join(replica_names(replicas), ", "));
+  fmt::print(
+      "fovea serve: model {} ({} blocks, out_hidden {}), {} attention{} on {} ({} backend); "
+      "batches of up to {} tokens, queue of {} requests; {} encoder replica(s): {}\n",
+      o.model, cfg.depth, cfg.out_hidden, dtype_name(engine.dtype),
+      engine.scale_mode ? fmt::format(" ({} scales)", scale_mode_name(*engine.scale_mode)) : "",
+      device_name(engine.device), backend_name(engine.backend), o.max_batch_tokens, o.max_queue, replicas.size(),
+      fmt::join(replica_names(replicas), ", "));
   if (cache) {
     const EcCache::Stats s = cache->stats();
-    fmt::print("fovea serve: encoder cache {} (vLLM's ECExampleConnector layout): {} files of fovea's ({:.1f} MB{}), "
-               "{} of other writers{}\n",
-               o.ec_storage_path, s.files, double(s.bytes) / 1e6,
-               o.ec_storage_max_bytes ? fmt::format(" of at most {:.1f}", double(o.ec_storage_max_bytes) / 1e6) : "",
-               s.foreign_files,
-               o.ec_storage_min_age_s > 0 ? fmt::format("; none used in the last {:g} s is evicted", o.ec_storage_min_age_s) : "");
+    fmt::print(
+        "fovea serve: encoder cache {} (vLLM's ECExampleConnector layout): {} files of fovea's ({:.1f} MB{}), "
+        "{} of other writers{}\n",
+        o.ec_storage_path, s.files, double(s.bytes) / 1e6,
+        o.ec_storage_max_bytes ? fmt::format(" of at most {:.1f}", double(o.ec_storage_max_bytes) / 1e6) : "",
+        s.foreign_files,
+        o.ec_storage_min_age_s > 0 ? fmt::format("; none used in the last {:g} s is evicted", o.ec_storage_min_age_s)
+                                   : "");
   }
   fmt::print("fovea serve: URL items: data: always; {}\n", media.describe());
   const bool v6 = o.host.find(':') != std::string::npos;
@@ -260,11 +277,13 @@ int serve(const ServeOptions& o) {
   const double drain_s = o.http.drain_delay_s;
   server.run([drain_s](int sig, size_t in_flight) {  // on the network thread; std::printf, nothing that throws
     if (drain_s > 0)
-      std::printf("fovea serve: %s: /ready says 503; serving on for %g s, then not accepting new connections and "
-                  "finishing the requests in flight (%zu now)\n", strsignal(sig), drain_s, in_flight);
+      std::printf(
+          "fovea serve: %s: /ready says 503; serving on for %g s, then not accepting new connections and "
+          "finishing the requests in flight (%zu now)\n",
+          strsignal(sig), drain_s, in_flight);
     else
-      std::printf("fovea serve: %s: not accepting new connections; finishing %zu request(s) in flight\n", strsignal(sig),
-                  in_flight);
+      std::printf("fovea serve: %s: not accepting new connections; finishing %zu request(s) in flight\n",
+                  strsignal(sig), in_flight);
     std::fflush(stdout);
   });
   batcher.stop();  // every reply is written; nothing is left queued, but finish it if so

@@ -36,8 +36,9 @@ constexpr const char* kFormats = "mov,mp4,m4a,3gp,3g2,mj2,matroska,webm,avi,mpeg
 // Without MP4/MOV: for bytes whose sample tables were not walked (FFmpeg's probe may still score them
 // as MP4 from a box the walker's detection missed; the demuxer would then build an unchecked index).
 constexpr const char* kFormatsNoMov = "matroska,webm,avi,mpegts,flv,ogg";
-constexpr const char* kCodecs = "h264,hevc,vp8,vp9,libvpx,libvpx-vp9,av1,libdav1d,libaom-av1,mpeg4,mpeg1video,mpeg2video,"
-                                "mjpeg,theora,h263";
+constexpr const char* kCodecs =
+    "h264,hevc,vp8,vp9,libvpx,libvpx-vp9,av1,libdav1d,libaom-av1,mpeg4,mpeg1video,mpeg2video,"
+    "mjpeg,theora,h263";
 constexpr int64_t kMaxTotalFrames = int64_t(1) << 22;  // whatever the frame rate claims
 
 // FFmpeg's own log lines are kept, not printed: the last error-level line of this thread goes into
@@ -110,7 +111,7 @@ struct Demuxer {
   const AVCodec* codec = nullptr;
 
   Demuxer(std::span<const uint8_t> bytes, const std::string& name, Clock::time_point deadline, int64_t max_pixels,
-           bool iso_bmff) {
+          bool iso_bmff) {
     try {
       open(bytes, name, deadline, max_pixels, iso_bmff);
     } catch (...) {
@@ -238,7 +239,8 @@ double frame_rate(const AVStream* st, const std::vector<int64_t>& sorted_pts) {
     for (size_t i = 1; i < sorted_pts.size(); ++i)
       if (const int64_t d = sorted_pts[i] - sorted_pts[i - 1]; d > 0 && (step == 0 || d < step)) step = d;
     bool multiples = step > 0;
-    for (size_t i = 1; multiples && i < sorted_pts.size(); ++i) multiples = (sorted_pts[i] - sorted_pts[i - 1]) % step == 0;
+    for (size_t i = 1; multiples && i < sorted_pts.size(); ++i)
+      multiples = (sorted_pts[i] - sorted_pts[i - 1]) % step == 0;
     const double tb = av_q2d(st->time_base);
     if (multiples && step * tb > 0) return 1.0 / (double(step) * tb);
     const double span = double(sorted_pts.back() - sorted_pts.front()) * tb;
@@ -290,9 +292,11 @@ ClipInfo header_info(const Demuxer& d, const std::string& name, int64_t max_px) 
   info.codec = avcodec_get_name(par->codec_id);
   info.width = par->width;
   info.height = par->height;
-  if (info.width <= 0 || info.height <= 0) fail("video '{}': its frame size {}x{} is empty", name, info.width, info.height);
+  if (info.width <= 0 || info.height <= 0)
+    fail("video '{}': its frame size {}x{} is empty", name, info.width, info.height);
   if (int64_t(info.width) * info.height > max_px)
-    fail("video '{}': frames of {}x{} exceed the limit of {} pixels (--max-image-pixels)", name, info.width, info.height, max_px);
+    fail("video '{}': frames of {}x{} exceed the limit of {} pixels (--max-image-pixels)", name, info.width,
+         info.height, max_px);
   return info;
 }
 
@@ -335,9 +339,11 @@ OpenedClip probe(Demuxer& d, const std::string& name, const VideoLimits& limits,
   ClipInfo& info = c.info;
   info = header_info(d, name, max_px);
   auto packets = std::make_shared<OpenedClip::Packets>();
-  if (avcodec_parameters_copy(packets->par, d.st()->codecpar) < 0) fail("video '{}': out of memory reading its header", name);
+  if (avcodec_parameters_copy(packets->par, d.st()->codecpar) < 0)
+    fail("video '{}': out of memory reading its header", name);
   packets->time_base = d.st()->time_base;
-  packets->data.reserve(std::min(d.src.bytes.size(), size_t(std::max<int64_t>(0, room))));  // a packet's data is in the file
+  packets->data.reserve(
+      std::min(d.src.bytes.size(), size_t(std::max<int64_t>(0, room))));  // a packet's data is in the file
   const bool pts_usable = read_packets(d, info, *packets, limits, room);
   if (info.frames == 0) fail("video '{}': its video stream has no frames", name);
   if (pts_usable) {  // listed once, at its size: a list grown packet by packet leaves its old copies behind
@@ -346,7 +352,8 @@ OpenedClip probe(Demuxer& d, const std::string& name, const VideoLimits& limits,
   }
   std::sort(info.frame_pts.begin(), info.frame_pts.end());
   info.fps = pts_usable ? frame_rate(d.st(), info.frame_pts) : frame_rate(d.st(), {});
-  if (!(info.fps >= 0.01 && info.fps <= 1000)) fail("video '{}': its frame rate {} is not in [0.01, 1000]", name, info.fps);
+  if (!(info.fps >= 0.01 && info.fps <= 1000))
+    fail("video '{}': its frame rate {} is not in [0.01, 1000]", name, info.fps);
   if (!pts_usable || std::adjacent_find(info.frame_pts.begin(), info.frame_pts.end()) != info.frame_pts.end())
     std::vector<int64_t>().swap(info.frame_pts);
   info.seconds = double(info.frames) / info.fps;
@@ -396,7 +403,8 @@ void give_back(void* opaque, uint8_t*) {
 int get_frame_buffer(AVCodecContext* ctx, AVFrame* f, int flags) {
   auto* pool = static_cast<FramePool*>(ctx->opaque);
   // The decoder asks for its coded size: the header's, rounded up to whole macroblocks or coding units.
-  if (f->width < pool->width || f->height < pool->height || f->width > pool->width + 128 || f->height > pool->height + 128) {
+  if (f->width < pool->width || f->height < pool->height || f->width > pool->width + 128 ||
+      f->height > pool->height + 128) {
     pool->refused_width = f->width;
     pool->refused_height = f->height;
     pool->refused = 1;
@@ -466,7 +474,8 @@ class Decoder {
     const AVCodecParameters* par = clip.packets->par;
     const AVCodec* codec = avcodec_find_decoder(par->codec_id);
     if (!codec) fail("video '{}': no decoder for its {} video", name, info_.codec);
-    if (!(ctx_ = avcodec_alloc_context3(codec)) || !(frame_ = av_frame_alloc()) || avcodec_parameters_to_context(ctx_, par) < 0)
+    if (!(ctx_ = avcodec_alloc_context3(codec)) || !(frame_ = av_frame_alloc()) ||
+        avcodec_parameters_to_context(ctx_, par) < 0)
       fail("video '{}': out of memory opening its decoder", name);
     pool_.width = info_.width;
     pool_.height = info_.height;
@@ -499,12 +508,15 @@ class Decoder {
       fail("video '{}': a frame of {}x{} where the stream said {}x{} (a size change mid-stream is not supported)", name,
            pool_.refused_width, pool_.refused_height, info_.width, info_.height);
     if (pool_.refused == 2)
-      fail("video '{}': its decoder holds more than {} bytes of frames ({} threads and {} pictures kept of {}x{} in the "
-           "format its header gives); the stream keeps more frames than its header declares", name, pool_.capacity,
-           ctx_->thread_count, info_.decoder.held, info_.width, info_.height);
+      fail(
+          "video '{}': its decoder holds more than {} bytes of frames ({} threads and {} pictures kept of {}x{} in the "
+          "format its header gives); the stream keeps more frames than its header declares",
+          name, pool_.capacity, ctx_->thread_count, info_.decoder.held, info_.width, info_.height);
     if (over_max_pixels)  // FFmpeg's own check of max_pixels, before it allocated the frame
-      fail("video '{}': its stream holds frames larger than the limit of {} pixels (--max-image-pixels), though its "
-           "header says {}x{}", name, max_pixels_, info_.width, info_.height);
+      fail(
+          "video '{}': its stream holds frames larger than the limit of {} pixels (--max-image-pixels), though its "
+          "header says {}x{}",
+          name, max_pixels_, info_.width, info_.height);
     fail("video '{}': corrupt {} video near frame {}: {}", name, info_.codec, at, av_error(e));
   }
   const ClipInfo& info_;
@@ -522,17 +534,20 @@ image::Rgb8 Decoder::rgb(const AVFrame* f, int64_t at) {
     fail("video '{}': frame {} is {}x{}, the stream said {}x{} (a size change mid-stream is not supported)", name, at,
          f->width, f->height, info_.width, info_.height);
   const auto pf = AVPixelFormat(f->format);
-  sws_ = sws_getCachedContext(sws_, f->width, f->height, pf, f->width, f->height, AV_PIX_FMT_RGB24, SWS_BILINEAR, nullptr,
-                              nullptr, nullptr);
-  if (!sws_) fail("video '{}': cannot convert its {} frames to RGB", name, av_get_pix_fmt_name(pf) ? av_get_pix_fmt_name(pf) : "?");
+  sws_ = sws_getCachedContext(sws_, f->width, f->height, pf, f->width, f->height, AV_PIX_FMT_RGB24, SWS_BILINEAR,
+                              nullptr, nullptr, nullptr);
+  if (!sws_)
+    fail("video '{}': cannot convert its {} frames to RGB", name,
+         av_get_pix_fmt_name(pf) ? av_get_pix_fmt_name(pf) : "?");
   // The stream's colour matrix (BT.601 when untagged, libswscale's default) and range (limited
   // unless tagged full or a yuvj format), to full-range RGB.
-  const int cs = f->colorspace == AVCOL_SPC_UNSPECIFIED || f->colorspace == AVCOL_SPC_RGB ? SWS_CS_DEFAULT : int(f->colorspace);
+  const int cs =
+      f->colorspace == AVCOL_SPC_UNSPECIFIED || f->colorspace == AVCOL_SPC_RGB ? SWS_CS_DEFAULT : int(f->colorspace);
   const AVPixFmtDescriptor* desc = av_pix_fmt_desc_get(pf);
   const bool full = f->color_range == AVCOL_RANGE_JPEG || (desc && std::strncmp(desc->name, "yuvj", 4) == 0);
   if (desc && !(desc->flags & AV_PIX_FMT_FLAG_RGB))
-    sws_setColorspaceDetails(sws_, sws_getCoefficients(cs), full ? 1 : 0, sws_getCoefficients(SWS_CS_DEFAULT), 1, 0, 1 << 16,
-                             1 << 16);
+    sws_setColorspaceDetails(sws_, sws_getCoefficients(cs), full ? 1 : 0, sws_getCoefficients(SWS_CS_DEFAULT), 1, 0,
+                             1 << 16, 1 << 16);
   image::Rgb8 out;
   out.width = f->width;
   out.height = f->height;
@@ -607,7 +622,8 @@ int64_t decode_pass(const OpenedClip& clip, const std::vector<int64_t>& indices,
   Packet pkt;
   const OpenedClip::Packets& kept = *clip.packets;
   size_t offset = 0;  // packet n's data: after those of the packets before it
-  for (size_t n = 0; n < kept.records.size() && j < indices.size() && !misplaced; offset += size_t(kept.records[n++].size)) {
+  for (size_t n = 0; n < kept.records.size() && j < indices.size() && !misplaced;
+       offset += size_t(kept.records[n++].size)) {
     const OpenedClip::Packets::Record& r = kept.records[n];
     pkt.p->data = const_cast<uint8_t*>(kept.data.data() + offset);  // sent as is: the decoder copies it
     pkt.p->size = r.size;
@@ -627,8 +643,8 @@ int64_t decode_pass(const OpenedClip& clip, const std::vector<int64_t>& indices,
   if (j < indices.size() && !misplaced) dec.send(nullptr, k, out);  // flush the frames the decoder holds back
   if (skip && (misplaced || j < indices.size())) return -1;
   if (j < indices.size())
-    fail("video '{}': the container lists {} frames, but decoding gave {} (frame {} was asked for)", info.name, info.frames, k,
-         indices[j]);
+    fail("video '{}': the container lists {} frames, but decoding gave {} (frame {} was asked for)", info.name,
+         info.frames, k, indices[j]);
   return k;
 }
 

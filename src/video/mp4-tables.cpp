@@ -35,12 +35,12 @@ struct Box {
 // A track's tables, as far as they decide the index FFmpeg builds.
 struct Track {
   char handler[4] = {};
-  uint64_t samples = 0;        // stsz / stz2
-  uint64_t sample_size = 0;    // stsz's constant size (0: a size per sample)
-  uint64_t chunks = 0;         // stco / co64
-  uint64_t time_entries = 0;   // stts
-  bool unit_deltas = false;    // stts: one entry with delta 1 (uncompressed audio, indexed by chunk)
-  uint64_t edits = 0;          // elst
+  uint64_t samples = 0;       // stsz / stz2
+  uint64_t sample_size = 0;   // stsz's constant size (0: a size per sample)
+  uint64_t chunks = 0;        // stco / co64
+  uint64_t time_entries = 0;  // stts
+  bool unit_deltas = false;   // stts: one entry with delta 1 (uncompressed audio, indexed by chunk)
+  uint64_t edits = 0;         // elst
   uint64_t fragment_samples = 0;
 };
 
@@ -55,8 +55,8 @@ class Walker {
     ContainerCost c;
     c.index_entries = int64_t(entries);
     if (c.index_entries > kMaxIndexEntries)
-      fail("video '{}': its sample tables describe {} samples (edits included); the limit is {}", name_, c.index_entries,
-           kMaxIndexEntries);
+      fail("video '{}': its sample tables describe {} samples (edits included); the limit is {}", name_,
+           c.index_entries, kMaxIndexEntries);
     c.open_bytes = c.index_entries * kIndexEntryBytes;
     return c;
   }
@@ -68,13 +68,16 @@ class Walker {
   // many runs, so neither the product nor the sums may wrap.
   static uint64_t entries_of(const Track& t) {
     const bool by_chunk = std::memcmp(t.handler, "soun", 4) == 0 && t.sample_size > 0 && t.unit_deltas;
-    const unsigned __int128 samples = (by_chunk ? t.chunks + t.samples / 1024 : t.samples) + (unsigned __int128)t.fragment_samples;
+    const unsigned __int128 samples =
+        (by_chunk ? t.chunks + t.samples / 1024 : t.samples) + (unsigned __int128)t.fragment_samples;
     return saturated(samples * std::max<uint64_t>(1, t.edits));
   }
   static constexpr uint64_t kCeiling = uint64_t(1) << 62;
   static uint64_t saturated(unsigned __int128 n) { return n > kCeiling ? kCeiling : uint64_t(n); }
 
-  [[noreturn]] void bad(const std::string& what) const { fail("video '{}': corrupt MP4 sample table: {}", name_, what); }
+  [[noreturn]] void bad(const std::string& what) const {
+    fail("video '{}': corrupt MP4 sample table: {}", name_, what);
+  }
 
   void walk(const uint8_t* p, uint64_t n, int depth) {
     if (depth > kMaxDepth) bad("boxes nested deeper than 16");
@@ -114,7 +117,8 @@ class Walker {
   }
 
   void visit(const Box& b, int depth) {
-    static constexpr const char* kContainers[] = {"moov", "trak", "mdia", "minf", "stbl", "edts", "mvex", "moof", "traf"};
+    static constexpr const char* kContainers[] = {"moov", "trak", "mdia", "minf", "stbl",
+                                                  "edts", "mvex", "moof", "traf"};
     if (b.is("trak")) tracks_.emplace_back();
     for (const char* c : kContainers)
       if (b.is(c)) return walk(b.body, b.size, depth + 1);
@@ -131,14 +135,16 @@ class Walker {
       t.samples = entries(b, 8, t.sample_size ? 0 : 4);
       // Samples of one size lie in the file one after another: they cannot outnumber its bytes.
       if (t.sample_size && t.samples > bytes_.size() / t.sample_size)
-        bad(fmt::format("stsz box lists {} samples of {} bytes in a file of {}", t.samples, t.sample_size, bytes_.size()));
+        bad(fmt::format("stsz box lists {} samples of {} bytes in a file of {}", t.samples, t.sample_size,
+                        bytes_.size()));
     } else if (b.is("stz2")) {
       if (b.size < 12) bad("stz2 box cut short");
       const uint64_t bits = b.body[7];
       if (bits != 4 && bits != 8 && bits != 16) bad("stz2 field size is not 4, 8 or 16");
       Track& t = track();
       t.samples = entries(b, 8, 0);
-      if (t.samples > (b.size - 12) * 8 / bits) bad(fmt::format("stz2 box lists {} samples in {} bytes", t.samples, b.size));
+      if (t.samples > (b.size - 12) * 8 / bits)
+        bad(fmt::format("stz2 box lists {} samples in {} bytes", t.samples, b.size));
     } else if (b.is("stts")) {
       Track& t = track();
       t.time_entries = entries(b, 4, 8);
@@ -174,7 +180,8 @@ class Walker {
     if (per_sample && count > (b.size - head) / per_sample)
       bad(fmt::format("trun box lists {} samples of {} bytes in {} bytes", count, per_sample, b.size));
     // Each sample of a run lies in the file: a run cannot hold more samples than the file has bytes.
-    if (count > bytes_.size()) bad(fmt::format("trun box lists {} samples in a file of {} bytes", count, bytes_.size()));
+    if (count > bytes_.size())
+      bad(fmt::format("trun box lists {} samples in a file of {} bytes", count, bytes_.size()));
     // Fragments follow the moov: counted against its last track. Saturated, as entries_of is.
     uint64_t& sum = tracks_.empty() ? loose_fragment_samples_ : tracks_.back().fragment_samples;
     sum = saturated((unsigned __int128)sum + count);

@@ -8,15 +8,17 @@ namespace fovea::video {
 
 namespace {
 [[noreturn]] void unsupported(const std::string& name) {
-  fail("video '{}': this fovea was built without video decoding (FFmpeg's libavformat, libavcodec and libswscale "
-       "were not found at build time; install libavformat-dev libavcodec-dev libswscale-dev and rebuild)", name);
+  fail(
+      "video '{}': this fovea was built without video decoding (FFmpeg's libavformat, libavcodec and libswscale "
+      "were not found at build time; install libavformat-dev libavcodec-dev libswscale-dev and rebuild)",
+      name);
 }
 }  // namespace
 
 bool video_supported() { return false; }
 std::string ffmpeg_versions() { return ""; }
-OpenedClip open_clip(std::span<const uint8_t>, const std::string& name, const VideoLimits&, const image::PreprocessConfig&,
-                     Clock::time_point) {
+OpenedClip open_clip(std::span<const uint8_t>, const std::string& name, const VideoLimits&,
+                     const image::PreprocessConfig&, Clock::time_point) {
   unsupported(name);
 }
 int64_t decode_frames_at(const OpenedClip& clip, const std::vector<int64_t>&, int, Clock::time_point,

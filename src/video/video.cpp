@@ -49,14 +49,17 @@ VideoConfig parse_video_config(std::string_view text, const std::string& where) 
   if (!j.is_object()) fail("{}: not a JSON object", where);
   const image::PreprocessConfig p = image::parse_preprocess_config(text, where);
   VideoConfig c;
-  const bool has_min = (j.contains("size") && j["size"].is_object() && j["size"].contains("shortest_edge")) || j.contains("min_pixels");
-  const bool has_max = (j.contains("size") && j["size"].is_object() && j["size"].contains("longest_edge")) || j.contains("max_pixels");
+  const bool has_min =
+      (j.contains("size") && j["size"].is_object() && j["size"].contains("shortest_edge")) || j.contains("min_pixels");
+  const bool has_max =
+      (j.contains("size") && j["size"].is_object() && j["size"].contains("longest_edge")) || j.contains("max_pixels");
   c.patch = p.patch;
   c.merge = p.merge;
   c.temporal = p.temporal;
   if (has_min) c.min_pixels = p.min_pixels;
   if (has_max) c.max_pixels = p.max_pixels;
-  if (c.max_pixels < c.min_pixels) fail("{}: the pixel budget's max {} is below its min {}", where, c.max_pixels, c.min_pixels);
+  if (c.max_pixels < c.min_pixels)
+    fail("{}: the pixel budget's max {} is below its min {}", where, c.max_pixels, c.min_pixels);
   std::copy(p.mean, p.mean + 3, c.mean);
   std::copy(p.std, p.std + 3, c.std);
   auto integer = [&](const char* key, int64_t& dst, int64_t lo, int64_t hi) {
@@ -87,7 +90,8 @@ VideoConfig load_video_config(const std::string& model, const VideoOverrides& o)
   VideoConfig c;
   std::string where = "Qwen3VLVideoProcessor's defaults";
   if (const std::optional<std::string> path = image::model_folder_file(model, "video_preprocessor_config.json")) {
-    c = parse_video_config(read_file(*path, "video preprocessor config", qwen3vl::config_json_limits().max_bytes), *path);
+    c = parse_video_config(read_file(*path, "video preprocessor config", qwen3vl::config_json_limits().max_bytes),
+                           *path);
     where = *path;
   }
   if (const auto mc = image::readable_model_config(model)) image::check_against_model(as_image_config(c), where, *mc);
@@ -98,7 +102,8 @@ VideoConfig load_video_config(const std::string& model, const VideoOverrides& o)
   if (o.min_pixels > 0) c.min_pixels = o.min_pixels;
   if (o.max_pixels > 0) c.max_pixels = o.max_pixels;
   if (c.max_pixels < c.min_pixels) fail("--video-max-pixels {} is below the min {}", c.max_pixels, c.min_pixels);
-  if (o.max_frames < 0 || o.max_frames > kMaxFrames) fail("--video-max-frames {} is not in 0..{}", o.max_frames, kMaxFrames);
+  if (o.max_frames < 0 || o.max_frames > kMaxFrames)
+    fail("--video-max-frames {} is not in 0..{}", o.max_frames, kMaxFrames);
   if (o.max_frames > 0) {
     c.max_frames = o.max_frames;
     c.min_frames = std::min(c.min_frames, c.max_frames);
@@ -108,7 +113,8 @@ VideoConfig load_video_config(const std::string& model, const VideoOverrides& o)
 
 VideoLimits limits_from(const VideoOverrides& o) {
   VideoLimits l;
-  if (o.max_seconds < 0 || std::isnan(o.max_seconds)) fail("--max-video-seconds must be 0 (default) or positive, not {}", o.max_seconds);
+  if (o.max_seconds < 0 || std::isnan(o.max_seconds))
+    fail("--max-video-seconds must be 0 (default) or positive, not {}", o.max_seconds);
   if (o.max_seconds > 0) l.max_seconds = o.max_seconds;
   return l;
 }
@@ -241,7 +247,8 @@ uint32_t be16(const uint8_t* p) { return uint32_t(p[0]) << 8 | p[1]; }
 // `length_size`-byte big-endian lengths, until take returns true.
 template <class Take>
 bool each_nal(std::span<const uint8_t> b, int length_size, Take&& take) {
-  const bool annex_b = b.size() >= 3 && b[0] == 0 && b[1] == 0 && (b[2] == 1 || (b.size() >= 4 && b[2] == 0 && b[3] == 1));
+  const bool annex_b =
+      b.size() >= 3 && b[0] == 0 && b[1] == 0 && (b[2] == 1 || (b.size() >= 4 && b[2] == 0 && b[3] == 1));
   if (annex_b) {
     size_t at = 0, start = 0;
     bool open = false;
@@ -291,7 +298,8 @@ bool each_record_nal(std::span<const uint8_t> b, bool hevc, Take&& take) {
 
 // The first sequence parameter set's payload (after its NAL header): in the extradata (an avcC or
 // hvcC record, or Annex B), else in the packets (Annex B, or the record's length prefixes).
-std::optional<std::vector<uint8_t>> find_sps(std::span<const uint8_t> extra, std::span<const uint8_t> packets, bool hevc) {
+std::optional<std::vector<uint8_t>> find_sps(std::span<const uint8_t> extra, std::span<const uint8_t> packets,
+                                             bool hevc) {
   std::optional<std::vector<uint8_t>> sps;
   const size_t header = hevc ? 2 : 1;
   const auto take = [&](std::span<const uint8_t> nal) {
@@ -317,8 +325,8 @@ std::optional<std::vector<uint8_t>> find_sps(std::span<const uint8_t> extra, std
 // level (MaxDpbMbs, H.264 Table A-1) over the picture's macroblocks, at most 15; 15 for levels past 5.2.
 int h264_level_reorder(uint32_t level, uint64_t mbs) {
   static constexpr std::pair<uint32_t, uint64_t> kMaxDpbMbs[] = {
-      {10, 396},    {11, 900},    {12, 2376},   {13, 2376},   {20, 2376},    {21, 4752},    {22, 8100},    {30, 8100},
-      {31, 18000},  {32, 20480},  {40, 32768},  {41, 32768},  {42, 34816},   {50, 110400},  {51, 184320},  {52, 184320}};
+      {10, 396},   {11, 900},   {12, 2376},  {13, 2376},  {20, 2376},  {21, 4752},   {22, 8100},   {30, 8100},
+      {31, 18000}, {32, 20480}, {40, 32768}, {41, 32768}, {42, 34816}, {50, 110400}, {51, 184320}, {52, 184320}};
   for (const auto& [l, dpb] : kMaxDpbMbs)
     if (l == level) return int(std::min<uint64_t>(15, dpb / std::max<uint64_t>(1, mbs)));
   return 15;
@@ -338,10 +346,10 @@ void skip_hrd(BitReader& r) {
 
 // H.264 VUI: the bitstream restriction's reorder depth and DPB size, where it has one (else -1).
 std::pair<int, int> h264_vui(BitReader& r) {
-  if (r.u(1) && r.u(8) == 255) r.u(32);  // aspect ratio, extended SAR
-  if (r.u(1)) r.u(1);                    // overscan
+  if (r.u(1) && r.u(8) == 255) r.u(32);     // aspect ratio, extended SAR
+  if (r.u(1)) r.u(1);                       // overscan
   if (r.u(1) && (r.u(4), r.u(1))) r.u(24);  // video signal type, colour description
-  if (r.u(1)) {                          // chroma sample location
+  if (r.u(1)) {                             // chroma sample location
     r.ue();
     r.ue();
   }
@@ -406,7 +414,9 @@ std::optional<StreamLayout> h264_layout(BitReader r) {
   l.refs = std::max<int>(int(refs), dpb);
   // Without a bitstream restriction FFmpeg takes the level's depth, except for intra-only streams
   // (no reference frames), which it does not reorder.
-  l.reorder = reorder >= 0 ? reorder : refs == 0 ? 0 : h264_level_reorder(level, mb_width * map_height * (frames_only ? 1 : 2));
+  l.reorder = reorder >= 0 ? reorder
+              : refs == 0  ? 0
+                           : h264_level_reorder(level, mb_width * map_height * (frames_only ? 1 : 2));
   l.from_header = true;
   return l;
 }
@@ -422,7 +432,8 @@ std::optional<StreamLayout> hevc_layout(BitReader r) {
     level_present |= r.u(1) << i;
   }
   if (sub_layers > 0) r.u(2 * (8 - int(sub_layers)));
-  for (uint32_t i = 0; i < sub_layers; ++i) r.u(((profile_present >> i) & 1 ? 88 : 0) + ((level_present >> i) & 1 ? 8 : 0));
+  for (uint32_t i = 0; i < sub_layers; ++i)
+    r.u(((profile_present >> i) & 1 ? 88 : 0) + ((level_present >> i) & 1 ? 8 : 0));
   r.ue();
   const uint32_t chroma = r.ue();
   if (chroma == 3) r.u(1);
@@ -487,12 +498,14 @@ StreamLayout stream_layout(std::string_view codec, std::span<const uint8_t> extr
   if (codec == "h264" || codec == "hevc") {
     const bool hevc = codec == "hevc";
     std::optional<StreamLayout> l;
-    if (const auto sps = find_sps(extra, packets, hevc)) l = hevc ? hevc_layout(BitReader(*sps)) : h264_layout(BitReader(*sps));
+    if (const auto sps = find_sps(extra, packets, hevc))
+      l = hevc ? hevc_layout(BitReader(*sps)) : h264_layout(BitReader(*sps));
     return hevc ? with(l.value_or(StreamLayout{3, 2, 16, 16, false}), 0.8, 0.5)
                 : with(l.value_or(StreamLayout{3, 2, 16, 16, false}), 0.6, 0.3);
   }
   if (codec == "vp9") return with(vp9_layout(packets).value_or(StreamLayout{3, 2, 8, 0, false}), 0.25, 0.25);
-  if (codec == "av1") return with(av1_layout(extra).value_or(StreamLayout{3, 2, 8, 0, false}), 1, 1);  // libdav1d's own pool
+  if (codec == "av1")
+    return with(av1_layout(extra).value_or(StreamLayout{3, 2, 8, 0, false}), 1, 1);  // libdav1d's own pool
   if (codec == "vp8") return with({1, 1, 4, 0, true}, 0.1, 0.1);  // last, golden, altref and the previous frame
   if (codec == "mpeg4" || codec == "h263" || codec == "mpeg1video") return with({1, 1, 2, 0, true}, 0.6, 0.25);
   if (codec == "theora") return with({3, 1, 2, 0, false}, 0.1, 3.5);  // up to 4:4:4; coefficient tables per thread
@@ -513,7 +526,8 @@ int threads_within(const DecoderCost& d, int threads, int64_t limit) {
 
 int64_t ClipPlan::frame_bytes() const {
   const int64_t n = int64_t(indices.size()), natives = batch == 1 ? 1 : std::min(n, 2 * batch);  // see Resizer
-  return resized_bytes + patch_bytes + convert_bytes + natives * native_frame_bytes + std::min(n, batch) * resize_pass_bytes;
+  return resized_bytes + patch_bytes + convert_bytes + natives * native_frame_bytes +
+         std::min(n, batch) * resize_pass_bytes;
 }
 
 ClipPlan plan_clip(const ClipInfo& info, const VideoConfig& cfg, const VideoLimits& limits, int threads) {
@@ -564,11 +578,13 @@ image::Patches patchify_frames(const std::vector<image::Rgb8>& frames, const Vid
             float* dst = out.pixels.data() + r * row;
             for (int c = 0; c < 3; ++c)
               for (int t = 0; t < T; ++t) {
-                const image::Rgb8& f = frames[std::min(frames.size() - 1, size_t(t0 * T + t))];  // the last one repeated
+                const image::Rgb8& f =
+                    frames[std::min(frames.size() - 1, size_t(t0 * T + t))];  // the last one repeated
                 for (int py = 0; py < P; ++py)
                   for (int px = 0; px < P; ++px)
                     dst[((c * T + t) * P + py) * P + px] =
-                        (float(f.data[(size_t(y0 + py) * W + x0 + px) * 3 + c]) - cfg.mean[c] * 255.0f) / (cfg.std[c] * 255.0f);
+                        (float(f.data[(size_t(y0 + py) * W + x0 + px) * 3 + c]) - cfg.mean[c] * 255.0f) /
+                        (cfg.std[c] * 255.0f);
               }
           }
   });
@@ -577,7 +593,8 @@ image::Patches patchify_frames(const std::vector<image::Rgb8>& frames, const Vid
 
 Clip preprocess_frames(const std::vector<image::Rgb8>& frames, const std::vector<int64_t>& indices, double clip_fps,
                        const VideoConfig& cfg) {
-  if (frames.empty() || frames.size() != indices.size()) fail("preprocess: {} frames for {} indices", frames.size(), indices.size());
+  if (frames.empty() || frames.size() != indices.size())
+    fail("preprocess: {} frames for {} indices", frames.size(), indices.size());
   const Clock::time_point t0 = Clock::now();
   const std::pair<int, int> size = smart_resize_video(int64_t(frames.size()), frames[0].height, frames[0].width, cfg);
   const int h = size.first, w = size.second;  // (clang 14 cannot capture structured bindings)
@@ -603,14 +620,16 @@ bool looks_like_video(std::span<const uint8_t> b) {
     return b.size() >= off + n && std::memcmp(b.data() + off, magic, n) == 0;
   };
   return at(4, "ftyp") || at(4, "moov") || at(4, "mdat") || at(4, "free") || at(4, "wide") ||  // ISO BMFF / QuickTime
-         at(0, "\x1A\x45\xDF\xA3") ||                                                       // Matroska / WebM (EBML)
+         at(0, "\x1A\x45\xDF\xA3") ||                                                          // Matroska / WebM (EBML)
          (at(0, "RIFF") && at(8, "AVI ")) || at(0, "FLV") || at(0, "OggS") ||
-         (b.size() >= 377 && b[0] == 0x47 && b[188] == 0x47 && b[376] == 0x47);              // MPEG-TS
+         (b.size() >= 377 && b[0] == 0x47 && b[188] == 0x47 && b[376] == 0x47);  // MPEG-TS
 }
 
 int decoding_threads() { return std::clamp(ThreadCap::current(), 1, 16); }
 
-Clock::time_point deadline_of(const VideoLimits& l) { return Clock::now() + from_seconds(std::max(0.0, l.deadline_seconds)); }
+Clock::time_point deadline_of(const VideoLimits& l) {
+  return Clock::now() + from_seconds(std::max(0.0, l.deadline_seconds));
+}
 
 // ---- a clip's decoding: the plan, the decoder's frames resized as they come, patchify --------------
 
@@ -670,7 +689,8 @@ class Resizer {
 
 }  // namespace
 
-Clip decode_opened(const OpenedClip& clip, const VideoConfig& cfg, const VideoLimits& limits, Clock::time_point deadline) {
+Clip decode_opened(const OpenedClip& clip, const VideoConfig& cfg, const VideoLimits& limits,
+                   Clock::time_point deadline) {
   const auto t0 = Clock::now();
   const std::string& name = clip.info.name;
   Clip c;
@@ -682,8 +702,8 @@ Clip decode_opened(const OpenedClip& clip, const VideoConfig& cfg, const VideoLi
     // of decoded frames is resized on the other threads while the next batch decodes. Memory: the
     // resized frames, the patches, and two batches of native frames (one resizing, one filling).
     if (plan.batch < 1)
-      fail("{} frames resized to {}x{} with frames of {}x{} decoding need more than the limit of {} bytes", c.indices.size(),
-           plan.width, plan.height, c.info.width, c.info.height, limits.max_bytes_in_flight);
+      fail("{} frames resized to {}x{} with frames of {}x{} decoding need more than the limit of {} bytes",
+           c.indices.size(), plan.width, plan.height, c.info.width, c.info.height, limits.max_bytes_in_flight);
     Resizer resizer(c.indices.size(), plan.height, plan.width, plan.batch);
     c.frames_decoded = decode_frames_at(clip, c.indices, plan.threads, deadline,
                                         [&](size_t j, image::Rgb8&& f) { resizer.add(j, std::move(f)); });
@@ -703,8 +723,8 @@ Clip decode_opened(const OpenedClip& clip, const VideoConfig& cfg, const VideoLi
   return c;
 }
 
-Clip decode_clip(std::span<const uint8_t> bytes, const std::string& name, const VideoConfig& cfg, const VideoLimits& limits,
-                 const image::PreprocessConfig& budget) {
+Clip decode_clip(std::span<const uint8_t> bytes, const std::string& name, const VideoConfig& cfg,
+                 const VideoLimits& limits, const image::PreprocessConfig& budget) {
   const auto t0 = Clock::now();
   const Clock::time_point deadline = deadline_of(limits);
   const OpenedClip clip = open_clip(bytes, name, limits, budget, deadline);

@@ -276,54 +276,58 @@ TEST(EncoderGpu, Fp8LinearMatchesItsEmulation) {
   // Each weight re-quantized per channel, and stored in [128, 128] blocks as an FP8 release has it
   // (K 4304 padded to 4352 on the GPU; block-scaled rows come in multiples of 4).
   for (const bool stored : {false, true})
-  for (const Case c : {Case{1152, 1152, true, false}, Case{3456, 1152, false, false}, Case{4304, 1152, false, true},
-                       Case{1152, 4304, true, false}}) {
-    const int rows = stored ? 76 : 77;  // not a multiple of any tile
-    Linear l;
-    l.out = c.out, l.in = c.in;
-    for (int i = 0; i < c.out * c.in; ++i) l.w.push_back(bf16_round(nd(rng) / std::sqrt(float(c.in))));
-    for (int i = 0; i < c.out; ++i) l.b.push_back(bf16_round(0.1f * nd(rng)));
-    if (stored) {
-      l.fp8 = quantize_fp8_weight(l.w, l.out, l.in, {128, 128});
-      l.w = l.fp8->dequantized();
-    }
-    std::vector<float> x(size_t(rows) * c.in), res(size_t(rows) * c.out);
-    for (auto& v : x) v = bf16_round(nd(rng));
-    for (int i = 0; i < c.in; ++i) x[size_t(5 * c.in + i)] = bf16_round(300.f * x[size_t(5 * c.in + i)]);  // a loud token
-    for (auto& v : res) v = bf16_round(nd(rng));
-    const std::vector<float>* r = c.residual ? &res : nullptr;
-
-    std::vector<float> want = linear_fp8(l, x, rows), mag(want.size());
-    for (size_t i = 0; i < want.size(); ++i) {
-      if (c.gelu) want[i] = 0.5f * want[i] * (1.f + std::tanh(0.7978845608028654f * (want[i] + 0.044715f * want[i] * want[i] * want[i])));
-      mag[i] = std::fabs(want[i]) + (r ? std::fabs(res[i]) : 0.f);  // the summands' size
-      if (r) want[i] += res[i];
-    }
-    const std::vector<float> got = qwen3vl::cuda::linear_on_gpu(l, x, rows, true, r, c.gelu);
-    const std::vector<float> bf = qwen3vl::cuda::linear_on_gpu(l, x, rows, false, r, c.gelu);
-    ASSERT_EQ(got.size(), want.size());
-    double num = 0, den = 0, num_bf = 0, worst = 0;
-    for (int row = 0; row < rows; ++row) {
-      double rms = 0;
-      for (int o = 0; o < c.out; ++o) rms += double(want[size_t(row * c.out + o)]) * want[size_t(row * c.out + o)];
-      rms = std::sqrt(rms / c.out);
-      for (int o = 0; o < c.out; ++o) {
-        const size_t i = size_t(row) * c.out + o;
-        ASSERT_TRUE(std::isfinite(got[i])) << "row " << row << " col " << o;
-        const double d = std::fabs(double(got[i]) - want[i]);
-        worst = std::max(worst, d / (mag[i] + 0.05 * rms));
-        num += d * d, den += double(want[i]) * want[i];
-        num_bf += (double(bf[i]) - want[i]) * (double(bf[i]) - want[i]);
+    for (const Case c : {Case{1152, 1152, true, false}, Case{3456, 1152, false, false}, Case{4304, 1152, false, true},
+                         Case{1152, 4304, true, false}}) {
+      const int rows = stored ? 76 : 77;  // not a multiple of any tile
+      Linear l;
+      l.out = c.out, l.in = c.in;
+      for (int i = 0; i < c.out * c.in; ++i) l.w.push_back(bf16_round(nd(rng) / std::sqrt(float(c.in))));
+      for (int i = 0; i < c.out; ++i) l.b.push_back(bf16_round(0.1f * nd(rng)));
+      if (stored) {
+        l.fp8 = quantize_fp8_weight(l.w, l.out, l.in, {128, 128});
+        l.w = l.fp8->dequantized();
       }
+      std::vector<float> x(size_t(rows) * c.in), res(size_t(rows) * c.out);
+      for (auto& v : x) v = bf16_round(nd(rng));
+      for (int i = 0; i < c.in; ++i)
+        x[size_t(5 * c.in + i)] = bf16_round(300.f * x[size_t(5 * c.in + i)]);  // a loud token
+      for (auto& v : res) v = bf16_round(nd(rng));
+      const std::vector<float>* r = c.residual ? &res : nullptr;
+
+      std::vector<float> want = linear_fp8(l, x, rows), mag(want.size());
+      for (size_t i = 0; i < want.size(); ++i) {
+        if (c.gelu)
+          want[i] = 0.5f * want[i] *
+                    (1.f + std::tanh(0.7978845608028654f * (want[i] + 0.044715f * want[i] * want[i] * want[i])));
+        mag[i] = std::fabs(want[i]) + (r ? std::fabs(res[i]) : 0.f);  // the summands' size
+        if (r) want[i] += res[i];
+      }
+      const std::vector<float> got = qwen3vl::cuda::linear_on_gpu(l, x, rows, true, r, c.gelu);
+      const std::vector<float> bf = qwen3vl::cuda::linear_on_gpu(l, x, rows, false, r, c.gelu);
+      ASSERT_EQ(got.size(), want.size());
+      double num = 0, den = 0, num_bf = 0, worst = 0;
+      for (int row = 0; row < rows; ++row) {
+        double rms = 0;
+        for (int o = 0; o < c.out; ++o) rms += double(want[size_t(row * c.out + o)]) * want[size_t(row * c.out + o)];
+        rms = std::sqrt(rms / c.out);
+        for (int o = 0; o < c.out; ++o) {
+          const size_t i = size_t(row) * c.out + o;
+          ASSERT_TRUE(std::isfinite(got[i])) << "row " << row << " col " << o;
+          const double d = std::fabs(double(got[i]) - want[i]);
+          worst = std::max(worst, d / (mag[i] + 0.05 * rms));
+          num += d * d, den += double(want[i]) * want[i];
+          num_bf += (double(bf[i]) - want[i]) * (double(bf[i]) - want[i]);
+        }
+      }
+      const double rel = std::sqrt(num / den), rel_bf = std::sqrt(num_bf / den);
+      std::printf(
+          "fp8 linear %d x %d%s%s%s: gpu vs emulation rel_l2 %.3e, worst %.3e; the bf16 GEMM vs the emulation %.3e\n",
+          c.in, c.out, c.residual ? " +residual" : "", c.gelu ? " gelu" : "", stored ? " (stored blocks)" : "", rel,
+          worst, rel_bf);
+      EXPECT_LT(rel, 4e-3);    // bf16 output rounding, and cuBLASLt's GELU
+      EXPECT_LT(worst, 2e-2);  // per element, relative to its summands or 5% of its row's rms
+      EXPECT_GT(rel_bf, 4 * rel) << "the FP8 path must differ from the BF16 one by the FP8 rounding";
     }
-    const double rel = std::sqrt(num / den), rel_bf = std::sqrt(num_bf / den);
-    std::printf("fp8 linear %d x %d%s%s%s: gpu vs emulation rel_l2 %.3e, worst %.3e; the bf16 GEMM vs the emulation %.3e\n",
-                c.in, c.out, c.residual ? " +residual" : "", c.gelu ? " gelu" : "", stored ? " (stored blocks)" : "", rel,
-                worst, rel_bf);
-    EXPECT_LT(rel, 4e-3);     // bf16 output rounding, and cuBLASLt's GELU
-    EXPECT_LT(worst, 2e-2);   // per element, relative to its summands or 5% of its row's rms
-    EXPECT_GT(rel_bf, 4 * rel) << "the FP8 path must differ from the BF16 one by the FP8 rounding";
-  }
 }
 
 // The whole encoder with FP8 linears (BF16 attention): its error against the fp32 CPU forward is the
@@ -350,8 +354,9 @@ TEST(EncoderGpu, Fp8LinearsHaveTheirEmulationsErrorEndToEnd) {
   for (float v : f8) ASSERT_TRUE(std::isfinite(v));
   const auto e_gpu = embedding_error(f8, exact.merged, O), e_emu = embedding_error(emu.merged, exact.merged, O);
   const auto e_bf = embedding_error(bf, exact.merged, O);
-  std::printf("merged against fp32: gpu fp8 linears rel_l2 %.3e (cos %.6f), their emulation %.3e, gpu bf16 linears %.3e\n",
-              e_gpu.rel_l2, e_gpu.mean_cosine, e_emu.rel_l2, e_bf.rel_l2);
+  std::printf(
+      "merged against fp32: gpu fp8 linears rel_l2 %.3e (cos %.6f), their emulation %.3e, gpu bf16 linears %.3e\n",
+      e_gpu.rel_l2, e_gpu.mean_cosine, e_emu.rel_l2, e_bf.rel_l2);
   EXPECT_GT(e_gpu.rel_l2, 0.7 * e_emu.rel_l2);
   EXPECT_LT(e_gpu.rel_l2, 1.3 * e_emu.rel_l2);
   EXPECT_LT(e_bf.rel_l2, 0.5 * e_gpu.rel_l2);
@@ -383,9 +388,10 @@ TEST(EncoderGpu, Fp8LinearsRunStoredBlocksAsTheirEmulation) {
   for (float v : f8) ASSERT_TRUE(std::isfinite(v));
   const auto e_gpu = embedding_error(f8, exact.merged, O), e_emu = embedding_error(emu.merged, exact.merged, O);
   const auto e_rq = embedding_error(rq, exact.merged, O), e_apart = embedding_error(f8, rq, O);
-  std::printf("stored blocks, merged against the dequantized fp32 forward: gpu rel_l2 %.3e (cos %.6f), emulation %.3e; "
-              "re-quantized per channel %.3e, %.3e from the stored run\n",
-              e_gpu.rel_l2, e_gpu.mean_cosine, e_emu.rel_l2, e_rq.rel_l2, e_apart.rel_l2);
+  std::printf(
+      "stored blocks, merged against the dequantized fp32 forward: gpu rel_l2 %.3e (cos %.6f), emulation %.3e; "
+      "re-quantized per channel %.3e, %.3e from the stored run\n",
+      e_gpu.rel_l2, e_gpu.mean_cosine, e_emu.rel_l2, e_rq.rel_l2, e_apart.rel_l2);
   EXPECT_GT(e_gpu.rel_l2, 0.7 * e_emu.rel_l2);
   EXPECT_LT(e_gpu.rel_l2, 1.3 * e_emu.rel_l2);
   EXPECT_GT(e_gpu.mean_cosine, 0.997);
@@ -442,10 +448,11 @@ TEST_P(EncoderGpuOutliers, RobustFp8HoldsUpUnderOutlierChannels) {
   const auto robust = run(AttnDtype::FP8, true);
   const auto e_robust = embedding_error(robust, exact.merged, O), e_emu = embedding_error(emu.merged, exact.merged, O);
   const auto vs_emu = embedding_error(robust, emu.merged, O);
-  std::printf("outlier channels (%s), merged rel_l2 vs fp32: gpu bf16 %.3e, fp8 tensor %.3e (%.2fx bf16), fp8 robust %.3e "
-              "(%.2fx bf16, cos %.6f); robust emulation %.3e; gpu robust vs emulation %.3e\n",
-              name.c_str(), e_bf.rel_l2, e_tensor.rel_l2, e_tensor.rel_l2 / e_bf.rel_l2, e_robust.rel_l2,
-              e_robust.rel_l2 / e_bf.rel_l2, e_robust.mean_cosine, e_emu.rel_l2, vs_emu.rel_l2);
+  std::printf(
+      "outlier channels (%s), merged rel_l2 vs fp32: gpu bf16 %.3e, fp8 tensor %.3e (%.2fx bf16), fp8 robust %.3e "
+      "(%.2fx bf16, cos %.6f); robust emulation %.3e; gpu robust vs emulation %.3e\n",
+      name.c_str(), e_bf.rel_l2, e_tensor.rel_l2, e_tensor.rel_l2 / e_bf.rel_l2, e_robust.rel_l2,
+      e_robust.rel_l2 / e_bf.rel_l2, e_robust.mean_cosine, e_emu.rel_l2, vs_emu.rel_l2);
   // Slow pair, two runs before the split pairs (fresh pixels): bf16 0.117 / 0.164, tensor 0.771 / 0.550,
   // robust 0.167 / 0.243, its emulation 0.159 / 0.119. The GPU's error is the emulation's plus bf16
   // activations' (BF16's own).
@@ -465,7 +472,8 @@ TEST_P(EncoderGpuOutliers, RobustCalibrationWritesFineScalesThatServeStatically)
   int64_t n = 0;
   for (auto& g : kGrids) n += int64_t(g[0]) * g[1] * g[2];
   const std::vector<float> calib = random_pixels(n), held = random_pixels(n);
-  const std::string path = (std::filesystem::temp_directory_path() / ("fovea-robust-" + std::to_string(getpid()) + ".json")).string();
+  const std::string path =
+      (std::filesystem::temp_directory_path() / ("fovea-robust-" + std::to_string(getpid()) + ".json")).string();
   std::filesystem::remove(path);
   ScaleBook cal = ScaleBook::calibrating(m.config.depth, path, kDefaultScaleMargin);
   {
@@ -501,10 +509,12 @@ TEST_P(EncoderGpuOutliers, RobustCalibrationWritesFineScalesThatServeStatically)
   };
   ScaleBook dyn = ScaleBook::dynamic(m.config.depth), fixed = ScaleBook::fixed(scales_for_model(file, m.config.depth));
   ScaleBook fixed_tensor = fixed;
-  const auto e_dyn = run(dyn, nullptr, true), e_static = run(fixed, &fine, true), e_tensor = run(fixed_tensor, nullptr, false);
-  std::printf("robust calibration on the GPU (%s), held-out merged rel_l2 vs fp32: dynamic %.3e, static %.3e (%.2fx); "
-              "per-tensor static %.3e\n", name.c_str(), e_dyn.rel_l2, e_static.rel_l2, e_static.rel_l2 / e_dyn.rel_l2,
-              e_tensor.rel_l2);
+  const auto e_dyn = run(dyn, nullptr, true), e_static = run(fixed, &fine, true),
+             e_tensor = run(fixed_tensor, nullptr, false);
+  std::printf(
+      "robust calibration on the GPU (%s), held-out merged rel_l2 vs fp32: dynamic %.3e, static %.3e (%.2fx); "
+      "per-tensor static %.3e\n",
+      name.c_str(), e_dyn.rel_l2, e_static.rel_l2, e_static.rel_l2 / e_dyn.rel_l2, e_tensor.rel_l2);
   EXPECT_LT(e_static.rel_l2, 2.0 * e_dyn.rel_l2);
   EXPECT_LT(e_static.rel_l2, e_tensor.rel_l2 / 1.5);
 
@@ -537,11 +547,14 @@ TEST_P(EncoderGpuOutliers, RobustCalibrationWritesFineScalesThatServeStatically)
   fo.fine_scales = &mixed;
   const ForwardResult emu = forward_cpu(m, held, kGrids, fo);
   const int O = m.config.out_hidden;
-  const auto e_mixed = embedding_error(g_mixed.back(), exact.merged, O), e_emu = embedding_error(emu.merged, exact.merged, O);
+  const auto e_mixed = embedding_error(g_mixed.back(), exact.merged, O),
+             e_emu = embedding_error(emu.merged, exact.merged, O);
   const auto vs_emu = embedding_error(g_mixed.back(), emu.merged, O);
   const auto e_tensor_out = embedding_error(g_tensor.back(), exact.merged, O);
-  std::printf("  mixed (block 0 tensor, block 1 robust): %.3e vs fp32, emulation %.3e, gpu vs emulation %.3e; all tensor %.3e\n",
-              e_mixed.rel_l2, e_emu.rel_l2, vs_emu.rel_l2, e_tensor_out.rel_l2);
+  std::printf(
+      "  mixed (block 0 tensor, block 1 robust): %.3e vs fp32, emulation %.3e, gpu vs emulation %.3e; all tensor "
+      "%.3e\n",
+      e_mixed.rel_l2, e_emu.rel_l2, vs_emu.rel_l2, e_tensor_out.rel_l2);
   for (float x : g_mixed.back()) ASSERT_TRUE(std::isfinite(x));
   EXPECT_LT(vs_emu.rel_l2, e_tensor_out.rel_l2);
   EXPECT_LT(e_mixed.rel_l2, 2.0 * e_emu.rel_l2 + 0.05);

@@ -70,8 +70,10 @@ TEST(Fp8Device, DecodeMatchesHost) {
   FOVEA_CUDA_CHECK(cudaMemcpy(h, d.data(), sizeof h, cudaMemcpyDeviceToHost));
   for (int c = 0; c < 256; ++c) {
     const float ref = fovea::e4m3_to_float(uint8_t(c));
-    if (ref != ref) EXPECT_NE(h[c], h[c]) << c;
-    else EXPECT_EQ(h[c], ref) << "code " << c;
+    if (ref != ref)
+      EXPECT_NE(h[c], h[c]) << c;
+    else
+      EXPECT_EQ(h[c], ref) << "code " << c;
   }
 }
 
@@ -89,7 +91,8 @@ TEST(Fp8Device, HardwarePairDecodeMatchesHost) {
     for (int e = 0; e < 2; ++e) {
       const float ref = fovea::e4m3_to_float(uint8_t(w >> (8 * e)));
       const bool same = ref != ref ? got[e] != got[e] : got[e] == ref && std::signbit(got[e]) == std::signbit(ref);
-      if (!same && bad++ < 5) ADD_FAILURE() << "word 0x" << std::hex << w << " byte " << e << ": " << got[e] << " != " << ref;
+      if (!same && bad++ < 5)
+        ADD_FAILURE() << "word 0x" << std::hex << w << " byte " << e << ": " << got[e] << " != " << ref;
     }
   }
   EXPECT_EQ(bad, 0);

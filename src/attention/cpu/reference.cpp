@@ -27,7 +27,8 @@ std::vector<float> dct_matrix(int n) {
   std::vector<float> m(size_t(n) * size_t(n));
   for (int i = 0; i < n; ++i)
     for (int j = 0; j < n; ++j)
-      m[size_t(i) * n + j] = float((i == 0 ? std::sqrt(1.0 / n) : std::sqrt(2.0 / n)) * std::cos(M_PI * (j + 0.5) * i / n));
+      m[size_t(i) * n + j] =
+          float((i == 0 ? std::sqrt(1.0 / n) : std::sqrt(2.0 / n)) * std::cos(M_PI * (j + 0.5) * i / n));
   return m;
 }
 
@@ -77,7 +78,8 @@ std::vector<float> operand(const VarlenShape& sh, ThdView<const float> x, RefMod
       fp8_input_row(x.row(t, h), shift.data() + size_t(h) * hd, mul.empty() ? nullptr : mul.data() + size_t(h) * hd,
                     rot, hd, row.data());
       const float* s = scale.data() + size_t(h) * hd;
-      for (int d = 0; d < hd; ++d) o[d] = exact ? row[size_t(d)] / s[d] : e4m3_to_float(e4m3_quantize(row[size_t(d)], s[d]));
+      for (int d = 0; d < hd; ++d)
+        o[d] = exact ? row[size_t(d)] / s[d] : e4m3_to_float(e4m3_quantize(row[size_t(d)], s[d]));
       for (int i = 0; i < per_head && !exact; ++i) {
         const int p = split[size_t(h) * per_head + i];
         for (int j = 0; p >= 0 && j < 2; ++j) {
@@ -98,7 +100,8 @@ std::vector<float> operand(const VarlenShape& sh, ThdView<const float> x, RefMod
 void pair_multipliers(const Fp8Fine& fine, int H, int hd, std::vector<float>& q_mul, std::vector<float>& k_mul) {
   const size_t pairs = size_t(H) * size_t(hd / 2);
   if (hd % 2 != 0 || fine.qk_pair.size() != pairs)
-    fail("attention: qk_pair holds {} values, not {} ({} heads x {} rotary pairs)", fine.qk_pair.size(), pairs, H, hd / 2);
+    fail("attention: qk_pair holds {} values, not {} ({} heads x {} rotary pairs)", fine.qk_pair.size(), pairs, H,
+         hd / 2);
   if (fine.rotate_qk) fail("attention: qk_pair and rotate_qk cannot be combined");
   q_mul.assign(size_t(H) * hd, 1.0f);
   k_mul.assign(size_t(H) * hd, 1.0f);
@@ -115,8 +118,8 @@ void pair_multipliers(const Fp8Fine& fine, int H, int hd, std::vector<float>& q_
 
 // The per-(head, channel) scale of one tensor: the fine vector where given ([H] or [H * hd]), else
 // the per-tensor value. Throws unless every scale is a finite number > 0.
-std::vector<float> expand_scale(const VarlenShape& sh, float per_tensor, const std::vector<float>& fine, size_t per_head,
-                                const char* name) {
+std::vector<float> expand_scale(const VarlenShape& sh, float per_tensor, const std::vector<float>& fine,
+                                size_t per_head, const char* name) {
   const size_t H = size_t(sh.heads), hd = size_t(sh.head_dim);
   if (!fine.empty() && fine.size() != H * per_head)
     fail("attention: {} holds {} scales, not {} ({} heads x {})", name, fine.size(), H * per_head, H, per_head);
@@ -128,8 +131,8 @@ std::vector<float> expand_scale(const VarlenShape& sh, float per_tensor, const s
 }
 
 // One query row, exact: two-pass softmax in fp64.
-void row_exact(const float* q, ThdView<const float> k, ThdView<const float> v, int64_t begin, int64_t end,
-               int h, int hd, double scale, std::vector<double>& s, double* out) {
+void row_exact(const float* q, ThdView<const float> k, ThdView<const float> v, int64_t begin, int64_t end, int h,
+               int hd, double scale, std::vector<double>& s, double* out) {
   double m = -std::numeric_limits<double>::infinity();
   for (int64_t j = begin; j < end; ++j) {
     const float* kr = k.row(j, h);
@@ -157,9 +160,9 @@ void row_exact(const float* q, ThdView<const float> k, ThdView<const float> v, i
 // ex2.approx (relative error below 2^-21, tests/gpu); FP8 sums P V and l per block and folds them with one FMA,
 // o = o * corr + block (two-level accumulation), its l being the sum of the E4M3 P when the kernel
 // sums on the tensor cores.
-void row_flash(const float* q, const float* k, const float* v, int64_t begin, int64_t end, int h, int heads,
-               int hd, int qk_width, float qk_scale_log2, const float* out_scale, RefMode mode, const PScheme& ps,
-               bool exact_p, std::vector<float>& t, std::vector<float>& acc, std::vector<float>& block, double* out) {
+void row_flash(const float* q, const float* k, const float* v, int64_t begin, int64_t end, int h, int heads, int hd,
+               int qk_width, float qk_scale_log2, const float* out_scale, RefMode mode, const PScheme& ps, bool exact_p,
+               std::vector<float>& t, std::vector<float>& acc, std::vector<float>& block, double* out) {
   const int64_t len = end - begin;
   const int64_t nblocks = (len + ps.block_n - 1) / ps.block_n;
   const bool fp8 = mode == RefMode::FP8;
@@ -224,15 +227,18 @@ void attention(const VarlenShape& sh, ThdView<const float> q, ThdView<const floa
   const int64_t rows = N * H;
   const int64_t grain = std::max<int64_t>(1, 65536 / std::max(1, sh.max_seqlen()));
   if (opt.mode == RefMode::EXACT) {
-    parallel_for(rows, [&](int64_t r) {
-      thread_local std::vector<double> s;
-      const int64_t t = r / H;
-      const int h = int(r % H);
-      s.resize(size_t(sh.max_seqlen()));
-      const int sg = seg[size_t(t)];
-      row_exact(q.row(t, h), k, v, sh.cu_seqlens[size_t(sg)], sh.cu_seqlens[size_t(sg) + 1], h, hd, scale, s,
-                out + r * hd);
-    }, opt.threads, grain);
+    parallel_for(
+        rows,
+        [&](int64_t r) {
+          thread_local std::vector<double> s;
+          const int64_t t = r / H;
+          const int h = int(r % H);
+          s.resize(size_t(sh.max_seqlen()));
+          const int sg = seg[size_t(t)];
+          row_exact(q.row(t, h), k, v, sh.cu_seqlens[size_t(sg)], sh.cu_seqlens[size_t(sg) + 1], h, hd, scale, s,
+                    out + r * hd);
+        },
+        opt.threads, grain);
     return;
   }
 
@@ -258,7 +264,8 @@ void attention(const VarlenShape& sh, ThdView<const float> q, ThdView<const floa
   if (fp8 && !fine.qk_pair.empty()) pair_multipliers(fine, H, hd, q_mul, k_mul);
   if (fp8 && !fine.qk_split.empty()) {
     check_split_pairs(fine.qk_split, H, hd, "attention: qk_split");
-    if (fine.rotate_qk || !fine.qk_pair.empty()) fail("attention: qk_split cannot be combined with rotate_qk or qk_pair");
+    if (fine.rotate_qk || !fine.qk_pair.empty())
+      fail("attention: qk_split cannot be combined with rotate_qk or qk_pair");
   }
   const std::vector<float> rot = fp8 && fine.rotate_qk ? dct_matrix(hd) : std::vector<float>();
   const float* r = rot.empty() ? nullptr : rot.data();
@@ -271,17 +278,21 @@ void attention(const VarlenShape& sh, ThdView<const float> q, ThdView<const floa
   for (int h = 0; h < H; ++h)
     qk_scale_log2[size_t(h)] =
         float(scale * M_LOG2E * (fp8 ? double(sq[size_t(h) * hd]) * double(sk[size_t(h) * hd]) : 1.0));
-  parallel_for(rows, [&](int64_t r) {
-    thread_local std::vector<float> t, acc, block;
-    t.resize(size_t(opt.p.block_n));
-    acc.resize(size_t(hd));
-    block.resize(size_t(hd));
-    const int64_t tok = r / H;
-    const int h = int(r % H);
-    const int sg = seg[size_t(tok)];
-    row_flash(q8.data() + r * qk_width, k8.data(), v8.data(), sh.cu_seqlens[size_t(sg)], sh.cu_seqlens[size_t(sg) + 1],
-              h, H, hd, qk_width, qk_scale_log2[size_t(h)], sv.data() + size_t(h) * hd, opt.mode, opt.p, opt.fp8_exact.p, t, acc, block, out + r * hd);
-  }, opt.threads, grain);
+  parallel_for(
+      rows,
+      [&](int64_t r) {
+        thread_local std::vector<float> t, acc, block;
+        t.resize(size_t(opt.p.block_n));
+        acc.resize(size_t(hd));
+        block.resize(size_t(hd));
+        const int64_t tok = r / H;
+        const int h = int(r % H);
+        const int sg = seg[size_t(tok)];
+        row_flash(q8.data() + r * qk_width, k8.data(), v8.data(), sh.cu_seqlens[size_t(sg)],
+                  sh.cu_seqlens[size_t(sg) + 1], h, H, hd, qk_width, qk_scale_log2[size_t(h)],
+                  sv.data() + size_t(h) * hd, opt.mode, opt.p, opt.fp8_exact.p, t, acc, block, out + r * hd);
+      },
+      opt.threads, grain);
 }
 
 float qk_pair_factor(float q_amax, float k_amax) {
@@ -323,7 +334,8 @@ Fp8Fine current_fine_scales(const VarlenShape& shape, ThdView<const float> q, Th
   f.rotate_qk = parts.rotate_qk;
   const bool per_pair = parts.smooth_qk_pairs || parts.split_pairs;
   if (per_pair && parts.rotate_qk) fail("FP8 scales: smooth_qk_pairs / split_pairs and rotate_qk cannot be combined");
-  if (parts.smooth_qk_pairs && parts.split_pairs) fail("FP8 scales: smooth_qk_pairs and split_pairs cannot be combined");
+  if (parts.smooth_qk_pairs && parts.split_pairs)
+    fail("FP8 scales: smooth_qk_pairs and split_pairs cannot be combined");
   if (per_pair && hd % 2 != 0) fail("FP8 scales: rotary pairs need an even head_dim, got {}", hd);
   const std::vector<float> zeros(cells, 0.0f);
   std::vector<float> q_mul, k_mul;
@@ -341,7 +353,8 @@ Fp8Fine current_fine_scales(const VarlenShape& shape, ThdView<const float> q, Th
       f.qk_pair.resize(cells / 2);
       for (size_t i = 0; i < cells / 2; ++i) {
         const size_t h = i / size_t(half), p = i % size_t(half);
-        f.qk_pair[i] = qk_pair_factor(std::max(qa[h * hd + p], qa[h * hd + p + half]), std::max(ka[h * hd + p], ka[h * hd + p + half]));
+        f.qk_pair[i] = qk_pair_factor(std::max(qa[h * hd + p], qa[h * hd + p + half]),
+                                      std::max(ka[h * hd + p], ka[h * hd + p + half]));
       }
       pair_multipliers(f, H, hd, q_mul, k_mul);
     }

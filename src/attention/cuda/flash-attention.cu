@@ -41,11 +41,12 @@ CUtensorMap tensor_map(void* base, bool fp8, uint64_t d0, uint64_t d1, uint64_t 
   const cuuint32_t box[3] = {box0, box1, 1};
   const cuuint32_t elem_strides[3] = {1, 1, 1};
   CUtensorMap m;
-  const CUresult r = encode_fn()(&m, fp8 ? CU_TENSOR_MAP_DATA_TYPE_UINT8 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, base, dims,
-                                 strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
+  const CUresult r = encode_fn()(&m, fp8 ? CU_TENSOR_MAP_DATA_TYPE_UINT8 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, base,
+                                 dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
                                  CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS)
-    fail_cat("FOVEA attention: cuTensorMapEncodeTiled failed (", int(r), ") for dims ", d0, "x", d1, "x", d2, " box ", box0, "x", box1);
+    fail_cat("FOVEA attention: cuTensorMapEncodeTiled failed (", int(r), ") for dims ", d0, "x", d1, "x", d2, " box ",
+             box0, "x", box1);
   return m;
 }
 
@@ -72,11 +73,11 @@ struct FlashAttention::Impl {
   int sms = 0;        // the device's SM count
   DeviceBuffer<int32_t> d_cu, d_cu_pad;
   DeviceBuffer<int2> d_tiles;
-  DeviceBuffer<uint8_t> buf;  // q, k and v^t, one allocation
+  DeviceBuffer<uint8_t> buf;             // q, k and v^t, one allocation
   DeviceBuffer<unsigned int> d_scratch;  // amax scratch [3] + CTA counter
   DeviceBuffer<uint8_t> d_fine_scratch;  // FP8: FineScratch's arrays (robust scheme, current scaling)
   FineScratch fine_scratch;
-  StagingSlot staging[2];                // the plan uploads' pinned sources, alternately
+  StagingSlot staging[2];  // the plan uploads' pinned sources, alternately
   int next_staging = 0;
   FlashMaps maps{};
   const float* scale_ptr[3] = {nullptr, nullptr, nullptr};
@@ -119,7 +120,8 @@ FlashAttention::FlashAttention(AttnDtype dtype, int heads, int head_dim) : impl_
     m.fine_scratch.bad = m.fine_scratch.done + 1;
     float* prev = reinterpret_cast<float*>(m.fine_scratch.bad + 1);
     for (int i = 0; i < 2; ++i, prev += cells) m.fine_scratch.v_prev[i] = prev;
-    for (int i = 0; i < 2; ++i, prev += 2 * heads) m.fine_scratch.q_prev[i] = prev, m.fine_scratch.k_prev[i] = prev + heads;
+    for (int i = 0; i < 2; ++i, prev += 2 * heads)
+      m.fine_scratch.q_prev[i] = prev, m.fine_scratch.k_prev[i] = prev + heads;
     FOVEA_CUDA_CHECK(cudaMemset(b, 0, m.d_fine_scratch.bytes()));
   }
 }
@@ -152,7 +154,8 @@ void FlashAttention::plan(const std::vector<int32_t>& cu_seqlens, cudaStream_t s
   }
   // Longest segments first: their CTAs have the most KV blocks, so they start earliest.
   std::stable_sort(tiles.begin(), tiles.end(), [&](int2 a, int2 b) {
-    return cu_seqlens[size_t(a.x) + 1] - cu_seqlens[size_t(a.x)] > cu_seqlens[size_t(b.x) + 1] - cu_seqlens[size_t(b.x)];
+    return cu_seqlens[size_t(a.x) + 1] - cu_seqlens[size_t(a.x)] >
+           cu_seqlens[size_t(b.x) + 1] - cu_seqlens[size_t(b.x)];
   });
   m.shape = sh;
   m.n_pad = cu_pad.back();
@@ -169,8 +172,8 @@ void FlashAttention::plan(const std::vector<int32_t>& cu_seqlens, cudaStream_t s
   if (need > m.buf.count()) m.buf.reset(need);
   const int H = sh.heads, hd = sh.head_dim;
   const uint32_t kstep = uint32_t(layout::kstep(m.fp8));
-  m.maps.q = tensor_map(m.q(), m.fp8, uint64_t(m.hd_pad), uint64_t(m.n_pad), uint64_t(H), kstep,
-                        uint32_t(block_m), CU_TENSOR_MAP_SWIZZLE_32B);
+  m.maps.q = tensor_map(m.q(), m.fp8, uint64_t(m.hd_pad), uint64_t(m.n_pad), uint64_t(H), kstep, uint32_t(block_m),
+                        CU_TENSOR_MAP_SWIZZLE_32B);
   m.maps.k = tensor_map(m.k(), m.fp8, uint64_t(m.hd_pad), uint64_t(m.n_pad), uint64_t(H), kstep, layout::kBlockN,
                         CU_TENSOR_MAP_SWIZZLE_32B);
   m.maps.v = tensor_map(m.vt(), m.fp8, uint64_t(m.n_pad), uint64_t(hd), uint64_t(H), m.fp8 ? 128u : 64u, uint32_t(hd),
@@ -185,7 +188,8 @@ void FlashAttention::prepare(const void* qkv, int64_t qkv_token_stride, const fl
   if (!m.planned) fail_cat("FOVEA attention: prepare() before plan()");
   if (!qkv) fail_cat("FOVEA attention: qkv is null");
   if (qkv_token_stride < 3 * int64_t(m.shape.heads) * m.shape.head_dim || qkv_token_stride % 8 != 0)
-    fail_cat("FOVEA attention: qkv token stride ", qkv_token_stride, " must be >= 3*H*hd = ", 3 * m.shape.heads * m.shape.head_dim, " and a multiple of 8 (16-byte rows)");
+    fail_cat("FOVEA attention: qkv token stride ", qkv_token_stride,
+             " must be >= 3*H*hd = ", 3 * m.shape.heads * m.shape.head_dim, " and a multiple of 8 (16-byte rows)");
   if (reinterpret_cast<uintptr_t>(qkv) % 16 != 0) fail_cat("FOVEA attention: qkv must be 16-byte aligned");
   if (bool(rope_cos) != bool(rope_sin)) fail_cat("FOVEA attention: give both RoPE tables or neither");
   const FineArrays& fine = scales.fine;
@@ -193,7 +197,8 @@ void FlashAttention::prepare(const void* qkv, int64_t qkv_token_stride, const fl
   if (robust && !(fine.q_head && fine.k_head && fine.k_mean && fine.v_channel))
     fail_cat("FOVEA attention: the robust FP8 scheme needs all four arrays (k_mean, q_head, k_head, v_channel)");
   if (robust && fp8_split_pairs(m.shape.head_dim) > 0 && !fine.qk_split)
-    fail_cat("FOVEA attention: the robust FP8 scheme at head_dim ", m.shape.head_dim, " needs its qk_split array (all -1: none)");
+    fail_cat("FOVEA attention: the robust FP8 scheme at head_dim ", m.shape.head_dim,
+             " needs its qk_split array (all -1: none)");
   if (robust && !m.fp8) fail_cat("FOVEA attention: fine FP8 scales given to a bf16 attention");
   if (m.fp8 && !robust && !scales.fixed && !scales.dynamic)
     fail_cat("FOVEA attention: FP8 needs scales (static, dynamic or the robust scheme's arrays)");
@@ -287,7 +292,8 @@ void DeviceFineHistory::check(const FineHistory& h) const {
   if (h.heads != heads_ || h.head_dim != head_dim_ || h.q_ring.size() != ring || h.k_ring.size() != ring ||
       h.v_ring.size() != kAmaxHistoryLen * cells || h.k_sum.size() != cells || h.k_hi.size() != cells ||
       h.k_lo.size() != cells || h.q_hi.size() != cells)
-    fail_cat("FOVEA attention: a fine history of ", h.heads, " x ", h.head_dim, " for a device one of ", heads_, " x ", head_dim_);
+    fail_cat("FOVEA attention: a fine history of ", h.heads, " x ", h.head_dim, " for a device one of ", heads_, " x ",
+             head_dim_);
 }
 
 void DeviceFineHistory::upload(const FineHistory& h) {

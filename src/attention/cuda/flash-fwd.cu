@@ -70,7 +70,7 @@ struct FlashCfg {
   static constexpr int kConsumers = kConsumerWgs;
   static constexpr uint32_t kPolyPairs = kFp8 ? fp8_poly_exp_pairs(kHeadDim) : 0u;  // flash-p.h
   static constexpr bool kTcSum = kFp8 && fp8_tensor_row_sum(kHeadDim);  // V^T's 8 rows of ones: l in P V's last columns
-  static constexpr int kPvN = kHeadDim + (kTcSum ? 8 : 0);  // PV's N, the accumulator's columns
+  static constexpr int kPvN = kHeadDim + (kTcSum ? 8 : 0);              // PV's N, the accumulator's columns
   static constexpr int kBlockM = 64 * kConsumers, kBlockN = layout::kBlockN;
   static constexpr int kKStep = layout::kstep(kFp8);
   static constexpr int kHdPad = layout::head_dim_pad(kHeadDim, kFp8);
@@ -84,8 +84,10 @@ struct FlashCfg {
   static constexpr int kVChunkBytes = kPvN * 128;
   static constexpr int kVBytes = kVChunks * kVChunkBytes;
   static constexpr int kVLoadBytes = kVChunks * kHeadDim * 128;  // what TMA writes (not the ones)
-  static constexpr int kSmemLimit = 227 * 1024;  // per CTA on H100/H200
-  static constexpr int smem_bytes(int stages) { return 1024 + kQBytes + stages * (kKBytes + kVBytes) + 8 * (2 * stages + 1); }
+  static constexpr int kSmemLimit = 227 * 1024;                  // per CTA on H100/H200
+  static constexpr int smem_bytes(int stages) {
+    return 1024 + kQBytes + stages * (kKBytes + kVBytes) + 8 * (2 * stages + 1);
+  }
   static constexpr int kStages = smem_bytes(3) <= kSmemLimit ? 3 : 2;  // 3 fit up to bf16 hd 128 (225 KB)
   static constexpr int kSmemBytes = smem_bytes(kStages);
   static constexpr int kThreads = 128 * (1 + kConsumers);
@@ -99,24 +101,36 @@ struct FlashCfg {
 
 template <bool kFp8>
 __device__ __forceinline__ void mma_qk(float (&d)[64], uint64_t da, uint64_t db, int scale_d) {
-  if constexpr (kFp8) wgmma::wgmma_ss_e4m3_n128(d, da, db, scale_d);
-  else wgmma::wgmma_ss_bf16_n128(d, da, db, scale_d);
+  if constexpr (kFp8)
+    wgmma::wgmma_ss_e4m3_n128(d, da, db, scale_d);
+  else
+    wgmma::wgmma_ss_bf16_n128(d, da, db, scale_d);
 }
 
 template <bool kFp8, int N>
 __device__ __forceinline__ void mma_pv(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t db, int scale_d) {
   if constexpr (kFp8) {
-    if constexpr (N == 64) wgmma::wgmma_rs_e4m3_n64(d, a, db, scale_d);
-    else if constexpr (N == 72) wgmma::wgmma_rs_e4m3_n72(d, a, db, scale_d);
-    else if constexpr (N == 80) wgmma::wgmma_rs_e4m3_n80(d, a, db, scale_d);
-    else if constexpr (N == 88) wgmma::wgmma_rs_e4m3_n88(d, a, db, scale_d);
-    else if constexpr (N == 128) wgmma::wgmma_rs_e4m3_n128(d, a, db, scale_d);
-    else wgmma::wgmma_rs_e4m3_n136(d, a, db, scale_d);
+    if constexpr (N == 64)
+      wgmma::wgmma_rs_e4m3_n64(d, a, db, scale_d);
+    else if constexpr (N == 72)
+      wgmma::wgmma_rs_e4m3_n72(d, a, db, scale_d);
+    else if constexpr (N == 80)
+      wgmma::wgmma_rs_e4m3_n80(d, a, db, scale_d);
+    else if constexpr (N == 88)
+      wgmma::wgmma_rs_e4m3_n88(d, a, db, scale_d);
+    else if constexpr (N == 128)
+      wgmma::wgmma_rs_e4m3_n128(d, a, db, scale_d);
+    else
+      wgmma::wgmma_rs_e4m3_n136(d, a, db, scale_d);
   } else {
-    if constexpr (N == 64) wgmma::wgmma_rs_bf16_n64(d, a, db, scale_d);
-    else if constexpr (N == 72) wgmma::wgmma_rs_bf16_n72(d, a, db, scale_d);
-    else if constexpr (N == 80) wgmma::wgmma_rs_bf16_n80(d, a, db, scale_d);
-    else wgmma::wgmma_rs_bf16_n128(d, a, db, scale_d);
+    if constexpr (N == 64)
+      wgmma::wgmma_rs_bf16_n64(d, a, db, scale_d);
+    else if constexpr (N == 72)
+      wgmma::wgmma_rs_bf16_n72(d, a, db, scale_d);
+    else if constexpr (N == 80)
+      wgmma::wgmma_rs_bf16_n80(d, a, db, scale_d);
+    else
+      wgmma::wgmma_rs_bf16_n128(d, a, db, scale_d);
   }
 }
 
@@ -169,7 +183,8 @@ __global__ void __launch_bounds__(FlashCfg<kFp8, kHeadDim, kConsumerWgs>::kThrea
       ptx::prefetch_tensormap(&tm_v);
       ptx::mbar_arrive_expect_tx(q_full, C::kQBytes);
       for (int c = 0; c < C::kChunks; ++c)
-        ptx::tma_load_3d(sQ + c * C::kQChunkBytes, &tm_q, q_full, c * C::kKStep, pad_begin + m_block * C::kBlockM, head);
+        ptx::tma_load_3d(sQ + c * C::kQChunkBytes, &tm_q, q_full, c * C::kKStep, pad_begin + m_block * C::kBlockM,
+                         head);
       for (int i = 0; i < n_blocks; ++i) {
         const int n = n_blocks - 1 - i, s = i % C::kStages;
         if (i >= C::kStages) ptx::mbar_wait(&empty[s], ((i / C::kStages) & 1) ^ 1);
@@ -178,7 +193,8 @@ __global__ void __launch_bounds__(FlashCfg<kFp8, kHeadDim, kConsumerWgs>::kThrea
         for (int c = 0; c < C::kChunks; ++c)
           ptx::tma_load_3d(sK + s * C::kKBytes + c * C::kKChunkBytes, &tm_k, &full[s], c * C::kKStep, key0, head);
         for (int c = 0; c < C::kVChunks; ++c)
-          ptx::tma_load_3d(sV + s * C::kVBytes + c * C::kVChunkBytes, &tm_v, &full[s], key0 + c * C::kVChunkKeys, 0, head);
+          ptx::tma_load_3d(sV + s * C::kVBytes + c * C::kVChunkBytes, &tm_v, &full[s], key0 + c * C::kVChunkKeys, 0,
+                           head);
       }
     }
     return;
@@ -194,7 +210,8 @@ __global__ void __launch_bounds__(FlashCfg<kFp8, kHeadDim, kConsumerWgs>::kThrea
   for (int i = 0; i < kPvN / 2; ++i) o[i] = 0.f;
   float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
   const int scale_head = p.fine ? head : 0;  // the robust scheme's Q and K scales are per head
-  const float qk_scale = kFp8 ? p.softmax_scale_log2 * p.q_scale[scale_head] * p.k_scale[scale_head] : p.softmax_scale_log2;
+  const float qk_scale =
+      kFp8 ? p.softmax_scale_log2 * p.q_scale[scale_head] * p.k_scale[scale_head] : p.softmax_scale_log2;
   constexpr float kPShift = kFp8 ? 8.f : 0.f;  // FP8: P = 2^8 * exp2(s - m), E4M3's top binade
 
   // Software pipeline inside the warpgroup (FlashAttention-3's intra-warpgroup overlap): while the
@@ -225,7 +242,8 @@ __global__ void __launch_bounds__(FlashCfg<kFp8, kHeadDim, kConsumerWgs>::kThrea
   auto issue_qk = [&](int s) {
 #pragma unroll
     for (int c = 0; c < C::kChunks; ++c)
-      mma_qk<kFp8>(sacc, q_desc + c * (C::kQChunkBytes >> 4), k_desc + ((s * C::kKBytes + c * C::kKChunkBytes) >> 4), c > 0);
+      mma_qk<kFp8>(sacc, q_desc + c * (C::kQChunkBytes >> 4), k_desc + ((s * C::kKBytes + c * C::kKChunkBytes) >> 4),
+                   c > 0);
     ptx::wgmma_commit();
   };
   auto issue_pv = [&](int s) {
@@ -415,7 +433,8 @@ __global__ void __launch_bounds__(FlashCfg<kFp8, kHeadDim, kConsumerWgs>::kThrea
         const int col = 8 * j + 2 * t;
         const float inv0 = kFp8 && p.fine ? v_scale[col] / sum : inv;
         const float inv1 = kFp8 && p.fine ? v_scale[col + 1] / sum : inv;
-        *reinterpret_cast<uint32_t*>(dst + col) = ptx::pack_bf16x2(o[4 * j + 2 * r] * inv0, o[4 * j + 2 * r + 1] * inv1);
+        *reinterpret_cast<uint32_t*>(dst + col) =
+            ptx::pack_bf16x2(o[4 * j + 2 * r] * inv0, o[4 * j + 2 * r + 1] * inv1);
       }
     }
   }
@@ -441,17 +460,20 @@ void launch(const FlashParams& p, const FlashMaps& m, int num_tiles, cudaStream_
 
 }  // namespace
 
-void launch_flash(const FlashParams& p, const FlashMaps& maps, int num_tiles, bool fp8, int head_dim,
-                  int consumers, cudaStream_t stream) {
+void launch_flash(const FlashParams& p, const FlashMaps& maps, int num_tiles, bool fp8, int head_dim, int consumers,
+                  cudaStream_t stream) {
   if (num_tiles == 0) return;
   if (consumers < 2 || consumers > layout::max_consumer_warpgroups(fp8, head_dim))
     fail_cat("FOVEA attention: ", consumers, " consumer warpgroups for ", fp8 ? "fp8" : "bf16", " head_dim ", head_dim);
   dispatch_head_dim(head_dim, [&](auto hd) {
     constexpr int D = decltype(hd)::value;
-    if (!fp8) launch<false, D, 2>(p, maps, num_tiles, stream);
+    if (!fp8)
+      launch<false, D, 2>(p, maps, num_tiles, stream);
     else if constexpr (layout::max_consumer_warpgroups(true, D) == 3) {
-      if (consumers == 3) launch<true, D, 3>(p, maps, num_tiles, stream);
-      else launch<true, D, 2>(p, maps, num_tiles, stream);
+      if (consumers == 3)
+        launch<true, D, 3>(p, maps, num_tiles, stream);
+      else
+        launch<true, D, 2>(p, maps, num_tiles, stream);
     } else {
       launch<true, D, 2>(p, maps, num_tiles, stream);
     }

@@ -22,8 +22,10 @@ template <size_t I = 0, class F>
 auto dispatch_head_dim(int head_dim, F&& f) {
   constexpr int D = kFlashHeadDims[I];
   if (head_dim == D) return f(std::integral_constant<int, D>{});
-  if constexpr (I + 1 < std::size(kFlashHeadDims)) return dispatch_head_dim<I + 1>(head_dim, std::forward<F>(f));
-  else fail_head_dim(head_dim);
+  if constexpr (I + 1 < std::size(kFlashHeadDims))
+    return dispatch_head_dim<I + 1>(head_dim, std::forward<F>(f));
+  else
+    fail_head_dim(head_dim);
 }
 
 }  // namespace fovea::cuda

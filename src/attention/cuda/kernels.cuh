@@ -44,8 +44,8 @@ struct PrepareArgs {
   void* q = nullptr;  // outputs, layout.cuh
   void* k = nullptr;
   void* vt = nullptr;
-  const float* fixed = nullptr;      // FP8 static scales [3]
-  LayerAmax* dynamic = nullptr;      // FP8 dynamic state
+  const float* fixed = nullptr;          // FP8 static scales [3]
+  LayerAmax* dynamic = nullptr;          // FP8 dynamic state
   unsigned int* amax_scratch = nullptr;  // [3], zero between launches
   unsigned int* amax_done = nullptr;     // CTA counter, zero between launches
 };
@@ -62,7 +62,8 @@ struct FineLaunch {
   FineRing ring;  // with current: the layer's history (ScaleBook::record_fine's), or all null
 };
 
-void launch_prepare(const PrepareArgs& a, bool fp8, int head_dim, cudaStream_t stream, const FineLaunch* fine = nullptr);
+void launch_prepare(const PrepareArgs& a, bool fp8, int head_dim, cudaStream_t stream,
+                    const FineLaunch* fine = nullptr);
 
 struct FlashParams {
   const int2* tiles = nullptr;  // (segment, m_block) per CTA, longest segments first
@@ -73,7 +74,7 @@ struct FlashParams {
   const float* q_scale = nullptr;  // FP8 dequantization scales (device), null for BF16
   const float* k_scale = nullptr;
   const float* v_scale = nullptr;
-  bool fine = false;  // q_scale, k_scale per head [H]; v_scale per channel [H * hd] (robust scheme)
+  bool fine = false;             // q_scale, k_scale per head [H]; v_scale per channel [H * hd] (robust scheme)
   float softmax_scale_log2 = 0;  // log2(e) / sqrt(hd)
 };
 
@@ -82,7 +83,7 @@ struct FlashMaps {
 };
 
 // consumers: 2, or 3 where layout::max_consumer_warpgroups allows (tiles of 64 * consumers rows).
-void launch_flash(const FlashParams& p, const FlashMaps& maps, int num_tiles, bool fp8, int head_dim,
-                  int consumers, cudaStream_t stream);
+void launch_flash(const FlashParams& p, const FlashMaps& maps, int num_tiles, bool fp8, int head_dim, int consumers,
+                  cudaStream_t stream);
 
 }  // namespace fovea::cuda

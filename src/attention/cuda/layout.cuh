@@ -23,7 +23,9 @@ constexpr int kTilePad = 128;  // segment padding granularity: KV tiles never st
 // rather than the tensor cores bounds the kernel, so a third warpgroup keeps the exponent units busy
 // while two others hold the tensor cores (192-row tiles, as FlashAttention-3 uses there). The plan
 // picks 2 or 3 per batch (flash-attention.cu: fewer, longer CTAs can leave SMs idle at the end).
-__host__ __device__ constexpr int max_consumer_warpgroups(bool fp8, int head_dim) { return fp8 && head_dim <= 80 ? 3 : 2; }
+__host__ __device__ constexpr int max_consumer_warpgroups(bool fp8, int head_dim) {
+  return fp8 && head_dim <= 80 ? 3 : 2;
+}
 
 __host__ __device__ constexpr int kstep(bool fp8) { return fp8 ? 32 : 16; }
 __host__ __device__ constexpr int head_dim_pad(int head_dim, bool fp8) {

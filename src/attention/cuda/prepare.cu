@@ -29,7 +29,10 @@ __device__ __forceinline__ int padded_row_token(const PrepareArgs& a, int row) {
   int lo = 0, hi = a.num_segments - 1;
   while (lo < hi) {
     const int mid = (lo + hi + 1) / 2;
-    if (a.cu_padded[mid] <= row) lo = mid; else hi = mid - 1;
+    if (a.cu_padded[mid] <= row)
+      lo = mid;
+    else
+      hi = mid - 1;
   }
   const int off = row - a.cu_padded[lo];
   const int len = a.cu_seqlens[lo + 1] - a.cu_seqlens[lo];
@@ -133,17 +136,21 @@ __device__ __forceinline__ void rope_row_out(const PrepareArgs& a, int token, in
                                              uint64_t mask = 0, float* stage = nullptr) {
   constexpr int kPairs = kSplit ? fp8_split_pairs(kHeadDim) : 0;
   static_assert(kFp8 || !kSplit);
-  static_assert(kPairs == 0 || (kHeadDim % 4 == 0 && kHeadDim + 4 * kPairs <= kHdPad), "split slots: whole words of the padding");
+  static_assert(kPairs == 0 || (kHeadDim % 4 == 0 && kHeadDim + 4 * kPairs <= kHdPad),
+                "split slots: whole words of the padding");
   constexpr int kHalf = kHeadDim / 2;
   constexpr int kOutWords = kHdPad * (kFp8 ? 1 : 2) / 4;
   uint32_t out[kOutWords];
 #pragma unroll
   for (int i = 0; i < kOutWords; ++i) out[i] = 0;
-  for_row_groups<kHeadDim>(a, token, head, which, true, [&](int g, float (&x1)[4], float (&x2)[4]) {
+  for_row_groups<kHeadDim>(a, token, head, which, true, [&](int g, float(&x1)[4], float(&x2)[4]) {
     if (kShift && token >= 0) {  // the means, four channels a load (kHalf is a multiple of 4)
-      const float4 m1 = reinterpret_cast<const float4*>(shift)[g], m2 = reinterpret_cast<const float4*>(shift + kHalf)[g];
-      x1[0] = __fsub_rn(x1[0], m1.x), x1[1] = __fsub_rn(x1[1], m1.y), x1[2] = __fsub_rn(x1[2], m1.z), x1[3] = __fsub_rn(x1[3], m1.w);
-      x2[0] = __fsub_rn(x2[0], m2.x), x2[1] = __fsub_rn(x2[1], m2.y), x2[2] = __fsub_rn(x2[2], m2.z), x2[3] = __fsub_rn(x2[3], m2.w);
+      const float4 m1 = reinterpret_cast<const float4*>(shift)[g],
+                   m2 = reinterpret_cast<const float4*>(shift + kHalf)[g];
+      x1[0] = __fsub_rn(x1[0], m1.x), x1[1] = __fsub_rn(x1[1], m1.y), x1[2] = __fsub_rn(x1[2], m1.z),
+      x1[3] = __fsub_rn(x1[3], m1.w);
+      x2[0] = __fsub_rn(x2[0], m2.x), x2[1] = __fsub_rn(x2[1], m2.y), x2[2] = __fsub_rn(x2[2], m2.z),
+      x2[3] = __fsub_rn(x2[3], m2.w);
     }
     if constexpr (kSplit) {  // a bit test per pair, the same for the whole CTA (one head)
 #pragma unroll
@@ -161,7 +168,8 @@ __device__ __forceinline__ void rope_row_out(const PrepareArgs& a, int token, in
       out[kHalf / 4 + g] = quantize4(x2[0], x2[1], x2[2], x2[3], scale);
     } else {
       out[2 * g] = ptx::pack_bf16x2(x1[0], x1[1]), out[2 * g + 1] = ptx::pack_bf16x2(x1[2], x1[3]);
-      out[kHalf / 2 + 2 * g] = ptx::pack_bf16x2(x2[0], x2[1]), out[kHalf / 2 + 2 * g + 1] = ptx::pack_bf16x2(x2[2], x2[3]);
+      out[kHalf / 2 + 2 * g] = ptx::pack_bf16x2(x2[0], x2[1]),
+                          out[kHalf / 2 + 2 * g + 1] = ptx::pack_bf16x2(x2[2], x2[3]);
     }
   });
   if constexpr (kSplit) {
@@ -175,8 +183,8 @@ __device__ __forceinline__ void rope_row_out(const PrepareArgs& a, int token, in
         const int p = split[i];
         if (p < 0) continue;
         const int k = __popcll(mask & ((uint64_t(1) << p) - 1));
-        out[kHeadDim / 4 + i] = split_slots(stage[(2 * k) * kThreads + threadIdx.x], stage[(2 * k + 1) * kThreads + threadIdx.x],
-                                            scale, which == 0);
+        out[kHeadDim / 4 + i] = split_slots(stage[(2 * k) * kThreads + threadIdx.x],
+                                            stage[(2 * k + 1) * kThreads + threadIdx.x], scale, which == 0);
       }
     }
   }
@@ -201,7 +209,7 @@ __global__ void __launch_bounds__(kThreads) qkv_amax_kernel(PrepareArgs a) {
 #pragma unroll
   for (int w = 0; w < 3; ++w)
     for (int64_t t = int64_t(blockIdx.x) * kThreads + threadIdx.x; t < n; t += int64_t(gridDim.x) * kThreads)
-      for_row_groups<kHeadDim>(a, int(t), head, w, w < 2, [&](int, const float (&x1)[4], const float (&x2)[4]) {
+      for_row_groups<kHeadDim>(a, int(t), head, w, w < 2, [&](int, const float(&x1)[4], const float(&x2)[4]) {
 #pragma unroll
         for (int j = 0; j < 4; ++j) m[w] = max(m[w], max(__float_as_uint(fabsf(x1[j])), __float_as_uint(fabsf(x2[j]))));
       });
@@ -286,7 +294,8 @@ __device__ __forceinline__ void pick_split_pairs_warp(const float* qa, const flo
 // before this batch, and the last CTA records the batch and takes its scales as
 // ScaleBook::record_fine does, with the same helpers (scales.h).
 template <int kHeadDim>
-__global__ void __launch_bounds__(kStatThreads) fine_stats_kernel(PrepareArgs a, FineArrays out, FineScratch f, FineRing ring) {
+__global__ void __launch_bounds__(kStatThreads)
+    fine_stats_kernel(PrepareArgs a, FineArrays out, FineScratch f, FineRing ring) {
   constexpr int kHalf = kHeadDim / 2, kRows = kStatThreads / kHalf;
   __shared__ double s_sum[kRows][kHeadDim];
   __shared__ float s_max[kRows][kHeadDim], s_min[kRows][kHeadDim], s_v[kRows][kHeadDim], s_q[kRows][kHeadDim];
@@ -301,20 +310,24 @@ __global__ void __launch_bounds__(kStatThreads) fine_stats_kernel(PrepareArgs a,
       out[0][i] = fine_ring_prev(r, stride, filled, pos, true);
       out[1][i] = fine_ring_prev(r, stride, filled, pos, false);
     };
-    for (int d = threadIdx.x; d < kHeadDim; d += kStatThreads) prev(ring.v + head * kHeadDim + d, cells, f.v_prev, head * kHeadDim + d);
-    if (threadIdx.x == kStatThreads - 1) prev(ring.q + head, a.heads, f.q_prev, head), prev(ring.k + head, a.heads, f.k_prev, head);
+    for (int d = threadIdx.x; d < kHeadDim; d += kStatThreads)
+      prev(ring.v + head * kHeadDim + d, cells, f.v_prev, head * kHeadDim + d);
+    if (threadIdx.x == kStatThreads - 1)
+      prev(ring.q + head, a.heads, f.q_prev, head), prev(ring.k + head, a.heads, f.k_prev, head);
   }
   __syncthreads();
   bool bad = false;  // a non-finite input (fmaxf would drop a NaN)
   if (r < kRows) {
-    float q_amax[2] = {0.f, 0.f}, k_max[2] = {-INFINITY, -INFINITY}, k_min[2] = {INFINITY, INFINITY}, v_amax[2] = {0.f, 0.f};
+    float q_amax[2] = {0.f, 0.f}, k_max[2] = {-INFINITY, -INFINITY}, k_min[2] = {INFINITY, INFINITY},
+          v_amax[2] = {0.f, 0.f};
     double k_sum[2] = {0.0, 0.0};
     for (int64_t t = int64_t(blockIdx.x) * kRows + r; t < a.total_tokens; t += int64_t(gridDim.x) * kRows) {
       const __nv_bfloat16* row = a.qkv + t * a.qkv_token_stride + int64_t(head) * kHeadDim;
       const int64_t which = int64_t(a.heads) * kHeadDim;
       float x[3][2];
 #pragma unroll
-      for (int w = 0; w < 3; ++w) x[w][0] = __bfloat162float(row[w * which + c]), x[w][1] = __bfloat162float(row[w * which + c + kHalf]);
+      for (int w = 0; w < 3; ++w)
+        x[w][0] = __bfloat162float(row[w * which + c]), x[w][1] = __bfloat162float(row[w * which + c + kHalf]);
       if (a.rope_cos) {
         const float cs = a.rope_cos[t * kHalf + c], sn = a.rope_sin[t * kHalf + c];
 #pragma unroll
@@ -378,7 +391,8 @@ __global__ void __launch_bounds__(kStatThreads) fine_stats_kernel(PrepareArgs a,
       const double sum = __ldcg(&f.k_sum[cell]);
       const float hi = from_ordered_bits(__ldcg(&f.k_max[cell])), lo = -from_ordered_bits(__ldcg(&f.k_neg_max[cell]));
       const float va = __uint_as_float(__ldcg(&f.v_amax[cell]));
-      const float v_prev = hist ? __ldcg(&(pick ? f.v_prev[1] : f.v_prev[0])[cell]) : 0.f;  // no indexing of a parameter array (it would copy to the stack)
+      const float v_prev = hist ? __ldcg(&(pick ? f.v_prev[1] : f.v_prev[0])[cell])
+                                : 0.f;  // no indexing of a parameter array (it would copy to the stack)
       const bool total = hist && keep;
       const double t_sum = total ? ring.k_sum[cell] : 0.0;
       const float t_hi = total ? ring.k_hi[cell] : 0.f, t_lo = total ? ring.k_lo[cell] : 0.f;
@@ -398,7 +412,9 @@ __global__ void __launch_bounds__(kStatThreads) fine_stats_kernel(PrepareArgs a,
       }
       f.k_sum[cell] = 0.0, f.k_max[cell] = f.k_neg_max[cell] = f.v_amax[cell] = f.q_amax[cell] = 0u;
     }
-    if constexpr (kSplit > 0) pick_split_pairs_warp<kHeadDim>(s_pick[threadIdx.x / 32][0], s_pick[threadIdx.x / 32][1], out.qk_split + h * kSplit);
+    if constexpr (kSplit > 0)
+      pick_split_pairs_warp<kHeadDim>(s_pick[threadIdx.x / 32][0], s_pick[threadIdx.x / 32][1],
+                                      out.qk_split + h * kSplit);
 #pragma unroll
     for (int o = 16; o > 0; o /= 2) {
       dev = fmaxf(dev, __shfl_xor_sync(0xffffffffu, dev, o));
@@ -453,7 +469,8 @@ __global__ void __launch_bounds__(kThreads) prepare_kernel(PrepareArgs a, FineAr
   const int token = padded_row_token(a, row);
   float scale[3] = {1.f, 1.f, 1.f};  // FP8 dequantization scales of q, k, v (v: unless per channel)
   // Robust scheme: the head's K mean and V scales, staged once per CTA.
-  __shared__ __align__(16) float s_mean[kFine ? kHeadDim : 1], s_vscale[kFine ? kHeadDim : 1], s_vrcp[kFine ? kHeadDim : 1];
+  __shared__ __align__(16) float s_mean[kFine ? kHeadDim : 1], s_vscale[kFine ? kHeadDim : 1],
+      s_vrcp[kFine ? kHeadDim : 1];
   constexpr int kSplit = kFine ? fp8_split_pairs(kHeadDim) : 0;
   __shared__ int s_split[kSplit > 0 ? kSplit : 1];
   __shared__ float s_stage[kSplit > 0 ? 2 * kSplit * kThreads : 1];  // the split pairs' values, a column a thread
@@ -478,12 +495,15 @@ __global__ void __launch_bounds__(kThreads) prepare_kernel(PrepareArgs a, FineAr
   // Q and K: one row each, RoPE'd (K minus its mean in the robust scheme), padded to kHdPad with zeros.
 #pragma unroll
   for (int w = 0; w < 2; ++w) {
-    Elem* dst = (w == 0 ? static_cast<Elem*>(a.q) : static_cast<Elem*>(a.k)) +
-                (int64_t(head) * a.n_pad + row) * kHdPad;
+    Elem* dst = (w == 0 ? static_cast<Elem*>(a.q) : static_cast<Elem*>(a.k)) + (int64_t(head) * a.n_pad + row) * kHdPad;
     if constexpr (kSplit > 0) {
       const uint64_t mask = split_mask<kHeadDim>(s_split);
-      if (w == 1) rope_row_out<kFp8, kHeadDim, kHdPad, true, true>(a, token, head, w, scale[w], s_mean, dst, s_split, mask, s_stage);
-      else rope_row_out<kFp8, kHeadDim, kHdPad, false, true>(a, token, head, w, scale[w], nullptr, dst, s_split, mask, s_stage);
+      if (w == 1)
+        rope_row_out<kFp8, kHeadDim, kHdPad, true, true>(a, token, head, w, scale[w], s_mean, dst, s_split, mask,
+                                                         s_stage);
+      else
+        rope_row_out<kFp8, kHeadDim, kHdPad, false, true>(a, token, head, w, scale[w], nullptr, dst, s_split, mask,
+                                                          s_stage);
     } else if (w == 1 && fine) {
       rope_row_out<kFp8, kHeadDim, kHdPad, true>(a, token, head, w, scale[w], s_mean, dst);
     } else {
@@ -539,18 +559,24 @@ void launch_for_head_dim(const PrepareArgs& a, bool fp8, cudaStream_t stream, co
   if (fp8 && fine && fine->current) {
     const int rows = kStatThreads / (kHeadDim / 2);
     const int blocks_x = int(std::min<int64_t>((a.total_tokens + rows - 1) / rows, 2048 / std::max(1, a.heads) + 1));
-    fine_stats_kernel<kHeadDim><<<dim3(blocks_x, a.heads), kStatThreads, 0, stream>>>(a, fine->arrays, fine->scratch, fine->ring);
+    fine_stats_kernel<kHeadDim>
+        <<<dim3(blocks_x, a.heads), kStatThreads, 0, stream>>>(a, fine->arrays, fine->scratch, fine->ring);
     FOVEA_CUDA_CHECK(cudaGetLastError());
   } else if (fp8 && a.dynamic) {
-    const int blocks_x = int(std::min<int64_t>((a.total_tokens + kThreads - 1) / kThreads, 1024 / std::max(1, a.heads) + 1));
+    const int blocks_x =
+        int(std::min<int64_t>((a.total_tokens + kThreads - 1) / kThreads, 1024 / std::max(1, a.heads) + 1));
     qkv_amax_kernel<kHeadDim><<<dim3(blocks_x, a.heads), kThreads, 0, stream>>>(a);
     FOVEA_CUDA_CHECK(cudaGetLastError());
   }
-  if (a.n_pad / kThreads > 65535) fail_cat("attention: ", a.n_pad, " padded tokens in one batch; the prepare step takes up to ", 65535 * kThreads);
+  if (a.n_pad / kThreads > 65535)
+    fail_cat("attention: ", a.n_pad, " padded tokens in one batch; the prepare step takes up to ", 65535 * kThreads);
   const dim3 grid(unsigned(a.heads), unsigned(a.n_pad / kThreads));
-  if (fp8 && fine) prepare_kernel<true, kHeadDim, true><<<grid, kThreads, 0, stream>>>(a, fine->arrays);
-  else if (fp8) prepare_kernel<true, kHeadDim><<<grid, kThreads, 0, stream>>>(a, {});
-  else prepare_kernel<false, kHeadDim><<<grid, kThreads, 0, stream>>>(a, {});
+  if (fp8 && fine)
+    prepare_kernel<true, kHeadDim, true><<<grid, kThreads, 0, stream>>>(a, fine->arrays);
+  else if (fp8)
+    prepare_kernel<true, kHeadDim><<<grid, kThreads, 0, stream>>>(a, {});
+  else
+    prepare_kernel<false, kHeadDim><<<grid, kThreads, 0, stream>>>(a, {});
   FOVEA_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -34,13 +34,16 @@ void check(cudnnStatus_t s, const char* what) {
   if (s == CUDNN_STATUS_SUCCESS) return;
   char detail[1024] = {0};
   cudnnGetLastErrorString(detail, sizeof detail);
-  fail_cat("CUDNN attention: ", what, ": ", cudnnGetErrorString(s), detail[0] ? " (" : "", detail, detail[0] ? ")" : "");
+  fail_cat("CUDNN attention: ", what, ": ", cudnnGetErrorString(s), detail[0] ? " (" : "", detail,
+           detail[0] ? ")" : "");
 }
 
 // One backend descriptor, destroyed with its owner.
 class Desc {
  public:
-  explicit Desc(cudnnBackendDescriptorType_t type) { check(cudnnBackendCreateDescriptor(type, &d_), "creating a descriptor"); }
+  explicit Desc(cudnnBackendDescriptorType_t type) {
+    check(cudnnBackendCreateDescriptor(type, &d_), "creating a descriptor");
+  }
   ~Desc() {
     if (d_) cudnnBackendDestroyDescriptor(d_);
   }
@@ -98,12 +101,15 @@ Plan build_plan(cudnnHandle_t handle, int64_t b, int64_t S, int64_t H, int64_t h
   k.push_back(tensor(kRaggedO, CUDNN_DATA_INT64, {b + 1, 1, 1, 1}, {1, 1, 1, 1}));
   const Desc& rag_qkv = k[0];
   const Desc& rag_o = k[1];
-  const std::array<int64_t, 4> dims = {b, H, S, hd}, qkv_strides = {S * ts, hd, ts, 1}, o_strides = {S * H * hd, hd, H * hd, 1};
-  for (int64_t uid : {int64_t(kQ), int64_t(kK), int64_t(kV)}) k.push_back(tensor(uid, CUDNN_DATA_BFLOAT16, dims, qkv_strides, &rag_qkv));
+  const std::array<int64_t, 4> dims = {b, H, S, hd}, qkv_strides = {S * ts, hd, ts, 1},
+                               o_strides = {S * H * hd, hd, H * hd, 1};
+  for (int64_t uid : {int64_t(kQ), int64_t(kK), int64_t(kV)})
+    k.push_back(tensor(uid, CUDNN_DATA_BFLOAT16, dims, qkv_strides, &rag_qkv));
   k.push_back(tensor(kO, CUDNN_DATA_BFLOAT16, dims, o_strides, &rag_o));
   k.push_back(tensor(kScale, CUDNN_DATA_FLOAT, {1, 1, 1, 1}, {1, 1, 1, 1}, nullptr, true));
   k.push_back(tensor(kSeqLen, CUDNN_DATA_INT32, {b, 1, 1, 1}, {1, 1, 1, 1}));
-  k.push_back(tensor(kSeqLenKv, CUDNN_DATA_INT32, {b, 1, 1, 1}, {1, 1, 1, 1}));  // the same lengths, a tensor of its own
+  k.push_back(
+      tensor(kSeqLenKv, CUDNN_DATA_INT32, {b, 1, 1, 1}, {1, 1, 1, 1}));  // the same lengths, a tensor of its own
   Desc op(CUDNN_BACKEND_OPERATION_SDPA_FWD_DESCRIPTOR);
   op.set(CUDNN_ATTR_OPERATION_SDPA_FWD_QDESC, k[2])
       .set(CUDNN_ATTR_OPERATION_SDPA_FWD_KDESC, k[3])
@@ -124,21 +130,26 @@ Plan build_plan(cudnnHandle_t handle, int64_t b, int64_t S, int64_t H, int64_t h
   std::string why;
   for (cudnnBackendHeurMode_t mode : {CUDNN_HEUR_MODE_A, CUDNN_HEUR_MODE_FALLBACK}) {
     Desc heur(CUDNN_BACKEND_ENGINEHEUR_DESCRIPTOR);
-    heur.set(CUDNN_ATTR_ENGINEHEUR_OPERATION_GRAPH, graph).set(CUDNN_ATTR_ENGINEHEUR_MODE, CUDNN_TYPE_HEUR_MODE, 1, &mode);
+    heur.set(CUDNN_ATTR_ENGINEHEUR_OPERATION_GRAPH, graph)
+        .set(CUDNN_ATTR_ENGINEHEUR_MODE, CUDNN_TYPE_HEUR_MODE, 1, &mode);
     if (cudnnBackendFinalize(heur.get()) != CUDNN_STATUS_SUCCESS) continue;
     int64_t n = 0;
-    check(cudnnBackendGetAttribute(heur.get(), CUDNN_ATTR_ENGINEHEUR_RESULTS, CUDNN_TYPE_BACKEND_DESCRIPTOR, 0, &n, nullptr),
+    check(cudnnBackendGetAttribute(heur.get(), CUDNN_ATTR_ENGINEHEUR_RESULTS, CUDNN_TYPE_BACKEND_DESCRIPTOR, 0, &n,
+                                   nullptr),
           "counting engine configurations");
     std::vector<Desc> cfgs;
     std::vector<cudnnBackendDescriptor_t> raw;
-    for (int64_t i = 0; i < n; ++i) cfgs.emplace_back(CUDNN_BACKEND_ENGINECFG_DESCRIPTOR), raw.push_back(cfgs.back().get());
+    for (int64_t i = 0; i < n; ++i)
+      cfgs.emplace_back(CUDNN_BACKEND_ENGINECFG_DESCRIPTOR), raw.push_back(cfgs.back().get());
     int64_t got = 0;
     if (n > 0)
-      check(cudnnBackendGetAttribute(heur.get(), CUDNN_ATTR_ENGINEHEUR_RESULTS, CUDNN_TYPE_BACKEND_DESCRIPTOR, n, &got, raw.data()),
+      check(cudnnBackendGetAttribute(heur.get(), CUDNN_ATTR_ENGINEHEUR_RESULTS, CUDNN_TYPE_BACKEND_DESCRIPTOR, n, &got,
+                                     raw.data()),
             "reading engine configurations");
     for (int64_t i = 0; i < got; ++i) {
       Desc plan(CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR);
-      plan.set(CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG, cfgs[size_t(i)]).set(CUDNN_ATTR_EXECUTION_PLAN_HANDLE, CUDNN_TYPE_HANDLE, 1, &handle);
+      plan.set(CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG, cfgs[size_t(i)])
+          .set(CUDNN_ATTR_EXECUTION_PLAN_HANDLE, CUDNN_TYPE_HANDLE, 1, &handle);
       if (cudnnBackendFinalize(plan.get()) != CUDNN_STATUS_SUCCESS) {
         char detail[512] = {0};
         cudnnGetLastErrorString(detail, sizeof detail);
@@ -146,7 +157,8 @@ Plan build_plan(cudnnHandle_t handle, int64_t b, int64_t S, int64_t H, int64_t h
         continue;
       }
       int64_t ws = 0, count = 0;
-      check(cudnnBackendGetAttribute(plan.get(), CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE, CUDNN_TYPE_INT64, 1, &count, &ws),
+      check(cudnnBackendGetAttribute(plan.get(), CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE, CUDNN_TYPE_INT64, 1, &count,
+                                     &ws),
             "reading the workspace size");
       p.plan = plan.get();
       p.workspace = ws;
@@ -156,8 +168,8 @@ Plan build_plan(cudnnHandle_t handle, int64_t b, int64_t S, int64_t H, int64_t h
       return p;
     }
   }
-  fail_cat("CUDNN attention: cuDNN ", cudnnGetVersion(), " has no engine for BF16 attention over ", b, " segments of up to ", S,
-           " tokens, ", H, " heads of ", hd, why.empty() ? "" : " (" + why + ")");
+  fail_cat("CUDNN attention: cuDNN ", cudnnGetVersion(), " has no engine for BF16 attention over ", b,
+           " segments of up to ", S, " tokens, ", H, " heads of ", hd, why.empty() ? "" : " (" + why + ")");
 }
 
 // q and k rotated, v copied, into [N, 3, H, hd]: a thread per column pair (d, d + hd/2) of one
@@ -185,13 +197,19 @@ class CudnnAttention final : public Attention {
  public:
   CudnnAttention(AttnDtype dtype, int heads, int head_dim) : dtype_(dtype) {
     if (dtype != AttnDtype::BF16)
-      fail_cat("CUDNN attention runs BF16: cuDNN's FP8 attention on Hopper writes FP8 output and takes no packed segments, "
-               "and fovea's FP8 path through cuDNN on Blackwell is not written; use --mm-encoder-attn-backend FOVEA for FP8");
+      fail_cat(
+          "CUDNN attention runs BF16: cuDNN's FP8 attention on Hopper writes FP8 output and takes no packed segments, "
+          "and fovea's FP8 path through cuDNN on Blackwell is not written; use --mm-encoder-attn-backend FOVEA for "
+          "FP8");
     if (heads <= 0 || head_dim <= 0 || head_dim % 8 != 0 || head_dim > 256)
-      fail_cat("CUDNN attention: head_dim must be a multiple of 8 up to 256 and heads > 0; got ", heads, " heads of ", head_dim);
+      fail_cat("CUDNN attention: head_dim must be a multiple of 8 up to 256 and heads > 0; got ", heads, " heads of ",
+               head_dim);
     if (cudnnGetVersion() < kMinCudnnVersion)
-      fail_cat("CUDNN attention needs cuDNN 9.15 or newer at run time (its SDPA operation with sequence lengths); this process "
-               "loaded cuDNN ", cudnnGetVersion());
+      fail_cat(
+          "CUDNN attention needs cuDNN 9.15 or newer at run time (its SDPA operation with sequence lengths); this "
+          "process "
+          "loaded cuDNN ",
+          cudnnGetVersion());
     shape_.heads = heads;
     shape_.head_dim = head_dim;
     scale_ = float(1.0 / std::sqrt(double(head_dim)));
@@ -248,12 +266,14 @@ class CudnnAttention final : public Attention {
     if (!planned_) fail_cat("CUDNN attention: prepare() before plan()");
     if (!qkv) fail_cat("CUDNN attention: qkv is null");
     const int64_t H = shape_.heads, hd = shape_.head_dim;
-    if (qkv_token_stride < 3 * H * hd) fail_cat("CUDNN attention: qkv token stride ", qkv_token_stride, " is below 3*H*hd = ", 3 * H * hd);
+    if (qkv_token_stride < 3 * H * hd)
+      fail_cat("CUDNN attention: qkv token stride ", qkv_token_stride, " is below 3*H*hd = ", 3 * H * hd);
     if (bool(rope_cos) != bool(rope_sin)) fail_cat("CUDNN attention: give both RoPE tables or neither");
     const int64_t rows = shape_.total_tokens() * H, threads = rows * (hd / 2);
     if (threads > 0)
-      rope_copy_kernel<<<unsigned((threads + 255) / 256), 256, 0, stream>>>(static_cast<const __nv_bfloat16*>(qkv), qkv_token_stride,
-                                                                             rope_cos, rope_sin, buf_.data(), rows, int(H), int(hd / 2));
+      rope_copy_kernel<<<unsigned((threads + 255) / 256), 256, 0, stream>>>(static_cast<const __nv_bfloat16*>(qkv),
+                                                                            qkv_token_stride, rope_cos, rope_sin,
+                                                                            buf_.data(), rows, int(H), int(hd / 2));
     FOVEA_CUDA_CHECK(cudaGetLastError());
     prepared_ = true;
   }

@@ -127,7 +127,8 @@ bool synthetic_outliers(const std::string& spec) {
 std::optional<VisionConfig> synthetic_config(const std::string& full) {
   VisionConfig c;
   c.name = full;
-  const std::string spec = synthetic_outliers(full) ? full.substr(0, full.size() - std::string(kOutliersSuffix).size()) : full;
+  const std::string spec =
+      synthetic_outliers(full) ? full.substr(0, full.size() - std::string(kOutliersSuffix).size()) : full;
   if (spec == "synthetic:qwen3-vl-8b") {
     c.out_hidden = 4096;
     c.deepstack = {8, 16, 24};

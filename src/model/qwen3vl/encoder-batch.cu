@@ -25,16 +25,21 @@ void Encoder::Impl::layout_arena(int64_t n) {
     size_t bytes;
   };
   ds.assign(deepstack.size(), nullptr);
-  std::vector<Slice> slices = {
-      {(void**)&raw, size_t(n) * cfg.patch_dim() / cfg.temporal_patch},
-      {(void**)&pixels, size_t(n) * cfg.patch_dim() * 2}, {(void**)&x, size_t(n * D) * 2},
-      {(void**)&ln, size_t(n * D) * 2},  {(void**)&qkv, size_t(n * 3 * D) * 2},
-      {(void**)&att, size_t(n * D) * 2}, {(void**)&h, size_t(n * I) * 2},
-      {(void**)&m1, size_t(n / 4 * M4) * 2}, {(void**)&m2, size_t(n / 4 * M4) * 2},
-      {(void**)&merged, size_t(n / 4 * O) * 2}, {(void**)&pe, size_t(n * D) * 2},
-      {(void**)&cos, size_t(n) * cfg.head_dim() / 2 * 4}, {(void**)&sin, size_t(n) * cfg.head_dim() / 2 * 4},
-      {(void**)&act8, opt.fp8_linears ? size_t(n) * size_t(std::max(D, K2)) : 0},
-      {(void**)&act_scale, opt.fp8_linears ? size_t(n) * 4 * size_t(scale_copies) : 0}};
+  std::vector<Slice> slices = {{(void**)&raw, size_t(n) * cfg.patch_dim() / cfg.temporal_patch},
+                               {(void**)&pixels, size_t(n) * cfg.patch_dim() * 2},
+                               {(void**)&x, size_t(n * D) * 2},
+                               {(void**)&ln, size_t(n * D) * 2},
+                               {(void**)&qkv, size_t(n * 3 * D) * 2},
+                               {(void**)&att, size_t(n * D) * 2},
+                               {(void**)&h, size_t(n * I) * 2},
+                               {(void**)&m1, size_t(n / 4 * M4) * 2},
+                               {(void**)&m2, size_t(n / 4 * M4) * 2},
+                               {(void**)&merged, size_t(n / 4 * O) * 2},
+                               {(void**)&pe, size_t(n * D) * 2},
+                               {(void**)&cos, size_t(n) * cfg.head_dim() / 2 * 4},
+                               {(void**)&sin, size_t(n) * cfg.head_dim() / 2 * 4},
+                               {(void**)&act8, opt.fp8_linears ? size_t(n) * size_t(std::max(D, K2)) : 0},
+                               {(void**)&act_scale, opt.fp8_linears ? size_t(n) * 4 * size_t(scale_copies) : 0}};
   for (auto& d : ds) slices.push_back({(void**)&d, size_t(n / 4 * O) * 2});
   constexpr size_t kAlign = 256;  // cuBLASLt and TMA want 16-byte aligned rows; 256 keeps every slice apart
   size_t total = 0;
@@ -84,7 +89,8 @@ void Encoder::Impl::grid_tables(const std::vector<GridThw>& grids, cudaStream_t 
     desc[k] = {base, grids[k][0], grids[k][1], grids[k][2], 0};
     base += int64_t(grids[k][0]) * grids[k][1] * grids[k][2];
   }
-  FOVEA_CUDA_CHECK(cudaMemcpyAsync(images.data(), desc, grids.size() * sizeof(ImageDesc), cudaMemcpyHostToDevice, stream));
+  FOVEA_CUDA_CHECK(
+      cudaMemcpyAsync(images.data(), desc, grids.size() * sizeof(ImageDesc), cudaMemcpyHostToDevice, stream));
   st.release(stream);
   compute_grid_tables(images.data(), int(grids.size()), base, pos_table, cfg.pos_side(), cfg.hidden, rope_freq.data(),
                       rope_freq.data() + size_t(rope_side) * quarter, quarter, pe, cos, sin, stream);
@@ -142,7 +148,8 @@ void Encoder::upload_staged(cudaStream_t stream) {
 }
 
 uint8_t* Encoder::raw_staging() {
-  return static_cast<uint8_t*>(impl_->take_staging(size_t(impl_->n) * impl_->cfg.patch_dim() / impl_->cfg.temporal_patch));
+  return static_cast<uint8_t*>(
+      impl_->take_staging(size_t(impl_->n) * impl_->cfg.patch_dim() / impl_->cfg.temporal_patch));
 }
 
 void Encoder::upload_raw(const float mean[3], const float std[3], cudaStream_t stream) {
@@ -176,7 +183,8 @@ int64_t Encoder::download(bool with_deepstack, cudaStream_t stream) {
   uint8_t* h = o.mem.take(o.count * 2 * o.outputs + rings + hist);
   for (size_t k = 0; k < from.size(); ++k)
     FOVEA_CUDA_CHECK(cudaMemcpyAsync(h + k * o.count * 2, from[k], o.count * 2, cudaMemcpyDeviceToHost, stream));
-  if (rings) FOVEA_CUDA_CHECK(cudaMemcpyAsync(h + o.count * 2 * o.outputs, m.amax, rings, cudaMemcpyDeviceToHost, stream));
+  if (rings)
+    FOVEA_CUDA_CHECK(cudaMemcpyAsync(h + o.count * 2 * o.outputs, m.amax, rings, cudaMemcpyDeviceToHost, stream));
   if (o.fine) {
     uint8_t* at = h + o.count * 2 * o.outputs + rings;
     for (const auto& fh : m.fine_hist) {

@@ -26,8 +26,8 @@ struct Encoder::Impl {
   DevMerger merger;
   std::vector<DevMerger> deepstack;
   std::unique_ptr<fovea::cuda::Attention> attn;  // FOVEA or CUDNN
-  LayerAmax* amax = nullptr;    // FP8 dynamic / calibrate: [depth] rings on the device
-  float* fixed = nullptr;       // FP8 static: [depth][3]
+  LayerAmax* amax = nullptr;                     // FP8 dynamic / calibrate: [depth] rings on the device
+  float* fixed = nullptr;                        // FP8 static: [depth][3]
   // FP8 robust scheme: [depth] layers' arrays (static), or one set every layer refills (dynamic,
   // calibrate) from its batch and its history on the device (the book's, copied back by sync_scales).
   std::vector<fovea::cuda::FineArrays> fine;
@@ -60,9 +60,9 @@ struct Encoder::Impl {
   struct OutSlot {
     fovea::cuda::StagingSlot mem;
     size_t count = 0, outputs = 0;  // values per output, outputs copied
-    bool amax = false;               // the FP8 rings follow the outputs
-    bool fine = false;               // and, calibrating the robust scheme, its histories
-    int64_t ticket = -1;             // the download it holds until collected; -1: free
+    bool amax = false;              // the FP8 rings follow the outputs
+    bool fine = false;              // and, calibrating the robust scheme, its histories
+    int64_t ticket = -1;            // the download it holds until collected; -1: free
   } out[2];
   int64_t next_ticket = 0;
 
@@ -77,8 +77,10 @@ struct Encoder::Impl {
   }
   // The forward's steps (forward-cuda.cu).
   // LayerNorm into bf16 `out`, or with `out_scale` into E4M3 codes and per-row scales (FP8 linears).
-  void layernorm(const bf16* in, void* out, const DevNorm& nrm, int64_t rows, cudaStream_t s, float* out_scale = nullptr);
-  void quantize_rows(const bf16* in, const DevLinear& w, int64_t rows, cudaStream_t s);  // w's input, into act8, act_scale
+  void layernorm(const bf16* in, void* out, const DevNorm& nrm, int64_t rows, cudaStream_t s,
+                 float* out_scale = nullptr);
+  void quantize_rows(const bf16* in, const DevLinear& w, int64_t rows,
+                     cudaStream_t s);  // w's input, into act8, act_scale
   void run_merger(const DevMerger& mg, const bf16* in_norm, bf16* out, cudaStream_t s);
   // The batch's plumbing (encoder-batch.cu).
   void layout_arena(int64_t n);  // points every buffer above into the arena, growing it if needed

@@ -21,16 +21,19 @@ constexpr float kLnEps = 1e-6f;
 // y[M, out] = x[M, in] @ W^T + b
 std::vector<float> linear(const Linear& l, const std::vector<float>& x, int64_t rows, int threads) {
   std::vector<float> y(size_t(rows) * l.out);
-  parallel_for(rows, [&](int64_t r) {
-    const float* xr = x.data() + r * l.in;
-    float* yr = y.data() + r * l.out;
-    for (int o = 0; o < l.out; ++o) {
-      const float* wr = l.w.data() + int64_t(o) * l.in;
-      float acc = 0.f;
-      for (int i = 0; i < l.in; ++i) acc += xr[i] * wr[i];
-      yr[o] = acc + l.b[size_t(o)];
-    }
-  }, threads, 4);
+  parallel_for(
+      rows,
+      [&](int64_t r) {
+        const float* xr = x.data() + r * l.in;
+        float* yr = y.data() + r * l.out;
+        for (int o = 0; o < l.out; ++o) {
+          const float* wr = l.w.data() + int64_t(o) * l.in;
+          float acc = 0.f;
+          for (int i = 0; i < l.in; ++i) acc += xr[i] * wr[i];
+          yr[o] = acc + l.b[size_t(o)];
+        }
+      },
+      threads, 4);
   return y;
 }
 
@@ -53,7 +56,8 @@ std::vector<float> layer_norm(const Norm& n, const std::vector<float>& x, int64_
     for (int i = 0; i < width; ++i) var += (xr[i] - mean) * (xr[i] - mean);
     var /= width;
     const float inv = float(1.0 / std::sqrt(var + kLnEps));
-    for (int i = 0; i < width; ++i) y[size_t(r * width + i)] = float(xr[i] - mean) * inv * n.w[size_t(i)] + n.b[size_t(i)];
+    for (int i = 0; i < width; ++i)
+      y[size_t(r * width + i)] = float(xr[i] - mean) * inv * n.w[size_t(i)] + n.b[size_t(i)];
   }
   return y;
 }
@@ -77,10 +81,11 @@ Fp8LinearForm fp8_linear_form(const Linear& l, const std::string& name) {
     fail("{}: the stored FP8 weight is [{}, {}], the linear [{}, {}]", name, l.fp8->out, l.fp8->in, l.out, l.in);
   if (b[1] == 0 && (b[0] == 0 || b[0] == 1)) return Fp8LinearForm::STORED_CHANNELS;
   if (b[0] == 128 && b[1] == 128) return Fp8LinearForm::STORED_BLOCKS;
-  fail("{}: --fp8-linears runs FP8 weights as stored with one scale per [128, 128] block, per output channel or "
-       "per tensor; this checkpoint has blocks of [{}, {}] (run without --fp8-linears: the weights are then "
-       "dequantized to BF16 at load)",
-       name, b[0], b[1]);
+  fail(
+      "{}: --fp8-linears runs FP8 weights as stored with one scale per [128, 128] block, per output channel or "
+      "per tensor; this checkpoint has blocks of [{}, {}] (run without --fp8-linears: the weights are then "
+      "dequantized to BF16 at load)",
+      name, b[0], b[1]);
 }
 
 void quantize_weight_rows(const Linear& l, std::vector<uint8_t>& codes, std::vector<float>& scales, int threads) {
@@ -92,11 +97,14 @@ void quantize_weight_rows(const Linear& l, std::vector<uint8_t>& codes, std::vec
   }
   codes.resize(size_t(l.out) * size_t(l.in));
   scales.resize(size_t(l.out));
-  parallel_for(l.out, [&](int64_t o) {
-    std::vector<float> row(size_t(l.in));
-    for (int i = 0; i < l.in; ++i) row[size_t(i)] = bf16_round(l.w[size_t(o * l.in + i)]);
-    scales[size_t(o)] = quantize_row(row.data(), l.in, codes.data() + o * l.in);
-  }, threads, 16);
+  parallel_for(
+      l.out,
+      [&](int64_t o) {
+        std::vector<float> row(size_t(l.in));
+        for (int i = 0; i < l.in; ++i) row[size_t(i)] = bf16_round(l.w[size_t(o * l.in + i)]);
+        scales[size_t(o)] = quantize_row(row.data(), l.in, codes.data() + o * l.in);
+      },
+      threads, 16);
 }
 
 std::vector<float> linear_fp8(const Linear& l, const std::vector<float>& x, int64_t rows, int threads) {
@@ -104,36 +112,41 @@ std::vector<float> linear_fp8(const Linear& l, const std::vector<float>& x, int6
   const bool blocks = fp8_linear_form(l, "linear") == Fp8LinearForm::STORED_BLOCKS;
   std::vector<uint8_t> wq;
   std::vector<float> ws;  // per channel; blocks: the stored grid
-  if (blocks) wq = l.fp8->codes, ws = l.fp8->scales;
-  else quantize_weight_rows(l, wq, ws, threads);
+  if (blocks)
+    wq = l.fp8->codes, ws = l.fp8->scales;
+  else
+    quantize_weight_rows(l, wq, ws, threads);
   std::vector<float> wf(wq.size());
   for (size_t i = 0; i < wq.size(); ++i) wf[i] = e4m3_to_float(wq[i]);
   constexpr int kB = 128;
   const int kblocks = (l.in + kB - 1) / kB;
   std::vector<float> y(size_t(rows) * l.out);
-  parallel_for(rows, [&](int64_t r) {
-    std::vector<uint8_t> xq(size_t(l.in));
-    const float xs = quantize_row(x.data() + r * l.in, l.in, xq.data());
-    std::vector<float> xf(size_t(l.in));
-    for (int i = 0; i < l.in; ++i) xf[size_t(i)] = e4m3_to_float(xq[size_t(i)]);
-    float* yr = y.data() + r * l.out;
-    for (int o = 0; o < l.out; ++o) {
-      const float* wr = wf.data() + int64_t(o) * l.in;
-      if (!blocks) {
-        float acc = 0.f;  // every product of two E4M3 values is exact in fp32
-        for (int i = 0; i < l.in; ++i) acc += xf[size_t(i)] * wr[i];
-        yr[o] = acc * xs * ws[size_t(o)] + l.b[size_t(o)];
-        continue;
-      }
-      float acc = 0.f;  // each block's exact partial sum, scaled by its weight scale times the row's
-      for (int k = 0; k < kblocks; ++k) {
-        float part = 0.f;
-        for (int i = k * kB; i < std::min(l.in, (k + 1) * kB); ++i) part += xf[size_t(i)] * wr[i];
-        acc += part * (xs * ws[size_t((o / kB) * kblocks + k)]);
-      }
-      yr[o] = acc + l.b[size_t(o)];
-    }
-  }, threads, 4);
+  parallel_for(
+      rows,
+      [&](int64_t r) {
+        std::vector<uint8_t> xq(size_t(l.in));
+        const float xs = quantize_row(x.data() + r * l.in, l.in, xq.data());
+        std::vector<float> xf(size_t(l.in));
+        for (int i = 0; i < l.in; ++i) xf[size_t(i)] = e4m3_to_float(xq[size_t(i)]);
+        float* yr = y.data() + r * l.out;
+        for (int o = 0; o < l.out; ++o) {
+          const float* wr = wf.data() + int64_t(o) * l.in;
+          if (!blocks) {
+            float acc = 0.f;  // every product of two E4M3 values is exact in fp32
+            for (int i = 0; i < l.in; ++i) acc += xf[size_t(i)] * wr[i];
+            yr[o] = acc * xs * ws[size_t(o)] + l.b[size_t(o)];
+            continue;
+          }
+          float acc = 0.f;  // each block's exact partial sum, scaled by its weight scale times the row's
+          for (int k = 0; k < kblocks; ++k) {
+            float part = 0.f;
+            for (int i = k * kB; i < std::min(l.in, (k + 1) * kB); ++i) part += xf[size_t(i)] * wr[i];
+            acc += part * (xs * ws[size_t((o / kB) * kblocks + k)]);
+          }
+          yr[o] = acc + l.b[size_t(o)];
+        }
+      },
+      threads, 4);
   return y;
 }
 
@@ -169,15 +182,19 @@ ForwardResult forward_cpu(const Model& m, const std::vector<float>& pixels, cons
   if (opt.attention == cpu::RefMode::FP8 && (!opt.scales || opt.scales->num_layers() != c.depth))
     fail("forward: FP8 attention needs a scale book with {} layers", c.depth);
   if (opt.fine_scales) {
-    if (!opt.fp8_robust || opt.attention != cpu::RefMode::FP8) fail("forward: fine scales are for the robust FP8 scheme");
-    if (opt.fine_scales->size() != size_t(c.depth)) fail("forward: fine scales for {} layers, the model has {}", opt.fine_scales->size(), c.depth);
+    if (!opt.fp8_robust || opt.attention != cpu::RefMode::FP8)
+      fail("forward: fine scales are for the robust FP8 scheme");
+    if (opt.fine_scales->size() != size_t(c.depth))
+      fail("forward: fine scales for {} layers, the model has {}", opt.fine_scales->size(), c.depth);
     for (size_t l = 0; l < opt.fine_scales->size(); ++l) {
       const FineScales& f = (*opt.fine_scales)[l];
       if (f.empty() && f == FineScales{}) continue;  // this layer runs per-tensor (auto)
       if (f.q_head.size() != size_t(H) || f.k_head.size() != size_t(H) || f.v_channel.size() != size_t(H) * hd ||
           f.k_mean.size() != size_t(H) * hd)
-        fail("forward: layer {}'s fine scales are for {} heads and {} V channels ({} K means); the model has {} heads of {}",
-             l, f.q_head.size(), f.v_channel.size(), f.k_mean.size(), H, hd);
+        fail(
+            "forward: layer {}'s fine scales are for {} heads and {} V channels ({} K means); the model has {} heads "
+            "of {}",
+            l, f.q_head.size(), f.v_channel.size(), f.k_mean.size(), H, hd);
       check_split_pairs(f.qk_split, H, hd, fmt::format("forward: layer {}'s qk_split", l));
     }
   }
@@ -214,12 +231,15 @@ ForwardResult forward_cpu(const Model& m, const std::vector<float>& pixels, cons
     if (ro.mode == cpu::RefMode::FP8 && robust) {
       // Static: the file's arrays, K's calibrated mean included. Dynamic and calibrating: this batch
       // recorded in the layer's history, its own K mean.
-      const FineScales f = opt.fine_scales ? opt.fine_scales->at(size_t(layer))
-                                           : opt.scales->record_fine(layer, cpu::fine_batch(shape, view(qkv, 0), view(qkv, 1), view(qkv, 2)));
+      const FineScales f =
+          opt.fine_scales
+              ? opt.fine_scales->at(size_t(layer))
+              : opt.scales->record_fine(layer, cpu::fine_batch(shape, view(qkv, 0), view(qkv, 1), view(qkv, 2)));
       ro.fp8_fine.k_mean = f.k_mean, ro.fp8_fine.q_head = f.q_head, ro.fp8_fine.k_head = f.k_head;
       ro.fp8_fine.v_channel = f.v_channel, ro.fp8_fine.qk_split = f.qk_split;
     } else if (ro.mode == cpu::RefMode::FP8) {
-      ro.fp8_scales = opt.scales->record(layer, amax(shape, view(qkv, 0)), amax(shape, view(qkv, 1)), amax(shape, view(qkv, 2)));
+      ro.fp8_scales =
+          opt.scales->record(layer, amax(shape, view(qkv, 0)), amax(shape, view(qkv, 1)), amax(shape, view(qkv, 2)));
     }
     std::vector<double> attn64(size_t(N) * D);
     cpu::attention(shape, view(qkv, 0), view(qkv, 1), view(qkv, 2), ro, attn64.data());

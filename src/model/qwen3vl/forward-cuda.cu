@@ -15,10 +15,12 @@ Encoder::Encoder(const Model& model, const EncoderOptions& options) : impl_(new 
   Impl& m = *impl_;
   m.cfg = model.config;
   m.opt = options;
-  if (options.dtype != AttnDtype::BF16 && options.dtype != AttnDtype::FP8) fail_cat("encoder: dtype must be bf16 or fp8");
+  if (options.dtype != AttnDtype::BF16 && options.dtype != AttnDtype::FP8)
+    fail_cat("encoder: dtype must be bf16 or fp8");
   for (const int width : {m.cfg.hidden, m.cfg.merged_dim()})
     if (!row_kernels_take(width))
-      fail_cat("encoder: the GPU LayerNorm takes widths that are multiples of 8 up to ", kRowMaxWidth, "; this model needs ", width);
+      fail_cat("encoder: the GPU LayerNorm takes widths that are multiples of 8 up to ", kRowMaxWidth,
+               "; this model needs ", width);
   if (options.fp8_linears && !row_kernels_take(m.cfg.intermediate))
     fail_cat("encoder: --fp8-linears quantizes rows whose width is a multiple of 8 up to ", kRowMaxWidth,
              "; this model's intermediate size is ", m.cfg.intermediate);
@@ -65,7 +67,8 @@ void Encoder::Impl::init_scales() {
     switch (opt.scales->mode()) {
       case ScaleMode::STATIC:
         if (!opt.fine_scales || opt.fine_scales->size() != size_t(cfg.depth))
-          fail_cat("encoder: the robust FP8 scheme with static scales needs fine scales for all ", cfg.depth, " layers");
+          fail_cat("encoder: the robust FP8 scheme with static scales needs fine scales for all ", cfg.depth,
+                   " layers");
         for (const FineScales& f : *opt.fine_scales) {
           if (f.empty()) {  // a per-tensor layer (auto): its q/k/v below
             fine.emplace_back();
@@ -148,7 +151,8 @@ void Encoder::Impl::make_attention() {
   }
 }
 
-void Encoder::Impl::layernorm(const bf16* in, void* out, const DevNorm& nrm, int64_t rows, cudaStream_t s, float* out_scale) {
+void Encoder::Impl::layernorm(const bf16* in, void* out, const DevNorm& nrm, int64_t rows, cudaStream_t s,
+                              float* out_scale) {
   cuda::layernorm(in, out, out_scale, nrm.w, nrm.b, nrm.width, rows, s);  // every norm's width checked at construction
 }
 
@@ -181,8 +185,10 @@ void Encoder::forward(cudaStream_t s) {
       if (w.blocks) repeat_row_scales(m.act_scale, n, w.k / kFp8Block, s);
       m.gemm.run_fp8(m.act8, m.act_scale, w, out, n, residual, gelu, s);
     };
-    if (f8) m.layernorm(m.x, m.act8, b.norm1, n, s, m.act_scale);
-    else m.layernorm(m.x, m.ln, b.norm1, n, s);
+    if (f8)
+      m.layernorm(m.x, m.act8, b.norm1, n, s, m.act_scale);
+    else
+      m.layernorm(m.x, m.ln, b.norm1, n, s);
     linear(f8 ? nullptr : m.ln, b.qkv, m.qkv, nullptr, false);
     fovea::cuda::DeviceScales sc;
     if (!m.fine.empty() && (m.fine_current || m.fine[size_t(l)].q_head)) {
@@ -196,8 +202,10 @@ void Encoder::forward(cudaStream_t s) {
     m.attn->prepare(m.qkv, 3 * int64_t(D), m.cos, m.sin, sc, s);
     m.attn->attend(m.att, s);
     linear(m.att, b.proj, m.x, m.x, false);  // + residual, in place
-    if (f8) m.layernorm(m.x, m.act8, b.norm2, n, s, m.act_scale);
-    else m.layernorm(m.x, m.ln, b.norm2, n, s);
+    if (f8)
+      m.layernorm(m.x, m.act8, b.norm2, n, s, m.act_scale);
+    else
+      m.layernorm(m.x, m.ln, b.norm2, n, s);
     linear(f8 ? nullptr : m.ln, b.fc1, m.h, nullptr, true);  // tanh-GELU in the epilogue
     linear(m.h, b.fc2, m.x, m.x, false);
     if (tap < m.cfg.deepstack.size() && m.cfg.deepstack[tap] == l) {
@@ -220,14 +228,17 @@ void Encoder::sync_scales(cudaStream_t stream) {
   }
   if (!m.amax) return;
   auto& state = m.opt.scales->amax_state();
-  FOVEA_CUDA_CHECK(cudaMemcpyAsync(state.data(), m.amax, sizeof(LayerAmax) * state.size(), cudaMemcpyDeviceToHost, stream));
+  FOVEA_CUDA_CHECK(
+      cudaMemcpyAsync(state.data(), m.amax, sizeof(LayerAmax) * state.size(), cudaMemcpyDeviceToHost, stream));
   FOVEA_CUDA_CHECK(cudaStreamSynchronize(stream));
 }
 
 std::vector<float> linear_on_gpu(const Linear& l, const std::vector<float>& x, int64_t rows, bool fp8,
                                  const std::vector<float>* residual, bool gelu) {
-  if (rows <= 0 || int64_t(x.size()) != rows * l.in) fail_cat("linear_on_gpu: ", x.size(), " values for ", rows, " rows of ", l.in);
-  if (residual && int64_t(residual->size()) != rows * l.out) fail_cat("linear_on_gpu: the residual has ", residual->size(), " values");
+  if (rows <= 0 || int64_t(x.size()) != rows * l.in)
+    fail_cat("linear_on_gpu: ", x.size(), " values for ", rows, " rows of ", l.in);
+  if (residual && int64_t(residual->size()) != rows * l.out)
+    fail_cat("linear_on_gpu: the residual has ", residual->size(), " values");
   if (fp8 && !row_kernels_take(l.in)) fail_cat("linear_on_gpu: FP8 inputs need a width that is a multiple of 8");
   Owner o;
   Gemm gemm;

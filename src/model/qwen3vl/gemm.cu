@@ -42,8 +42,8 @@ Gemm::Gemm() : workspace_(kWorkspace) {
 
 void Gemm::check_fp8(const DevLinear& w, bool residual, bool gelu) {
   const float one = 1.f;  // block-scaled products are probed with an aligned device pointer for their scales
-  matmul(nullptr, w.blocks ? w.qs : &one, w, nullptr, 128, residual ? reinterpret_cast<const __nv_bfloat16*>(&one) : nullptr,
-         gelu, nullptr, true);
+  matmul(nullptr, w.blocks ? w.qs : &one, w, nullptr, 128,
+         residual ? reinterpret_cast<const __nv_bfloat16*>(&one) : nullptr, gelu, nullptr, true);
 }
 
 namespace {
@@ -55,7 +55,8 @@ struct Epilogue {
 };
 std::vector<Epilogue> epilogues(bool gelu) {
   if (gelu)
-    return {{CUBLASLT_EPILOGUE_GELU_BIAS, false, false}, {CUBLASLT_EPILOGUE_BIAS, false, true},
+    return {{CUBLASLT_EPILOGUE_GELU_BIAS, false, false},
+            {CUBLASLT_EPILOGUE_BIAS, false, true},
             {CUBLASLT_EPILOGUE_DEFAULT, true, true}};
   return {{CUBLASLT_EPILOGUE_BIAS, false, false}, {CUBLASLT_EPILOGUE_DEFAULT, true, false}};
 }
@@ -68,7 +69,8 @@ Gemm::Plan Gemm::make_plan(const Shape& s, const DevLinear& w, const float* a_sc
   FOVEA_CUDA_CHECK(cublasLtMatmulPreferenceCreate(&raw_pref));
   const fovea::cuda::Handle<cublasLtMatmulPreference_t, cublasLtMatmulPreferenceDestroy> pref(raw_pref);
   const size_t ws = kWorkspace;
-  FOVEA_CUDA_CHECK(cublasLtMatmulPreferenceSetAttribute(pref.get(), CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws));
+  FOVEA_CUDA_CHECK(
+      cublasLtMatmulPreferenceSetAttribute(pref.get(), CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws));
   // Only the blocked FP8 products fall back to an unfused epilogue: the others always had theirs.
   std::vector<Epilogue> tries = epilogues(s.gelu);
   if (!s.blocks) tries.resize(1);
@@ -82,8 +84,10 @@ Gemm::Plan Gemm::make_plan(const Shape& s, const DevLinear& w, const float* a_sc
     set_attr(op, CUBLASLT_MATMUL_DESC_EPILOGUE, e.op);
     set_attr(op, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, CUDA_R_16BF);
     if (s.fp8) {
-      const auto a_mode = s.blocks ? CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F : CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F;
-      const auto b_mode = s.blocks ? CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F : CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F;
+      const auto a_mode =
+          s.blocks ? CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F : CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F;
+      const auto b_mode =
+          s.blocks ? CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F : CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F;
       set_attr(op, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, int32_t(a_mode));
       set_attr(op, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, int32_t(b_mode));
       set_attr(op, CUBLASLT_MATMUL_DESC_FAST_ACCUM, int8_t(0));
@@ -101,9 +105,10 @@ Gemm::Plan Gemm::make_plan(const Shape& s, const DevLinear& w, const float* a_sc
     p.bias_after = e.bias_after, p.gelu_after = e.gelu_after;
     return p;
   }
-  const char* what = !s.fp8 ? "BF16 " : s.blocks ? "FP8 (E4M3, [128, 128] weight blocks and 128-element activation "
-                                                   "blocks) "
-                                                 : "FP8 (E4M3, per-row and per-channel scales) ";
+  const char* what = !s.fp8     ? "BF16 "
+                     : s.blocks ? "FP8 (E4M3, [128, 128] weight blocks and 128-element activation "
+                                  "blocks) "
+                                : "FP8 (E4M3, per-row and per-channel scales) ";
   fail_cat("cuBLASLt (", cublasLtGetVersion(), ") has no ", what, "algorithm for [", s.m, " x ", s.in, "] x [", s.in,
            " x ", s.out, "]", s.fp8 ? " on this GPU; run without --fp8-linears" : "");
 }

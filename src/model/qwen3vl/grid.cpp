@@ -50,24 +50,27 @@ std::vector<float> position_embedding(const VisionConfig& c, const std::vector<f
     const int t = g[0], h = g[1], w = g[2];
     // Rows of the grid in parallel (a 4K image has 32640 patches of 1152 values); each patch's
     // embedding is written at its merge-window row (docs/encoder.md §Merge-window order), once per frame.
-    parallel_for(h, [&](int64_t r) {
-      for (int col = 0; col < w; ++col) {
-        const float sr = h == 1 ? 0.f : float(r) * (float(G - 1) / float(h - 1));
-        const float sc = w == 1 ? 0.f : float(col) * (float(G - 1) / float(w - 1));
-        const int r0 = int(std::floor(sr)), c0 = int(std::floor(sc));
-        const int r1 = std::min(r0 + 1, G - 1), c1 = std::min(c0 + 1, G - 1);
-        const float fr = sr - float(r0), fc = sc - float(c0);
-        const float w00 = (1 - fr) * (1 - fc), w01 = (1 - fr) * fc, w10 = fr * (1 - fc), w11 = fr * fc;
-        const float* e00 = table.data() + int64_t(r0 * G + c0) * D;
-        const float* e01 = table.data() + int64_t(r0 * G + c1) * D;
-        const float* e10 = table.data() + int64_t(r1 * G + c0) * D;
-        const float* e11 = table.data() + int64_t(r1 * G + c1) * D;
-        const int64_t row = ((r / 2) * (w / 2) + col / 2) * 4 + (r % 2) * 2 + col % 2;
-        float* dst = out.data() + (base + row) * D;
-        for (int d = 0; d < D; ++d) dst[d] = w00 * e00[d] + w01 * e01[d] + w10 * e10[d] + w11 * e11[d];
-        for (int f = 1; f < t; ++f) std::copy(dst, dst + D, dst + int64_t(f) * h * w * D);
-      }
-    }, int64_t(h) * w * D >= (int64_t(1) << 20) ? 0 : 1);
+    parallel_for(
+        h,
+        [&](int64_t r) {
+          for (int col = 0; col < w; ++col) {
+            const float sr = h == 1 ? 0.f : float(r) * (float(G - 1) / float(h - 1));
+            const float sc = w == 1 ? 0.f : float(col) * (float(G - 1) / float(w - 1));
+            const int r0 = int(std::floor(sr)), c0 = int(std::floor(sc));
+            const int r1 = std::min(r0 + 1, G - 1), c1 = std::min(c0 + 1, G - 1);
+            const float fr = sr - float(r0), fc = sc - float(c0);
+            const float w00 = (1 - fr) * (1 - fc), w01 = (1 - fr) * fc, w10 = fr * (1 - fc), w11 = fr * fc;
+            const float* e00 = table.data() + int64_t(r0 * G + c0) * D;
+            const float* e01 = table.data() + int64_t(r0 * G + c1) * D;
+            const float* e10 = table.data() + int64_t(r1 * G + c0) * D;
+            const float* e11 = table.data() + int64_t(r1 * G + c1) * D;
+            const int64_t row = ((r / 2) * (w / 2) + col / 2) * 4 + (r % 2) * 2 + col % 2;
+            float* dst = out.data() + (base + row) * D;
+            for (int d = 0; d < D; ++d) dst[d] = w00 * e00[d] + w01 * e01[d] + w10 * e10[d] + w11 * e11[d];
+            for (int f = 1; f < t; ++f) std::copy(dst, dst + D, dst + int64_t(f) * h * w * D);
+          }
+        },
+        int64_t(h) * w * D >= (int64_t(1) << 20) ? 0 : 1);
     base += int64_t(t) * h * w;
   }
   return out;
@@ -87,7 +90,8 @@ void rope_frequency_table(int positions, int head_dim, std::vector<float>& cos, 
   }
 }
 
-void vision_rope_tables(const std::vector<GridThw>& grids, int head_dim, std::vector<float>& cos, std::vector<float>& sin) {
+void vision_rope_tables(const std::vector<GridThw>& grids, int head_dim, std::vector<float>& cos,
+                        std::vector<float>& sin) {
   const int half = head_dim / 2, quarter = head_dim / 4;
   int side = 0;
   for (const auto& g : grids) side = std::max({side, g[1], g[2]});

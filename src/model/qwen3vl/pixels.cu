@@ -14,15 +14,18 @@ using bf16 = __nv_bfloat16;
 // and its RoPE cos / sin rows, gathered from the [side][hd/4] frequency tables. Every float
 // operation is the one position_embedding() does on the host, in its order and rounded alike (no
 // fused multiply-adds), so both give the same bits.
-__global__ void grid_tables_kernel(const ImageDesc* __restrict__ images, int num_images, const float* __restrict__ table,
-                                   int G, int D, const float* __restrict__ freq_cos, const float* __restrict__ freq_sin,
-                                   int quarter, bf16* __restrict__ pe, float* __restrict__ cos, float* __restrict__ sin) {
+__global__ void grid_tables_kernel(const ImageDesc* __restrict__ images, int num_images,
+                                   const float* __restrict__ table, int G, int D, const float* __restrict__ freq_cos,
+                                   const float* __restrict__ freq_sin, int quarter, bf16* __restrict__ pe,
+                                   float* __restrict__ cos, float* __restrict__ sin) {
   const int64_t i = blockIdx.x;
   int lo = 0, hi = num_images - 1;  // the last image whose first row is <= i
   while (lo < hi) {
     const int mid = (lo + hi + 1) / 2;
-    if (images[mid].base <= i) lo = mid;
-    else hi = mid - 1;
+    if (images[mid].base <= i)
+      lo = mid;
+    else
+      hi = mid - 1;
   }
   const ImageDesc im = images[lo];
   const int64_t q = (i - im.base) % (int64_t(im.h) * im.w);  // index in its frame, merge-window order
@@ -74,13 +77,13 @@ __global__ void normalize_kernel(const uint8_t* __restrict__ raw, bf16* __restri
 void compute_grid_tables(const ImageDesc* images, int num_images, int64_t rows, const float* table, int G, int D,
                          const float* freq_cos, const float* freq_sin, int quarter, bf16* pe, float* cos, float* sin,
                          cudaStream_t stream) {
-  grid_tables_kernel<<<unsigned(rows), 128, 0, stream>>>(images, num_images, table, G, D, freq_cos, freq_sin, quarter, pe,
-                                                         cos, sin);
+  grid_tables_kernel<<<unsigned(rows), 128, 0, stream>>>(images, num_images, table, G, D, freq_cos, freq_sin, quarter,
+                                                         pe, cos, sin);
   FOVEA_CUDA_CHECK(cudaGetLastError());
 }
 
-void normalize_pixels(const uint8_t* raw, bf16* px, int64_t rows, int plane, int T, const float mean[3], const float std[3],
-                      cudaStream_t stream) {
+void normalize_pixels(const uint8_t* raw, bf16* px, int64_t rows, int plane, int T, const float mean[3],
+                      const float std[3], cudaStream_t stream) {
   Normalize nm;
   for (int c = 0; c < 3; ++c) {  // the host's float products, as patchify computes them
     nm.mean255[c] = mean[c] * 255.0f;

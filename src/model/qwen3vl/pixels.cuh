@@ -18,8 +18,8 @@ struct ImageDesc {
 // table [G*G, D] resampled to its image, into pe [rows, D] bf16, and its RoPE cos / sin rows
 // [rows, 2 * quarter], gathered from the [side][quarter] frequency tables.
 void compute_grid_tables(const ImageDesc* images, int num_images, int64_t rows, const float* table, int G, int D,
-                         const float* freq_cos, const float* freq_sin, int quarter, __nv_bfloat16* pe, float* cos, float* sin,
-                         cudaStream_t stream);
+                         const float* freq_cos, const float* freq_sin, int quarter, __nv_bfloat16* pe, float* cos,
+                         float* sin, cudaStream_t stream);
 
 // Raw uint8 patches [rows, 3, plane] to bf16 pixels [rows, 3, T, plane], rescaled and normalized
 // with the processor's mean and std as image::patchify does.

@@ -35,8 +35,7 @@ std::string string_field(const json& o, const char* key, const std::string& wher
 
 // A block size: two integers in 1..kMaxQuantBlock.
 std::array<int64_t, 2> block_field(const json& b, const std::string& field) {
-  const bool ok = b.is_array() && b.size() == 2 &&
-                  std::all_of(b.begin(), b.end(), [](const json& d) {
+  const bool ok = b.is_array() && b.size() == 2 && std::all_of(b.begin(), b.end(), [](const json& d) {
                     return d.is_number_integer() && d.get<int64_t>() >= 1 && d.get<int64_t>() <= kMaxQuantBlock;
                   });
   if (!ok)
@@ -68,8 +67,9 @@ void parse_fp8(const json& q, QuantConfig& c) {
   c.scale_suffix = "weight_scale_inv";
   c.block = {128, 128};  // FineGrainedFP8Config's default
   if (q.contains("weight_block_size"))
-    c.block = q.at("weight_block_size").is_null() ? std::array<int64_t, 2>{0, 0}
-                                                  : block_field(q.at("weight_block_size"), c.where + ".weight_block_size");
+    c.block = q.at("weight_block_size").is_null()
+                  ? std::array<int64_t, 2>{0, 0}
+                  : block_field(q.at("weight_block_size"), c.where + ".weight_block_size");
   c.not_converted = module_list(q, "modules_to_not_convert", c.where);
 }
 
@@ -80,7 +80,8 @@ std::array<int64_t, 2> ct_weights(const json& w, const std::string& where) {
     fail("{}.num_bits is {}: fovea reads 8-bit (FP8) weights", where,
          w.contains("num_bits") ? escape_for_error(w.at("num_bits").dump()) : std::string("missing"));
   if (string_field(w, "type", where, "") != "float")
-    fail("{}.type is {}: fovea reads float (FP8 E4M3) weights", where, quote_for_error(string_field(w, "type", where, "")));
+    fail("{}.type is {}: fovea reads float (FP8 E4M3) weights", where,
+         quote_for_error(string_field(w, "type", where, "")));
   if (w.contains("symmetric") && w.at("symmetric") != true)
     fail("{}.symmetric is {}: asymmetric weights (a zero point) are not supported", where, w.at("symmetric").dump());
   if (w.contains("dynamic") && w.at("dynamic") != false)
@@ -90,7 +91,8 @@ std::array<int64_t, 2> ct_weights(const json& w, const std::string& where) {
   if (strategy == "tensor") return {0, 0};
   if (strategy == "block")
     return block_field(w.contains("block_structure") ? w.at("block_structure") : json(), where + ".block_structure");
-  fail("{}.strategy is {}: fovea reads \"channel\", \"tensor\" and \"block\" FP8 weights", where, quote_for_error(strategy));
+  fail("{}.strategy is {}: fovea reads \"channel\", \"tensor\" and \"block\" FP8 weights", where,
+       quote_for_error(strategy));
 }
 
 // llm-compressor's compressed-tensors config (quant_method "compressed-tensors").
@@ -147,9 +149,10 @@ QuantConfig parse_quantization_config(std::string_view text, const std::string& 
   } else if (c.method == "compressed-tensors") {
     parse_compressed_tensors(q, c);
   } else {
-    fail("{}.quant_method is {}: fovea reads \"fp8\" (transformers' FP8 releases) and \"compressed-tensors\" "
-         "(llm-compressor's FP8)",
-         c.where, quote_for_error(c.method));
+    fail(
+        "{}.quant_method is {}: fovea reads \"fp8\" (transformers' FP8 releases) and \"compressed-tensors\" "
+        "(llm-compressor's FP8)",
+        c.where, quote_for_error(c.method));
   }
   return c;
 }
@@ -177,15 +180,19 @@ namespace {
 std::vector<float> checked_scales(const TensorInfo& scale, const std::vector<int64_t>& want, const std::string& why) {
   const std::string sn = escape_for_error(scale.name, 200);
   if (scale.dtype != DType::F32 && scale.dtype != DType::BF16)
-    fail("tensor '{}' in '{}': a scale of dtype {}: FP8 scales are F32 or BF16", sn, scale.file, dtype_str(scale.dtype));
+    fail("tensor '{}' in '{}': a scale of dtype {}: FP8 scales are F32 or BF16", sn, scale.file,
+         dtype_str(scale.dtype));
   const bool per_tensor = want == std::vector<int64_t>{1};
-  const bool ok = scale.shape == want || (per_tensor && (scale.shape.empty() || scale.shape == std::vector<int64_t>{1, 1}));
+  const bool ok =
+      scale.shape == want || (per_tensor && (scale.shape.empty() || scale.shape == std::vector<int64_t>{1, 1}));
   if (!ok)
-    fail("tensor '{}' in '{}': shape {}, expected {} {}", sn, scale.file, shape_text(scale.shape), shape_text(want), why);
+    fail("tensor '{}' in '{}': shape {}, expected {} {}", sn, scale.file, shape_text(scale.shape), shape_text(want),
+         why);
   std::vector<float> s = scale.to_float();
   for (size_t i = 0; i < s.size(); ++i)
     if (!std::isfinite(s[i]) || s[i] <= 0)
-      fail("tensor '{}' in '{}': scale {} at flat index {}: scales must be finite and positive", sn, scale.file, s[i], i);
+      fail("tensor '{}' in '{}': scale {} at flat index {}: scales must be finite and positive", sn, scale.file, s[i],
+           i);
   return s;
 }
 

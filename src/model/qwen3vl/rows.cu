@@ -61,9 +61,9 @@ __device__ __forceinline__ void store_row_fp8(const float (&v)[kChunks][8], int 
     const int run = threadIdx.x + c * int(blockDim.x);
     if (run >= runs) continue;
     const float* x = v[c];
-    reinterpret_cast<uint2*>(codes)[run] =
-        make_uint2(fovea::cuda::ptx::pack_e4m3x4(__fdiv_rn(x[0], s), __fdiv_rn(x[1], s), __fdiv_rn(x[2], s), __fdiv_rn(x[3], s)),
-                   fovea::cuda::ptx::pack_e4m3x4(__fdiv_rn(x[4], s), __fdiv_rn(x[5], s), __fdiv_rn(x[6], s), __fdiv_rn(x[7], s)));
+    reinterpret_cast<uint2*>(codes)[run] = make_uint2(
+        fovea::cuda::ptx::pack_e4m3x4(__fdiv_rn(x[0], s), __fdiv_rn(x[1], s), __fdiv_rn(x[2], s), __fdiv_rn(x[3], s)),
+        fovea::cuda::ptx::pack_e4m3x4(__fdiv_rn(x[4], s), __fdiv_rn(x[5], s), __fdiv_rn(x[6], s), __fdiv_rn(x[7], s)));
   }
 }
 
@@ -96,7 +96,8 @@ __device__ __forceinline__ void load_runs_f32(const float* p, int runs, float (&
     const int run = threadIdx.x + c * int(blockDim.x);
     const float4 a = run < runs ? reinterpret_cast<const float4*>(p)[2 * run] : make_float4(0, 0, 0, 0);
     const float4 b = run < runs ? reinterpret_cast<const float4*>(p)[2 * run + 1] : make_float4(0, 0, 0, 0);
-    v[c][0] = a.x, v[c][1] = a.y, v[c][2] = a.z, v[c][3] = a.w, v[c][4] = b.x, v[c][5] = b.y, v[c][6] = b.z, v[c][7] = b.w;
+    v[c][0] = a.x, v[c][1] = a.y, v[c][2] = a.z, v[c][3] = a.w, v[c][4] = b.x, v[c][5] = b.y, v[c][6] = b.z,
+    v[c][7] = b.w;
   }
 }
 
@@ -139,8 +140,9 @@ __global__ void layernorm_kernel(const bf16* __restrict__ x, void* __restrict__ 
       uint32_t* o = reinterpret_cast<uint32_t*>(&out);
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        const __nv_bfloat162 p = __floats2bfloat162_rn((v[c][2 * j] - mean) * inv * ws[c][2 * j] + bs[c][2 * j],
-                                                       (v[c][2 * j + 1] - mean) * inv * ws[c][2 * j + 1] + bs[c][2 * j + 1]);
+        const __nv_bfloat162 p =
+            __floats2bfloat162_rn((v[c][2 * j] - mean) * inv * ws[c][2 * j] + bs[c][2 * j],
+                                  (v[c][2 * j + 1] - mean) * inv * ws[c][2 * j + 1] + bs[c][2 * j + 1]);
         o[j] = *reinterpret_cast<const uint32_t*>(&p);
         if constexpr (kFp8Out) {
           const float2 f = __bfloat1622float2(p);
@@ -150,7 +152,8 @@ __global__ void layernorm_kernel(const bf16* __restrict__ x, void* __restrict__ 
       if constexpr (!kFp8Out) reinterpret_cast<uint4*>(static_cast<bf16*>(y) + r * width)[run] = out;
     }
     if constexpr (kFp8Out)
-      store_row_fp8<kChunks>(v, runs, static_cast<uint8_t*>(y) + r * width, y_scale + r, reinterpret_cast<unsigned*>(red));
+      store_row_fp8<kChunks>(v, runs, static_cast<uint8_t*>(y) + r * width, y_scale + r,
+                             reinterpret_cast<unsigned*>(red));
   }
 }
 
@@ -227,8 +230,10 @@ void layernorm(const bf16* in, void* out, float* out_scale, const float* w, cons
   const auto launch = [&](auto chunks) {
     constexpr int c = decltype(chunks)::value;
     const unsigned blocks = unsigned((rows + kLnRows - 1) / kLnRows);
-    if (out_scale) layernorm_kernel<c, true><<<blocks, unsigned(ln.threads), 0, stream>>>(in, out, out_scale, w, b, width, rows);
-    else layernorm_kernel<c, false><<<blocks, unsigned(ln.threads), 0, stream>>>(in, out, nullptr, w, b, width, rows);
+    if (out_scale)
+      layernorm_kernel<c, true><<<blocks, unsigned(ln.threads), 0, stream>>>(in, out, out_scale, w, b, width, rows);
+    else
+      layernorm_kernel<c, false><<<blocks, unsigned(ln.threads), 0, stream>>>(in, out, nullptr, w, b, width, rows);
   };
   with_row_chunks(ln.chunks, width, launch);
   FOVEA_CUDA_CHECK(cudaGetLastError());
@@ -240,8 +245,8 @@ void quantize_rows(const bf16* in, uint8_t* codes, float* scales, int width, int
   if (ld == 0) ld = width;
   if (ld < width || (ld != width && ld % 16 != 0)) fail_cat("quantize_rows: rows of ", width, " codes ", ld, " apart");
   with_row_chunks(ln.chunks, width, [&](auto chunks) {
-    quantize_rows_kernel<decltype(chunks)::value><<<unsigned(rows), unsigned(ln.threads), 0, stream>>>(in, codes, scales,
-                                                                                                      width, ld);
+    quantize_rows_kernel<decltype(chunks)::value>
+        <<<unsigned(rows), unsigned(ln.threads), 0, stream>>>(in, codes, scales, width, ld);
   });
   FOVEA_CUDA_CHECK(cudaGetLastError());
 }

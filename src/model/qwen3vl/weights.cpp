@@ -36,7 +36,9 @@ Weights assemble(const VisionConfig& c, const Source& get) {
     l.b = get(p + ".bias", {out});
     return l;
   };
-  auto norm = [&](const std::string& p, int width) { return Norm{get(p + ".weight", {width}), get(p + ".bias", {width})}; };
+  auto norm = [&](const std::string& p, int width) {
+    return Norm{get(p + ".weight", {width}), get(p + ".bias", {width})};
+  };
   const int D = c.hidden, I = c.intermediate, M = c.merged_dim();
   w.patch_embed.out = D;
   w.patch_embed.in = c.patch_dim();
@@ -55,10 +57,12 @@ Weights assemble(const VisionConfig& c, const Source& get) {
     w.blocks.push_back(std::move(blk));
   }
   auto merger = [&](const std::string& p, int norm_width) {
-    return Merger{norm(p + "norm", norm_width), linear(p + "linear_fc1", M, M), linear(p + "linear_fc2", c.out_hidden, M)};
+    return Merger{norm(p + "norm", norm_width), linear(p + "linear_fc1", M, M),
+                  linear(p + "linear_fc2", c.out_hidden, M)};
   };
   w.merger = merger("merger.", D);
-  for (size_t k = 0; k < c.deepstack.size(); ++k) w.deepstack.push_back(merger("deepstack_merger_list." + std::to_string(k) + ".", M));
+  for (size_t k = 0; k < c.deepstack.size(); ++k)
+    w.deepstack.push_back(merger("deepstack_merger_list." + std::to_string(k) + ".", M));
   return w;
 }
 
@@ -85,8 +89,8 @@ std::vector<float> synthetic_tensor(const std::string& name, const Shape& shape)
   const bool is_norm = name.find("norm") != std::string::npos;
   const int64_t fan_in = shape.size() >= 2 ? n / shape[0] : 1;
   // Scales that keep a 27-block trunk's activations O(1): weights ~ U(-1,1) * sqrt(3 / fan_in).
-  const float scale = is_norm ? (bias ? 0.05f : 0.1f)
-                      : bias ? 0.02f
+  const float scale = is_norm                      ? (bias ? 0.05f : 0.1f)
+                      : bias                       ? 0.02f
                       : name == "pos_embed.weight" ? 0.5f
                                                    : std::sqrt(3.0f / float(fan_in));
   std::vector<float> v(static_cast<size_t>(n));
@@ -104,7 +108,10 @@ namespace {
 template <class B, class L>
 std::array<std::pair<std::string, L*>, 4> linears_of(B& b, size_t index) {
   const std::string p = "blocks." + std::to_string(index) + ".";
-  return {{{p + "attn.qkv", &b.qkv}, {p + "attn.proj", &b.proj}, {p + "mlp.linear_fc1", &b.fc1}, {p + "mlp.linear_fc2", &b.fc2}}};
+  return {{{p + "attn.qkv", &b.qkv},
+           {p + "attn.proj", &b.proj},
+           {p + "mlp.linear_fc1", &b.fc1},
+           {p + "mlp.linear_fc2", &b.fc2}}};
 }
 }  // namespace
 
@@ -240,9 +247,10 @@ void check_quantized_tensors(const Checkpoint& ck, const std::string& prefix, co
         fail("model '{}': tensor '{}' is F8_E4M3, but {} lists its module '{}' as not converted", spec, shown,
              q.where + (q.method == "fp8" ? ".modules_to_not_convert" : ".ignore"), escape_for_error(module, 200));
       if (!ck.find(module + "." + q.scale_suffix))
-        fail("model '{}': tensor '{}' is F8_E4M3 without its scale: '{}.{}' is not in the checkpoint ({}.quant_method "
-             "\"{}\": {})",
-             spec, shown, escape_for_error(module, 200), q.scale_suffix, q.where, q.method, q.scheme());
+        fail(
+            "model '{}': tensor '{}' is F8_E4M3 without its scale: '{}.{}' is not in the checkpoint ({}.quant_method "
+            "\"{}\": {})",
+            spec, shown, escape_for_error(module, 200), q.scale_suffix, q.where, q.method, q.scheme());
       continue;
     }
     const std::string module = quant_sibling_module(name, false);
@@ -270,8 +278,8 @@ Model load_model(const std::string& spec) {
     return m;
   }
   if (spec.rfind("synthetic:", 0) == 0)
-    fail("unknown synthetic model '{}' (built in: {}, each also with the suffix {})", spec, fmt::join(synthetic_names(), ", "),
-         kOutliersSuffix);
+    fail("unknown synthetic model '{}' (built in: {}, each also with the suffix {})", spec,
+         fmt::join(synthetic_names(), ", "), kOutliersSuffix);
   namespace fs = std::filesystem;
   std::error_code ec;
   if (!fs::is_directory(spec, ec)) fail("model '{}': not a folder (and not a synthetic:<name> model)", spec);
@@ -295,7 +303,8 @@ Model load_model(const std::string& spec) {
   m.weights = assemble(m.config, [&](const std::string& name, const Shape&) {
     const TensorInfo& t = *ck.find(prefix + name);
     if (t.dtype != DType::F8_E4M3) return t.to_float();
-    Fp8Weight f = read_fp8_weight(t, *ck.find(prefix + name.substr(0, name.size() - 7) + "." + quant.scale_suffix), quant);
+    Fp8Weight f =
+        read_fp8_weight(t, *ck.find(prefix + name.substr(0, name.size() - 7) + "." + quant.scale_suffix), quant);
     std::vector<float> v = f.dequantized();
     stored.emplace(name, std::move(f));
     return v;
@@ -327,15 +336,24 @@ bool is_per_channel_or_tensor(const std::array<int64_t, 2>& b) { return b[1] == 
 nlohmann::ordered_json fp8_quantization_config(const std::array<int64_t, 2>& b) {
   const nlohmann::ordered_json skip = {"model.visual.merger", "model.visual.deepstack_merger_list", "lm_head"};
   if (!is_per_channel_or_tensor(b))
-    return {{"quant_method", "fp8"}, {"fmt", "e4m3"}, {"activation_scheme", "dynamic"}, {"weight_block_size", b},
+    return {{"quant_method", "fp8"},
+            {"fmt", "e4m3"},
+            {"activation_scheme", "dynamic"},
+            {"weight_block_size", b},
             {"modules_to_not_convert", skip}};
-  const nlohmann::ordered_json weights = {{"num_bits", 8}, {"type", "float"}, {"symmetric", true},
-                                          {"strategy", b[0] == 1 ? "channel" : "tensor"}, {"dynamic", false}};
-  const nlohmann::ordered_json acts = {{"num_bits", 8}, {"type", "float"}, {"symmetric", true}, {"strategy", "token"},
-                                       {"dynamic", true}};
-  return {{"quant_method", "compressed-tensors"}, {"format", "float-quantized"}, {"quantization_status", "compressed"},
-          {"ignore", skip},
-          {"config_groups", {{"group_0", {{"targets", {"Linear"}}, {"weights", weights}, {"input_activations", acts}}}}}};
+  const nlohmann::ordered_json weights = {{"num_bits", 8},
+                                          {"type", "float"},
+                                          {"symmetric", true},
+                                          {"strategy", b[0] == 1 ? "channel" : "tensor"},
+                                          {"dynamic", false}};
+  const nlohmann::ordered_json acts = {
+      {"num_bits", 8}, {"type", "float"}, {"symmetric", true}, {"strategy", "token"}, {"dynamic", true}};
+  return {
+      {"quant_method", "compressed-tensors"},
+      {"format", "float-quantized"},
+      {"quantization_status", "compressed"},
+      {"ignore", skip},
+      {"config_groups", {{"group_0", {{"targets", {"Linear"}}, {"weights", weights}, {"input_activations", acts}}}}}};
 }
 
 void append_fp8(std::vector<TensorToWrite>& out, const std::string& module, const Fp8Weight& f) {
@@ -343,9 +361,12 @@ void append_fp8(std::vector<TensorToWrite>& out, const std::string& module, cons
   std::vector<uint8_t> bytes(f.scales.size() * 4);
   std::memcpy(bytes.data(), f.scales.data(), bytes.size());
   std::vector<int64_t> shape;
-  if (f.block[0] == 1 && f.block[1] == 0) shape = {f.out, 1};
-  else if (f.block[0] == 0 && f.block[1] == 0) shape = {1};
-  else shape = {(f.out + f.block[0] - 1) / f.block[0], (f.in + f.block[1] - 1) / f.block[1]};
+  if (f.block[0] == 1 && f.block[1] == 0)
+    shape = {f.out, 1};
+  else if (f.block[0] == 0 && f.block[1] == 0)
+    shape = {1};
+  else
+    shape = {(f.out + f.block[0] - 1) / f.block[0], (f.in + f.block[1] - 1) / f.block[1]};
   const char* suffix = is_per_channel_or_tensor(f.block) ? ".weight_scale" : ".weight_scale_inv";
   out.push_back({module + suffix, DType::F32, shape, std::move(bytes), {}});
 }
@@ -403,7 +424,8 @@ void save_model(const Model& m, const std::string& folder) {
     lin(p + "linear_fc2", g.fc2);
   };
   merger("merger.", w.merger);
-  for (size_t k = 0; k < w.deepstack.size(); ++k) merger("deepstack_merger_list." + std::to_string(k) + ".", w.deepstack[k]);
+  for (size_t k = 0; k < w.deepstack.size(); ++k)
+    merger("deepstack_merger_list." + std::to_string(k) + ".", w.deepstack[k]);
   std::vector<TensorToWrite> tensors;
   const std::optional<std::array<int64_t, 2>> layout = fp8_layout(fp8_by_name);
   if (layout) doc["quantization_config"] = fp8_quantization_config(*layout);
