@@ -330,6 +330,28 @@ TEST(EncoderGpu, Fp8LinearMatchesItsEmulation) {
     }
 }
 
+// A model on random pixels of kGrids: its fp32 CPU forward and its FP8 linears' emulation.
+struct Fp8LinearRun {
+  std::vector<float> px;
+  ForwardResult emu, exact;
+};
+Fp8LinearRun fp8_linear_run(const Model& m) {
+  int64_t n = 0;
+  for (auto& g : kGrids) n += int64_t(g[0]) * g[1] * g[2];
+  Fp8LinearRun r{random_pixels(n), {}, {}};
+  ForwardOptions fo;
+  fo.fp8_linears = true;
+  r.emu = forward_cpu(m, r.px, kGrids, fo);
+  r.exact = forward_cpu(m, r.px, kGrids);
+  return r;
+}
+// The GPU encoder's merged output on those pixels, its linears in FP8 or BF16.
+std::vector<float> gpu_merged(const Model& m, const std::vector<float>& px, bool fp8_linears) {
+  qwen3vl::cuda::EncoderOptions o;
+  o.fp8_linears = fp8_linears;
+  return encode_once(m, o, px).back();
+}
+
 // The whole encoder with FP8 linears (BF16 attention): its error against the fp32 CPU forward is the
 // size of the emulated FP8 linears' error, and well above the BF16-linear GPU forward's. (Not
 // compared element by element with the emulation: the GPU's bf16 activations move values across
@@ -337,23 +359,12 @@ TEST(EncoderGpu, Fp8LinearMatchesItsEmulation) {
 // 2026-12-02: GPU vs emulation 4.3e-2, each against fp32 about 5.4e-2.)
 TEST(EncoderGpu, Fp8LinearsHaveTheirEmulationsErrorEndToEnd) {
   const Model m = two_block_8b();
-  int64_t n = 0;
-  for (auto& g : kGrids) n += int64_t(g[0]) * g[1] * g[2];
-  const std::vector<float> px = random_pixels(n);
-  ForwardOptions fo;
-  fo.fp8_linears = true;
-  const ForwardResult emu = forward_cpu(m, px, kGrids, fo);
-  const ForwardResult exact = forward_cpu(m, px, kGrids);
+  const Fp8LinearRun r = fp8_linear_run(m);
   const int O = m.config.out_hidden;
-  auto run = [&](bool fp8_linears) {
-    qwen3vl::cuda::EncoderOptions o;
-    o.fp8_linears = fp8_linears;
-    return encode_once(m, o, px).back();
-  };
-  const auto f8 = run(true), bf = run(false);
+  const auto f8 = gpu_merged(m, r.px, true), bf = gpu_merged(m, r.px, false);
   for (float v : f8) ASSERT_TRUE(std::isfinite(v));
-  const auto e_gpu = embedding_error(f8, exact.merged, O), e_emu = embedding_error(emu.merged, exact.merged, O);
-  const auto e_bf = embedding_error(bf, exact.merged, O);
+  const auto e_gpu = embedding_error(f8, r.exact.merged, O), e_emu = embedding_error(r.emu.merged, r.exact.merged, O);
+  const auto e_bf = embedding_error(bf, r.exact.merged, O);
   std::printf(
       "merged against fp32: gpu fp8 linears rel_l2 %.3e (cos %.6f), their emulation %.3e, gpu bf16 linears %.3e\n",
       e_gpu.rel_l2, e_gpu.mean_cosine, e_emu.rel_l2, e_bf.rel_l2);
@@ -370,24 +381,16 @@ TEST(EncoderGpu, Fp8LinearsHaveTheirEmulationsErrorEndToEnd) {
 TEST(EncoderGpu, Fp8LinearsRunStoredBlocksAsTheirEmulation) {
   Model m = two_block_8b();
   quantize_block_linears(m, {128, 128});
-  int64_t n = 0;
-  for (auto& g : kGrids) n += int64_t(g[0]) * g[1] * g[2];
-  const std::vector<float> px = random_pixels(n);
-  ForwardOptions fo;
-  fo.fp8_linears = true;
-  const ForwardResult emu = forward_cpu(m, px, kGrids, fo);
-  const ForwardResult exact = forward_cpu(m, px, kGrids);
+  const Fp8LinearRun r = fp8_linear_run(m);
   const int O = m.config.out_hidden;
-  qwen3vl::cuda::EncoderOptions o;
-  o.fp8_linears = true;
-  const auto f8 = encode_once(m, o, px).back();
+  const auto f8 = gpu_merged(m, r.px, true);
   Model requantized = m;
   for (auto& b : requantized.weights.blocks)
     for (auto [name, l] : block_linears(b, 0)) l->fp8.reset();
-  const auto rq = encode_once(requantized, o, px).back();
+  const auto rq = gpu_merged(requantized, r.px, true);
   for (float v : f8) ASSERT_TRUE(std::isfinite(v));
-  const auto e_gpu = embedding_error(f8, exact.merged, O), e_emu = embedding_error(emu.merged, exact.merged, O);
-  const auto e_rq = embedding_error(rq, exact.merged, O), e_apart = embedding_error(f8, rq, O);
+  const auto e_gpu = embedding_error(f8, r.exact.merged, O), e_emu = embedding_error(r.emu.merged, r.exact.merged, O);
+  const auto e_rq = embedding_error(rq, r.exact.merged, O), e_apart = embedding_error(f8, rq, O);
   std::printf(
       "stored blocks, merged against the dequantized fp32 forward: gpu rel_l2 %.3e (cos %.6f), emulation %.3e; "
       "re-quantized per channel %.3e, %.3e from the stored run\n",
