@@ -387,6 +387,12 @@ TEST(Fp8ReleaseErrors, ScalesNameTheTensor) {
     EXPECT_HAS(m, kQkv + ".weight_scale_inv");
     EXPECT_HAS(m, "scales must be finite and positive");
   }
+  // A finite scale whose block's largest code overflows: the value that does is named.
+  m = load_error([](Release& r) { set_scale(r, kQkv + ".weight_scale_inv", 1e37f); });
+  EXPECT_HAS(m, "tensor '" + kQkv + ".weight'");
+  EXPECT_HAS(m, "dequantizes to");
+  EXPECT_HAS(m, "inf (scale");
+  EXPECT_HAS(m, "(scale '" + kQkv + ".weight_scale_inv')");
   m = load_error([](Release& r) {
     TensorToWrite* s = tensor(r, kQkv + ".weight_scale_inv");
     s->dtype = DType::F16;

@@ -89,13 +89,6 @@ QuantConfig parse_quantization_config(std::string_view config_json_text, const s
 bool listed_not_converted(const QuantConfig& q, const std::string& module);
 // The shape `scale` must have for an FP8 weight of [out, in] under q.
 std::vector<int64_t> expected_scale_shape(const QuantConfig& q, int64_t out, int64_t in);
-// An F8_E4M3 linear weight [out, in] with its scale (F32 or BF16; finite, positive, of
-// expected_scale_shape) dequantized as transformers and compressed-tensors do: each value
-// bf16(float(e4m3) * scale), the product in fp32, then rounded to nearest even; element (i, j) takes
-// the scale of block (i / rows, j / cols), partial blocks at the edges included. Returned as fp32
-// holding those bf16 values. Errors name the tensor and the field.
-std::vector<float> dequantize_fp8(const TensorInfo& weight, const TensorInfo& scale, const QuantConfig& q);
-
 // An FP8 linear weight as a release stores it: E4M3 codes [out, in] and fp32 scales, one per block
 // of [rows, cols] (0: the whole dimension), row-major over the block grid [ceil(out / rows),
 // ceil(in / cols)]. load_model keeps it beside the dequantized values for the blocks' linears, so
@@ -106,9 +99,14 @@ struct Fp8Weight {
   std::array<int64_t, 2> block{};
   int64_t out = 0, in = 0;
   float scale_at(int64_t row, int64_t col) const;
-  std::vector<float> dequantized() const;  // bf16(float(e4m3) * scale), as dequantize_fp8
+  // Dequantized as transformers and compressed-tensors do: each value bf16(float(e4m3) * scale), the
+  // product in fp32, then rounded to nearest even; element (i, j) takes the scale of block
+  // (i / rows, j / cols), partial blocks at the edges included. fp32 holding those bf16 values.
+  std::vector<float> dequantized() const;
 };
-// The weight and its scale read and checked as dequantize_fp8 does (the same errors).
+// An F8_E4M3 linear weight [out, in] and its scale (F32 or BF16; finite, positive, of
+// expected_scale_shape) read and checked: no NaN code, every value dequantizing to a finite bf16.
+// Errors name the tensor and the field.
 Fp8Weight read_fp8_weight(const TensorInfo& weight, const TensorInfo& scale, const QuantConfig& q);
 // `w` [out, in] quantized with one amax / 448 scale per block (a release's own recipe; edge blocks
 // partial, an all-zero block's scale 1): block {128, 128} is transformers' "fp8", {1, 0} one scale
@@ -156,7 +154,7 @@ struct Model {
 // (listed), shape mismatches (expected vs found), truncated or corrupt files; unexpected tensors
 // under the vision prefix are a warning. Tensors outside the vision tower (an FP8 release's language
 // model) are skipped by name, their headers validated; FP8 vision weights are dequantized to bf16
-// values (dequantize_fp8), and every quantization error names the tensor and the field.
+// values (Fp8Weight::dequantized), and every quantization error names the tensor and the field.
 Model load_model(const std::string& spec);
 
 // Writes a model as a Hugging Face-style checkpoint folder that load_model() (and transformers'
