@@ -62,6 +62,7 @@
 #include <vector>
 
 #include "fovea/error.h"
+#include "fovea/io.h"
 #include "fovea/model.h"
 #include "fovea/pipeline.h"
 
@@ -213,7 +214,7 @@ class EcCache {
   const std::string dir_;
   const int64_t max_bytes_;
   const int64_t min_age_ns_;  // entries used more recently are young: never evicted
-  const int dir_fd_;          // DIR, opened once; everything below it is reached from here
+  const Fd dir_fd_;           // DIR, opened once; everything below it is reached from here
   mutable std::mutex mu_;
   mutable Book book_;
   int64_t last_stamp_ns_ = 0;                           // the latest modification time stamp() set or found

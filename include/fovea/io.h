@@ -6,6 +6,7 @@
 #include <sys/types.h>
 
 #include <cstddef>
+#include <functional>
 #include <string>
 #include <utility>
 
@@ -58,6 +59,18 @@ ReadEnd read_to_end(int fd, std::string& out, size_t max_bytes);
 // opening a FIFO does not wait for a writer, then fstat. Returns the descriptor and fills *st;
 // throws fovea::Error "<what> '<path>': is not a regular file" otherwise.
 Fd open_regular_file(const std::string& path, const std::string& what, struct stat* st);
+
+// The one atomic writer: `name` in the folder open as `folder_fd` gets what `write` puts into a fresh
+// temporary file beside it (".<name>.tmp." and six random characters, created exclusively and never
+// through a symlink), after fchmod 0644, fsync and a renameat over the name (which replaces a name and
+// never writes through one). `write` returns false with errno set on failure. On any failure the
+// temporary file is removed and fovea::Error says "<label>: <step>: <reason>".
+void write_atomic_at(int folder_fd, const std::string& name, const std::function<bool(int fd)>& write,
+                     const std::string& label);
+// The temporary names write_atomic_at uses for `name`: what a crash may leave behind.
+std::string atomic_temp_prefix(const std::string& name);
+// write_atomic_at for a path: "<what> '<path>'" labels the errors; the folder must exist, and `path`
+// must not be a folder.
 void write_file_atomic(const std::string& path, const std::string& contents, const std::string& what = "file");
 
 }  // namespace fovea

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
+#include <random>
 
 #include "fovea/error.h"
 
@@ -94,27 +95,59 @@ std::string read_file(const std::string& path, const std::string& what, size_t m
   fail("{} '{}': larger than the limit of {} bytes (it grew while being read)", what, path, max_bytes);
 }
 
+std::string atomic_temp_prefix(const std::string& name) { return "." + name + ".tmp."; }
+
+namespace {
+
+// A fresh temporary file for `name` in `folder_fd`, created exclusively (O_EXCL: never an existing
+// file, nor through a symlink planted under the name); its name goes to *tmp. -1 with errno on failure.
+int create_temp(int folder_fd, const std::string& name, std::string* tmp) {
+  static constexpr char kChars[] = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789";
+  thread_local std::mt19937_64 rng(std::random_device{}());
+  for (int attempt = 0; attempt < 100; ++attempt) {
+    *tmp = atomic_temp_prefix(name);
+    for (int i = 0; i < 6; ++i) *tmp += kChars[rng() % (sizeof(kChars) - 1)];
+    const int fd = ::openat(folder_fd, tmp->c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
+    if (fd >= 0 || errno != EEXIST) return fd;
+  }
+  errno = EEXIST;
+  return -1;
+}
+
+}  // namespace
+
+void write_atomic_at(int folder_fd, const std::string& name, const std::function<bool(int fd)>& write,
+                     const std::string& label) {
+  std::string tmp;
+  Fd fd(create_temp(folder_fd, name, &tmp));
+  if (!fd) fail("{}: cannot create a temporary file beside it: {}", label, std::strerror(errno));
+  auto abandon = [&](const char* step) {
+    const int err = errno;
+    fd = Fd();
+    ::unlinkat(folder_fd, tmp.c_str(), 0);
+    fail("{}: {}: {}", label, step, std::strerror(err));
+  };
+  if (::fchmod(fd.get(), 0644) != 0) abandon("cannot set permissions");  // readable by others whatever the umask
+  if (!write(fd.get())) abandon("write failed");
+  if (::fsync(fd.get()) != 0) abandon("fsync failed");
+  if (::close(fd.release()) != 0) abandon("close failed");
+  if (::renameat(folder_fd, tmp.c_str(), folder_fd, name.c_str()) != 0)
+    abandon("cannot move the temporary file into place");
+}
+
 void write_file_atomic(const std::string& path, const std::string& contents, const std::string& what) {
   namespace fs = std::filesystem;
   const fs::path target(path);
   const fs::path dir = target.has_parent_path() ? target.parent_path() : fs::path(".");
+  const std::string label = fmt::format("{} '{}'", what, path);
   std::error_code ec;
-  if (!fs::is_directory(dir, ec)) fail("{} '{}': folder '{}' does not exist", what, path, dir.string());
-  if (fs::is_directory(target, ec)) fail("{} '{}': is a folder; give a file name", what, path);
-  std::string tmp = (dir / fmt::format(".{}.tmp.XXXXXX", target.filename().string())).string();
-  Fd fd(mkstemp(tmp.data()));
-  if (!fd) fail("{} '{}': cannot create a temporary file in '{}': {}", what, path, dir.string(), std::strerror(errno));
-  auto abandon = [&](const char* step) {
-    const int err = errno;
-    fd = Fd();
-    ::unlink(tmp.c_str());
-    fail("{} '{}': {}: {}", what, path, step, std::strerror(err));
-  };
-  if (fchmod(fd.get(), 0644) != 0) abandon("cannot set permissions");  // mkstemp made it 0600
-  if (!write_full(fd.get(), contents.data(), contents.size())) abandon("write failed");
-  if (::fsync(fd.get()) != 0) abandon("fsync failed");
-  if (::close(fd.release()) != 0) abandon("close failed");
-  if (std::rename(tmp.c_str(), path.c_str()) != 0) abandon("cannot move the temporary file into place");
+  if (!fs::is_directory(dir, ec)) fail("{}: folder '{}' does not exist", label, dir.string());
+  if (fs::is_directory(target, ec)) fail("{}: is a folder; give a file name", label);
+  const Fd folder(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+  if (!folder) fail("{}: cannot open the folder '{}': {}", label, dir.string(), std::strerror(errno));
+  write_atomic_at(
+      folder.get(), target.filename().string(),
+      [&](int fd) { return write_full(fd, contents.data(), contents.size()); }, label);
 }
 
 }  // namespace fovea

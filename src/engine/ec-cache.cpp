@@ -15,7 +15,6 @@
 #include <filesystem>
 #include <memory>
 #include <optional>
-#include <random>
 #include <utility>
 #include <vector>
 
@@ -37,9 +36,8 @@ namespace {
 
 constexpr const char* kWriterKey = "writer";
 constexpr const char* kWriter = "fovea";
-// The temporary files: ".<name>.tmp.XXXXXX" beside the target, the pattern of write_file_atomic
-// (fovea/io.h), which fovea wrote entries with before; a crash's leftovers of either are recognised.
-const std::string kTempPrefix = std::string(".") + kEcCacheFile + ".tmp.";
+// The temporary files of write_atomic_at (fovea/io.h): a crash's leftovers are recognised by name.
+const std::string kTempPrefix = atomic_temp_prefix(kEcCacheFile);
 constexpr int64_t kStaleTempNs = int64_t(10) * 60 * 1000000000;  // ten minutes
 
 // Everything below DIR is opened by these two, which follow no symlink: O_NOFOLLOW refuses a
@@ -161,21 +159,6 @@ void remove_stale_temps(int folder_fd) {
   }
 }
 
-// A fresh temporary file in `folder_fd`, created exclusively (O_EXCL: never an existing file, nor
-// through a symlink planted under the name); its name goes to *name. -1 with errno on failure.
-int create_temp(int folder_fd, std::string* name) {
-  static constexpr char kChars[] = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789";
-  thread_local std::mt19937_64 rng(std::random_device{}());
-  for (int attempt = 0; attempt < 100; ++attempt) {
-    *name = kTempPrefix;
-    for (int i = 0; i < 6; ++i) *name += kChars[rng() % (sizeof(kChars) - 1)];
-    const int fd = ::openat(folder_fd, name->c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
-    if (fd >= 0 || errno != EEXIST) return fd;
-  }
-  errno = EEXIST;
-  return -1;
-}
-
 // An entry's file before it is written: the safetensors head, then the one tensor's rows (merger
 // output, then each deepstack output), interleaved a few rows at a time into a small buffer as they
 // are written. The server writes one per image (67 MB for the 8B model at FullHD) on the reply's
@@ -203,25 +186,11 @@ struct EntryFile {
   }
 };
 
-// Writes the entry file in `folder_fd` atomically: a temporary file beside it, fsync, rename over
-// the name (renameat replaces a name; it never writes through one). On any failure the temporary
-// file is removed and fovea::Error names `path`, the step and the reason.
+// Writes the entry file in `folder_fd` atomically; on failure fovea::Error names `path`.
 void write_entry(int folder_fd, const std::string& path, const EntryFile& entry) {
-  std::string tmp;
-  Fd fd(create_temp(folder_fd, &tmp));
-  if (!fd) fail("encoder cache file '{}': cannot create a temporary file beside it: {}", path, std::strerror(errno));
-  auto abandon = [&](const char* step) {
-    const int err = errno;
-    fd = Fd();
-    ::unlinkat(folder_fd, tmp.c_str(), 0);
-    fail("encoder cache file '{}': {}: {}", path, step, std::strerror(err));
-  };
-  if (::fchmod(fd.get(), 0644) != 0) abandon("cannot set permissions");  // readable by the consumer whatever the umask
-  if (!entry.write_to(fd.get())) abandon("write failed");
-  if (::fsync(fd.get()) != 0) abandon("fsync failed");
-  if (::close(fd.release()) != 0) abandon("close failed");
-  if (::renameat(folder_fd, tmp.c_str(), folder_fd, kEcCacheFile) != 0)
-    abandon("cannot move the temporary file into place");
+  write_atomic_at(
+      folder_fd, kEcCacheFile, [&](int fd) { return entry.write_to(fd); },
+      fmt::format("encoder cache file '{}'", path));
 }
 
 // Refuses to replace what must not be replaced at the entry's name: a symlink (another writer's, and
@@ -253,12 +222,12 @@ std::string read_all(int fd, const std::string& path, size_t max_bytes) {
 
 // DIR, made if missing and opened once. Its own path may pass through symlinks (the operator's
 // choice); only what is below it is untrusted.
-int open_cache_folder(const std::string& dir, int64_t max_bytes) {
+Fd open_cache_folder(const std::string& dir, int64_t max_bytes) {
   if (max_bytes < 0) fail("encoder cache: a byte budget of {} (0 means no bound)", max_bytes);
   std::error_code ec;
   fs::create_directories(dir, ec);
-  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (fd < 0)
+  Fd fd(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+  if (!fd)
     fail("encoder cache '{}': not a folder and cannot be made one ({})", dir, ec ? ec.message() : std::strerror(errno));
   return fd;
 }
@@ -369,26 +338,21 @@ EcCache::EcCache(std::string dir, int64_t max_bytes, double min_age_s)
       max_bytes_(max_bytes),
       min_age_ns_(min_age_ns(min_age_s)),
       dir_fd_(open_cache_folder(dir_, max_bytes)) {
-  try {
-    scan();
-    std::lock_guard lk(mu_);
-    if (max_bytes_ != 0 && book_.bytes > max_bytes_) {
-      recheck();
-      stats_.young_kept += evict_for("", 0, /*dry=*/false);  // young ones stay, even over the budget
-    }
-  } catch (...) {
-    ::close(dir_fd_);  // a constructor that throws runs no destructor
-    throw;
+  scan();
+  std::lock_guard lk(mu_);
+  if (max_bytes_ != 0 && book_.bytes > max_bytes_) {
+    recheck();
+    stats_.young_kept += evict_for("", 0, /*dry=*/false);  // young ones stay, even over the budget
   }
 }
 
-EcCache::~EcCache() { ::close(dir_fd_); }
+EcCache::~EcCache() = default;
 
 std::string EcCache::path_of(const std::string& key) const { return (fs::path(dir_) / key / kEcCacheFile).string(); }
 
 void EcCache::scan() {
   std::vector<std::string> names;
-  if (const int err = names_in(dir_fd_, names); err != 0)
+  if (const int err = names_in(dir_fd_.get(), names); err != 0)
     fail("encoder cache '{}': cannot read the folder: {}", dir_, std::strerror(err));
   std::vector<Found> found;
   for (const std::string& key : names) scan_key(key, found);
@@ -405,7 +369,7 @@ void EcCache::scan() {
 // a file) is skipped, never followed, and so is anything else.
 void EcCache::scan_key(const std::string& key, std::vector<Found>& found) {
   if (!ec_key_problem(key).empty()) return;
-  const Fd folder = open_folder_at(dir_fd_, key);
+  const Fd folder = open_folder_at(dir_fd_.get(), key);
   if (!folder) return;  // a symlink, a plain file, or gone meanwhile (another process evicting)
   remove_stale_temps(folder.get());
   const Fd file = open_file_at(folder.get(), kEcCacheFile);
@@ -461,7 +425,7 @@ void EcCache::recheck() const {
   last_recheck_ns_ = now_ns;
   std::vector<std::string> gone, gone_foreign;
   for (auto& [key, e] : book_.own) {
-    const EntryNow now = entry_now(dir_fd_, key);
+    const EntryNow now = entry_now(dir_fd_.get(), key);
     if (!now.file) {
       gone.push_back(key);
       continue;
@@ -470,7 +434,7 @@ void EcCache::recheck() const {
     e.bytes = int64_t(now.file->st_size);
   }
   for (const std::string& key : book_.foreign)
-    if (!entry_now(dir_fd_, key).file) gone_foreign.push_back(key);
+    if (!entry_now(dir_fd_.get(), key).file) gone_foreign.push_back(key);
   for (const std::string& key : gone) forget_vanished(key);
   for (const std::string& key : gone_foreign) book_.forget(key);
 }
@@ -550,7 +514,7 @@ void EcCache::refuse(const std::string& key, int64_t size, int64_t kept) {
 // or now a symlink or inside one, only leaves the books.
 void EcCache::evict(const std::string& key) {
   const std::string path = path_of(key);
-  const Fd folder = open_folder_at(dir_fd_, key);
+  const Fd folder = open_folder_at(dir_fd_.get(), key);
   const Fd file = folder ? open_file_at(folder.get(), kEcCacheFile) : Fd();
   struct stat st {
   }, named{};
@@ -571,14 +535,14 @@ void EcCache::evict(const std::string& key) {
     warn(fmt::format("encoder cache: cannot evict '{}': {}", path, std::strerror(errno)));
     return;
   }
-  ::unlinkat(dir_fd_, key.c_str(), AT_REMOVEDIR);  // the folder, if nothing else is in it (a symlink is not one)
+  ::unlinkat(dir_fd_.get(), key.c_str(), AT_REMOVEDIR);  // the folder, if nothing else is in it (a symlink is not one)
   stats_.evictions += 1;
 }
 
 bool EcCache::lookup(const std::string& key) {
   // A key that cannot name an entry is a miss: looked up, ".." or "a/b" would leave the folder.
   EntryNow now;
-  if (ec_key_problem(key).empty()) now = entry_now(dir_fd_, key);
+  if (ec_key_problem(key).empty()) now = entry_now(dir_fd_.get(), key);
   std::lock_guard lk(mu_);
   if (!now.file) {
     if (book_.own.count(key)) forget_vanished(key);  // removed by someone else, or nothing fovea reads
@@ -616,7 +580,7 @@ void EcCache::store(const std::string& key, const Bf16Rows& t, const qwen3vl::Gr
   }
   Fd folder;
   try {
-    folder = write_key(dir_fd_, dir_, key, path, entry);
+    folder = write_key(dir_fd_.get(), dir_, key, path, entry);
   } catch (...) {
     std::lock_guard lk(mu_);
     done();
@@ -647,7 +611,7 @@ EcEntry EcCache::load(const std::string& key, const qwen3vl::GridThw& grid, cons
 // at (outside the lock) and counted too; a file of fovea's read back without its mark was replaced
 // by another writer's, which joins theirs.
 void EcCache::note_load(const std::string& key, bool loaded, bool marked) const {
-  const bool gone = !loaded && ec_key_problem(key).empty() && !entry_now(dir_fd_, key).file;
+  const bool gone = !loaded && ec_key_problem(key).empty() && !entry_now(dir_fd_.get(), key).file;
   std::lock_guard lk(mu_);
   if (!loaded) stats_.load_failures += 1;
   if (!book_.own.count(key) || !(gone || (loaded && !marked))) return;
@@ -662,7 +626,7 @@ EcEntry EcCache::read_back(const std::string& key, const qwen3vl::GridThw& grid,
   const int64_t tokens = visual_tokens(c, grid), O = c.out_hidden, parts = 1 + int64_t(c.deepstack.size());
   const int64_t width = O * parts;
   const std::string path = path_of(key);
-  const std::string bytes = read_entry(dir_fd_, dir_, key, size_t(tokens * width * 2) + (1 << 20));
+  const std::string bytes = read_entry(dir_fd_.get(), dir_, key, size_t(tokens * width * 2) + (1 << 20));
   *marked = bytes_by_fovea(bytes, path);
   const std::vector<TensorInfo> ts =
       parse_safetensors(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size(), path);

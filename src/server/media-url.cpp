@@ -165,8 +165,8 @@ MediaSources::MediaSources(const ServeOptions& o)
     if (!real) throw Error(fmt::format("--allowed-local-media-path {}: {}", local_root_, std::strerror(errno)));
     local_real_ = real;
     std::free(real);
-    local_fd_ = ::open(local_real_.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC);
-    if (local_fd_ < 0)
+    local_fd_ = Fd(::open(local_real_.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC));
+    if (!local_fd_)
       throw Error(fmt::format("--allowed-local-media-path {}: not a folder fovea can open: {}", local_root_,
                               std::strerror(errno)));
   }
@@ -186,12 +186,10 @@ MediaSources::MediaSources(const ServeOptions& o)
 #endif
 }
 
-MediaSources::~MediaSources() {
-  if (local_fd_ >= 0) ::close(local_fd_);
-}
+MediaSources::~MediaSources() = default;
 
 std::string MediaSources::describe() const {
-  std::string files = local_fd_ >= 0 ? fmt::format("file:// below {}", local_real_) : "no file://";
+  std::string files = local_fd_ ? fmt::format("file:// below {}", local_real_) : "no file://";
   std::string web = domains_.empty() ? "no http(s)://"
                     : any_domain_    ? "http(s):// from any host"
                                      : fmt::format("http(s):// from {}", fmt::join(domains_, ", "));
@@ -212,14 +210,14 @@ std::vector<uint8_t> MediaSources::read(const std::string& url, const std::strin
                                         int64_t& held) const {
   if (!lower(url).starts_with("file:")) bad_url(name, url, "not a URL fovea reads (data:, file://, http://, https://)");
   if (!lower(url).starts_with("file://")) bad_url(name, url, "a file URL is file:///absolute/path");
-  if (local_fd_ < 0)
+  if (!local_fd_)
     bad_url(name, url, "file:// URLs are read only below --allowed-local-media-path, which this server was not given");
   const std::string path = file_url_path(url);
   if (path.empty()) bad_url(name, url, "a file URL is file:///absolute/path (percent-escapes allowed, no NUL)");
   std::string rel = below(path, local_root_);
   if (rel.empty()) rel = below(path, local_real_);
   if (rel.empty()) bad_url(name, url, fmt::format("not below --allowed-local-media-path ({})", local_root_));
-  const Fd fd(open_beneath(local_fd_, rel));
+  const Fd fd(open_beneath(local_fd_.get(), rel));
   if (!fd) bad_url(name, url, open_failure(errno));
   struct stat st {};
   if (::fstat(fd.get(), &st) != 0 || !S_ISREG(st.st_mode)) bad_url(name, url, "not a regular file");

@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "fovea/clock.h"
+#include "fovea/io.h"
 #include "fovea/serve.h"
 #include "server/budget.h"
 #include "server/request.h"
@@ -91,9 +92,9 @@ class MediaSources {
   friend class Fetcher;
   bool domain_allowed(const std::string& host) const;
 
-  std::string local_root_;  // as given; "" = file:// refused
-  std::string local_real_;  // its canonical path
-  int local_fd_ = -1;
+  std::string local_root_;            // as given; "" = file:// refused
+  std::string local_real_;            // its canonical path
+  Fd local_fd_;                       // open on local_real_ (O_PATH), or none
   std::vector<std::string> domains_;  // lower case; empty = http(s) refused
   bool any_domain_ = false, private_ok_ = false;
   double timeout_s_ = 30;
