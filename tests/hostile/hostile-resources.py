@@ -381,6 +381,14 @@ class RssPeak:
         return self.peak - self.before
 
 
+def cpu_seconds(pid):
+    """User + system CPU time a process has used: on a machine busy with other work a request's wall time
+    stretches, its CPU time hardly does, so linear-time bounds are held on this."""
+    with open("/proc/%d/stat" % pid) as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def good():
     return hc.data_url(hc.GOOD)
 
@@ -407,19 +415,20 @@ def escape_body(path, escape, prefix=b""):
 
 
 def parse_case(label, path, escape, status, code, prefix=b""):
-    @case("parse: %s" % label, "main", "%d%s in <= 8 s; RSS peak <= +4 x body + 128 MiB" % (
+    @case("parse: %s" % label, "main", "%d%s in <= 8 s of the server's CPU; RSS peak <= +4 x body + 128 MiB" % (
         status, " " + code if code else ""), 30)
     def run(ctx):
         body = escape_body(path, escape, prefix)
-        with RssPeak(ctx.srv.proc.pid) as rss:
-            t0 = time.monotonic()
+        pid = ctx.srv.proc.pid
+        with RssPeak(pid) as rss:
+            t0, c0 = time.monotonic(), cpu_seconds(pid)
             r = post(ctx.srv.port, path, body, 30 * ctx.t)
-            dt = time.monotonic() - t0
+            dt, cpu = time.monotonic() - t0, cpu_seconds(pid) - c0
         grow = rss.growth()
         bound_kib = (4 * len(body) + 128 * MiB) // 1024
-        ok = r.status == status and (code is None or r.error_code() == code) and dt <= 8 * ctx.t and grow <= bound_kib
-        return "%s in %.2f s (%.0f MiB, %.0f MiB/s), RSS peak +%.0f MiB" % (
-            r.describe(), dt, len(body) / MiB, len(body) / MiB / max(dt, 1e-3), mib(grow)), ok
+        ok = r.status == status and (code is None or r.error_code() == code) and cpu <= 8 * ctx.t and grow <= bound_kib
+        return "%s in %.2f s, %.2f s of CPU (%.0f MiB, %.0f MiB/s of CPU), RSS peak +%.0f MiB" % (
+            r.describe(), dt, cpu, len(body) / MiB, len(body) / MiB / max(cpu, 1e-3), mib(grow)), ok
 
 
 parse_case("60 MiB of \\n escapes, unknown field (encode)", "/v1/encode", b"\\n", 400, "invalid_request")
