@@ -208,6 +208,20 @@ double metric(const std::string& text, const std::string& series) {
   return 0;
 }
 
+std::string get_metrics(int port);
+
+// Waits until the server's queue holds `depth` requests: an event (a request is parsed and decoded
+// before it is queued, which a busy machine stretches), given up only once `ended` (the request was
+// answered: it will not be queued now) or after a hang bound of 600 s.
+bool wait_for_queue_depth(int port, double depth, const std::atomic<bool>& ended) {
+  const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(600 * kTimeScale);
+  while (!ended && std::chrono::steady_clock::now() < give_up) {
+    if (metric(get_metrics(port), "fovea_queue_depth") == depth) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  return false;
+}
+
 std::string get_metrics(int port) {
   auto r = client(port)->Get("/metrics");
   EXPECT_TRUE(r && r->status == 200);
@@ -1416,14 +1430,12 @@ TEST_F(Serve, FullQueueIs503AndSlowRequestIs504) {
   json slow = {{"images", json::array()}};
   for (int i = 0; i < kSlowImages; ++i) slow["images"].push_back(image_item(image(size_t(i)), 1));
   std::optional<httplib::Result> slow_reply;
-  std::thread slow_client(
-      [&] { slow_reply = client(server.port())->Post("/v1/encode", slow.dump(), "application/json"); });
-  bool queued = false;
-  for (int i = 0; i < 4000 * kTimeScale && !queued; ++i) {  // until the slow request is in the queue
-    queued = metric(get_metrics(server.port()), "fovea_queue_depth") == 1;
-    if (!queued) std::this_thread::sleep_for(std::chrono::milliseconds(2));
-  }
-  EXPECT_TRUE(queued);
+  std::atomic<bool> slow_done{false};
+  std::thread slow_client([&] {
+    slow_reply = client(server.port())->Post("/v1/encode", slow.dump(), "application/json");
+    slow_done = true;
+  });
+  EXPECT_TRUE(wait_for_queue_depth(server.port(), 1, slow_done));
   const json one = {{"images", json::array({image_item(image(0), 0)})}};  // explicit: clang reads {x} as a copy
   const auto busy = client(server.port())->Post("/v1/encode", one.dump(), "application/json");
   const ErrorReply e = error_of(busy);
@@ -1462,14 +1474,12 @@ TEST_F(Serve, QueueTokenLimitIs503) {
   json big = {{"images", json::array()}};
   for (int i = 0; i < 128; ++i) big["images"].push_back(image_item(image(size_t(i)), 1));
   std::optional<httplib::Result> big_reply;
-  std::thread big_client(
-      [&] { big_reply = client(server.port())->Post("/v1/encode", big.dump(), "application/json"); });
-  bool queued = false;
-  for (int i = 0; i < 4000 * kTimeScale && !queued; ++i) {
-    queued = metric(get_metrics(server.port()), "fovea_queue_depth") == 1;
-    if (!queued) std::this_thread::sleep_for(std::chrono::milliseconds(2));
-  }
-  EXPECT_TRUE(queued);
+  std::atomic<bool> big_done{false};
+  std::thread big_client([&] {
+    big_reply = client(server.port())->Post("/v1/encode", big.dump(), "application/json");
+    big_done = true;
+  });
+  EXPECT_TRUE(wait_for_queue_depth(server.port(), 1, big_done));
   const json one = {{"images", json::array({image_item(image(0), 0)})}};  // explicit: clang reads {x} as a copy
   const ErrorReply e = error_of(client(server.port())->Post("/v1/encode", one.dump(), "application/json"));
   EXPECT_EQ(e.status, 503);

@@ -1165,8 +1165,23 @@ def c_second_signal(ctx):
 
 # ---- driver ---------------------------------------------------------------------------------------------
 
+def busy_factor():
+    """How much a busy machine stretches wall time: the 1-minute load average over the CPUs this process may
+    use, at least 1. The time bounds are hang and latency bounds for an otherwise idle machine; on a shared
+    one (CI, a parallel build) they stretch with it. Read again before every case."""
+    try:
+        load = os.getloadavg()[0]
+    except OSError:
+        return 1.0
+    return max(1.0, load / max(1, len(os.sched_getaffinity(0))))
+
+
 def run_case(ctx, name, bound, f):
+    """f(ctx) under a hang bound; ctx.t is the time scale (ctx.scale, the suite's --time-scale) times the
+    machine's busy factor at the case's start."""
     out = {}
+    busy = busy_factor()
+    ctx.t = ctx.scale * busy
 
     def body():
         try:
@@ -1185,6 +1200,8 @@ def run_case(ctx, name, bound, f):
     obs, ok = out["r"]
     if dt > bound * ctx.t:
         obs, ok = "%s (took %.1f s > %.0f s)" % (obs, dt, bound * ctx.t), False
+    if busy > 1:
+        obs += " [time bounds x%.1f: load %.1f]" % (busy, os.getloadavg()[0])
     return obs, ok, dt
 
 
@@ -1198,7 +1215,7 @@ def main():
     ap.add_argument("--server-args", default=DEFAULT_SERVER_ARGS, help="the server's limits (see above)")
     ap.add_argument("--legacy", action="store_true", help="leave out the flags the pre-issue-10 server lacks")
     ap.add_argument("--only", default="", help="comma-separated substrings of case names")
-    ap.add_argument("--time-scale", type=float, default=1.0, help="factor on every time bound (sanitizer builds)")
+    ap.add_argument("--time-scale", type=float, default=1.0, help="factor on every time bound (sanitizer builds), times the busy factor")
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--probe", nargs=4, type=int, help=argparse.SUPPRESS)
     opts = ap.parse_args()
@@ -1217,7 +1234,7 @@ def main():
         if not mine:
             continue
         ctx = Ctx()
-        ctx.t = opts.time_scale
+        ctx.scale = ctx.t = opts.time_scale
         ctx.srv = Server(opts, instance)
         print("# %s server: %s" % (instance, shlex.join(ctx.srv.args())), flush=True)
         for name, _, expected, bound, f in mine:

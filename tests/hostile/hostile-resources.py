@@ -22,7 +22,8 @@ GETs per path. It starts five `fovea serve synthetic:tiny --device cpu --port 0`
                   many requests ends after all their deadlines, see the overload case)
     shutdown      --shutdown-timeout 2 --threads 4 --max-batch-tokens 64
 
-The cases (time bounds are multiplied by --time-scale):
+The cases (time bounds are multiplied by --time-scale and by the machine's busy factor, the load average over
+the CPUs, read before each case):
 
     parse     ~60 MiB JSON strings of escapes: "\\n" in an unknown field of /v1/encode (400
               invalid_request after the parse), "\\u00e9" in a chat text part (200), "\\n" after a
@@ -827,7 +828,7 @@ def main():
     ap.add_argument("--fovea", default=os.path.join(HERE, "..", "..", "build", "fovea"), help="the fovea binary")
     ap.add_argument("--model", default="synthetic:tiny")
     ap.add_argument("--only", default="", help="comma-separated substrings of case names")
-    ap.add_argument("--time-scale", type=float, default=1.0, help="factor on every time bound (sanitizer builds)")
+    ap.add_argument("--time-scale", type=float, default=1.0, help="factor on every time bound (sanitizer builds), times the busy factor")
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--probe", nargs=4, type=int, help=argparse.SUPPRESS)
     opts = ap.parse_args()
@@ -850,7 +851,7 @@ def main():
         if not mine:
             continue
         ctx = hc.Ctx()
-        ctx.t = opts.time_scale
+        ctx.scale = ctx.t = opts.time_scale
         ctx.srv = Server(opts, instance, flags.format(ec=os.path.join(EC_ROOT, "cache")),
                          cwd=os.path.join(EC_ROOT, "cwd"))
         print("# %s server: %s" % (instance, shlex.join(ctx.srv.args())), flush=True)
