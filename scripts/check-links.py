@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Checks the documentation's references: every relative link in README.md, docs/*.md and
 bench/*.md resolves to a file of the repository (and a #fragment to a heading of it), and every
-script path they name (scripts/, bench/, tools/, tests/, docs/ ... ending in .sh, .py or .md) exists,
+path they name (scripts/, bench/, tools/, tests/, docs/, fuzz/, src/, include/ ... ending in .sh, .py,
+.md, or as source: .cpp, .h, .cu, .cuh, .c, .cmake, .txt) exists,
 unless the paragraph names the commit it exists at ("at c9c9423"), which git is then asked about
 (without a git history, a named commit is taken on trust).
 
@@ -14,7 +15,7 @@ import subprocess
 import sys
 
 LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
-PATH = re.compile(r"(?<![\w./-])((?:scripts|bench|tools|tests|docs|fuzz|src|include)/[\w.+/-]*\w\.(?:sh|py|md))\b")
+PATH = re.compile(r"(?<![\w./-])((?:scripts|bench|tools|tests|docs|fuzz|src|include)/[\w.+/-]*\w\.(?:sh|py|md|cpp|h|cu|cuh|c|cmake|txt))\b")
 COMMIT = re.compile(r"\bat\s+([0-9a-f]{7,40})\b")
 
 
