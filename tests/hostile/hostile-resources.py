@@ -349,6 +349,15 @@ def tally(results):
     return ", ".join("%d x %s" % (n, d) for d, n in sorted(counts.items(), key=lambda kv: -kv[1]))
 
 
+def requests_seen(port):
+    """/v1/encode requests the server has read whole: answered (fovea_requests_total, every code) or in
+    flight (fovea_requests_in_flight)."""
+    body = hc.get(port, "/metrics", 5).body.decode(errors="replace")
+    done = sum(float(v) for v in re.findall(r'^fovea_requests_total\{path="/v1/encode"[^}]*\} (\S+)$', body, re.M))
+    m = re.search(r"^fovea_requests_in_flight (\S+)$", body, re.M)
+    return done + (float(m.group(1)) if m else 0)
+
+
 def metric(port, name):
     r = hc.get(port, "/metrics", 5)
     m = re.search(r"^%s(?:\{[^}]*\})? (\S+)$" % re.escape(name), r.body.decode(errors="replace"), re.M)
@@ -780,6 +789,7 @@ def c_shutdown(ctx):
         stamps[i] = time.monotonic()
         conns[i].close()  # as a client does: the server lingers (2 s) on a connection whose client keeps it open
     readers = []
+    seen = requests_seen(srv.port)
     for i, body in enumerate(bodies):
         c = hc.Conn(srv.port)
         conns.append(c)
@@ -787,7 +797,10 @@ def c_shutdown(ctx):
         c.send(hc.request("POST", "/v1/encode", body))
         readers.append(threading.Thread(target=read, args=(i,), daemon=True))
         readers[-1].start()
-    time.sleep(0.5)
+    # SIGTERM once every request is in the server's hands (an event: on a busy machine reading 44 bodies
+    # takes a while, and a request still in the listen queue at exit is reset, not answered).
+    while requests_seen(srv.port) < seen + len(bodies) and time.monotonic() < deadline:
+        time.sleep(0.01)
     sigterm[0] = time.monotonic()
     srv.proc.send_signal(signal.SIGTERM)
     try:
