@@ -334,8 +334,8 @@ std::optional<Batcher::Started> Batcher::start_batch(Replica& r, EncoderRunner& 
     error = "unknown exception in the encoder forward";
   }
   if (!error.empty()) {
+    take_down(r, error);  // first: a client answered 500 must find the replica down when it asks again
     fail_slots(r, slots, error);
-    take_down(r, error);
     return std::nullopt;
   }
   for (const Slot& s : slots) {  // packed: the request keeps no copy
@@ -363,8 +363,8 @@ void Batcher::finish_batch(Replica& r, EncoderRunner& runner, Started& b) {
     error = "unknown exception in the encoder forward";
   }
   if (!error.empty()) {
-    fail_slots(r, b.slots, error);
-    return take_down(r, error);
+    take_down(r, error);  // first, as in start_batch
+    return fail_slots(r, b.slots, error);
   }
   const double forward_ms = runner.last_timings().gpu;
   for (size_t i = 0; i < b.slots.size(); ++i) {
