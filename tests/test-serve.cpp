@@ -208,7 +208,11 @@ double metric(const std::string& text, const std::string& series) {
   return 0;
 }
 
-std::string get_metrics(int port);
+std::string get_metrics(int port) {
+  auto r = client(port)->Get("/metrics");
+  EXPECT_TRUE(r && r->status == 200);
+  return r ? r->body : "";
+}
 
 // Waits until the server's queue holds `depth` requests: an event (a request is parsed and decoded
 // before it is queued, which a busy machine stretches), given up only once `ended` (the request was
@@ -220,12 +224,6 @@ bool wait_for_queue_depth(int port, double depth, const std::atomic<bool>& ended
     std::this_thread::sleep_for(std::chrono::milliseconds(2));
   }
   return false;
-}
-
-std::string get_metrics(int port) {
-  auto r = client(port)->Get("/metrics");
-  EXPECT_TRUE(r && r->status == 200);
-  return r ? r->body : "";
 }
 
 // ---- requests and checks ---------------------------------------------------------------------------
