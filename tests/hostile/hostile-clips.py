@@ -20,7 +20,7 @@ with a small decode budget and queue (--max-decode-bytes 256 MiB, --max-image-pi
                tokens each): every request answered 200, or 503 within a second, or a quarter of
                the run on a busy machine (admitted to the queue from the clips' headers, before
                decoding); /health p99 under 100 ms meanwhile (100 probes 50 ms apart, from a process
-               of its own)
+               of its own; times the busy factor, the load average per core, on a loaded machine)
 
 After every case the main server's peak RSS (VmHWM in /proc/PID/status) must stay within
 
@@ -214,6 +214,7 @@ class Suite:
     def overload(self):
         clip = clips.container("mp4", "64x48", 10, 2)
         requests = [[clip] * self.args.clips for _ in range(self.args.clients)]
+        busy = hc.busy_factor()  # the 1-minute load average per core, at least 1, before the burst
         # GET /health every 50 ms from a process of its own (hostile-client.py's probe): the 64 client
         # threads of this process would otherwise delay its clock.
         probe = subprocess.Popen([sys.executable, os.path.join(HERE, "hostile-client.py"), "--probe",
@@ -238,12 +239,15 @@ class Suite:
                 reasons[key] = (n + 1, max(worst, t))
         for key, (n, worst) in sorted(reasons.items()):
             print("    %3d x %s (slowest %.1f s)" % (n, key, worst))
-        ok = not others and quick_503 and p99_health < 0.1 and served > 0
+        # 100 ms on an idle machine; beside a build the probe's own process waits for a core as long as
+        # the server's threads do, so the bound stretches with the load (as the deadline case's).
+        health_bound = 0.1 * busy
+        ok = not others and quick_503 and p99_health < health_bound and served > 0
         self.record("overload: %d clients x %d clips" % (self.args.clients, self.args.clips),
-                    "200, or 503 within max(1 s, wall / 4); /health p99 < 100 ms",
-                    "%d x 200, %d x 503 (bound %.1f s), other %s in %.1f s; /health p50 %.0f p99 %.0f ms" % (
+                    "200, or 503 within max(1 s, wall / 4); /health p99 < 100 ms x load",
+                    "%d x 200, %d x 503 (bound %.1f s), other %s in %.1f s; /health p50 %.0f p99 %.0f ms (bound %.0f)" % (
                         served, sum(1 for s, _, _ in out if s == 503), refuse_by, others or "none", wall,
-                        1000 * health[len(health) // 2], 1000 * p99_health),
+                        1000 * health[len(health) // 2], 1000 * p99_health, 1000 * health_bound),
                     ok, self.args.clients * self.args.clips * len(clip) * 2)
 
     def run(self):
