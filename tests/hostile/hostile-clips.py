@@ -46,12 +46,11 @@ import sys
 import threading
 import time
 
-_spec = importlib.util.spec_from_file_location(
-    "hostile_client", os.path.join(os.path.dirname(os.path.abspath(__file__)), "hostile-client.py"))
-hc = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(hc)  # busy_factor: the deadline case's margin stretches with the machine's load
-
 HERE = os.path.dirname(os.path.abspath(__file__))
+_spec = importlib.util.spec_from_file_location("hostile_client", os.path.join(HERE, "hostile-client.py"))
+hc = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(hc)  # busy_factor: the time bounds stretch with the machine's load
+
 sys.path.insert(0, HERE)
 import clips  # noqa: E402
 
