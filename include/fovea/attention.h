@@ -274,7 +274,21 @@ class FlashAttention final : public Attention {
   FlashAttention(const FlashAttention&) = delete;
   FlashAttention& operator=(const FlashAttention&) = delete;
 
+  // A layout the host holds: sized exactly for it, then schedule() on its upload.
   void plan(const std::vector<int32_t>& cu_seqlens, cudaStream_t stream = nullptr) override;
+  // A capacity instead: buffers, descriptors and grids for any layout of at most max_tokens tokens
+  // in at most max_segments segments (max_seqlen, the longest segment expected, only picks the
+  // tile size; 0: max_tokens). Allocates: never under a graph capture. shape().cu_seqlens is empty.
+  void plan_capacity(int64_t max_tokens, int max_segments, int max_seqlen = 0);
+  // Enqueues the schedule step, which reads the layout from device memory when it runs:
+  // cu_seqlens [segments + 1] int32 (segments <= the plan's): 0, then non-decreasing offsets up to
+  // the capacity, then only zeros after a drop (a buffer zeroed, then the real offsets copied to
+  // its front: the rest are empty segments). Any other layout attends nothing (layout_error() says
+  // where). schedule, prepare and attend captured once in a graph replay every layout within the plan.
+  void schedule(const int32_t* cu_seqlens, int segments, cudaStream_t stream);
+  // 0 if the last scheduled layout was valid, else 1 + the index of its first bad entry; waits for
+  // the stream.
+  int layout_error(cudaStream_t stream) const;
   void prepare(const void* qkv, int64_t qkv_token_stride, const float* rope_cos, const float* rope_sin,
                const DeviceScales& scales, cudaStream_t stream) override;
   void attend(void* out, cudaStream_t stream) override;

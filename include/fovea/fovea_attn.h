@@ -121,6 +121,22 @@ int32_t fovea_attn_backend_of(const fovea_attn* h); /* the resolved backend */
  * refused plan leaves the handle unplanned. */
 int32_t fovea_attn_plan(fovea_attn* h, const int32_t* cu_seqlens, int32_t num_segments, void* stream);
 
+/* Segments read on the device (FOVEA backend; the others: UNSUPPORTED). fovea_attn_plan_capacity
+ * sizes the handle for any layout of at most max_tokens tokens (the views of prepare and attend
+ * then span max_tokens tokens) in at most max_segments segments; max_seqlen (0: max_tokens) is the
+ * longest segment expected and only picks the tile size. It allocates: not capturable. Then, before
+ * each prepare, fovea_attn_schedule enqueues a step that reads cu_seqlens, DEVICE int32
+ * [num_segments + 1] with num_segments <= max_segments, when it runs: 0, then non-decreasing offsets
+ * up to max_tokens, then only zeros after a drop (a buffer zeroed, then the real offsets copied to
+ * its front); equal offsets are empty segments. Tokens past the last offset are not attended (their
+ * output rows are not written). A layout that breaks these rules attends nothing, and
+ * fovea_attn_layout_error (which waits for the stream) writes 1 + the index of its first bad entry
+ * to *out (0: valid). schedule, prepare and attend make no host synchronization: captured once in a
+ * CUDA graph, they replay whatever layout the buffer holds at each replay. */
+int32_t fovea_attn_plan_capacity(fovea_attn* h, int64_t max_tokens, int32_t max_segments, int32_t max_seqlen);
+int32_t fovea_attn_schedule(fovea_attn* h, const int32_t* cu_seqlens, int32_t num_segments, void* stream);
+int32_t fovea_attn_layout_error(fovea_attn* h, void* stream, int32_t* out);
+
 /* Q, K, V as three views (after RoPE). softmax_scale: 0 for 1/sqrt(head_dim), the only scale the
  * kernels take; any other value is refused. */
 int32_t fovea_attn_prepare(fovea_attn* h, const fovea_attn_view* q, const fovea_attn_view* k, const fovea_attn_view* v,

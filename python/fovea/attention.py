@@ -64,6 +64,25 @@ class Attention:
         _lib.check(self._lib.fovea_attn_plan(self._h, arr, segments, _lib.pointer("stream", stream)))
         self.cu_seqlens = tuple(cu)
 
+    def plan_capacity(self, max_tokens, max_segments, max_seqlen=0):
+        """Sized for any layout of at most max_tokens tokens in at most max_segments segments, read on the
+        device by schedule() (FOVEA backend only). max_seqlen (0: max_tokens) only picks the tile size."""
+        _lib.check(self._lib.fovea_attn_plan_capacity(self._h, _lib.int64("max_tokens", max_tokens),
+                                                      _lib.int32("max_segments", max_segments),
+                                                      _lib.int32("max_seqlen", max_seqlen)))
+        self.cu_seqlens = None
+
+    def schedule(self, cu_seqlens, segments, stream=0):
+        """cu_seqlens: the address of DEVICE int32 [segments + 1], read when the step runs (capturable)."""
+        _lib.check(self._lib.fovea_attn_schedule(self._h, _lib.pointer("cu_seqlens", cu_seqlens),
+                                                 _lib.int32("segments", segments), _lib.pointer("stream", stream)))
+
+    def layout_error(self, stream=0):
+        """0 if the last scheduled layout was valid, else 1 + the index of its first bad entry (waits)."""
+        out = ctypes.c_int32()
+        _lib.check(self._lib.fovea_attn_layout_error(self._h, _lib.pointer("stream", stream), ctypes.byref(out)))
+        return out.value
+
     def prepare(self, q, k, v, scales=None, softmax_scale=0.0, stream=0):
         """q, k, v: (ptr, stride_token, stride_head) views after RoPE. scales: Scales or None (BF16)."""
         views = [_view(name, x) for name, x in (("q", q), ("k", k), ("v", v))]

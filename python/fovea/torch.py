@@ -14,10 +14,17 @@ a 252-byte tensor (ScaleBook makes them) that the op updates in place (its 16-en
 The ops are torch.ops.fovea.varlen_attention[_dynamic] and varlen_attention_qkv[_dynamic], opaque to
 torch.compile (no graph break) with fake kernels for tracing; the dynamic ops declare their mutation,
 so the state can live in a CUDA graph. Plain eager calls (no compile, no dispatch mode, no gradient)
-run the same implementation without torch.library's dispatch, which costs ~30 us a call. Planning (tile lists, TMA maps) needs the segment offsets on
-the host: a CPU cu_seqlens is read directly; a device one is read once per tensor (a host sync) and
-remembered for that tensor while it is unchanged, so the layers of one forward share the read.
-Inside a CUDA graph capture nothing can be read: the shape must have run once before the capture.
+run the same implementation without torch.library's dispatch, which costs ~30 us a call.
+
+Segments: a cu_seqlens on the GPU (FOVEA backend, Hopper) is never read back: the handle is planned for
+a capacity (the token count and the number of segments) and a step on the device reads the offsets at
+every call, so a CUDA graph captured once replays whatever layout the tensor holds then. Offsets may
+end before the token count and repeat (empty segments), or drop to zeros after the real ones; tokens
+past the last offset are not attended and come out as zeros; an invalid layout attends nothing
+(zeros), and it is not checked on the host (that would read the tensor back). A cu_seqlens on the
+CPU, or any on the CUDNN backend, is read on the host, 0 to the token count, and planned exactly; on
+the GPU it is then read once per tensor (a host sync) and remembered while it is unchanged. A shape
+runs once before a CUDA graph capture (planning allocates).
 """
 import atexit
 import collections
@@ -40,6 +47,7 @@ _lock = threading.Lock()
 _handles = collections.OrderedDict()  # (device, dtype, heads, head_dim, cu) -> [Attention, pinned]
 _seen = {}                           # id(tensor) -> (weakref, version, host offsets)
 _by_address = {}                     # (device, address, numel) -> host offsets last read there
+_no_capacity = set()                 # handle keys whose backend plans from host offsets only
 
 
 def clear_cache():
@@ -49,6 +57,7 @@ def clear_cache():
             del _handles[key]
         _seen.clear()
         _by_address.clear()
+        _no_capacity.clear()
 
 
 def _capturing(t):
@@ -142,29 +151,56 @@ def _uninstall_allocator():
     _lib.lib().fovea_attn_set_allocator(_lib.AllocFn(), _lib.FreeFn(), None)
 
 
-def _handle(device, fp8, heads, head_dim, cu, stream):
-    key = (device.type, device.index, fp8, heads, head_dim, cu)
-    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+def _cached(key, make):
+    """The handle cached under `key`, else make()'s, cached; None (remembered) where make() returns None. A
+    handle used in a CUDA graph capture is pinned (the graph holds its buffers); one cannot be made during a
+    capture (planning allocates)."""
+    capturing = key[0] == "cuda" and torch.cuda.is_current_stream_capturing()
     with _lock:
         entry = _handles.get(key)
         if entry:
             _handles.move_to_end(key)
             entry[1] = entry[1] or capturing  # a graph holds its buffers: never evicted
             return entry[0]
+        if key in _no_capacity:
+            return None
     if capturing:
         raise RuntimeError("fovea: this attention shape was not planned before the CUDA graph capture (planning "
                            "allocates); run the same call once before capturing")
-    if device.type == "cuda":
+    if key[0] == "cuda":
         _install_allocator()
-    att = _fa.Attention("fp8" if fp8 else "bf16", heads, head_dim,
-                        device="cpu" if device.type == "cpu" else device.index)
-    att.plan(cu, stream)
+    att = make()
     with _lock:
+        if att is None:
+            _no_capacity.add(key)
+            return None
         _handles[key] = [att, False]
         unpinned = [k for k, v in _handles.items() if not v[1]]
         for old in unpinned[:max(0, len(unpinned) - _CACHE_SIZE)]:
             del _handles[old]
     return att
+
+
+def _handle(device, fp8, heads, head_dim, cu, stream):
+    """The handle planned from host offsets `cu`."""
+    def make():
+        att = _fa.Attention("fp8" if fp8 else "bf16", heads, head_dim,
+                            device="cpu" if device.type == "cpu" else device.index)
+        att.plan(cu, stream)
+        return att
+    return _cached((device.type, device.index, fp8, heads, head_dim, cu), make)
+
+
+def _capacity_handle(device, fp8, heads, head_dim, n, segments):
+    """The GPU handle planned by capacity for (n tokens, segments), or None where its backend cannot read
+    segments on the device (CUDNN: the caller plans from host offsets)."""
+    def make():
+        att = _fa.Attention("fp8" if fp8 else "bf16", heads, head_dim, device=device.index)
+        if att.backend != "fovea":
+            return None
+        att.plan_capacity(n, segments)
+        return att
+    return _cached((device.type, device.index, fp8, heads, head_dim, ("capacity", n, segments)), make)
 
 
 def _check(q, k, v, cu):
@@ -198,9 +234,20 @@ def _scales(device, descale, state):
 
 def _attend(device, n, heads, head_dim, cu_seqlens, scales, prepare):
     """Plans (or finds the plan), runs `prepare(att, stream)`, attends into a fresh [n, heads, head_dim]."""
-    out = torch.empty((n, heads, head_dim), dtype=torch.bfloat16, device=device)
     if n == 0:
-        return out
+        return torch.empty((n, heads, head_dim), dtype=torch.bfloat16, device=device)
+    if device.type == "cuda" and cu_seqlens.device == device:
+        stream = torch.cuda.current_stream(device).cuda_stream
+        segments = cu_seqlens.numel() - 1
+        att = _capacity_handle(device, scales is not None, heads, head_dim, n, segments)
+        if att is not None:
+            cu = cu_seqlens if cu_seqlens.is_contiguous() else cu_seqlens.contiguous()
+            out = torch.zeros((n, heads, head_dim), dtype=torch.bfloat16, device=device)
+            att.schedule(cu.data_ptr(), segments, stream)
+            prepare(att, stream)
+            att.attend((out.data_ptr(), heads * head_dim, head_dim), stream)
+            return out
+    out = torch.empty((n, heads, head_dim), dtype=torch.bfloat16, device=device)
     cu = _host_offsets(cu_seqlens)
     if cu[0] != 0 or cu[-1] != n:
         raise ValueError(f"fovea: cu_seqlens must run from 0 to the token count {n}, got {cu[0]} .. {cu[-1]}")

@@ -18,8 +18,8 @@ kv_len != q_len, a batch of several rows. One log line (logger "fovea.vllm") lis
 forward, the layers on fovea and those left to vLLM with the reason.
 
 Encoder CUDA graphs (compilation_config.cudagraph_mm_encoder) replay new segment layouts from the
-captured cu_seqlens buffer; fovea plans its work from host offsets, so a capture through a fovea
-layer raises an error naming the flag rather than replaying the captured layout.
+captured cu_seqlens buffer: fovea's layers read the offsets on the device at every call (planned by
+capacity: the budget's tokens and segments), so each replay attends the layout copied in for it.
 
 Tested against a double of vLLM written from its source (python/tests/vllm_stub, the commits it
 follows in docs/vllm.md), never against vLLM itself.
@@ -122,14 +122,6 @@ def _said_once(layer, why):
     if (layer.layer_name, why) not in _said:
         _said.add((layer.layer_name, why))
         log.info("fovea: %s: %s: this call runs on vLLM's own attention", layer.layer_name, why)
-
-
-def _capture_error(name):
-    return RuntimeError(
-        f"fovea: {name}: a CUDA graph is being captured through fovea's attention. vLLM's encoder CUDA graphs "
-        "(compilation_config.cudagraph_mm_encoder) replay other segment layouts from the captured cu_seqlens, and "
-        "fovea plans its work from host offsets: the replay would repeat the captured layout. Turn "
-        "cudagraph_mm_encoder off, or leave vLLM's attention in place with FOVEA_VLLM=0.")
 
 
 class _FoveaFp8:
@@ -249,8 +241,6 @@ def _layer_class(base):
                 if self.fovea_reason is None:
                     _said_once(self, why)
                 return self._vllm_forward(query, key, value, cu_seqlens, max_seqlen, sequence_lengths)
-            if torch.cuda.is_current_stream_capturing():
-                raise _capture_error(self.layer_name)
             s = query.shape[1]
             q, k, v = (x.reshape(b * s, self.num_heads, self.head_size) for x in (query, key, value))
             if cu_seqlens is None:  # one sequence per batch row
@@ -294,8 +284,6 @@ def _patch_vision_attention():
                 kwargs["sequence_lengths"] = sequence_lengths
             return original(self, x, cu_seqlens, rotary_pos_emb_cos, rotary_pos_emb_sin, max_seqlen, **kwargs)
         _report()
-        if torch.cuda.is_current_stream_capturing():
-            raise _capture_error(attn.layer_name)
         s = x.shape[0]
         qkv, _ = self.qkv(x)
         qkv = qkv.view(s, 3, attn.num_heads, attn.head_size)

@@ -208,6 +208,14 @@ class Errors(unittest.TestCase):
         self.assertFails(_lib.FoveaError, "head_dim", fa.Attention, "bf16", 2, 63, device="cpu")
         self.assertFails(_lib.FoveaUnsupportedError, "runs on a GPU", fa.Attention, "bf16", 2, 64, device="cpu",
                          backend="fovea")
+        # Segments read on the device: a GPU handle's alone; the calls in their order; sizes checked.
+        self.assertFails(_lib.FoveaError, "schedule before plan_capacity", att.schedule, 16, 1)
+        self.assertFails(_lib.FoveaError, "layout_error before schedule", att.layout_error)
+        self.assertFails(_lib.FoveaError, "max_tokens = 0", att.plan_capacity, 0, 4)
+        self.assertFails(_lib.FoveaError, "max_segments = 0", att.plan_capacity, 100, 0)
+        self.assertFails(_lib.FoveaError, "max_seqlen = 101", att.plan_capacity, 100, 4, 101)
+        self.assertFails(_lib.FoveaUnsupportedError, "need a GPU handle", att.plan_capacity, 100, 4)
+        self.assertFails(_lib.FoveaError, "prepare before plan", att.prepare, *b.views())  # the failed plan unplans
 
     def test_a_gpu_handle_without_a_gpu_says_why(self):
         with self.assertRaises(_lib.FoveaError) as cm:

@@ -133,8 +133,8 @@ class Op(unittest.TestCase):
         q, k, v, cu = inputs([64], 2, 72, seed=1)
         with self.assertRaisesRegex(TypeError, "bfloat16"):
             ft.varlen_attention(q.float(), k, v, cu)
-        with self.assertRaisesRegex(ValueError, "token count"):
-            ft.varlen_attention(q, k, v, torch.tensor([0, 63], dtype=torch.int32, device=CUDA))
+        with self.assertRaisesRegex(ValueError, "token count"):  # offsets on the host are checked there
+            ft.varlen_attention(q, k, v, torch.tensor([0, 63], dtype=torch.int32))
         with self.assertRaisesRegex(ft.FoveaUnsupportedError, "1/sqrt"):
             ft.varlen_attention(q, k, v, cu, softmax_scale=0.5)
         with self.assertRaisesRegex(ft.FoveaUnsupportedError, "head_dim"):
@@ -190,6 +190,42 @@ class Op(unittest.TestCase):
             self.assertTrue(torch.equal(out, want), f"replay {step}")
             self.assertTrue(torch.equal(book.amax_state, twin.amax_state), f"state after replay {step}")
         self.assertEqual(book.states()[0].t[2].filled, 4)
+
+    def test_cuda_graph_replays_any_layout_from_device_offsets(self):
+        """One capture on a device cu_seqlens buffer of 9 entries and 2048 tokens; each replay takes the layout
+        copied in as vLLM's graph manager does (zeroed, then the real offsets at its front): rows of the layout
+        match fp64 and the emulation under the usual rule, rows past it are zeros, and nothing is read back."""
+        import random
+        rng = random.Random(11)
+        n, heads, hd = 2048, 16, 72
+        g = torch.Generator(device="cuda").manual_seed(12)
+        q, k, v = (torch.randn(n, heads, hd, device=CUDA, generator=g).bfloat16() for _ in range(3))
+        for fp8 in (False, True):
+            descale = torch.tensor([q.abs().max() / 448 * 1.5, k.abs().max() / 448 * 1.5, v.abs().max() / 448 * 1.5],
+                                   device=CUDA) if fp8 else None
+            buf = torch.tensor([0, 300, 700, 2048] + [2048] * 5, dtype=torch.int32, device=CUDA)
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):  # warm-up outside the capture: plans the capacity
+                ft.varlen_attention(q, k, v, buf, descale=descale)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = ft.varlen_attention(q, k, v, buf, descale=descale)
+            for step in range(12):
+                lens = [rng.randint(1, 700) for _ in range(rng.randint(1, 8))]
+                while sum(lens) > n:
+                    lens.pop()
+                cu = torch.tensor([0] + list(itertools.accumulate(lens)), dtype=torch.int32, device=CUDA)
+                buf.zero_()
+                buf[: cu.numel()].copy_(cu)
+                graph.replay()
+                t = int(cu[-1])
+                what = f"{'fp8' if fp8 else 'bf16'} replay {step} {lens}"
+                kw = {} if descale is None else {"descale": descale}
+                emu, _ = on_cpu(ft.varlen_attention, q[:t], k[:t], v[:t], cu, **kw)
+                self.check(what, out[:t], emu, ref64(q[:t], k[:t], v[:t], cu))
+                self.assertTrue(bool((out[t:] == 0).all()), f"{what}: rows past the layout are not zeros")
 
     def test_scale_book_static_and_calibration(self):
         q, k, v, cu = inputs([200, 300], 16, 72, seed=5)

@@ -160,8 +160,9 @@ struct fovea_attn {
   AttnDtype dtype = AttnDtype::BF16;
   AttnBackend backend = AttnBackend::CPU;
   int heads = 0, head_dim = 0, device = FOVEA_ATTN_DEVICE_CPU;
-  VarlenShape shape;  // of the last plan
+  VarlenShape shape;  // of the last plan (a capacity plan: {0, max_tokens}, the views' extent)
   bool planned = false, prepared = false;
+  bool by_capacity = false, scheduled = false;  // fovea_attn_plan_capacity; a schedule since
   // CPU: the prepared inputs as fp32 [N, H, hd] and the options they are attended with.
   std::vector<float> q, k, v;
   cpu::RefOptions opt;
@@ -376,6 +377,14 @@ void gpu_prepare_views(fovea_attn& h, const fovea_attn_view* const (&x)[3], cons
   h.gpu->prepare(h.fused.data(), 3 * row, nullptr, nullptr, device_scales(s), stream);
 }
 
+cuda::FlashAttention& flash_of(fovea_attn& h, const char* what) {
+  auto* f = dynamic_cast<cuda::FlashAttention*>(h.gpu.get());
+  if (!f)
+    refuse(FOVEA_ATTN_UNSUPPORTED, what, ": segments read on the device need the FOVEA backend, not ",
+           backend_name(h.backend));
+  return *f;
+}
+
 void gpu_attend(fovea_attn& h, const fovea_attn_view& out, cudaStream_t stream) {
   const int64_t n = h.shape.total_tokens(), row = h.row();
   const bool packed =
@@ -498,7 +507,7 @@ int32_t fovea_attn_backend_of(const fovea_attn* h) { return h ? int32_t(h->backe
 int32_t fovea_attn_plan(fovea_attn* hp, const int32_t* cu_seqlens, int32_t num_segments, void* stream) {
   return guarded("fovea_attn_plan", [&] {
     fovea_attn& h = handle(hp);
-    h.planned = h.prepared = false;
+    h.planned = h.prepared = h.scheduled = false;
     VarlenShape shape{read_cu_seqlens(h, cu_seqlens, num_segments), h.heads, h.head_dim};
     try {
       shape.validate();
@@ -514,6 +523,69 @@ int32_t fovea_attn_plan(fovea_attn* hp, const int32_t* cu_seqlens, int32_t num_s
     (void)stream;
     h.shape = std::move(shape);
     h.planned = true;
+    h.by_capacity = false;
+  });
+}
+
+int32_t fovea_attn_plan_capacity(fovea_attn* hp, int64_t max_tokens, int32_t max_segments, int32_t max_seqlen) {
+  return guarded("fovea_attn_plan_capacity", [&] {
+    fovea_attn& h = handle(hp);
+    h.planned = h.prepared = h.scheduled = false;
+    if (max_tokens < 1 || max_tokens > INT32_MAX)
+      refuse(FOVEA_ATTN_INVALID, "max_tokens = ", max_tokens, " is outside [1, 2^31 - 1]");
+    if (max_segments < 1) refuse(FOVEA_ATTN_INVALID, "max_segments = ", max_segments, " must be > 0");
+    if (max_seqlen < 0 || max_seqlen > max_tokens)
+      refuse(FOVEA_ATTN_INVALID, "max_seqlen = ", max_seqlen, " is outside [0, max_tokens = ", max_tokens, "]");
+    if (size_product({max_tokens, token_bytes(h.heads, h.head_dim)}) < 0)
+      refuse(FOVEA_ATTN_INVALID, "max_tokens = ", max_tokens, " tokens of ", h.heads, " heads x ", h.head_dim,
+             " exceed PTRDIFF_MAX bytes");
+#if FOVEA_HAVE_CUDA
+    if (h.gpu) {
+      DeviceGuard g(h.device);
+      flash_of(h, "fovea_attn_plan_capacity").plan_capacity(max_tokens, max_segments, max_seqlen);
+      h.shape = VarlenShape{{0, int32_t(max_tokens)}, h.heads, h.head_dim};
+      h.planned = h.by_capacity = true;
+      return;
+    }
+#endif
+    refuse(FOVEA_ATTN_UNSUPPORTED, "fovea_attn_plan_capacity: segments read on the device need a GPU handle");
+  });
+}
+
+int32_t fovea_attn_schedule(fovea_attn* hp, const int32_t* cu_seqlens, int32_t num_segments, void* stream) {
+  return guarded("fovea_attn_schedule", [&] {
+    fovea_attn& h = handle(hp);
+    if (!h.planned || !h.by_capacity) refuse(FOVEA_ATTN_INVALID, "schedule before plan_capacity");
+    need(cu_seqlens != nullptr, "cu_seqlens is null");
+    check_aligned(cu_seqlens, alignof(int32_t), "cu_seqlens");
+    if (num_segments <= 0) refuse(FOVEA_ATTN_INVALID, "num_segments must be > 0, got ", num_segments);
+    h.prepared = false;
+#if FOVEA_HAVE_CUDA
+    cuda::FlashAttention& f = flash_of(h, "fovea_attn_schedule");
+    DeviceGuard g(h.device);
+    try {
+      f.schedule(cu_seqlens, num_segments, static_cast<cudaStream_t>(stream));
+    } catch (const Error& e) {
+      refuse(FOVEA_ATTN_INVALID, e.what());
+    }
+    h.scheduled = true;
+#else
+    (void)stream;
+#endif
+  });
+}
+
+int32_t fovea_attn_layout_error(fovea_attn* hp, void* stream, int32_t* out) {
+  return guarded("fovea_attn_layout_error", [&] {
+    fovea_attn& h = handle(hp);
+    need(out != nullptr, "out is null");
+    if (!h.scheduled) refuse(FOVEA_ATTN_INVALID, "layout_error before schedule");
+#if FOVEA_HAVE_CUDA
+    DeviceGuard g(h.device);
+    *out = flash_of(h, "fovea_attn_layout_error").layout_error(static_cast<cudaStream_t>(stream));
+#else
+    (void)stream;
+#endif
   });
 }
 
@@ -522,6 +594,7 @@ int32_t fovea_attn_prepare(fovea_attn* hp, const fovea_attn_view* q, const fovea
   return guarded("fovea_attn_prepare", [&] {
     fovea_attn& h = handle(hp);
     if (!h.planned) refuse(FOVEA_ATTN_INVALID, "prepare before plan");
+    if (h.by_capacity && !h.scheduled) refuse(FOVEA_ATTN_INVALID, "prepare before schedule (a capacity plan)");
     const float want = 1.0f / std::sqrt(float(h.head_dim));
     if (softmax_scale != 0.0f && !(std::fabs(softmax_scale - want) <= 1e-6f * want))
       refuse(FOVEA_ATTN_UNSUPPORTED, "softmax scale ", softmax_scale, ": the kernels take 1/sqrt(head_dim) = ", want,
@@ -549,6 +622,7 @@ int32_t fovea_attn_prepare_fused(fovea_attn* hp, const void* qkv, int64_t token_
   return guarded("fovea_attn_prepare_fused", [&] {
     fovea_attn& h = handle(hp);
     if (!h.planned) refuse(FOVEA_ATTN_INVALID, "prepare before plan");
+    if (h.by_capacity && !h.scheduled) refuse(FOVEA_ATTN_INVALID, "prepare before schedule (a capacity plan)");
     need(qkv != nullptr, "qkv is null");
     if (bool(rope_cos) != bool(rope_sin)) refuse(FOVEA_ATTN_INVALID, "give both RoPE tables or neither");
     check_aligned(rope_cos, alignof(float), "rope_cos"), check_aligned(rope_sin, alignof(float), "rope_sin");

@@ -6,7 +6,9 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <algorithm>
 #include <cstring>
+#include <optional>
 #include <random>
 
 #include "fovea/attention.h"
@@ -230,6 +232,11 @@ Checked check_fp8(const Problem& p, const std::vector<double>& out, const QkvSca
 
 const std::vector<int> kRagged = {1, 7, 64, 127, 128, 129, 1000};
 
+// Every head_dim x dtype, named "hd72_fp8".
+std::string hd_dtype_name(const ::testing::TestParamInfo<std::tuple<int, AttnDtype>>& info) {
+  return "hd" + std::to_string(std::get<0>(info.param)) + "_" + dtype_name(std::get<1>(info.param));
+}
+
 }  // namespace
 
 class FlashAttentionGpu : public ::testing::TestWithParam<std::tuple<int, AttnDtype>> {};
@@ -249,10 +256,7 @@ TEST_P(FlashAttentionGpu, LongSegmentsMatchReference) {
 INSTANTIATE_TEST_SUITE_P(All, FlashAttentionGpu,
                          ::testing::Combine(::testing::ValuesIn(cuda::kFlashHeadDims),
                                             ::testing::Values(AttnDtype::BF16, AttnDtype::FP8)),
-                         [](const auto& info) {
-                           return "hd" + std::to_string(std::get<0>(info.param)) + "_" +
-                                  dtype_name(std::get<1>(info.param));
-                         });
+                         hd_dtype_name);
 
 // ---- the CUDNN backend (BF16) ---------------------------------------------------------------------
 
@@ -404,6 +408,188 @@ TEST(FlashAttentionGpuGraph, DynamicScalingReplays) {
     }
     expect_within_rule(check_fp8(p, d.output(), s), "graph replay " + std::to_string(replay));
   }
+}
+
+// ---- segments read on the device: one capture, any layout -----------------------------------------
+
+// One random layout for a capacity: `segments` entries of offsets (some segments empty), the
+// tokens after the last offset belonging to none, the buffer's tail either repeats of the last
+// offset or zeros (vLLM's two ways of padding a captured cu_seqlens).
+struct DeviceLayout {
+  std::vector<int32_t> cu;  // [segments + 1], as the device reads it
+  std::vector<int> lens;    // the non-empty segments' lengths, in order
+  int64_t tokens = 0;
+};
+
+DeviceLayout random_layout(std::mt19937_64& rng, int64_t capacity, int segments) {
+  DeviceLayout l;
+  const int used = int(rng() % uint64_t(segments)) + 1;  // segments holding the offsets; the rest: padding
+  // Lengths 1 to the capacity: sometimes one segment takes it all, else a random total cut at random points.
+  const int64_t total = rng() % 8 == 0 ? capacity : int64_t(rng() % uint64_t(capacity)) + (rng() % 16 == 0 ? 0 : 1);
+  std::vector<int64_t> cuts = {0, total};
+  for (int i = 1; i < used; ++i) cuts.push_back(int64_t(rng() % uint64_t(total + 1)));
+  std::sort(cuts.begin(), cuts.end());
+  for (int64_t c : cuts) l.cu.push_back(int32_t(c));
+  for (size_t i = 1; i < l.cu.size(); ++i)
+    if (l.cu[i] > l.cu[i - 1]) l.lens.push_back(l.cu[i] - l.cu[i - 1]);
+  const bool zeros = rng() % 2 == 0;
+  while (int(l.cu.size()) < segments + 1) l.cu.push_back(zeros ? 0 : int32_t(total));
+  l.tokens = total;
+  return l;
+}
+
+// The device buffers of a capacity: qkv and the RoPE tables for every token of it, the tokens past
+// a layout's offsets NaN (read by nothing that is stored), the output poisoned.
+struct CapacityBuffers {
+  int64_t capacity;
+  int H, hd;
+  DeviceBuffer<int32_t> cu;
+  DeviceBuffer<uint16_t> qkv, out;
+  DeviceBuffer<float> cos, sin, fixed{3};
+  CapacityBuffers(int64_t cap, int segments, int heads, int head_dim)
+      : capacity(cap),
+        H(heads),
+        hd(head_dim),
+        cu(size_t(segments) + 1),
+        qkv(size_t(cap * 3 * heads * head_dim)),
+        out(size_t(cap * heads * head_dim)),
+        cos(size_t(cap * head_dim / 2)),
+        sin(size_t(cap * head_dim / 2)) {}
+  void load(const DeviceLayout& l, const Problem* p, const QkvScales& s) {
+    upload(cu, l.cu);
+    std::vector<uint16_t> x(qkv.count(), 0x7FC0);  // bf16 NaN
+    std::vector<float> c(cos.count(), 0.f), sn(sin.count(), 0.f);
+    if (p) {
+      const auto b = p->qkv_bf16();
+      std::copy(b.begin(), b.end(), x.begin());
+      std::copy(p->cos.begin(), p->cos.end(), c.begin());
+      std::copy(p->sin.begin(), p->sin.end(), sn.begin());
+    }
+    upload(qkv, x), upload(cos, c), upload(sin, sn), upload(fixed, {s.q, s.k, s.v});
+    FOVEA_CUDA_CHECK(cudaMemset(out.data(), 0xFF, out.bytes()));
+  }
+  void run(cuda::FlashAttention& attn, cudaStream_t stream) {
+    cuda::DeviceScales scales;
+    scales.fixed = fixed.data();
+    attn.schedule(cu.data(), int(cu.count()) - 1, stream);
+    attn.prepare(qkv.data(), 3 * int64_t(H) * hd, cos.data(), sin.data(), scales, stream);
+    attn.attend(out.data(), stream);
+  }
+  std::vector<uint16_t> output() const { return download(out); }
+};
+
+// The output's first `tokens` rows as doubles; every row after them must still hold the poison.
+std::vector<double> attended_rows(const std::vector<uint16_t>& out, int64_t tokens, int64_t row,
+                                  int64_t* written_past) {
+  std::vector<double> d(size_t(tokens * row));
+  for (size_t i = 0; i < d.size(); ++i) d[i] = bf16_to_float(out[i]);
+  *written_past = 0;
+  for (size_t i = d.size(); i < out.size(); ++i) *written_past += out[i] != 0xFFFF;
+  return d;
+}
+
+class FlashAttentionGpuDeviceLayout : public ::testing::TestWithParam<std::tuple<int, AttnDtype>> {};
+
+// Planned by capacity, schedule + prepare + attend captured once, then replayed on 200 random
+// layouts (1 to 64 segments, empty ones included, lengths up to the capacity, no tokens at all at
+// times): each replay equals an eager run of the same three calls bit for bit, writes no row past
+// the layout's tokens, and (every 4th, the CPU's share of the time) matches the emulation under the
+// usual rule.
+TEST_P(FlashAttentionGpuDeviceLayout, OneCaptureReplaysEveryLayout) {
+  const auto [hd, dtype] = GetParam();
+  const int H = 2, kSegments = 64;
+  const int64_t kCapacity = 640;
+  cuda::FlashAttention attn(dtype, H, hd);
+  attn.plan_capacity(kCapacity, kSegments);
+  CapacityBuffers b(kCapacity, kSegments, H, hd);
+  std::mt19937_64 rng(fresh_seed());
+  b.load(random_layout(rng, kCapacity, kSegments), nullptr, {1.f, 1.f, 1.f});
+  cuda::Stream stream;
+  cuda::Graph graph(stream, [&] { b.run(attn, stream); });
+  for (int step = 0; step < 200; ++step) {
+    const DeviceLayout l = random_layout(rng, kCapacity, kSegments);
+    const std::string what = fmt_name(hd, dtype, "layout ") + std::to_string(step) + " (" +
+                             std::to_string(l.lens.size()) + " segments, " + std::to_string(l.tokens) + " tokens)";
+    std::optional<Problem> p;
+    if (!l.lens.empty()) p.emplace(l.lens, H, hd, rng());
+    const QkvScales s =
+        p ? QkvScales{amax_of(*p, 0) / 448.f * 1.5f, amax_of(*p, 1) / 448.f * 1.5f, amax_of(*p, 2) / 448.f * 1.5f}
+          : QkvScales{1.f, 1.f, 1.f};
+    b.load(l, p ? &*p : nullptr, s);
+    graph.launch(stream);
+    stream.synchronize();
+    const auto replayed = b.output();
+    EXPECT_EQ(attn.layout_error(stream), 0) << what;
+    FOVEA_CUDA_CHECK(cudaMemset(b.out.data(), 0xFF, b.out.bytes()));
+    b.run(attn, stream);
+    stream.synchronize();
+    ASSERT_TRUE(b.output() == replayed) << what << ": the replay differs from an eager run of the same calls";
+    int64_t written_past = 0;
+    const auto out = attended_rows(replayed, l.tokens, int64_t(H) * hd, &written_past);
+    EXPECT_EQ(written_past, 0) << what << ": rows past the layout's tokens were written";
+    if (!p || step % 4 != 0) continue;
+    cpu::RefOptions o;
+    o.mode = dtype == AttnDtype::FP8 ? cpu::RefMode::FP8 : cpu::RefMode::BF16;
+    if (dtype == AttnDtype::FP8) o.fp8_scales = s;
+    expect_within_rule(check_output(*p, out, o), what);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(All, FlashAttentionGpuDeviceLayout,
+                         ::testing::Combine(::testing::ValuesIn(cuda::kFlashHeadDims),
+                                            ::testing::Values(AttnDtype::BF16, AttnDtype::FP8)),
+                         hd_dtype_name);
+
+// More segments than the schedule step's threads (it walks them in chunks), most of them tiny or
+// empty, a few long: against the emulation; and layouts that break the rules attend nothing and
+// name their first bad entry.
+TEST(FlashAttentionGpuDeviceLayoutRules, ManySegmentsAndBadLayouts) {
+  const int H = 2, hd = 72, kSegments = 2600;
+  const int64_t kCapacity = 6000;
+  cuda::FlashAttention attn(AttnDtype::FP8, H, hd);
+  attn.plan_capacity(kCapacity, kSegments, 300);
+  CapacityBuffers b(kCapacity, kSegments, H, hd);
+  std::mt19937_64 rng(fresh_seed());
+  DeviceLayout l;
+  l.cu = {0};
+  for (int i = 0; i < kSegments; ++i) {
+    const int len = i % 1000 == 7 ? 300 + int(rng() % 200) : int(rng() % 4);
+    l.cu.push_back(l.cu.back() + len);
+    if (len > 0) l.lens.push_back(len);
+  }
+  l.tokens = l.cu.back();
+  ASSERT_LE(l.tokens, kCapacity);
+  const Problem p(l.lens, H, hd, rng());
+  const QkvScales s = {amax_of(p, 0) / 448.f * 1.5f, amax_of(p, 1) / 448.f * 1.5f, amax_of(p, 2) / 448.f * 1.5f};
+  b.load(l, &p, s);
+  cuda::Stream stream;
+  b.run(attn, stream);
+  EXPECT_EQ(attn.layout_error(stream), 0);
+  int64_t written_past = 0;
+  const auto out = attended_rows(b.output(), l.tokens, int64_t(H) * hd, &written_past);
+  EXPECT_EQ(written_past, 0);
+  cpu::RefOptions o;
+  o.mode = cpu::RefMode::FP8;
+  o.fp8_scales = s;
+  expect_within_rule(check_output(p, out, o), "2600 segments");
+
+  // Bad layouts: a first entry not 0, a drop to a value other than 0, a value after the zeros, an
+  // offset past the capacity, a negative one.
+  const auto bad = [&](std::vector<std::pair<int, int32_t>> edits, int first_bad) {
+    DeviceLayout x = l;
+    for (auto [i, v] : edits) x.cu[size_t(i)] = v;
+    b.load(x, &p, s);
+    b.run(attn, stream);
+    EXPECT_EQ(attn.layout_error(stream), first_bad + 1) << "first bad entry " << first_bad;
+    int64_t written = 0;
+    attended_rows(b.output(), 0, int64_t(H) * hd, &written);
+    EXPECT_EQ(written, 0) << "a bad layout (first bad entry " << first_bad << ") wrote output";
+  };
+  bad({{0, 5}}, 0);
+  bad({{1500, l.cu[1499] - 1}}, 1500);
+  bad({{2000, 0}, {2001, 0}, {2002, 7}}, 2002);
+  bad({{kSegments, int32_t(kCapacity + 1)}}, kSegments);
+  bad({{3, -1}}, 3);
 }
 
 // ---- the robust FP8 scheme (K smoothing, per-head Q/K, per-channel V scales) ----------------------

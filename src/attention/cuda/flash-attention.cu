@@ -1,5 +1,6 @@
-// fovea::cuda::FlashAttention: plans a batch shape (padded layout, tile list, TMA descriptors) and
-// runs the prepare step and the flash kernel (prepare.cu, flash-fwd.cu).
+// fovea::cuda::FlashAttention: plans a capacity (buffers, TMA descriptors, grids), schedules a layout
+// on the device, and runs the prepare step and the flash kernel (schedule.cu, prepare.cu,
+// flash-fwd.cu).
 #include <cudaTypedefs.h>
 
 #include <algorithm>
@@ -65,14 +66,18 @@ void upload(DeviceBuffer<T>& dst, const std::vector<T>& src, uint8_t*& h, cudaSt
 struct FlashAttention::Impl {
   AttnDtype dtype;
   bool fp8;
-  VarlenShape shape;
+  VarlenShape shape;  // heads and head_dim; cu_seqlens: the host layout of plan(), empty after plan_capacity()
   int hd_pad = 0;
-  int64_t n_pad = 0;
-  int num_tiles = 0;
-  int consumers = 2;  // consumer warpgroups of this plan's CTAs (tile-plan.h)
-  int sms = 0;        // the device's SM count
-  DeviceBuffer<int32_t> d_cu, d_cu_pad;
+  // Capacity (what the buffers, descriptors and grids are sized for) and the scheduled layout's
+  // segment count.
+  int64_t max_tokens = 0, n_pad = 0;
+  int max_segments = 0, max_tiles = 0, segments = 0;
+  int consumers = 2;                     // consumer warpgroups of this plan's CTAs (tile-plan.h)
+  int sms = 0;                           // the device's SM count
+  DeviceBuffer<int32_t> d_cu_in;         // plan()'s host layout, uploaded
+  DeviceBuffer<int32_t> d_cu, d_cu_pad;  // the schedule step's outputs
   DeviceBuffer<int2> d_tiles;
+  DeviceBuffer<int32_t> d_sched;         // [0] tiles listed, [1] the layout's status
   DeviceBuffer<uint8_t> buf;             // q, k and v^t, one allocation
   DeviceBuffer<unsigned int> d_scratch;  // amax scratch [3] + CTA counter
   DeviceBuffer<uint8_t> d_fine_scratch;  // FP8: FineScratch's arrays (robust scheme, current scaling)
@@ -82,7 +87,7 @@ struct FlashAttention::Impl {
   FlashMaps maps{};
   const float* scale_ptr[3] = {nullptr, nullptr, nullptr};
   bool fine = false;  // the last prepare() used the robust scheme's arrays
-  bool planned = false, prepared = false;
+  bool planned = false, scheduled = false, prepared = false;
 
   void* q() const { return buf.data(); }
   void* k() const { return buf.data() + qk_bytes(); }
@@ -90,6 +95,8 @@ struct FlashAttention::Impl {
   size_t es() const { return fp8 ? 1 : 2; }
   size_t qk_bytes() const { return size_t(shape.heads) * n_pad * hd_pad * es(); }
   size_t v_bytes() const { return size_t(shape.heads) * shape.head_dim * n_pad * es(); }
+  // Sizes everything for the capacity (n_pad padded rows, max_tiles tiles of 64 * consumers rows).
+  void reserve(int64_t tokens, int segs, int64_t rows, int64_t tiles, int warpgroups);
 };
 
 FlashAttention::FlashAttention(AttnDtype dtype, int heads, int head_dim) : impl_(std::make_unique<Impl>()) {
@@ -131,9 +138,30 @@ FlashAttention::~FlashAttention() = default;
 const VarlenShape& FlashAttention::shape() const { return impl_->shape; }
 AttnDtype FlashAttention::dtype() const { return impl_->dtype; }
 
+void FlashAttention::Impl::reserve(int64_t tokens, int segs, int64_t rows, int64_t tiles, int warpgroups) {
+  planned = scheduled = prepared = false;  // until the plan is complete (a throw leaves no stale plan)
+  if (rows > INT32_MAX) fail_cat("FOVEA attention: ", rows, " padded tokens exceed int32");
+  if (tiles > INT32_MAX) fail_cat("FOVEA attention: ", tiles, " query tiles exceed int32");
+  max_tokens = tokens, max_segments = segs, n_pad = rows, max_tiles = int(tiles), consumers = warpgroups;
+  if (size_t(segs) + 1 > d_cu.count()) d_cu.reset(size_t(segs) + 1), d_cu_pad.reset(size_t(segs) + 1);
+  if (size_t(tiles) > d_tiles.count()) d_tiles.reset(size_t(tiles));
+  if (d_sched.count() < 2) d_sched.reset(2);
+  const size_t need = 2 * qk_bytes() + v_bytes();
+  if (need > buf.count()) buf.reset(need);
+  const int H = shape.heads, hd = shape.head_dim;
+  const uint32_t kstep = uint32_t(layout::kstep(fp8));
+  maps.q = tensor_map(q(), fp8, uint64_t(hd_pad), uint64_t(n_pad), uint64_t(H), kstep, uint32_t(64 * consumers),
+                      CU_TENSOR_MAP_SWIZZLE_32B);
+  maps.k = tensor_map(k(), fp8, uint64_t(hd_pad), uint64_t(n_pad), uint64_t(H), kstep, layout::kBlockN,
+                      CU_TENSOR_MAP_SWIZZLE_32B);
+  maps.v = tensor_map(vt(), fp8, uint64_t(n_pad), uint64_t(hd), uint64_t(H), fp8 ? 128u : 64u, uint32_t(hd),
+                      CU_TENSOR_MAP_SWIZZLE_128B);
+  planned = true;
+}
+
 void FlashAttention::plan(const std::vector<int32_t>& cu_seqlens, cudaStream_t stream) {
   Impl& m = *impl_;
-  m.planned = m.prepared = false;  // until this plan is complete (a throw below leaves no stale plan)
+  m.planned = m.scheduled = m.prepared = false;
   VarlenShape sh = m.shape;
   sh.cu_seqlens = cu_seqlens;
   sh.validate();
@@ -142,50 +170,73 @@ void FlashAttention::plan(const std::vector<int32_t>& cu_seqlens, cudaStream_t s
   for (int s = 0; s < segs; ++s) lens[size_t(s)] = cu_seqlens[size_t(s) + 1] - cu_seqlens[size_t(s)];
   const int consumers =
       choose_consumer_warpgroups(lens, sh.heads, layout::max_consumer_warpgroups(m.fp8, sh.head_dim), m.sms);
-  const int block_m = 64 * consumers;
-  std::vector<int32_t> cu_pad(size_t(segs) + 1, 0);
-  std::vector<int2> tiles;
-  for (int s = 0; s < segs; ++s) {
-    const int len = cu_seqlens[size_t(s) + 1] - cu_seqlens[size_t(s)];
-    const int64_t next = int64_t(cu_pad[size_t(s)]) + layout::round_up_tile(len);
-    if (next > INT32_MAX) fail_cat("FOVEA attention: ", next, " padded tokens exceed int32");
-    cu_pad[size_t(s) + 1] = int32_t(next);
-    for (int mb = 0; mb * block_m < len; ++mb) tiles.push_back({s, mb});
-  }
-  // Longest segments first: their CTAs have the most KV blocks, so they start earliest.
-  std::stable_sort(tiles.begin(), tiles.end(), [&](int2 a, int2 b) {
-    return cu_seqlens[size_t(a.x) + 1] - cu_seqlens[size_t(a.x)] >
-           cu_seqlens[size_t(b.x) + 1] - cu_seqlens[size_t(b.x)];
-  });
+  int64_t rows = 0, tiles = 0;  // exactly this layout's: the grids are the host plan's of before
+  for (int len : lens) rows += layout::round_up_tile(len), tiles += (len + 64 * consumers - 1) / (64 * consumers);
   m.shape = sh;
-  m.n_pad = cu_pad.back();
-  m.num_tiles = int(tiles.size());
-  m.consumers = consumers;
+  m.reserve(sh.total_tokens(), segs, rows, tiles, consumers);
   StagingSlot& st = m.staging[m.next_staging];
   m.next_staging ^= 1;
-  uint8_t* h = st.take((cu_seqlens.size() + cu_pad.size()) * 4 + tiles.size() * sizeof(int2) + 48);
-  upload(m.d_cu, cu_seqlens, h, stream);
-  upload(m.d_cu_pad, cu_pad, h, stream);
-  upload(m.d_tiles, tiles, h, stream);
+  uint8_t* h = st.take(cu_seqlens.size() * 4 + 16);
+  upload(m.d_cu_in, cu_seqlens, h, stream);
   st.release(stream);
-  const size_t need = 2 * m.qk_bytes() + m.v_bytes();
-  if (need > m.buf.count()) m.buf.reset(need);
-  const int H = sh.heads, hd = sh.head_dim;
-  const uint32_t kstep = uint32_t(layout::kstep(m.fp8));
-  m.maps.q = tensor_map(m.q(), m.fp8, uint64_t(m.hd_pad), uint64_t(m.n_pad), uint64_t(H), kstep, uint32_t(block_m),
-                        CU_TENSOR_MAP_SWIZZLE_32B);
-  m.maps.k = tensor_map(m.k(), m.fp8, uint64_t(m.hd_pad), uint64_t(m.n_pad), uint64_t(H), kstep, layout::kBlockN,
-                        CU_TENSOR_MAP_SWIZZLE_32B);
-  m.maps.v = tensor_map(m.vt(), m.fp8, uint64_t(m.n_pad), uint64_t(hd), uint64_t(H), m.fp8 ? 128u : 64u, uint32_t(hd),
-                        CU_TENSOR_MAP_SWIZZLE_128B);
-  m.planned = true;
+  schedule(m.d_cu_in.data(), segs, stream);
+}
+
+void FlashAttention::plan_capacity(int64_t max_tokens, int max_segments, int max_seqlen) {
+  Impl& m = *impl_;
+  m.planned = m.scheduled = m.prepared = false;
+  if (max_tokens < 1 || max_tokens > INT32_MAX)
+    fail_cat("FOVEA attention: a capacity of ", max_tokens, " tokens (1 to 2^31 - 1)");
+  if (max_segments < 1) fail_cat("FOVEA attention: a capacity of ", max_segments, " segments (at least 1)");
+  if (max_seqlen < 0 || max_seqlen > max_tokens)
+    fail_cat("FOVEA attention: max_seqlen ", max_seqlen, " for a capacity of ", max_tokens, " tokens");
+  // The tile size for the layout the capacity suggests: max_tokens in segments of max_seqlen.
+  const int longest = max_seqlen > 0 ? max_seqlen : int(max_tokens);
+  std::vector<int> lens(size_t(max_tokens / longest), longest);
+  if (max_tokens % longest) lens.push_back(int(max_tokens % longest));
+  const int consumers =
+      choose_consumer_warpgroups(lens, m.shape.heads, layout::max_consumer_warpgroups(m.fp8, m.shape.head_dim), m.sms);
+  const int block_m = 64 * consumers;
+  m.shape.cu_seqlens.clear();
+  m.reserve(max_tokens, max_segments, layout::round_up_tile(int(max_tokens)) + int64_t(layout::kTilePad) * max_segments,
+            (max_tokens + block_m - 1) / block_m + max_segments, consumers);
+}
+
+void FlashAttention::schedule(const int32_t* cu_seqlens, int segments, cudaStream_t stream) {
+  Impl& m = *impl_;
+  if (!m.planned) fail_cat("FOVEA attention: schedule() before a plan");
+  if (!cu_seqlens) fail_cat("FOVEA attention: cu_seqlens is null");
+  if (segments < 1 || segments > m.max_segments)
+    fail_cat("FOVEA attention: ", segments, " segments for a plan of 1 to ", m.max_segments);
+  ScheduleArgs a;
+  a.cu_in = cu_seqlens;
+  a.segments = segments;
+  a.max_tokens = m.max_tokens;
+  a.block_m = 64 * m.consumers;
+  a.cu = m.d_cu.data();
+  a.cu_padded = m.d_cu_pad.data();
+  a.tiles = m.d_tiles.data();
+  a.num_tiles = m.d_sched.data();
+  a.status = m.d_sched.data() + 1;
+  launch_schedule(a, stream);
+  m.segments = segments;
+  m.scheduled = true;
   m.prepared = false;
+}
+
+int FlashAttention::layout_error(cudaStream_t stream) const {
+  const Impl& m = *impl_;
+  if (!m.scheduled) fail_cat("FOVEA attention: layout_error() before schedule()");
+  int32_t status = 0;
+  FOVEA_CUDA_CHECK(cudaMemcpyAsync(&status, m.d_sched.data() + 1, 4, cudaMemcpyDeviceToHost, stream));
+  FOVEA_CUDA_CHECK(cudaStreamSynchronize(stream));
+  return status;
 }
 
 void FlashAttention::prepare(const void* qkv, int64_t qkv_token_stride, const float* rope_cos, const float* rope_sin,
                              const DeviceScales& scales, cudaStream_t stream) {
   Impl& m = *impl_;
-  if (!m.planned) fail_cat("FOVEA attention: prepare() before plan()");
+  if (!m.scheduled) fail_cat("FOVEA attention: prepare() before plan() or schedule()");
   if (!qkv) fail_cat("FOVEA attention: qkv is null");
   if (qkv_token_stride < 3 * int64_t(m.shape.heads) * m.shape.head_dim || qkv_token_stride % 8 != 0)
     fail_cat("FOVEA attention: qkv token stride ", qkv_token_stride,
@@ -209,9 +260,9 @@ void FlashAttention::prepare(const void* qkv, int64_t qkv_token_stride, const fl
   a.rope_sin = rope_sin;
   a.cu_seqlens = m.d_cu.data();
   a.cu_padded = m.d_cu_pad.data();
-  a.num_segments = m.shape.num_segments();
+  a.num_segments = m.segments;
   a.heads = m.shape.heads;
-  a.total_tokens = m.shape.total_tokens();
+  a.total_tokens = m.max_tokens;
   a.n_pad = m.n_pad;
   a.q = m.q();
   a.k = m.k();
@@ -330,6 +381,7 @@ void FlashAttention::attend(void* out, cudaStream_t stream) {
   if (!out) fail_cat("FOVEA attention: out is null");
   FlashParams p;
   p.tiles = m.d_tiles.data();
+  p.num_tiles = m.d_sched.data();
   p.cu_seqlens = m.d_cu.data();
   p.cu_padded = m.d_cu_pad.data();
   p.out = static_cast<__nv_bfloat16*>(out);
@@ -339,7 +391,7 @@ void FlashAttention::attend(void* out, cudaStream_t stream) {
   p.v_scale = m.scale_ptr[2];
   p.fine = m.fine;
   p.softmax_scale_log2 = float(M_LOG2E / std::sqrt(double(m.shape.head_dim)));
-  launch_flash(p, m.maps, m.num_tiles, m.fp8, m.shape.head_dim, m.consumers, stream);
+  launch_flash(p, m.maps, m.max_tiles, m.fp8, m.shape.head_dim, m.consumers, stream);
 }
 
 }  // namespace fovea::cuda

@@ -148,7 +148,8 @@ __global__ void __launch_bounds__(FlashCfg<kFp8, kHeadDim, kConsumerWgs>::kThrea
   uint64_t* empty = full + C::kStages;
   uint64_t* q_full = empty + C::kStages;
 
-  const int2 tile = p.tiles[blockIdx.x];
+  const int2 tile = p.tiles[blockIdx.x];  // within the capacity, listed or not
+  if (int(blockIdx.x) >= *p.num_tiles) return;
   const int seg = tile.x, m_block = tile.y, head = blockIdx.y;
   const int seq_begin = p.cu_seqlens[seg];
   const int seqlen = p.cu_seqlens[seg + 1] - seq_begin;
@@ -460,8 +461,9 @@ void launch(const FlashParams& p, const FlashMaps& m, int num_tiles, cudaStream_
 
 }  // namespace
 
-void launch_flash(const FlashParams& p, const FlashMaps& maps, int num_tiles, bool fp8, int head_dim, int consumers,
+void launch_flash(const FlashParams& p, const FlashMaps& maps, int max_tiles, bool fp8, int head_dim, int consumers,
                   cudaStream_t stream) {
+  const int num_tiles = max_tiles;  // the grid: CTAs past the listed tiles return at once
   if (num_tiles == 0) return;
   if (consumers < 2 || consumers > layout::max_consumer_warpgroups(fp8, head_dim))
     fail_cat("FOVEA attention: ", consumers, " consumer warpgroups for ", fp8 ? "fp8" : "bf16", " head_dim ", head_dim);

@@ -35,13 +35,13 @@ struct PrepareArgs {
   int64_t qkv_token_stride = 0;        // elements
   const float* rope_cos = nullptr;     // [N, hd/2] or null
   const float* rope_sin = nullptr;
-  const int32_t* cu_seqlens = nullptr;  // device [segments + 1]
-  const int32_t* cu_padded = nullptr;   // device [segments + 1]
+  const int32_t* cu_seqlens = nullptr;  // device [segments + 1], the schedule step's (cu_seqlens[segments]:
+  const int32_t* cu_padded = nullptr;   // the tokens this launch attends; cu_padded[segments]: its rows)
   int num_segments = 0;
   int heads = 0;
-  int64_t total_tokens = 0;
-  int64_t n_pad = 0;
-  void* q = nullptr;  // outputs, layout.cuh
+  int64_t total_tokens = 0;  // capacity: at most this many tokens (sizes the grids)
+  int64_t n_pad = 0;         // capacity: padded rows of the layout (the row stride of q, k and v^t)
+  void* q = nullptr;         // outputs, layout.cuh
   void* k = nullptr;
   void* vt = nullptr;
   const float* fixed = nullptr;          // FP8 static scales [3]
@@ -65,8 +65,27 @@ struct FineLaunch {
 void launch_prepare(const PrepareArgs& a, bool fp8, int head_dim, cudaStream_t stream,
                     const FineLaunch* fine = nullptr);
 
+// The schedule step (schedule.cu): cu_in, the caller's [segments + 1] offsets in device memory, to
+// the arrays below. A valid layout is 0, then non-decreasing offsets up to max_tokens, then only
+// zeros after any drop (empty segments). Anything else attends nothing: num_tiles and every offset
+// 0, *status 1 + the index of the first bad entry (0 for a valid layout).
+struct ScheduleArgs {
+  const int32_t* cu_in = nullptr;
+  int segments = 0;
+  int64_t max_tokens = 0;
+  int block_m = 128;             // query rows per tile (64 x consumer warpgroups)
+  int32_t* cu = nullptr;         // [segments + 1] the offsets, normalized (non-decreasing)
+  int32_t* cu_padded = nullptr;  // [segments + 1] layout.cuh's padded offsets
+  int2* tiles = nullptr;         // (segment, query tile), segments with the most KV blocks first
+  int32_t* num_tiles = nullptr;  // [1]
+  int32_t* status = nullptr;     // [1]
+};
+
+void launch_schedule(const ScheduleArgs& a, cudaStream_t stream);
+
 struct FlashParams {
-  const int2* tiles = nullptr;  // (segment, m_block) per CTA, longest segments first
+  const int2* tiles = nullptr;         // (segment, m_block) per CTA, longest segments first
+  const int32_t* num_tiles = nullptr;  // device: the tiles listed; CTAs past it return at once
   const int32_t* cu_seqlens = nullptr;
   const int32_t* cu_padded = nullptr;
   __nv_bfloat16* out = nullptr;  // [N, H, hd]
@@ -83,7 +102,8 @@ struct FlashMaps {
 };
 
 // consumers: 2, or 3 where layout::max_consumer_warpgroups allows (tiles of 64 * consumers rows).
-void launch_flash(const FlashParams& p, const FlashMaps& maps, int num_tiles, bool fp8, int head_dim, int consumers,
+// max_tiles: the grid (the most tiles the schedule can list); *p.num_tiles of them run.
+void launch_flash(const FlashParams& p, const FlashMaps& maps, int max_tiles, bool fp8, int head_dim, int consumers,
                   cudaStream_t stream);
 
 }  // namespace fovea::cuda

@@ -202,9 +202,9 @@ __global__ void __launch_bounds__(kThreads) qkv_amax_kernel(PrepareArgs a) {
   if (threadIdx.x < 3) block_max[threadIdx.x] = 0;
   __syncthreads();
   const int head = blockIdx.y;
-  const int64_t n = a.total_tokens;
-  unsigned int m[3] = {0, 0, 0};  // |x| as float bits: non-negative floats order like unsigned ints,
-                                  // and inf / NaN bits sort above every finite value
+  const int64_t n = a.cu_seqlens[a.num_segments];  // this launch's tokens (a.total_tokens: the capacity)
+  unsigned int m[3] = {0, 0, 0};                   // |x| as float bits: non-negative floats order like unsigned ints,
+                                                   // and inf / NaN bits sort above every finite value
   // q, k and v one after the other: one row in registers at a time (all three at once spilled at hd 128)
 #pragma unroll
   for (int w = 0; w < 3; ++w)
@@ -316,12 +316,13 @@ __global__ void __launch_bounds__(kStatThreads)
       prev(ring.q + head, a.heads, f.q_prev, head), prev(ring.k + head, a.heads, f.k_prev, head);
   }
   __syncthreads();
-  bool bad = false;  // a non-finite input (fmaxf would drop a NaN)
+  bool bad = false;                                // a non-finite input (fmaxf would drop a NaN)
+  const int64_t n = a.cu_seqlens[a.num_segments];  // this launch's tokens (a.total_tokens: the capacity)
   if (r < kRows) {
     float q_amax[2] = {0.f, 0.f}, k_max[2] = {-INFINITY, -INFINITY}, k_min[2] = {INFINITY, INFINITY},
           v_amax[2] = {0.f, 0.f};
     double k_sum[2] = {0.0, 0.0};
-    for (int64_t t = int64_t(blockIdx.x) * kRows + r; t < a.total_tokens; t += int64_t(gridDim.x) * kRows) {
+    for (int64_t t = int64_t(blockIdx.x) * kRows + r; t < n; t += int64_t(gridDim.x) * kRows) {
       const __nv_bfloat16* row = a.qkv + t * a.qkv_token_stride + int64_t(head) * kHeadDim;
       const int64_t which = int64_t(a.heads) * kHeadDim;
       float x[3][2];
@@ -374,7 +375,6 @@ __global__ void __launch_bounds__(kStatThreads)
   __syncthreads();
   if (!last) return;
   __threadfence();
-  const double n = double(a.total_tokens);
   const bool keep = __ldcg(f.bad) == 0u;  // a non-finite batch is not recorded (counted instead)
   const bool hist = ring.counts != nullptr;
   const int cells = a.heads * kHeadDim, slot = hist ? ring.counts->pos : 0, pick = keep ? 0 : 1;
@@ -397,7 +397,7 @@ __global__ void __launch_bounds__(kStatThreads)
       const double t_sum = total ? ring.k_sum[cell] : 0.0;
       const float t_hi = total ? ring.k_hi[cell] : 0.f, t_lo = total ? ring.k_lo[cell] : 0.f;
       const float qa = __uint_as_float(__ldcg(&f.q_amax[cell])), t_q = total ? ring.q_hi[cell] : 0.f;
-      const float mean = float(sum / n), ka = smoothed_amax(hi, lo, mean);
+      const float mean = n > 0 ? float(sum / double(n)) : 0.f, ka = smoothed_amax(hi, lo, mean);
       dev = fmaxf(dev, ka);
       q_head = fmaxf(q_head, qa);
       if constexpr (kSplit > 0) s_pick[threadIdx.x / 32][0][d] = qa, s_pick[threadIdx.x / 32][1][d] = ka;
@@ -436,7 +436,7 @@ __global__ void __launch_bounds__(kStatThreads)
       if (keep) {
         cnt->pos = (slot + 1) % kAmaxHistoryLen;
         cnt->filled = min(cnt->filled + 1, kAmaxHistoryLen);
-        cnt->tokens += n;
+        cnt->tokens += double(n);
       } else {
         cnt->nonfinite += 1;
       }
@@ -464,6 +464,7 @@ __global__ void __launch_bounds__(kThreads) prepare_kernel(PrepareArgs a, FineAr
   // Heads are the fast grid dimension: the CTAs of one row block run side by side, so a token's
   // RoPE row and the 32-byte sectors two heads' slices share come from DRAM once (with rows fastest,
   // every head streamed the whole cos / sin table again: 1.36 GB read for 0.7 GB of inputs at 3 x 4K).
+  if (int(blockIdx.y) * kThreads >= a.cu_padded[a.num_segments]) return;  // past this launch's rows (all of the CTA)
   const int head = blockIdx.x;
   const int row = blockIdx.y * kThreads + threadIdx.x;  // padded row
   const int token = padded_row_token(a, row);
