@@ -447,10 +447,12 @@ TEST(EncoderFp8, RobustSchemeHoldsUpUnderOutlierChannels) {
   const auto exact = forward_cpu(m, g.pixels, g.grids);
   auto fp8 = [&](bool robust) {
     ScaleBook book = ScaleBook::dynamic(m.config.depth);
+    const Fp8Plan plan = robust ? Fp8Plan::robust_dynamic(ScaleMode::DYNAMIC, m.config.depth)
+                                : Fp8Plan::tensor(ScaleMode::DYNAMIC, m.config.depth);
     ForwardOptions o;
     o.attention = cpu::RefMode::FP8;
     o.scales = &book;
-    o.fp8_robust = robust;
+    o.fp8_plan = &plan;
     return rel_l2(forward_cpu(m, g.pixels, g.grids, o).merged, exact.merged);
   };
   ForwardOptions bo;
@@ -471,16 +473,24 @@ TEST(EncoderFp8, RobustSchemeHoldsUpUnderOutlierChannels) {
       size_t(m.config.depth),
       FineScales{std::vector<float>(size_t(H), 1e-3f), std::vector<float>(size_t(H), 1e-3f),
                  std::vector<float>(size_t(H) * hd, 1e-3f), std::vector<float>(size_t(H) * hd, 0.0f)});
-  ScaleBook book = ScaleBook::dynamic(m.config.depth);
+  ScaleBook book = ScaleBook::fixed(std::vector<QkvScales>(size_t(m.config.depth)));
+  Fp8Plan plan = Fp8Plan::robust_static(fine, H, hd);
   ForwardOptions o;
   o.attention = cpu::RefMode::FP8;
   o.scales = &book;
-  o.fp8_robust = true;
-  o.fine_scales = &fine;
+  o.fp8_plan = &plan;
   const double tiny_scales = rel_l2(forward_cpu(m, g.pixels, g.grids, o).merged, exact.merged);
   EXPECT_GT(tiny_scales, 2 * robust) << "scales of 1e-3 saturate E4M3 at 0.448: the given scales are used";
+  // A plan and a book that disagree, and fine scales of another shape, are refused.
+  ScaleBook dyn = ScaleBook::dynamic(m.config.depth);
+  o.scales = &dyn;
+  EXPECT_HAS(error_of([&] { forward_cpu(m, g.pixels, g.grids, o); }), "a dynamic scale book for an FP8 plan of static");
+  o.scales = &book;
   fine.pop_back();
-  EXPECT_NE(error_of([&] { forward_cpu(m, g.pixels, g.grids, o); }).find("fine scales for"), std::string::npos);
+  plan = Fp8Plan::robust_static(fine, H, hd);
+  EXPECT_HAS(error_of([&] { forward_cpu(m, g.pixels, g.grids, o); }), "a scale book of 3 layers for an FP8 plan of 2");
+  fine[1].v_channel.pop_back();
+  EXPECT_HAS(error_of([&] { Fp8Plan::robust_static(fine, H, hd); }), "layer 1's fine scales are for");
 }
 
 // Calibrating the robust scheme: 16 forwards write a file with the fine scales for every layer,
@@ -493,7 +503,8 @@ ScaleFile calibrate_robust(const Model& m, const Golden& g, const std::string& p
   ForwardOptions o;
   o.attention = cpu::RefMode::FP8;
   o.scales = &cal;
-  o.fp8_robust = true;
+  const Fp8Plan plan = Fp8Plan::robust_dynamic(ScaleMode::CALIBRATE, m.config.depth);
+  o.fp8_plan = &plan;
   for (int f = 0; f < 16; ++f) {
     EXPECT_FALSE(std::filesystem::exists(path)) << "before forward " << f + 1;
     forward_cpu(m, g.pixels, g.grids, o);
@@ -515,17 +526,18 @@ TEST(EncoderFp8, RobustCalibrationWritesFineScalesThatServeStatically) {
   std::vector<float> other(g.pixels.rbegin(), g.pixels.rend());
   const auto exact = forward_cpu(m, other, g.grids);
   ScaleBook dyn = ScaleBook::dynamic(m.config.depth);
+  const Fp8Plan robust_dyn = Fp8Plan::robust_dynamic(ScaleMode::DYNAMIC, m.config.depth),
+                robust_static = Fp8Plan::robust_static(fine, m.config.heads, m.config.head_dim());
   ForwardOptions o;
   o.attention = cpu::RefMode::FP8;
-  o.fp8_robust = true;
+  o.fp8_plan = &robust_dyn;
   o.scales = &dyn;
   const double dynamic = rel_l2(forward_cpu(m, other, g.grids, o).merged, exact.merged);
   ScaleBook fixed = ScaleBook::fixed(scales_for_model(file, m.config.depth));
   o.scales = &fixed;
-  o.fine_scales = &fine;
+  o.fp8_plan = &robust_static;
   const double stat = rel_l2(forward_cpu(m, other, g.grids, o).merged, exact.merged);
-  o.fp8_robust = false;
-  o.fine_scales = nullptr;
+  o.fp8_plan = nullptr;  // every layer per tensor
   const double tensor_static = rel_l2(forward_cpu(m, other, g.grids, o).merged, exact.merged);
   std::printf("robust calibration, held-out rel_l2: dynamic %.3e, static %.3e; per-tensor static %.3e\n", dynamic, stat,
               tensor_static);
@@ -556,11 +568,11 @@ TEST(EncoderFp8, AutoRunsRobustOnlyOnTheLayersThatNeedIt) {
   auto run = [&](std::vector<bool> robust_layers) {
     std::vector<FineScales> fine;
     for (int l = 0; l < m.config.depth; ++l) fine.push_back(robust_layers[size_t(l)] ? file.fine.at(l) : FineScales{});
+    const Fp8Plan plan = Fp8Plan::robust_static(fine, m.config.heads, m.config.head_dim());
     ForwardOptions o;
     o.attention = cpu::RefMode::FP8;
     o.scales = &fixed;
-    o.fp8_robust = true;
-    o.fine_scales = &fine;
+    o.fp8_plan = &plan;
     return forward_cpu(m, g.pixels, g.grids, o);
   };
   ForwardOptions t;

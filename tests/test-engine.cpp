@@ -201,12 +201,13 @@ TEST(ResolveEngine, Fp8SchemeAutoChoosesPerLayerFromTheFile) {
   o.dtype = "fp8";
   const EngineConfig dyn = resolve_engine(o, h200());
   EXPECT_FALSE(dyn.fp8_robust);
-  EXPECT_TRUE(dyn.fine_scales(3).empty());
+  EXPECT_EQ(dyn.fp8_plan(3, 1, 2).describe(), "tensor dynamic on every layer");
   o.scale_save_path = dir.file("cal.json");
   const EngineConfig cal = resolve_engine(o, h200());
   EXPECT_TRUE(cal.fp8_robust);
   EXPECT_FALSE(cal.fp8_auto_layers);
   EXPECT_HAS(cal.scheme_note, "fovea_robust_gain");
+  EXPECT_EQ(cal.fp8_plan(3, 1, 2).describe(), "robust dynamic on every layer");
   o.scale_save_path.clear();
 
   auto layer = [](int l, const std::string& gain) {
@@ -220,24 +221,23 @@ TEST(ResolveEngine, Fp8SchemeAutoChoosesPerLayerFromTheFile) {
   EXPECT_TRUE(mixed.fp8_robust);
   EXPECT_TRUE(mixed.fp8_auto_layers);
   EXPECT_HAS(mixed.scheme_note, "robust on layers 1,2 of 3");
-  EXPECT_FALSE(mixed.robust_layer(0));
-  EXPECT_TRUE(mixed.robust_layer(1));
-  EXPECT_TRUE(mixed.robust_layer(2));  // the threshold itself counts
-  const std::vector<FineScales> fine = mixed.fine_scales(3);
-  ASSERT_EQ(fine.size(), 3u);
-  EXPECT_TRUE(fine[0].empty());
-  EXPECT_EQ(fine[1], mixed.scale_file->fine.at(1));
-  EXPECT_EQ(fine[2].q_head, std::vector<float>{3.0f});
+  const Fp8Plan plan = mixed.fp8_plan(3, 1, 2);  // the threshold itself counts: layer 2
+  EXPECT_EQ(plan.describe(), "robust static on layers 1,2; tensor static on layer 0");
+  EXPECT_TRUE(plan.fine(0).empty());
+  EXPECT_EQ(plan.fine(1), mixed.scale_file->fine.at(1));
+  EXPECT_EQ(plan.fine(2).q_head, std::vector<float>{3.0f});
+  // The file's fine scales against the model's shape: 2 heads where it has 1.
+  EXPECT_HAS(fovea::test::error_of([&] { mixed.fp8_plan(3, 2, 2); }),
+             "mixed.json': layer 1's fine scales are for 1 heads");
   // Forced robust runs every layer; forced tensor none.
   o.fp8_scheme = "robust";
   const EngineConfig forced = resolve_engine(o, h200());
   EXPECT_FALSE(forced.fp8_auto_layers);
-  EXPECT_TRUE(forced.robust_layer(0));
-  EXPECT_FALSE(forced.fine_scales(3)[0].empty());
+  EXPECT_EQ(forced.fp8_plan(3, 1, 2).describe(), "robust static on every layer");
   o.fp8_scheme = "tensor";
   {
     CaptureWarnings cw;
-    EXPECT_FALSE(resolve_engine(o, h200()).robust_layer(1));
+    EXPECT_EQ(resolve_engine(o, h200()).fp8_plan(3, 1, 2).describe(), "tensor static on every layer");
   }
   o.fp8_scheme = "auto";
 
@@ -245,7 +245,7 @@ TEST(ResolveEngine, Fp8SchemeAutoChoosesPerLayerFromTheFile) {
   const EngineConfig calm = resolve_engine(o, h200());
   EXPECT_FALSE(calm.fp8_robust);
   EXPECT_HAS(calm.scheme_note, "auto: tensor (no layer's fovea_robust_gain reaches");
-  EXPECT_TRUE(calm.fine_scales(2).empty());
+  EXPECT_EQ(calm.fp8_plan(2, 1, 2).describe(), "tensor static on every layer");
 
   o.scale_path = dir.write("old.json", "{" + layer(0, "") + "}");
   CaptureWarnings cw;

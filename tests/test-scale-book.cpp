@@ -15,6 +15,7 @@
 #include <gtest/gtest.h>
 #include "test-util.h"
 #include "fovea/io.h"
+#include "fovea/fp8-plan.h"
 #include "fovea/scales.h"
 
 namespace fs = std::filesystem;
@@ -592,4 +593,60 @@ TEST(FineHistory, CalibrationOfALayerWithOnlyNonFiniteForwardsIsAnError) {
   EXPECT_NE(err.find("layer 1 (visual.blocks.1.attn.attn)"), std::string::npos) << err;
   EXPECT_NE(err.find("non-finite value (16 of 16)"), std::string::npos) << err;
   EXPECT_FALSE(fs::exists(path));
+}
+
+// ---- the FP8 plan (docs/fp8.md §The plan) ------------------------------------------------------------
+
+// One robust layer's fine scales for `heads` heads of `hd` channels (values arbitrary but valid).
+FineScales fine_for(int heads, int hd) {
+  FineScales f;
+  f.q_head.assign(size_t(heads), 0.01f), f.k_head.assign(size_t(heads), 0.02f);
+  f.v_channel.assign(size_t(heads) * hd, 0.03f), f.k_mean.assign(size_t(heads) * hd, 0.5f);
+  return f;
+}
+
+TEST(Fp8Plan, EachConstructorSaysWhatEveryLayerRuns) {
+  const Fp8Plan t = Fp8Plan::tensor(ScaleMode::STATIC, 3), d = Fp8Plan::tensor(ScaleMode::CALIBRATE, 3);
+  EXPECT_EQ(t.describe(), "tensor static on every layer");
+  EXPECT_EQ(d.describe(), "tensor dynamic on every layer");
+  EXPECT_FALSE(t.any_robust());
+  const Fp8Plan r = Fp8Plan::robust_dynamic(ScaleMode::DYNAMIC, 2);
+  EXPECT_EQ(r.at(1), LayerScheme::ROBUST_DYNAMIC);
+  EXPECT_TRUE(r.fine(1).empty());
+  EXPECT_HAS(error_of([] { Fp8Plan::robust_dynamic(ScaleMode::STATIC, 2); }), "robust_static");
+
+  // Static robust: an empty layer runs per tensor, the others their own arrays, as given.
+  std::vector<FineScales> fine = {FineScales{}, fine_for(2, 8), fine_for(2, 8)};
+  fine[2].qk_split.assign(size_t(2 * fp8_split_pairs(8)), -1);  // 4 slots a head at head_dim 8
+  fine[2].qk_split[0] = 3;
+  const Fp8Plan s = Fp8Plan::robust_static(fine, 2, 8);
+  EXPECT_EQ(s.describe(), "robust static on layers 1,2; tensor static on layer 0");
+  EXPECT_EQ(s.at(0), LayerScheme::TENSOR_STATIC);
+  EXPECT_EQ(s.fine(2), fine[2]);
+  EXPECT_TRUE(s.any_robust());
+  EXPECT_EQ(Fp8Plan().describe(), "no layers");
+}
+
+TEST(Fp8Plan, FineScalesOfAnotherShapeAndABookThatDisagreesAreRefused) {
+  std::vector<FineScales> fine = {fine_for(2, 8), fine_for(2, 8)};
+  fine[1].k_mean.pop_back();
+  EXPECT_HAS(error_of([&] { Fp8Plan::robust_static(fine, 2, 8); }),
+             "layer 1's fine scales are for 2 heads (fovea_q_head; fovea_k_head 2) and 16 V channels (15 K means); "
+             "the model has 2 heads of 8");
+  fine[1] = fine_for(3, 8);
+  EXPECT_HAS(error_of([&] { Fp8Plan::robust_static(fine, 2, 8); }), "layer 1's fine scales are for 3 heads");
+  fine[1] = fine_for(2, 8);
+  fine[1].qk_split = {9, 9, 9, 9, 9, 9, 9, 9};  // pair 9 of 4
+  EXPECT_HAS(error_of([&] { Fp8Plan::robust_static(fine, 2, 8); }), "layer 1's fovea_qk_split");
+  fine[1].qk_split.clear();
+  const Fp8Plan plan = Fp8Plan::robust_static(fine, 2, 8);
+  EXPECT_NO_THROW(plan.check_book(ScaleBook::fixed(std::vector<QkvScales>(2)), "forward"));
+  EXPECT_HAS(error_of([&] { plan.check_book(ScaleBook::dynamic(2), "forward"); }),
+             "forward: a dynamic scale book for an FP8 plan of static scales");
+  EXPECT_HAS(error_of([&] { plan.check_book(ScaleBook::fixed(std::vector<QkvScales>(3)), "encoder"); }),
+             "encoder: a scale book of 3 layers for an FP8 plan of 2");
+  EXPECT_HAS(error_of([&] {
+               Fp8Plan::tensor(ScaleMode::DYNAMIC, 2).check_book(ScaleBook::fixed({{}, {}}), "x");
+             }),
+             "x: a static scale book for an FP8 plan of dynamic scales");
 }

@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "fovea/fp8-plan.h"
 #include "fovea/scales.h"
 
 typedef struct CUstream_st* cudaStream_t;  // as cuda_runtime_api.h declares it
@@ -231,18 +232,33 @@ class DeviceFineHistory {
   void check(const FineHistory& h) const;
 };
 
-// Where prepare() finds one layer's FP8 scales in device memory: per tensor (fixed or dynamic), or
-// the robust scheme's arrays (all four set), which prepare() either reads as they are (static) or,
-// with fine_current, first fills from this batch (one extra launch, all on the device, so it replays
-// in a graph): with fine_ring from the batch and the layer's history as ScaleBook::record_fine does
-// (updating the history), without it as cpu::current_fine_scales does (this batch alone).
+// Where prepare() finds one layer's FP8 scales in device memory, by the layer's scheme
+// (fovea/fp8-plan.h): per tensor fixed (q, k, v) or dynamic (the layer's amax ring, updated in
+// place), or the robust scheme's arrays, which prepare() reads as they are (ROBUST_STATIC) or first
+// fills from this batch (ROBUST_DYNAMIC: one extra launch, all on the device, so it replays in a
+// graph), with `ring` from the batch and the layer's history as ScaleBook::record_fine does (updating
+// the history), or, with `ring` all null, as cpu::current_fine_scales does (this batch alone).
+// BF16 attention reads none of it. Make one with the functions below; prepare() checks that the
+// scheme's pointers are all there.
 struct DeviceScales {
-  const float* fixed = nullptr;  // static scales: device float[3] (q, k, v)
-  LayerAmax* dynamic = nullptr;  // dynamic scaling: device LayerAmax, updated in place by prepare()
-  FineArrays fine;
-  bool fine_current = false;
-  FineRing fine_ring;  // with fine_current: the layer's history, or all null
+  LayerScheme scheme = LayerScheme::TENSOR_STATIC;
+  const float* fixed = nullptr;  // TENSOR_STATIC: device float[3]
+  LayerAmax* dynamic = nullptr;  // TENSOR_DYNAMIC: device LayerAmax
+  FineArrays fine;               // ROBUST_*
+  FineRing ring;                 // ROBUST_DYNAMIC: the layer's history, or all null
 };
+inline DeviceScales tensor_static_scales(const float* qkv) {
+  return {LayerScheme::TENSOR_STATIC, qkv, nullptr, {}, {}};
+}
+inline DeviceScales tensor_dynamic_scales(LayerAmax* state) {
+  return {LayerScheme::TENSOR_DYNAMIC, nullptr, state, {}, {}};
+}
+inline DeviceScales robust_static_scales(const FineArrays& arrays) {
+  return {LayerScheme::ROBUST_STATIC, nullptr, nullptr, arrays, {}};
+}
+inline DeviceScales robust_dynamic_scales(const FineArrays& filled, const FineRing& history = {}) {
+  return {LayerScheme::ROBUST_DYNAMIC, nullptr, nullptr, filled, history};
+}
 
 // Fused RoPE + quantize + layout step and the Hopper flash-attention kernel for one attention shape.
 //   plan()    once per batch shape (not capturable: may allocate, encodes TMA maps); its uploads of

@@ -41,13 +41,11 @@ struct EncoderOptions {
   // The blocks' qkv, proj, fc1 and fc2 as FP8 GEMMs (E4M3, per-token activation and per-channel
   // weight scales, fp32 accumulation; docs/fp8.md §FP8 linears). fovea's own option, off by default.
   bool fp8_linears = false;
-  // FP8 only: the scheme robust to outlier channels (docs/fp8.md §Outlier channels). With a DYNAMIC
-  // or CALIBRATE book every layer's arrays come from its batch and its history (the book's
-  // FineHistory, kept on the device; sync_scales() copies it back), with a STATIC one from
-  // `fine_scales` (one per layer, a scale file's fovea_* fields; an empty one: that layer runs
-  // per-tensor with the book's scales, as `--fp8-scheme auto` picks).
-  bool fp8_robust = false;
-  const std::vector<FineScales>* fine_scales = nullptr;
+  // FP8 only: what each layer quantizes with (fovea/fp8-plan.h; copied; the book's mode and layers
+  // must match it): per tensor, or the robust scheme (docs/fp8.md §Outlier channels) with the file's
+  // arrays (static) or with arrays from each batch and the layer's history, kept on the device
+  // (sync_scales() copies it back). Null: every layer per tensor, as the book's mode says.
+  const Fp8Plan* fp8_plan = nullptr;
   AttnBackend backend = AttnBackend::FOVEA;  // FOVEA (Hopper) or CUDNN (BF16, sm_80 and later)
 };
 

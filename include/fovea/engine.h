@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "fovea/attention.h"
+#include "fovea/fp8-plan.h"
 #include "fovea/scales.h"
 #include "fovea/system.h"
 
@@ -40,14 +41,14 @@ struct EngineConfig {
   bool fp8_linears = false;             // docs/fp8.md §FP8 linears
   // FP8 only: the scheme robust to outlier channels (docs/fp8.md §Outlier channels: K smoothing,
   // per-head Q/K and per-channel V scales, split pairs) instead of per-tensor scales; how auto was
-  // resolved. With fp8_auto_layers (auto with a static file) only the layers robust_layer() names run
-  // it, the others their per-tensor q/k/v.
+  // resolved. With fp8_auto_layers (auto with a static file) only the layers whose file entry reaches
+  // kAutoRobustGain run it, the others their per-tensor q/k/v.
   bool fp8_robust = false;
   bool fp8_auto_layers = false;
   std::string scheme_note;
-  bool robust_layer(int layer) const;
-  // Static robust: each layer's fine scales from the file, empty where the layer runs per-tensor.
-  std::vector<FineScales> fine_scales(int num_layers) const;
+  // FP8 only: what each layer of a model of `layers` blocks of `heads` x `head_dim` quantizes with,
+  // from the above (a static file's fine scales checked against the model's shape here).
+  Fp8Plan fp8_plan(int layers, int heads, int head_dim) const;
 };
 
 // Why a backend cannot run dtype on this device and machine, or nullopt if it can.

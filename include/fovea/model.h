@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "fovea/attention.h"
+#include "fovea/fp8-plan.h"
 #include "fovea/scales.h"
 
 namespace fovea {
@@ -180,13 +181,9 @@ struct ForwardOptions {
   // The blocks' qkv, proj, fc1 and fc2 in FP8 (docs/fp8.md §FP8 linears): the emulation of what the
   // GPU encoder runs with EncoderOptions::fp8_linears.
   bool fp8_linears = false;
-  // FP8 attention with the scheme robust to outlier channels (docs/fp8.md §Outlier channels): K
-  // smoothed by a mean, per-head Q/K and per-channel V scales. Dynamic and calibrate: recorded in
-  // the scale book's FineHistory (ScaleBook::record_fine: the batch's K mean, scales over the last 16
-  // forwards); static: `fine_scales`, one per layer (a scale file's fovea_* fields, K mean included;
-  // an empty one: that layer runs per-tensor with the book's scales, as `--fp8-scheme auto` picks).
-  bool fp8_robust = false;
-  const std::vector<FineScales>* fine_scales = nullptr;
+  // FP8: what each layer quantizes with (fovea/fp8-plan.h; the book's mode and layers must match it);
+  // null: every layer per tensor, as the book's mode says.
+  const Fp8Plan* fp8_plan = nullptr;
 };
 
 // x [rows, in] @ W^T + b as the FP8 linears compute it (docs/fp8.md §FP8 linears): each row of x and

@@ -301,6 +301,8 @@ class EncoderRunner {
   // Non-finite amax values the scale book has ignored so far, all layers, as of the last finished
   // batch (0 for BF16 and static scales). No synchronization: the rings come back with the outputs.
   uint64_t nonfinite_amax() const;
+  // FP8: what each layer's attention quantizes with (empty for BF16).
+  const Fp8Plan& fp8_plan() const { return plan_; }
 
  private:
   struct Gpu;
@@ -317,7 +319,7 @@ class EncoderRunner {
   const qwen3vl::Model& model_;
   EngineConfig cfg_;
   std::optional<ScaleBook> book_;
-  std::vector<FineScales> fine_;  // static robust FP8: the scale file's fine scales per layer
+  Fp8Plan plan_;  // FP8: what each layer quantizes with
   std::unique_ptr<Gpu> gpu_;
   std::deque<std::unique_ptr<Flight>> flights_;
   EncoderOutputsBf16 cpu_views_;                                        // what finish_views() points into on the CPU

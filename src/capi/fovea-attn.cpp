@@ -329,10 +329,8 @@ void cpu_attend(fovea_attn& h, const fovea_attn_view& out) {
 // ---- the GPU backends ------------------------------------------------------------------------------
 #if FOVEA_HAVE_CUDA
 cuda::DeviceScales device_scales(const fovea_attn_scales* s) {
-  cuda::DeviceScales ds;
-  if (s && s->mode == FOVEA_ATTN_SCALES_STATIC) ds.fixed = s->fixed;
-  if (s && s->mode == FOVEA_ATTN_SCALES_DYNAMIC) ds.dynamic = static_cast<LayerAmax*>(s->state);
-  return ds;
+  if (s && s->mode == FOVEA_ATTN_SCALES_DYNAMIC) return cuda::tensor_dynamic_scales(static_cast<LayerAmax*>(s->state));
+  return cuda::tensor_static_scales(s && s->mode == FOVEA_ATTN_SCALES_STATIC ? s->fixed : nullptr);
 }
 
 bool capturing(cudaStream_t stream) {

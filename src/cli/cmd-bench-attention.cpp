@@ -330,23 +330,11 @@ struct BenchScales {
                             split[size_t(set)].data()};
   }
   cuda::DeviceScales static_scales(bool robust) const {
-    cuda::DeviceScales sc;
-    if (robust)
-      sc.fine = fine_arrays(0);
-    else
-      sc.fixed = fixed.data();
-    return sc;
+    return robust ? cuda::robust_static_scales(fine_arrays(0)) : cuda::tensor_static_scales(fixed.data());
   }
   cuda::DeviceScales dynamic_scales(bool robust) const {
-    cuda::DeviceScales sc;
-    if (robust) {
-      sc.fine = fine_arrays(1);
-      sc.fine_current = true;
-      sc.fine_ring = history.ring();
-    } else {
-      sc.dynamic = amax.data();
-    }
-    return sc;
+    return robust ? cuda::robust_dynamic_scales(fine_arrays(1), history.ring())
+                  : cuda::tensor_dynamic_scales(amax.data());
   }
 };
 

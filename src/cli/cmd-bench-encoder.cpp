@@ -109,8 +109,8 @@ std::vector<QkvScales> calibrate(const Bench& b, const Batch& in) {
   return book.calibrated(kDefaultScaleMargin);
 }
 
-// The encoder a mode names; FP8 modes take their scales from `book`.
-qwen3vl::cuda::EncoderOptions encoder_options(const std::string& name, ScaleBook& book) {
+// The encoder a mode names; FP8 modes take their scales from `book`, fp8-robust its plan from `plan`.
+qwen3vl::cuda::EncoderOptions encoder_options(const std::string& name, ScaleBook& book, Fp8Plan& plan) {
   const std::string mode = attention_mode(name);
   qwen3vl::cuda::EncoderOptions o;
   const bool bf16 = mode == "bf16" || mode == "cudnn-bf16";
@@ -118,7 +118,10 @@ qwen3vl::cuda::EncoderOptions encoder_options(const std::string& name, ScaleBook
   o.scales = bf16 ? nullptr : &book;
   o.backend = mode == "cudnn-bf16" ? AttnBackend::CUDNN : AttnBackend::FOVEA;  // cudnn-bf16: the CUDNN backend
   o.fp8_linears = mode != name;
-  o.fp8_robust = mode == "fp8-robust";  // the robust scheme, each layer's arrays from its own batch
+  if (mode == "fp8-robust") {  // the robust scheme, each layer's arrays from its own batch
+    plan = Fp8Plan::robust_dynamic(book.mode(), book.num_layers());
+    o.fp8_plan = &plan;
+  }
   return o;
 }
 
@@ -139,7 +142,8 @@ void bench_resolution(const Bench& b, const Resolution& r, nlohmann::ordered_jso
     ScaleBook book = attention_mode(mode) == "fp8-static"
                          ? ScaleBook::fixed(calibrated ? *calibrated : calibrate(b, in))
                          : ScaleBook::dynamic(b.model.config.depth);
-    qwen3vl::cuda::Encoder enc(b.model, encoder_options(mode, book));
+    Fp8Plan plan;
+    qwen3vl::cuda::Encoder enc(b.model, encoder_options(mode, book, plan));
     enc.plan(in.grids);
     enc.upload_pixels(in.px, b.s);
     enc.forward(b.s);  // eager once: cuBLASLt picks algorithms outside the capture

@@ -52,7 +52,7 @@ int run(const Args& a) {
   fmt::print("fovea check-golden | {} | {} | device {} | {} attention{}{}{}\n", a.model, a.golden,
              device_name(cfg.device), dtype_name(cfg.dtype),
              book ? fmt::format(" ({} scales)", scale_mode_name(book->mode())) : "",
-             cfg.fp8_robust ? ", robust scheme" : "", cfg.fp8_linears ? " | fp8 linears" : "");
+             book ? ": " + runner.fp8_plan().describe() : "", cfg.fp8_linears ? " | fp8 linears" : "");
   fmt::print("{:<12} | {:>14} | {:>12} | {:>18} | {:>12}\n", "output", "rel_l2 vs ref", "mean cosine",
              "transformers bf16", "ratio");
   nlohmann::ordered_json rows = nlohmann::ordered_json::array();

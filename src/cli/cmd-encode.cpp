@@ -341,6 +341,7 @@ void encode_all(const Args& a, const EngineConfig& cfg, Loaded& l, std::vector<P
       "plan {:.1f}, upload {:.1f}, forward {:.1f}, download {:.1f}\n",
       l.load_ms, l.setup_ms, ok.size(), patches, dtype_name(cfg.dtype), cfg.fp8_linears ? ", fp8 linears" : "",
       device_name(cfg.device), forward_ms, rt.plan, rt.upload, rt.forward, rt.download);
+  if (cfg.dtype == AttnDtype::FP8) fmt::print("FP8 attention: {}\n", l.runner->fp8_plan().describe());
 }
 
 int run(const Args& a) {

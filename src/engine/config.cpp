@@ -227,19 +227,21 @@ EngineConfig resolve_engine(const EngineOptions& opt, const SystemInfo& sys) {
   return cfg;
 }
 
-bool EngineConfig::robust_layer(int layer) const {
-  if (!fp8_robust) return false;
-  if (!fp8_auto_layers) return true;
-  const auto it = scale_file->fine.find(layer);
-  return it != scale_file->fine.end() && auto_runs_robust(it->second);
-}
-
-std::vector<FineScales> EngineConfig::fine_scales(int num_layers) const {
-  std::vector<FineScales> out;
-  if (!fp8_robust || !scale_file) return out;
-  for (int l = 0; l < num_layers; ++l)  // every layer is in the file: checked by scales_for_model
-    out.push_back(robust_layer(l) ? scale_file->fine.at(l) : FineScales{});
-  return out;
+Fp8Plan EngineConfig::fp8_plan(int layers, int heads, int head_dim) const {
+  if (!scale_mode) fail("FP8 plan requested, but the engine runs {} attention", dtype_name(dtype));
+  if (!fp8_robust) return Fp8Plan::tensor(*scale_mode, layers);
+  if (!scale_file) return Fp8Plan::robust_dynamic(*scale_mode, layers);
+  std::vector<FineScales> fine;  // every layer is in the file (scales_for_model checks that)
+  for (int l = 0; l < layers; ++l) {
+    const auto it = scale_file->fine.find(l);
+    const bool robust = it != scale_file->fine.end() && (!fp8_auto_layers || auto_runs_robust(it->second));
+    fine.push_back(robust ? it->second : FineScales{});
+  }
+  try {
+    return Fp8Plan::robust_static(std::move(fine), heads, head_dim);
+  } catch (const Error& e) {
+    fail("--mm-encoder-fp8-scale-path '{}': {}", scale_path, e.what());
+  }
 }
 
 ScaleBook make_scale_book(const EngineConfig& cfg, int num_layers) {

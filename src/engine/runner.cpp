@@ -48,12 +48,14 @@ struct EncoderRunner::Flight {
 };
 
 EncoderRunner::EncoderRunner(const qwen3vl::Model& m, const EngineConfig& cfg) : model_(m), cfg_(cfg) {
-  if (cfg.dtype == AttnDtype::FP8) book_ = make_scale_book(cfg, m.config.depth);
-  fine_ = cfg.fine_scales(m.config.depth);  // static robust: the file's, empty for a per-tensor layer under auto
+  if (cfg.dtype == AttnDtype::FP8) {
+    book_ = make_scale_book(cfg, m.config.depth);
+    plan_ = cfg.fp8_plan(m.config.depth, m.config.heads, m.config.head_dim());
+  }
   if (cfg.device == Device::CUDA) {
 #if FOVEA_HAVE_CUDA
-    gpu_ = std::make_unique<Gpu>(m, qwen3vl::cuda::EncoderOptions{cfg.dtype, book(), cfg.fp8_linears, cfg.fp8_robust,
-                                                                  fine_.empty() ? nullptr : &fine_, cfg.backend});
+    gpu_ = std::make_unique<Gpu>(
+        m, qwen3vl::cuda::EncoderOptions{cfg.dtype, book(), cfg.fp8_linears, book_ ? &plan_ : nullptr, cfg.backend});
 #else
     fail("--device cuda: this fovea was built without CUDA");
 #endif
@@ -81,8 +83,7 @@ void EncoderRunner::start_cpu(const Batch& batch, bool with_deepstack) {
   o.attention = cfg_.dtype == AttnDtype::FP8 ? cpu::RefMode::FP8 : cpu::RefMode::BF16;
   o.scales = book();
   o.fp8_linears = cfg_.fp8_linears;
-  o.fp8_robust = cfg_.fp8_robust;
-  o.fine_scales = fine_.empty() ? nullptr : &fine_;
+  o.fp8_plan = book_ ? &plan_ : nullptr;
   o.keep_intermediates = intermediates_ != nullptr;
   f->cpu = qwen3vl::forward_cpu(model_, batch.pixels, batch.grids, o);
   f->host.forward = f->host.gpu = lap(t);

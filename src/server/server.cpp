@@ -258,6 +258,8 @@ int serve(const ServeOptions& o) {
       engine.scale_mode ? fmt::format(" ({} scales)", scale_mode_name(*engine.scale_mode)) : "",
       device_name(engine.device), backend_name(engine.backend), o.max_batch_tokens, o.max_queue, replicas.size(),
       fmt::join(replica_names(replicas), ", "));
+  if (engine.dtype == AttnDtype::FP8)
+    fmt::print("fovea serve: FP8 attention: {}\n", engine.fp8_plan(cfg.depth, cfg.heads, cfg.head_dim()).describe());
   if (cache) {
     const EcCache::Stats s = cache->stats();
     fmt::print(

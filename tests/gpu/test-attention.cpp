@@ -131,11 +131,7 @@ struct DynamicScales {
     for (auto& t : fresh.t) amax_history_reset(t);
     upload(buf, {fresh});
   }
-  cuda::DeviceScales scales() const {
-    cuda::DeviceScales s;
-    s.dynamic = buf.data();
-    return s;
-  }
+  cuda::DeviceScales scales() const { return cuda::tensor_dynamic_scales(buf.data()); }
   LayerAmax download() const { return ::download(buf)[0]; }
 };
 
@@ -364,8 +360,7 @@ TEST(FlashAttentionGpuStatic, UsesTheGivenScales) {
   upload(fixed, {s.q, s.k, s.v});
   cuda::FlashAttention attn(AttnDtype::FP8, int(H), int(hd));
   attn.plan(p.shape.cu_seqlens);
-  cuda::DeviceScales scales;
-  scales.fixed = fixed.data();
+  const cuda::DeviceScales scales = cuda::tensor_static_scales(fixed.data());
   FOVEA_CUDA_CHECK(cudaMemset(d.out.data(), 0xFF, d.out.bytes()));
   attn.prepare(d.qkv.data(), 3 * H * hd, d.cos.data(), d.sin.data(), scales, nullptr);
   attn.attend(d.out.data(), nullptr);
@@ -469,8 +464,7 @@ struct CapacityBuffers {
     FOVEA_CUDA_CHECK(cudaMemset(out.data(), 0xFF, out.bytes()));
   }
   void run(cuda::FlashAttention& attn, cudaStream_t stream) {
-    cuda::DeviceScales scales;
-    scales.fixed = fixed.data();
+    const cuda::DeviceScales scales = cuda::tensor_static_scales(fixed.data());
     attn.schedule(cu.data(), int(cu.count()) - 1, stream);
     attn.prepare(qkv.data(), 3 * int64_t(H) * hd, cos.data(), sin.data(), scales, stream);
     attn.attend(out.data(), stream);
@@ -609,10 +603,8 @@ struct DeviceFine {
     if (qk_split.count()) FOVEA_CUDA_CHECK(cudaMemset(qk_split.data(), 0x7F, qk_split.bytes()));  // no pair index
   }
   cuda::DeviceScales scales(bool current) {
-    cuda::DeviceScales s;
-    s.fine = {k_mean.data(), q_head.data(), k_head.data(), v_channel.data(), qk_split.data()};
-    s.fine_current = current;
-    return s;
+    const cuda::FineArrays a{k_mean.data(), q_head.data(), k_head.data(), v_channel.data(), qk_split.data()};
+    return current ? cuda::robust_dynamic_scales(a) : cuda::robust_static_scales(a);
   }
   void set(const cpu::Fp8Fine& f) {
     upload(k_mean, f.k_mean), upload(q_head, f.q_head), upload(k_head, f.k_head), upload(v_channel, f.v_channel);
@@ -783,7 +775,7 @@ TEST(FlashAttentionGpuRobustGraph, HistoryReplaysAsTheHostBook) {
     book.enable_fine(H, hd);
     cuda::DeviceFineHistory history(book.fine_state()[0]);
     cuda::DeviceScales scales = fine.scales(true);
-    scales.fine_ring = history.ring();
+    scales.ring = history.ring();
     cuda::FlashAttention attn(AttnDtype::FP8, H, hd);
     attn.plan(p.shape.cu_seqlens);
     CapturedAttention graph(attn, d, scales);

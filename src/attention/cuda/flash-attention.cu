@@ -233,6 +233,40 @@ int FlashAttention::layout_error(cudaStream_t stream) const {
   return status;
 }
 
+namespace {
+
+// The pointers `scales`' scheme needs, all there (BF16 attention reads none).
+void check_scales(const DeviceScales& scales, bool fp8, int head_dim) {
+  const FineArrays& f = scales.fine;
+  const FineRing& r = scales.ring;
+  if (!fp8) {
+    if (is_robust(scales.scheme) && f.q_head) fail_cat("FOVEA attention: fine FP8 scales given to a bf16 attention");
+    return;
+  }
+  switch (scales.scheme) {
+    case LayerScheme::TENSOR_STATIC:
+      if (!scales.fixed) fail_cat("FOVEA attention: FP8 with static scales needs the q, k, v scales (fixed)");
+      return;
+    case LayerScheme::TENSOR_DYNAMIC:
+      if (!scales.dynamic) fail_cat("FOVEA attention: FP8 with dynamic scales needs the layer's amax state");
+      return;
+    case LayerScheme::ROBUST_STATIC:
+    case LayerScheme::ROBUST_DYNAMIC: break;
+  }
+  if (!(f.q_head && f.k_head && f.k_mean && f.v_channel))
+    fail_cat("FOVEA attention: the robust FP8 scheme needs all four arrays (k_mean, q_head, k_head, v_channel)");
+  if (fp8_split_pairs(head_dim) > 0 && !f.qk_split)
+    fail_cat("FOVEA attention: the robust FP8 scheme at head_dim ", head_dim,
+             " needs its qk_split array (all -1: none)");
+  const bool ring = r.q || r.k || r.v || r.k_sum || r.k_hi || r.k_lo || r.q_hi || r.counts;
+  if (ring && !(r.q && r.k && r.v && r.k_sum && r.k_hi && r.k_lo && r.q_hi && r.counts))
+    fail_cat("FOVEA attention: the robust scheme's history needs all its arrays");
+  if (ring && scales.scheme == LayerScheme::ROBUST_STATIC)
+    fail_cat("FOVEA attention: a fine history given with static robust arrays");
+}
+
+}  // namespace
+
 void FlashAttention::prepare(const void* qkv, int64_t qkv_token_stride, const float* rope_cos, const float* rope_sin,
                              const DeviceScales& scales, cudaStream_t stream) {
   Impl& m = *impl_;
@@ -243,16 +277,9 @@ void FlashAttention::prepare(const void* qkv, int64_t qkv_token_stride, const fl
              " must be >= 3*H*hd = ", 3 * m.shape.heads * m.shape.head_dim, " and a multiple of 8 (16-byte rows)");
   if (reinterpret_cast<uintptr_t>(qkv) % 16 != 0) fail_cat("FOVEA attention: qkv must be 16-byte aligned");
   if (bool(rope_cos) != bool(rope_sin)) fail_cat("FOVEA attention: give both RoPE tables or neither");
+  check_scales(scales, m.fp8, m.shape.head_dim);
   const FineArrays& fine = scales.fine;
-  const bool robust = fine.q_head || fine.k_head || fine.k_mean || fine.v_channel;
-  if (robust && !(fine.q_head && fine.k_head && fine.k_mean && fine.v_channel))
-    fail_cat("FOVEA attention: the robust FP8 scheme needs all four arrays (k_mean, q_head, k_head, v_channel)");
-  if (robust && fp8_split_pairs(m.shape.head_dim) > 0 && !fine.qk_split)
-    fail_cat("FOVEA attention: the robust FP8 scheme at head_dim ", m.shape.head_dim,
-             " needs its qk_split array (all -1: none)");
-  if (robust && !m.fp8) fail_cat("FOVEA attention: fine FP8 scales given to a bf16 attention");
-  if (m.fp8 && !robust && !scales.fixed && !scales.dynamic)
-    fail_cat("FOVEA attention: FP8 needs scales (static, dynamic or the robust scheme's arrays)");
+  const bool robust = m.fp8 && is_robust(scales.scheme);
   PrepareArgs a;
   a.qkv = static_cast<const __nv_bfloat16*>(qkv);
   a.qkv_token_stride = qkv_token_stride;
@@ -267,29 +294,23 @@ void FlashAttention::prepare(const void* qkv, int64_t qkv_token_stride, const fl
   a.q = m.q();
   a.k = m.k();
   a.vt = m.vt();
-  a.fixed = scales.dynamic ? nullptr : scales.fixed;
-  a.dynamic = scales.dynamic;
+  a.fixed = scales.scheme == LayerScheme::TENSOR_STATIC ? scales.fixed : nullptr;
+  a.dynamic = scales.scheme == LayerScheme::TENSOR_DYNAMIC ? scales.dynamic : nullptr;
   a.amax_scratch = m.d_scratch.data();
   a.amax_done = m.d_scratch.data() + 3;
   FineLaunch fl;
   if (robust) {
-    a.fixed = nullptr, a.dynamic = nullptr;
     fl.arrays = fine;
-    fl.current = scales.fine_current;
+    fl.current = scales.scheme == LayerScheme::ROBUST_DYNAMIC;
     fl.scratch = m.fine_scratch;
-    const FineRing& r = scales.fine_ring;
-    const bool ring = r.q || r.k || r.v || r.k_sum || r.k_hi || r.k_lo || r.q_hi || r.counts;
-    if (ring && !(r.q && r.k && r.v && r.k_sum && r.k_hi && r.k_lo && r.q_hi && r.counts))
-      fail_cat("FOVEA attention: the robust scheme's history needs all its arrays");
-    if (ring && !scales.fine_current) fail_cat("FOVEA attention: a fine history given with static robust arrays");
-    fl.ring = r;
+    fl.ring = scales.ring;
   }
   launch_prepare(a, m.fp8, m.shape.head_dim, stream, robust ? &fl : nullptr);
   m.fine = robust;
   if (robust) {
     m.scale_ptr[0] = fine.q_head, m.scale_ptr[1] = fine.k_head, m.scale_ptr[2] = fine.v_channel;
   } else if (m.fp8) {
-    for (int i = 0; i < 3; ++i) m.scale_ptr[i] = scales.dynamic ? &scales.dynamic->t[i].scale : scales.fixed + i;
+    for (int i = 0; i < 3; ++i) m.scale_ptr[i] = a.dynamic ? &a.dynamic->t[i].scale : a.fixed + i;
   }
   m.prepared = true;
 }

@@ -28,11 +28,14 @@ struct Encoder::Impl {
   std::unique_ptr<fovea::cuda::Attention> attn;  // FOVEA or CUDNN
   LayerAmax* amax = nullptr;                     // FP8 dynamic / calibrate: [depth] rings on the device
   float* fixed = nullptr;                        // FP8 static: [depth][3]
-  // FP8 robust scheme: [depth] layers' arrays (static), or one set every layer refills (dynamic,
-  // calibrate) from its batch and its history on the device (the book's, copied back by sync_scales).
-  std::vector<fovea::cuda::FineArrays> fine;
-  bool fine_current = false;
+  Fp8Plan plan;                                  // FP8: each layer's scheme
+  // The robust scheme: ROBUST_STATIC layers' arrays [depth] (the others' null), and the one set every
+  // ROBUST_DYNAMIC layer refills from its batch and its history on the device (the book's, copied back
+  // by sync_scales).
+  std::vector<fovea::cuda::FineArrays> fine_static;
+  fovea::cuda::FineArrays fine_batch;
   std::vector<fovea::cuda::DeviceFineHistory> fine_hist;
+  fovea::cuda::DeviceScales layer_scales(int layer) const;
   // Per plan():
   std::vector<GridThw> grids;
   int64_t n = 0;

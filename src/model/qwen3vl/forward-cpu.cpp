@@ -179,27 +179,15 @@ ForwardResult forward_cpu(const Model& m, const std::vector<float>& pixels, cons
   if (int64_t(pixels.size()) != checked_mul<int64_t>(N, c.patch_dim(), "forward: pixel values"))
     fail("forward: pixel_values has {} values, expected N x {} = {} for the given grids", pixels.size(), c.patch_dim(),
          N * c.patch_dim());
-  if (opt.attention == cpu::RefMode::FP8 && (!opt.scales || opt.scales->num_layers() != c.depth))
-    fail("forward: FP8 attention needs a scale book with {} layers", c.depth);
-  if (opt.fine_scales) {
-    if (!opt.fp8_robust || opt.attention != cpu::RefMode::FP8)
-      fail("forward: fine scales are for the robust FP8 scheme");
-    if (opt.fine_scales->size() != size_t(c.depth))
-      fail("forward: fine scales for {} layers, the model has {}", opt.fine_scales->size(), c.depth);
-    for (size_t l = 0; l < opt.fine_scales->size(); ++l) {
-      const FineScales& f = (*opt.fine_scales)[l];
-      if (f.empty() && f == FineScales{}) continue;  // this layer runs per-tensor (auto)
-      if (f.q_head.size() != size_t(H) || f.k_head.size() != size_t(H) || f.v_channel.size() != size_t(H) * hd ||
-          f.k_mean.size() != size_t(H) * hd)
-        fail(
-            "forward: layer {}'s fine scales are for {} heads and {} V channels ({} K means); the model has {} heads "
-            "of {}",
-            l, f.q_head.size(), f.v_channel.size(), f.k_mean.size(), H, hd);
-      check_split_pairs(f.qk_split, H, hd, fmt::format("forward: layer {}'s qk_split", l));
-    }
+  Fp8Plan plan;
+  if (opt.attention == cpu::RefMode::FP8) {
+    if (!opt.scales) fail("forward: FP8 attention needs a scale book with {} layers", c.depth);
+    plan = opt.fp8_plan ? *opt.fp8_plan : Fp8Plan::tensor(opt.scales->mode(), c.depth);
+    plan.check_book(*opt.scales, "forward");
+    if (plan.any(LayerScheme::ROBUST_DYNAMIC)) opt.scales->enable_fine(H, hd);
+  } else if (opt.fp8_plan) {
+    fail("forward: an FP8 plan for {} attention", cpu::ref_mode_name(opt.attention));
   }
-
-  if (opt.attention == cpu::RefMode::FP8 && opt.fp8_robust && !opt.fine_scales) opt.scales->enable_fine(H, hd);
 
   ForwardResult res;
   std::vector<float> x = linear(W.patch_embed, pixels, N, opt.threads);
@@ -227,19 +215,23 @@ ForwardResult forward_cpu(const Model& m, const std::vector<float>& pixels, cons
     cpu::RefOptions ro;
     ro.mode = opt.attention;
     ro.threads = opt.threads;
-    const bool robust = opt.fp8_robust && !(opt.fine_scales && opt.fine_scales->at(size_t(layer)).empty());
-    if (ro.mode == cpu::RefMode::FP8 && robust) {
-      // Static: the file's arrays, K's calibrated mean included. Dynamic and calibrating: this batch
-      // recorded in the layer's history, its own K mean.
-      const FineScales f =
-          opt.fine_scales
-              ? opt.fine_scales->at(size_t(layer))
-              : opt.scales->record_fine(layer, cpu::fine_batch(shape, view(qkv, 0), view(qkv, 1), view(qkv, 2)));
-      ro.fp8_fine.k_mean = f.k_mean, ro.fp8_fine.q_head = f.q_head, ro.fp8_fine.k_head = f.k_head;
-      ro.fp8_fine.v_channel = f.v_channel, ro.fp8_fine.qk_split = f.qk_split;
-    } else if (ro.mode == cpu::RefMode::FP8) {
-      ro.fp8_scales =
-          opt.scales->record(layer, amax(shape, view(qkv, 0)), amax(shape, view(qkv, 1)), amax(shape, view(qkv, 2)));
+    if (ro.mode == cpu::RefMode::FP8) {
+      FineScales f;
+      switch (plan.at(layer)) {
+        case LayerScheme::TENSOR_STATIC:
+        case LayerScheme::TENSOR_DYNAMIC:  // a static book returns its fixed scales
+          ro.fp8_scales = opt.scales->record(layer, amax(shape, view(qkv, 0)), amax(shape, view(qkv, 1)),
+                                             amax(shape, view(qkv, 2)));
+          break;
+        case LayerScheme::ROBUST_STATIC: f = plan.fine(layer); break;  // the file's, K's calibrated mean included
+        case LayerScheme::ROBUST_DYNAMIC:  // this batch in the layer's history, its own K mean
+          f = opt.scales->record_fine(layer, cpu::fine_batch(shape, view(qkv, 0), view(qkv, 1), view(qkv, 2)));
+          break;
+      }
+      if (is_robust(plan.at(layer))) {
+        ro.fp8_fine.k_mean = f.k_mean, ro.fp8_fine.q_head = f.q_head, ro.fp8_fine.k_head = f.k_head;
+        ro.fp8_fine.v_channel = f.v_channel, ro.fp8_fine.qk_split = f.qk_split;
+      }
     }
     std::vector<double> attn64(size_t(N) * D);
     cpu::attention(shape, view(qkv, 0), view(qkv, 1), view(qkv, 2), ro, attn64.data());

@@ -33,71 +33,64 @@ Encoder::~Encoder() = default;  // Impl frees every device allocation
 
 int64_t Encoder::tokens() const { return impl_->n; }
 
-// The FP8 attention's scales on the device: per tensor (static: uploaded; dynamic and calibrate:
-// the book's rings), or the robust scheme's arrays.
+// The FP8 attention's scales on the device, for the plan's schemes: static q/k/v uploaded, the
+// book's amax rings, the file's robust arrays, or the arrays and histories of the dynamic robust scheme.
 void Encoder::Impl::init_scales() {
-  auto upload_fixed = [&] {  // static per-tensor q, k, v of every layer
+  if (!opt.scales) fail_cat("encoder: FP8 attention needs a scale book with ", cfg.depth, " layers");
+  plan = opt.fp8_plan ? *opt.fp8_plan : Fp8Plan::tensor(opt.scales->mode(), cfg.depth);
+  plan.check_book(*opt.scales, "encoder");
+  opt.fp8_plan = nullptr;  // copied
+  const int H = cfg.heads, hd = cfg.head_dim();
+  const size_t cells = size_t(H) * size_t(hd);
+  auto arrays = [&](const FineScales* f) {  // uploads f, or allocates for the stats kernel to fill
+    fovea::cuda::FineArrays a;
+    auto put = [&](const std::vector<float>* v, size_t n) {
+      if (v) return upload_f32(*v, owned);
+      return alloc_in<float>(owned, n);
+    };
+    a.k_mean = put(f ? &f->k_mean : nullptr, cells);
+    a.q_head = put(f ? &f->q_head : nullptr, size_t(H));
+    a.k_head = put(f ? &f->k_head : nullptr, size_t(H));
+    a.v_channel = put(f ? &f->v_channel : nullptr, cells);
+    if (const size_t n = size_t(H) * size_t(fp8_split_pairs(hd))) {  // a file without them: no pair split
+      const std::vector<int32_t> none(n, -1), &split = f && !f->qk_split.empty() ? f->qk_split : none;
+      a.qk_split = alloc_in<int32_t>(owned, n);
+      if (f) FOVEA_CUDA_CHECK(cudaMemcpy(a.qk_split, split.data(), n * sizeof(int32_t), cudaMemcpyHostToDevice));
+    }
+    return a;
+  };
+  if (opt.scales->mode() == ScaleMode::STATIC) {  // every layer's q/k/v (the per-tensor layers read them)
     std::vector<float> f;
     for (int l = 0; l < cfg.depth; ++l)
       for (int t = 0; t < 3; ++t) f.push_back(opt.scales->scales(l)[t]);
     fixed = upload_f32(f, owned);
-  };
-  if (!opt.scales || opt.scales->num_layers() != cfg.depth)
-    fail_cat("encoder: FP8 attention needs a scale book with ", cfg.depth, " layers");
-  if (opt.fp8_robust) {
-    const int H = cfg.heads, hd = cfg.head_dim();
-    const size_t cells = size_t(H) * size_t(hd);
-    auto arrays = [&](const FineScales* f) {  // uploads f, or allocates for the stats kernel to fill
-      fovea::cuda::FineArrays a;
-      auto put = [&](const std::vector<float>* v, size_t n) {
-        if (v) return upload_f32(*v, owned);
-        return alloc_in<float>(owned, n);
-      };
-      a.k_mean = put(f ? &f->k_mean : nullptr, cells);
-      a.q_head = put(f ? &f->q_head : nullptr, size_t(H));
-      a.k_head = put(f ? &f->k_head : nullptr, size_t(H));
-      a.v_channel = put(f ? &f->v_channel : nullptr, cells);
-      if (const size_t n = size_t(H) * size_t(fp8_split_pairs(hd))) {  // a file without them: no pair split
-        const std::vector<int32_t> none(n, -1), &split = f && !f->qk_split.empty() ? f->qk_split : none;
-        a.qk_split = alloc_in<int32_t>(owned, n);
-        if (f) FOVEA_CUDA_CHECK(cudaMemcpy(a.qk_split, split.data(), n * sizeof(int32_t), cudaMemcpyHostToDevice));
-      }
-      return a;
-    };
-    switch (opt.scales->mode()) {
-      case ScaleMode::STATIC:
-        if (!opt.fine_scales || opt.fine_scales->size() != size_t(cfg.depth))
-          fail_cat("encoder: the robust FP8 scheme with static scales needs fine scales for all ", cfg.depth,
-                   " layers");
-        for (const FineScales& f : *opt.fine_scales) {
-          if (f.empty()) {  // a per-tensor layer (auto): its q/k/v below
-            fine.emplace_back();
-            continue;
-          }
-          if (f.q_head.size() != size_t(H) || f.k_head.size() != size_t(H) || f.v_channel.size() != cells ||
-              f.k_mean.size() != cells)
-            fail_cat("encoder: fine scales for ", f.q_head.size(), " heads and ", f.v_channel.size(),
-                     " V channels; the model has ", H, " heads of ", hd);
-          check_split_pairs(f.qk_split, H, hd, "encoder: fovea_qk_split");
-          fine.push_back(arrays(&f));
-        }
-        upload_fixed();
-        break;
-      case ScaleMode::DYNAMIC:
-      case ScaleMode::CALIBRATE:
-        fine.push_back(arrays(nullptr));
-        fine_current = true;
-        opt.scales->enable_fine(H, hd);
-        for (const FineHistory& h : opt.scales->fine_state()) fine_hist.emplace_back(h);
-        break;
-    }
-  } else if (opt.scales->mode() == ScaleMode::STATIC) {
-    upload_fixed();
-  } else {
+  }
+  if (plan.any(LayerScheme::TENSOR_DYNAMIC)) {
     amax = alloc_in<LayerAmax>(owned, size_t(cfg.depth));
     FOVEA_CUDA_CHECK(cudaMemcpy(amax, opt.scales->amax_state().data(), sizeof(LayerAmax) * size_t(cfg.depth),
                                 cudaMemcpyHostToDevice));
   }
+  if (plan.any(LayerScheme::ROBUST_STATIC))
+    for (int l = 0; l < cfg.depth; ++l)
+      fine_static.push_back(plan.at(l) == LayerScheme::ROBUST_STATIC ? arrays(&plan.fine(l))
+                                                                     : fovea::cuda::FineArrays{});
+  if (plan.any(LayerScheme::ROBUST_DYNAMIC)) {
+    fine_batch = arrays(nullptr);
+    opt.scales->enable_fine(H, hd);
+    for (const FineHistory& h : opt.scales->fine_state()) fine_hist.emplace_back(h);
+  }
+}
+
+fovea::cuda::DeviceScales Encoder::Impl::layer_scales(int l) const {
+  if (opt.dtype != AttnDtype::FP8) return {};
+  switch (plan.at(l)) {
+    case LayerScheme::TENSOR_STATIC: return fovea::cuda::tensor_static_scales(fixed + 3 * l);
+    case LayerScheme::TENSOR_DYNAMIC: return fovea::cuda::tensor_dynamic_scales(amax + l);
+    case LayerScheme::ROBUST_STATIC: return fovea::cuda::robust_static_scales(fine_static[size_t(l)]);
+    case LayerScheme::ROBUST_DYNAMIC:
+      return fovea::cuda::robust_dynamic_scales(fine_batch, fine_hist[size_t(l)].ring());
+  }
+  return {};
 }
 
 void Encoder::Impl::upload_weights(const Weights& W) {
@@ -190,16 +183,7 @@ void Encoder::forward(cudaStream_t s) {
     else
       m.layernorm(m.x, m.ln, b.norm1, n, s);
     linear(f8 ? nullptr : m.ln, b.qkv, m.qkv, nullptr, false);
-    fovea::cuda::DeviceScales sc;
-    if (!m.fine.empty() && (m.fine_current || m.fine[size_t(l)].q_head)) {
-      sc.fine = m.fine[m.fine_current ? 0 : size_t(l)];
-      sc.fine_current = m.fine_current;
-      if (m.fine_current) sc.fine_ring = m.fine_hist[size_t(l)].ring();
-    } else {
-      if (m.amax) sc.dynamic = m.amax + l;
-      if (m.fixed) sc.fixed = m.fixed + 3 * l;
-    }
-    m.attn->prepare(m.qkv, 3 * int64_t(D), m.cos, m.sin, sc, s);
+    m.attn->prepare(m.qkv, 3 * int64_t(D), m.cos, m.sin, m.layer_scales(l), s);
     m.attn->attend(m.att, s);
     linear(m.att, b.proj, m.x, m.x, false);  // + residual, in place
     if (f8)
