@@ -433,7 +433,8 @@ TEST_P(EncoderGpuOutliers, RobustFp8HoldsUpUnderOutlierChannels) {
   ForwardOptions fo;
   fo.attention = cpu::RefMode::FP8;
   fo.scales = &cpu_book;
-  fo.fp8_robust = true;
+  const Fp8Plan robust_dyn = Fp8Plan::robust_dynamic(ScaleMode::DYNAMIC, m.config.depth);
+  fo.fp8_plan = &robust_dyn;
   const ForwardResult emu = forward_cpu(m, px, kGrids, fo);
   const int O = m.config.out_hidden;
   auto run = [&](AttnDtype dt, bool robust) {
@@ -441,7 +442,7 @@ TEST_P(EncoderGpuOutliers, RobustFp8HoldsUpUnderOutlierChannels) {
     qwen3vl::cuda::EncoderOptions o;
     o.dtype = dt;
     o.scales = dt == AttnDtype::FP8 ? &book : nullptr;
-    o.fp8_robust = robust;
+    o.fp8_plan = robust ? &robust_dyn : nullptr;
     auto out = encode_once(m, o, px).back();
     for (float x : out) EXPECT_TRUE(std::isfinite(x));
     return out;
@@ -483,7 +484,8 @@ TEST_P(EncoderGpuOutliers, RobustCalibrationWritesFineScalesThatServeStatically)
     qwen3vl::cuda::EncoderOptions o;
     o.dtype = AttnDtype::FP8;
     o.scales = &cal;
-    o.fp8_robust = true;
+    const Fp8Plan plan = Fp8Plan::robust_dynamic(ScaleMode::CALIBRATE, m.config.depth);
+    o.fp8_plan = &plan;
     qwen3vl::cuda::Encoder enc(m, o);
     enc.plan(kGrids);
     for (int f = 0; f < 16; ++f) {
@@ -502,18 +504,20 @@ TEST_P(EncoderGpuOutliers, RobustCalibrationWritesFineScalesThatServeStatically)
   std::vector<FineScales> fine;
   for (int l = 0; l < m.config.depth; ++l) fine.push_back(file.fine.at(l));
   const ForwardResult exact = forward_cpu(m, held, kGrids);
-  auto run = [&](ScaleBook& book, const std::vector<FineScales>* f, bool robust) {
+  const int H = m.config.heads, hd = m.config.head_dim();
+  auto run = [&](ScaleBook& book, const Fp8Plan* plan) {
     qwen3vl::cuda::EncoderOptions o;
     o.dtype = AttnDtype::FP8;
     o.scales = &book;
-    o.fp8_robust = robust;
-    o.fine_scales = f;
+    o.fp8_plan = plan;
     return embedding_error(encode_once(m, o, held).back(), exact.merged, m.config.out_hidden);
   };
   ScaleBook dyn = ScaleBook::dynamic(m.config.depth), fixed = ScaleBook::fixed(scales_for_model(file, m.config.depth));
   ScaleBook fixed_tensor = fixed;
-  const auto e_dyn = run(dyn, nullptr, true), e_static = run(fixed, &fine, true),
-             e_tensor = run(fixed_tensor, nullptr, false);
+  const Fp8Plan robust_dyn = Fp8Plan::robust_dynamic(ScaleMode::DYNAMIC, m.config.depth),
+                robust_static = Fp8Plan::robust_static(fine, H, hd);
+  const auto e_dyn = run(dyn, &robust_dyn), e_static = run(fixed, &robust_static),
+             e_tensor = run(fixed_tensor, nullptr);
   std::printf(
       "robust calibration on the GPU (%s), held-out merged rel_l2 vs fp32: dynamic %.3e, static %.3e (%.2fx); "
       "per-tensor static %.3e\n",
@@ -529,25 +533,23 @@ TEST_P(EncoderGpuOutliers, RobustCalibrationWritesFineScalesThatServeStatically)
   // A mixed list (block 0 per-tensor, block 1 robust, as auto runs a file that asks for it on block 1
   // only): block 0's output (the first deepstack tap) is the per-tensor run's bit for bit, block 1's
   // follows the CPU emulation of the same list.
-  auto outputs = [&](const std::vector<FineScales>* f) {
+  auto outputs = [&](const Fp8Plan* plan) {
     ScaleBook book = ScaleBook::fixed(scales_for_model(file, m.config.depth));
     qwen3vl::cuda::EncoderOptions o;
     o.dtype = AttnDtype::FP8;
     o.scales = &book;
-    o.fp8_robust = f != nullptr;
-    o.fine_scales = f;
+    o.fp8_plan = plan;
     return encode_once(m, o, held, true);
   };
-  const std::vector<FineScales> mixed = {FineScales{}, fine[1]};
-  const auto g_tensor = outputs(nullptr), g_all = outputs(&fine), g_mixed = outputs(&mixed);
+  const Fp8Plan mixed = Fp8Plan::robust_static({FineScales{}, fine[1]}, H, hd);
+  const auto g_tensor = outputs(nullptr), g_all = outputs(&robust_static), g_mixed = outputs(&mixed);
   EXPECT_EQ(g_mixed[0], g_tensor[0]) << "block 0 per-tensor";
   EXPECT_NE(g_mixed[0], g_all[0]);
   ScaleBook cpu_fixed = ScaleBook::fixed(scales_for_model(file, m.config.depth));
   ForwardOptions fo;
   fo.attention = cpu::RefMode::FP8;
   fo.scales = &cpu_fixed;
-  fo.fp8_robust = true;
-  fo.fine_scales = &mixed;
+  fo.fp8_plan = &mixed;
   const ForwardResult emu = forward_cpu(m, held, kGrids, fo);
   const int O = m.config.out_hidden;
   const auto e_mixed = embedding_error(g_mixed.back(), exact.merged, O),
