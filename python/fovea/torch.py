@@ -196,7 +196,7 @@ def _capacity_handle(device, fp8, heads, head_dim, n, segments):
     segments on the device (CUDNN: the caller plans from host offsets)."""
     def make():
         att = _fa.Attention("fp8" if fp8 else "bf16", heads, head_dim, device=device.index)
-        if att.backend != "fovea":
+        if att.backend != "FOVEA":
             return None
         att.plan_capacity(n, segments)
         return att

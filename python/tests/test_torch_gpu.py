@@ -201,7 +201,7 @@ class Op(unittest.TestCase):
         g = torch.Generator(device="cuda").manual_seed(12)
         q, k, v = (torch.randn(n, heads, hd, device=CUDA, generator=g).bfloat16() for _ in range(3))
         for fp8 in (False, True):
-            descale = torch.tensor([q.abs().max() / 448 * 1.5, k.abs().max() / 448 * 1.5, v.abs().max() / 448 * 1.5],
+            descale = torch.tensor([x.abs().max().item() / 448 * 1.5 for x in (q, k, v)], dtype=torch.float32,
                                    device=CUDA) if fp8 else None
             buf = torch.tensor([0, 300, 700, 2048] + [2048] * 5, dtype=torch.int32, device=CUDA)
             stream = torch.cuda.Stream()
