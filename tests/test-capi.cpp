@@ -18,6 +18,7 @@
 #include "fovea/bf16.h"
 #include "fovea/fovea_attn.h"
 #include "fovea/random.h"
+#include "fovea/scales.h"
 #include "test-util.h"
 
 using namespace fovea;
@@ -84,7 +85,7 @@ TEST(CApi, CpuMatchesTheReferenceBitForBit) {
         << last();
     const float fixed[3] = {0.004f, 0.005f, 0.006f};
     const fovea_attn_scales sc{dtype == FOVEA_ATTN_FP8 ? FOVEA_ATTN_SCALES_STATIC : FOVEA_ATTN_SCALES_NONE, fixed,
-                               nullptr};
+                               nullptr, nullptr};
     fovea_attn_view q = b.view(0), k = b.view(1), v = b.view(2);
     ASSERT_EQ(fovea_attn_prepare(h.h, &q, &k, &v, &sc, 0.0f, nullptr), FOVEA_ATTN_OK) << last();
     std::vector<uint16_t> out(size_t(b.shape.total_tokens() * b.row()), 0x7FC0);  // NaN
@@ -131,7 +132,7 @@ TEST(CApi, HostileCallsFailWithMessages) {
   EXPECT_EQ(fovea_attn_prepare(hh.h, &null_v, &k, &v, nullptr, 0, nullptr), FOVEA_ATTN_INVALID);
   EXPECT_EQ(fovea_attn_prepare(hh.h, &overlap, &k, &v, nullptr, 0, nullptr), FOVEA_ATTN_INVALID);
   EXPECT_NE(last().find("overlap"), std::string::npos) << last();
-  const fovea_attn_scales dyn{FOVEA_ATTN_SCALES_DYNAMIC, nullptr, nullptr};
+  const fovea_attn_scales dyn{FOVEA_ATTN_SCALES_DYNAMIC, nullptr, nullptr, nullptr};
   EXPECT_EQ(fovea_attn_prepare(hh.h, &q, &k, &v, &dyn, 0, nullptr), FOVEA_ATTN_INVALID);
   EXPECT_EQ(fovea_attn_prepare(hh.h, &q, &k, &v, nullptr, 0.3f, nullptr), FOVEA_ATTN_UNSUPPORTED);
   EXPECT_EQ(fovea_attn_prepare_fused(hh.h, b.bits.data(), 5, nullptr, nullptr, nullptr, nullptr), FOVEA_ATTN_INVALID);
@@ -257,7 +258,7 @@ TEST(CApi, CorruptDynamicStateIsRefusedAndNotWritten) {
       GuardedState g;
       bad.corrupt(g.st.t[bad.tensor]);
       const fovea_attn_amax_state before = g.st;
-      const fovea_attn_scales sc{FOVEA_ATTN_SCALES_DYNAMIC, nullptr, &g.st};
+      const fovea_attn_scales sc{FOVEA_ATTN_SCALES_DYNAMIC, nullptr, &g.st, nullptr};
       EXPECT_EQ(f.prepare(sc, fused), FOVEA_ATTN_INVALID);
       EXPECT_NE(last().find(bad.message), std::string::npos) << last();
       EXPECT_EQ(std::memcmp(&before, &g.st, sizeof before), 0) << "a refused state is left as it was";
@@ -269,7 +270,7 @@ TEST(CApi, CorruptDynamicStateIsRefusedAndNotWritten) {
   // What fovea's forwards leave is accepted: a wrapped ring goes on at any position.
   GuardedState g;
   for (auto& t : g.st.t) t.filled = 16, t.pos = 5, t.updates = UINT32_MAX, t.nonfinite = UINT32_MAX, t.scale = NAN;
-  const fovea_attn_scales sc{FOVEA_ATTN_SCALES_DYNAMIC, nullptr, &g.st};
+  const fovea_attn_scales sc{FOVEA_ATTN_SCALES_DYNAMIC, nullptr, &g.st, nullptr};
   ASSERT_EQ(f.prepare(sc, false), FOVEA_ATTN_OK) << last();
   EXPECT_TRUE(g.guards_intact());
   for (const auto& t : g.st.t) {
@@ -282,11 +283,12 @@ TEST(CApi, CorruptDynamicStateIsRefusedAndNotWritten) {
 TEST(CApi, MisalignedOrBadStaticScalesAreRefused) {
   Fp8Cpu f;
   alignas(4) unsigned char raw[sizeof(fovea_attn_amax_state) + 8] = {};
-  const fovea_attn_scales odd{FOVEA_ATTN_SCALES_DYNAMIC, nullptr, raw + 1};
+  const fovea_attn_scales odd{FOVEA_ATTN_SCALES_DYNAMIC, nullptr, raw + 1, nullptr};
   EXPECT_EQ(f.prepare(odd, false), FOVEA_ATTN_INVALID);
   EXPECT_NE(last().find("`state` is not 4-byte aligned"), std::string::npos) << last();
   const float zero_k[3] = {0.01f, 0.0f, 0.01f}, nan_v[3] = {0.01f, 0.01f, NAN};
-  const fovea_attn_scales s0{FOVEA_ATTN_SCALES_STATIC, zero_k, nullptr}, s1{FOVEA_ATTN_SCALES_STATIC, nan_v, nullptr};
+  const fovea_attn_scales s0{FOVEA_ATTN_SCALES_STATIC, zero_k, nullptr, nullptr},
+      s1{FOVEA_ATTN_SCALES_STATIC, nan_v, nullptr, nullptr};
   EXPECT_EQ(f.prepare(s0, true), FOVEA_ATTN_INVALID);
   EXPECT_NE(last().find("fixed[1] (k) = 0 is not a finite number > 0"), std::string::npos) << last();
   EXPECT_EQ(f.prepare(s1, false), FOVEA_ATTN_INVALID);
@@ -438,6 +440,234 @@ TEST(CApi, CalibrationRefusesACorruptStateNamingTheLayer) {
     EXPECT_NE(last().find(want), std::string::npos) << last();
     EXPECT_TRUE(std::all_of(out.begin(), out.end(), [](float x) { return x == -7.0f; }));
   }
+}
+
+// ---- the robust scheme through the ABI (issue 49): the same arrays, history and file as C++ ---------
+
+// Random robust arrays for heads x hd: any k_mean, positive scales near the batch's, valid split pairs.
+FineScales random_fine(int heads, int hd, uint64_t seed) {
+  const size_t cells = size_t(heads) * size_t(hd);
+  const std::vector<float> u = random_values(int64_t(3 * cells + 2 * size_t(heads)), Dist::NORMAL, seed, false);
+  const auto scale = [&](size_t i) { return 0.006f + 0.001f * std::fabs(u[i]); };  // near a N(0, 1) batch's
+  FineScales f;
+  for (size_t i = 0; i < cells; ++i) f.k_mean.push_back(0.3f * u[i]);
+  for (size_t i = 0; i < cells; ++i) f.v_channel.push_back(scale(cells + i));
+  for (int h = 0; h < heads; ++h) f.q_head.push_back(scale(2 * cells + size_t(h)));
+  for (int h = 0; h < heads; ++h) f.k_head.push_back(scale(2 * cells + size_t(heads + h)));
+  for (int h = 0; h < heads; ++h)
+    for (int i = 0; i < fp8_split_pairs(hd); ++i) f.qk_split.push_back(i == 0 ? -1 : (h * 7 + i * 5) % (hd / 2));
+  return f;
+}
+
+fovea_attn_fine abi_fine(const FineScales& f) {
+  return {f.k_mean.data(), f.q_head.data(), f.k_head.data(), f.v_channel.data(),
+          f.qk_split.empty() ? nullptr : f.qk_split.data()};
+}
+
+struct Robust {
+  int heads, hd;
+  Handle h;
+  Robust(int heads_, int hd_) : heads(heads_), hd(hd_) {
+    EXPECT_EQ(fovea_attn_create(FOVEA_ATTN_FP8, FOVEA_ATTN_CPU, heads, hd, FOVEA_ATTN_DEVICE_CPU, &h.h), FOVEA_ATTN_OK)
+        << last();
+  }
+  // One forward of `b` through the ABI (views or fused), its output as floats; NaN-poisoned first.
+  std::vector<float> run(Batch& b, const fovea_attn_scales& sc, bool fused) {
+    EXPECT_EQ(fovea_attn_plan(h.h, b.shape.cu_seqlens.data(), b.shape.num_segments(), nullptr), FOVEA_ATTN_OK);
+    fovea_attn_view q = b.view(0), k = b.view(1), v = b.view(2);
+    const int32_t rc = fused ? fovea_attn_prepare_fused(h.h, b.bits.data(), 3 * b.row(), nullptr, nullptr, &sc, nullptr)
+                             : fovea_attn_prepare(h.h, &q, &k, &v, &sc, 0.0f, nullptr);
+    EXPECT_EQ(rc, FOVEA_ATTN_OK) << last();
+    std::vector<uint16_t> out(size_t(b.shape.total_tokens() * b.row()), 0x7FC0);
+    fovea_attn_view o{out.data(), b.row(), hd};
+    EXPECT_EQ(fovea_attn_attend(h.h, &o, nullptr), FOVEA_ATTN_OK) << last();
+    std::vector<float> r(out.size());
+    for (size_t i = 0; i < out.size(); ++i) r[i] = bf16_to_float(out[i]);
+    return r;
+  }
+};
+
+std::vector<float> reference(const Batch& b, const FineScales& f) {
+  cpu::RefOptions opt;
+  opt.mode = cpu::RefMode::FP8;
+  opt.fp8_fine = cpu::robust_fine(f);
+  std::vector<double> ref(size_t(b.shape.total_tokens() * b.row()));
+  cpu::attention(b.shape, b.fview(0), b.fview(1), b.fview(2), opt, ref.data());
+  return std::vector<float>(ref.begin(), ref.end());
+}
+
+TEST(CApi, RobustStaticIsTheReferenceWithTheFilesArrays) {
+  for (int hd : {64, 72}) {
+    SCOPED_TRACE(hd);
+    Robust r(2, hd);
+    Batch b({37, 1, 60}, 2, hd, test::fresh_seed());
+    const FineScales f = random_fine(2, hd, test::fresh_seed());
+    const fovea_attn_fine fine = abi_fine(f);
+    const fovea_attn_scales sc{FOVEA_ATTN_SCALES_ROBUST_STATIC, nullptr, nullptr, &fine};
+    const std::vector<float> want = reference(b, f);
+    for (bool fused : {false, true}) {
+      const std::vector<float> got = r.run(b, sc, fused);
+      for (size_t i = 0; i < got.size(); ++i) ASSERT_EQ(got[i], want[i]) << i << (fused ? " fused" : " views");
+    }
+  }
+}
+
+TEST(CApi, RobustDynamicRecordsAsTheScaleBookAndCalibratesTheSameFile) {
+  const int H = 2, hd = 72;
+  Robust r(H, hd);
+  const int64_t bytes = fovea_attn_robust_state_bytes(H, hd);
+  ASSERT_GT(bytes, 0);
+  std::vector<double> block(size_t(bytes + 7) / 8);  // 8-byte aligned
+  ASSERT_EQ(fovea_attn_robust_state_init(block.data(), bytes, H, hd), FOVEA_ATTN_OK) << last();
+  ScaleBook book = ScaleBook::dynamic(1);
+  book.enable_fine(H, hd);
+  const fovea_attn_scales sc{FOVEA_ATTN_SCALES_ROBUST_DYNAMIC, nullptr, block.data(), nullptr};
+  for (int i = 0; i < 3; ++i) {
+    Batch b({20 + 9 * i, 33}, H, hd, test::fresh_seed());
+    const FineScales f = book.record_fine(0, cpu::fine_batch(b.shape, b.fview(0), b.fview(1), b.fview(2)));
+    const std::vector<float> got = r.run(b, sc, i == 1), want = reference(b, f);
+    for (size_t j = 0; j < got.size(); ++j) ASSERT_EQ(got[j], want[j]) << "forward " << i << ", value " << j;
+  }
+  const FineHistory abi = unpack_fine_state(block.data(), H, hd, "test");
+  const FineHistory& cpp = book.fine_state()[0];
+  EXPECT_EQ(abi.counts.filled, 3);
+  EXPECT_EQ(abi.counts.updates, cpp.counts.updates);
+  EXPECT_EQ(abi.q_ring, cpp.q_ring);
+  EXPECT_EQ(abi.v_ring, cpp.v_ring);
+  EXPECT_EQ(abi.k_sum, cpp.k_sum);
+  EXPECT_EQ(abi.k_hi, cpp.k_hi);
+  test::TempDir dir;
+  const std::string a = dir.file("abi.json"), c = dir.file("cpp.json");
+  ASSERT_EQ(fovea_attn_robust_calibrate(block.data(), 1, H, hd, 1.5f, a.c_str()), FOVEA_ATTN_OK) << last();
+  book.save(c, 1.5f);
+  EXPECT_EQ(test::slurp(a), test::slurp(c));
+  const ScaleFile file = read_scale_file(a);
+  ASSERT_EQ(file.fine.size(), 1u);
+  EXPECT_GT(file.fine.at(0).robust_gain, 0.0f);
+}
+
+TEST(CApi, CorruptRobustStatesAndArraysAreRefusedAndNotWritten) {
+  const int H = 2, hd = 72;
+  Robust r(H, hd);
+  Batch b({11, 5}, H, hd, 3);
+  const int64_t bytes = fovea_attn_robust_state_bytes(H, hd);
+  std::vector<double> fresh(size_t(bytes + 7) / 8);
+  ASSERT_EQ(fovea_attn_robust_state_init(fresh.data(), bytes, H, hd), FOVEA_ATTN_OK);
+  const FineStateLayout l(H, hd);
+  struct Bad {
+    const char* message;
+    std::function<void(uint8_t*)> corrupt;
+  };
+  const auto at = [](uint8_t* p, size_t off, auto v) { std::memcpy(p + off, &v, sizeof v); };
+  const std::vector<Bad> bads = {
+      {"not a robust state", [&](uint8_t* p) { at(p, 0, int32_t(0)); }},
+      {"a robust state for 3 heads of 72, not 2 of 72", [&](uint8_t* p) { at(p, 4, int32_t(3)); }},
+      {"pos = 16 is outside [0, 16)", [&](uint8_t* p) { at(p, l.counts, int32_t(16)); }},
+      {"pos = 2 with filled = 0", [&](uint8_t* p) { at(p, l.counts, int32_t(2)); }},
+      {"filled = 17", [&](uint8_t* p) { at(p, l.counts + 4, int32_t(17)), at(p, l.counts, int32_t(3)); }},
+      {"V's ring slot 0 cell 5 = nan",
+       [&](uint8_t* p) { at(p, l.counts, int32_t(1)), at(p, l.counts + 4, int32_t(1)), at(p, l.v + 20, NAN); }},
+      {"tokens = -1", [&](uint8_t* p) { at(p, l.counts + 16, -1.0); }},
+      {"K's statistics of cell 3", [&](uint8_t* p) { at(p, l.k_hi + 12, 1.0f), at(p, l.k_lo + 12, 2.0f); }},
+  };
+  for (const Bad& bad : bads) {
+    SCOPED_TRACE(bad.message);
+    std::vector<double> block = fresh;
+    bad.corrupt(reinterpret_cast<uint8_t*>(block.data()));
+    const std::vector<double> before = block;
+    const fovea_attn_scales sc{FOVEA_ATTN_SCALES_ROBUST_DYNAMIC, nullptr, block.data(), nullptr};
+    fovea_attn_view q = b.view(0), k = b.view(1), v = b.view(2);
+    ASSERT_EQ(fovea_attn_plan(r.h.h, b.shape.cu_seqlens.data(), 2, nullptr), FOVEA_ATTN_OK);
+    EXPECT_EQ(fovea_attn_prepare(r.h.h, &q, &k, &v, &sc, 0.0f, nullptr), FOVEA_ATTN_INVALID);
+    EXPECT_NE(last().find(bad.message), std::string::npos) << last();
+    EXPECT_EQ(std::memcmp(before.data(), block.data(), size_t(bytes)), 0) << "a refused state is left as it was";
+    test::TempDir dir;
+    EXPECT_EQ(fovea_attn_robust_calibrate(block.data(), 1, H, hd, 1.5f, dir.file("s.json").c_str()),
+              FOVEA_ATTN_INVALID);
+    EXPECT_NE(last().find("states[0]"), std::string::npos) << last();
+    EXPECT_TRUE(dir.list().empty()) << "nothing written";
+  }
+  EXPECT_EQ(fovea_attn_robust_state_bytes(0, 72), -1);
+  EXPECT_EQ(fovea_attn_robust_state_bytes(1 << 20, 72), -1);
+  EXPECT_EQ(fovea_attn_robust_state_init(fresh.data(), bytes - 8, H, hd), FOVEA_ATTN_INVALID);
+  EXPECT_NE(last().find("is " + std::to_string(bytes) + " bytes, not"), std::string::npos) << last();
+  std::vector<double> empty = fresh;
+  test::TempDir dir;
+  EXPECT_EQ(fovea_attn_robust_calibrate(empty.data(), 1, H, hd, 1.5f, dir.file("s.json").c_str()), FOVEA_ATTN_RUNTIME);
+  EXPECT_NE(last().find("layer 0"), std::string::npos) << last();
+
+  // Robust static arrays: checked values, and the split pairs this head_dim has room for.
+  FineScales f = random_fine(H, hd, 5);
+  const auto refused = [&](const FineScales& g, const char* message, const int32_t* split) {
+    fovea_attn_fine fine = abi_fine(g);
+    fine.qk_split = split;
+    const fovea_attn_scales sc{FOVEA_ATTN_SCALES_ROBUST_STATIC, nullptr, nullptr, &fine};
+    ASSERT_EQ(fovea_attn_prepare_fused(r.h.h, b.bits.data(), 3 * b.row(), nullptr, nullptr, &sc, nullptr),
+              FOVEA_ATTN_INVALID);
+    EXPECT_NE(last().find(message), std::string::npos) << last();
+  };
+  FineScales g = f;
+  g.q_head[1] = 0.0f;
+  refused(g, "q_head[1] = 0 is not a finite number > 0", g.qk_split.data());
+  g = f, g.k_mean[7] = INFINITY;
+  refused(g, "k_mean[7] = inf", g.qk_split.data());
+  g = f, g.qk_split[2] = g.qk_split[3] = 4;
+  refused(g, "split pair 4 is given twice", g.qk_split.data());
+  refused(f, "qk_split is null; head_dim 72 has 6 split pairs", nullptr);
+  const fovea_attn_scales none{FOVEA_ATTN_SCALES_ROBUST_STATIC, nullptr, nullptr, nullptr};
+  EXPECT_EQ(fovea_attn_prepare_fused(r.h.h, b.bits.data(), 3 * b.row(), nullptr, nullptr, &none, nullptr),
+            FOVEA_ATTN_INVALID);
+  EXPECT_NE(last().find("`fine` is null"), std::string::npos) << last();
+}
+
+TEST(CApi, TheFp8PlanIsTheEnginesRule) {
+  const int L = 2, H = 2, hd = 72, n = H * fovea_attn_split_pairs(hd);
+  ASSERT_EQ(n, 12);
+  test::TempDir dir;
+  std::vector<FineScales> fine = {random_fine(H, hd, 1), random_fine(H, hd, 2)};
+  fine[0].robust_gain = 1.2f;  // well spread: auto keeps per-tensor scales
+  fine[1].robust_gain = 6.0f;  // outlier channels: auto runs robust
+  const std::string both = dir.file("both.json"), plain = dir.file("plain.json");
+  write_scale_file(both, {{0.1f, 0.2f, 0.3f}, {0.4f, 0.5f, 0.6f}}, &fine);
+  write_scale_file(plain, {{0.1f, 0.2f, 0.3f}, {0.4f, 0.5f, 0.6f}});
+  std::vector<float> km(size_t(L * H * hd), NAN), qh(size_t(L * H), NAN), kh(size_t(L * H), NAN),
+      vc(size_t(L * H * hd), NAN), qkv(size_t(L * 3), NAN);
+  std::vector<int32_t> split(size_t(L * n), 99), modes(size_t(L), 99);
+  const fovea_attn_fine_rows rows{km.data(), qh.data(), kh.data(), vc.data(), split.data()};
+  const auto plan = [&](const char* scheme, const char* path, int calibrating) {
+    const int32_t rc = fovea_attn_fp8_plan(scheme, path, calibrating, L, H, hd, modes.data(), qkv.data(), &rows);
+    return rc == FOVEA_ATTN_OK ? modes : std::vector<int32_t>{-rc};
+  };
+  using V = std::vector<int32_t>;
+  constexpr int32_t S = FOVEA_ATTN_SCALES_STATIC, D = FOVEA_ATTN_SCALES_DYNAMIC, RS = FOVEA_ATTN_SCALES_ROBUST_STATIC,
+                    RD = FOVEA_ATTN_SCALES_ROBUST_DYNAMIC;
+  EXPECT_EQ(plan("auto", both.c_str(), 0), V({S, RS}));
+  EXPECT_EQ(qkv, std::vector<float>({0.1f, 0.2f, 0.3f, 0.4f, 0.5f, 0.6f}));
+  EXPECT_EQ(std::vector<float>(km.begin(), km.begin() + H * hd), std::vector<float>(size_t(H * hd), 0.0f));
+  EXPECT_EQ(std::vector<float>(km.begin() + H * hd, km.end()), fine[1].k_mean);
+  EXPECT_EQ(std::vector<float>(qh.begin() + H, qh.end()), fine[1].q_head);
+  EXPECT_EQ(std::vector<float>(vc.begin() + H * hd, vc.end()), fine[1].v_channel);
+  EXPECT_EQ(V(split.begin(), split.begin() + n), V(size_t(n), -1));
+  EXPECT_EQ(V(split.begin() + n, split.end()), fine[1].qk_split);
+  EXPECT_EQ(plan("robust", both.c_str(), 0), V({RS, RS}));
+  EXPECT_EQ(V(split.begin(), split.begin() + n), fine[0].qk_split);
+  EXPECT_EQ(plan("tensor", both.c_str(), 0), V({S, S}));
+  EXPECT_EQ(plan("auto", plain.c_str(), 0), V({S, S}));
+  EXPECT_EQ(plan("auto", nullptr, 0), V({D, D}));
+  EXPECT_EQ(plan("auto", nullptr, 1), V({RD, RD}));
+  EXPECT_EQ(plan("robust", nullptr, 0), V({RD, RD}));
+  EXPECT_EQ(plan("tensor", nullptr, 1), V({D, D}));
+  EXPECT_EQ(plan("robust", plain.c_str(), 0), V({-FOVEA_ATTN_INVALID}));
+  EXPECT_NE(last().find("has per-layer q/k/v only"), std::string::npos) << last();
+  EXPECT_NE(last().find("plain.json"), std::string::npos) << last();
+  EXPECT_EQ(plan("fast", nullptr, 0), V({-FOVEA_ATTN_INVALID}));
+  EXPECT_NE(last().find("'fast' is not one of auto, tensor, robust"), std::string::npos) << last();
+  const int32_t rc = fovea_attn_fp8_plan("robust", both.c_str(), 0, L, 3, hd, modes.data(), qkv.data(), &rows);
+  EXPECT_EQ(rc, FOVEA_ATTN_INVALID);
+  EXPECT_NE(last().find("layer 0's fine scales are for 2 heads"), std::string::npos) << last();
+  EXPECT_EQ(fovea_attn_fp8_plan("auto", both.c_str(), 0, L, H, hd, modes.data(), qkv.data(), nullptr),
+            FOVEA_ATTN_INVALID);
+  EXPECT_NE(last().find("fine is null"), std::string::npos) << last();
 }
 
 }  // namespace

@@ -119,6 +119,13 @@ struct Fp8Fine {
   }
 };
 
+// The robust scheme's arrays (a scale file's, or record_fine's for one batch) as the reference takes them.
+inline Fp8Fine robust_fine(const FineScales& f) {
+  Fp8Fine o;
+  o.k_mean = f.k_mean, o.q_head = f.q_head, o.k_head = f.k_head, o.v_channel = f.v_channel, o.qk_split = f.qk_split;
+  return o;
+}
+
 // FP8 mode, for measurement only (`fovea bench attention --fp8-exact`): operands kept unquantized
 // (x / scale in fp32, under the same scales and K smoothing; Q and K without their split pairs), to
 // see what E4M3 costs in each of Q.K^T, V and P (docs/fp8.md §Outlier channels).
@@ -205,7 +212,10 @@ struct FineRing {
   FineCounts* counts = nullptr;
 };
 
-// Owns one FineRing: allocated and uploaded from a host FineHistory, downloaded back into one.
+// The FineRing of a robust state's block (fovea/scales.h: FineStateLayout) at `block`.
+FineRing fine_ring_at(void* block, int heads, int head_dim);
+
+// Owns one robust state's block: allocated and uploaded from a host FineHistory, downloaded back into one.
 class DeviceFineHistory {
  public:
   explicit DeviceFineHistory(const FineHistory& h);
@@ -229,7 +239,6 @@ class DeviceFineHistory {
   int heads_ = 0, head_dim_ = 0;
   std::unique_ptr<uint8_t, Free> mem_;  // owned from the allocation on, so a failed upload frees it
   FineRing ring_;
-  void check(const FineHistory& h) const;
 };
 
 // Where prepare() finds one layer's FP8 scales in device memory, by the layer's scheme

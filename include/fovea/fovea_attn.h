@@ -42,8 +42,9 @@
 extern "C" {
 #endif
 
-/* Bumped on any incompatible change of a signature, a struct or a constant below. */
-#define FOVEA_ATTN_ABI_VERSION 1
+/* Bumped on any incompatible change of a signature, a struct or a constant below (2: the robust
+ * scheme's scale modes and fovea_attn_scales.fine). */
+#define FOVEA_ATTN_ABI_VERSION 2
 
 typedef enum {
   FOVEA_ATTN_OK = 0,
@@ -56,17 +57,35 @@ typedef enum { FOVEA_ATTN_BF16 = 1, FOVEA_ATTN_FP8 = 2 } fovea_attn_dtype;
 typedef enum { FOVEA_ATTN_AUTO = 0, FOVEA_ATTN_FOVEA = 1, FOVEA_ATTN_CUDNN = 2, FOVEA_ATTN_CPU = 3 } fovea_attn_backend;
 #define FOVEA_ATTN_DEVICE_CPU (-1)
 
-/* How prepare finds the FP8 scales (dequantization scales: x8 = sat(rne(x / s))). */
+/* How prepare finds the FP8 scales of one layer (dequantization scales: x8 = sat(rne(x / s))): the
+ * four schemes of fovea's FP8 plan (docs/fp8.md §The plan). */
 typedef enum {
-  FOVEA_ATTN_SCALES_NONE = 0,    /* BF16 */
-  FOVEA_ATTN_SCALES_STATIC = 1,  /* `fixed`: float[3] (q, k, v), finite and > 0 (checked on a CPU handle) */
-  FOVEA_ATTN_SCALES_DYNAMIC = 2, /* `state`: a fovea_attn_amax_state, recorded and read in place */
+  FOVEA_ATTN_SCALES_NONE = 0,           /* BF16 */
+  FOVEA_ATTN_SCALES_STATIC = 1,         /* `fixed`: float[3] (q, k, v), finite and > 0 (checked on a CPU handle) */
+  FOVEA_ATTN_SCALES_DYNAMIC = 2,        /* `state`: a fovea_attn_amax_state, recorded and read in place */
+  FOVEA_ATTN_SCALES_ROBUST_STATIC = 3,  /* `fine`: the layer's robust scales, fixed (a calibrated file's) */
+  FOVEA_ATTN_SCALES_ROBUST_DYNAMIC = 4, /* `state`: a robust state (below), recorded and read in place */
 } fovea_attn_scale_mode;
 
+/* The robust scheme's scales of one layer (docs/fp8.md §Outlier channels): K is quantized about its
+ * mean, Q and K with one scale per head, V with one per channel, and the split pairs of each head
+ * (rotary pairs whose Q and K products keep about 2^-8 instead of E4M3's 2^-4; head_dim 72 and 80
+ * have room for fovea_attn_split_pairs(head_dim) per head, other sizes none). Every array is in the
+ * handle's memory (device memory for a GPU handle); a CPU handle checks them: k_mean finite, the
+ * scales finite and > 0, each head's split pairs -1 or distinct pairs in [0, head_dim / 2). */
 typedef struct {
-  int32_t mode;       /* fovea_attn_scale_mode */
-  const float* fixed; /* STATIC: in the handle's memory (device memory for a GPU handle) */
-  void* state;        /* DYNAMIC: a fovea_attn_amax_state in the handle's memory */
+  const float* k_mean;     /* [heads * head_dim] */
+  const float* q_head;     /* [heads] */
+  const float* k_head;     /* [heads] (of K minus k_mean) */
+  const float* v_channel;  /* [heads * head_dim] */
+  const int32_t* qk_split; /* [heads * fovea_attn_split_pairs(head_dim)]; NULL where that is 0 */
+} fovea_attn_fine;
+
+typedef struct {
+  int32_t mode;                /* fovea_attn_scale_mode */
+  const float* fixed;          /* STATIC: in the handle's memory (device memory for a GPU handle) */
+  void* state;                 /* DYNAMIC, ROBUST_DYNAMIC: a state in the handle's memory */
+  const fovea_attn_fine* fine; /* ROBUST_STATIC: host memory; its arrays in the handle's memory */
 } fovea_attn_scales;
 
 /* Dynamic scaling of one tensor: the last 16 finite amax values (max |x|); a forward records its
@@ -91,6 +110,21 @@ typedef struct {
 typedef struct {
   fovea_attn_amax_history t[3]; /* q, k, v */
 } fovea_attn_amax_state;        /* 252 bytes, 4-byte aligned */
+
+/* Dynamic scaling of the robust scheme, one layer: a block of fovea_attn_robust_state_bytes(heads,
+ * head_dim) bytes, 8-byte aligned, which fovea_attn_robust_state_init writes in host memory (a GPU
+ * handle's is that block copied to device memory) and forwards update in place. It holds rings of the
+ * last 16 finite forwards' amax per head of Q and of K minus that forward's mean, and per channel of V,
+ * and, over every finite forward recorded, K's sum and range and Q's amax per channel (what
+ * calibration writes from). A forward quantizes K minus its own mean, Q and K with max(ring) / 448 per
+ * head, V per channel, its own amax included, and splits its own largest pairs (as fovea's encoder
+ * does). The block starts with its shape, which the host-side calls check (CPU handles and
+ * fovea_attn_robust_calibrate: "robust state: heads 8, not 16"), as they check its counters and
+ * rings; a GPU handle does not read device memory: its state must come from init and forwards. */
+int64_t fovea_attn_robust_state_bytes(int32_t heads, int32_t head_dim); /* -1 for invalid sizes */
+int32_t fovea_attn_robust_state_init(void* state, int64_t bytes, int32_t heads, int32_t head_dim);
+/* Split pairs per head of the robust scheme at this head_dim (6 at 72, 4 at 80, 0 elsewhere). */
+int32_t fovea_attn_split_pairs(int32_t head_dim);
 
 typedef struct {
   void* data;           /* bf16 */
@@ -174,6 +208,39 @@ int32_t fovea_attn_scale_file_write(const char* path, int32_t num_layers, const 
  * calibration computes it; a layer whose ring is empty is an error naming it. */
 int32_t fovea_attn_calibrated_scales(const fovea_attn_amax_state* states, int32_t num_layers, float margin,
                                      float* qkv /* [num_layers * 3] */);
+
+/* Robust calibration, from host copies of num_layers consecutive robust states (as forwards left
+ * them, each fovea_attn_robust_state_bytes long): writes `path` atomically with every layer's
+ * per-tensor q, k, v (what vLLM reads) and fovea's fine fields, scales x margin, and the statistic
+ * `auto` chooses layers by (fovea_robust_gain). A layer that recorded no finite forward is an error
+ * naming it, and nothing is written. */
+int32_t fovea_attn_robust_calibrate(const void* states, int32_t num_layers, int32_t heads, int32_t head_dim,
+                                    float margin, const char* path);
+
+/* ---- the FP8 plan: which scheme each layer runs --------------------------------------------------
+ * fovea's rule (the command's --fp8-scheme), for num_layers layers of heads x head_dim: scheme
+ * "tensor", "robust" or "auto"; `path` a static scale file, or NULL for scales from the forwards
+ * (`calibrating` nonzero when they are to be calibrated). Writes modes[num_layers] (a
+ * fovea_attn_scale_mode per layer) and, with a file, qkv [num_layers * 3] (its per-tensor scales) and,
+ * where a layer is ROBUST_STATIC, its arrays into `fine`, layer-major (layer l's k_mean at
+ * k_mean + l * heads * head_dim, q_head at q_head + l * heads, ...; the other layers' rows zero, their
+ * split pairs -1). The rule:
+ *   tensor: STATIC with a file, else DYNAMIC;
+ *   robust: ROBUST_STATIC on every layer (the file must have fine scales), else ROBUST_DYNAMIC;
+ *   auto:   with a file, ROBUST_STATIC on the layers whose calibration measured outlier channels
+ *           (fovea_robust_gain >= 2) and STATIC on the rest; calibrating, ROBUST_DYNAMIC (its file then
+ *           records that statistic); else DYNAMIC.
+ * A file's fine scales are checked against heads and head_dim (the error names the layer). */
+typedef struct {
+  float* k_mean;     /* [num_layers * heads * head_dim] */
+  float* q_head;     /* [num_layers * heads] */
+  float* k_head;     /* [num_layers * heads] */
+  float* v_channel;  /* [num_layers * heads * head_dim] */
+  int32_t* qk_split; /* [num_layers * heads * fovea_attn_split_pairs(head_dim)]; NULL where that is 0 */
+} fovea_attn_fine_rows;
+int32_t fovea_attn_fp8_plan(const char* scheme, const char* path, int32_t calibrating, int32_t num_layers,
+                            int32_t heads, int32_t head_dim, int32_t* modes, float* qkv,
+                            const fovea_attn_fine_rows* fine);
 
 #ifdef __cplusplus
 }

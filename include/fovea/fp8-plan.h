@@ -6,7 +6,9 @@
 // state that changes from forward to forward (amax rings, robust histories).
 #pragma once
 #include <cstdint>
+#include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "fovea/scales.h"
@@ -23,9 +25,21 @@ enum class LayerScheme : uint8_t {
 const char* layer_scheme_name(LayerScheme s);
 constexpr bool is_robust(LayerScheme s) { return s == LayerScheme::ROBUST_STATIC || s == LayerScheme::ROBUST_DYNAMIC; }
 
+// --fp8-scheme: what the user asks for; Fp8Plan::choose turns it into each layer's scheme.
+enum class SchemeChoice { AUTO, TENSOR, ROBUST };
+std::optional<SchemeChoice> parse_scheme_choice(std::string_view s);  // "auto", "tensor", "robust"
+
 class Fp8Plan {
  public:
   Fp8Plan() = default;
+  // fovea's rule (docs/fp8.md §Choosing a scheme), the one the engine and the C ABI run, for `layers`
+  // blocks of heads x head_dim; `file` is the static scale file (mode STATIC), else null:
+  //   TENSOR  per tensor everywhere (static with a file, else from the book's rings);
+  //   ROBUST  robust everywhere: the file's fine scales (it must have them), else robust dynamic;
+  //   AUTO    with a file, robust static on the layers whose fovea_robust_gain reaches
+  //           kAutoRobustGain and per tensor on the rest; calibrating, robust dynamic (its file then
+  //           records that statistic); dynamic, per tensor.
+  static Fp8Plan choose(SchemeChoice c, ScaleMode mode, const ScaleFile* file, int layers, int heads, int head_dim);
   // Every layer per tensor: static scales with a static book, the book's rings otherwise.
   static Fp8Plan tensor(ScaleMode mode, int layers);
   // Every layer robust with arrays from its forwards (a dynamic or calibrating book).

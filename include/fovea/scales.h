@@ -191,6 +191,27 @@ struct FineHistory {
   FineHistory(int heads, int head_dim);
 };
 
+// One forward of the robust scheme for one layer, as ScaleBook::record_fine and the device's prepare
+// do it: records `batch` into `h` (a non-finite batch is counted, not recorded) and returns the
+// arrays to quantize it with (its own K mean and split pairs, the rings' scales with its amax). Throws
+// if the batch is not for h's heads and head_dim; `what` prefixes the message.
+FineScales record_fine(FineHistory& h, const FineBatch& batch, const std::string& what);
+
+// A FineHistory as one block of bytes: the robust state of the C ABI and of DeviceFineHistory. A
+// 16-byte header (kFineStateMagic, heads, head_dim, 0), then the arrays, the doubles first (the block
+// is 8-byte aligned): byte offsets from the block's start.
+constexpr uint32_t kFineStateMagic = 0x53524f46;  // "FORS" in memory
+struct FineStateLayout {
+  size_t cells, k_sum, counts, k_hi, k_lo, q_hi, q, k, v, bytes;
+  FineStateLayout(int heads, int head_dim);
+};
+void pack_fine_state(const FineHistory& h, void* block);
+// Reads a block written by pack_fine_state (or by forwards since), checking what a forward relies on:
+// the header's shape, 0 <= pos < 16, 0 <= filled <= 16, pos == filled until the rings wrap, live ring
+// slots finite and >= 0, K's sum and the token count finite, K's range empty or finite and ordered,
+// Q's amax finite and >= 0. Throws fovea::Error naming `what` and the field.
+FineHistory unpack_fine_state(const void* block, int heads, int head_dim, const std::string& what);
+
 // amax of K - mean for one channel from K's extremes: exact, since x -> fl(x - mean) is monotonic.
 FOVEA_HD float smoothed_amax(float hi, float lo, float mean) {
   const float a = hi - mean, b = mean - lo;
@@ -257,6 +278,9 @@ class ScaleBook {
   FineScales record_fine(int layer, const FineBatch& batch);
   std::vector<FineHistory>& fine_state() { return fine_; }
   const std::vector<FineHistory>& fine_state() const { return fine_; }
+  // Writes the calibration to `path` (atomically, write_scale_file): per-tensor scales x margin,
+  // and, with fine histories, the fine scales too. Throws as calibrated() and calibrated_fine() do.
+  void save(const std::string& path, float margin) const;
   // Every layer's fine scales x margin from the histories as they are now (k_mean over every
   // recorded forward, K's scale from its range about that mean, the split pairs from Q's amax and
   // that range per channel). Throws, naming the layer, if one

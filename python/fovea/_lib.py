@@ -16,14 +16,14 @@ import operator
 import os
 import threading
 
-ABI_VERSION = 1
+ABI_VERSION = 2
 
 OK, INVALID, UNSUPPORTED, RUNTIME = 0, 1, 2, 3
 BF16, FP8 = 1, 2
 AUTO, FOVEA, CUDNN, CPU = 0, 1, 2, 3
 BACKEND_NAMES = {AUTO: "AUTO", FOVEA: "FOVEA", CUDNN: "CUDNN", CPU: "CPU"}
 DEVICE_CPU = -1
-SCALES_NONE, SCALES_STATIC, SCALES_DYNAMIC = 0, 1, 2
+SCALES_NONE, SCALES_STATIC, SCALES_DYNAMIC, SCALES_ROBUST_STATIC, SCALES_ROBUST_DYNAMIC = 0, 1, 2, 3, 4
 HISTORY_LEN = 16
 MAX_LAYERS = 4096  # FOVEA_ATTN_MAX_LAYERS: num_layers of the scale-file and calibration calls
 
@@ -102,8 +102,15 @@ class View(ctypes.Structure):
     _fields_ = [("data", ctypes.c_void_p), ("stride_token", ctypes.c_int64), ("stride_head", ctypes.c_int64)]
 
 
+class Fine(ctypes.Structure):
+    """fovea_attn_fine (one layer's robust arrays) and fovea_attn_fine_rows (every layer's): five addresses."""
+    _fields_ = [("k_mean", ctypes.c_void_p), ("q_head", ctypes.c_void_p), ("k_head", ctypes.c_void_p),
+                ("v_channel", ctypes.c_void_p), ("qk_split", ctypes.c_void_p)]
+
+
 class Scales(ctypes.Structure):
-    _fields_ = [("mode", ctypes.c_int32), ("fixed", ctypes.c_void_p), ("state", ctypes.c_void_p)]
+    _fields_ = [("mode", ctypes.c_int32), ("fixed", ctypes.c_void_p), ("state", ctypes.c_void_p),
+                ("fine", ctypes.POINTER(Fine))]
 
 
 assert ctypes.sizeof(AmaxState) == 252
@@ -150,6 +157,12 @@ def _declare(lib):
         "fovea_attn_scale_file_write": (i32, [ctypes.c_char_p, i32, ctypes.POINTER(f32)]),
         "fovea_attn_calibrated_scales": (i32, [ctypes.POINTER(AmaxState), i32, f32, ctypes.POINTER(f32)]),
         "fovea_attn_set_allocator": (i32, [AllocFn, FreeFn, vp]),
+        "fovea_attn_split_pairs": (i32, [i32]),
+        "fovea_attn_robust_state_bytes": (i64, [i32, i32]),
+        "fovea_attn_robust_state_init": (i32, [vp, i64, i32, i32]),
+        "fovea_attn_robust_calibrate": (i32, [vp, i32, i32, i32, f32, ctypes.c_char_p]),
+        "fovea_attn_fp8_plan": (i32, [ctypes.c_char_p, ctypes.c_char_p, i32, i32, i32, i32, ctypes.POINTER(i32),
+                                      ctypes.POINTER(f32), ctypes.POINTER(Fine)]),
     }
     for name, (res, args) in sigs.items():
         fn = getattr(lib, name)

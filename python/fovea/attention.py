@@ -103,14 +103,29 @@ class Attention:
 
 
 class Scales:
-    """FP8 scales for one prepare: static (a float[3] q, k, v at `fixed`) or dynamic (a state at `state`),
-    both addresses in the handle's memory."""
+    """FP8 scales for one prepare, in one of the four schemes of fovea's FP8 plan (docs/fp8.md §The plan),
+    every address in the handle's memory (device memory for a GPU handle):
+      Scales(fixed=p)         per tensor, static: float[3] q, k, v at p;
+      Scales(state=p)         per tensor, dynamic: a 252-byte state (fresh_state_bytes) updated in place;
+      Scales(fine=(k_mean, q_head, k_head, v_channel, qk_split))
+                              robust, static: one layer's arrays (fp8_plan gives a file's; qk_split 0
+                              where split_pairs(head_dim) is 0);
+      Scales(robust_state=p)  robust, dynamic: a robust state (fresh_robust_state) updated in place."""
 
-    def __init__(self, fixed=None, state=None):
-        if (fixed is None) == (state is None):
-            raise ValueError("fovea: give static scales or a dynamic state, not both or neither")
-        self.arg = _lib.Scales(_lib.SCALES_STATIC if fixed is not None else _lib.SCALES_DYNAMIC,
-                               _lib.pointer("fixed", fixed), _lib.pointer("state", state))
+    def __init__(self, fixed=None, state=None, fine=None, robust_state=None):
+        given = [x is not None for x in (fixed, state, fine, robust_state)]
+        if sum(given) != 1:
+            raise ValueError("fovea: give exactly one of fixed, state, fine and robust_state")
+        self._fine = None
+        if fine is not None:
+            names = ("k_mean", "q_head", "k_head", "v_channel", "qk_split")
+            if len(fine) != len(names):
+                raise ValueError("fovea: fine is (k_mean, q_head, k_head, v_channel, qk_split) addresses")
+            self._fine = _lib.Fine(*[_lib.pointer(f"fine.{n}", p) for n, p in zip(names, fine)])
+        mode = given.index(True) + 1  # SCALES_STATIC, _DYNAMIC, _ROBUST_STATIC, _ROBUST_DYNAMIC
+        self.arg = _lib.Scales(mode, _lib.pointer("fixed", fixed), _lib.pointer("state", state if state is not None
+                                                                                  else robust_state),
+                               ctypes.pointer(self._fine) if self._fine is not None else None)
 
 
 def _scales_arg(scales):
@@ -166,3 +181,72 @@ def calibrated_scales(states, margin=1.5):
 
 def default_softmax_scale(head_dim):
     return 1.0 / math.sqrt(head_dim)
+
+
+# ---- the robust scheme and the FP8 plan --------------------------------------------------------------
+
+MODE_NAMES = {_lib.SCALES_STATIC: "static", _lib.SCALES_DYNAMIC: "dynamic",
+              _lib.SCALES_ROBUST_STATIC: "robust_static", _lib.SCALES_ROBUST_DYNAMIC: "robust_dynamic"}
+
+
+def split_pairs(head_dim):
+    """Split pairs per head of the robust scheme at head_dim (6 at 72, 4 at 80, 0 elsewhere)."""
+    return _lib.lib().fovea_attn_split_pairs(_lib.int32("head_dim", head_dim))
+
+
+def robust_state_bytes(heads, head_dim):
+    n = _lib.lib().fovea_attn_robust_state_bytes(_lib.int32("heads", heads), _lib.int32("head_dim", head_dim))
+    if n < 0:
+        raise ValueError(f"fovea: no robust state for {heads} heads x {head_dim} (both > 0, at most 65536 cells)")
+    return n
+
+
+def fresh_robust_state(heads, head_dim):
+    """A fresh robust state of one layer (empty rings and statistics) as bytes, 8-byte aligned in memory
+    once copied into a tensor or array of its own."""
+    n = robust_state_bytes(heads, head_dim)
+    buf = (ctypes.c_double * ((n + 7) // 8))()
+    _lib.check(_lib.lib().fovea_attn_robust_state_init(buf, n, heads, head_dim))
+    return bytes(buf)[:n]
+
+
+def robust_calibrate(states, heads, head_dim, path, margin=1.5):
+    """Writes `path` atomically from the layers' robust states (bytes each, as forwards left them):
+    per-tensor q, k, v (what vLLM reads) and fovea's fine scales, x margin. Calibration is fovea's own
+    (the same code as `fovea serve --mm-encoder-fp8-scale-save-path`)."""
+    n = _lib.num_layers("the number of layers (states)", len(states))
+    size = robust_state_bytes(heads, head_dim)
+    raw = b"".join(bytes(s) for s in states)
+    if len(raw) != n * size:
+        raise ValueError(f"fovea: each robust state of {heads} heads x {head_dim} is {size} bytes")
+    buf = (ctypes.c_double * ((len(raw) + 7) // 8))()
+    ctypes.memmove(buf, raw, len(raw))
+    _lib.check(_lib.lib().fovea_attn_robust_calibrate(buf, n, heads, head_dim, float(margin), str(path).encode()))
+
+
+def fp8_plan(scheme, num_layers, heads, head_dim, path=None, calibrating=False):
+    """fovea's FP8 plan for num_layers layers of heads x head_dim (the rule of the fovea command's
+    --fp8-scheme; docs/fp8.md §The plan): scheme "auto", "tensor" or "robust"; path a static scale
+    file, or None for scales from the forwards (calibrating: they will be calibrated). Returns a dict:
+    "modes" (per layer: "static", "dynamic", "robust_static", "robust_dynamic"), and with a file "qkv"
+    ([[q, k, v], ...]) and "fine" (per layer: None, or a dict of its robust arrays as float / int lists:
+    k_mean, q_head, k_head, v_channel, qk_split)."""
+    n = _lib.num_layers("num_layers", num_layers)
+    heads, head_dim = _lib.int32("heads", heads), _lib.int32("head_dim", head_dim)
+    cells, pairs = heads * head_dim, heads * split_pairs(head_dim)
+    modes = (ctypes.c_int32 * n)()
+    qkv = (ctypes.c_float * (3 * n))()
+    arrays = {"k_mean": (ctypes.c_float * (n * cells))(), "q_head": (ctypes.c_float * (n * heads))(),
+              "k_head": (ctypes.c_float * (n * heads))(), "v_channel": (ctypes.c_float * (n * cells))(),
+              "qk_split": (ctypes.c_int32 * max(1, n * pairs))()}
+    rows = _lib.Fine(*[ctypes.addressof(a) for a in arrays.values()])
+    _lib.check(_lib.lib().fovea_attn_fp8_plan(str(scheme).encode(), None if path is None else str(path).encode(),
+                                              int(bool(calibrating)), n, heads, head_dim, modes, qkv,
+                                              ctypes.byref(rows)))
+    out = {"modes": [MODE_NAMES[m] for m in modes]}
+    if path is not None:
+        out["qkv"] = [list(qkv[3 * i:3 * i + 3]) for i in range(n)]
+        width = {"k_mean": cells, "q_head": heads, "k_head": heads, "v_channel": cells, "qk_split": pairs}
+        out["fine"] = [{k: list(a[l * width[k]:(l + 1) * width[k]]) for k, a in arrays.items()}
+                       if out["modes"][l] == "robust_static" else None for l in range(n)]
+    return out

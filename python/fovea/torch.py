@@ -3,11 +3,16 @@
     out = fovea.torch.varlen_attention(q, k, v, cu_seqlens)                      # BF16
     out = fovea.torch.varlen_attention(q, k, v, cu_seqlens, descale=d)           # FP8, static scales
     out = fovea.torch.varlen_attention(q, k, v, cu_seqlens, amax_state=s)        # FP8, dynamic scaling
+    out = fovea.torch.varlen_attention(q, k, v, cu_seqlens, **book.layer(i))     # FP8 by the book's plan
 
 q, k, v: [total_tokens, heads, head_dim] bf16 on one device (last dimension contiguous, any other
 strides: views of a fused qkv output are read in place); cu_seqlens: int32 [segments + 1]; returns
 [total_tokens, heads, head_dim] bf16. descale: float32 [3] (q, k, v dequantization scales); amax_state:
 a 252-byte tensor (ScaleBook makes them) that the op updates in place (its 16-entry amax history).
+The robust scheme (docs/fp8.md §Outlier channels) takes fine=(k_mean, q_head, k_head, v_channel,
+qk_split) (a calibrated file's arrays; qk_split None where the head size has no split pairs) or
+robust_state= (a uint8 tensor of fovea.attention.robust_state_bytes(heads, head_dim), updated in place);
+ScaleBook(..., scheme=) gives each layer the scheme fovea's plan chooses.
 
     out = fovea.torch.varlen_attention_qkv(qkv, cu_seqlens, rope_cos, rope_sin, ...)  # fused qkv + RoPE
 
@@ -219,16 +224,42 @@ def _check(q, k, v, cu):
         raise ValueError(f"fovea: cu_seqlens must be int32 [segments + 1], got {cu.dtype} {tuple(cu.shape)}")
 
 
-def _scales(device, descale, state):
-    if descale is not None:
-        if descale.dtype != torch.float32 or descale.numel() != 3 or not descale.is_contiguous() or descale.device != device:
-            raise ValueError("fovea: descale must be a contiguous float32 tensor of 3 values (q, k, v) on q's device")
-        return _fa.Scales(fixed=descale.data_ptr())
-    if state is not None:
+_FP8_KWARGS = ("descale", "amax_state", "fine", "robust_state")
+
+
+def _fp8_kwargs(descale, amax_state, fine, robust_state):
+    given = {k: v for k, v in zip(_FP8_KWARGS, (descale, amax_state, fine, robust_state)) if v is not None}
+    if len(given) > 1:
+        raise ValueError(f"fovea: give one of descale (static FP8), amax_state (dynamic), fine (robust static) and "
+                         f"robust_state (robust dynamic), not {' and '.join(given)}")
+    return given
+
+
+def _scales(device, fp8):
+    """The Scales of one call's FP8 keyword (fp8: {} for BF16, else one of _FP8_KWARGS), checked."""
+    def on_device(name, t, dtype, numel=None):
+        if t.dtype != dtype or not t.is_contiguous() or t.device != device or (numel is not None and t.numel() != numel):
+            raise ValueError(f"fovea: {name} must be a contiguous {dtype} tensor{f' of {numel} values' if numel else ''} "
+                             f"on q's device, got {t.dtype} {tuple(t.shape)} on {t.device}")
+        return t.data_ptr()
+    if "descale" in fp8:
+        return _fa.Scales(fixed=on_device("descale (q, k, v)", fp8["descale"], torch.float32, 3))
+    if "amax_state" in fp8:
+        state = fp8["amax_state"]
         if state.numel() * state.element_size() != _fa.STATE_BYTES or not state.is_contiguous() or state.device != device:
             raise ValueError(f"fovea: amax_state must be a contiguous {_fa.STATE_BYTES}-byte tensor on q's device "
                              "(ScaleBook makes them)")
         return _fa.Scales(state=state.data_ptr())
+    if "fine" in fp8:
+        fine = fp8["fine"]
+        if len(fine) != 5:
+            raise ValueError("fovea: fine is (k_mean, q_head, k_head, v_channel, qk_split) tensors")
+        names = ("k_mean", "q_head", "k_head", "v_channel")
+        ptrs = [on_device(f"fine.{n}", t, torch.float32) for n, t in zip(names, fine[:4])]
+        split = 0 if fine[4] is None else on_device("fine.qk_split", fine[4], torch.int32)
+        return _fa.Scales(fine=ptrs + [split])
+    if "robust_state" in fp8:
+        return _fa.Scales(robust_state=on_device("robust_state", fp8["robust_state"], torch.uint8))
     return None
 
 
@@ -258,16 +289,16 @@ def _attend(device, n, heads, head_dim, cu_seqlens, scales, prepare):
     return out
 
 
-def _run(q, k, v, cu_seqlens, descale, state, softmax_scale):
+def _run(q, k, v, cu_seqlens, fp8, softmax_scale):
     _check(q, k, v, cu_seqlens)
     n, heads, head_dim = q.shape
-    scales = _scales(q.device, descale, state)
+    scales = _scales(q.device, fp8)
     views = [(x.data_ptr(), x.stride(0), x.stride(1)) for x in (q, k, v)]
     return _attend(q.device, n, heads, head_dim, cu_seqlens, scales,
                    lambda att, stream: att.prepare(*views, scales=scales, softmax_scale=softmax_scale, stream=stream))
 
 
-def _run_qkv(qkv, cu_seqlens, rope_cos, rope_sin, descale, state):
+def _run_qkv(qkv, cu_seqlens, rope_cos, rope_sin, fp8):
     if qkv.dtype != torch.bfloat16 or qkv.dim() != 4 or qkv.shape[1] != 3:
         raise ValueError(f"fovea: qkv must be bfloat16 [tokens, 3, heads, head_dim], got {qkv.dtype} {tuple(qkv.shape)}")
     n, _, heads, head_dim = qkv.shape
@@ -282,7 +313,7 @@ def _run_qkv(qkv, cu_seqlens, rope_cos, rope_sin, descale, state):
                              f"on qkv's device, got {t.dtype} {tuple(t.shape)}")
     if cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
         raise ValueError(f"fovea: cu_seqlens must be int32 [segments + 1], got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}")
-    scales = _scales(qkv.device, descale, state)
+    scales = _scales(qkv.device, fp8)
     cos, sin = (0 if t is None else t.data_ptr() for t in (rope_cos, rope_sin))
     return _attend(qkv.device, n, heads, head_dim, cu_seqlens, scales,
                    lambda att, stream: att.prepare_fused(qkv.data_ptr(), qkv.stride(0), cos, sin, scales=scales, stream=stream))
@@ -291,7 +322,7 @@ def _run_qkv(qkv, cu_seqlens, rope_cos, rope_sin, descale, state):
 @torch.library.custom_op("fovea::varlen_attention", mutates_args=())
 def _varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
                       descale: Optional[torch.Tensor], softmax_scale: float) -> torch.Tensor:
-    return _run(q, k, v, cu_seqlens, descale, None, softmax_scale)
+    return _run(q, k, v, cu_seqlens, _fp8_kwargs(descale, None, None, None), softmax_scale)
 
 
 @_varlen_attention.register_fake
@@ -302,7 +333,7 @@ def _(q, k, v, cu_seqlens, descale, softmax_scale):
 @torch.library.custom_op("fovea::varlen_attention_dynamic", mutates_args=("amax_state",))
 def _varlen_attention_dynamic(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
                               amax_state: torch.Tensor, softmax_scale: float) -> torch.Tensor:
-    return _run(q, k, v, cu_seqlens, None, amax_state, softmax_scale)
+    return _run(q, k, v, cu_seqlens, {"amax_state": amax_state}, softmax_scale)
 
 
 @_varlen_attention_dynamic.register_fake
@@ -313,7 +344,7 @@ def _(q, k, v, cu_seqlens, amax_state, softmax_scale):
 @torch.library.custom_op("fovea::varlen_attention_qkv", mutates_args=())
 def _varlen_attention_qkv(qkv: torch.Tensor, cu_seqlens: torch.Tensor, rope_cos: Optional[torch.Tensor],
                           rope_sin: Optional[torch.Tensor], descale: Optional[torch.Tensor]) -> torch.Tensor:
-    return _run_qkv(qkv, cu_seqlens, rope_cos, rope_sin, descale, None)
+    return _run_qkv(qkv, cu_seqlens, rope_cos, rope_sin, _fp8_kwargs(descale, None, None, None))
 
 
 @_varlen_attention_qkv.register_fake
@@ -324,11 +355,60 @@ def _(qkv, cu_seqlens, rope_cos, rope_sin, descale):
 @torch.library.custom_op("fovea::varlen_attention_qkv_dynamic", mutates_args=("amax_state",))
 def _varlen_attention_qkv_dynamic(qkv: torch.Tensor, cu_seqlens: torch.Tensor, rope_cos: Optional[torch.Tensor],
                                   rope_sin: Optional[torch.Tensor], amax_state: torch.Tensor) -> torch.Tensor:
-    return _run_qkv(qkv, cu_seqlens, rope_cos, rope_sin, None, amax_state)
+    return _run_qkv(qkv, cu_seqlens, rope_cos, rope_sin, {"amax_state": amax_state})
 
 
 @_varlen_attention_qkv_dynamic.register_fake
 def _(qkv, cu_seqlens, rope_cos, rope_sin, amax_state):
+    return qkv.new_empty((qkv.shape[0], qkv.shape[2], qkv.shape[3]), dtype=torch.bfloat16)
+
+
+# The robust scheme's ops: its static arrays (qk_split None where the head size has none), and its
+# dynamic state, mutated.
+@torch.library.custom_op("fovea::varlen_attention_robust", mutates_args=())
+def _varlen_attention_robust(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                             k_mean: torch.Tensor, q_head: torch.Tensor, k_head: torch.Tensor, v_channel: torch.Tensor,
+                             qk_split: Optional[torch.Tensor], softmax_scale: float) -> torch.Tensor:
+    return _run(q, k, v, cu_seqlens, {"fine": (k_mean, q_head, k_head, v_channel, qk_split)}, softmax_scale)
+
+
+@_varlen_attention_robust.register_fake
+def _(q, k, v, cu_seqlens, k_mean, q_head, k_head, v_channel, qk_split, softmax_scale):
+    return q.new_empty(q.shape, dtype=torch.bfloat16)
+
+
+@torch.library.custom_op("fovea::varlen_attention_robust_dynamic", mutates_args=("robust_state",))
+def _varlen_attention_robust_dynamic(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                                     robust_state: torch.Tensor, softmax_scale: float) -> torch.Tensor:
+    return _run(q, k, v, cu_seqlens, {"robust_state": robust_state}, softmax_scale)
+
+
+@_varlen_attention_robust_dynamic.register_fake
+def _(q, k, v, cu_seqlens, robust_state, softmax_scale):
+    return q.new_empty(q.shape, dtype=torch.bfloat16)
+
+
+@torch.library.custom_op("fovea::varlen_attention_qkv_robust", mutates_args=())
+def _varlen_attention_qkv_robust(qkv: torch.Tensor, cu_seqlens: torch.Tensor, rope_cos: Optional[torch.Tensor],
+                                 rope_sin: Optional[torch.Tensor], k_mean: torch.Tensor, q_head: torch.Tensor,
+                                 k_head: torch.Tensor, v_channel: torch.Tensor,
+                                 qk_split: Optional[torch.Tensor]) -> torch.Tensor:
+    return _run_qkv(qkv, cu_seqlens, rope_cos, rope_sin, {"fine": (k_mean, q_head, k_head, v_channel, qk_split)})
+
+
+@_varlen_attention_qkv_robust.register_fake
+def _(qkv, cu_seqlens, rope_cos, rope_sin, k_mean, q_head, k_head, v_channel, qk_split):
+    return qkv.new_empty((qkv.shape[0], qkv.shape[2], qkv.shape[3]), dtype=torch.bfloat16)
+
+
+@torch.library.custom_op("fovea::varlen_attention_qkv_robust_dynamic", mutates_args=("robust_state",))
+def _varlen_attention_qkv_robust_dynamic(qkv: torch.Tensor, cu_seqlens: torch.Tensor, rope_cos: Optional[torch.Tensor],
+                                         rope_sin: Optional[torch.Tensor], robust_state: torch.Tensor) -> torch.Tensor:
+    return _run_qkv(qkv, cu_seqlens, rope_cos, rope_sin, {"robust_state": robust_state})
+
+
+@_varlen_attention_qkv_robust_dynamic.register_fake
+def _(qkv, cu_seqlens, rope_cos, rope_sin, robust_state):
     return qkv.new_empty((qkv.shape[0], qkv.shape[2], qkv.shape[3]), dtype=torch.bfloat16)
 
 
@@ -343,31 +423,45 @@ def _eager(*tensors):
             all(t is None or (type(t) is torch.Tensor and not t.requires_grad) for t in tensors))
 
 
-def varlen_attention_qkv(qkv, cu_seqlens, rope_cos=None, rope_sin=None, *, descale=None, amax_state=None):
+def _fine_args(fine):
+    if len(fine) != 5:
+        raise ValueError("fovea: fine is (k_mean, q_head, k_head, v_channel, qk_split) tensors")
+    return tuple(fine)
+
+
+def varlen_attention_qkv(qkv, cu_seqlens, rope_cos=None, rope_sin=None, *, descale=None, amax_state=None, fine=None,
+                         robust_state=None):
     """fovea's fused entry: the qkv projection's output [tokens, 3, heads, head_dim] bf16 (token stride
     a multiple of 8 elements, 16-byte aligned) and Qwen3-VL's 2D RoPE tables, float32 [tokens,
     head_dim / 2] (the angle of columns d and d + head_dim / 2), or neither: RoPE, quantization and
     layout in one step, as fovea's own encoder runs it. Returns [tokens, heads, head_dim] bf16."""
-    if descale is not None and amax_state is not None:
-        raise ValueError("fovea: give descale (static FP8) or amax_state (dynamic FP8), not both")
-    if _eager(qkv, cu_seqlens, rope_cos, rope_sin, descale, amax_state):
-        return _run_qkv(qkv, cu_seqlens, rope_cos, rope_sin, descale, amax_state)
+    fp8 = _fp8_kwargs(descale, amax_state, fine, robust_state)
+    if _eager(qkv, cu_seqlens, rope_cos, rope_sin, descale, amax_state, robust_state, *(fine or ())):
+        return _run_qkv(qkv, cu_seqlens, rope_cos, rope_sin, fp8)
     if amax_state is not None:
         return torch.ops.fovea.varlen_attention_qkv_dynamic(qkv, cu_seqlens, rope_cos, rope_sin, amax_state)
+    if robust_state is not None:
+        return torch.ops.fovea.varlen_attention_qkv_robust_dynamic(qkv, cu_seqlens, rope_cos, rope_sin, robust_state)
+    if fine is not None:
+        return torch.ops.fovea.varlen_attention_qkv_robust(qkv, cu_seqlens, rope_cos, rope_sin, *_fine_args(fine))
     return torch.ops.fovea.varlen_attention_qkv(qkv, cu_seqlens, rope_cos, rope_sin, descale)
 
 
-def varlen_attention(q, k, v, cu_seqlens, max_seqlen=None, *, softmax_scale=None, descale=None, amax_state=None):
+def varlen_attention(q, k, v, cu_seqlens, max_seqlen=None, *, softmax_scale=None, descale=None, amax_state=None,
+                     fine=None, robust_state=None):
     """Packed varlen attention, non-causal within each segment. max_seqlen is accepted for
     flash_attn_varlen_func's callers and not needed. softmax_scale: None or 1/sqrt(head_dim)."""
     del max_seqlen
-    if descale is not None and amax_state is not None:
-        raise ValueError("fovea: give descale (static FP8) or amax_state (dynamic FP8), not both")
+    fp8 = _fp8_kwargs(descale, amax_state, fine, robust_state)
     scale = 0.0 if softmax_scale is None else float(softmax_scale)
-    if _eager(q, k, v, cu_seqlens, descale, amax_state):
-        return _run(q, k, v, cu_seqlens, descale, amax_state, scale)
+    if _eager(q, k, v, cu_seqlens, descale, amax_state, robust_state, *(fine or ())):
+        return _run(q, k, v, cu_seqlens, fp8, scale)
     if amax_state is not None:
         return torch.ops.fovea.varlen_attention_dynamic(q, k, v, cu_seqlens, amax_state, scale)
+    if robust_state is not None:
+        return torch.ops.fovea.varlen_attention_robust_dynamic(q, k, v, cu_seqlens, robust_state, scale)
+    if fine is not None:
+        return torch.ops.fovea.varlen_attention_robust(q, k, v, cu_seqlens, *_fine_args(fine), scale)
     return torch.ops.fovea.varlen_attention(q, k, v, cu_seqlens, descale, scale)
 
 
@@ -377,29 +471,62 @@ class ScaleBook(torch.nn.Module):
       "dynamic"   amax_state [layers, 63] int32, one 252-byte state per layer, updated by every forward;
       "static"    descale [layers, 3] float32, read from `path` (vLLM's scale file);
       "calibrate" dynamic, and after 16 complete forwards maybe_save() writes `path` (s x margin).
-    layer(i) gives the keyword arguments of varlen_attention for layer i."""
+    scheme: "tensor" (the default: per-tensor scales, as above), "robust" or "auto", chosen per layer by
+    fovea's plan (fovea.attention.fp8_plan; docs/fp8.md §The plan), which needs heads and head_dim:
+    robust layers keep robust_state [layers, bytes] uint8 (dynamic, calibrate; calibration then writes
+    the fine scales too) or the file's arrays (static: k_mean, q_head, k_head, v_channel, qk_split).
+    modes lists each layer's scheme; layer(i) gives the keyword arguments of varlen_attention for layer i."""
 
-    def __init__(self, num_layers, mode="dynamic", path=None, margin=1.5, device="cuda"):
+    def __init__(self, num_layers, mode="dynamic", path=None, margin=1.5, device="cuda", scheme="tensor", heads=None,
+                 head_dim=None):
         super().__init__()
         if mode not in ("dynamic", "static", "calibrate"):
             raise ValueError(f"fovea: ScaleBook mode {mode!r} is not one of dynamic, static, calibrate")
         if mode != "dynamic" and not path:
             raise ValueError(f"fovea: ScaleBook mode {mode!r} needs a path (the scale file to "
                              f"{'read' if mode == 'static' else 'write'})")
+        if scheme != "tensor" and (heads is None or head_dim is None):
+            raise ValueError(f"fovea: ScaleBook scheme {scheme!r} needs heads and head_dim (the robust scheme's sizes)")
         # Checked before anything is sized by it (a state is 252 bytes a layer).
-        self.mode, self.path, self.margin = mode, path, float(margin)
+        self.mode, self.path, self.margin, self.scheme = mode, path, float(margin), scheme
         self.num_layers = _lib.num_layers("num_layers", num_layers)
+        self.heads, self.head_dim = heads, head_dim
         self.saved = False
-        if mode == "static":
-            rows = _fa.read_scale_file(path, self.num_layers)
-            self.register_buffer("descale", torch.tensor(rows, dtype=torch.float32, device=device))
+        if scheme == "tensor":
+            self.modes = ["static" if mode == "static" else "dynamic"] * self.num_layers
+            rows = _fa.read_scale_file(path, self.num_layers) if mode == "static" else None
         else:
+            plan = _fa.fp8_plan(scheme, self.num_layers, heads, head_dim, path=path if mode == "static" else None,
+                                calibrating=mode == "calibrate")
+            self.modes, rows = plan["modes"], plan.get("qkv")
+        if rows is not None:
+            self.register_buffer("descale", torch.tensor(rows, dtype=torch.float32, device=device))
+        if "dynamic" in self.modes:
             raw = bytearray(_fa.fresh_state_bytes() * self.num_layers)
             state = torch.frombuffer(raw, dtype=torch.int32).reshape(self.num_layers, STATE_INTS)
             self.register_buffer("amax_state", state.to(device))
+        if "robust_dynamic" in self.modes:
+            one = _fa.fresh_robust_state(heads, head_dim)
+            state = torch.frombuffer(bytearray(one * self.num_layers), dtype=torch.uint8)
+            self.register_buffer("robust_state", state.reshape(self.num_layers, len(one)).to(device))
+        if "robust_static" in self.modes:
+            zero = {"k_mean": [0.0] * (heads * head_dim), "q_head": [1.0] * heads, "k_head": [1.0] * heads,
+                    "v_channel": [1.0] * (heads * head_dim), "qk_split": [-1] * (heads * _fa.split_pairs(head_dim))}
+            for name, fill in zero.items():
+                rows = [f[name] if f else fill for f in plan["fine"]]
+                dtype = torch.int32 if name == "qk_split" else torch.float32
+                self.register_buffer(f"fine_{name}", torch.tensor(rows, dtype=dtype, device=device))
 
     def layer(self, i):
-        return {"descale": self.descale[i]} if self.mode == "static" else {"amax_state": self.amax_state[i]}
+        m = self.modes[i]
+        if m == "static":
+            return {"descale": self.descale[i]}
+        if m == "dynamic":
+            return {"amax_state": self.amax_state[i]}
+        if m == "robust_dynamic":
+            return {"robust_state": self.robust_state[i]}
+        split = self.fine_qk_split[i] if self.fine_qk_split.shape[1] else None
+        return {"fine": (self.fine_k_mean[i], self.fine_q_head[i], self.fine_k_head[i], self.fine_v_channel[i], split)}
 
     def states(self):
         """The layers' dynamic states on the host (fovea._lib.AmaxState: .t[0..2].ring, .filled, .scale...)."""
@@ -407,6 +534,10 @@ class ScaleBook(torch.nn.Module):
         return [_fa.state_from_bytes(raw[i * _fa.STATE_BYTES:(i + 1) * _fa.STATE_BYTES]) for i in range(self.num_layers)]
 
     def complete_forwards(self):
+        if "robust_dynamic" in self.modes:  # every layer is robust: its state counts the forwards
+            raw = self.robust_state.cpu()
+            at = 16 + 8 * self.heads * self.head_dim + 8  # FineCounts.updates, after the header and K's sums
+            return min(int(raw[i, at:at + 4].view(torch.int32).item()) & 0xFFFFFFFF for i in range(self.num_layers))
         return min(min(t.updates for t in st.t) for st in self.states())
 
     def calibrated(self, margin=None):
@@ -414,6 +545,10 @@ class ScaleBook(torch.nn.Module):
         return _fa.calibrated_scales([bytes(s) for s in self.states()], self.margin if margin is None else margin)
 
     def save(self, path=None, margin=None):
+        margin = self.margin if margin is None else margin
+        if "robust_dynamic" in self.modes:
+            states = [bytes(self.robust_state[i].cpu().numpy().tobytes()) for i in range(self.num_layers)]
+            return _fa.robust_calibrate(states, self.heads, self.head_dim, path or self.path, margin)
         _fa.write_scale_file(path or self.path, self.calibrated(margin))
 
     def maybe_save(self):

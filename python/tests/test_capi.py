@@ -95,7 +95,7 @@ class Abi(unittest.TestCase):
         with open(HEADER) as f:
             text = f.read()
         self.assertIn(f"#define FOVEA_ATTN_ABI_VERSION {_lib.ABI_VERSION}", text)
-        declared = set(re.findall(r"\b(fovea_attn_[a-z_]+)\(", text))
+        declared = set(re.findall(r"\b(fovea_attn_[a-z0-9_]+)\(", text))
         path = os.environ.get("FOVEA_ATTN_LIB") or ctypes.util.find_library("fovea_attn")
         nm = subprocess.run(["nm", "-D", "--defined-only", path], check=True, capture_output=True, text=True).stdout
         exported = {m.split("@")[0] for m in re.findall(r" T (\S+)", nm)}
@@ -204,7 +204,7 @@ class Errors(unittest.TestCase):
         self.assertFails(_lib.FoveaError, "overlap", att.prepare, (q[0], 8, 8), k, v)
         att8 = fa.Attention("fp8", 2, 64, device="cpu")
         att8.plan(b.cu)
-        self.assertFails(_lib.FoveaError, "static or dynamic scales", att8.prepare, *b.views())
+        self.assertFails(_lib.FoveaError, "needs static, dynamic, robust static or robust dynamic scales", att8.prepare, *b.views())
         self.assertFails(_lib.FoveaError, "head_dim", fa.Attention, "bf16", 2, 63, device="cpu")
         self.assertFails(_lib.FoveaUnsupportedError, "runs on a GPU", fa.Attention, "bf16", 2, 64, device="cpu",
                          backend="fovea")
@@ -267,6 +267,108 @@ class ScaleFiles(unittest.TestCase):
         with self.assertRaises(_lib.FoveaError) as cm:
             fa.calibrated_scales([states[0], fa.fresh_state_bytes()])
         self.assertIn("1", str(cm.exception))
+
+
+class Robust(unittest.TestCase):
+    """The robust FP8 scheme through the ABI (issue 49): dynamic states, calibration to a file, the plan
+    read back from it, and the static arrays it gives, on the CPU reference."""
+
+    @staticmethod
+    def outlier_batch(seqlens, seed):
+        """Q and K with a large offset on a rotary pair and V with a loud channel, as trained ViTs have."""
+        b = Batch(seqlens, heads=2, head_dim=72, seed=seed)
+        for w, ch, add, mul in ((0, 3, 12.0, 1.0), (1, 3, 40.0, 1.0), (1, 39, -30.0, 1.0), (2, 7, 0.0, 30.0)):
+            x = from_bf16(b.fused[:, w]).copy()
+            x[:, :, ch] = x[:, :, ch] * mul + add
+            b.fused[:, w] = to_bf16(x)
+        b.q, b.k, b.v = (from_bf16(b.fused[:, w]) for w in range(3))
+        b.q_buf = np.ascontiguousarray(b.fused[:, 0].transpose(1, 0, 2))
+        b.k_buf = np.ascontiguousarray(b.fused[:, 1])
+        return b
+
+    def state(self):
+        raw = fa.fresh_robust_state(2, 72)
+        return np.frombuffer(raw, np.uint8).copy().view(np.float64)  # an 8-byte aligned copy
+
+    def test_robust_dynamic_beats_per_tensor_on_outlier_channels(self):
+        b = self.outlier_batch([90, 31, 120], seed=21)
+        ref = ref_attention(b.q, b.k, b.v, b.cu)
+        st = self.state()
+        robust = b.read(run(b, "fp8", fa.Scales(robust_state=st.ctypes.data)))
+        amax = [float(np.abs(x).max()) for x in (b.q, b.k, b.v)]
+        fixed = (ctypes.c_float * 3)(*[a / 448 for a in amax])
+        tensor = b.read(run(b, "fp8", fa.Scales(fixed=ctypes.addressof(fixed))))
+        self.assertFalse(np.isnan(robust).any())
+        e_robust, e_tensor = rel_l2(robust, ref), rel_l2(tensor, ref)
+        self.assertLess(e_robust, 0.5 * e_tensor, (e_robust, e_tensor))
+        self.assertLess(e_robust, 0.05)
+        fresh = np.frombuffer(fa.fresh_robust_state(2, 72), np.uint8)
+        self.assertFalse(np.array_equal(st.view(np.uint8), fresh), "the forward recorded into the state")
+
+    def test_calibration_writes_the_file_the_plan_reads(self):
+        states = []
+        for layer in range(2):
+            st = self.state()
+            att = fa.Attention("fp8", 2, 72, device="cpu")
+            for i in range(3):
+                run(self.outlier_batch([40 + 7 * i, 50], seed=30 + 10 * layer + i), "fp8",
+                    fa.Scales(robust_state=st.ctypes.data), att=att)
+            states.append(st.tobytes())
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "scales.json")
+            fa.robust_calibrate(states, 2, 72, path, margin=1.5)
+            with open(path) as f:
+                text = json.load(f)
+            self.assertEqual(len(text), 2)
+            plan = fa.fp8_plan("robust", 2, 2, 72, path=path)
+            self.assertEqual(plan["modes"], ["robust_static", "robust_static"])
+            fine = plan["fine"][1]
+            self.assertEqual([len(fine[k]) for k in ("k_mean", "q_head", "k_head", "v_channel", "qk_split")],
+                             [144, 2, 2, 144, 12])
+            self.assertTrue(all(x > 0 for x in fine["q_head"] + fine["v_channel"]))
+            arrays = [np.array(fine[k], np.float32) for k in ("k_mean", "q_head", "k_head", "v_channel")]
+            split = np.array(fine["qk_split"], np.int32)
+            b = self.outlier_batch([60, 45], seed=99)  # held out from calibration
+            out = b.read(run(b, "fp8", fa.Scales(fine=[a.ctypes.data for a in arrays] + [split.ctypes.data])))
+            self.assertFalse(np.isnan(out).any())
+            self.assertLess(rel_l2(out, ref_attention(b.q, b.k, b.v, b.cu)), 0.05)
+            auto = fa.fp8_plan("auto", 2, 2, 72, path=path)
+            self.assertEqual(len(auto["modes"]), 2)
+            self.assertTrue(set(auto["modes"]) <= {"static", "robust_static"})
+            self.assertEqual(fa.fp8_plan("tensor", 2, 2, 72, path=path)["modes"], ["static", "static"])
+            self.assertEqual(fa.fp8_plan("tensor", 2, 2, 72, path=path)["qkv"], plan["qkv"])
+            with self.assertRaises(_lib.FoveaError) as cm:
+                fa.fp8_plan("robust", 2, 4, 72, path=path)
+            self.assertIn("layer 0's fine scales are for 2 heads", str(cm.exception))
+            with self.assertRaises(_lib.FoveaError) as cm:
+                fa.robust_calibrate([states[0], fa.fresh_robust_state(2, 72)], 2, 72, os.path.join(d, "x.json"))
+            self.assertIn("layer 1", str(cm.exception))
+            self.assertEqual(sorted(os.listdir(d)), ["scales.json"], "nothing half-written")
+        self.assertEqual(fa.fp8_plan("auto", 3, 2, 72)["modes"], ["dynamic"] * 3)
+        self.assertEqual(fa.fp8_plan("auto", 3, 2, 72, calibrating=True)["modes"], ["robust_dynamic"] * 3)
+        self.assertEqual(fa.fp8_plan("robust", 1, 2, 64)["modes"], ["robust_dynamic"])
+
+    def test_bad_robust_arguments_name_the_problem(self):
+        with self.assertRaises(ValueError):
+            fa.Scales(fixed=8, robust_state=16)
+        with self.assertRaises(ValueError):
+            fa.Scales(fine=[8, 16])
+        with self.assertRaises(ValueError):
+            fa.robust_state_bytes(0, 72)
+        with self.assertRaises(_lib.FoveaError) as cm:
+            fa.fp8_plan("fastest", 2, 2, 72)
+        self.assertIn("'fastest' is not one of auto, tensor, robust", str(cm.exception))
+        b = Batch([20, 9], heads=2, head_dim=72, seed=7)
+        st = self.state()
+        st.view(np.int32)[1] = 5  # the header's heads
+        before = st.copy()
+        with self.assertRaises(_lib.FoveaError) as cm:
+            run(b, "fp8", fa.Scales(robust_state=st.ctypes.data))
+        self.assertEqual(cm.exception.status, _lib.INVALID)
+        self.assertIn("a robust state for 5 heads of 72, not 2 of 72", str(cm.exception))
+        np.testing.assert_array_equal(st, before)
+        self.assertEqual(fa.split_pairs(72), 6)
+        self.assertEqual(fa.split_pairs(64), 0)
 
 
 class Hostile(unittest.TestCase):

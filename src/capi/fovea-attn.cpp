@@ -20,6 +20,7 @@
 #include "fovea/bf16.h"
 #include "fovea/engine.h"
 #include "fovea/error.h"
+#include "fovea/fp8-plan.h"
 #include "fovea/rope.h"
 #include "fovea/scales.h"
 #include "fovea/system.h"
@@ -43,6 +44,7 @@ static_assert(sizeof(fovea_attn_amax_state) == sizeof(LayerAmax) && sizeof(Layer
 static_assert(alignof(fovea_attn_amax_state) == 4 && alignof(LayerAmax) == 4);
 static_assert(FOVEA_ATTN_HISTORY_LEN == kAmaxHistoryLen);
 static_assert(FOVEA_ATTN_MAX_LAYERS == kMaxScaleLayers);
+static_assert(FOVEA_ATTN_SCALES_STATIC == 1 && FOVEA_ATTN_SCALES_ROBUST_DYNAMIC == 4);
 
 struct AbiError : Error {
   int32_t code;
@@ -170,6 +172,8 @@ struct fovea_attn {
   std::unique_ptr<cuda::Attention> gpu;
   cuda::DeviceBuffer<uint16_t> fused;  // [N, 3, H, hd]: three views gathered for prepare
   cuda::DeviceBuffer<uint16_t> out;    // [N, H, hd]: attend's output when the caller's is strided
+  cuda::DeviceBuffer<float> fine;      // FP8 FOVEA: the arrays robust dynamic scaling fills per batch
+  cuda::DeviceBuffer<int32_t> split;   // and its split pairs [H * fp8_split_pairs(hd)]
 #endif
   int64_t row() const { return int64_t(heads) * head_dim; }
 };
@@ -244,23 +248,83 @@ void check_view(const fovea_attn& h, const fovea_attn_view* v, const char* name)
            ") overlap rows of ", h.head_dim, " elements");
 }
 
+// A robust static layer's arrays read from host memory, checked: k_mean finite, the scales finite
+// and > 0, the split pairs -1 or distinct pairs of each head.
+FineScales host_fine(const fovea_attn& h, const fovea_attn_fine& f) {
+  const size_t H = size_t(h.heads), cells = size_t(h.row());
+  FineScales o;
+  const auto take = [](const float* p, size_t n, bool positive, const char* name) {
+    std::vector<float> v(p, p + n);
+    for (size_t i = 0; i < n; ++i)
+      if (!std::isfinite(v[i]) || (positive && !(v[i] > 0.0f)))
+        refuse(FOVEA_ATTN_INVALID, "robust static scales: ", name, "[", i, "] = ", v[i], " is not a finite number",
+               positive ? " > 0" : "");
+    return v;
+  };
+  o.k_mean = take(f.k_mean, cells, false, "k_mean");
+  o.q_head = take(f.q_head, H, true, "q_head"), o.k_head = take(f.k_head, H, true, "k_head");
+  o.v_channel = take(f.v_channel, cells, true, "v_channel");
+  if (const size_t n = H * size_t(fp8_split_pairs(h.head_dim))) o.qk_split.assign(f.qk_split, f.qk_split + n);
+  try {
+    check_split_pairs(o.qk_split, h.heads, h.head_dim, "robust static scales: qk_split");
+  } catch (const Error& e) {
+    refuse(FOVEA_ATTN_INVALID, e.what());
+  }
+  return o;
+}
+
+FineHistory host_robust_state(const fovea_attn& h, const void* state) {
+  try {
+    return unpack_fine_state(state, h.heads, h.head_dim, "robust state");
+  } catch (const Error& e) {
+    refuse(FOVEA_ATTN_INVALID, e.what());
+  }
+}
+
 void check_scales(const fovea_attn& h, const fovea_attn_scales* s) {
   const int32_t mode = s ? s->mode : FOVEA_ATTN_SCALES_NONE;
   if (h.dtype == AttnDtype::BF16) {
     if (mode != FOVEA_ATTN_SCALES_NONE) refuse(FOVEA_ATTN_INVALID, "FP8 scales given to a BF16 attention");
     return;
   }
-  if (mode == FOVEA_ATTN_SCALES_STATIC && !s->fixed) refuse(FOVEA_ATTN_INVALID, "static scales: `fixed` is null");
-  if (mode == FOVEA_ATTN_SCALES_DYNAMIC && !s->state) refuse(FOVEA_ATTN_INVALID, "dynamic scales: `state` is null");
-  if (mode != FOVEA_ATTN_SCALES_STATIC && mode != FOVEA_ATTN_SCALES_DYNAMIC)
-    refuse(FOVEA_ATTN_INVALID, "FP8 attention needs static or dynamic scales (mode ", mode, ")");
-  if (mode == FOVEA_ATTN_SCALES_STATIC) check_aligned(s->fixed, alignof(float), "static scales: `fixed`");
-  if (mode == FOVEA_ATTN_SCALES_DYNAMIC) check_aligned(s->state, alignof(LayerAmax), "dynamic scales: `state`");
+  switch (mode) {
+    case FOVEA_ATTN_SCALES_STATIC:
+      need(s->fixed != nullptr, "static scales: `fixed` is null");
+      check_aligned(s->fixed, alignof(float), "static scales: `fixed`");
+      break;
+    case FOVEA_ATTN_SCALES_DYNAMIC:
+      need(s->state != nullptr, "dynamic scales: `state` is null");
+      check_aligned(s->state, alignof(LayerAmax), "dynamic scales: `state`");
+      break;
+    case FOVEA_ATTN_SCALES_ROBUST_STATIC: {
+      need(s->fine != nullptr, "robust static scales: `fine` is null");
+      const fovea_attn_fine& f = *s->fine;
+      need(f.k_mean && f.q_head && f.k_head && f.v_channel, "robust static scales: an array of `fine` is null");
+      for (const float* p : {f.k_mean, f.q_head, f.k_head, f.v_channel})
+        check_aligned(p, alignof(float), "robust static scales: an array of `fine`");
+      if (fp8_split_pairs(h.head_dim) > 0) {
+        if (!f.qk_split)
+          refuse(FOVEA_ATTN_INVALID, "robust static scales: qk_split is null; head_dim ", h.head_dim, " has ",
+                 fp8_split_pairs(h.head_dim), " split pairs per head (-1: unused)");
+        check_aligned(f.qk_split, alignof(int32_t), "robust static scales: qk_split");
+      }
+      break;
+    }
+    case FOVEA_ATTN_SCALES_ROBUST_DYNAMIC:
+      need(s->state != nullptr, "robust dynamic scales: `state` is null");
+      check_aligned(s->state, alignof(double), "robust dynamic scales: `state`");
+      break;
+    default:
+      refuse(FOVEA_ATTN_INVALID, "FP8 attention needs static, dynamic, robust static or robust dynamic scales (mode ",
+             mode, ")");
+  }
   // Host memory is checked before a forward reads or writes it; a GPU handle's is device memory, which
   // the host does not read (prepare makes no host synchronization).
   if (h.backend != AttnBackend::CPU) return;
   if (mode == FOVEA_ATTN_SCALES_DYNAMIC)
     return check_amax_state(*static_cast<const LayerAmax*>(s->state), "amax_state");
+  if (mode == FOVEA_ATTN_SCALES_ROBUST_STATIC) return (void)host_fine(h, *s->fine);
+  if (mode == FOVEA_ATTN_SCALES_ROBUST_DYNAMIC) return (void)host_robust_state(h, s->state);
   for (int i = 0; i < 3; ++i)
     if (!(s->fixed[i] > 0.0f) || (float_bits(s->fixed[i]) & 0x7F800000u) == 0x7F800000u)
       refuse(FOVEA_ATTN_INVALID, "static scales: fixed[", i, "] (", kQkvNames[i], ") = ", s->fixed[i],
@@ -283,16 +347,25 @@ void cpu_gather(const fovea_attn& h, const fovea_attn_view& v, std::vector<float
 // The scales the CPU attends with: fixed, or this batch recorded into the host state first.
 void cpu_scales(fovea_attn& h, const fovea_attn_scales* s) {
   h.opt.mode = h.dtype == AttnDtype::FP8 ? cpu::RefMode::FP8 : cpu::RefMode::BF16;
+  h.opt.fp8_fine = {};
   if (h.dtype != AttnDtype::FP8) return;
-  if (s->mode == FOVEA_ATTN_SCALES_STATIC) {
-    h.opt.fp8_scales = {s->fixed[0], s->fixed[1], s->fixed[2]};
-    return;
+  const auto view = [&](const std::vector<float>& x) { return ThdView<const float>{x.data(), h.row(), h.head_dim}; };
+  switch (s->mode) {
+    case FOVEA_ATTN_SCALES_STATIC: h.opt.fp8_scales = {s->fixed[0], s->fixed[1], s->fixed[2]}; return;
+    case FOVEA_ATTN_SCALES_ROBUST_STATIC: h.opt.fp8_fine = cpu::robust_fine(host_fine(h, *s->fine)); return;
+    case FOVEA_ATTN_SCALES_ROBUST_DYNAMIC: {
+      FineHistory hist = host_robust_state(h, s->state);
+      const FineScales f = record_fine(hist, cpu::fine_batch(h.shape, view(h.q), view(h.k), view(h.v)), "robust state");
+      pack_fine_state(hist, s->state);
+      h.opt.fp8_fine = cpu::robust_fine(f);
+      return;
+    }
+    default: break;
   }
   auto& st = *static_cast<LayerAmax*>(s->state);
   const std::vector<float>* x[3] = {&h.q, &h.k, &h.v};
   float sc[3];
-  for (int i = 0; i < 3; ++i)
-    sc[i] = amax_history_record(st.t[i], amax(h.shape, ThdView<const float>{x[i]->data(), h.row(), h.head_dim}));
+  for (int i = 0; i < 3; ++i) sc[i] = amax_history_record(st.t[i], amax(h.shape, view(*x[i])));
   h.opt.fp8_scales = {sc[0], sc[1], sc[2]};
 }
 
@@ -328,9 +401,25 @@ void cpu_attend(fovea_attn& h, const fovea_attn_view& out) {
 
 // ---- the GPU backends ------------------------------------------------------------------------------
 #if FOVEA_HAVE_CUDA
-cuda::DeviceScales device_scales(const fovea_attn_scales* s) {
-  if (s && s->mode == FOVEA_ATTN_SCALES_DYNAMIC) return cuda::tensor_dynamic_scales(static_cast<LayerAmax*>(s->state));
-  return cuda::tensor_static_scales(s && s->mode == FOVEA_ATTN_SCALES_STATIC ? s->fixed : nullptr);
+cuda::DeviceScales device_scales(fovea_attn& h, const fovea_attn_scales* s) {
+  switch (s ? s->mode : FOVEA_ATTN_SCALES_NONE) {
+    case FOVEA_ATTN_SCALES_STATIC: return cuda::tensor_static_scales(s->fixed);
+    case FOVEA_ATTN_SCALES_DYNAMIC: return cuda::tensor_dynamic_scales(static_cast<LayerAmax*>(s->state));
+    case FOVEA_ATTN_SCALES_ROBUST_STATIC: {
+      const fovea_attn_fine& f = *s->fine;  // prepare reads these arrays, never writes them
+      return cuda::robust_static_scales({const_cast<float*>(f.k_mean), const_cast<float*>(f.q_head),
+                                         const_cast<float*>(f.k_head), const_cast<float*>(f.v_channel),
+                                         const_cast<int32_t*>(f.qk_split)});
+    }
+    case FOVEA_ATTN_SCALES_ROBUST_DYNAMIC: {
+      if (!h.fine.data()) refuse(FOVEA_ATTN_UNSUPPORTED, "robust dynamic scales need the FOVEA backend");
+      const size_t H = size_t(h.heads), cells = size_t(h.row());
+      float* a = h.fine.data();
+      return cuda::robust_dynamic_scales({a, a + cells, a + cells + H, a + cells + 2 * H, h.split.data()},
+                                         cuda::fine_ring_at(s->state, h.heads, h.head_dim));
+    }
+    default: return cuda::tensor_static_scales(nullptr);  // BF16
+  }
 }
 
 bool capturing(cudaStream_t stream) {
@@ -372,7 +461,7 @@ void gpu_prepare_views(fovea_attn& h, const fovea_attn_view* const (&x)[3], cons
   for (int w = 0; w < 3; ++w)
     copy_rows(h.fused.data() + w * row, 3 * row, h.head_dim, x[w]->data, x[w]->stride_token, x[w]->stride_head, n,
               h.heads, h.head_dim, stream);
-  h.gpu->prepare(h.fused.data(), 3 * row, nullptr, nullptr, device_scales(s), stream);
+  h.gpu->prepare(h.fused.data(), 3 * row, nullptr, nullptr, device_scales(h, s), stream);
 }
 
 cuda::FlashAttention& flash_of(fovea_attn& h, const char* what) {
@@ -427,6 +516,39 @@ void write_rows(const std::vector<QkvScales>& s, float* qkv) {
     for (int j = 0; j < 3; ++j) qkv[3 * i + size_t(j)] = s[i][j];
 }
 
+int32_t scale_mode_of(LayerScheme s) {
+  switch (s) {
+    case LayerScheme::TENSOR_STATIC: return FOVEA_ATTN_SCALES_STATIC;
+    case LayerScheme::TENSOR_DYNAMIC: return FOVEA_ATTN_SCALES_DYNAMIC;
+    case LayerScheme::ROBUST_STATIC: return FOVEA_ATTN_SCALES_ROBUST_STATIC;
+    case LayerScheme::ROBUST_DYNAMIC: return FOVEA_ATTN_SCALES_ROBUST_DYNAMIC;
+  }
+  return FOVEA_ATTN_SCALES_NONE;
+}
+
+// The robust static layers' arrays of a plan into the caller's layer-major rows (zero rows and -1
+// split pairs for the other layers).
+void write_fine_rows(const Fp8Plan& plan, int heads, int head_dim, const fovea_attn_fine_rows* rows) {
+  need(rows != nullptr, "fine is null, and the file runs the robust scheme on some layers");
+  const size_t H = size_t(heads), cells = H * size_t(head_dim), n = H * size_t(fp8_split_pairs(head_dim));
+  need(rows->k_mean && rows->q_head && rows->k_head && rows->v_channel && (n == 0 || rows->qk_split),
+       "an array of fine is null");
+  for (const float* p : {rows->k_mean, rows->q_head, rows->k_head, rows->v_channel})
+    check_aligned(p, alignof(float), "an array of fine");
+  check_aligned(rows->qk_split, alignof(int32_t), "fine.qk_split");
+  for (int l = 0; l < plan.layers(); ++l) {
+    const size_t L = size_t(l);
+    const bool robust = plan.at(l) == LayerScheme::ROBUST_STATIC;
+    const FineScales& f = plan.fine(l);
+    const auto put = [&](float* dst, const std::vector<float>& v, size_t len) {
+      for (size_t i = 0; i < len; ++i) dst[L * len + i] = robust ? v[i] : 0.0f;
+    };
+    put(rows->k_mean, f.k_mean, cells), put(rows->v_channel, f.v_channel, cells);
+    put(rows->q_head, f.q_head, H), put(rows->k_head, f.k_head, H);
+    for (size_t i = 0; i < n; ++i) rows->qk_split[L * n + i] = robust && !f.qk_split.empty() ? f.qk_split[i] : -1;
+  }
+}
+
 fovea_attn& handle(fovea_attn* h) {
   if (!h) refuse(FOVEA_ATTN_INVALID, "the handle is null");
   return *h;
@@ -476,9 +598,13 @@ int32_t fovea_attn_create(int32_t dtype, int32_t backend, int32_t heads, int32_t
 #if FOVEA_HAVE_CUDA
     if (h->backend != AttnBackend::CPU) {
       DeviceGuard g(device);
-      if (h->backend == AttnBackend::FOVEA)
+      if (h->backend == AttnBackend::FOVEA) {
         h->gpu = std::make_unique<cuda::FlashAttention>(h->dtype, heads, head_dim);
-      else
+        if (h->dtype == AttnDtype::FP8) {  // made here: a capture of robust dynamic prepare cannot allocate
+          h->fine.reset(size_t(h->row()) * 2 + size_t(heads) * 2);
+          if (const size_t n = size_t(heads) * size_t(fp8_split_pairs(head_dim))) h->split.reset(n);
+        }
+      } else
         h->gpu = cuda::make_cudnn_attention(h->dtype, heads, head_dim);
     }
 #endif
@@ -633,7 +759,8 @@ int32_t fovea_attn_prepare_fused(fovea_attn* hp, const void* qkv, int64_t token_
 #if FOVEA_HAVE_CUDA
     if (h.gpu) {
       DeviceGuard g(h.device);
-      h.gpu->prepare(qkv, token_stride, rope_cos, rope_sin, device_scales(scales), static_cast<cudaStream_t>(stream));
+      h.gpu->prepare(qkv, token_stride, rope_cos, rope_sin, device_scales(h, scales),
+                     static_cast<cudaStream_t>(stream));
       h.prepared = true;
       return;
     }
@@ -704,6 +831,84 @@ int32_t fovea_attn_calibrated_scales(const fovea_attn_amax_state* states, int32_
     }
     const std::vector<QkvScales> s = book.calibrated(margin);
     write_rows(s, qkv);
+  });
+}
+
+int32_t fovea_attn_split_pairs(int32_t head_dim) { return head_dim > 0 ? fp8_split_pairs(head_dim) : 0; }
+
+int64_t fovea_attn_robust_state_bytes(int32_t heads, int32_t head_dim) {
+  if (heads <= 0 || head_dim <= 0 || int64_t(heads) * head_dim > kMaxFineScales) return -1;
+  return int64_t(FineStateLayout(heads, head_dim).bytes);
+}
+
+int32_t fovea_attn_robust_state_init(void* state, int64_t bytes, int32_t heads, int32_t head_dim) {
+  return guarded("fovea_attn_robust_state_init", [&] {
+    need(state != nullptr, "state is null");
+    check_aligned(state, alignof(double), "state");
+    const int64_t want = fovea_attn_robust_state_bytes(heads, head_dim);
+    if (want < 0)
+      refuse(FOVEA_ATTN_INVALID, "heads x head_dim = ", heads, " x ", head_dim, ": both must be > 0, at most ",
+             kMaxFineScales, " cells");
+    if (bytes != want)
+      refuse(FOVEA_ATTN_INVALID, "a robust state of ", heads, " heads x ", head_dim, " is ", want, " bytes, not ",
+             bytes);
+    pack_fine_state(FineHistory(heads, head_dim), state);
+  });
+}
+
+int32_t fovea_attn_robust_calibrate(const void* states, int32_t num_layers, int32_t heads, int32_t head_dim,
+                                    float margin, const char* path) {
+  return guarded("fovea_attn_robust_calibrate", [&] {
+    need(states && path, "states or path is null");
+    check_aligned(states, alignof(double), "states");
+    check_layers(num_layers);
+    const int64_t bytes = fovea_attn_robust_state_bytes(heads, head_dim);
+    if (bytes < 0)
+      refuse(FOVEA_ATTN_INVALID, "heads x head_dim = ", heads, " x ", head_dim, " is not a robust state's");
+    if (!(margin > 0) || !std::isfinite(margin))
+      refuse(FOVEA_ATTN_INVALID, "margin must be a finite number > 0, got ", margin);
+    ScaleBook book = ScaleBook::dynamic(num_layers);
+    book.enable_fine(heads, head_dim);
+    for (int32_t i = 0; i < num_layers; ++i) {
+      const auto* at = static_cast<const uint8_t*>(states) + size_t(i) * size_t(bytes);
+      try {
+        book.fine_state()[size_t(i)] = unpack_fine_state(at, heads, head_dim, "states[" + std::to_string(i) + "]");
+      } catch (const Error& e) {
+        refuse(FOVEA_ATTN_INVALID, e.what());
+      }
+    }
+    book.save(path, margin);
+  });
+}
+
+int32_t fovea_attn_fp8_plan(const char* scheme, const char* path, int32_t calibrating, int32_t num_layers,
+                            int32_t heads, int32_t head_dim, int32_t* modes, float* qkv,
+                            const fovea_attn_fine_rows* fine) {
+  return guarded("fovea_attn_fp8_plan", [&] {
+    need(scheme && modes, "scheme or modes is null");
+    const std::optional<SchemeChoice> c = parse_scheme_choice(scheme);
+    if (!c) refuse(FOVEA_ATTN_INVALID, "scheme '", scheme, "' is not one of auto, tensor, robust");
+    check_layers(num_layers);
+    check_aligned(modes, alignof(int32_t), "modes");
+    if (fovea_attn_robust_state_bytes(heads, head_dim) < 0)
+      refuse(FOVEA_ATTN_INVALID, "heads x head_dim = ", heads, " x ", head_dim, ": both must be > 0, at most ",
+             kMaxFineScales, " cells");
+    std::optional<ScaleFile> file;
+    if (path) {
+      need(qkv != nullptr, "qkv is null (a scale file's per-tensor scales go there)");
+      check_aligned(qkv, alignof(float), "qkv");
+      file = read_scale_file(path);
+    }
+    const ScaleMode mode = path ? ScaleMode::STATIC : calibrating ? ScaleMode::CALIBRATE : ScaleMode::DYNAMIC;
+    Fp8Plan plan;
+    try {
+      if (file) write_rows(scales_for_model(*file, num_layers), qkv);
+      plan = Fp8Plan::choose(*c, mode, file ? &*file : nullptr, num_layers, heads, head_dim);
+    } catch (const Error& e) {
+      refuse(FOVEA_ATTN_INVALID, path ? std::string(path) + ": " : std::string(), e.what());
+    }
+    if (plan.any(LayerScheme::ROBUST_STATIC)) write_fine_rows(plan, heads, head_dim, fine);
+    for (int32_t l = 0; l < num_layers; ++l) modes[l] = scale_mode_of(plan.at(l));
   });
 }
 

@@ -131,7 +131,7 @@ void check_fp8_flags(const EngineOptions& opt, EngineConfig& cfg) {
   cfg.scale_save_margin = float(opt.scale_save_margin);
   cfg.fp8_linears = opt.fp8_linears;
   const bool fp8 = cfg.dtype == AttnDtype::FP8;
-  if (opt.fp8_scheme != "auto" && opt.fp8_scheme != "tensor" && opt.fp8_scheme != "robust")
+  if (!parse_scheme_choice(opt.fp8_scheme))
     fail("--fp8-scheme: '{}' is not one of auto, tensor, robust", opt.fp8_scheme);
   if (opt.fp8_scheme == "robust") {
     if (!fp8)
@@ -229,16 +229,11 @@ EngineConfig resolve_engine(const EngineOptions& opt, const SystemInfo& sys) {
 
 Fp8Plan EngineConfig::fp8_plan(int layers, int heads, int head_dim) const {
   if (!scale_mode) fail("FP8 plan requested, but the engine runs {} attention", dtype_name(dtype));
-  if (!fp8_robust) return Fp8Plan::tensor(*scale_mode, layers);
-  if (!scale_file) return Fp8Plan::robust_dynamic(*scale_mode, layers);
-  std::vector<FineScales> fine;  // every layer is in the file (scales_for_model checks that)
-  for (int l = 0; l < layers; ++l) {
-    const auto it = scale_file->fine.find(l);
-    const bool robust = it != scale_file->fine.end() && (!fp8_auto_layers || auto_runs_robust(it->second));
-    fine.push_back(robust ? it->second : FineScales{});
-  }
+  const SchemeChoice c = !fp8_robust       ? SchemeChoice::TENSOR
+                         : fp8_auto_layers ? SchemeChoice::AUTO
+                                           : SchemeChoice::ROBUST;
   try {
-    return Fp8Plan::robust_static(std::move(fine), heads, head_dim);
+    return Fp8Plan::choose(c, *scale_mode, scale_file ? &*scale_file : nullptr, layers, heads, head_dim);
   } catch (const Error& e) {
     fail("--mm-encoder-fp8-scale-path '{}': {}", scale_path, e.what());
   }

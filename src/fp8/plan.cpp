@@ -17,6 +17,31 @@ const char* layer_scheme_name(LayerScheme s) {
   return "?";
 }
 
+std::optional<SchemeChoice> parse_scheme_choice(std::string_view s) {
+  if (s == "auto") return SchemeChoice::AUTO;
+  if (s == "tensor") return SchemeChoice::TENSOR;
+  if (s == "robust") return SchemeChoice::ROBUST;
+  return std::nullopt;
+}
+
+Fp8Plan Fp8Plan::choose(SchemeChoice c, ScaleMode mode, const ScaleFile* file, int layers, int heads, int head_dim) {
+  if ((mode == ScaleMode::STATIC) != (file != nullptr))
+    fail("FP8 plan: {} scales {} a scale file", scale_mode_name(mode), file ? "with" : "without");
+  if (c == SchemeChoice::TENSOR || (c == SchemeChoice::AUTO && mode == ScaleMode::DYNAMIC)) return tensor(mode, layers);
+  if (!file) return robust_dynamic(mode, layers);
+  if (c == SchemeChoice::ROBUST && file->fine.empty())
+    fail(
+        "the robust scheme with static scales needs the file's fine scales (fovea_q_head, fovea_k_head, "
+        "fovea_v_channel, fovea_k_mean; docs/fp8.md §Fine scales); it has per-layer q/k/v only");
+  std::vector<FineScales> fine;  // every layer is in the file (scales_for_model checks that)
+  for (int l = 0; l < layers; ++l) {
+    const auto it = file->fine.find(l);
+    const bool robust = it != file->fine.end() && (c == SchemeChoice::ROBUST || auto_runs_robust(it->second));
+    fine.push_back(robust ? it->second : FineScales{});
+  }
+  return robust_static(std::move(fine), heads, head_dim);
+}
+
 Fp8Plan Fp8Plan::tensor(ScaleMode mode, int layers) {
   if (layers < 0) fail("FP8 plan: {} layers", layers);
   Fp8Plan p;

@@ -175,59 +175,7 @@ void ScaleBook::enable_fine(int heads, int head_dim) {
 FineScales ScaleBook::record_fine(int layer, const FineBatch& b) {
   check_layer(layer);
   if (!has_fine()) fail("scale book: the robust scheme's history is not enabled");
-  FineHistory& f = fine_[size_t(layer)];
-  const int H = f.heads;
-  const size_t cells = size_t(H) * size_t(f.head_dim);
-  if (b.k_sum.size() != cells || b.k_hi.size() != cells || b.k_lo.size() != cells || b.v_amax.size() != cells ||
-      b.q_amax.size() != cells || b.tokens <= 0)
-    fail("scale book: layer {}: a batch's statistics are not for {} heads of {} channels", layer, H, f.head_dim);
-  FineCounts& c = f.counts;
-  const bool keep = b.finite;
-  const int slot = c.pos, filled = keep ? std::min(c.filled + 1, kAmaxHistoryLen) : c.filled;
-  FineScales out;
-  out.k_mean.resize(cells);
-  out.v_channel.resize(cells);
-  out.q_head.resize(size_t(H));
-  out.k_head.resize(size_t(H));
-  std::vector<float> dev(size_t(H), 0.0f), qa(size_t(H), 0.0f), k_chan(cells);
-  for (size_t i = 0; i < cells; ++i) {
-    const float mean = float(b.k_sum[i] / double(b.tokens));
-    out.k_mean[i] = mean;
-    k_chan[i] = smoothed_amax(b.k_hi[i], b.k_lo[i], mean);
-    float& d = dev[i / size_t(f.head_dim)];
-    d = std::max(d, k_chan[i]);
-    float& q = qa[i / size_t(f.head_dim)];
-    q = std::max(q, b.q_amax[i]);
-    out.v_channel[i] =
-        fine_ring_scale(fine_ring_prev(f.v_ring.data() + i, int(cells), filled, slot, keep), keep, b.v_amax[i]);
-  }
-  if (fp8_split_pairs(f.head_dim) > 0) out.qk_split = pick_split_pairs(H, f.head_dim, b.q_amax.data(), k_chan.data());
-  for (int h = 0; h < H; ++h) {
-    out.q_head[size_t(h)] =
-        fine_ring_scale(fine_ring_prev(f.q_ring.data() + h, H, filled, slot, keep), keep, qa[size_t(h)]);
-    out.k_head[size_t(h)] =
-        fine_ring_scale(fine_ring_prev(f.k_ring.data() + h, H, filled, slot, keep), keep, dev[size_t(h)]);
-  }
-  c.updates += 1;
-  if (!keep) {
-    c.nonfinite += 1;
-    return out;
-  }
-  for (int h = 0; h < H; ++h) {
-    f.q_ring[size_t(slot) * H + h] = qa[size_t(h)];
-    f.k_ring[size_t(slot) * H + h] = dev[size_t(h)];
-  }
-  for (size_t i = 0; i < cells; ++i) {
-    f.v_ring[size_t(slot) * cells + i] = b.v_amax[i];
-    f.k_sum[i] += b.k_sum[i];
-    f.k_hi[i] = std::max(f.k_hi[i], b.k_hi[i]);
-    f.k_lo[i] = std::min(f.k_lo[i], b.k_lo[i]);
-    f.q_hi[i] = std::max(f.q_hi[i], b.q_amax[i]);
-  }
-  c.pos = (slot + 1) % kAmaxHistoryLen;
-  c.filled = filled;
-  c.tokens += double(b.tokens);
-  return out;
+  return fovea::record_fine(fine_[size_t(layer)], b, "scale book: layer " + std::to_string(layer));
 }
 
 std::vector<FineScales> ScaleBook::calibrated_fine(float margin) const {
@@ -296,15 +244,16 @@ std::vector<QkvScales> ScaleBook::calibrated(float margin) const {
   return out;
 }
 
+void ScaleBook::save(const std::string& path, float margin) const {
+  if (!has_fine()) return write_scale_file(path, calibrated(margin));
+  const std::vector<FineScales> fine = calibrated_fine(margin);
+  write_scale_file(path, per_tensor_of(fine, margin), &fine);
+}
+
 bool ScaleBook::after_forward() {
   if (mode_ != ScaleMode::CALIBRATE || calibration_written_) return false;
   if (complete_forwards() < uint32_t(kAmaxHistoryLen)) return false;
-  if (has_fine()) {
-    const std::vector<FineScales> fine = calibrated_fine(margin_);
-    write_scale_file(save_path_, per_tensor_of(fine, margin_), &fine);
-  } else {
-    write_scale_file(save_path_, calibrated(margin_));
-  }
+  save(save_path_, margin_);
   calibration_written_ = true;
   return true;
 }

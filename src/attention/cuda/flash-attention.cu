@@ -315,42 +315,30 @@ void FlashAttention::prepare(const void* qkv, int64_t qkv_token_stride, const fl
   m.prepared = true;
 }
 
-// ---- DeviceFineHistory: one allocation, the doubles first -----------------------------------------
+// ---- DeviceFineHistory: the robust state's block (fovea/scales.h: FineStateLayout) in device memory ----
 
-namespace {
-struct FineLayout {  // byte offsets of a FineHistory's arrays in one allocation
-  size_t cells, k_sum, k_hi, k_lo, q_hi, q, k, v, counts, bytes;
-  FineLayout(int heads, int head_dim) {
-    cells = size_t(heads) * size_t(head_dim);
-    k_sum = 0;
-    counts = cells * 8;  // FineCounts holds a double: 8-byte aligned here
-    k_hi = counts + sizeof(FineCounts);
-    k_lo = k_hi + cells * 4;
-    q_hi = k_lo + cells * 4;
-    q = q_hi + cells * 4;
-    k = q + size_t(kAmaxHistoryLen) * heads * 4;
-    v = k + size_t(kAmaxHistoryLen) * heads * 4;
-    bytes = v + size_t(kAmaxHistoryLen) * cells * 4;
-  }
-};
-}  // namespace
+FineRing fine_ring_at(void* block, int heads, int head_dim) {
+  const FineStateLayout l(heads, head_dim);
+  auto* b = static_cast<uint8_t*>(block);
+  FineRing r;
+  r.k_sum = reinterpret_cast<double*>(b + l.k_sum);
+  r.counts = reinterpret_cast<FineCounts*>(b + l.counts);
+  r.k_hi = reinterpret_cast<float*>(b + l.k_hi);
+  r.k_lo = reinterpret_cast<float*>(b + l.k_lo);
+  r.q_hi = reinterpret_cast<float*>(b + l.q_hi);
+  r.q = reinterpret_cast<float*>(b + l.q);
+  r.k = reinterpret_cast<float*>(b + l.k);
+  r.v = reinterpret_cast<float*>(b + l.v);
+  return r;
+}
 
 void DeviceFineHistory::Free::operator()(void* p) const { cudaFree(p); }
 
 DeviceFineHistory::DeviceFineHistory(const FineHistory& h) : heads_(h.heads), head_dim_(h.head_dim) {
-  const FineLayout l(heads_, head_dim_);
   void* p = nullptr;
-  FOVEA_CUDA_CHECK(cudaMalloc(&p, l.bytes));
+  FOVEA_CUDA_CHECK(cudaMalloc(&p, bytes()));
   mem_.reset(static_cast<uint8_t*>(p));
-  uint8_t* b = mem_.get();
-  ring_.k_sum = reinterpret_cast<double*>(b + l.k_sum);
-  ring_.counts = reinterpret_cast<FineCounts*>(b + l.counts);
-  ring_.k_hi = reinterpret_cast<float*>(b + l.k_hi);
-  ring_.k_lo = reinterpret_cast<float*>(b + l.k_lo);
-  ring_.q_hi = reinterpret_cast<float*>(b + l.q_hi);
-  ring_.q = reinterpret_cast<float*>(b + l.q);
-  ring_.k = reinterpret_cast<float*>(b + l.k);
-  ring_.v = reinterpret_cast<float*>(b + l.v);
+  ring_ = fine_ring_at(mem_.get(), heads_, head_dim_);
   upload(h);
 }
 
@@ -359,35 +347,19 @@ DeviceFineHistory::~DeviceFineHistory() = default;
 DeviceFineHistory::DeviceFineHistory(DeviceFineHistory&& o) noexcept
     : heads_(o.heads_), head_dim_(o.head_dim_), mem_(std::move(o.mem_)), ring_(std::exchange(o.ring_, {})) {}
 
-void DeviceFineHistory::check(const FineHistory& h) const {
-  const size_t cells = size_t(heads_) * size_t(head_dim_), ring = size_t(kAmaxHistoryLen) * heads_;
-  if (h.heads != heads_ || h.head_dim != head_dim_ || h.q_ring.size() != ring || h.k_ring.size() != ring ||
-      h.v_ring.size() != kAmaxHistoryLen * cells || h.k_sum.size() != cells || h.k_hi.size() != cells ||
-      h.k_lo.size() != cells || h.q_hi.size() != cells)
+void DeviceFineHistory::upload(const FineHistory& h) {
+  if (h.heads != heads_ || h.head_dim != head_dim_)
     fail_cat("FOVEA attention: a fine history of ", h.heads, " x ", h.head_dim, " for a device one of ", heads_, " x ",
              head_dim_);
+  std::vector<uint8_t> host(bytes());
+  pack_fine_state(h, host.data());
+  FOVEA_CUDA_CHECK(cudaMemcpy(mem_.get(), host.data(), host.size(), cudaMemcpyHostToDevice));
 }
 
-void DeviceFineHistory::upload(const FineHistory& h) {
-  check(h);
-  const auto put = [](void* dst, const auto& v) {
-    FOVEA_CUDA_CHECK(cudaMemcpy(dst, v.data(), v.size() * sizeof(v[0]), cudaMemcpyHostToDevice));
-  };
-  put(ring_.k_sum, h.k_sum), put(ring_.k_hi, h.k_hi), put(ring_.k_lo, h.k_lo), put(ring_.q_hi, h.q_hi);
-  put(ring_.q, h.q_ring), put(ring_.k, h.k_ring), put(ring_.v, h.v_ring);
-  FOVEA_CUDA_CHECK(cudaMemcpy(ring_.counts, &h.counts, sizeof(FineCounts), cudaMemcpyHostToDevice));
-}
-
-size_t DeviceFineHistory::bytes() const { return FineLayout(heads_, head_dim_).bytes; }
+size_t DeviceFineHistory::bytes() const { return FineStateLayout(heads_, head_dim_).bytes; }
 
 void DeviceFineHistory::unpack(const void* host, FineHistory& h) const {
-  check(h);
-  const FineLayout l(heads_, head_dim_);
-  const auto* b = static_cast<const uint8_t*>(host);
-  const auto get = [&](auto& v, size_t at) { std::memcpy(v.data(), b + at, v.size() * sizeof(v[0])); };
-  get(h.k_sum, l.k_sum), get(h.k_hi, l.k_hi), get(h.k_lo, l.k_lo), get(h.q_hi, l.q_hi);
-  get(h.q_ring, l.q), get(h.k_ring, l.k), get(h.v_ring, l.v);
-  std::memcpy(&h.counts, b + l.counts, sizeof(FineCounts));
+  h = unpack_fine_state(host, heads_, head_dim_, "FOVEA attention: the device's robust state");
 }
 
 void DeviceFineHistory::download(FineHistory& h) const {

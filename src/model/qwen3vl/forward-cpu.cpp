@@ -228,10 +228,7 @@ ForwardResult forward_cpu(const Model& m, const std::vector<float>& pixels, cons
           f = opt.scales->record_fine(layer, cpu::fine_batch(shape, view(qkv, 0), view(qkv, 1), view(qkv, 2)));
           break;
       }
-      if (is_robust(plan.at(layer))) {
-        ro.fp8_fine.k_mean = f.k_mean, ro.fp8_fine.q_head = f.q_head, ro.fp8_fine.k_head = f.k_head;
-        ro.fp8_fine.v_channel = f.v_channel, ro.fp8_fine.qk_split = f.qk_split;
-      }
+      if (is_robust(plan.at(layer))) ro.fp8_fine = cpu::robust_fine(f);
     }
     std::vector<double> attn64(size_t(N) * D);
     cpu::attention(shape, view(qkv, 0), view(qkv, 1), view(qkv, 2), ro, attn64.data());
