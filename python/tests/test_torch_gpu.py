@@ -247,6 +247,99 @@ class Op(unittest.TestCase):
             ft.varlen_attention(q, k, v, cu, **static.layer(1))
 
 
+def outlier_inputs(seqlens, hd, seed):
+    """inputs() with what trained ViTs have: Q and K offset on one rotary pair (K's much more), V with a loud channel."""
+    q, k, v, cu = inputs(seqlens, 4, hd, seed)
+    q, k, v = q.float(), k.float(), v.float()
+    q[:, :, 3] += 12
+    k[:, :, 3] += 40
+    k[:, :, hd // 2 + 3] -= 30
+    v[:, :, 7] *= 30
+    return q.bfloat16(), k.bfloat16(), v.bfloat16(), cu
+
+
+def fine_cpu(fine):
+    return tuple(None if t is None else t.cpu() for t in fine)
+
+
+class Robust(Op):
+    """The robust FP8 scheme through fovea.torch (issue 49): the GPU against fp64 and the CPU emulation through
+    the same op, calibration to a file and the static plan read back, and graph replays of the dynamic state."""
+
+    def test_robust_dynamic_against_fp64_emulation_and_per_tensor(self):
+        for hd in (64, 72, 80, 128):
+            q, k, v, cu = outlier_inputs(SEGMENTS, hd, seed=40 + hd)
+            ref = ref64(q, k, v, cu)
+            book = ft.ScaleBook(1, "dynamic", scheme="robust", heads=4, head_dim=hd, device=CUDA)
+            self.assertEqual(book.modes, ["robust_dynamic"])
+            emu, kw = on_cpu(ft.varlen_attention, q, k, v, cu, robust_state=book.robust_state[0].clone())
+            out = ft.varlen_attention(q, k, v, cu, **book.layer(0))
+            self.check(f"fp8 robust dynamic hd {hd}", out, emu, ref)
+            self.assertEqual(book.complete_forwards(), 1)
+            tensor = ft.varlen_attention(q, k, v, cu, **ft.ScaleBook(1, "dynamic", device=CUDA).layer(0))
+            self.assertLess(stats(out, ref)[0], 0.5 * stats(tensor, ref)[0], f"hd {hd}: robust beats per tensor")
+            # The fused entry (no RoPE) runs the same quantization as the views.
+            again = ft.ScaleBook(1, "dynamic", scheme="robust", heads=4, head_dim=hd, device=CUDA)
+            fused = ft.varlen_attention_qkv(torch.stack([q, k, v], 1), cu, **again.layer(0))
+            self.assertTrue(torch.equal(fused, out), f"hd {hd}: fused == views")
+
+    def test_robust_calibration_writes_the_file_the_static_plan_runs(self):
+        hd = 72
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "scales.json")
+            cal = ft.ScaleBook(2, "calibrate", path, scheme="auto", heads=4, head_dim=hd, device=CUDA)
+            self.assertEqual(cal.modes, ["robust_dynamic"] * 2)
+            for i in range(16):
+                q, k, v, cu = outlier_inputs([200 + 10 * i, 300], hd, seed=60 + i)
+                for layer in range(2):
+                    ft.varlen_attention(q, k, v, cu, **cal.layer(layer))
+                self.assertEqual(cal.maybe_save(), i == 15)
+            with open(path) as f:
+                data = json.load(f)
+            self.assertIn("fovea_q_head", data["visual.blocks.1.attn.attn"])
+            static = ft.ScaleBook(2, "static", path, scheme="robust", heads=4, head_dim=hd, device=CUDA)
+            self.assertEqual(static.modes, ["robust_static"] * 2)
+            q, k, v, cu = outlier_inputs([333, 222], hd, seed=99)  # held out from calibration
+            ref = ref64(q, k, v, cu)
+            kw = static.layer(1)
+            out = ft.varlen_attention(q, k, v, cu, **kw)
+            emu = ft.varlen_attention(q.cpu(), k.cpu(), v.cpu(), cu.cpu(), fine=fine_cpu(kw["fine"]))
+            self.check("fp8 robust static hd 72", out, emu, ref)
+            tensor = ft.ScaleBook(2, "static", path, device=CUDA)  # the same file's per-tensor q/k/v
+            self.assertLess(stats(out, ref)[0], stats(ft.varlen_attention(q, k, v, cu, **tensor.layer(1)), ref)[0])
+
+    def test_cuda_graph_replays_robust_dynamic_scaling(self):
+        """One capture of the dynamic robust op on a device cu_seqlens: each replay records into the state as an eager
+        call from the same state does, bit for bit, on layouts and inputs the capture never saw."""
+        import random
+        rng = random.Random(5)
+        n, hd = 1024, 72
+        q, k, v, _ = outlier_inputs([n], hd, seed=7)
+        book = ft.ScaleBook(1, "dynamic", scheme="robust", heads=4, head_dim=hd, device=CUDA)
+        buf = torch.tensor([0, 500, n] + [n] * 3, dtype=torch.int32, device=CUDA)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            ft.varlen_attention(q, k, v, buf, **book.layer(0))
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = ft.varlen_attention(q, k, v, buf, **book.layer(0))
+        for step in range(6):
+            lens = [rng.randint(1, 400) for _ in range(rng.randint(1, 5))]
+            cu = torch.tensor([0] + list(itertools.accumulate(lens)), dtype=torch.int32, device=CUDA)
+            buf.zero_()
+            buf[: cu.numel()].copy_(cu)
+            q.mul_(1.5), k.add_(0.25)  # new inputs in the captured buffers
+            before = book.robust_state[0].clone()
+            graph.replay()
+            eager_state = before.clone()
+            eager = ft.varlen_attention(q, k, v, buf, robust_state=eager_state)  # the same capacity handle, eagerly
+            self.assertFalse(out.isnan().any().item())
+            self.assertTrue(torch.equal(out, eager), f"replay {step} {lens}: output == eager")
+            self.assertTrue(torch.equal(book.robust_state[0], eager_state), f"replay {step}: state == eager's")
+
+
 def vision_model_8b(dtype, attn):
     from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLVisionConfig
     from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
