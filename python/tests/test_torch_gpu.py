@@ -54,7 +54,9 @@ def on_cpu(fn, q, k, v, cu, **kw):
     return fn(q.cpu(), k.cpu(), v.cpu(), cu.cpu(), **kw), kw
 
 
-class Op(unittest.TestCase):
+class Checks:
+    """The GPU-vs-oracles rule, shared by the test classes (a mixin, so no class inherits another's tests)."""
+
     def check(self, what, out, emu, ref):
         self.assertFalse(out.isnan().any().item(), what)
         g_rel, g_max = stats(out, ref)
@@ -65,6 +67,8 @@ class Op(unittest.TestCase):
         self.assertLessEqual(g_max, 2 * e_max + 1e-2, what)
         self.assertLessEqual(ve_rel, 0.25 * e_rel, what)
 
+
+class Op(Checks, unittest.TestCase):
     def test_bf16_and_fp8_against_fp64_and_emulation(self):
         for hd in (64, 72, 80, 128):
             q, k, v, cu = inputs(SEGMENTS, 4, hd, seed=hd, scale=(1.0, 2.0, 0.5))
@@ -262,7 +266,7 @@ def fine_cpu(fine):
     return tuple(None if t is None else t.cpu() for t in fine)
 
 
-class Robust(Op):
+class Robust(Checks, unittest.TestCase):
     """The robust FP8 scheme through fovea.torch (issue 49): the GPU against fp64 and the CPU emulation through
     the same op, calibration to a file and the static plan read back, and graph replays of the dynamic state."""
 
