@@ -587,6 +587,20 @@ TEST(CApi, CorruptRobustStatesAndArraysAreRefusedAndNotWritten) {
     EXPECT_NE(last().find("states[0]"), std::string::npos) << last();
     EXPECT_TRUE(dir.list().empty()) << "nothing written";
   }
+  EXPECT_EQ(fovea_attn_split_pairs(INT32_MAX), 0);
+  EXPECT_EQ(fovea_attn_split_pairs(-72), 0);
+  {  // a head wider than any robust state: refused before a size is computed from it
+    const int wide = 1 << 17;
+    Handle hw;
+    ASSERT_EQ(fovea_attn_create(FOVEA_ATTN_FP8, FOVEA_ATTN_CPU, 1, wide, FOVEA_ATTN_DEVICE_CPU, &hw.h), FOVEA_ATTN_OK);
+    const int32_t cu[2] = {0, 1};
+    ASSERT_EQ(fovea_attn_plan(hw.h, cu, 1, nullptr), FOVEA_ATTN_OK) << last();
+    std::vector<uint16_t> x(size_t(wide), 0);
+    fovea_attn_view w{x.data(), wide, wide};
+    const fovea_attn_scales sc{FOVEA_ATTN_SCALES_ROBUST_DYNAMIC, nullptr, fresh.data(), nullptr};
+    EXPECT_EQ(fovea_attn_prepare(hw.h, &w, &w, &w, &sc, 0.0f, nullptr), FOVEA_ATTN_INVALID);
+    EXPECT_NE(last().find("the robust scheme holds at most 65536"), std::string::npos) << last();
+  }
   EXPECT_EQ(fovea_attn_robust_state_bytes(0, 72), -1);
   EXPECT_EQ(fovea_attn_robust_state_bytes(1 << 20, 72), -1);
   EXPECT_EQ(fovea_attn_robust_state_init(fresh.data(), bytes - 8, H, hd), FOVEA_ATTN_INVALID);

@@ -287,6 +287,10 @@ void check_scales(const fovea_attn& h, const fovea_attn_scales* s) {
     if (mode != FOVEA_ATTN_SCALES_NONE) refuse(FOVEA_ATTN_INVALID, "FP8 scales given to a BF16 attention");
     return;
   }
+  if ((mode == FOVEA_ATTN_SCALES_ROBUST_STATIC || mode == FOVEA_ATTN_SCALES_ROBUST_DYNAMIC) &&
+      int64_t(h.heads) * h.head_dim > kMaxFineScales)
+    refuse(FOVEA_ATTN_INVALID, "the robust scheme holds at most ", kMaxFineScales, " (head, channel) cells, not ",
+           h.heads, " x ", h.head_dim);
   switch (mode) {
     case FOVEA_ATTN_SCALES_STATIC:
       need(s->fixed != nullptr, "static scales: `fixed` is null");
@@ -834,7 +838,9 @@ int32_t fovea_attn_calibrated_scales(const fovea_attn_amax_state* states, int32_
   });
 }
 
-int32_t fovea_attn_split_pairs(int32_t head_dim) { return head_dim > 0 ? fp8_split_pairs(head_dim) : 0; }
+int32_t fovea_attn_split_pairs(int32_t head_dim) {
+  return head_dim > 0 && head_dim <= kMaxFineScales ? fp8_split_pairs(head_dim) : 0;  // no robust state is wider
+}
 
 int64_t fovea_attn_robust_state_bytes(int32_t heads, int32_t head_dim) {
   if (heads <= 0 || head_dim <= 0 || int64_t(heads) * head_dim > kMaxFineScales) return -1;
