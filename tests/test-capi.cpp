@@ -532,6 +532,15 @@ TEST(CApi, RobustDynamicRecordsAsTheScaleBookAndCalibratesTheSameFile) {
   const FineHistory& cpp = book.fine_state()[0];
   EXPECT_EQ(abi.counts.filled, 3);
   EXPECT_EQ(abi.counts.updates, cpp.counts.updates);
+  uint32_t forwards = 0;
+  ASSERT_EQ(fovea_attn_robust_state_forwards(block.data(), bytes, H, hd, &forwards), FOVEA_ATTN_OK) << last();
+  EXPECT_EQ(forwards, 3u);
+  EXPECT_EQ(fovea_attn_robust_state_forwards(block.data(), bytes, H + 1, hd, &forwards), FOVEA_ATTN_INVALID);
+  EXPECT_EQ(fovea_attn_robust_state_forwards(block.data(), bytes, H, hd, nullptr), FOVEA_ATTN_INVALID);
+  std::vector<double> other(block);
+  reinterpret_cast<uint8_t*>(other.data())[0] ^= 0xFF;  // the header's magic
+  EXPECT_EQ(fovea_attn_robust_state_forwards(other.data(), bytes, H, hd, &forwards), FOVEA_ATTN_INVALID);
+  EXPECT_EQ(forwards, 3u);  // left as it was
   EXPECT_EQ(abi.q_ring, cpp.q_ring);
   EXPECT_EQ(abi.v_ring, cpp.v_ring);
   EXPECT_EQ(abi.k_sum, cpp.k_sum);

@@ -123,6 +123,10 @@ typedef struct {
  * rings; a GPU handle does not read device memory: its state must come from init and forwards. */
 int64_t fovea_attn_robust_state_bytes(int32_t heads, int32_t head_dim); /* -1 for invalid sizes */
 int32_t fovea_attn_robust_state_init(void* state, int64_t bytes, int32_t heads, int32_t head_dim);
+/* The forwards a host-memory robust state has recorded (finite or not; what calibration counts to 16),
+ * into *forwards, the block checked as fovea_attn_robust_calibrate checks it. */
+int32_t fovea_attn_robust_state_forwards(const void* state, int64_t bytes, int32_t heads, int32_t head_dim,
+                                         uint32_t* forwards);
 /* Split pairs per head of the robust scheme at this head_dim (6 at 72, 4 at 80, 0 elsewhere). */
 int32_t fovea_attn_split_pairs(int32_t head_dim);
 

@@ -160,6 +160,7 @@ def _declare(lib):
         "fovea_attn_split_pairs": (i32, [i32]),
         "fovea_attn_robust_state_bytes": (i64, [i32, i32]),
         "fovea_attn_robust_state_init": (i32, [vp, i64, i32, i32]),
+        "fovea_attn_robust_state_forwards": (i32, [vp, i64, i32, i32, ctypes.POINTER(ctypes.c_uint32)]),
         "fovea_attn_robust_calibrate": (i32, [vp, i32, i32, i32, f32, ctypes.c_char_p]),
         "fovea_attn_fp8_plan": (i32, [ctypes.c_char_p, ctypes.c_char_p, i32, i32, i32, i32, ctypes.POINTER(i32),
                                       ctypes.POINTER(f32), ctypes.POINTER(Fine)]),

@@ -122,7 +122,8 @@ class Scales:
             if len(fine) != len(names):
                 raise ValueError("fovea: fine is (k_mean, q_head, k_head, v_channel, qk_split) addresses")
             self._fine = _lib.Fine(*[_lib.pointer(f"fine.{n}", p) for n, p in zip(names, fine)])
-        mode = given.index(True) + 1  # SCALES_STATIC, _DYNAMIC, _ROBUST_STATIC, _ROBUST_DYNAMIC
+        modes = (_lib.SCALES_STATIC, _lib.SCALES_DYNAMIC, _lib.SCALES_ROBUST_STATIC, _lib.SCALES_ROBUST_DYNAMIC)
+        mode = modes[given.index(True)]  # in the order of the keywords
         self.arg = _lib.Scales(mode, _lib.pointer("fixed", fixed), _lib.pointer("state", state if state is not None
                                                                                   else robust_state),
                                ctypes.pointer(self._fine) if self._fine is not None else None)
@@ -208,6 +209,19 @@ def fresh_robust_state(heads, head_dim):
     buf = (ctypes.c_double * ((n + 7) // 8))()
     _lib.check(_lib.lib().fovea_attn_robust_state_init(buf, n, heads, head_dim))
     return bytes(buf)[:n]
+
+
+def robust_state_forwards(state, heads, head_dim):
+    """The forwards a robust state (bytes, as forwards left it) has recorded: calibration writes after 16."""
+    size = robust_state_bytes(heads, head_dim)
+    raw = bytes(state)
+    if len(raw) != size:
+        raise ValueError(f"fovea: a robust state of {heads} heads x {head_dim} is {size} bytes, not {len(raw)}")
+    buf = (ctypes.c_double * ((size + 7) // 8))()
+    ctypes.memmove(buf, raw, size)
+    n = ctypes.c_uint32()
+    _lib.check(_lib.lib().fovea_attn_robust_state_forwards(buf, size, heads, head_dim, ctypes.byref(n)))
+    return n.value
 
 
 def robust_calibrate(states, heads, head_dim, path, margin=1.5):

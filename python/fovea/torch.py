@@ -232,6 +232,8 @@ def _fp8_kwargs(descale, amax_state, fine, robust_state):
     if len(given) > 1:
         raise ValueError(f"fovea: give one of descale (static FP8), amax_state (dynamic), fine (robust static) and "
                          f"robust_state (robust dynamic), not {' and '.join(given)}")
+    if fine is not None and len(fine) != 5:
+        raise ValueError("fovea: fine is (k_mean, q_head, k_head, v_channel, qk_split) tensors")
     return given
 
 
@@ -251,9 +253,7 @@ def _scales(device, fp8):
                              "(ScaleBook makes them)")
         return _fa.Scales(state=state.data_ptr())
     if "fine" in fp8:
-        fine = fp8["fine"]
-        if len(fine) != 5:
-            raise ValueError("fovea: fine is (k_mean, q_head, k_head, v_channel, qk_split) tensors")
+        fine = fp8["fine"]  # five tensors: _fp8_kwargs checked
         names = ("k_mean", "q_head", "k_head", "v_channel")
         ptrs = [on_device(f"fine.{n}", t, torch.float32) for n, t in zip(names, fine[:4])]
         split = 0 if fine[4] is None else on_device("fine.qk_split", fine[4], torch.int32)
@@ -423,12 +423,6 @@ def _eager(*tensors):
             all(t is None or (type(t) is torch.Tensor and not t.requires_grad) for t in tensors))
 
 
-def _fine_args(fine):
-    if len(fine) != 5:
-        raise ValueError("fovea: fine is (k_mean, q_head, k_head, v_channel, qk_split) tensors")
-    return tuple(fine)
-
-
 def varlen_attention_qkv(qkv, cu_seqlens, rope_cos=None, rope_sin=None, *, descale=None, amax_state=None, fine=None,
                          robust_state=None):
     """fovea's fused entry: the qkv projection's output [tokens, 3, heads, head_dim] bf16 (token stride
@@ -443,7 +437,7 @@ def varlen_attention_qkv(qkv, cu_seqlens, rope_cos=None, rope_sin=None, *, desca
     if robust_state is not None:
         return torch.ops.fovea.varlen_attention_qkv_robust_dynamic(qkv, cu_seqlens, rope_cos, rope_sin, robust_state)
     if fine is not None:
-        return torch.ops.fovea.varlen_attention_qkv_robust(qkv, cu_seqlens, rope_cos, rope_sin, *_fine_args(fine))
+        return torch.ops.fovea.varlen_attention_qkv_robust(qkv, cu_seqlens, rope_cos, rope_sin, *fine)
     return torch.ops.fovea.varlen_attention_qkv(qkv, cu_seqlens, rope_cos, rope_sin, descale)
 
 
@@ -461,7 +455,7 @@ def varlen_attention(q, k, v, cu_seqlens, max_seqlen=None, *, softmax_scale=None
     if robust_state is not None:
         return torch.ops.fovea.varlen_attention_robust_dynamic(q, k, v, cu_seqlens, robust_state, scale)
     if fine is not None:
-        return torch.ops.fovea.varlen_attention_robust(q, k, v, cu_seqlens, *_fine_args(fine), scale)
+        return torch.ops.fovea.varlen_attention_robust(q, k, v, cu_seqlens, *fine, scale)
     return torch.ops.fovea.varlen_attention(q, k, v, cu_seqlens, descale, scale)
 
 
@@ -535,9 +529,9 @@ class ScaleBook(torch.nn.Module):
 
     def complete_forwards(self):
         if "robust_dynamic" in self.modes:  # every layer is robust: its state counts the forwards
-            raw = self.robust_state.cpu()
-            at = 16 + 8 * self.heads * self.head_dim + 8  # FineCounts.updates, after the header and K's sums
-            return min(int(raw[i, at:at + 4].view(torch.int32).item()) & 0xFFFFFFFF for i in range(self.num_layers))
+            raw = self.robust_state.cpu().numpy()
+            return min(_fa.robust_state_forwards(raw[i].tobytes(), self.heads, self.head_dim)
+                       for i in range(self.num_layers))
         return min(min(t.updates for t in st.t) for st in self.states())
 
     def calibrated(self, margin=None):

@@ -314,6 +314,12 @@ class Robust(unittest.TestCase):
                 run(self.outlier_batch([40 + 7 * i, 50], seed=30 + 10 * layer + i), "fp8",
                     fa.Scales(robust_state=st.ctypes.data), att=att)
             states.append(st.tobytes())
+        self.assertEqual([fa.robust_state_forwards(s, 2, 72) for s in states], [3, 3])
+        self.assertEqual(fa.robust_state_forwards(fa.fresh_robust_state(2, 72), 2, 72), 0)
+        with self.assertRaises(ValueError):
+            fa.robust_state_forwards(states[0][:-8], 2, 72)
+        with self.assertRaisesRegex(_lib.FoveaError, "robust state"):
+            fa.robust_state_forwards(bytes([states[0][0] ^ 0xFF]) + states[0][1:], 2, 72)  # the header's magic
         with tempfile.TemporaryDirectory() as d:
             path = os.path.join(d, "scales.json")
             fa.robust_calibrate(states, 2, 72, path, margin=1.5)

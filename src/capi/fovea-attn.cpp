@@ -281,11 +281,17 @@ FineHistory host_robust_state(const fovea_attn& h, const void* state) {
   }
 }
 
-void check_scales(const fovea_attn& h, const fovea_attn_scales* s) {
+// What check_scales read from a CPU handle's host memory, checked, for cpu_scales to use as it is.
+struct HostScales {
+  std::optional<FineScales> fine;    // ROBUST_STATIC
+  std::optional<FineHistory> state;  // ROBUST_DYNAMIC
+};
+
+HostScales check_scales(const fovea_attn& h, const fovea_attn_scales* s) {
   const int32_t mode = s ? s->mode : FOVEA_ATTN_SCALES_NONE;
   if (h.dtype == AttnDtype::BF16) {
     if (mode != FOVEA_ATTN_SCALES_NONE) refuse(FOVEA_ATTN_INVALID, "FP8 scales given to a BF16 attention");
-    return;
+    return {};
   }
   if ((mode == FOVEA_ATTN_SCALES_ROBUST_STATIC || mode == FOVEA_ATTN_SCALES_ROBUST_DYNAMIC) &&
       int64_t(h.heads) * h.head_dim > kMaxFineScales)
@@ -324,15 +330,21 @@ void check_scales(const fovea_attn& h, const fovea_attn_scales* s) {
   }
   // Host memory is checked before a forward reads or writes it; a GPU handle's is device memory, which
   // the host does not read (prepare makes no host synchronization).
-  if (h.backend != AttnBackend::CPU) return;
-  if (mode == FOVEA_ATTN_SCALES_DYNAMIC)
-    return check_amax_state(*static_cast<const LayerAmax*>(s->state), "amax_state");
-  if (mode == FOVEA_ATTN_SCALES_ROBUST_STATIC) return (void)host_fine(h, *s->fine);
-  if (mode == FOVEA_ATTN_SCALES_ROBUST_DYNAMIC) return (void)host_robust_state(h, s->state);
-  for (int i = 0; i < 3; ++i)
-    if (!(s->fixed[i] > 0.0f) || (float_bits(s->fixed[i]) & 0x7F800000u) == 0x7F800000u)
-      refuse(FOVEA_ATTN_INVALID, "static scales: fixed[", i, "] (", kQkvNames[i], ") = ", s->fixed[i],
-             " is not a finite number > 0");
+  if (h.backend != AttnBackend::CPU) return {};
+  HostScales read;
+  if (mode == FOVEA_ATTN_SCALES_DYNAMIC) {
+    check_amax_state(*static_cast<const LayerAmax*>(s->state), "amax_state");
+  } else if (mode == FOVEA_ATTN_SCALES_ROBUST_STATIC) {
+    read.fine = host_fine(h, *s->fine);
+  } else if (mode == FOVEA_ATTN_SCALES_ROBUST_DYNAMIC) {
+    read.state = host_robust_state(h, s->state);
+  } else {
+    for (int i = 0; i < 3; ++i)
+      if (!(s->fixed[i] > 0.0f) || (float_bits(s->fixed[i]) & 0x7F800000u) == 0x7F800000u)
+        refuse(FOVEA_ATTN_INVALID, "static scales: fixed[", i, "] (", kQkvNames[i], ") = ", s->fixed[i],
+               " is not a finite number > 0");
+  }
+  return read;
 }
 
 // ---- the CPU reference -----------------------------------------------------------------------------
@@ -348,17 +360,18 @@ void cpu_gather(const fovea_attn& h, const fovea_attn_view& v, std::vector<float
             bf16_to_float(src[t * v.stride_token + hh * v.stride_head + d]);
 }
 
-// The scales the CPU attends with: fixed, or this batch recorded into the host state first.
-void cpu_scales(fovea_attn& h, const fovea_attn_scales* s) {
+// The scales the CPU attends with: fixed, or this batch recorded into the host state first (`read`:
+// what check_scales read and checked).
+void cpu_scales(fovea_attn& h, const fovea_attn_scales* s, HostScales&& read) {
   h.opt.mode = h.dtype == AttnDtype::FP8 ? cpu::RefMode::FP8 : cpu::RefMode::BF16;
   h.opt.fp8_fine = {};
   if (h.dtype != AttnDtype::FP8) return;
   const auto view = [&](const std::vector<float>& x) { return ThdView<const float>{x.data(), h.row(), h.head_dim}; };
   switch (s->mode) {
     case FOVEA_ATTN_SCALES_STATIC: h.opt.fp8_scales = {s->fixed[0], s->fixed[1], s->fixed[2]}; return;
-    case FOVEA_ATTN_SCALES_ROBUST_STATIC: h.opt.fp8_fine = cpu::robust_fine(host_fine(h, *s->fine)); return;
+    case FOVEA_ATTN_SCALES_ROBUST_STATIC: h.opt.fp8_fine = cpu::robust_fine(*read.fine); return;
     case FOVEA_ATTN_SCALES_ROBUST_DYNAMIC: {
-      FineHistory hist = host_robust_state(h, s->state);
+      FineHistory& hist = *read.state;
       const FineScales f = record_fine(hist, cpu::fine_batch(h.shape, view(h.q), view(h.k), view(h.v)), "robust state");
       pack_fine_state(hist, s->state);
       h.opt.fp8_fine = cpu::robust_fine(f);
@@ -728,7 +741,7 @@ int32_t fovea_attn_prepare(fovea_attn* hp, const fovea_attn_view* q, const fovea
       refuse(FOVEA_ATTN_UNSUPPORTED, "softmax scale ", softmax_scale, ": the kernels take 1/sqrt(head_dim) = ", want,
              " only");
     check_view(h, q, "q"), check_view(h, k, "k"), check_view(h, v, "v");
-    check_scales(h, scales);
+    HostScales read = check_scales(h, scales);
     h.prepared = false;
 #if FOVEA_HAVE_CUDA
     if (h.gpu) {
@@ -740,7 +753,7 @@ int32_t fovea_attn_prepare(fovea_attn* hp, const fovea_attn_view* q, const fovea
 #endif
     (void)stream;
     cpu_gather(h, *q, h.q), cpu_gather(h, *k, h.k), cpu_gather(h, *v, h.v);
-    cpu_scales(h, scales);
+    cpu_scales(h, scales, std::move(read));
     h.prepared = true;
   });
 }
@@ -758,7 +771,7 @@ int32_t fovea_attn_prepare_fused(fovea_attn* hp, const void* qkv, int64_t token_
       refuse(FOVEA_ATTN_INVALID, "qkv: token stride ", token_stride, " must be >= 3*heads*head_dim = ", 3 * h.row(),
              " and a multiple of 8, and the buffer 16-byte aligned");
     check_extent(h, qkv, token_stride, 0, 3 * h.row(), "qkv");
-    check_scales(h, scales);
+    HostScales read = check_scales(h, scales);
     h.prepared = false;
 #if FOVEA_HAVE_CUDA
     if (h.gpu) {
@@ -771,7 +784,7 @@ int32_t fovea_attn_prepare_fused(fovea_attn* hp, const void* qkv, int64_t token_
 #endif
     (void)stream;
     cpu_prepare_fused(h, qkv, token_stride, rope_cos, rope_sin);
-    cpu_scales(h, scales);
+    cpu_scales(h, scales, std::move(read));
     h.prepared = true;
   });
 }
@@ -859,6 +872,23 @@ int32_t fovea_attn_robust_state_init(void* state, int64_t bytes, int32_t heads, 
       refuse(FOVEA_ATTN_INVALID, "a robust state of ", heads, " heads x ", head_dim, " is ", want, " bytes, not ",
              bytes);
     pack_fine_state(FineHistory(heads, head_dim), state);
+  });
+}
+
+int32_t fovea_attn_robust_state_forwards(const void* state, int64_t bytes, int32_t heads, int32_t head_dim,
+                                         uint32_t* forwards) {
+  return guarded("fovea_attn_robust_state_forwards", [&] {
+    need(state != nullptr && forwards != nullptr, "state or forwards is null");
+    check_aligned(state, alignof(double), "state");
+    const int64_t want = fovea_attn_robust_state_bytes(heads, head_dim);
+    if (want < 0 || bytes != want)
+      refuse(FOVEA_ATTN_INVALID, "a robust state of ", heads, " heads x ", head_dim, " is ", want, " bytes, not ",
+             bytes);
+    try {
+      *forwards = unpack_fine_state(state, heads, head_dim, "robust state").counts.updates;
+    } catch (const Error& e) {
+      refuse(FOVEA_ATTN_INVALID, e.what());
+    }
   });
 }
 
