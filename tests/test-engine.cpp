@@ -407,3 +407,74 @@ TEST(ResolveEngine, BestBackendIsOneRule) {
         EXPECT_EQ(resolve_engine(o, sys).backend, want) << dtype << " on " << sys.gpus[0].name;
     }
 }
+
+// ---- encoder CUDA graphs (--compilation-config) ------------------------------------------------------
+
+TEST(GraphConfig, BudgetsFromVllmsKeys) {
+  using qwen3vl::GraphBudgets;
+  EXPECT_FALSE(parse_graph_config("{}").on());
+  EXPECT_FALSE(parse_graph_config(R"({"cudagraph_mm_encoder": false, "encoder_cudagraph_token_budgets": [64]})").on());
+  const GraphBudgets d = parse_graph_config(R"({"cudagraph_mm_encoder": true})");
+  EXPECT_EQ(d.tokens,
+            std::vector<int64_t>(std::begin(qwen3vl::kDefaultGraphBudgets), std::end(qwen3vl::kDefaultGraphBudgets)));
+  EXPECT_EQ(d.max_items, qwen3vl::kDefaultGraphItems);
+  std::vector<std::string> ignored;
+  const GraphBudgets g = parse_graph_config(
+      R"({"mode": 3, "cudagraph_mm_encoder": true, "encoder_cudagraph_token_budgets": [4096, 1024, 4096, 2048],
+          "encoder_cudagraph_max_vision_items_per_batch": 4, "cudagraph_capture_sizes": [1, 2]})",
+      &ignored);
+  EXPECT_EQ(g.tokens, (std::vector<int64_t>{1024, 2048, 4096}));  // sorted, duplicates dropped
+  EXPECT_EQ(g.max_items, 4);
+  EXPECT_EQ(ignored, (std::vector<std::string>{"cudagraph_capture_sizes", "mode"}));
+  // The smallest budget that holds the batch's merged tokens, if its segments fit.
+  EXPECT_EQ(g.pick(1, 1), 0);
+  EXPECT_EQ(g.pick(1024, 4), 0);
+  EXPECT_EQ(g.pick(1025, 4), 1);
+  EXPECT_EQ(g.pick(4096, 1), 2);
+  EXPECT_EQ(g.pick(4097, 1), -1);
+  EXPECT_EQ(g.pick(10, 5), -1);
+}
+
+TEST(GraphConfig, MalformedValuesNameTheKey) {
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"[1, 2]", "JSON object"},
+      {"{\"cudagraph_mm_encoder\": ", "not valid JSON"},
+      {R"({"cudagraph_mm_encoder": 1})", "cudagraph_mm_encoder"},
+      {R"({"cudagraph_mm_encoder": true, "encoder_cudagraph_token_budgets": 1024})", "encoder_cudagraph_token_budgets"},
+      {R"({"cudagraph_mm_encoder": true, "encoder_cudagraph_token_budgets": [0]})", "encoder_cudagraph_token_budgets"},
+      {R"({"cudagraph_mm_encoder": true, "encoder_cudagraph_token_budgets": [1.5]})",
+       "encoder_cudagraph_token_budgets"},
+      {R"({"cudagraph_mm_encoder": true, "encoder_cudagraph_token_budgets": [1048577]})", "1048576"},
+      {R"({"cudagraph_mm_encoder": true, "encoder_cudagraph_token_budgets": ["64"]})",
+       "encoder_cudagraph_token_budgets"},
+      {R"({"cudagraph_mm_encoder": true, "encoder_cudagraph_max_vision_items_per_batch": -1})",
+       "encoder_cudagraph_max_vision_items_per_batch"},
+      {R"({"cudagraph_mm_encoder": true, "encoder_cudagraph_max_vision_items_per_batch": 5000})",
+       "encoder_cudagraph_max_vision_items_per_batch"},
+  };
+  for (const auto& [json, word] : cases) {
+    SCOPED_TRACE(json);
+    const std::string msg = fovea::test::error_of([&] { parse_graph_config(json); });
+    EXPECT_HAS(msg, "--compilation-config");
+    EXPECT_HAS(msg, word);
+  }
+  std::string many = R"({"cudagraph_mm_encoder": true, "encoder_cudagraph_token_budgets": [)";
+  for (int k = 1; k <= 33; ++k) many += std::to_string(k) + (k < 33 ? "," : "]}");
+  EXPECT_HAS(fovea::test::error_of([&] { parse_graph_config(many); }), "at most 32");
+}
+
+TEST(GraphConfig, ResolvedOnlyForTheFoveaBackendOnAGpu) {
+  const std::string on = R"({"cudagraph_mm_encoder": true, "encoder_cudagraph_token_budgets": [512]})";
+  const EngineConfig cfg = resolve_engine({.compilation_config = on}, h200());
+  EXPECT_EQ(cfg.backend, AttnBackend::FOVEA);
+  EXPECT_EQ(cfg.graphs.tokens, std::vector<int64_t>{512});
+  EXPECT_FALSE(resolve_engine({.compilation_config = R"({"cudagraph_mm_encoder": false})"}, no_gpu()).graphs.on());
+  for (const auto& [opt, sys] :
+       std::vector<std::pair<EngineOptions, SystemInfo>>{{{.compilation_config = on}, no_gpu()},
+                                                         {{.backend = "CUDNN", .compilation_config = on}, h200()},
+                                                         {{.compilation_config = on}, a100()}}) {
+    const std::string msg = error_of(opt, sys);
+    EXPECT_HAS(msg, "--compilation-config");
+    EXPECT_HAS(msg, "FOVEA");
+  }
+}

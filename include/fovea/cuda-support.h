@@ -237,13 +237,13 @@ class Stream {
   Handle<cudaStream_t, cudaStreamDestroy> s_;
 };
 
-// The work enqueue() puts on `stream`, captured into a CUDA graph (global capture mode) and
-// instantiated; launch() replays it. A throw during capture ends the capture, so the stream is usable.
+// The work enqueue() puts on `stream`, captured into a CUDA graph (global capture mode unless told)
+// and instantiated; launch() replays it. A throw during capture ends the capture, so the stream is usable.
 class Graph {
  public:
   template <class F>
-  Graph(cudaStream_t stream, F&& enqueue) {
-    FOVEA_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  Graph(cudaStream_t stream, F&& enqueue, cudaStreamCaptureMode mode = cudaStreamCaptureModeGlobal) {
+    FOVEA_CUDA_CHECK(cudaStreamBeginCapture(stream, mode));
     cudaGraph_t g = nullptr;
     try {
       enqueue();

@@ -31,6 +31,30 @@ Model synthetic_model(const VisionConfig& config);
 // models are; the FP8 schemes are measured on them (docs/fp8.md §Outlier channels).
 void add_outlier_channels(Model& m);
 
+// Encoder CUDA graphs (vLLM's compilation config: cudagraph_mm_encoder,
+// encoder_cudagraph_token_budgets, encoder_cudagraph_max_vision_items_per_batch): one graph per budget
+// of merged (output) tokens, captured once, replayed for every batch that fits one; the attention
+// reads the batch's segments on the device (docs/architecture.md §Encoder CUDA graphs).
+struct GraphBudgets {
+  std::vector<int64_t> tokens;  // ascending, distinct; empty: no graphs
+  // Attention segments per graph batch: an image is one, a clip one per temporal patch of frames.
+  int max_items = 0;
+  bool on() const { return !tokens.empty(); }
+  // The smallest budget a batch of `tokens` merged tokens in `segments` segments fits, or -1 (eager).
+  int pick(int64_t tokens, int64_t segments) const;
+};
+inline constexpr int64_t kDefaultGraphBudgets[] = {1024, 2048, 4096, 8192, 16384};
+inline constexpr int kDefaultGraphItems = 32;
+inline constexpr int64_t kMaxGraphBudget = int64_t(1) << 20;  // merged tokens (4M patches)
+inline constexpr size_t kMaxGraphBudgets = 32;
+
+// What the encoder's graphs did: captured, batches replayed through one, batches run eagerly because
+// none fit them (more merged tokens than the largest budget, or more segments than max_items).
+struct GraphCounts {
+  int64_t captured = 0, replays = 0, eager = 0;
+  double capture_ms = 0;  // host time of capture_graphs()
+};
+
 namespace cuda {
 
 struct EncoderOptions {
@@ -47,6 +71,8 @@ struct EncoderOptions {
   // (sync_scales() copies it back). Null: every layer per tensor, as the book's mode says.
   const Fp8Plan* fp8_plan = nullptr;
   AttnBackend backend = AttnBackend::FOVEA;  // FOVEA (Hopper) or CUDNN (BF16, sm_80 and later)
+  // Encoder CUDA graphs per token budget (FOVEA only): capture_graphs() captures them, plan() picks one.
+  GraphBudgets graphs;
 };
 
 class Encoder {
@@ -77,7 +103,16 @@ class Encoder {
   void upload_raw(const float mean[3], const float std[3], cudaStream_t stream);
   // pixels [N, patch_dim] fp32, rounded to bf16 into the staging and uploaded (enqueued).
   void upload_pixels(const std::vector<float>& pixels, cudaStream_t stream);
+  // Runs the planned batch: the graph of its budget when plan() picked one, else eagerly.
   void forward(cudaStream_t stream);
+  // options.graphs: one CUDA graph per budget, each the schedule step (reading the segments the next
+  // plan() uploads) and the forward over the budget's rows, the arena sized once for the largest
+  // budget (its graphs' buffers never move: a batch larger than it gets an arena of its own). Nothing
+  // runs while capturing, so the FP8 scale state is untouched. Call once, before the first plan();
+  // returns the number captured. plan() then picks the smallest budget that holds the batch (its
+  // merged tokens and segments), zero-fills the rows past the batch, and forward() replays the graph.
+  int capture_graphs(cudaStream_t stream);
+  GraphCounts graph_counts() const;
   // Copies the device rings and scales into the scale book (dynamic and calibrate modes; syncs). The
   // calibration step after a forward (ScaleBook::after_forward) is the caller's: EncoderRunner's.
   void sync_scales(cudaStream_t stream);

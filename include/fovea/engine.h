@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "fovea/attention.h"
+#include "fovea/encoder.h"
 #include "fovea/fp8-plan.h"
 #include "fovea/scales.h"
 #include "fovea/system.h"
@@ -23,7 +24,13 @@ struct EngineOptions {
   std::string device;               // cuda, cpu; empty: cuda when a GPU is visible, else cpu
   bool fp8_linears = false;         // --fp8-linears (fovea's own): the blocks' linears as FP8 GEMMs
   std::string fp8_scheme = "auto";  // --fp8-scheme (fovea's own): auto, tensor, robust
+  // --compilation-config (vLLM's): a JSON object; fovea reads its encoder CUDA-graph keys.
+  std::string compilation_config;
 };
+
+// The graph budgets a --compilation-config value asks for (none unless cudagraph_mm_encoder is true);
+// `ignored` gets the keys fovea does not read. Throws naming the key for a malformed value.
+qwen3vl::GraphBudgets parse_graph_config(const std::string& json, std::vector<std::string>* ignored = nullptr);
 
 enum class Device { CUDA, CPU };
 const char* device_name(Device d);
@@ -49,6 +56,7 @@ struct EngineConfig {
   // FP8 only: what each layer of a model of `layers` blocks of `heads` x `head_dim` quantizes with,
   // from the above (a static file's fine scales checked against the model's shape here).
   Fp8Plan fp8_plan(int layers, int heads, int head_dim) const;
+  qwen3vl::GraphBudgets graphs;  // encoder CUDA graphs (FOVEA backend only); off unless asked for
 };
 
 // Why a backend cannot run dtype on this device and machine, or nullopt if it can.

@@ -303,11 +303,15 @@ class EncoderRunner {
   uint64_t nonfinite_amax() const;
   // FP8: what each layer's attention quantizes with (empty for BF16).
   const Fp8Plan& fp8_plan() const { return plan_; }
+  // Encoder CUDA graphs (EngineConfig::graphs, captured when the runner is built): all zero without.
+  qwen3vl::GraphCounts graph_counts() const;
 
  private:
   struct Gpu;
   struct Flight;
   void start_cpu(const Batch& batch, bool with_deepstack);
+  void capture_graphs();  // GPU with EngineConfig::graphs: once, at reserve() or the first start()
+  bool graphs_captured_ = false;
   void calibrate();  // after every finished forward: a calibrating scale book writes its file after the 16th
   // Pops the oldest batch, waits for it, times it and advances calibration: `cpu` takes the CPU
   // forward's result (and whether deepstack was asked for), `gpu` collects the GPU download's ticket.

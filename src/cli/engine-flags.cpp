@@ -32,6 +32,11 @@ void add_engine_flags(CLI::App* cmd, EngineOptions& o) {
                   "per-head Q/K and per-channel V scales; CPU only so far): auto, tensor, robust")
       ->capture_default_str()
       ->group("Engine");
+  cmd->add_option("--compilation-config", o.compilation_config,
+                  "vLLM's JSON; fovea reads its encoder CUDA-graph keys: {\"cudagraph_mm_encoder\": true, "
+                  "\"encoder_cudagraph_token_budgets\": [1024, ...], "
+                  "\"encoder_cudagraph_max_vision_items_per_batch\": 32} (GPU, FOVEA backend)")
+      ->group("Engine");
 }
 
 // Validation lives in image::load_preprocess_config.

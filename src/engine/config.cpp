@@ -7,6 +7,7 @@
 #include <filesystem>
 
 #include "fovea/error.h"
+#include "fovea/json.h"
 
 namespace fovea {
 
@@ -207,7 +208,66 @@ void resolve_backend(const EngineOptions& opt, const SystemInfo& sys, EngineConf
   }
 }
 
+// --compilation-config: the encoder graph budgets, on a GPU with the FOVEA backend only (its attention
+// reads the segments on the device; CUDNN plans each layout on the host).
+void resolve_graphs(const EngineOptions& opt, EngineConfig& cfg) {
+  if (opt.compilation_config.empty()) return;
+  std::vector<std::string> ignored;
+  cfg.graphs = parse_graph_config(opt.compilation_config, &ignored);
+  if (!ignored.empty())
+    warn(fmt::format("--compilation-config: fovea reads only its encoder CUDA-graph keys; ignored: {}",
+                     fmt::join(ignored, ", ")));
+  if (!cfg.graphs.on()) return;
+  if (cfg.device != Device::CUDA || cfg.backend != AttnBackend::FOVEA)
+    fail(
+        "--compilation-config: cudagraph_mm_encoder runs on a GPU with the FOVEA attention backend (it reads each "
+        "batch's segments on the device); this engine runs {} on {}",
+        backend_name(cfg.backend), device_name(cfg.device));
+}
+
 }  // namespace
+
+qwen3vl::GraphBudgets parse_graph_config(const std::string& text, std::vector<std::string>* ignored) {
+  JsonLimits lim;
+  lim.max_bytes = size_t(1) << 16;
+  const nlohmann::json j = parse_json_bounded(text, lim, "--compilation-config");
+  if (!j.is_object()) fail("--compilation-config: expected a JSON object, got {}", quote_for_error(j));
+  qwen3vl::GraphBudgets g;
+  bool on = false;
+  for (const auto& [key, v] : j.items()) {
+    if (key == "cudagraph_mm_encoder") {
+      if (!v.is_boolean())
+        fail("--compilation-config: cudagraph_mm_encoder must be true or false, got {}", quote_for_error(v));
+      on = v.get<bool>();
+    } else if (key == "encoder_cudagraph_token_budgets") {
+      if (!v.is_array() || v.size() > qwen3vl::kMaxGraphBudgets)
+        fail("--compilation-config: encoder_cudagraph_token_budgets must be a list of at most {} token counts, got {}",
+             qwen3vl::kMaxGraphBudgets, quote_for_error(v));
+      for (const auto& b : v) {
+        if (!b.is_number_integer() || b.get<int64_t>() < 1 || b.get<int64_t>() > qwen3vl::kMaxGraphBudget)
+          fail("--compilation-config: encoder_cudagraph_token_budgets: {} is not a token count from 1 to {}",
+               quote_for_error(b), qwen3vl::kMaxGraphBudget);
+        g.tokens.push_back(b.get<int64_t>());
+      }
+    } else if (key == "encoder_cudagraph_max_vision_items_per_batch") {
+      if (!v.is_number_integer() || v.get<int64_t>() < 0 || v.get<int64_t>() > 4096)
+        fail(
+            "--compilation-config: encoder_cudagraph_max_vision_items_per_batch must be 0 (the default, {}) to 4096, "
+            "got {}",
+            qwen3vl::kDefaultGraphItems, quote_for_error(v));
+      g.max_items = int(v.get<int64_t>());
+    } else if (ignored) {
+      ignored->push_back(escape_for_error(key));
+    }
+  }
+  if (!on) return {};
+  if (g.tokens.empty())
+    g.tokens.assign(std::begin(qwen3vl::kDefaultGraphBudgets), std::end(qwen3vl::kDefaultGraphBudgets));
+  std::sort(g.tokens.begin(), g.tokens.end());
+  g.tokens.erase(std::unique(g.tokens.begin(), g.tokens.end()), g.tokens.end());
+  if (g.max_items == 0) g.max_items = qwen3vl::kDefaultGraphItems;
+  return g;
+}
 
 // Device, dtype, FP8 scales, backend: each step reads the ones before it.
 EngineConfig resolve_engine(const EngineOptions& opt, const SystemInfo& sys) {
@@ -219,6 +279,7 @@ EngineConfig resolve_engine(const EngineOptions& opt, const SystemInfo& sys) {
   cfg.scale_path = opt.scale_path;
   cfg.scale_save_path = opt.scale_save_path;
   resolve_backend(opt, sys, cfg);
+  resolve_graphs(opt, cfg);
   if (cfg.fp8_linears && cfg.device == Device::CUDA && !sys.gpus.empty() && sys.gpus[0].cc_major < 9)
     fail(
         "--fp8-linears on the GPU needs sm_90 or newer (cuBLASLt's per-token and per-channel FP8 scales); GPU 0 is {} "

@@ -54,8 +54,8 @@ EncoderRunner::EncoderRunner(const qwen3vl::Model& m, const EngineConfig& cfg) :
   }
   if (cfg.device == Device::CUDA) {
 #if FOVEA_HAVE_CUDA
-    gpu_ = std::make_unique<Gpu>(
-        m, qwen3vl::cuda::EncoderOptions{cfg.dtype, book(), cfg.fp8_linears, book_ ? &plan_ : nullptr, cfg.backend});
+    gpu_ = std::make_unique<Gpu>(m, qwen3vl::cuda::EncoderOptions{cfg.dtype, book(), cfg.fp8_linears,
+                                                                  book_ ? &plan_ : nullptr, cfg.backend, cfg.graphs});
 #else
     fail("--device cuda: this fovea was built without CUDA");
 #endif
@@ -66,10 +66,26 @@ EncoderRunner::~EncoderRunner() = default;
 
 void EncoderRunner::reserve(int64_t visual_tokens, bool with_deepstack, int batches) {
 #if FOVEA_HAVE_CUDA
-  if (gpu_) gpu_->enc.reserve(visual_tokens * model_.config.merge * model_.config.merge, with_deepstack, batches);
+  if (!gpu_) return;
+  gpu_->enc.reserve(visual_tokens * model_.config.merge * model_.config.merge, with_deepstack, batches);
+  capture_graphs();  // after the arena is sized: the graphs share it
 #else
   (void)visual_tokens, (void)with_deepstack, (void)batches;
 #endif
+}
+
+void EncoderRunner::capture_graphs() {
+#if FOVEA_HAVE_CUDA
+  if (gpu_ && !graphs_captured_) gpu_->enc.capture_graphs(nullptr);
+  graphs_captured_ = true;
+#endif
+}
+
+qwen3vl::GraphCounts EncoderRunner::graph_counts() const {
+#if FOVEA_HAVE_CUDA
+  if (gpu_) return gpu_->enc.graph_counts();
+#endif
+  return {};
 }
 
 size_t EncoderRunner::in_flight() const { return flights_.size(); }
@@ -99,6 +115,7 @@ void EncoderRunner::start_gpu(const std::vector<qwen3vl::GridThw>& grids, bool w
   f->make_events();
   auto& enc = gpu_->enc;
   cudaStream_t s = nullptr;
+  capture_graphs();
   auto t = Clock::now();
   enc.plan(grids, s);
   f->host.plan = lap(t);

@@ -191,6 +191,12 @@ uint64_t Batcher::failed_forwards() const {
 uint64_t Batcher::nonfinite_amax() const {
   return total([](const Replica& r) { return r.nonfinite.load(); });
 }
+uint64_t Batcher::graph_replays() const {
+  return total([](const Replica& r) { return r.graph_replays.load(); });
+}
+uint64_t Batcher::graph_eager() const {
+  return total([](const Replica& r) { return r.graph_eager.load(); });
+}
 size_t Batcher::replicas_up() const {
   return total([](const Replica& r) { return size_t(r.up.load()); });
 }
@@ -237,6 +243,13 @@ void Batcher::worker(Replica& r, std::promise<void>& ready) {
     if (r.spec.gpu >= 0) use_gpu(r.spec.gpu);  // this thread's CUDA calls go to its GPU
     runner.emplace(model_, cfg_);
     runner->reserve(max_batch_tokens_);  // a forward of any shape within the limit allocates nothing
+    if (const qwen3vl::GraphCounts g = runner->graph_counts(); g.captured > 0) {
+      fmt::print(
+          stderr,
+          "fovea serve: {}: {} encoder CUDA graphs captured ({} merged tokens, up to {} segments) in {:.0f} ms\n",
+          r.spec.name, g.captured, fmt::join(cfg_.graphs.tokens, "/"), cfg_.graphs.max_items, g.capture_ms);
+      std::fflush(stderr);
+    }
   } catch (...) {
     ready.set_exception(std::current_exception());
     return;
@@ -357,6 +370,8 @@ void Batcher::finish_batch(Replica& r, EncoderRunner& runner, Started& b) {
     runner.finish(*out);
     rows = split_inputs(rows_of(*out), b.grids, model_.config);  // throws unless the rows match the grids
     r.nonfinite = runner.nonfinite_amax();
+    const qwen3vl::GraphCounts g = runner.graph_counts();
+    r.graph_replays = uint64_t(g.replays), r.graph_eager = uint64_t(g.eager);
   } catch (const std::exception& e) {
     error = e.what();
   } catch (...) {

@@ -196,6 +196,11 @@ std::string Metrics::render(const std::string& model, const EngineConfig& engine
   sample(out, "fovea_fp8_nonfinite_amax_total", "counter",
          "Non-finite amax values the FP8 scale book ignored, all layers (docs/fp8.md §Dynamic scaling).",
          batcher.nonfinite_amax());
+  sample(out, "fovea_encoder_graph_replays_total", "counter",
+         "Forwards replayed through an encoder CUDA graph (--compilation-config cudagraph_mm_encoder).",
+         batcher.graph_replays());
+  sample(out, "fovea_encoder_graph_eager_total", "counter",
+         "Forwards run eagerly with encoder CUDA graphs on: the batch fit no budget.", batcher.graph_eager());
   return out;
 }
 

@@ -32,6 +32,12 @@ std::vector<float> random_pixels(int64_t n) {
   return p;
 }
 
+std::vector<float> widen(const std::vector<uint16_t>& bits) {
+  std::vector<float> v(bits.size());
+  for (size_t i = 0; i < bits.size(); ++i) v[i] = bf16_to_float(bits[i]);
+  return v;
+}
+
 // One forward of `m` on the GPU over kGrids, synchronized: each deepstack output (with_deepstack),
 // then the merged one last.
 std::vector<std::vector<float>> encode_once(const qwen3vl::Model& m, const qwen3vl::cuda::EncoderOptions& o,
@@ -230,6 +236,100 @@ TEST(EncoderGpu, PipelinedBatchesEqualOneAtATime) {
     }
     for (size_t j = 0; j < views.size(); ++j)  // still valid: only the download after next reuses them
       EXPECT_TRUE(std::equal(views[j].begin(), views[j].end(), alone[1][j].begin(), alone[1][j].end())) << j;
+  }
+}
+
+// Encoder CUDA graphs per token budget: batches of mixed shapes replay the graph of the smallest
+// budget that holds them (the rows past the batch zero-filled, the segments read on the device), and
+// give what an eager encoder gives, BF16 and the FP8 schemes (dynamic ones: the scale state moves as
+// the eager encoder's; capture records no forward); batches that fit no budget run eagerly, counted.
+TEST(EncoderGpu, BudgetGraphsEqualEagerOverMixedBatches) {
+  const Model m = two_block_8b();
+  const std::vector<std::vector<GridThw>> sets = {
+      kGrids,                                      // 136 merged tokens, 4 segments: budget 256
+      {{1, 40, 40}, {1, 24, 32}},                  // 592: budget 1024
+      {{1, 4, 6}},                                 // 6: budget 256, mostly padding
+      {{1, 80, 80}},                               // 1600: larger than every budget, eager
+      std::vector<GridThw>(10, GridThw{1, 2, 2}),  // 10 segments > max_items: eager
+      {{3, 8, 8}, {1, 2, 50}, {1, 30, 2}},         // 5 segments, a clip among them: budget 256
+      kGrids,                                      // again: the same buffers, the same answer
+  };
+  const std::vector<int> want_graph = {1, 1, 1, 0, 0, 1, 1};
+  auto patches = [](const std::vector<GridThw>& gs) {
+    int64_t n = 0;
+    for (auto& g : gs) n += int64_t(g[0]) * g[1] * g[2];
+    return n;
+  };
+  std::vector<std::vector<float>> px;
+  for (const auto& gs : sets) px.push_back(random_pixels(patches(gs)));
+  GraphBudgets budgets;
+  budgets.tokens = {256, 1024};
+  budgets.max_items = 8;
+  struct Case {
+    const char* name;
+    AttnDtype dtype;
+    ScaleMode mode;
+    bool robust;
+  };
+  const Case cases[] = {{"bf16", AttnDtype::BF16, ScaleMode::DYNAMIC, false},
+                        {"fp8 static", AttnDtype::FP8, ScaleMode::STATIC, false},
+                        {"fp8 dynamic", AttnDtype::FP8, ScaleMode::DYNAMIC, false},
+                        {"fp8 robust dynamic", AttnDtype::FP8, ScaleMode::DYNAMIC, true}};
+  for (const Case& c : cases) {
+    auto book = [&] {
+      return c.mode == ScaleMode::STATIC
+                 ? ScaleBook::fixed(std::vector<QkvScales>(size_t(m.config.depth), QkvScales{0.02f, 0.02f, 0.01f}))
+                 : ScaleBook::dynamic(m.config.depth);
+    };
+    ScaleBook eager_book = book(), graph_book = book();
+    const Fp8Plan plan = Fp8Plan::robust_dynamic(ScaleMode::DYNAMIC, m.config.depth);
+    auto options = [&](ScaleBook& b) {
+      qwen3vl::cuda::EncoderOptions o{c.dtype, c.dtype == AttnDtype::FP8 ? &b : nullptr};
+      if (c.robust) o.fp8_plan = &plan;
+      return o;
+    };
+    qwen3vl::cuda::Encoder eager(m, options(eager_book));
+    qwen3vl::cuda::EncoderOptions go = options(graph_book);
+    go.graphs = budgets;
+    qwen3vl::cuda::Encoder graphed(m, go);
+    fovea::cuda::Stream s;
+    ASSERT_EQ(graphed.capture_graphs(s), 2) << c.name;
+    EXPECT_THROW(graphed.capture_graphs(s), Error);
+    for (size_t k = 0; k < sets.size(); ++k) {
+      std::vector<std::vector<uint16_t>> want, got;
+      for (auto* enc : {&eager, &graphed}) {
+        const int64_t replays = enc->graph_counts().replays;
+        enc->plan(sets[k], s);
+        enc->upload_pixels(px[k], s);
+        enc->forward(s);
+        enc->outputs_bf16(true, enc == &eager ? want : got, s);
+        if (enc == &graphed) EXPECT_EQ(enc->graph_counts().replays - replays, want_graph[k]) << c.name << " " << k;
+      }
+      ASSERT_EQ(got.size(), want.size());
+      for (size_t j = 0; j < got.size(); ++j) {
+        ASSERT_EQ(got[j].size(), want[j].size()) << c.name << " batch " << k;
+        const std::vector<float> g = widen(got[j]), w = widen(want[j]);
+        for (float x : g) ASSERT_TRUE(std::isfinite(x)) << c.name << " batch " << k;
+        const auto e = embedding_error(g, w, m.config.out_hidden);
+        EXPECT_LT(e.rel_l2, c.dtype == AttnDtype::BF16 ? 1e-2 : 3e-2) << c.name << " batch " << k << " output " << j;
+        if (k == 0 && j == 0) std::printf("%s: graph vs eager rel_l2 %.3e\n", c.name, e.rel_l2);
+      }
+    }
+    const GraphCounts n = graphed.graph_counts();
+    EXPECT_EQ(n.captured, 2);
+    EXPECT_EQ(n.replays, 5);
+    EXPECT_EQ(n.eager, 2);
+    EXPECT_EQ(eager.graph_counts().eager, 0);  // without graphs nothing is counted
+    if (c.dtype == AttnDtype::FP8 && c.mode == ScaleMode::DYNAMIC) {
+      eager.sync_scales(s);
+      graphed.sync_scales(s);
+      EXPECT_EQ(graph_book.complete_forwards(), eager_book.complete_forwards()) << c.name;  // capture ran nothing
+      if (!c.robust)
+        for (int l = 0; l < m.config.depth; ++l)
+          for (int t = 0; t < 3; ++t)
+            EXPECT_NEAR(graph_book.scales(l)[t], eager_book.scales(l)[t], 0.02 * eager_book.scales(l)[t])
+                << c.name << " layer " << l;
+    }
   }
 }
 

@@ -44,10 +44,12 @@ void Encoder::Impl::layout_arena(int64_t n) {
   constexpr size_t kAlign = 256;  // cuBLASLt and TMA want 16-byte aligned rows; 256 keeps every slice apart
   size_t total = 0;
   for (const Slice& sl : slices) total += (sl.bytes + kAlign - 1) / kAlign * kAlign;
-  if (arena.count() < total) arena.reset(total);
+  // The graphs' buffers live in `arena`, which then never moves: a larger batch takes `spill`.
+  fovea::cuda::DeviceBuffer<uint8_t>& mem = !graphs.empty() && total > arena.count() ? spill : arena;
+  if (mem.count() < total) mem.reset(total);
   size_t at = 0;
   for (const Slice& sl : slices) {
-    *sl.ptr = arena.data() + at;
+    *sl.ptr = mem.data() + at;
     at += (sl.bytes + kAlign - 1) / kAlign * kAlign;
   }
 }
@@ -102,14 +104,41 @@ void Encoder::plan(const std::vector<GridThw>& grids, cudaStream_t stream) {
   if (shape.patches > std::numeric_limits<int32_t>::max())
     fail_cat("encoder: ", shape.patches, " patches in one batch; cu_seqlens are int32");
   if (m.n > 0 && m.grids == grids) return;  // the same batch shape: buffers and tables stand
-  std::vector<int32_t> cu = {0};
-  for (const int len : shape.seqlens) cu.push_back(cu.back() + len);
   m.n = 0;  // forward() refuses to run until this plan is complete (a throw below leaves no dangling plan)
   m.grids = grids;
-  m.layout_arena(shape.patches);
+  const int64_t merged = shape.patches / (int64_t(m.cfg.merge) * m.cfg.merge);
+  m.budget = m.graphs.empty() ? -1 : m.opt.graphs.pick(merged, int64_t(shape.seqlens.size()));
+  m.rows = m.budget >= 0 ? m.graphs[size_t(m.budget)].patches : shape.patches;
+  m.layout_arena(m.rows);
   m.grid_tables(grids, stream);
-  m.attn->plan(cu, stream);
+  if (m.budget >= 0) {
+    m.plan_budget(m.budget, shape.seqlens, shape.patches, stream);
+  } else {
+    std::vector<int32_t> cu = {0};
+    for (const int len : shape.seqlens) cu.push_back(cu.back() + len);
+    m.attn->plan(cu, stream);
+  }
   m.n = shape.patches;
+}
+
+void Encoder::Impl::plan_budget(int k, const std::vector<int>& seqlens, int64_t patches, cudaStream_t stream) {
+  BudgetGraph& g = graphs[size_t(k)];
+  const int items = opt.graphs.max_items;
+  fovea::cuda::StagingSlot& st = cu_in[next_cu];
+  next_cu ^= 1;
+  auto* cu = reinterpret_cast<int32_t*>(st.take(sizeof(int32_t) * size_t(items + 1)));
+  cu[0] = 0;  // the segments, then empty ones up to max_items (the last offset repeated)
+  for (int i = 0; i < items; ++i) cu[i + 1] = cu[i] + (size_t(i) < seqlens.size() ? seqlens[size_t(i)] : 0);
+  FOVEA_CUDA_CHECK(
+      cudaMemcpyAsync(g.cu.data(), cu, sizeof(int32_t) * size_t(items + 1), cudaMemcpyHostToDevice, stream));
+  st.release(stream);
+  // The rows past the batch: zero pixels, position embedding and attention output, so the GEMMs
+  // and norms over the budget's rows see finite values (the attention itself reads none of them).
+  const int64_t tail = g.patches - patches, D = cfg.hidden;
+  if (tail <= 0) return;
+  FOVEA_CUDA_CHECK(cudaMemsetAsync(pixels + patches * cfg.patch_dim(), 0, size_t(tail * cfg.patch_dim()) * 2, stream));
+  FOVEA_CUDA_CHECK(cudaMemsetAsync(pe + patches * D, 0, size_t(tail * D) * 2, stream));
+  FOVEA_CUDA_CHECK(cudaMemsetAsync(att + patches * D, 0, size_t(tail * D) * 2, stream));
 }
 
 void Encoder::grid_tables(std::vector<uint16_t>& pe, std::vector<float>& cos, std::vector<float>& sin) const {

@@ -36,9 +36,23 @@ struct Encoder::Impl {
   fovea::cuda::FineArrays fine_batch;
   std::vector<fovea::cuda::DeviceFineHistory> fine_hist;
   fovea::cuda::DeviceScales layer_scales(int layer) const;
+  // Encoder CUDA graphs (capture_graphs()): one per budget, each with its own attention planned for
+  // the budget's capacity and the device cu_seqlens its schedule step reads.
+  struct BudgetGraph {
+    int64_t patches = 0;
+    std::unique_ptr<fovea::cuda::FlashAttention> attn;
+    fovea::cuda::DeviceBuffer<int32_t> cu;  // [max_items + 1]
+    std::unique_ptr<fovea::cuda::Graph> graph;
+  };
+  std::vector<BudgetGraph> graphs;
+  GraphCounts graph_counts;
+  fovea::cuda::StagingSlot cu_in[2];
+  int next_cu = 0;
   // Per plan():
   std::vector<GridThw> grids;
   int64_t n = 0;
+  int64_t rows = 0;        // the rows forward() computes: n, or the patches of the budget picked
+  int budget = -1;         // the graph plan() picked; -1: eager
   uint8_t* raw = nullptr;  // raw uint8 patches, when uploaded in that form
   bf16 *pixels = nullptr, *pe = nullptr, *x = nullptr, *ln = nullptr, *qkv = nullptr, *att = nullptr, *h = nullptr;
   bf16 *m1 = nullptr, *m2 = nullptr, *merged = nullptr;
@@ -49,6 +63,7 @@ struct Encoder::Impl {
   // Every per-batch device buffer is a slice of one arena, grown (never shrunk) when a batch needs
   // more than it holds, so a new set of grids allocates nothing unless it is the largest yet.
   fovea::cuda::DeviceBuffer<uint8_t> arena;
+  fovea::cuda::DeviceBuffer<uint8_t> spill;  // with graphs: batches larger than the largest budget
   // The RoPE frequency tables (cos, then sin: [side][hd/4] each) for positions up to rope_side, and
   // the batch's image descriptors for grid_tables().
   fovea::cuda::DeviceBuffer<float> rope_freq;
@@ -85,6 +100,10 @@ struct Encoder::Impl {
   void quantize_rows(const bf16* in, const DevLinear& w, int64_t rows,
                      cudaStream_t s);  // w's input, into act8, act_scale
   void run_merger(const DevMerger& mg, const bf16* in_norm, bf16* out, cudaStream_t s);
+  // The forward over `rows` rows with attention `a` (planned or scheduled for them).
+  void run_layers(fovea::cuda::Attention& a, cudaStream_t s);
+  // plan()'s graph path: the batch into budget `k`'s buffers, its offsets padded to max_items + 1.
+  void plan_budget(int k, const std::vector<int>& seqlens, int64_t patches, cudaStream_t stream);
   // The batch's plumbing (encoder-batch.cu).
   void layout_arena(int64_t n);  // points every buffer above into the arena, growing it if needed
   void grid_tables(const std::vector<GridThw>& grids, cudaStream_t stream);

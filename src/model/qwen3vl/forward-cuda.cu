@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "fovea/bf16.h"
+#include "fovea/clock.h"
 #include "fovea/error.h"
 #include "model/qwen3vl/encoder-impl.cuh"
 
@@ -154,16 +155,72 @@ void Encoder::Impl::quantize_rows(const bf16* in, const DevLinear& w, int64_t ro
 }
 
 void Encoder::Impl::run_merger(const DevMerger& mg, const bf16* in_norm, bf16* out, cudaStream_t s) {
-  const int64_t rows = n / 4;
-  gemm.run(in_norm, mg.fc1, m2, rows, nullptr, false, s);
-  gelu_erf(m2, rows * mg.fc1.out, s);
-  gemm.run(m2, mg.fc2, out, rows, nullptr, false, s);
+  const int64_t merged_rows = rows / 4;
+  gemm.run(in_norm, mg.fc1, m2, merged_rows, nullptr, false, s);
+  gelu_erf(m2, merged_rows * mg.fc1.out, s);
+  gemm.run(m2, mg.fc2, out, merged_rows, nullptr, false, s);
 }
 
 void Encoder::forward(cudaStream_t s) {
   Impl& m = *impl_;
   if (m.n == 0) fail_cat("encoder: forward() before plan()");
-  const int64_t n = m.n;
+  if (m.budget >= 0) {
+    m.graphs[size_t(m.budget)].graph->launch(s);
+    m.graph_counts.replays += 1;
+    return;
+  }
+  if (!m.graphs.empty()) m.graph_counts.eager += 1;
+  m.run_layers(*m.attn, s);
+}
+
+int Encoder::capture_graphs(cudaStream_t stream) {
+  Impl& m = *impl_;
+  const GraphBudgets& gb = m.opt.graphs;
+  if (!gb.on()) return 0;
+  if (!m.graphs.empty()) fail_cat("encoder: capture_graphs() twice");
+  if (m.opt.backend != AttnBackend::FOVEA)
+    fail_cat("encoder: CUDA graphs per token budget need the FOVEA attention backend (segments read on the device)");
+  if (gb.max_items < 1) fail_cat("encoder: CUDA graphs need max_items >= 1, got ", gb.max_items);
+  const auto t = Clock::now();
+  const int64_t per = int64_t(m.cfg.merge) * m.cfg.merge;
+  m.n = 0, m.budget = -1;
+  m.grids.clear();
+  m.layout_arena(gb.tokens.back() * per);  // the arena for the largest budget, before any graph holds it
+  for (const int64_t tokens : gb.tokens) {
+    Impl::BudgetGraph g;
+    g.patches = tokens * per;
+    g.attn = std::make_unique<fovea::cuda::FlashAttention>(m.opt.dtype, m.cfg.heads, m.cfg.head_dim());
+    g.attn->plan_capacity(g.patches, gb.max_items);
+    g.cu.reset(size_t(gb.max_items) + 1);
+    FOVEA_CUDA_CHECK(cudaMemsetAsync(g.cu.data(), 0, g.cu.count() * sizeof(int32_t), stream));  // no segments yet
+    m.graphs.push_back(std::move(g));
+  }
+  FOVEA_CUDA_CHECK(cudaStreamSynchronize(stream));
+  // Captured on a stream of its own (the caller's may be the legacy default stream, which cannot be
+  // captured), in thread-local mode so that other threads' CUDA calls go on; replayed on the caller's.
+  const fovea::cuda::Stream cap;
+  for (Impl::BudgetGraph& g : m.graphs) {
+    m.layout_arena(g.patches);
+    m.rows = g.patches;
+    g.graph = std::make_unique<fovea::cuda::Graph>(
+        cap.get(),
+        [&] {
+          g.attn->schedule(g.cu.data(), gb.max_items, cap.get());
+          m.run_layers(*g.attn, cap.get());
+        },
+        cudaStreamCaptureModeThreadLocal);
+  }
+  m.rows = 0;
+  m.graph_counts.captured = int64_t(m.graphs.size());
+  m.graph_counts.capture_ms = ms_since(t);
+  return int(m.graphs.size());
+}
+
+GraphCounts Encoder::graph_counts() const { return impl_->graph_counts; }
+
+void Encoder::Impl::run_layers(fovea::cuda::Attention& attention, cudaStream_t s) {
+  Impl& m = *this;
+  const int64_t n = rows;
   const int D = m.cfg.hidden;
   m.gemm.run(m.pixels, m.patch, m.x, n, m.pe, false, s);  // patch embed + bias + position embedding
   size_t tap = 0;
@@ -183,8 +240,8 @@ void Encoder::forward(cudaStream_t s) {
     else
       m.layernorm(m.x, m.ln, b.norm1, n, s);
     linear(f8 ? nullptr : m.ln, b.qkv, m.qkv, nullptr, false);
-    m.attn->prepare(m.qkv, 3 * int64_t(D), m.cos, m.sin, m.layer_scales(l), s);
-    m.attn->attend(m.att, s);
+    attention.prepare(m.qkv, 3 * int64_t(D), m.cos, m.sin, m.layer_scales(l), s);
+    attention.attend(m.att, s);
     linear(m.att, b.proj, m.x, m.x, false);  // + residual, in place
     if (f8)
       m.layernorm(m.x, m.act8, b.norm2, n, s, m.act_scale);

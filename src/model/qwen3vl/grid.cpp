@@ -5,6 +5,7 @@
 #include <cmath>
 
 #include "fovea/checked.h"
+#include "fovea/encoder.h"
 #include "fovea/error.h"
 #include "fovea/model.h"
 #include "fovea/threads.h"
@@ -106,6 +107,13 @@ void vision_rope_tables(const std::vector<GridThw>& grids, int head_dim, std::ve
       cos[t * half + size_t(d)] = tc[at];
       sin[t * half + size_t(d)] = ts[at];
     }
+}
+
+int GraphBudgets::pick(int64_t merged_tokens, int64_t segments) const {
+  if (segments > max_items) return -1;
+  for (size_t k = 0; k < tokens.size(); ++k)
+    if (merged_tokens <= tokens[k]) return int(k);
+  return -1;
 }
 
 }  // namespace fovea::qwen3vl

@@ -1,0 +1,172 @@
+#!/usr/bin/env python3
+"""`fovea serve` with and without encoder CUDA graphs, side by side in one run, on images of mixed sizes.
+
+Python standard library only; on a GPU machine:
+
+    python3 bench/serve-graphs.py                                  # build/fovea, synthetic:qwen3-vl-8b
+    python3 bench/serve-graphs.py --fovea build/fovea --model /models/Qwen3-VL-8B --dtype fp8 \\
+        --sizes 640x480,1280x720,1920x1080 --config '{"cudagraph_mm_encoder": true}'
+
+For each server variant in turn (eager: no graphs; graphs: --compilation-config CONFIG), the script
+starts `FOVEA serve MODEL --port 0`, then measures:
+  ready     seconds from the start to the first 200 of /health (the graphs' capture included);
+  captures  graphs the server says it captured (its start-up line);
+  first     ms of the first request of each size, one at a time: the latency the first user of a
+            new batch shape sees (an eager server plans that shape then; a graph server replays);
+  load      --requests requests at --concurrency clients, cycling through the sizes (one image each):
+            images/s, p50 and p99 ms;
+  replays / eager   from /metrics: forwards replayed through a graph, and run eagerly beside them.
+One line per variant, and --json FILE with the same numbers. Each server is stopped with SIGTERM.
+"""
+import argparse
+import base64
+import concurrent.futures
+import http.client
+import importlib.util
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+_spec = importlib.util.spec_from_file_location("serve_load", os.path.join(HERE, "serve-load.py"))
+serve_load = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(serve_load)
+
+DEFAULT_SIZES = "640x480,1280x720,1024x1024,1920x1080,800x1200,2560x1440,3840x2160,512x384"
+DEFAULT_CONFIG = '{"cudagraph_mm_encoder": true}'
+
+
+def start(args, extra, log):
+    """The server process and its base URL, once it prints where it listens (or None if it died)."""
+    cmd = [args.fovea, "serve", args.model, "--port", "0", "--mm-encoder-attn-dtype", args.dtype] + extra
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    deadline = t0 + args.start_timeout
+    while time.perf_counter() < deadline:
+        if proc.poll() is not None:
+            return proc, None, t0
+        log.flush()
+        with open(log.name, encoding="utf-8", errors="replace") as f:
+            m = re.search(r"listening on (http://\S+)", f.read())
+        if m:
+            return proc, m.group(1), t0
+        time.sleep(0.1)
+    proc.kill()
+    return proc, None, t0
+
+
+def wait_healthy(server, t0, timeout):
+    while time.perf_counter() - t0 < timeout:
+        try:
+            if server.request("GET", "/health")[0] == 200:
+                return time.perf_counter() - t0
+        except OSError:
+            pass
+        time.sleep(0.05)
+    return None
+
+
+def post(server, body):
+    """(status, ms) of one POST /v1/encode."""
+    status, _, head_ms, body_ms = serve_load.request_timed(server, "/v1/encode", body, {"Content-Type": "application/json"})
+    return status, head_ms + body_ms
+
+
+def run_variant(args, name, extra, bodies):
+    with tempfile.NamedTemporaryFile("w+", prefix=f"serve-graphs-{name}-", suffix=".log", delete=False) as log:
+        proc, url, t0 = start(args, extra, log)
+        try:
+            if not url:
+                log.flush()
+                sys.exit(f"serve-graphs: {name}: the server did not start; its log:\n" + open(log.name).read()[-4000:])
+            server = serve_load.Server(url, args.timeout)
+            ready = wait_healthy(server, t0, args.start_timeout)
+            if ready is None:
+                sys.exit(f"serve-graphs: {name}: /health never answered 200 (log {log.name})")
+            with open(log.name, encoding="utf-8", errors="replace") as f:
+                text = f.read()
+            captures = sum(int(n) for n in re.findall(r"(\d+) encoder CUDA graphs captured", text))
+            first = []
+            for size, body in bodies:
+                status, ms = post(server, body)
+                if status != 200:
+                    sys.exit(f"serve-graphs: {name}: the first {size} request answered {status}")
+                first.append(ms)
+            before = server.metrics()
+            order = [bodies[i % len(bodies)][1] for i in range(args.requests)]
+            t = time.perf_counter()
+            with concurrent.futures.ThreadPoolExecutor(args.concurrency) as pool:
+                results = list(pool.map(lambda b: post(server, b), order))
+            wall = time.perf_counter() - t
+            after = server.metrics()
+            ok = sorted(ms for status, ms in results if status == 200)
+            delta = lambda k: after.get(k, 0) - before.get(k, 0)
+            return {
+                "variant": name, "flags": extra, "ready_s": round(ready, 2), "captures": captures,
+                "first_ms": {size: round(ms, 1) for (size, _), ms in zip(bodies, first)},
+                "first_mean_ms": round(sum(first) / len(first), 1),
+                "errors": len(results) - len(ok), "images_per_s": round(len(ok) / wall, 2),
+                "p50_ms": round(serve_load.percentile(ok, 50), 1), "p99_ms": round(serve_load.percentile(ok, 99), 1),
+                "replays": int(delta("fovea_encoder_graph_replays_total")),
+                "eager": int(delta("fovea_encoder_graph_eager_total")),
+                "forwards": int(delta("fovea_encoder_forwards_total")),
+            }
+        finally:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(60)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+            os.unlink(log.name)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--fovea", default="build/fovea", help="the fovea binary")
+    ap.add_argument("--model", default="synthetic:qwen3-vl-8b")
+    ap.add_argument("--dtype", default="bf16", help="--mm-encoder-attn-dtype for both servers")
+    ap.add_argument("--sizes", default=DEFAULT_SIZES, help="comma-separated WxH of the generated PNGs")
+    ap.add_argument("--config", default=DEFAULT_CONFIG, help="--compilation-config of the graph server")
+    ap.add_argument("--serve-args", default="", help="more flags for both servers (one string, split on spaces)")
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--concurrency", type=int, default=4)
+    ap.add_argument("--timeout", type=float, default=600)
+    ap.add_argument("--start-timeout", type=float, default=600, help="seconds a server may take to come up")
+    ap.add_argument("--json", help="write the results here")
+    args = ap.parse_args()
+    if not os.path.exists(args.fovea):
+        sys.exit(f"serve-graphs: no fovea binary at {args.fovea} (--fovea)")
+    if args.requests < 1 or args.concurrency < 1:
+        sys.exit("serve-graphs: --requests and --concurrency must be >= 1")
+    bodies = []
+    for i, size in enumerate(s.strip() for s in args.sizes.split(",") if s.strip()):
+        m = re.fullmatch(r"(\d+)x(\d+)", size)
+        if not m:
+            sys.exit(f"serve-graphs: --sizes: {size!r} is not WxH")
+        png = serve_load.png_bytes(int(m.group(1)), int(m.group(2)), i)
+        url = "data:image/png;base64," + base64.b64encode(png).decode()
+        bodies.append((size, json.dumps({"images": [url]}).encode()))
+    if not bodies:
+        sys.exit("serve-graphs: --sizes is empty")
+    extra = args.serve_args.split()
+    rows = [run_variant(args, "eager", extra, bodies),
+            run_variant(args, "graphs", extra + ["--compilation-config", args.config], bodies)]
+    print("variant | ready s | captures | first-request ms (mean; per size) | images/s | p50 ms | p99 ms | replays | eager | errors")
+    for r in rows:
+        per = ", ".join(f"{k} {v:.0f}" for k, v in r["first_ms"].items())
+        print(f"{r['variant']:<7} | {r['ready_s']:>7.2f} | {r['captures']:>8} | {r['first_mean_ms']:.1f} ({per}) | "
+              f"{r['images_per_s']:>8.2f} | {r['p50_ms']:>6.1f} | {r['p99_ms']:>6.1f} | {r['replays']:>7} | {r['eager']:>5} | {r['errors']}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model": args.model, "dtype": args.dtype, "sizes": args.sizes, "config": args.config,
+                       "requests": args.requests, "concurrency": args.concurrency, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
