@@ -37,7 +37,7 @@ _spec = importlib.util.spec_from_file_location("serve_load", os.path.join(HERE, 
 serve_load = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(serve_load)
 
-DEFAULT_SIZES = "640x480,1280x720,1024x1024,1920x1080,800x1200,2560x1440,3840x2160,512x384"
+DEFAULT_SIZES = "640x480,1280x720,1024x1024,1920x1080,800x1200,512x384"
 DEFAULT_CONFIG = '{"cudagraph_mm_encoder": true}'
 
 

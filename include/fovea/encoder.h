@@ -72,7 +72,7 @@ struct EncoderOptions {
   const Fp8Plan* fp8_plan = nullptr;
   AttnBackend backend = AttnBackend::FOVEA;  // FOVEA (Hopper) or CUDNN (BF16, sm_80 and later)
   // Encoder CUDA graphs per token budget (FOVEA only): capture_graphs() captures them, plan() picks one.
-  GraphBudgets graphs;
+  GraphBudgets graphs = {};
 };
 
 class Encoder {
