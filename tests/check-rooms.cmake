@@ -49,7 +49,7 @@ set(public_core
     clock.h       # elapsed time
     lists.h)      # separated lists of flag values
 set(public_fp8 fp8.h bf16.h scales.h fp8-plan.h)  # E4M3 and bf16 codecs (header-only, on hd.h), the scale book, the FP8 plan
-set(public_attention attention.h rope.h random.h flash-p.h)  # flash-p.h: how the FP8 kernel forms P (kernel and emulation)
+set(public_attention attention.h attention-ref.h attention-gpu.h rope.h random.h flash-p.h)  # names and shapes, the CPU reference, the GPU backends; flash-p.h: how the FP8 kernel forms P (kernel and emulation)
 set(public_model safetensors.h model.h encoder.h)
 set(public_image image.h)
 set(public_video video.h)

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "fovea/attention.h"
+#include "fovea/attention-ref.h"
 #include "fovea/bf16.h"
 #include "fovea/fovea_attn.h"
 #include "fovea/random.h"

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "fovea/attention.h"
+#include "fovea/attention-ref.h"
 #include "fovea/fp8-plan.h"
 #include "fovea/scales.h"
 

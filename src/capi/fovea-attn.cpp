@@ -17,6 +17,8 @@
 #include <vector>
 
 #include "fovea/attention.h"
+#include "fovea/attention-gpu.h"
+#include "fovea/attention-ref.h"
 #include "fovea/bf16.h"
 #include "fovea/engine.h"
 #include "fovea/error.h"

@@ -15,6 +15,8 @@
 
 #if FOVEA_HAVE_CUDA
 #include "fovea/cuda-support.h"
+#include "fovea/attention-gpu.h"
+#include "fovea/attention-ref.h"
 #endif
 
 namespace fovea::cli {

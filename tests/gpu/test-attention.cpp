@@ -12,6 +12,8 @@
 #include <random>
 
 #include "fovea/attention.h"
+#include "fovea/attention-gpu.h"
+#include "fovea/attention-ref.h"
 #include "fovea/bf16.h"
 #include "fovea/cuda-support.h"
 #include "fovea/error.h"

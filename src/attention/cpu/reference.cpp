@@ -6,6 +6,7 @@
 #include <limits>
 
 #include "fovea/attention.h"
+#include "fovea/attention-ref.h"
 #include "fovea/bf16.h"
 #include "fovea/error.h"
 #include "fovea/flash-p.h"

@@ -14,6 +14,7 @@
 #include "attention/cuda/layout.cuh"
 #include "attention/cuda/tile-plan.h"
 #include "fovea/attention.h"
+#include "fovea/attention-gpu.h"
 
 namespace fovea::cuda {
 

@@ -8,6 +8,7 @@
 
 #include "fovea/cuda-support.h"
 #include "fovea/attention.h"
+#include "fovea/attention-gpu.h"
 #include "fovea/scales.h"
 
 namespace fovea::cuda {

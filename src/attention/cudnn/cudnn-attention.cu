@@ -22,6 +22,7 @@
 
 #include "attention/cuda/rope.cuh"
 #include "fovea/attention.h"
+#include "fovea/attention-gpu.h"
 #include "fovea/cuda-support.h"
 #include "fovea/error.h"
 

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "fovea/attention.h"
+#include "fovea/attention-gpu.h"
 #include "fovea/cuda-support.h"
 #include "fovea/encoder.h"
 #include "model/qwen3vl/gemm.cuh"
