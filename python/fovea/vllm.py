@@ -6,7 +6,11 @@ registers an out-of-tree MMEncoderAttention, so the ViT attention layers vLLM bu
 and Qwen3.5's among them) run fovea's kernels on Hopper: BF16, or FP8 with
 --mm-encoder-attn-dtype fp8 (dynamic scaling; static scales from --mm-encoder-fp8-scale-path, vLLM's
 file; calibration to --mm-encoder-fp8-scale-save-path with --mm-encoder-fp8-scale-save-margin),
-where vLLM's own FP8 encoder attention needs Blackwell. It also replaces the Qwen2.5-VL / Qwen3-VL
+where vLLM's own FP8 encoder attention needs Blackwell. FOVEA_FP8_SCHEME (auto, tensor, robust; fovea's
+own, the fovea command's --fp8-scheme) picks the scales per layer as fovea's plan does: a static file
+with fovea's fine scales runs its layers with outlier channels robust (auto) or every layer robust
+(robust); without a file, robust runs the robust scheme's dynamic scaling. Calibration here writes
+per-tensor scales (fovea serve and fovea.torch.ScaleBook calibrate the fine scales too). It also replaces the Qwen2.5-VL / Qwen3-VL
 vision attention forward, so fovea gets the qkv projection's output and vLLM's RoPE tables (RoPE,
 quantization and layout in one step), as fovea.transformers' fused path does.
 
@@ -149,13 +153,27 @@ class _FoveaFp8:
         self._fp8_defaults(cfg is not None)
         if cfg is None:
             return
+        scheme = _scheme()  # a bad value is refused whatever the scale flags
         static = getattr(cfg, "mm_encoder_fp8_scale_path", None)
+        save = getattr(cfg, "mm_encoder_fp8_scale_save_path", None)
         self._fp8_dynamic_scale = not static
+        # torch.tensor follows vLLM's `with torch.device(...)`: buffers are made on the layer's device.
         if static:
-            scales = _layer_scales(os.path.expanduser(static), self.layer_name)
-            # torch.tensor follows vLLM's `with torch.device(...)`: the buffer is made on the layer's device.
+            path = os.path.expanduser(static)
+            scales = _layer_scales(path, self.layer_name)
+            fine = _layer_fine(path, self.layer_name, self.num_heads, self.head_size)
+            if fine is not None:  # fovea's plan runs this layer robust from the file's arrays
+                for name, values in fine.items():
+                    dtype = torch.int32 if name == "qk_split" else torch.float32
+                    self.register_buffer(f"fovea_fine_{name}", torch.tensor(values, dtype=dtype))
+                return
             self.register_buffer("fovea_descale", torch.tensor(scales, dtype=torch.float32))
             self.skip_scale_q, self.skip_scale_k, self.skip_scale_v = (s == 1.0 for s in scales)
+            return
+        if not save and scheme == "robust":  # robust dynamic: K smoothing, per-head and per-channel scales
+            state = fovea_attention.fresh_robust_state(self.num_heads, self.head_size)
+            self.register_buffer("fovea_robust_state", torch.tensor(list(state), dtype=torch.uint8))
+            self.fovea_save = None  # calibration through the plugin is per tensor (below)
             return
         state = list(memoryview(fovea_attention.fresh_state_bytes()).cast("i"))
         self.register_buffer("fovea_amax_state", torch.tensor(state, dtype=torch.int32))
@@ -180,12 +198,21 @@ class _FoveaFp8:
         """The FP8 keyword arguments of fovea.torch's ops for this layer (its state on `device`)."""
         if not self.fp8_enabled:
             return {}
-        name = "fovea_descale" if hasattr(self, "fovea_descale") else "fovea_amax_state"
-        t = getattr(self, name)
-        if t.device != device:  # a layer built outside a device context and never moved
-            t = t.to(device)
-            setattr(self, name, t)
-        return {"descale": t} if name == "fovea_descale" else {"amax_state": t}
+
+        def on(name):
+            t = getattr(self, name)
+            if t.device != device:  # a layer built outside a device context and never moved
+                t = t.to(device)
+                setattr(self, name, t)
+            return t
+        if hasattr(self, "fovea_fine_k_mean"):
+            split = on("fovea_fine_qk_split")
+            return {"fine": tuple(on(f"fovea_fine_{n}") for n in ("k_mean", "q_head", "k_head", "v_channel"))
+                    + (split if split.numel() else None,)}
+        for name, kw in (("fovea_descale", "descale"), ("fovea_robust_state", "robust_state")):
+            if hasattr(self, name):
+                return {kw: on(name)}
+        return {"amax_state": on("fovea_amax_state")}
 
     def fovea_after_call(self):
         if self.fp8_enabled and self._fp8_dynamic_scale and self.fovea_save:
@@ -302,6 +329,14 @@ def _layer_index(prefix):
     return int(m.group(1)) if m else None
 
 
+def _file_layers(path, index):
+    """The number of blocks a scale file covers (its highest block index + 1, at least index + 1)."""
+    with open(path) as f:
+        data = json.load(f)
+    layers = data.get("layers", data) if isinstance(data, dict) else {}
+    return max((i for i in map(_layer_index, layers) if i is not None), default=index) + 1
+
+
 def _layer_scales(path, prefix):
     """This layer's (q, k, v) from vLLM's scale file, by its prefix as vLLM looks it up (the file's
     other entries are validated by fovea's reader where the prefix names a block)."""
@@ -314,12 +349,31 @@ def _layer_scales(path, prefix):
         raise ValueError(f"fovea: FP8 scale file {path} has no entry for layer {prefix}")
     index = _layer_index(prefix)
     if index is not None:  # read whole (every block's entry validated), at the file's own layer count
-        count = max((i for i in map(_layer_index, layers) if i is not None), default=index) + 1
-        return fovea_attention.read_scale_file(path, count)[index]
+        return fovea_attention.read_scale_file(path, _file_layers(path, index))[index]
     vals = [entry.get(n, entry.get(n + "_scale")) for n in ("q", "k", "v")]
     if not all(isinstance(x, (int, float)) and x > 0 for x in vals):
         raise ValueError(f"fovea: FP8 scale file {path}, layer {prefix}: q, k, v must be numbers > 0, got {vals}")
     return [float(x) for x in vals]
+
+
+def _scheme():
+    """FOVEA_FP8_SCHEME (fovea's own, as the fovea command's --fp8-scheme): auto (default), tensor, robust."""
+    scheme = os.environ.get("FOVEA_FP8_SCHEME", "auto").strip().lower() or "auto"
+    if scheme not in ("auto", "tensor", "robust"):
+        raise ValueError(f"fovea: FOVEA_FP8_SCHEME={scheme!r} is not one of auto, tensor, robust")
+    return scheme
+
+
+def _layer_fine(path, prefix, heads, head_dim):
+    """This layer's robust arrays where fovea's plan runs it robust from the static file (FOVEA_FP8_SCHEME
+    auto: the layers whose calibration found outlier channels, when the file has fine scales; robust:
+    every layer, the file must have them), else None (per-tensor q, k, v)."""
+    from . import attention as fovea_attention
+    scheme, index = _scheme(), _layer_index(prefix)
+    if scheme == "tensor" or index is None:
+        return None
+    plan = fovea_attention.fp8_plan(scheme, _file_layers(path, index), heads, head_dim, path=path)
+    return plan["fine"][index] if plan["modes"][index] == "robust_static" else None
 
 
 def _count_and_calibrate(layer):

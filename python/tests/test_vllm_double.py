@@ -366,6 +366,70 @@ class Double(unittest.TestCase):
         self.assertLessEqual(outside, 8 << 20, "fovea's scratch must come from torch's caching allocator "
                              f"(vLLM profiles memory through it): {outside / 2**20:.1f} MiB allocated outside it")
 
+    # ---- 8 -----------------------------------------------------------------------------------------------------
+    def test_8_fp8_scheme_robust_static_and_dynamic(self):
+        """FOVEA_FP8_SCHEME: a static file with fovea's fine scales runs the layer robust (the file's arrays), as
+        fovea's plan says; robust without a file runs robust dynamic scaling; both against the CPU emulation
+        through the same op, and robust beats the same file's per-tensor scales on outlier channels."""
+        from vllm.model_executor.models.other_vision import AttentionOnly
+
+        def outliers(seg, seed):
+            q, k, v, cu = qkv_inputs(seg, seed=seed)
+            q, k, v = q.float(), k.float(), v.float()
+            q[:, :, 3] += 12
+            k[:, :, 3] += 40
+            k[:, :, 36 + 3] -= 30
+            v[:, :, 7] *= 30
+            return q.bfloat16(), k.bfloat16(), v.bfloat16(), cu
+
+        def build(scheme, **config):
+            os.environ["FOVEA_FP8_SCHEME"] = scheme
+            self.vllm.reset(); self.fv = importlib.reload(self.fv); self.register()
+            self.fp8_config(**config)
+            return self.vllm.build_model(AttentionOnly).layers[0].attn
+
+        q, k, v, cu = outliers([300, 5, 700, 64], seed=8)  # held out from calibration
+        ref = self.ref64(q, k, v, cu, 16)
+        cpu = lambda t: None if t is None else t.cpu()
+        try:
+            with tempfile.TemporaryDirectory() as d:
+                path = os.path.join(d, "robust.json")
+                book = ft.ScaleBook(1, "calibrate", path, scheme="robust", heads=16, head_dim=72)
+                for i in range(16):
+                    cq, ck, cv, ccu = outliers([200 + 10 * i, 300], seed=80 + i)
+                    ft.varlen_attention(cq, ck, cv, torch.from_numpy(ccu).to(CUDA), **book.layer(0))
+                self.assertTrue(book.maybe_save(), "the robust calibration writes the file")
+                layer = build("robust", mm_encoder_fp8_scale_path=path)
+                self.assertTrue(hasattr(layer, "fovea_fine_k_mean"), "the file's robust arrays on the layer")
+                out = self.call(layer, q, k, v, cu)
+                fine = layer.fovea_fp8_kwargs(CUDA)["fine"]
+                emu = ft.varlen_attention(q.cpu(), k.cpu(), v.cpu(), torch.from_numpy(cu),
+                                          fine=tuple(cpu(t) for t in fine))
+                self.assert_fp8("fp8 robust static", out, emu, ref)
+                tensor = build("tensor", mm_encoder_fp8_scale_path=path)
+                self.assertTrue(hasattr(tensor, "fovea_descale"))
+                e_robust, e_tensor = rel(out, ref)[0], rel(self.call(tensor, q, k, v, cu), ref)[0]
+                print(f"static robust rel {e_robust:.3e}, the same file per tensor {e_tensor:.3e}")
+                self.assertLess(e_robust, 0.5 * e_tensor)
+                plain = os.path.join(d, "plain.json")
+                self.mea.write_fp8_scale_file(plain, {P0: [0.1, 0.1, 0.1]})
+                with self.assertRaisesRegex(Exception, "per-layer q/k/v only"):
+                    build("robust", mm_encoder_fp8_scale_path=plain)
+                self.assertTrue(hasattr(build("auto", mm_encoder_fp8_scale_path=plain), "fovea_descale"))
+            layer = build("robust")
+            self.assertTrue(hasattr(layer, "fovea_robust_state"))
+            fresh = layer.fovea_robust_state.clone().cpu()
+            out = self.call(layer, q, k, v, cu)
+            emu = ft.varlen_attention(q.cpu(), k.cpu(), v.cpu(), torch.from_numpy(cu), robust_state=fresh)
+            self.assert_fp8("fp8 robust dynamic", out, emu, ref)
+            from fovea import attention as fa
+            self.assertEqual(fa.robust_state_forwards(layer.fovea_robust_state.cpu().numpy().tobytes(), 16, 72), 1,
+                             "the forward recorded into the layer's state")
+            with self.assertRaisesRegex(ValueError, "FOVEA_FP8_SCHEME"):
+                build("fast")
+        finally:
+            os.environ.pop("FOVEA_FP8_SCHEME", None)
+
 
 if __name__ == "__main__":
     unittest.main(verbosity=2)
