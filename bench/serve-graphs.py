@@ -11,8 +11,10 @@ For each server variant in turn (eager: no graphs; graphs: --compilation-config 
 starts `FOVEA serve MODEL --port 0`, then measures:
   ready     seconds from the start to the first 200 of /health (the graphs' capture included);
   captures  graphs the server says it captured (its start-up line);
+  GPU MiB   the server's GPU memory once ready (nvidia-smi; "-" where it cannot say);
   first     ms of the first request of each size, one at a time: the latency the first user of a
             new batch shape sees (an eager server plans that shape then; a graph server replays);
+  second    ms of a second request of each size, one at a time, after the first of every size;
   load      --requests requests at --concurrency clients, cycling through the sizes (one image each):
             images/s, p50 and p99 ms;
   replays / eager   from /metrics: forwards replayed through a graph, and run eagerly beside them.
@@ -71,6 +73,20 @@ def wait_healthy(server, t0, timeout):
     return None
 
 
+def gpu_memory_mib(pid):
+    """GPU memory the process holds (nvidia-smi), or None where nvidia-smi cannot say."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    for line in out.splitlines():
+        fields = [f.strip() for f in line.split(",")]
+        if len(fields) == 2 and fields[0] == str(pid) and fields[1].isdigit():
+            return int(fields[1])
+    return None
+
+
 def post(server, body):
     """(status, ms) of one POST /v1/encode."""
     status, _, head_ms, body_ms = serve_load.request_timed(server, "/v1/encode", body, {"Content-Type": "application/json"})
@@ -91,12 +107,14 @@ def run_variant(args, name, extra, bodies):
             with open(log.name, encoding="utf-8", errors="replace") as f:
                 text = f.read()
             captures = sum(int(n) for n in re.findall(r"(\d+) encoder CUDA graphs captured", text))
-            first = []
-            for size, body in bodies:
-                status, ms = post(server, body)
-                if status != 200:
-                    sys.exit(f"serve-graphs: {name}: the first {size} request answered {status}")
-                first.append(ms)
+            gpu_mib = gpu_memory_mib(proc.pid)
+            first, again = [], []
+            for times, what in ((first, "first"), (again, "second")):
+                for size, body in bodies:
+                    status, ms = post(server, body)
+                    if status != 200:
+                        sys.exit(f"serve-graphs: {name}: the {what} {size} request answered {status}")
+                    times.append(ms)
             before = server.metrics()
             order = [bodies[i % len(bodies)][1] for i in range(args.requests)]
             t = time.perf_counter()
@@ -107,9 +125,11 @@ def run_variant(args, name, extra, bodies):
             ok = sorted(ms for status, ms in results if status == 200)
             delta = lambda k: after.get(k, 0) - before.get(k, 0)
             return {
-                "variant": name, "flags": extra, "ready_s": round(ready, 2), "captures": captures,
+                "variant": name, "flags": extra, "ready_s": round(ready, 2), "captures": captures, "gpu_mib": gpu_mib,
                 "first_ms": {size: round(ms, 1) for (size, _), ms in zip(bodies, first)},
                 "first_mean_ms": round(sum(first) / len(first), 1),
+                "second_ms": {size: round(ms, 1) for (size, _), ms in zip(bodies, again)},
+                "second_mean_ms": round(sum(again) / len(again), 1),
                 "errors": len(results) - len(ok), "images_per_s": round(len(ok) / wall, 2),
                 "p50_ms": round(serve_load.percentile(ok, 50), 1), "p99_ms": round(serve_load.percentile(ok, 99), 1),
                 "replays": int(delta("fovea_encoder_graph_replays_total")),
@@ -157,10 +177,11 @@ def main():
     extra = args.serve_args.split()
     rows = [run_variant(args, "eager", extra, bodies),
             run_variant(args, "graphs", extra + ["--compilation-config", args.config], bodies)]
-    print("variant | ready s | captures | first-request ms (mean; per size) | images/s | p50 ms | p99 ms | replays | eager | errors")
+    print("variant | ready s | captures | GPU MiB | first-request ms (mean; per size) | second ms (mean) | images/s | p50 ms | p99 ms | replays | eager | errors")
     for r in rows:
         per = ", ".join(f"{k} {v:.0f}" for k, v in r["first_ms"].items())
-        print(f"{r['variant']:<7} | {r['ready_s']:>7.2f} | {r['captures']:>8} | {r['first_mean_ms']:.1f} ({per}) | "
+        mib = "-" if r["gpu_mib"] is None else str(r["gpu_mib"])
+        print(f"{r['variant']:<7} | {r['ready_s']:>7.2f} | {r['captures']:>8} | {mib:>7} | {r['first_mean_ms']:.1f} ({per}) | {r['second_mean_ms']:.1f} | "
               f"{r['images_per_s']:>8.2f} | {r['p50_ms']:>6.1f} | {r['p99_ms']:>6.1f} | {r['replays']:>7} | {r['eager']:>5} | {r['errors']}")
     if args.json:
         with open(args.json, "w") as f:

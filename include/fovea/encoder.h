@@ -43,7 +43,9 @@ struct GraphBudgets {
   // The smallest budget a batch of `tokens` merged tokens in `segments` segments fits, or -1 (eager).
   int pick(int64_t tokens, int64_t segments) const;
 };
-inline constexpr int64_t kDefaultGraphBudgets[] = {1024, 2048, 4096, 8192, 16384};
+// Steps of at most 1.5x above 1024 merged tokens: a batch past the smallest budget fills at least two
+// thirds of the one it replays (the GEMMs run over every row of it).
+inline constexpr int64_t kDefaultGraphBudgets[] = {1024, 2048, 3072, 4096, 6144, 8192, 12288, 16384};
 inline constexpr int kDefaultGraphItems = 32;
 inline constexpr int64_t kMaxGraphBudget = int64_t(1) << 20;  // merged tokens (4M patches)
 inline constexpr size_t kMaxGraphBudgets = 32;

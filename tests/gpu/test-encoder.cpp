@@ -32,6 +32,12 @@ std::vector<float> random_pixels(int64_t n) {
   return p;
 }
 
+int64_t patches(const std::vector<GridThw>& grids) {
+  int64_t n = 0;
+  for (const auto& g : grids) n += int64_t(g[0]) * g[1] * g[2];
+  return n;
+}
+
 std::vector<float> widen(const std::vector<uint16_t>& bits) {
   std::vector<float> v(bits.size());
   for (size_t i = 0; i < bits.size(); ++i) v[i] = bf16_to_float(bits[i]);
@@ -127,11 +133,6 @@ TEST(EncoderGpu, GraphReplayEqualsEagerForward) {
 TEST(EncoderGpu, ArenaReuseAcrossShapesChangesNothing) {
   const Model m = two_block_8b();
   const std::vector<GridThw> big = {{1, 40, 40}, {1, 24, 32}}, small = {{1, 4, 6}};
-  auto patches = [](const std::vector<GridThw>& gs) {
-    int64_t n = 0;
-    for (auto& g : gs) n += int64_t(g[0]) * g[1] * g[2];
-    return n;
-  };
   const std::vector<float> px = random_pixels(patches(kGrids)), px_big = random_pixels(patches(big)),
                            px_small = random_pixels(patches(small));
   ScaleBook book = ScaleBook::fixed(std::vector<QkvScales>(size_t(m.config.depth), QkvScales{0.02f, 0.02f, 0.01f}));
@@ -194,11 +195,6 @@ TEST(EncoderGpu, GridTablesAreBitIdenticalToTheCpu) {
 TEST(EncoderGpu, PipelinedBatchesEqualOneAtATime) {
   const Model m = two_block_8b();
   const std::vector<std::vector<GridThw>> sets = {kGrids, {{1, 24, 32}}, {{2, 4, 6}, {1, 10, 10}}};
-  auto patches = [](const std::vector<GridThw>& gs) {
-    int64_t n = 0;
-    for (auto& g : gs) n += int64_t(g[0]) * g[1] * g[2];
-    return n;
-  };
   std::vector<std::vector<float>> px;
   for (const auto& gs : sets) px.push_back(random_pixels(patches(gs)));
   ScaleBook book = ScaleBook::fixed(std::vector<QkvScales>(size_t(m.config.depth), QkvScales{0.02f, 0.02f, 0.01f}));
@@ -255,11 +251,6 @@ TEST(EncoderGpu, BudgetGraphsEqualEagerOverMixedBatches) {
       kGrids,                                      // again: the same buffers, the same answer
   };
   const std::vector<int> want_graph = {1, 1, 1, 0, 0, 1, 1};
-  auto patches = [](const std::vector<GridThw>& gs) {
-    int64_t n = 0;
-    for (auto& g : gs) n += int64_t(g[0]) * g[1] * g[2];
-    return n;
-  };
   std::vector<std::vector<float>> px;
   for (const auto& gs : sets) px.push_back(random_pixels(patches(gs)));
   GraphBudgets budgets;
