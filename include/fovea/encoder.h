@@ -43,9 +43,10 @@ struct GraphBudgets {
   // The smallest budget a batch of `tokens` merged tokens in `segments` segments fits, or -1 (eager).
   int pick(int64_t tokens, int64_t segments) const;
 };
-// Steps of at most 1.5x above 1024 merged tokens: a batch past the smallest budget fills at least two
-// thirds of the one it replays (the GEMMs run over every row of it).
-inline constexpr int64_t kDefaultGraphBudgets[] = {1024, 2048, 3072, 4096, 6144, 8192, 12288, 16384};
+// Small batches only, in steps of at most 2x (1.5x above 1024): there the host's planning and launches
+// are what a graph saves, while a large batch's padding would cost GPU time that an eager forward,
+// planned on the host behind the batch before it, does not (bench/RESULTS.md, issue 48's ladders).
+inline constexpr int64_t kDefaultGraphBudgets[] = {256, 512, 1024, 1536, 2048, 3072, 4096};
 inline constexpr int kDefaultGraphItems = 32;
 inline constexpr int64_t kMaxGraphBudget = int64_t(1) << 20;  // merged tokens (4M patches)
 inline constexpr size_t kMaxGraphBudgets = 32;
