@@ -17,7 +17,9 @@ starts `FOVEA serve MODEL --port 0`, then measures:
   second    ms of a second request of each size, one at a time, after the first of every size;
   load      --requests requests at --concurrency clients, cycling through the sizes (one image each):
             images/s, p50 and p99 ms;
-  replays / eager   from /metrics: forwards replayed through a graph, and run eagerly beside them.
+  replays / eager   from /metrics: forwards replayed through a graph, and run eagerly beside them;
+  vs eager  the largest relative L2 distance between the two servers' embeddings of each size's first
+            request (with numpy; "-" without).
 One line per variant, and --json FILE with the same numbers. Each server is stopped with SIGTERM.
 """
 import argparse
@@ -87,10 +89,36 @@ def gpu_memory_mib(pid):
     return None
 
 
-def post(server, body):
-    """(status, ms) of one POST /v1/encode."""
-    status, _, head_ms, body_ms = serve_load.request_timed(server, "/v1/encode", body, {"Content-Type": "application/json"})
+def post(server, body, keep=None):
+    """(status, ms) of one POST /v1/encode; the reply's body appended to `keep` if given."""
+    status, reply, head_ms, body_ms = serve_load.request_timed(server, "/v1/encode", body,
+                                                                 {"Content-Type": "application/json"})
+    if keep is not None:
+        keep.append(reply)
     return status, head_ms + body_ms
+
+
+def embeddings(reply):
+    """The reply's visual tokens as float32 (numpy), or None without numpy."""
+    try:
+        import numpy as np
+    except ImportError:
+        return None
+    bits = np.frombuffer(base64.b64decode(json.loads(reply)["data"][0]["embeddings"]), dtype="<u2")
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def max_rel_l2(a, b):
+    """The largest relative L2 distance between two variants' replies, size by size (None without numpy)."""
+    worst = 0.0
+    for x, y in zip(a, b):
+        ex, ey = embeddings(x), embeddings(y)
+        if ex is None:
+            return None
+        if ex.shape != ey.shape:
+            return float("inf")
+        worst = max(worst, float(((ex - ey).astype("float64") ** 2).sum() ** 0.5 / ((ey.astype("float64") ** 2).sum() ** 0.5)))
+    return worst
 
 
 def run_variant(args, name, extra, bodies):
@@ -108,10 +136,10 @@ def run_variant(args, name, extra, bodies):
                 text = f.read()
             captures = sum(int(n) for n in re.findall(r"(\d+) encoder CUDA graphs captured", text))
             gpu_mib = gpu_memory_mib(proc.pid)
-            first, again = [], []
+            first, again, replies = [], [], []
             for times, what in ((first, "first"), (again, "second")):
                 for size, body in bodies:
-                    status, ms = post(server, body)
+                    status, ms = post(server, body, replies if what == "first" else None)
                     if status != 200:
                         sys.exit(f"serve-graphs: {name}: the {what} {size} request answered {status}")
                     times.append(ms)
@@ -124,7 +152,7 @@ def run_variant(args, name, extra, bodies):
             after = server.metrics()
             ok = sorted(ms for status, ms in results if status == 200)
             delta = lambda k: after.get(k, 0) - before.get(k, 0)
-            return {
+            return replies, {
                 "variant": name, "flags": extra, "ready_s": round(ready, 2), "captures": captures, "gpu_mib": gpu_mib,
                 "first_ms": {size: round(ms, 1) for (size, _), ms in zip(bodies, first)},
                 "first_mean_ms": round(sum(first) / len(first), 1),
@@ -175,14 +203,20 @@ def main():
     if not bodies:
         sys.exit("serve-graphs: --sizes is empty")
     extra = args.serve_args.split()
-    rows = [run_variant(args, "eager", extra, bodies),
-            run_variant(args, "graphs", extra + ["--compilation-config", args.config], bodies)]
+    eager_replies, eager = run_variant(args, "eager", extra, bodies)
+    graph_replies, graphs = run_variant(args, "graphs", extra + ["--compilation-config", args.config], bodies)
+    rows = [eager, graphs]
+    # The same image alone in a forward, eagerly and through a graph (padded to its budget): the
+    # embeddings differ only by the GEMMs' algorithm choice for a different row count, if at all.
+    graphs["vs_eager_rel_l2"] = max_rel_l2(graph_replies, eager_replies)
     print("variant | ready s | captures | GPU MiB | first-request ms (mean; per size) | second ms (mean) | images/s | p50 ms | p99 ms | replays | eager | errors")
     for r in rows:
         per = ", ".join(f"{k} {v:.0f}" for k, v in r["first_ms"].items())
         mib = "-" if r["gpu_mib"] is None else str(r["gpu_mib"])
         print(f"{r['variant']:<7} | {r['ready_s']:>7.2f} | {r['captures']:>8} | {mib:>7} | {r['first_mean_ms']:.1f} ({per}) | {r['second_mean_ms']:.1f} | "
               f"{r['images_per_s']:>8.2f} | {r['p50_ms']:>6.1f} | {r['p99_ms']:>6.1f} | {r['replays']:>7} | {r['eager']:>5} | {r['errors']}")
+    d = graphs["vs_eager_rel_l2"]
+    print("graphs vs eager, each size's first reply: max relative L2 " + ("- (no numpy)" if d is None else f"{d:.3e}"))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": args.model, "dtype": args.dtype, "sizes": args.sizes, "config": args.config,
