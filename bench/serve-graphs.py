@@ -15,6 +15,8 @@ starts `FOVEA serve MODEL --port 0`, then measures:
   first     ms of the first request of each size, one at a time: the latency the first user of a
             new batch shape sees (an eager server plans that shape then; a graph server replays);
   second    ms of a second request of each size, one at a time, after the first of every size;
+  forward   the mean of the server's own forward time (its replies' timings_ms.forward: GPU events from
+            the upload to the copy back) in the first and the second pass;
   load      --requests requests at --concurrency clients, cycling through the sizes (one image each):
             images/s, p50 and p99 ms;
   replays / eager   from /metrics: forwards replayed through a graph, and run eagerly beside them;
@@ -98,6 +100,11 @@ def post(server, body, keep=None):
     return status, head_ms + body_ms
 
 
+def mean_forward(replies):
+    values = [t["forward"] for r in replies for t in serve_load.per_image_timings(r)]
+    return round(sum(values) / len(values), 1) if values else None
+
+
 def embeddings(reply):
     """The reply's visual tokens as float32 (numpy), or None without numpy."""
     try:
@@ -136,10 +143,10 @@ def run_variant(args, name, extra, bodies):
                 text = f.read()
             captures = sum(int(n) for n in re.findall(r"(\d+) encoder CUDA graphs captured", text))
             gpu_mib = gpu_memory_mib(proc.pid)
-            first, again, replies = [], [], []
+            first, again, replies, seconds = [], [], [], []
             for times, what in ((first, "first"), (again, "second")):
                 for size, body in bodies:
-                    status, ms = post(server, body, replies if what == "first" else None)
+                    status, ms = post(server, body, replies if what == "first" else seconds)
                     if status != 200:
                         sys.exit(f"serve-graphs: {name}: the {what} {size} request answered {status}")
                     times.append(ms)
@@ -158,6 +165,9 @@ def run_variant(args, name, extra, bodies):
                 "first_mean_ms": round(sum(first) / len(first), 1),
                 "second_ms": {size: round(ms, 1) for (size, _), ms in zip(bodies, again)},
                 "second_mean_ms": round(sum(again) / len(again), 1),
+                # The server's own "forward" (GPU events from the pixels' upload to the outputs' copy
+                # back, host stalls between launches included), mean over the sizes.
+                "first_forward_ms": mean_forward(replies), "second_forward_ms": mean_forward(seconds),
                 "errors": len(results) - len(ok), "images_per_s": round(len(ok) / wall, 2),
                 "p50_ms": round(serve_load.percentile(ok, 50), 1), "p99_ms": round(serve_load.percentile(ok, 99), 1),
                 "replays": int(delta("fovea_encoder_graph_replays_total")),
@@ -209,11 +219,12 @@ def main():
     # The same image alone in a forward, eagerly and through a graph (padded to its budget): the
     # embeddings differ only by the GEMMs' algorithm choice for a different row count, if at all.
     graphs["vs_eager_rel_l2"] = max_rel_l2(graph_replies, eager_replies)
-    print("variant | ready s | captures | GPU MiB | first-request ms (mean; per size) | second ms (mean) | images/s | p50 ms | p99 ms | replays | eager | errors")
+    print("variant | ready s | captures | GPU MiB | first-request ms (mean; per size) | second ms (mean) | forward ms first / second | images/s | p50 ms | p99 ms | replays | eager | errors")
     for r in rows:
         per = ", ".join(f"{k} {v:.0f}" for k, v in r["first_ms"].items())
         mib = "-" if r["gpu_mib"] is None else str(r["gpu_mib"])
         print(f"{r['variant']:<7} | {r['ready_s']:>7.2f} | {r['captures']:>8} | {mib:>7} | {r['first_mean_ms']:.1f} ({per}) | {r['second_mean_ms']:.1f} | "
+              f"{r['first_forward_ms']} / {r['second_forward_ms']} | "
               f"{r['images_per_s']:>8.2f} | {r['p50_ms']:>6.1f} | {r['p99_ms']:>6.1f} | {r['replays']:>7} | {r['eager']:>5} | {r['errors']}")
     d = graphs["vs_eager_rel_l2"]
     print("graphs vs eager, each size's first reply: max relative L2 " + ("- (no numpy)" if d is None else f"{d:.3e}"))
