@@ -452,11 +452,11 @@ TEST(GraphConfig, MalformedValuesNameTheKey) {
       {R"({"cudagraph_mm_encoder": true, "encoder_cudagraph_max_vision_items_per_batch": 5000})",
        "encoder_cudagraph_max_vision_items_per_batch"},
   };
-  for (const auto& [json, word] : cases) {
-    SCOPED_TRACE(json);
-    const std::string msg = fovea::test::error_of([&] { parse_graph_config(json); });
+  for (const auto& c : cases) {  // not a structured binding: clang's lambdas cannot capture one
+    SCOPED_TRACE(c.first);
+    const std::string msg = fovea::test::error_of([&] { parse_graph_config(c.first); });
     EXPECT_HAS(msg, "--compilation-config");
-    EXPECT_HAS(msg, word);
+    EXPECT_HAS(msg, c.second);
   }
   std::string many = R"({"cudagraph_mm_encoder": true, "encoder_cudagraph_token_budgets": [)";
   for (int k = 1; k <= 33; ++k) many += std::to_string(k) + (k < 33 ? "," : "]}");

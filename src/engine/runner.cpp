@@ -76,9 +76,9 @@ void EncoderRunner::reserve(int64_t visual_tokens, bool with_deepstack, int batc
 
 void EncoderRunner::capture_graphs() {
 #if FOVEA_HAVE_CUDA
-  if (gpu_ && !graphs_captured_) gpu_->enc.capture_graphs(nullptr);
-  graphs_captured_ = true;
+  if (gpu_ && !graphs_captured_) gpu_->enc.capture_graphs(nullptr);  // a throw leaves it to try again
 #endif
+  graphs_captured_ = true;
 }
 
 qwen3vl::GraphCounts EncoderRunner::graph_counts() const {
