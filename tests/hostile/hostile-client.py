@@ -890,36 +890,87 @@ bad_request("chat without --ec-storage-path", lambda: chat_body([image_part(good
             path=CHAT, instance="deadlines")
 
 
-def probe_main(port, count, interval_ms, timeout_ms):
-    """--probe: GET /health on a new connection every interval_ms, count times; prints the latencies
-    (ms; null for no 200 within timeout_ms) as JSON. A process of its own: the load's threads in the
-    suite's process do not delay its clock."""
-    lat = [None] * count
+def control_server():
+    """A trivial HTTP server on a thread of the probe's process, the control beside fovea's /health: it
+    answers 200 to each connection's first request, one connection at a time, as an event loop would.
+    Returns its port."""
+    lsock = socket.socket()
+    lsock.bind((HOST, 0))
+    lsock.listen(256)
 
-    def one(i):
+    def serve():
+        while True:
+            c, _ = lsock.accept()
+            try:
+                c.settimeout(5)
+                data = b""
+                while b"\r\n\r\n" not in data:
+                    chunk = c.recv(4096)
+                    if not chunk:
+                        break
+                    data += chunk
+                c.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok")
+            except OSError:
+                pass
+            c.close()
+    threading.Thread(target=serve, daemon=True).start()
+    return lsock.getsockname()[1]
+
+
+def probe_main(port, count, interval_ms, timeout_ms):
+    """--probe: GET /health on a new connection every interval_ms, count times, and at each tick the same
+    GET against a control server of the probe's own (control_server); prints both series' latencies (ms;
+    null for no 200 within timeout_ms) as JSON {"fovea": [...], "control": [...]}. A process of its own:
+    the load's threads in the suite's process do not delay its clock. The control waits for the same
+    cores as fovea's network thread does, so its latency is the machine's floor in this very run."""
+    ports = {"fovea": port, "control": control_server()}
+    lat = {k: [None] * count for k in ports}
+
+    def one(key, i):
         t0 = time.monotonic()
         try:
-            c = Conn(port, timeout_ms / 1000)
+            c = Conn(ports[key], timeout_ms / 1000)
             c.send(request("GET", "/health"))
             r = c.read_reply(t0 + timeout_ms / 1000)
             c.close()
             if r.status == 200:
-                lat[i] = (time.monotonic() - t0) * 1000
+                lat[key][i] = (time.monotonic() - t0) * 1000
         except (NoReply, OSError):
             pass
     start = time.monotonic()
     ts = []
     for i in range(count):
         time.sleep(max(0, start + i * interval_ms / 1000 - time.monotonic()))
-        t = threading.Thread(target=one, args=(i,))
-        t.start()
-        ts.append(t)
+        for key in ports:
+            ts.append(threading.Thread(target=one, args=(key, i)))
+            ts[-1].start()
     [t.join() for t in ts]
     print(json.dumps(lat))
 
 
+def health_verdict(out, count, t):
+    """The /health bound shared by the load cases, from probe_main's output: every probe answered and
+    fovea's p99 <= 100 ms x t (the time scale and busy factor) + the control's p99. An idle machine's
+    control answers in about a millisecond, so there the bound is 100 ms; on a shared machine the control
+    pays the same wait for a core as fovea's network thread, which the 1-minute load average, read before
+    the burst, does not see. A /health queued behind the encoder, or a network thread blocked on a lock
+    the workers hold, is slower than the control by far more than 100 ms. Returns (text, ok)."""
+    def ranks(xs):
+        ok = sorted(x for x in xs if x is not None)
+        if not ok:
+            return ok, float("inf"), float("inf"), float("inf")
+        rank = lambda q: ok[max(0, -(-len(ok) * q // 100) - 1)]  # nearest rank  # noqa: E731
+        return ok, rank(50), rank(99), ok[-1]
+    got, p50, p99, mx = ranks(out["fovea"])
+    cgot, _, cp99, _ = ranks(out["control"])
+    bound = 100 * t + cp99
+    text = "/health %d/%d, p50 %.0f p99 %.0f max %.0f ms (bound %.0f: control p99 %.0f, %d/%d)" % (
+        len(got), count, p50, p99, mx, bound, cp99, len(cgot), count)
+    return text, len(got) == count and len(cgot) == count and p99 <= bound
+
+
 @case("load: 200 idle + 64 slow-header + 50 slow-body + 200 encodes", "main",
-      "/health p99 <= 100 ms (100 samples), every encode 200, then 200", 40)
+      "/health p99 <= 100 ms + a control server's p99 (100 samples), every encode 200, then 200", 40)
 def c_load(ctx):
     port, t = ctx.srv.port, ctx.t
     socks, failed_connect = [], 0
@@ -998,19 +1049,13 @@ def c_load(ctx):
     stop.set()
     for s in socks:
         s.close()
-    ok_lat = sorted(x for x in lat if x is not None)
-    answered = len(ok_lat)
-    if ok_lat:
-        rank = lambda q: ok_lat[max(0, -(-len(ok_lat) * q // 100) - 1)]  # nearest rank
-        p50, p99, mx = rank(50), rank(99), ok_lat[-1]
-    else:
-        p50 = p99 = mx = float("inf")
+    health, health_ok = health_verdict(lat, 100, t)
     unfinished = sum(e.is_alive() for e in enc)
-    obs = "/health %d/100 answered, p50 %.0f p99 %.0f max %.0f ms; encodes %d x 200, %d not (%s)%s%s; then %s" % (
-        answered, p50, p99, mx, done[0], len(bad), bad[0] if bad else "-",
+    obs = "%s; encodes %d x 200, %d not (%s)%s%s; then %s" % (
+        health, done[0], len(bad), bad[0] if bad else "-",
         "; %d clients unfinished" % unfinished if unfinished else "",
         "; %d connects failed" % failed_connect if failed_connect else "", after)
-    return obs, (answered == 100 and p99 <= 100 * t and done[0] >= 200 and not bad and not unfinished and
+    return obs, (health_ok and done[0] >= 200 and not bad and not unfinished and
                  after == 200 and not failed_connect)
 
 
