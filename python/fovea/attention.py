@@ -202,6 +202,13 @@ def robust_state_bytes(heads, head_dim):
     return n
 
 
+def _aligned(raw):
+    """bytes copied into an 8-byte-aligned ctypes buffer (the robust states hold doubles)."""
+    buf = (ctypes.c_double * ((len(raw) + 7) // 8))()
+    ctypes.memmove(buf, raw, len(raw))
+    return buf
+
+
 def fresh_robust_state(heads, head_dim):
     """A fresh robust state of one layer (empty rings and statistics) as bytes, 8-byte aligned in memory
     once copied into a tensor or array of its own."""
@@ -217,10 +224,8 @@ def robust_state_forwards(state, heads, head_dim):
     raw = bytes(state)
     if len(raw) != size:
         raise ValueError(f"fovea: a robust state of {heads} heads x {head_dim} is {size} bytes, not {len(raw)}")
-    buf = (ctypes.c_double * ((size + 7) // 8))()
-    ctypes.memmove(buf, raw, size)
     n = ctypes.c_uint32()
-    _lib.check(_lib.lib().fovea_attn_robust_state_forwards(buf, size, heads, head_dim, ctypes.byref(n)))
+    _lib.check(_lib.lib().fovea_attn_robust_state_forwards(_aligned(raw), size, heads, head_dim, ctypes.byref(n)))
     return n.value
 
 
@@ -233,9 +238,8 @@ def robust_calibrate(states, heads, head_dim, path, margin=1.5):
     raw = b"".join(bytes(s) for s in states)
     if len(raw) != n * size:
         raise ValueError(f"fovea: each robust state of {heads} heads x {head_dim} is {size} bytes")
-    buf = (ctypes.c_double * ((len(raw) + 7) // 8))()
-    ctypes.memmove(buf, raw, len(raw))
-    _lib.check(_lib.lib().fovea_attn_robust_calibrate(buf, n, heads, head_dim, float(margin), str(path).encode()))
+    _lib.check(_lib.lib().fovea_attn_robust_calibrate(_aligned(raw), n, heads, head_dim, float(margin),
+                                                      str(path).encode()))
 
 
 def fp8_plan(scheme, num_layers, heads, head_dim, path=None, calibrating=False):

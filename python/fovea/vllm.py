@@ -329,27 +329,60 @@ def _layer_index(prefix):
     return int(m.group(1)) if m else None
 
 
-def _file_layers(path, index):
-    """The number of blocks a scale file covers (its highest block index + 1, at least index + 1)."""
-    with open(path) as f:
-        data = json.load(f)
-    layers = data.get("layers", data) if isinstance(data, dict) else {}
-    return max((i for i in map(_layer_index, layers) if i is not None), default=index) + 1
+class _StaticFile:
+    """A static scale file as the model's layers read it: parsed once, fovea's reader (every block's
+    entry validated) and plan run once per path, however many layers the model builds."""
+
+    def __init__(self, path):
+        self.path = path
+        with open(path) as f:
+            data = json.load(f)
+        layers = data.get("layers", data) if isinstance(data, dict) else None
+        self.layers = layers if isinstance(layers, dict) else {}
+        self.highest = max((i for i in map(_layer_index, self.layers) if i is not None), default=None)
+        self._scales, self._plans = {}, {}
+
+    def count(self, index):
+        """The number of blocks the file covers (its highest block index + 1, else index + 1)."""
+        return (index if self.highest is None else self.highest) + 1
+
+    def scales(self, index):
+        from . import attention as fovea_attention
+        n = self.count(index)
+        if n not in self._scales:
+            self._scales[n] = fovea_attention.read_scale_file(self.path, n)
+        return self._scales[n][index]
+
+    def plan(self, scheme, index, heads, head_dim):
+        from . import attention as fovea_attention
+        key = (scheme, self.count(index), heads, head_dim)
+        if key not in self._plans:
+            self._plans[key] = fovea_attention.fp8_plan(scheme, key[1], heads, head_dim, path=self.path)
+        return self._plans[key]
+
+
+_static_files = {}  # (path, mtime, size): the one file the model's layers read
+
+
+def _static_file(path):
+    st = os.stat(path)
+    key = (path, st.st_mtime_ns, st.st_size)
+    if key not in _static_files:
+        _static_files.clear()
+        _static_files[key] = _StaticFile(path)
+    return _static_files[key]
 
 
 def _layer_scales(path, prefix):
     """This layer's (q, k, v) from vLLM's scale file, by its prefix as vLLM looks it up (the file's
     other entries are validated by fovea's reader where the prefix names a block)."""
-    from . import attention as fovea_attention
-    with open(path) as f:
-        data = json.load(f)
-    layers = data.get("layers", data) if isinstance(data, dict) else None
-    entry = layers.get(prefix) if isinstance(layers, dict) else None
+    f = _static_file(path)
+    entry = f.layers.get(prefix)
     if not isinstance(entry, dict):
         raise ValueError(f"fovea: FP8 scale file {path} has no entry for layer {prefix}")
     index = _layer_index(prefix)
     if index is not None:  # read whole (every block's entry validated), at the file's own layer count
-        return fovea_attention.read_scale_file(path, _file_layers(path, index))[index]
+        return f.scales(index)
     vals = [entry.get(n, entry.get(n + "_scale")) for n in ("q", "k", "v")]
     if not all(isinstance(x, (int, float)) and x > 0 for x in vals):
         raise ValueError(f"fovea: FP8 scale file {path}, layer {prefix}: q, k, v must be numbers > 0, got {vals}")
@@ -368,11 +401,10 @@ def _layer_fine(path, prefix, heads, head_dim):
     """This layer's robust arrays where fovea's plan runs it robust from the static file (FOVEA_FP8_SCHEME
     auto: the layers whose calibration found outlier channels, when the file has fine scales; robust:
     every layer, the file must have them), else None (per-tensor q, k, v)."""
-    from . import attention as fovea_attention
     scheme, index = _scheme(), _layer_index(prefix)
     if scheme == "tensor" or index is None:
         return None
-    plan = fovea_attention.fp8_plan(scheme, _file_layers(path, index), heads, head_dim, path=path)
+    plan = _static_file(path).plan(scheme, index, heads, head_dim)
     return plan["fine"][index] if plan["modes"][index] == "robust_static" else None
 
 

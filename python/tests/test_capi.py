@@ -354,6 +354,56 @@ class Robust(unittest.TestCase):
         self.assertEqual(fa.fp8_plan("auto", 3, 2, 72, calibrating=True)["modes"], ["robust_dynamic"] * 3)
         self.assertEqual(fa.fp8_plan("robust", 1, 2, 64)["modes"], ["robust_dynamic"])
 
+    def test_the_vllm_plugin_reads_a_static_file_once_per_model(self):
+        """fovea.vllm (importable without torch or vLLM) builds each layer's static scales from one parse
+        of the file: fovea's reader and plan run once for all the model's layers, again only once the
+        file changes."""
+        from fovea import vllm as fv
+        states = []
+        for layer in range(3):
+            st = self.state()
+            att = fa.Attention("fp8", 2, 72, device="cpu")
+            run(self.outlier_batch([40, 50 + layer], seed=60 + layer), "fp8", fa.Scales(robust_state=st.ctypes.data),
+                att=att)
+            states.append(st.tobytes())
+        calls = {"read_scale_file": 0, "fp8_plan": 0}
+        real = {name: getattr(fa, name) for name in calls}
+
+        def counting(name):
+            def call(*args, **kwargs):
+                calls[name] += 1
+                return real[name](*args, **kwargs)
+            return call
+        old_scheme = os.environ.get("FOVEA_FP8_SCHEME")
+        os.environ["FOVEA_FP8_SCHEME"] = "robust"
+        try:
+            for name in calls:
+                setattr(fa, name, counting(name))
+            with tempfile.TemporaryDirectory() as d:
+                path = os.path.join(d, "scales.json")
+                fa.robust_calibrate(states, 2, 72, path)
+                names = ["visual.blocks.%d.attn.attn" % i for i in range(3)]
+                qkv = [fv._layer_scales(path, n) for n in names]
+                fine = [fv._layer_fine(path, n, 2, 72) for n in names]
+                self.assertEqual(calls, {"read_scale_file": 1, "fp8_plan": 1})
+                self.assertEqual(qkv, real["read_scale_file"](path, 3))
+                plan = real["fp8_plan"]("robust", 3, 2, 72, path=path)
+                self.assertEqual(fine, plan["fine"])
+                with self.assertRaisesRegex(ValueError, "no entry for layer visual.blocks.7.attn.attn"):
+                    fv._layer_scales(path, "visual.blocks.7.attn.attn")
+                fa.robust_calibrate(states[:2], 2, 72, path)  # a new file at the same path is read anew
+                self.assertEqual(len(fv._layer_scales(path, names[1])), 3)
+                self.assertEqual(calls["read_scale_file"], 2)
+                with self.assertRaisesRegex(ValueError, "no entry for layer"):
+                    fv._layer_scales(path, names[2])
+        finally:
+            for name in calls:
+                setattr(fa, name, real[name])
+            if old_scheme is None:
+                os.environ.pop("FOVEA_FP8_SCHEME", None)
+            else:
+                os.environ["FOVEA_FP8_SCHEME"] = old_scheme
+
     def test_bad_robust_arguments_name_the_problem(self):
         with self.assertRaises(ValueError):
             fa.Scales(fixed=8, robust_state=16)

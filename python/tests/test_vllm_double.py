@@ -1,5 +1,5 @@
 """fovea.vllm against the vLLM double (tests/vllm_stub, see its vllm/__init__.py): one test per case of the issue.
-Expected to FAIL against today's plugin. GPU (H100) and torch required:
+GPU (Hopper) and torch required:
     FOVEA_ATTN_LIB=build/libfovea_attn.so PYTHONPATH=python python3 -m unittest python/tests/test_vllm_double.py -v
 Tolerances are test_torch_gpu.py's: BF16 error vs fp64 <= 1.5x the double's SDPA's + 1e-4; FP8 error vs fp64
 <= 2x fovea's CPU emulation's + 1e-3 (max: 2x + 1e-2)."""

@@ -29,12 +29,12 @@ void add_engine_flags(CLI::App* cmd, EngineOptions& o) {
       ->group("Engine");
   cmd->add_option("--fp8-scheme", o.fp8_scheme,
                   "fovea's own: FP8 attention scales per tensor (vLLM's) or robust to outlier channels (K smoothing, "
-                  "per-head Q/K and per-channel V scales; CPU only so far): auto, tensor, robust")
+                  "per-head Q/K and per-channel V scales; GPU and CPU): auto, tensor, robust")
       ->capture_default_str()
       ->group("Engine");
   cmd->add_option("--compilation-config", o.compilation_config,
                   "vLLM's JSON; fovea reads its encoder CUDA-graph keys: {\"cudagraph_mm_encoder\": true, "
-                  "\"encoder_cudagraph_token_budgets\": [1024, ...], "
+                  "\"encoder_cudagraph_token_budgets\": [256, 512, ...], "
                   "\"encoder_cudagraph_max_vision_items_per_batch\": 32} (GPU, FOVEA backend)")
       ->group("Engine");
 }
