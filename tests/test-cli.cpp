@@ -312,6 +312,28 @@ TEST_F(Cli, ScaleFileWithFineScales) {
   EXPECT_HAS(bad.err, "fovea_rotation");
 }
 
+// The static guard: a scale file whose range the inputs pass (scales of 1e-9) runs those tensors at
+// the batch's scale and says so once, naming the counts; scales that cover them say nothing.
+TEST_F(Cli, EncodeReportsTheStaticGuard) {
+  auto scales = [&](const std::string& name, const char* value) {
+    std::string text = "{";
+    for (int i = 0; i < 3; ++i)
+      text += std::string(i ? ", " : "") + "\"" + layer(i) + "\": {\"q\": " + value + ", \"k\": " + value +
+              ", \"v\": " + value + "}";
+    return write(name, text + "}");
+  };
+  const std::string img = png("guard.png", 48, 64, 3, 77);
+  const std::string base =
+      "encode synthetic:tiny --device cpu --mm-encoder-attn-dtype fp8 " + q(img) + " --mm-encoder-fp8-scale-path ";
+  const Result low = run(base + q(scales("low.json", "1e-9")));
+  ASSERT_EQ(low.code, 0) << low.err;
+  EXPECT_HAS(low.err, "the static FP8 scales' range was passed 9 times (q 3, k 3, v 3; layers x forwards)");
+  EXPECT_HAS(low.err, "recalibrate");
+  const Result high = run(base + q(scales("high.json", "1000")));
+  ASSERT_EQ(high.code, 0) << high.err;
+  EXPECT_EQ(high.err.find("range was passed"), std::string::npos) << high.err;
+}
+
 // --fp8-scheme (fovea's own): info shows the scheme; encode runs the robust one on the CPU.
 TEST_F(Cli, Fp8SchemeFlag) {
   info_prints("--device cpu --mm-encoder-attn-dtype fp8", "scheme:  tensor");

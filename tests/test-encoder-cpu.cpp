@@ -217,6 +217,30 @@ TEST(EncoderFp8, DynamicCalibrateStatic) {
   EXPECT_GT(cos_static, 0.99);
 }
 
+// The static guard end to end: static per-tensor scales far below the batch's range are each raised
+// to the batch's own amax / 448, which is what dynamic scaling's first forward uses: the same bits.
+// Scales far above it are used as given, uncounted.
+TEST(EncoderFp8, StaticGuardNeverClips) {
+  const Model m = load_model(kTiny);
+  const Golden g = load_golden();
+  const int L = m.config.depth;
+  ForwardOptions o;
+  o.attention = cpu::RefMode::FP8;
+  ScaleBook dynamic = ScaleBook::dynamic(L);
+  o.scales = &dynamic;
+  const auto first = forward_cpu(m, g.pixels, g.grids, o);
+  ScaleBook tiny = ScaleBook::fixed(std::vector<QkvScales>(size_t(L), QkvScales{1e-9f, 1e-9f, 1e-9f}));
+  o.scales = &tiny;
+  const auto guarded = forward_cpu(m, g.pixels, g.grids, o);
+  EXPECT_EQ(guarded.merged, first.merged) << "every tensor at the batch's own scale, as dynamic's first forward";
+  EXPECT_EQ(tiny.guarded(), (GuardCounts{uint64_t(L), uint64_t(L), uint64_t(L)}));
+  for (int l = 0; l < L; ++l) EXPECT_EQ(tiny.scales(l), (QkvScales{1e-9f, 1e-9f, 1e-9f})) << "the file's stay";
+  ScaleBook large = ScaleBook::fixed(std::vector<QkvScales>(size_t(L), QkvScales{1e3f, 1e3f, 1e3f}));
+  o.scales = &large;
+  forward_cpu(m, g.pixels, g.grids, o);
+  EXPECT_EQ(large.guarded(), GuardCounts{});
+}
+
 TEST(EncoderForward, RejectsBadInputs) {
   const Model m = load_model("synthetic:tiny");
   std::vector<float> px(size_t(16) * 1536, 0.1f);
@@ -479,8 +503,26 @@ TEST(EncoderFp8, RobustSchemeHoldsUpUnderOutlierChannels) {
   o.attention = cpu::RefMode::FP8;
   o.scales = &book;
   o.fp8_plan = &plan;
-  const double tiny_scales = rel_l2(forward_cpu(m, g.pixels, g.grids, o).merged, exact.merged);
-  EXPECT_GT(tiny_scales, 2 * robust) << "scales of 1e-3 saturate E4M3 at 0.448: the given scales are used";
+  EXPECT_GT(rel_l2(forward_cpu(m, g.pixels, g.grids, o).merged, exact.merged), 2 * robust)
+      << "the given arrays are used: K about a mean of 0, not smoothed";
+
+  // The static guard: the batch's own K mean and split pairs (one calibrating forward) with scales of
+  // 1e-9, far below the batch's range; every head's Q and K scale and every V channel's is raised to
+  // the batch's amax / 448, what robust dynamic scaling's first forward uses: the same bits.
+  ScaleBook cal = ScaleBook::calibrating(m.config.depth, "unused.json", 1.0f);
+  const Fp8Plan dyn_plan = Fp8Plan::robust_dynamic(ScaleMode::CALIBRATE, m.config.depth);
+  o.scales = &cal, o.fp8_plan = &dyn_plan;
+  const auto first = forward_cpu(m, g.pixels, g.grids, o);
+  std::vector<FineScales> own = cal.calibrated_fine(1.0f);
+  for (FineScales& f : own)
+    for (auto* a : {&f.q_head, &f.k_head, &f.v_channel}) a->assign(a->size(), 1e-9f);
+  ScaleBook guarded_book = ScaleBook::fixed(std::vector<QkvScales>(size_t(m.config.depth)));
+  const Fp8Plan own_plan = Fp8Plan::robust_static(own, H, hd);
+  o.scales = &guarded_book, o.fp8_plan = &own_plan;
+  EXPECT_EQ(forward_cpu(m, g.pixels, g.grids, o).merged, first.merged);
+  const uint64_t L = uint64_t(m.config.depth);
+  EXPECT_EQ(guarded_book.guarded(), (GuardCounts{L, L, L}));
+  o.fp8_plan = &plan;
   // A plan and a book that disagree, and fine scales of another shape, are refused.
   ScaleBook dyn = ScaleBook::dynamic(m.config.depth);
   o.scales = &dyn;

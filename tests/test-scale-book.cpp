@@ -178,9 +178,32 @@ TEST(ScaleBook, StaticModeReturnsTheFixedScales) {
   EXPECT_EQ(book.mode(), ScaleMode::STATIC);
   EXPECT_EQ(book.num_layers(), 2);
   EXPECT_EQ(book.scales(0), fixed[0]);
-  EXPECT_EQ(book.record(1, 1e6f, 1e6f, 1e6f), fixed[1]);  // no amax work: the amax is ignored
+  EXPECT_EQ(book.record(1, 448.0f, 896.0f, 1344.0f), fixed[1]);  // amax at the range: the fixed scales
   EXPECT_EQ(book.scales(1), fixed[1]);
+  EXPECT_EQ(book.guarded(), GuardCounts{});
   EXPECT_FALSE(book.after_forward());
+}
+
+// The static guard: a tensor whose amax passes 448 x s gets amax / 448 for that forward, counted;
+// the book's scales stay the file's; a non-finite amax keeps s uncounted.
+TEST(ScaleBook, StaticGuardSwitchesOnlyATensorPastItsRange) {
+  ScaleBook book = ScaleBook::fixed({{0.125f, 0.25f, 0.5f}, {1.0f, 1.0f, 1.0f}});
+  EXPECT_EQ(book.record(0, 56.0f, 112.0f, 224.0f), (QkvScales{0.125f, 0.25f, 0.5f}));
+  EXPECT_EQ(book.record(0, std::nextafter(56.0f, 1e9f), 1.0f, 1e6f),
+            (QkvScales{std::nextafter(56.0f, 1e9f) / 448.0f, 0.25f, 1e6f / 448.0f}));
+  EXPECT_EQ(book.record(0, 1000.0f, kNaN, kInf), (QkvScales{1000.0f / 448.0f, 0.25f, 0.5f}));
+  EXPECT_EQ(book.record(1, 1e3f, 1e3f, 1e3f), (QkvScales{1e3f / 448.0f, 1e3f / 448.0f, 1e3f / 448.0f}));
+  EXPECT_EQ(book.scales(0), (QkvScales{0.125f, 0.25f, 0.5f})) << "the file's scales stay";
+  EXPECT_EQ(book.guarded(0), (GuardCounts{2, 0, 1}));
+  EXPECT_EQ(book.guarded(1), (GuardCounts{1, 1, 1}));
+  EXPECT_EQ(book.guarded(), (GuardCounts{3, 1, 2}));
+  EXPECT_EQ(book.guarded().total(), 6u);
+  book.set_guarded(1, {0, 4, 0});  // the device's running counts
+  EXPECT_EQ(book.guarded(1), (GuardCounts{0, 4, 0}));
+  ScaleBook dyn = ScaleBook::dynamic(1);
+  dyn.record(0, 1e6f, 1e6f, 1e6f);
+  EXPECT_EQ(dyn.guarded(), GuardCounts{});
+  EXPECT_HAS(error_of([&] { dyn.set_guarded(0, {1, 0, 0}); }), "dynamic");
 }
 
 TEST(ScaleBook, StaticModeRejectsNonPositiveOrNonFiniteScales) {
@@ -405,6 +428,69 @@ FineScales expected_fine(const std::vector<FineBatch>& finite_so_far, const Fine
 }
 
 }  // namespace
+
+// The robust scheme's static guard (ScaleBook::guard_fine) against its definition: per head, Q's
+// amax and the amax of K about the file's mean; per channel, V's amax; a scale changes only where
+// that amax passes 448 x the file's scale, to amax / 448; the mean and split pairs stay.
+TEST(StaticGuard, FineScalesFollowTheDefinition) {
+  constexpr int H = 3, hd = 8;
+  std::mt19937 rng(fresh_seed());
+  ScaleBook book = ScaleBook::fixed({QkvScales{}, QkvScales{}});
+  GuardCounts expected_counts;
+  for (int trial = 0; trial < 30; ++trial) {
+    const FineBatch batch = random_batch(rng, H, hd);
+    // The file's arrays: each a random factor of what this batch needs, below 1 (a range the batch
+    // passes) or above; every third trial's all above (the batch fits the file).
+    std::uniform_real_distribution<float> f(trial % 3 == 0 ? 1.01f : 0.2f, 1.6f), mean(-10.0f, 10.0f);
+    FineScales file;
+    std::vector<float> q_need(size_t(H), 0.0f), k_need(size_t(H), 0.0f);
+    for (int i = 0; i < H * hd; ++i) {
+      file.k_mean.push_back(mean(rng));
+      file.v_channel.push_back(batch.v_amax[size_t(i)] / 448.0f * f(rng));
+      const size_t h = size_t(i / hd);
+      q_need[h] = std::max(q_need[h], batch.q_amax[size_t(i)]);
+      k_need[h] =
+          std::max({k_need[h], batch.k_hi[size_t(i)] - file.k_mean.back(), file.k_mean.back() - batch.k_lo[size_t(i)]});
+    }
+    for (int h = 0; h < H; ++h)
+      file.q_head.push_back(q_need[size_t(h)] / 448.0f * f(rng)),
+          file.k_head.push_back(k_need[size_t(h)] / 448.0f * f(rng));
+    file.qk_split = {1, -1, 0, 2, -1, -1};
+    FineScales want = file;
+    bool raised[3] = {false, false, false};
+    for (int h = 0; h < H; ++h) {
+      float q = 0.0f, k = 0.0f;
+      for (int c = 0; c < hd; ++c) {
+        const size_t i = size_t(h) * hd + size_t(c);
+        q = std::max(q, batch.q_amax[i]);
+        k = std::max({k, batch.k_hi[i] - file.k_mean[i], file.k_mean[i] - batch.k_lo[i]});
+      }
+      if (q > 448.0f * file.q_head[size_t(h)]) want.q_head[size_t(h)] = q / 448.0f, raised[0] = true;
+      if (k > 448.0f * file.k_head[size_t(h)]) want.k_head[size_t(h)] = k / 448.0f, raised[1] = true;
+    }
+    for (size_t i = 0; i < want.v_channel.size(); ++i)
+      if (batch.v_amax[i] > 448.0f * file.v_channel[i]) want.v_channel[i] = batch.v_amax[i] / 448.0f, raised[2] = true;
+    if (trial % 3 == 0) EXPECT_EQ(want, file) << "trial " << trial << ": the file covers the batch";
+    expected_counts += GuardCounts{raised[0], raised[1], raised[2]};
+    ASSERT_EQ(book.guard_fine(1, file, batch), want) << "trial " << trial;
+  }
+  EXPECT_EQ(book.guarded(1), expected_counts);
+  EXPECT_GT(expected_counts.q + expected_counts.k + expected_counts.v, 0u) << "the trials raised some scale";
+  EXPECT_LE(expected_counts.v, 20u) << "and every third left the file's";
+  EXPECT_EQ(book.guarded(0), GuardCounts{});
+
+  // A batch with a non-finite value keeps the file's arrays; a shape mismatch and a dynamic book are errors.
+  FineBatch bad = random_batch(rng, H, hd);
+  bad.finite = false;
+  FineScales tiny;
+  tiny.k_mean.assign(H * hd, 0.0f), tiny.v_channel.assign(H * hd, 1e-9f);
+  tiny.q_head.assign(H, 1e-9f), tiny.k_head.assign(H, 1e-9f);
+  EXPECT_EQ(book.guard_fine(0, tiny, bad), tiny);
+  EXPECT_EQ(book.guarded(0), GuardCounts{});
+  EXPECT_HAS(error_of([&] { book.guard_fine(0, tiny, random_batch(rng, H, hd + 2)); }), "differ in shape");
+  ScaleBook dyn = ScaleBook::dynamic(1);
+  EXPECT_HAS(error_of([&] { dyn.guard_fine(0, tiny, bad); }), "static guard in a dynamic book");
+}
 
 // 40 forwards (the ring wraps twice), two of them non-finite: each forward's arrays are the
 // definition's, the non-finite ones are counted and change no ring.

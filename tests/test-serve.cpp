@@ -35,6 +35,7 @@
 #include <nlohmann/json.hpp>
 
 #include "fovea/ec-cache.h"
+#include "fovea/io.h"
 #include "fovea/bf16.h"
 #include "fovea/safetensors.h"
 #include "fovea/sha256.h"
@@ -534,6 +535,8 @@ TEST_F(Serve, ConcurrentClientsMatchEncode) {
   EXPECT_EQ(metric(m, "fovea_queue_depth"), 0);
   EXPECT_EQ(metric(m, "fovea_fp8_scale_mode{mode=\"none\"}"), 1);
   EXPECT_EQ(metric(m, "fovea_fp8_nonfinite_amax_total"), 0);
+  for (const char* t : {"q", "k", "v"})
+    EXPECT_EQ(metric(m, std::string("fovea_fp8_static_guard_total{tensor=\"") + t + "\"}"), 0) << t;
   // The phases tile each request's time from its head to its reply: all of them were seen, and the
   // ones before the reply was written add up to the latency the histogram summed.
   double phases = 0;
@@ -1697,6 +1700,31 @@ TEST_F(Serve, BadOptionsFailAtStartup) {
 // /ready were once counted as path="other". Unknown paths share "other"; the 404 lists every
 // endpoint; fovea_inputs_encoded_total and its deprecated alias fovea_images_encoded_total (and the
 // per-device pair) show the same value.
+// Static FP8 scales the inputs pass (1e-9 for every tensor of the 3 layers): each forward runs them at
+// the batch's scale, and /metrics counts it per tensor, so an operator sees the file drift.
+TEST_F(Serve, StaticGuardIsCountedInMetrics) {
+  std::string text = "{";
+  for (int i = 0; i < 3; ++i)
+    text += std::string(i ? ", " : "") + "\"visual.blocks." + std::to_string(i) +
+            ".attn.attn\": {\"q\": 1e-9, \"k\": 1e-9, \"v\": 1e-9}";
+  const fs::path scales = dir_ / "low-scales.json";
+  fovea::write_file_atomic(scales.string(), text + "}", "test");
+  ServerProcess server(dir_, {"--mm-encoder-attn-dtype", "fp8", "--mm-encoder-fp8-scale-path", scales.string()});
+  ASSERT_GT(server.port(), 0) << server.err();
+  auto cli = client(server.port());
+  for (int i = 0; i < 2; ++i) {  // one after the other: two forwards
+    const auto r =
+        cli->Post("/v1/encode", json{{"images", {image_item(image(size_t(i)), 0)}}}.dump(), "application/json");
+    ASSERT_TRUE(r);
+    ASSERT_EQ(r->status, 200) << r->body;
+  }
+  const std::string m = get_metrics(server.port());
+  EXPECT_EQ(metric(m, "fovea_fp8_scale_mode{mode=\"static\"}"), 1) << m;
+  for (const char* t : {"q", "k", "v"})
+    EXPECT_EQ(metric(m, std::string("fovea_fp8_static_guard_total{tensor=\"") + t + "\"}"), 6) << t << "\n" << m;
+  EXPECT_EQ(server.stop(SIGTERM), 0) << server.err();
+}
+
 TEST_F(Serve, MetricsCountEveryEndpointUnderItsPath) {
   ServerProcess server(dir_, {});
   ASSERT_GT(server.port(), 0);

@@ -301,6 +301,10 @@ class EncoderRunner {
   // Non-finite amax values the scale book has ignored so far, all layers, as of the last finished
   // batch (0 for BF16 and static scales). No synchronization: the rings come back with the outputs.
   uint64_t nonfinite_amax() const;
+  // Static FP8 scales: how many times the guard switched a layer's Q, K or V to the batch's own scale
+  // (the inputs passed the file's range; docs/fp8.md §Static guard), all layers, as of the last
+  // finished batch (zero otherwise).
+  GuardCounts static_guarded() const;
   // FP8: what each layer's attention quantizes with (empty for BF16).
   const Fp8Plan& fp8_plan() const { return plan_; }
   // Encoder CUDA graphs (EngineConfig::graphs, captured when the runner is built): all zero without.

@@ -5,7 +5,9 @@
 //               amax, then s = max(ring) / 448 floored at the smallest normal float, then quantizes
 //               with s ("current scaling": the current call can never overflow). Non-finite amax
 //               values never enter the ring; they are counted.
-//   static    - scales from a scale file; no amax work.
+//   static    - scales from a scale file, guarded: a forward whose amax passes a scale's range
+//               (448 x s) quantizes that tensor with its own amax / 448 instead, and is counted
+//               (guarded_scale; docs/fp8.md §Static guard).
 //   calibrate - dynamic, and after exactly 16 complete forwards, s * margin for every layer is
 //               written to a scale file, atomically.
 // The per-tensor state is a plain struct (AmaxHistory) so a CUDA kernel can update it in device
@@ -231,6 +233,26 @@ FOVEA_HD float fine_ring_scale(float prev, bool keep, float cur) {
   return amax_to_scale(keep && cur > prev ? cur : prev);
 }
 
+// ---- the static guard (docs/fp8.md §Static guard) -------------------------------------------------
+// A static scale never clips: where a batch's amax passes the scale's range (448 x s), the batch is
+// quantized with its own scale (amax / 448) instead. A non-finite amax keeps s (such a batch is the
+// non-finite handling's, not the guard's). Written to run on the device too.
+FOVEA_HD float guarded_scale(float fixed, float amax) {
+  return amax > kE4M3Max * fixed && amax <= FLT_MAX ? amax_to_scale(amax) : fixed;
+}
+
+// How many times the guard switched each tensor of a layer (or of all layers) to the batch's scale:
+// one count per forward and tensor, whatever the number of heads or channels it raised.
+struct GuardCounts {
+  uint64_t q = 0, k = 0, v = 0;
+  uint64_t total() const { return q + k + v; }
+  GuardCounts& operator+=(const GuardCounts& o) {
+    q += o.q, k += o.k, v += o.v;
+    return *this;
+  }
+  bool operator==(const GuardCounts&) const = default;
+};
+
 enum class ScaleMode { DYNAMIC, STATIC, CALIBRATE };
 const char* scale_mode_name(ScaleMode m);
 
@@ -246,8 +268,20 @@ class ScaleBook {
   int num_layers() const { return num_layers_; }
 
   // Dynamic/calibrate: record this forward's amax (max |x| of Q, K, V) for a layer and return the
-  // scales to quantize it with. Static: returns the fixed scales.
+  // scales to quantize it with. Static: returns the fixed scales, each guarded (guarded_scale) by
+  // this forward's amax, and counts the tensors the guard switched.
   QkvScales record(int layer, float amax_q, float amax_k, float amax_v);
+  // Static: the robust scheme's arrays `file` (the layer's fine scales) guarded by this forward's
+  // statistics, as the device's prepare step does: each head's Q scale by the head's Q amax, each
+  // head's K scale by the amax of K minus the file's mean, each channel's V scale by its amax; the
+  // mean and the split pairs stay the file's; a batch with a non-finite value keeps the file's arrays.
+  // Counts the tensors it switched (once per tensor).
+  FineScales guard_fine(int layer, const FineScales& file, const FineBatch& batch);
+  // Static: the guard's counts of a layer, or of every layer (all zero in the other modes).
+  GuardCounts guarded(int layer) const;
+  GuardCounts guarded() const;
+  // A layer's counts as the device's prepare step keeps them (running totals, copied back).
+  void set_guarded(int layer, const GuardCounts& c);
   QkvScales scales(int layer) const;
   // A forward is complete once every layer has recorded it; returns how many are.
   uint32_t complete_forwards() const;
@@ -290,10 +324,11 @@ class ScaleBook {
  private:
   ScaleMode mode_ = ScaleMode::DYNAMIC;
   int num_layers_ = 0;
-  std::vector<LayerAmax> amax_;    // dynamic and calibrate
-  std::vector<QkvScales> fixed_;   // static
-  std::vector<FineHistory> fine_;  // robust scheme: dynamic and calibrate
-  std::string save_path_;          // calibrate
+  std::vector<LayerAmax> amax_;       // dynamic and calibrate
+  std::vector<QkvScales> fixed_;      // static
+  std::vector<GuardCounts> guarded_;  // static: per layer
+  std::vector<FineHistory> fine_;     // robust scheme: dynamic and calibrate
+  std::string save_path_;             // calibrate
   float margin_ = kDefaultScaleMargin;
   bool calibration_written_ = false;
   void check_layer(int layer) const;

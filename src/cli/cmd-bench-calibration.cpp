@@ -228,14 +228,20 @@ class Bench {
   // Per mode, mean and worst over the held-out images, and static against its scheme's dynamic: printed
   // and returned with the rows and the drift, as the --output-json document.
   nlohmann::ordered_json summary() {
-    fmt::print("\n{:<44} | {:>10} | {:>10} | {:>11} | {:>11} | {:>23}\n", "mode", "mean err", "worst err",
-               fp32_ ? "mean xbf16" : "", fp32_ ? "worst xbf16" : "", "static/dynamic mean, worst");
+    fmt::print("\n{:<44} | {:>10} | {:>10} | {:>11} | {:>11} | {:>23} | {}\n", "mode", "mean err", "worst err",
+               fp32_ ? "mean xbf16" : "", fp32_ ? "worst xbf16" : "", "static/dynamic mean, worst", "guarded q/k/v");
     nlohmann::ordered_json out = nlohmann::ordered_json::array();
     const Mode* dynamic = nullptr;
     for (const Mode& m : modes_) {
       if (m.name.ends_with(" dynamic")) dynamic = &m;
       std::string vs_dyn, rx, wx;
       nlohmann::ordered_json s = {{"mode", m.name}, {"mean", mean_of(m.err)}, {"worst", worst_of(m.err)}};
+      std::string guard;
+      if (m.name.find(" static ") != std::string::npos) {  // layers x images the static range was passed
+        const GuardCounts g = m.runner->static_guarded();
+        guard = fmt::format("{}/{}/{}", g.q, g.k, g.v);
+        s["guarded"] = {{"q", g.q}, {"k", g.k}, {"v", g.v}};
+      }
       if (m.name.find(" static ") != std::string::npos && dynamic) {
         std::vector<double> r;
         for (size_t i = 0; i < m.err.size(); ++i) r.push_back(m.err[i] / dynamic->err[i]);
@@ -246,8 +252,8 @@ class Bench {
         rx = fmt::format("{:.2f}", mean_of(m.ratio)), wx = fmt::format("{:.2f}", worst_of(m.ratio));
         s["mean_over_bf16"] = mean_of(m.ratio), s["worst_over_bf16"] = worst_of(m.ratio);
       }
-      fmt::print("{:<44} | {:>10.3e} | {:>10.3e} | {:>11} | {:>11} | {:>23}\n", m.name, mean_of(m.err), worst_of(m.err),
-                 rx, wx, vs_dyn);
+      fmt::print("{:<44} | {:>10.3e} | {:>10.3e} | {:>11} | {:>11} | {:>23} | {}\n", m.name, mean_of(m.err),
+                 worst_of(m.err), rx, wx, vs_dyn, guard);
       out.push_back(s);
     }
     return {{"model", a_.model},

@@ -342,6 +342,13 @@ void encode_all(const Args& a, const EngineConfig& cfg, Loaded& l, std::vector<P
       l.load_ms, l.setup_ms, ok.size(), patches, dtype_name(cfg.dtype), cfg.fp8_linears ? ", fp8 linears" : "",
       device_name(cfg.device), forward_ms, rt.plan, rt.upload, rt.forward, rt.download);
   if (cfg.dtype == AttnDtype::FP8) fmt::print("FP8 attention: {}\n", l.runner->fp8_plan().describe());
+  const GuardCounts g = l.runner->static_guarded();
+  if (g.total() > 0)
+    fmt::print(stderr,
+               "fovea: the static FP8 scales' range was passed {} times (q {}, k {}, v {}; layers x forwards): those "
+               "tensors ran at the batch's own scale instead of clipping. The inputs differ from the calibration's: "
+               "recalibrate (--mm-encoder-fp8-scale-save-path) on inputs like them (docs/fp8.md §Static guard)\n",
+               g.total(), g.q, g.k, g.v);
 }
 
 int run(const Args& a) {

@@ -331,6 +331,10 @@ EncoderOutputsBf16 EncoderRunner::run_bf16(const Batch& batch, bool with_deepsta
   return out;
 }
 
+GuardCounts EncoderRunner::static_guarded() const {
+  return book_ && book_->mode() == ScaleMode::STATIC ? book_->guarded() : GuardCounts{};
+}
+
 uint64_t EncoderRunner::nonfinite_amax() const {
   if (!book_ || book_->mode() == ScaleMode::STATIC) return 0;
   uint64_t n = 0;

@@ -37,6 +37,7 @@ ScaleBook ScaleBook::fixed(std::vector<QkvScales> scales) {
   b.mode_ = ScaleMode::STATIC;
   b.num_layers_ = int(scales.size());
   b.fixed_ = std::move(scales);
+  b.guarded_.resize(b.fixed_.size());
   return b;
 }
 
@@ -57,7 +58,13 @@ void ScaleBook::check_layer(int layer) const {
 
 QkvScales ScaleBook::record(int layer, float amax_q, float amax_k, float amax_v) {
   check_layer(layer);
-  if (mode_ == ScaleMode::STATIC) return fixed_[size_t(layer)];
+  if (mode_ == ScaleMode::STATIC) {
+    const QkvScales& f = fixed_[size_t(layer)];
+    const QkvScales s = {guarded_scale(f.q, amax_q), guarded_scale(f.k, amax_k), guarded_scale(f.v, amax_v)};
+    GuardCounts& g = guarded_[size_t(layer)];
+    g.q += s.q != f.q, g.k += s.k != f.k, g.v += s.v != f.v;
+    return s;
+  }
   auto& l = amax_[size_t(layer)];
   return {amax_history_record(l.t[Q], amax_q), amax_history_record(l.t[K], amax_k),
           amax_history_record(l.t[V], amax_v)};
@@ -170,6 +177,54 @@ void ScaleBook::enable_fine(int heads, int head_dim) {
     return;
   }
   fine_.assign(size_t(num_layers_), FineHistory(heads, head_dim));
+}
+
+FineScales ScaleBook::guard_fine(int layer, const FineScales& file, const FineBatch& batch) {
+  check_layer(layer);
+  if (mode_ != ScaleMode::STATIC) fail("scale book: the static guard in a {} book", scale_mode_name(mode_));
+  const size_t H = file.q_head.size(), cells = file.v_channel.size();
+  if (H == 0 || cells % H || file.k_head.size() != H || file.k_mean.size() != cells || batch.q_amax.size() != cells ||
+      batch.v_amax.size() != cells || batch.k_hi.size() != cells || batch.k_lo.size() != cells)
+    fail("scale book: layer {}: the static guard's fine scales and batch statistics differ in shape", layer);
+  const size_t hd = cells / H;
+  FineScales out = file;
+  if (!batch.finite) return out;  // a non-finite value anywhere: the file's arrays, as the device keeps them
+  bool raised[3] = {false, false, false};
+  for (size_t h = 0; h < H; ++h) {
+    float q = 0.0f, k = 0.0f;  // the head's amax of Q and of K minus the file's mean
+    for (size_t i = h * hd; i < (h + 1) * hd; ++i) {
+      q = std::max(q, batch.q_amax[i]);
+      k = std::max(k, smoothed_amax(batch.k_hi[i], batch.k_lo[i], file.k_mean[i]));
+    }
+    out.q_head[h] = guarded_scale(file.q_head[h], q);
+    out.k_head[h] = guarded_scale(file.k_head[h], k);
+    raised[Q] |= out.q_head[h] != file.q_head[h];
+    raised[K] |= out.k_head[h] != file.k_head[h];
+  }
+  for (size_t i = 0; i < cells; ++i) {
+    out.v_channel[i] = guarded_scale(file.v_channel[i], batch.v_amax[i]);
+    raised[V] |= out.v_channel[i] != file.v_channel[i];
+  }
+  GuardCounts& g = guarded_[size_t(layer)];
+  g.q += raised[Q], g.k += raised[K], g.v += raised[V];
+  return out;
+}
+
+GuardCounts ScaleBook::guarded(int layer) const {
+  check_layer(layer);
+  return mode_ == ScaleMode::STATIC ? guarded_[size_t(layer)] : GuardCounts{};
+}
+
+GuardCounts ScaleBook::guarded() const {
+  GuardCounts all;
+  for (const GuardCounts& g : guarded_) all += g;
+  return all;
+}
+
+void ScaleBook::set_guarded(int layer, const GuardCounts& c) {
+  check_layer(layer);
+  if (mode_ != ScaleMode::STATIC) fail("scale book: static guard counts for a {} book", scale_mode_name(mode_));
+  guarded_[size_t(layer)] = c;
 }
 
 FineScales ScaleBook::record_fine(int layer, const FineBatch& b) {

@@ -191,6 +191,11 @@ uint64_t Batcher::failed_forwards() const {
 uint64_t Batcher::nonfinite_amax() const {
   return total([](const Replica& r) { return r.nonfinite.load(); });
 }
+GuardCounts Batcher::static_guarded() const {
+  return {total([](const Replica& r) { return r.guarded[0].load(); }),
+          total([](const Replica& r) { return r.guarded[1].load(); }),
+          total([](const Replica& r) { return r.guarded[2].load(); })};
+}
 uint64_t Batcher::graph_replays() const {
   return total([](const Replica& r) { return r.graph_replays.load(); });
 }
@@ -370,6 +375,8 @@ void Batcher::finish_batch(Replica& r, EncoderRunner& runner, Started& b) {
     runner.finish(*out);
     rows = split_inputs(rows_of(*out), b.grids, model_.config);  // throws unless the rows match the grids
     r.nonfinite = runner.nonfinite_amax();
+    const GuardCounts guarded = runner.static_guarded();
+    r.guarded[0] = guarded.q, r.guarded[1] = guarded.k, r.guarded[2] = guarded.v;
     const qwen3vl::GraphCounts g = runner.graph_counts();
     r.graph_replays = uint64_t(g.replays), r.graph_eager = uint64_t(g.eager);
   } catch (const std::exception& e) {

@@ -136,6 +136,7 @@ class Batcher {
   double forward_seconds() const;  // GPU time of the forwards (upload to copy back)
   uint64_t failed_forwards() const;
   uint64_t nonfinite_amax() const;
+  GuardCounts static_guarded() const;  // all replicas (EncoderRunner::static_guarded)
   // Encoder CUDA graphs: forwards replayed through a budget's graph, and run eagerly beside them.
   uint64_t graph_replays() const;
   uint64_t graph_eager() const;
@@ -155,6 +156,7 @@ class Batcher {
     int64_t fail_at = 0;      // the test hook's K (0: never)
     std::atomic<uint64_t> forwards{0}, inputs{0}, tokens{0}, forward_us{0}, failed_forwards{0}, nonfinite{0};
     std::atomic<uint64_t> graph_replays{0}, graph_eager{0};
+    std::atomic<uint64_t> guarded[3] = {0, 0, 0};  // the static guard's q, k, v
     // Output buffers reused from forward to forward (warm memory: a fresh 100 MB buffer costs tens of
     // ms of page faults); at most kPooledOutputs are kept, more forwards in flight get fresh ones.
     std::vector<std::shared_ptr<EncoderOutputsBf16>> pool;  // its worker's alone

@@ -196,6 +196,12 @@ std::string Metrics::render(const std::string& model, const EngineConfig& engine
   sample(out, "fovea_fp8_nonfinite_amax_total", "counter",
          "Non-finite amax values the FP8 scale book ignored, all layers (docs/fp8.md §Dynamic scaling).",
          batcher.nonfinite_amax());
+  header(out, "fovea_fp8_static_guard_total", "counter",
+         "Times the static FP8 scales' guard switched a layer's q, k or v to the batch's own scale: the inputs "
+         "passed the scale file's range, which would have clipped (docs/fp8.md §Static guard).");
+  const GuardCounts g = batcher.static_guarded();
+  for (const auto& [t, n] : {std::pair{"q", g.q}, std::pair{"k", g.k}, std::pair{"v", g.v}})
+    out += fmt::format("fovea_fp8_static_guard_total{{tensor=\"{}\"}} {}\n", t, n);
   sample(out, "fovea_encoder_graph_replays_total", "counter",
          "Forwards replayed through an encoder CUDA graph (--compilation-config cudagraph_mm_encoder).",
          batcher.graph_replays());

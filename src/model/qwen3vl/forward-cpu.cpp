@@ -219,11 +219,14 @@ ForwardResult forward_cpu(const Model& m, const std::vector<float>& pixels, cons
       FineScales f;
       switch (plan.at(layer)) {
         case LayerScheme::TENSOR_STATIC:
-        case LayerScheme::TENSOR_DYNAMIC:  // a static book returns its fixed scales
+        case LayerScheme::TENSOR_DYNAMIC:  // a static book returns its fixed scales, guarded
           ro.fp8_scales = opt.scales->record(layer, amax(shape, view(qkv, 0)), amax(shape, view(qkv, 1)),
                                              amax(shape, view(qkv, 2)));
           break;
-        case LayerScheme::ROBUST_STATIC: f = plan.fine(layer); break;  // the file's, K's calibrated mean included
+        case LayerScheme::ROBUST_STATIC:  // the file's, K's calibrated mean included, guarded by this batch
+          f = opt.scales->guard_fine(layer, plan.fine(layer),
+                                     cpu::fine_batch(shape, view(qkv, 0), view(qkv, 1), view(qkv, 2)));
+          break;
         case LayerScheme::ROBUST_DYNAMIC:  // this batch in the layer's history, its own K mean
           f = opt.scales->record_fine(layer, cpu::fine_batch(shape, view(qkv, 0), view(qkv, 1), view(qkv, 2)));
           break;
