@@ -3,6 +3,7 @@
 // scales or amax ring, or the robust scheme's arrays and history (DeviceScales). Implementations:
 // src/attention/cuda/ and src/attention/cudnn/.
 #pragma once
+#include <array>
 #include <cstdint>
 #include <memory>
 #include <vector>
@@ -78,26 +79,31 @@ class DeviceFineHistory {
 // fills from this batch (ROBUST_DYNAMIC: one extra launch, all on the device, so it replays in a
 // graph), with `ring` from the batch and the layer's history as ScaleBook::record_fine does (updating
 // the history), or, with `ring` all null, as cpu::current_fine_scales does (this batch alone).
-// BF16 attention reads none of it. Make one with the functions below; prepare() checks that the
-// scheme's pointers are all there.
+// Static scales with `guard` (the layer's counters) are guarded (docs/fp8.md §Static guard): one
+// extra launch takes this batch's statistics, and where the batch passes a scale's range the
+// attention quantizes with the batch's own scale instead (ScaleBook::record's and guard_fine's
+// arithmetic), in a copy of the attention's own: the given scales are never written. Without
+// `guard` static scales are used as given (the C ABI's static scales). BF16 attention reads none of
+// it. Make one with the functions below; prepare() checks that the scheme's pointers are all there.
 struct DeviceScales {
   LayerScheme scheme = LayerScheme::TENSOR_STATIC;
   const float* fixed = nullptr;  // TENSOR_STATIC: device float[3]
   LayerAmax* dynamic = nullptr;  // TENSOR_DYNAMIC: device LayerAmax
   FineArrays fine;               // ROBUST_*
   FineRing ring;                 // ROBUST_DYNAMIC: the layer's history, or all null
+  GuardCounts* guard = nullptr;  // *_STATIC: device; each forward adds the tensors it switched
 };
-inline DeviceScales tensor_static_scales(const float* qkv) {
-  return {LayerScheme::TENSOR_STATIC, qkv, nullptr, {}, {}};
+inline DeviceScales tensor_static_scales(const float* qkv, GuardCounts* guard = nullptr) {
+  return {LayerScheme::TENSOR_STATIC, qkv, nullptr, {}, {}, guard};
 }
 inline DeviceScales tensor_dynamic_scales(LayerAmax* state) {
-  return {LayerScheme::TENSOR_DYNAMIC, nullptr, state, {}, {}};
+  return {LayerScheme::TENSOR_DYNAMIC, nullptr, state, {}, {}, nullptr};
 }
-inline DeviceScales robust_static_scales(const FineArrays& arrays) {
-  return {LayerScheme::ROBUST_STATIC, nullptr, nullptr, arrays, {}};
+inline DeviceScales robust_static_scales(const FineArrays& arrays, GuardCounts* guard = nullptr) {
+  return {LayerScheme::ROBUST_STATIC, nullptr, nullptr, arrays, {}, guard};
 }
 inline DeviceScales robust_dynamic_scales(const FineArrays& filled, const FineRing& history = {}) {
-  return {LayerScheme::ROBUST_DYNAMIC, nullptr, nullptr, filled, history};
+  return {LayerScheme::ROBUST_DYNAMIC, nullptr, nullptr, filled, history, nullptr};
 }
 
 // Fused RoPE + quantize + layout step and the Hopper flash-attention kernel for one attention shape.
@@ -106,7 +112,8 @@ inline DeviceScales robust_dynamic_scales(const FineArrays& filled, const FineRi
 //             waiting, so the host plans the next batch while the GPU runs the last one;
 //   prepare() reads the fused qkv [N, 3, H, hd] bf16 output, applies 2D RoPE to q and k and writes
 //             Q, K and V^T in the kernel's layouts (bf16, or E4M3 with the layer's scales; with dynamic
-//             scaling one extra launch first reduces amax and updates the ring, all on the device);
+//             scaling or the static guard one extra launch first reduces amax and updates the ring or
+//             the guarded scales, all on the device);
 //   attend()  writes bf16 out [N, H, hd] (contiguous), ready for the proj GEMM.
 // prepare() and attend() make no host synchronization and can be captured in a CUDA graph.
 // Every GPU attention backend (FOVEA, CUDNN) has this interface: the encoder holds an Attention.
@@ -148,6 +155,9 @@ class FlashAttention final : public Attention {
   void prepare(const void* qkv, int64_t qkv_token_stride, const float* rope_cos, const float* rope_sin,
                const DeviceScales& scales, cudaStream_t stream) override;
   void attend(void* out, cudaStream_t stream) override;
+  // FP8: where attend() reads the dequantization scales of the last prepare() (device; q, k, v: one
+  // each per tensor, the robust scheme's [H], [H], [H * hd]): the caller's, or the static guard's.
+  std::array<const float*, 3> scales_in_use() const;
 
   const VarlenShape& shape() const override;
   AttnDtype dtype() const override;

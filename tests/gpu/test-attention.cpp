@@ -825,6 +825,234 @@ TEST(FlashAttentionGpuRobustGraph, HistoryReplaysAsTheHostBook) {
   }
 }
 
+// ---- the static guard (docs/fp8.md §Static guard) ---------------------------------------------------
+
+namespace {
+
+// n floats of device memory.
+std::vector<float> download_floats(const float* p, size_t n) {
+  std::vector<float> h(n);
+  FOVEA_CUDA_CHECK(cudaMemcpy(h.data(), p, n * sizeof(float), cudaMemcpyDeviceToHost));
+  return h;
+}
+
+// The per-tensor scales a guarded attention quantized with.
+QkvScales tensor_in_use(const cuda::FlashAttention& attn) {
+  const auto p = attn.scales_in_use();
+  return {download_floats(p[0], 1)[0], download_floats(p[1], 1)[0], download_floats(p[2], 1)[0]};
+}
+
+// The robust arrays a guarded attention quantized with: its scales, the file's K mean and split pairs.
+FineScales fine_in_use(const cuda::FlashAttention& attn, const FineScales& file) {
+  const auto p = attn.scales_in_use();
+  FineScales f = file;
+  f.q_head = download_floats(p[0], file.q_head.size());
+  f.k_head = download_floats(p[1], file.k_head.size());
+  f.v_channel = download_floats(p[2], file.v_channel.size());
+  return f;
+}
+
+GuardCounts device_counts(const DeviceBuffer<GuardCounts>& c) { return download(c)[0]; }
+
+// A robust scale file that p's batch passes in some heads and channels and not in others: K's mean
+// and the split pairs of another draw (`calib`); each head's Q and K scale and each V channel's at
+// 0.5x (passed) or 1.5x (kept) of what p's batch needs, K's about that mean, alternating.
+FineScales mixed_file(const Problem& p, const Problem& calib) {
+  const int H = p.shape.heads, hd = p.shape.head_dim;
+  const cpu::Fp8Fine c = cpu::current_fine_scales(calib.shape, calib.view(0), calib.view(1), calib.view(2), kRobust);
+  const FineBatch b = cpu::fine_batch(p.shape, p.view(0), p.view(1), p.view(2));
+  FineScales f;
+  f.k_mean = c.k_mean, f.qk_split = c.qk_split;
+  for (int h = 0; h < H; ++h) {
+    float q = 0.0f, k = 0.0f;
+    for (int d = 0; d < hd; ++d) {
+      const size_t i = size_t(h * hd + d);
+      q = std::max(q, b.q_amax[i]);
+      k = std::max(k, smoothed_amax(b.k_hi[i], b.k_lo[i], f.k_mean[i]));
+    }
+    f.q_head.push_back(q / 448.0f * (h % 2 ? 1.5f : 0.5f));
+    f.k_head.push_back(k / 448.0f * (h % 2 ? 0.5f : 1.5f));
+  }
+  for (size_t i = 0; i < b.v_amax.size(); ++i) f.v_channel.push_back(b.v_amax[i] / 448.0f * (i % 3 ? 1.5f : 0.5f));
+  return f;
+}
+
+cpu::RefOptions fp8_fine_options(const FineScales& f) {
+  cpu::RefOptions o;
+  o.mode = cpu::RefMode::FP8;
+  o.fp8_scales = {1.0f, 1.0f, 1.0f};  // replaced by the fine arrays
+  o.fp8_fine = cpu::robust_fine(f);
+  return o;
+}
+
+}  // namespace
+
+// Per tensor: a file whose q and v scales this batch passes and whose k scale it does not. The scales
+// the attention quantizes with are ScaleBook::record's on the CPU's amax of the same inputs, bit for
+// bit; the counts (running totals) move as the book's; the file's buffer is not written; the output
+// follows the emulation with those scales. The same file without counters is used as given.
+TEST(FlashAttentionGpuStaticGuard, PerTensorAsTheBook) {
+  const int H = 2, hd = 72;
+  const Problem p(kRagged, H, hd, fresh_seed());
+  const QkvScales file = {amax_of(p, 0) / 448.0f * 0.5f, amax_of(p, 1) / 448.0f * 1.5f, amax_of(p, 2) / 448.0f * 0.1f};
+  DeviceBuffer<float> fixed(3);
+  upload(fixed, {file.q, file.k, file.v});
+  DeviceBuffer<GuardCounts> counts(1);
+  upload(counts, {GuardCounts{3, 4, 5}});
+  DeviceProblem d(p);
+  cuda::FlashAttention attn(AttnDtype::FP8, H, hd);
+  attn.plan(p.shape.cu_seqlens);
+  auto run = [&](const cuda::DeviceScales& scales) {
+    FOVEA_CUDA_CHECK(cudaMemset(d.out.data(), 0xFF, d.out.bytes()));
+    attn.prepare(d.qkv.data(), 3 * int64_t(H) * hd, d.cos.data(), d.sin.data(), scales, nullptr);
+    attn.attend(d.out.data(), nullptr);
+    FOVEA_CUDA_CHECK(cudaDeviceSynchronize());
+  };
+  run(cuda::tensor_static_scales(fixed.data(), counts.data()));
+  ScaleBook book = ScaleBook::fixed({file});
+  const QkvScales want = book.record(0, amax_of(p, 0), amax_of(p, 1), amax_of(p, 2));
+  ASSERT_NE(want.q, file.q);  // the case is what it says: q and v switched, k not
+  ASSERT_EQ(want.k, file.k);
+  ASSERT_NE(want.v, file.v);
+  EXPECT_EQ(tensor_in_use(attn), want);
+  EXPECT_EQ(download(fixed), (std::vector<float>{file.q, file.k, file.v})) << "the file's scales are not written";
+  EXPECT_EQ(book.guarded(0), (GuardCounts{1, 0, 1}));
+  EXPECT_EQ(device_counts(counts), (GuardCounts{4, 4, 6}));
+  expect_within_rule(check_fp8(p, d.output(), want), "guarded static hd72");
+
+  run(cuda::tensor_static_scales(fixed.data()));  // no counters: as given, nothing counted
+  EXPECT_EQ(tensor_in_use(attn), file);
+  EXPECT_EQ(device_counts(counts), (GuardCounts{4, 4, 6}));
+  expect_within_rule(check_fp8(p, d.output(), file), "unguarded static hd72");
+}
+
+// Robust, every head_dim: a file the batch passes in some heads and channels and not in others
+// (mixed_file). The arrays the attention quantizes with are ScaleBook::guard_fine's on the CPU's
+// statistics of the same inputs, bit for bit (K's mean and split pairs the file's), the counts move
+// as the book's, the file's arrays are not written, and the output follows the emulation with the
+// arrays used. A batch with a NaN keeps the file's arrays, uncounted.
+TEST(FlashAttentionGpuStaticGuard, RobustAsTheBook) {
+  for (const int hd : cuda::kFlashHeadDims) {
+    const int H = 3;
+    const uint64_t seed = fresh_seed();
+    const Problem calib({500, 300}, H, hd, seed, 1.0f, Dist::CHANNELS);
+    Problem p(kRagged, H, hd, seed + 1, 1.0f, Dist::CHANNELS);
+    const FineScales file = mixed_file(p, calib);
+    DeviceFine fine(H, hd);
+    fine.set(cpu::robust_fine(file));
+    DeviceBuffer<GuardCounts> counts(1);
+    upload(counts, {GuardCounts{3, 4, 5}});
+    cuda::DeviceScales scales = fine.scales(false);
+    scales.guard = counts.data();
+    DeviceProblem d(p);
+    cuda::FlashAttention attn(AttnDtype::FP8, H, hd);
+    attn.plan(p.shape.cu_seqlens);
+    auto run = [&] {
+      FOVEA_CUDA_CHECK(cudaMemset(d.out.data(), 0xFF, d.out.bytes()));
+      attn.prepare(d.qkv.data(), 3 * int64_t(H) * hd, d.cos.data(), d.sin.data(), scales, nullptr);
+      attn.attend(d.out.data(), nullptr);
+      FOVEA_CUDA_CHECK(cudaDeviceSynchronize());
+    };
+    run();
+    const std::string what = fmt_name(hd, AttnDtype::FP8, "robust guarded");
+    ScaleBook book = ScaleBook::fixed({QkvScales{}});
+    const FineScales want = book.guard_fine(0, file, cpu::fine_batch(p.shape, p.view(0), p.view(1), p.view(2)));
+    // The case is what it says: each tensor raised somewhere and kept somewhere.
+    ASSERT_NE(want.q_head[0], file.q_head[0]) << what;
+    ASSERT_EQ(want.q_head[1], file.q_head[1]) << what;
+    ASSERT_EQ(want.k_head[0], file.k_head[0]) << what;
+    ASSERT_NE(want.k_head[1], file.k_head[1]) << what;
+    ASSERT_NE(want.v_channel[0], file.v_channel[0]) << what;
+    ASSERT_EQ(want.v_channel[1], file.v_channel[1]) << what;
+    const FineScales used = fine_in_use(attn, file);
+    EXPECT_EQ(used.q_head, want.q_head) << what;
+    EXPECT_EQ(used.k_head, want.k_head) << what;
+    EXPECT_EQ(used.v_channel, want.v_channel) << what;
+    const cpu::Fp8Fine stored = fine.get();
+    EXPECT_EQ(stored.q_head, file.q_head) << what << ": the file's arrays are not written";
+    EXPECT_EQ(stored.k_head, file.k_head) << what;
+    EXPECT_EQ(stored.v_channel, file.v_channel) << what;
+    EXPECT_EQ(book.guarded(0), (GuardCounts{1, 1, 1})) << what;
+    EXPECT_EQ(device_counts(counts), (GuardCounts{4, 5, 6})) << what;
+    expect_within_robust_rule(check_output(p, d.output(), fp8_fine_options(used)), cpu::robust_fine(used), what);
+
+    const size_t at = size_t(5 * 3 * H * hd + 2 * H * hd + 1);  // a NaN in V: the file's arrays, uncounted
+    p.qkv[at] = p.rot[at] = NAN;
+    upload(d.qkv, p.qkv_bf16());
+    run();
+    EXPECT_EQ(book.guard_fine(0, file, cpu::fine_batch(p.shape, p.view(0), p.view(1), p.view(2))), file) << what;
+    EXPECT_EQ(fine_in_use(attn, file), file) << what << " NaN";
+    EXPECT_EQ(device_counts(counts), (GuardCounts{4, 5, 6})) << what << " NaN";
+  }
+}
+
+// The guard in a CUDA graph, per tensor and robust: prepare (the guard's pass included) and attend
+// captured once, replayed on the calibration batch itself (within the file: x 1.5) and on other
+// draws and magnitudes (most pass it). After every replay the scales in use and the counts are the
+// book's, and the output follows the emulation with those scales.
+TEST(FlashAttentionGpuStaticGuardGraph, ReplaysAndCounts) {
+  const std::vector<int> lens = {100, 300, 17};
+  const int H = 3, hd = 72;
+  for (const bool robust : {false, true}) {
+    const Problem calib(lens, H, hd, fresh_seed(), 1.0f, Dist::CHANNELS);
+    const cpu::Fp8Fine c = cpu::current_fine_scales(calib.shape, calib.view(0), calib.view(1), calib.view(2), kRobust);
+    FineScales file;
+    file.k_mean = c.k_mean, file.qk_split = c.qk_split;
+    for (float x : c.q_head) file.q_head.push_back(x * 1.5f);
+    for (float x : c.k_head) file.k_head.push_back(x * 1.5f);
+    for (float x : c.v_channel) file.v_channel.push_back(x * 1.5f);
+    const QkvScales tensor = {amax_of(calib, 0) / 448.0f * 1.5f, amax_of(calib, 1) / 448.0f * 1.5f,
+                              amax_of(calib, 2) / 448.0f * 1.5f};
+    DeviceBuffer<float> fixed(3);
+    upload(fixed, {tensor.q, tensor.k, tensor.v});
+    DeviceFine fine(H, hd);
+    fine.set(cpu::robust_fine(file));
+    DeviceBuffer<GuardCounts> counts(1);
+    upload(counts, {GuardCounts{}});
+    cuda::DeviceScales scales = robust ? fine.scales(false) : cuda::tensor_static_scales(fixed.data());
+    scales.guard = counts.data();
+    Problem p = calib;
+    DeviceProblem d(p);
+    cuda::FlashAttention attn(AttnDtype::FP8, H, hd);
+    attn.plan(p.shape.cu_seqlens);
+    CapturedAttention graph(attn, d, scales);
+    EXPECT_EQ(device_counts(counts), GuardCounts{}) << "a capture runs nothing";
+    ScaleBook book = ScaleBook::fixed({tensor});
+    std::mt19937 rng{unsigned(fresh_seed())};
+    std::uniform_real_distribution<float> mag(0.25f, 8.0f);
+    for (int replay = 0; replay < 9; ++replay) {
+      const bool own = replay % 3 == 0;
+      p = own ? calib : Problem(lens, H, hd, rng(), mag(rng), Dist::CHANNELS);
+      upload(d.qkv, p.qkv_bf16());
+      FOVEA_CUDA_CHECK(cudaMemset(d.out.data(), 0xFF, d.out.bytes()));
+      graph.replay();
+      const std::string what = std::string(robust ? "robust" : "tensor") + " guarded replay " + std::to_string(replay);
+      const GuardCounts before = book.guarded(0);
+      if (robust) {
+        const FineScales want = book.guard_fine(0, file, cpu::fine_batch(p.shape, p.view(0), p.view(1), p.view(2)));
+        const FineScales used = fine_in_use(attn, file);
+        EXPECT_EQ(used, want) << what;
+        if (own) {
+          EXPECT_EQ(want, file) << what << ": the calibration batch fits its file";
+        }
+        expect_within_robust_rule(check_output(p, d.output(), fp8_fine_options(used)), cpu::robust_fine(used), what);
+      } else {
+        const QkvScales want = book.record(0, amax_of(p, 0), amax_of(p, 1), amax_of(p, 2));
+        EXPECT_EQ(tensor_in_use(attn), want) << what;
+        if (own) {
+          EXPECT_EQ(want, tensor) << what << ": the calibration batch fits its file";
+        }
+        expect_within_rule(check_fp8(p, d.output(), want), what);
+      }
+      if (own) {
+        EXPECT_EQ(book.guarded(0), before) << what;
+      }
+      EXPECT_EQ(device_counts(counts), book.guarded(0)) << what;
+    }
+    EXPECT_GT(book.guarded(0).total(), 0u) << (robust ? "robust" : "tensor") << ": some replay passed the file";
+  }
+}
+
 // A small case for compute-sanitizer (scripts/gpu-tests.sh runs it under memcheck).
 TEST(FlashAttentionGpuSmall, SanitizerCase) {
   const Problem p({1, 130, 64}, 2, 72, fresh_seed());

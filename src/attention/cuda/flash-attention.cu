@@ -83,6 +83,10 @@ struct FlashAttention::Impl {
   DeviceBuffer<unsigned int> d_scratch;  // amax scratch [3] + CTA counter
   DeviceBuffer<uint8_t> d_fine_scratch;  // FP8: FineScratch's arrays (robust scheme, current scaling)
   FineScratch fine_scratch;
+  // FP8: the scales a guarded static layer quantizes with (the static guard writes them, prepare and
+  // the flash kernel read them; the caller's stay as given): per tensor q, k, v [3], then the robust
+  // scheme's q_head [H], k_head [H] and v_channel [H * hd].
+  DeviceBuffer<float> d_guarded;
   StagingSlot staging[2];  // the plan uploads' pinned sources, alternately
   int next_staging = 0;
   FlashMaps maps{};
@@ -131,6 +135,7 @@ FlashAttention::FlashAttention(AttnDtype dtype, int heads, int head_dim) : impl_
     for (int i = 0; i < 2; ++i, prev += 2 * heads)
       m.fine_scratch.q_prev[i] = prev, m.fine_scratch.k_prev[i] = prev + heads;
     FOVEA_CUDA_CHECK(cudaMemset(b, 0, m.d_fine_scratch.bytes()));
+    m.d_guarded.reset(3 + 2 * size_t(heads) + cells);
   }
 }
 
@@ -244,6 +249,8 @@ void check_scales(const DeviceScales& scales, bool fp8, int head_dim) {
     if (is_robust(scales.scheme) && f.q_head) fail_cat("FOVEA attention: fine FP8 scales given to a bf16 attention");
     return;
   }
+  if (scales.guard && (scales.scheme == LayerScheme::TENSOR_DYNAMIC || scales.scheme == LayerScheme::ROBUST_DYNAMIC))
+    fail_cat("FOVEA attention: the static guard's counters given with dynamic scales");
   switch (scales.scheme) {
     case LayerScheme::TENSOR_STATIC:
       if (!scales.fixed) fail_cat("FOVEA attention: FP8 with static scales needs the q, k, v scales (fixed)");
@@ -281,6 +288,9 @@ void FlashAttention::prepare(const void* qkv, int64_t qkv_token_stride, const fl
   check_scales(scales, m.fp8, m.shape.head_dim);
   const FineArrays& fine = scales.fine;
   const bool robust = m.fp8 && is_robust(scales.scheme);
+  GuardLaunch guard;  // static scales with the layer's counters: guarded, into d_guarded
+  const bool guarded = m.fp8 && scales.guard &&
+                       (scales.scheme == LayerScheme::TENSOR_STATIC || scales.scheme == LayerScheme::ROBUST_STATIC);
   PrepareArgs a;
   a.qkv = static_cast<const __nv_bfloat16*>(qkv);
   a.qkv_token_stride = qkv_token_stride;
@@ -306,10 +316,22 @@ void FlashAttention::prepare(const void* qkv, int64_t qkv_token_stride, const fl
     fl.scratch = m.fine_scratch;
     fl.ring = scales.ring;
   }
-  launch_prepare(a, m.fp8, m.shape.head_dim, stream, robust ? &fl : nullptr);
+  if (guarded) {
+    float* g = m.d_guarded.data();
+    const int H = m.shape.heads;
+    guard.counts = scales.guard;
+    if (robust) {  // the file's K mean and split pairs, the guarded scales
+      guard.file = fine;
+      fl.arrays.q_head = g + 3, fl.arrays.k_head = g + 3 + H, fl.arrays.v_channel = g + 3 + 2 * H;
+    } else {
+      guard.fixed = scales.fixed, guard.scales = g;
+      a.fixed = g;
+    }
+  }
+  launch_prepare(a, m.fp8, m.shape.head_dim, stream, robust ? &fl : nullptr, guarded ? &guard : nullptr);
   m.fine = robust;
   if (robust) {
-    m.scale_ptr[0] = fine.q_head, m.scale_ptr[1] = fine.k_head, m.scale_ptr[2] = fine.v_channel;
+    m.scale_ptr[0] = fl.arrays.q_head, m.scale_ptr[1] = fl.arrays.k_head, m.scale_ptr[2] = fl.arrays.v_channel;
   } else if (m.fp8) {
     for (int i = 0; i < 3; ++i) m.scale_ptr[i] = a.dynamic ? &a.dynamic->t[i].scale : a.fixed + i;
   }
@@ -367,6 +389,12 @@ void DeviceFineHistory::download(FineHistory& h) const {
   std::vector<uint8_t> host(bytes());
   FOVEA_CUDA_CHECK(cudaMemcpy(host.data(), mem_.get(), host.size(), cudaMemcpyDeviceToHost));
   unpack(host.data(), h);
+}
+
+std::array<const float*, 3> FlashAttention::scales_in_use() const {
+  const Impl& m = *impl_;
+  if (!m.prepared || !m.fp8) fail_cat("FOVEA attention: scales_in_use() before an FP8 prepare()");
+  return {m.scale_ptr[0], m.scale_ptr[1], m.scale_ptr[2]};
 }
 
 void FlashAttention::attend(void* out, cudaStream_t stream) {

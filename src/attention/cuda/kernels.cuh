@@ -63,8 +63,21 @@ struct FineLaunch {
   FineRing ring;  // with current: the layer's history (ScaleBook::record_fine's), or all null
 };
 
-void launch_prepare(const PrepareArgs& a, bool fp8, int head_dim, cudaStream_t stream,
-                    const FineLaunch* fine = nullptr);
+// The static guard (docs/fp8.md §Static guard): the statistics pass in guard mode (qkv_amax_kernel
+// per tensor, fine_stats_kernel<hd, true> robust) ends by writing the scales this batch quantizes
+// with, the file's where the batch stays in their range and the batch's own where it passes it:
+// per tensor into `scales` (PrepareArgs::fixed then points there), robust into FineLaunch::arrays'
+// q_head, k_head and v_channel (its k_mean and qk_split are the file's). It adds the tensors it
+// switched to `counts`. Its own argument, as FineLaunch is: PrepareArgs stays as small as it is.
+struct GuardLaunch {
+  const float* fixed = nullptr;   // per tensor: the file's q, k, v [3]
+  float* scales = nullptr;        // per tensor: the guarded q, k, v [3]
+  FineArrays file;                // robust: the file's arrays
+  GuardCounts* counts = nullptr;  // the layer's counters; null: no guard
+};
+
+void launch_prepare(const PrepareArgs& a, bool fp8, int head_dim, cudaStream_t stream, const FineLaunch* fine = nullptr,
+                    const GuardLaunch* guard = nullptr);
 
 // The schedule step (schedule.cu): cu_in, the caller's [segments + 1] offsets in device memory, to
 // the arrays below. A valid layout is 0, then non-decreasing offsets up to max_tokens, then only

@@ -2,10 +2,11 @@
 // transposed layouts of layout.cuh, straight from the fused qkv output; for FP8 with scales from
 // the batch, first the statistics those scales need.
 //
-// Launches per layer: 1 (prepare) for BF16 and for static FP8 scales, per tensor or robust; 2 when
-// the scales come from the batch: per tensor, amax then prepare; the robust scheme (dynamic or
-// calibrate), fine statistics then prepare. Each statistics kernel's last CTA writes the scales (and
-// the layer's device ring, with the scale book's own functions) and clears its scratch, so repeated
+// Launches per layer: 1 (prepare) for BF16 and for static FP8 scales used as given; 2 when the
+// scales come from the batch or static ones are guarded (docs/fp8.md §Static guard): per tensor,
+// amax then prepare; the robust scheme, fine statistics then prepare. Each statistics kernel's last
+// CTA writes the scales (and the layer's device ring, or the guarded copy of the static scales and
+// the guard's counters, with the scale book's own functions) and clears its scratch, so repeated
 // launches need no host work and replay in a CUDA graph.
 #include <cuda_bf16.h>
 
@@ -193,10 +194,18 @@ __device__ __forceinline__ void rope_row_out(const PrepareArgs& a, int token, in
   for (int i = 0; i < kOutWords / 4; ++i) o[i] = make_uint4(out[4 * i], out[4 * i + 1], out[4 * i + 2], out[4 * i + 3]);
 }
 
-// ---- amax (dynamic FP8 only) ----------------------------------------------------------------------
+// ---- amax (dynamic FP8, and the static guard per tensor) -------------------------------------------
 
+// One forward's switches into a layer's guard counters: bit t of `raised` for tensor t (q, k, v).
+__device__ __forceinline__ void count_guard(GuardCounts* c, unsigned int raised) {
+  c->q += raised & 1u, c->k += (raised >> 1) & 1u, c->v += (raised >> 2) & 1u;
+}
+
+// The batch's amax of q (RoPE'd), k (RoPE'd) and v; the last CTA records them in the layer's ring,
+// or with the guard (g.counts) writes guarded_scale(file's, amax) per tensor as ScaleBook::record
+// does for a static book, and counts the tensors it switched.
 template <int kHeadDim>
-__global__ void __launch_bounds__(kThreads) qkv_amax_kernel(PrepareArgs a) {
+__global__ void __launch_bounds__(kThreads) qkv_amax_kernel(PrepareArgs a, GuardLaunch g) {
   __shared__ unsigned int block_max[3];
   __shared__ bool last;
   if (threadIdx.x < 3) block_max[threadIdx.x] = 0;
@@ -229,10 +238,18 @@ __global__ void __launch_bounds__(kThreads) qkv_amax_kernel(PrepareArgs a) {
   __syncthreads();
   if (last && threadIdx.x == 0) {
     __threadfence();
+    unsigned int raised = 0;
     for (int w = 0; w < 3; ++w) {
-      const unsigned int bits = atomicExch(&a.amax_scratch[w], 0u);
-      amax_history_record(a.dynamic->t[w], __uint_as_float(bits));
+      const float amax = __uint_as_float(atomicExch(&a.amax_scratch[w], 0u));  // NaN bits: a NaN amax
+      if (g.counts) {
+        const float s = guarded_scale(g.fixed[w], amax);
+        g.scales[w] = s;
+        raised |= unsigned(s != g.fixed[w]) << w;
+      } else {
+        amax_history_record(a.dynamic->t[w], amax);
+      }
     }
+    if (g.counts) count_guard(g.counts, raised);
     *a.amax_done = 0;
     __threadfence();
   }
@@ -284,6 +301,56 @@ __device__ __forceinline__ void pick_split_pairs_warp(const float* qa, const flo
   __syncwarp();
 }
 
+// The static guard's tail of fine_stats_kernel (robust scheme; ScaleBook::guard_fine on the device):
+// into `out`, the file's q_head, k_head and v_channel, each scale raised to the batch's own where the
+// batch passes its range (guarded_scale): a head's Q scale by the head's Q amax, its K scale by the
+// amax of K minus the file's mean (from K's extremes, as the history does), a V channel's by its
+// amax; a batch with a non-finite value keeps the file's arrays. Counts each tensor once, however
+// many heads or channels it raised; clears the scratch. A warp a head, as the other tail.
+template <int kHeadDim>
+__device__ __forceinline__ void guard_fine_tail(const PrepareArgs& a, const FineArrays& out, const FineScratch& f,
+                                                const GuardLaunch& g, bool keep) {
+  __shared__ unsigned int raised;  // bit t: tensor t (q, k, v) raised somewhere
+  if (threadIdx.x == 0) raised = 0u;
+  __syncthreads();
+  const int lane = threadIdx.x % 32;
+  for (int h = threadIdx.x / 32; h < a.heads; h += kStatThreads / 32) {
+    float q = 0.f, k = 0.f;
+    bool v_up = false;
+    for (int d = lane; d < kHeadDim; d += 32) {
+      const int cell = h * kHeadDim + d;
+      const float hi = from_ordered_bits(__ldcg(&f.k_max[cell])), lo = -from_ordered_bits(__ldcg(&f.k_neg_max[cell]));
+      q = fmaxf(q, __uint_as_float(__ldcg(&f.q_amax[cell])));
+      k = fmaxf(k, smoothed_amax(hi, lo, g.file.k_mean[cell]));
+      const float file_v = g.file.v_channel[cell];
+      const float v = keep ? guarded_scale(file_v, __uint_as_float(__ldcg(&f.v_amax[cell]))) : file_v;
+      out.v_channel[cell] = v;
+      v_up |= v != file_v;
+      f.k_max[cell] = f.k_neg_max[cell] = f.v_amax[cell] = f.q_amax[cell] = 0u;
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o /= 2) {
+      q = fmaxf(q, __shfl_xor_sync(0xffffffffu, q, o));
+      k = fmaxf(k, __shfl_xor_sync(0xffffffffu, k, o));
+    }
+    v_up = __any_sync(0xffffffffu, v_up);
+    if (lane == 0) {
+      const float file_q = g.file.q_head[h], file_k = g.file.k_head[h];
+      const float sq = keep ? guarded_scale(file_q, q) : file_q, sk = keep ? guarded_scale(file_k, k) : file_k;
+      out.q_head[h] = sq, out.k_head[h] = sk;
+      const unsigned int bits = unsigned(sq != file_q) | unsigned(sk != file_k) << 1 | unsigned(v_up) << 2;
+      if (bits) atomicOr(&raised, bits);
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    count_guard(g.counts, raised);
+    *f.done = 0u;
+    *f.bad = 0u;
+    __threadfence();
+  }
+}
+
 // The robust scheme's arrays for this batch. A thread holds one column pair (d, d + hd/2) of one
 // token row at a time (RoPE pairs those), so its per-channel state is a few registers; the CTA reduces
 // in shared memory, then into `f` with atomics (K's sum in double: its order then leaves the float
@@ -292,10 +359,11 @@ __device__ __forceinline__ void pick_split_pairs_warp(const float* qa, const flo
 // x -> fl(x - mean) is monotonic). Without a history (`ring` null) the scales are this batch's
 // amax / 448 (cpu::current_fine_scales); with one, each head's first CTA takes the rings' maxima
 // before this batch, and the last CTA records the batch and takes its scales as
-// ScaleBook::record_fine does, with the same helpers (scales.h).
-template <int kHeadDim>
+// ScaleBook::record_fine does, with the same helpers (scales.h). kGuard: the static guard instead
+// (guard_fine_tail; K's sum is not taken, the file's mean is used).
+template <int kHeadDim, bool kGuard = false>
 __global__ void __launch_bounds__(kStatThreads)
-    fine_stats_kernel(PrepareArgs a, FineArrays out, FineScratch f, FineRing ring) {
+    fine_stats_kernel(PrepareArgs a, FineArrays out, FineScratch f, FineRing ring, GuardLaunch g) {
   constexpr int kHalf = kHeadDim / 2, kRows = kStatThreads / kHalf;
   __shared__ double s_sum[kRows][kHeadDim];
   __shared__ float s_max[kRows][kHeadDim], s_min[kRows][kHeadDim], s_v[kRows][kHeadDim], s_q[kRows][kHeadDim];
@@ -339,7 +407,7 @@ __global__ void __launch_bounds__(kStatThreads)
 #pragma unroll
         for (int w = 0; w < 3; ++w) bad |= (__float_as_uint(x[w][e]) & 0x7F800000u) == 0x7F800000u;
         q_amax[e] = fmaxf(q_amax[e], fabsf(x[0][e]));
-        k_sum[e] += double(x[1][e]);
+        if constexpr (!kGuard) k_sum[e] += double(x[1][e]);
         k_max[e] = fmaxf(k_max[e], x[1][e]);
         k_min[e] = fminf(k_min[e], x[1][e]);
         v_amax[e] = fmaxf(v_amax[e], fabsf(x[2][e]));
@@ -363,7 +431,7 @@ __global__ void __launch_bounds__(kStatThreads)
       va = fmaxf(va, s_v[i][d]), qa = fmaxf(qa, s_q[i][d]);
     }
     const int cell = head * kHeadDim + d;
-    atomicAdd(&f.k_sum[cell], sum);
+    if constexpr (!kGuard) atomicAdd(&f.k_sum[cell], sum);
     atomicMax(&f.k_max[cell], ordered_bits(mx));
     atomicMax(&f.k_neg_max[cell], ordered_bits(-mn));
     atomicMax(&f.v_amax[cell], __float_as_uint(va));
@@ -376,6 +444,7 @@ __global__ void __launch_bounds__(kStatThreads)
   if (!last) return;
   __threadfence();
   const bool keep = __ldcg(f.bad) == 0u;  // a non-finite batch is not recorded (counted instead)
+  if constexpr (kGuard) return guard_fine_tail<kHeadDim>(a, out, f, g, keep);
   const bool hist = ring.counts != nullptr;
   const int cells = a.heads * kHeadDim, slot = hist ? ring.counts->pos : 0, pick = keep ? 0 : 1;
   // A warp a head, its lanes over the channels (H x hd cells in all; a thread a head was bound by
@@ -555,18 +624,26 @@ __global__ void __launch_bounds__(kThreads) prepare_kernel(PrepareArgs a, FineAr
   }
 }
 
+// The statistics pass (robust: fine_stats_kernel, per tensor: qkv_amax_kernel) where the scales come
+// from the batch or static ones are guarded, then the prepare kernel.
 template <int kHeadDim>
-void launch_for_head_dim(const PrepareArgs& a, bool fp8, cudaStream_t stream, const FineLaunch* fine) {
-  if (fp8 && fine && fine->current) {
+void launch_for_head_dim(const PrepareArgs& a, bool fp8, cudaStream_t stream, const FineLaunch* fine,
+                         const GuardLaunch* guard) {
+  const GuardLaunch g = guard ? *guard : GuardLaunch{};
+  if (fp8 && fine && (fine->current || g.counts)) {
     const int rows = kStatThreads / (kHeadDim / 2);
     const int blocks_x = int(std::min<int64_t>((a.total_tokens + rows - 1) / rows, 2048 / std::max(1, a.heads) + 1));
-    fine_stats_kernel<kHeadDim>
-        <<<dim3(blocks_x, a.heads), kStatThreads, 0, stream>>>(a, fine->arrays, fine->scratch, fine->ring);
+    const dim3 grid(blocks_x, a.heads);
+    if (g.counts)
+      fine_stats_kernel<kHeadDim, true>
+          <<<grid, kStatThreads, 0, stream>>>(a, fine->arrays, fine->scratch, FineRing{}, g);
+    else
+      fine_stats_kernel<kHeadDim><<<grid, kStatThreads, 0, stream>>>(a, fine->arrays, fine->scratch, fine->ring, g);
     FOVEA_CUDA_CHECK(cudaGetLastError());
-  } else if (fp8 && a.dynamic) {
+  } else if (fp8 && (a.dynamic || g.counts)) {
     const int blocks_x =
         int(std::min<int64_t>((a.total_tokens + kThreads - 1) / kThreads, 1024 / std::max(1, a.heads) + 1));
-    qkv_amax_kernel<kHeadDim><<<dim3(blocks_x, a.heads), kThreads, 0, stream>>>(a);
+    qkv_amax_kernel<kHeadDim><<<dim3(blocks_x, a.heads), kThreads, 0, stream>>>(a, g);
     FOVEA_CUDA_CHECK(cudaGetLastError());
   }
   if (a.n_pad / kThreads > 65535)
@@ -583,8 +660,9 @@ void launch_for_head_dim(const PrepareArgs& a, bool fp8, cudaStream_t stream, co
 
 }  // namespace
 
-void launch_prepare(const PrepareArgs& a, bool fp8, int head_dim, cudaStream_t stream, const FineLaunch* fine) {
-  dispatch_head_dim(head_dim, [&](auto hd) { launch_for_head_dim<decltype(hd)::value>(a, fp8, stream, fine); });
+void launch_prepare(const PrepareArgs& a, bool fp8, int head_dim, cudaStream_t stream, const FineLaunch* fine,
+                    const GuardLaunch* guard) {
+  dispatch_head_dim(head_dim, [&](auto hd) { launch_for_head_dim<decltype(hd)::value>(a, fp8, stream, fine, guard); });
 }
 
 }  // namespace fovea::cuda

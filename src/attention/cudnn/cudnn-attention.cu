@@ -263,7 +263,7 @@ class CudnnAttention final : public Attention {
 
   void prepare(const void* qkv, int64_t qkv_token_stride, const float* rope_cos, const float* rope_sin,
                const DeviceScales& scales, cudaStream_t stream) override {
-    (void)scales;  // BF16 only
+    (void)scales;  // BF16 only (FP8 is refused at construction): no scales, so nothing to guard
     if (!planned_) fail_cat("CUDNN attention: prepare() before plan()");
     if (!qkv) fail_cat("CUDNN attention: qkv is null");
     const int64_t H = shape_.heads, hd = shape_.head_dim;
