@@ -63,7 +63,9 @@ namespace cuda {
 struct EncoderOptions {
   AttnDtype dtype = AttnDtype::BF16;  // BF16 or FP8 attention
   // FP8 only: the scale book; DYNAMIC and CALIBRATE keep their rings in device memory (copied back
-  // to the book after each forward only when calibrating), STATIC uploads its scales once.
+  // to the book after each forward only when calibrating), STATIC uploads its scales once and keeps
+  // the static guard's counts on the device (docs/fp8.md §Static guard), copied back into the book
+  // with every download's outputs.
   ScaleBook* scales = nullptr;
   // The blocks' qkv, proj, fc1 and fc2 as FP8 GEMMs (E4M3, per-token activation and per-channel
   // weight scales, fp32 accumulation; docs/fp8.md §FP8 linears). fovea's own option, off by default.
@@ -116,7 +118,7 @@ class Encoder {
   // merged tokens and segments), zero-fills the rows past the batch, and forward() replays the graph.
   int capture_graphs(cudaStream_t stream);
   GraphCounts graph_counts() const;
-  // Copies the device rings and scales into the scale book (dynamic and calibrate modes; syncs). The
+  // Copies the device rings and scales (static: the guard's counts) into the scale book (syncs). The
   // calibration step after a forward (ScaleBook::after_forward) is the caller's: EncoderRunner's.
   void sync_scales(cudaStream_t stream);
   // Enqueues the copy of the outputs (merged, then each deepstack output if asked for, each

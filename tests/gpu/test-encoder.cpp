@@ -13,7 +13,9 @@
 #include "fovea/bf16.h"
 #include "fovea/cuda-support.h"
 #include "fovea/encoder.h"
+#include "fovea/engine.h"
 #include "fovea/image.h"
+#include "fovea/pipeline.h"
 #include "fovea/random.h"
 #include "fovea/scales.h"
 #include "test-util.h"
@@ -321,6 +323,110 @@ TEST(EncoderGpu, BudgetGraphsEqualEagerOverMixedBatches) {
             EXPECT_NEAR(graph_book.scales(l)[t], eager_book.scales(l)[t], 0.02 * eager_book.scales(l)[t])
                 << c.name << " layer " << l;
     }
+  }
+}
+
+// The static guard on the GPU (docs/fp8.md §Static guard), as the CPU's StaticGuardNeverClips: static
+// per-tensor scales far below the batch's range are each raised to the batch's own amax / 448, what
+// dynamic scaling's first forward uses: the same bits, eagerly and replayed from a budget's CUDA graph
+// (dynamic run the same way). Every layer's q, k and v is counted once a forward, in the book through
+// each download (a capture counts nothing); the book's scales stay the file's. Scales far above the
+// range are used as given, uncounted.
+TEST(EncoderGpu, StaticGuardNeverClips) {
+  const Model m = two_block_8b();
+  const int L = m.config.depth;
+  const std::vector<float> px = random_pixels(patches(kGrids));
+  GraphBudgets budgets;
+  budgets.tokens = {256};
+  budgets.max_items = 8;
+  for (const bool graphs : {false, true}) {
+    const char* how = graphs ? "graph" : "eager";
+    // `forwards` forwards of kGrids; the last one's outputs, and the book's counts after each.
+    auto run = [&](ScaleBook& book, int forwards, std::vector<GuardCounts>& counts) {
+      qwen3vl::cuda::EncoderOptions o{AttnDtype::FP8, &book};
+      if (graphs) o.graphs = budgets;
+      qwen3vl::cuda::Encoder enc(m, o);
+      fovea::cuda::Stream s;
+      if (graphs) {
+        EXPECT_EQ(enc.capture_graphs(s), 1) << how;
+      }
+      EXPECT_EQ(book.guarded(), GuardCounts{}) << how << ": a capture runs nothing";
+      std::vector<std::vector<uint16_t>> out;
+      for (int f = 0; f < forwards; ++f) {
+        enc.plan(kGrids, s);
+        enc.upload_pixels(px, s);
+        enc.forward(s);
+        enc.outputs_bf16(true, out, s);
+        counts.push_back(book.guarded());
+      }
+      EXPECT_EQ(enc.graph_counts().replays, graphs ? forwards : 0) << how;
+      return out;
+    };
+    std::vector<GuardCounts> counts;
+    ScaleBook dynamic = ScaleBook::dynamic(L);
+    const auto first = run(dynamic, 1, counts);
+    ScaleBook tiny = ScaleBook::fixed(std::vector<QkvScales>(size_t(L), QkvScales{1e-9f, 1e-9f, 1e-9f}));
+    counts.clear();
+    const auto guarded = run(tiny, 2, counts);
+    ASSERT_EQ(guarded.size(), first.size()) << how;
+    for (size_t k = 0; k < first.size(); ++k)
+      EXPECT_EQ(guarded[k], first[k]) << how << " output " << k << ": every tensor at the batch's own scale";
+    const uint64_t l = uint64_t(L);
+    EXPECT_EQ(counts, (std::vector<GuardCounts>{{l, l, l}, {2 * l, 2 * l, 2 * l}})) << how;
+    for (int i = 0; i < L; ++i) EXPECT_EQ(tiny.scales(i), (QkvScales{1e-9f, 1e-9f, 1e-9f})) << "the file's stay";
+    ScaleBook large = ScaleBook::fixed(std::vector<QkvScales>(size_t(L), QkvScales{1e3f, 1e3f, 1e3f}));
+    counts.clear();
+    run(large, 1, counts);
+    EXPECT_EQ(large.guarded(), GuardCounts{}) << how;
+  }
+}
+
+// The robust scheme's guard on the GPU, as the CPU's: one calibrating forward (robust dynamic, the
+// batch's own K mean and split pairs, which the history keeps), then its arrays with every scale at
+// 1e-9, far below the batch's range: each head's Q and K scale and each V channel's is raised to the
+// batch's amax / 448, what the calibrating forward used: the same bits, every tensor counted.
+TEST(EncoderGpu, StaticRobustGuardNeverClips) {
+  const Model m = two_block_8b();
+  const int L = m.config.depth, H = m.config.heads, hd = m.config.head_dim();
+  const std::vector<float> px = random_pixels(patches(kGrids));
+  ScaleBook cal = ScaleBook::calibrating(L, "unused.json", 1.0f);
+  const Fp8Plan dyn_plan = Fp8Plan::robust_dynamic(ScaleMode::CALIBRATE, L);
+  qwen3vl::cuda::EncoderOptions o{AttnDtype::FP8, &cal};
+  o.fp8_plan = &dyn_plan;
+  const auto first = encode_once(m, o, px, true);  // its download brings the histories back
+  std::vector<FineScales> own = cal.calibrated_fine(1.0f);
+  for (FineScales& f : own)
+    for (auto* a : {&f.q_head, &f.k_head, &f.v_channel}) a->assign(a->size(), 1e-9f);
+  ScaleBook book = ScaleBook::fixed(std::vector<QkvScales>(size_t(L)));
+  const Fp8Plan own_plan = Fp8Plan::robust_static(own, H, hd);
+  o.scales = &book, o.fp8_plan = &own_plan;
+  EXPECT_EQ(encode_once(m, o, px, true), first);
+  const uint64_t l = uint64_t(L);
+  EXPECT_EQ(book.guarded(), (GuardCounts{l, l, l}));
+  EXPECT_FALSE(cal.calibration_written()) << "one forward of 16";
+}
+
+// EncoderRunner on the GPU: static_guarded() reports the device's counts as of each finished batch
+// (what /metrics and encode's line read), from a scale file the inputs pass.
+TEST(EncoderGpu, RunnerReportsTheStaticGuard) {
+  const Model m = two_block_8b();
+  const int L = m.config.depth;
+  const TempDir dir;
+  const std::string path = dir.file("low.json");
+  write_scale_file(path, std::vector<QkvScales>(size_t(L), QkvScales{1e-9f, 1e-9f, 1e-9f}));
+  EngineOptions eo;
+  eo.device = "cuda";
+  eo.dtype = "fp8";
+  eo.scale_path = path;
+  EncoderRunner runner(m, resolve_engine(eo, query_system()));
+  EXPECT_EQ(runner.static_guarded(), GuardCounts{});
+  Batch b;
+  b.pixels = random_pixels(patches(kGrids));
+  b.grids = kGrids;
+  for (uint64_t f = 1; f <= 2; ++f) {
+    const EncoderOutputs out = runner.run(b, false);
+    for (float x : out.merged) ASSERT_TRUE(std::isfinite(x));
+    EXPECT_EQ(runner.static_guarded(), (GuardCounts{f * L, f * L, f * L})) << "after forward " << f;
   }
 }
 

@@ -61,7 +61,8 @@ void Encoder::reserve(int64_t patches, bool with_deepstack, int batches) {
   const size_t raw = size_t(patches) * m.cfg.patch_dim() / m.cfg.temporal_patch;
   const size_t outputs = 1 + (with_deepstack ? m.cfg.deepstack.size() : 0);
   const size_t rings = m.amax ? sizeof(LayerAmax) * size_t(m.cfg.depth) : 0;
-  const size_t out_bytes = m.fine_history_bytes() + size_t(patches / 4) * m.cfg.out_hidden * 2 * outputs + rings;
+  const size_t out_bytes =
+      m.fine_history_bytes() + m.guard_bytes() + size_t(patches / 4) * m.cfg.out_hidden * 2 * outputs + rings;
   for (int k = 0; k < std::clamp(batches, 0, 2); ++k) {  // the slots the next batches take, in order
     const int px = (m.next_pixels + k) % 2;
     if (!(m.staged && m.staged_slot == px)) m.pixels_in[px].reserve(raw);
@@ -209,7 +210,8 @@ int64_t Encoder::download(bool with_deepstack, cudaStream_t stream) {
   o.amax = m.amax != nullptr;
   const size_t rings = o.amax ? sizeof(LayerAmax) * size_t(m.cfg.depth) : 0, hist = m.fine_history_bytes();
   o.fine = hist > 0;
-  uint8_t* h = o.mem.take(o.count * 2 * o.outputs + rings + hist);
+  o.guard = m.guard != nullptr;
+  uint8_t* h = o.mem.take(o.count * 2 * o.outputs + rings + hist + m.guard_bytes());
   for (size_t k = 0; k < from.size(); ++k)
     FOVEA_CUDA_CHECK(cudaMemcpyAsync(h + k * o.count * 2, from[k], o.count * 2, cudaMemcpyDeviceToHost, stream));
   if (rings)
@@ -221,14 +223,17 @@ int64_t Encoder::download(bool with_deepstack, cudaStream_t stream) {
       at += fh.bytes();
     }
   }
+  if (o.guard)
+    FOVEA_CUDA_CHECK(cudaMemcpyAsync(h + o.count * 2 * o.outputs + rings + hist, m.guard, m.guard_bytes(),
+                                     cudaMemcpyDeviceToHost, stream));
   o.mem.release(stream);
   o.ticket = ticket;
   m.next_ticket += 1;
   return ticket;
 }
 
-// Waits for download `ticket`; its outputs' views in the pinned slot. The FP8 rings copied with the
-// outputs go to the scale book.
+// Waits for download `ticket`; its outputs' views in the pinned slot. The FP8 rings (and the static
+// guard's counts) copied with the outputs go to the scale book.
 std::vector<std::span<const uint16_t>> Encoder::Impl::collect_views(int64_t ticket) {
   OutSlot& o = out[ticket % 2];
   if (ticket < 0 || o.ticket != ticket) fail_cat("encoder: download ", ticket, " is not waiting to be collected");
@@ -247,7 +252,19 @@ std::vector<std::span<const uint16_t>> Encoder::Impl::collect_views(int64_t tick
     auto& state = opt.scales->fine_state();
     for (size_t l = 0; l < fine_hist.size(); bytes += fine_hist[l].bytes(), ++l) fine_hist[l].unpack(bytes, state[l]);
   }
+  if (o.guard) take_guard_counts(bytes);
   return views;
+}
+
+// The device's counts are running totals from the book's: the book takes each layer's larger, so a
+// download collected after a later one (or sync_scales) never moves a count back.
+void Encoder::Impl::take_guard_counts(const void* host) {
+  std::vector<GuardCounts> counts(size_t(cfg.depth));
+  std::memcpy(counts.data(), host, guard_bytes());
+  for (int l = 0; l < cfg.depth; ++l) {
+    const GuardCounts had = opt.scales->guarded(l), now = counts[size_t(l)];
+    opt.scales->set_guarded(l, {std::max(had.q, now.q), std::max(had.k, now.k), std::max(had.v, now.v)});
+  }
 }
 
 // collect_views(), then one vector per output filled on every core: bf16 bits as they are, or

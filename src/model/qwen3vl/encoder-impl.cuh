@@ -29,6 +29,7 @@ struct Encoder::Impl {
   std::unique_ptr<fovea::cuda::Attention> attn;  // FOVEA or CUDNN
   LayerAmax* amax = nullptr;                     // FP8 dynamic / calibrate: [depth] rings on the device
   float* fixed = nullptr;                        // FP8 static: [depth][3]
+  GuardCounts* guard = nullptr;                  // FP8 static: [depth] the static guard's running counts
   Fp8Plan plan;                                  // FP8: each layer's scheme
   // The robust scheme: ROBUST_STATIC layers' arrays [depth] (the others' null), and the one set every
   // ROBUST_DYNAMIC layer refills from its batch and its history on the device (the book's, copied back
@@ -81,6 +82,7 @@ struct Encoder::Impl {
     size_t count = 0, outputs = 0;  // values per output, outputs copied
     bool amax = false;              // the FP8 rings follow the outputs
     bool fine = false;              // and, calibrating the robust scheme, its histories
+    bool guard = false;             // and, static, the guard's counts
     int64_t ticket = -1;            // the download it holds until collected; -1: free
   } out[2];
   int64_t next_ticket = 0;
@@ -94,6 +96,10 @@ struct Encoder::Impl {
     if (fine_hist.empty() || opt.scales->mode() != ScaleMode::CALIBRATE) return 0;
     return fine_hist.size() * fine_hist[0].bytes();
   }
+  // Bytes of the static guard's counts that follow them (static scales only), and those counts, copied
+  // back, into the scale book.
+  size_t guard_bytes() const { return guard ? sizeof(GuardCounts) * size_t(cfg.depth) : 0; }
+  void take_guard_counts(const void* host);
   // The forward's steps (forward-cuda.cu).
   // LayerNorm into bf16 `out`, or with `out_scale` into E4M3 codes and per-row scales (FP8 linears).
   void layernorm(const bf16* in, void* out, const DevNorm& nrm, int64_t rows, cudaStream_t s,

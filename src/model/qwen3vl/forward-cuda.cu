@@ -34,8 +34,9 @@ Encoder::~Encoder() = default;  // Impl frees every device allocation
 
 int64_t Encoder::tokens() const { return impl_->n; }
 
-// The FP8 attention's scales on the device, for the plan's schemes: static q/k/v uploaded, the
-// book's amax rings, the file's robust arrays, or the arrays and histories of the dynamic robust scheme.
+// The FP8 attention's scales on the device, for the plan's schemes: static q/k/v uploaded (and the
+// static guard's counts, from the book's), the book's amax rings, the file's robust arrays, or the
+// arrays and histories of the dynamic robust scheme.
 void Encoder::Impl::init_scales() {
   if (!opt.scales) fail_cat("encoder: FP8 attention needs a scale book with ", cfg.depth, " layers");
   plan = opt.fp8_plan ? *opt.fp8_plan : Fp8Plan::tensor(opt.scales->mode(), cfg.depth);
@@ -65,6 +66,10 @@ void Encoder::Impl::init_scales() {
     for (int l = 0; l < cfg.depth; ++l)
       for (int t = 0; t < 3; ++t) f.push_back(opt.scales->scales(l)[t]);
     fixed = upload_f32(f, owned);
+    std::vector<GuardCounts> counts;  // running totals from the book's (EncoderRunner's book outlives encoders)
+    for (int l = 0; l < cfg.depth; ++l) counts.push_back(opt.scales->guarded(l));
+    guard = alloc_in<GuardCounts>(owned, counts.size());
+    FOVEA_CUDA_CHECK(cudaMemcpy(guard, counts.data(), guard_bytes(), cudaMemcpyHostToDevice));
   }
   if (plan.any(LayerScheme::TENSOR_DYNAMIC)) {
     amax = alloc_in<LayerAmax>(owned, size_t(cfg.depth));
@@ -85,9 +90,9 @@ void Encoder::Impl::init_scales() {
 fovea::cuda::DeviceScales Encoder::Impl::layer_scales(int l) const {
   if (opt.dtype != AttnDtype::FP8) return {};
   switch (plan.at(l)) {
-    case LayerScheme::TENSOR_STATIC: return fovea::cuda::tensor_static_scales(fixed + 3 * l);
+    case LayerScheme::TENSOR_STATIC: return fovea::cuda::tensor_static_scales(fixed + 3 * l, guard + l);
     case LayerScheme::TENSOR_DYNAMIC: return fovea::cuda::tensor_dynamic_scales(amax + l);
-    case LayerScheme::ROBUST_STATIC: return fovea::cuda::robust_static_scales(fine_static[size_t(l)]);
+    case LayerScheme::ROBUST_STATIC: return fovea::cuda::robust_static_scales(fine_static[size_t(l)], guard + l);
     case LayerScheme::ROBUST_DYNAMIC:
       return fovea::cuda::robust_dynamic_scales(fine_batch, fine_hist[size_t(l)].ring());
   }
@@ -266,6 +271,12 @@ void Encoder::sync_scales(cudaStream_t stream) {
     FOVEA_CUDA_CHECK(cudaStreamSynchronize(stream));
     auto& state = m.opt.scales->fine_state();
     for (size_t l = 0; l < m.fine_hist.size(); ++l) m.fine_hist[l].download(state[l]);
+  }
+  if (m.guard) {
+    std::vector<GuardCounts> counts(size_t(m.cfg.depth));
+    FOVEA_CUDA_CHECK(cudaMemcpyAsync(counts.data(), m.guard, m.guard_bytes(), cudaMemcpyDeviceToHost, stream));
+    FOVEA_CUDA_CHECK(cudaStreamSynchronize(stream));
+    m.take_guard_counts(counts.data());
   }
   if (!m.amax) return;
   auto& state = m.opt.scales->amax_state();
