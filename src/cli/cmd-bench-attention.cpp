@@ -316,10 +316,14 @@ std::vector<double> head0_reference(const Bench& b, const std::vector<float>& ro
 }
 
 // The FP8 rows' scales in device memory. Static ones are current scaling of these inputs over all
-// heads (what calibration with margin 1 would give); dynamic ones start fresh and record on the device.
+// heads (what calibration with margin 1 would give), used as given (the C ABI's static path: "prep
+// ms") or guarded as the encoder runs them ("prep guard ms", docs/fp8.md §Static guard: these inputs
+// stay in their range, so the guard's pass runs and switches nothing); dynamic ones start fresh and
+// record on the device.
 struct BenchScales {
-  cuda::DeviceBuffer<float> fixed;     // per tensor, static: q, k, v
-  cuda::DeviceBuffer<LayerAmax> amax;  // per tensor, dynamic
+  cuda::DeviceBuffer<float> fixed;        // per tensor, static: q, k, v
+  cuda::DeviceBuffer<LayerAmax> amax;     // per tensor, dynamic
+  cuda::DeviceBuffer<GuardCounts> guard;  // static, guarded: the guard's counts
   // The robust scheme's arrays (k_mean, q_head, k_head, v_channel), two sets: 0 static, 1 the one
   // the dynamic runs fill.
   std::vector<cuda::DeviceBuffer<float>> fine;
@@ -331,8 +335,9 @@ struct BenchScales {
                             fine[size_t(4 * set + 2)].data(), fine[size_t(4 * set + 3)].data(),
                             split[size_t(set)].data()};
   }
-  cuda::DeviceScales static_scales(bool robust) const {
-    return robust ? cuda::robust_static_scales(fine_arrays(0)) : cuda::tensor_static_scales(fixed.data());
+  cuda::DeviceScales static_scales(bool robust, bool guarded = false) const {
+    GuardCounts* g = guarded ? guard.data() : nullptr;
+    return robust ? cuda::robust_static_scales(fine_arrays(0), g) : cuda::tensor_static_scales(fixed.data(), g);
   }
   cuda::DeviceScales dynamic_scales(bool robust) const {
     return robust ? cuda::robust_dynamic_scales(fine_arrays(1), history.ring())
@@ -349,6 +354,7 @@ BenchScales make_scales(const Bench& b, const std::vector<float>& rot) {
   for (auto& t : fresh.t) amax_history_reset(t);
   BenchScales sc{upload(std::vector<float>{st_all.q, st_all.k, st_all.v}),
                  upload(std::vector<LayerAmax>{fresh}),
+                 upload(std::vector<GuardCounts>(1)),
                  {},
                  cuda::DeviceFineHistory{FineHistory(int(H), int(hd))},
                  {}};
@@ -405,14 +411,16 @@ void prepare(const CudaBench& c, cuda::Attention& attn, const cuda::DeviceScales
 }
 
 struct CudaTimes {
-  double prep_ms, prep_dyn_ms, attn_ms;  // medians
+  double prep_ms, prep_guard_ms, prep_dyn_ms, attn_ms;  // medians
 };
 
+// The prepare step with static scales as given, guarded and dynamic (FP8; BF16 has one), and attend.
 CudaTimes time_row(const CudaBench& c, cuda::Attention& attn, const cuda::DeviceScales& st,
-                   const cuda::DeviceScales& dyn, bool fp8) {
+                   const cuda::DeviceScales& guarded, const cuda::DeviceScales& dyn, bool fp8) {
   const Args& a = c.b.a;
   CudaTimes t{};
   t.prep_ms = cuda::median_ms([&] { prepare(c, attn, st); }, a.warmup, a.reps);
+  t.prep_guard_ms = fp8 ? cuda::median_ms([&] { prepare(c, attn, guarded); }, a.warmup, a.reps) : t.prep_ms;
   t.prep_dyn_ms = fp8 ? cuda::median_ms([&] { prepare(c, attn, dyn); }, a.warmup, a.reps) : t.prep_ms;
   prepare(c, attn, st);
   t.attn_ms = cuda::median_ms([&] { attn.attend(c.in.out.data(), nullptr); }, a.warmup, a.reps);
@@ -445,14 +453,15 @@ nlohmann::ordered_json report_row(const CudaBench& c, const CudaRun& run, const 
   const double tflops = c.b.shape.flops() / (t.attn_ms * 1e-3) / 1e12;
   const std::string rel = check ? fmt::format("{:.3e}", e.rel_l2) : "-",
                     mx = check ? fmt::format("{:.3e}", e.max_abs) : "-";
-  fmt::print("{:<6} | {:>9.4f} | {:>8.1f} | {:>12.4f} | {:>13.4f} | {:>10.4f} | {:>10} | {:>10}\n", label, t.attn_ms,
-             tflops, t.prep_ms, t.prep_dyn_ms, t.attn_ms + t.prep_ms, rel, mx);
+  fmt::print("{:<6} | {:>9.4f} | {:>8.1f} | {:>12.4f} | {:>13.4f} | {:>13.4f} | {:>10.4f} | {:>10} | {:>10}\n", label,
+             t.attn_ms, tflops, t.prep_ms, t.prep_guard_ms, t.prep_dyn_ms, t.attn_ms + t.prep_ms, rel, mx);
   nlohmann::ordered_json entry = {{"dtype", dtype_name(d)},
                                   {"backend", backend_name(run.backend)},
                                   {"attn_ms", t.attn_ms},
                                   {"fp8_scheme", fp8 ? (run.robust ? "robust" : "tensor") : "-"},
                                   {"tflops", tflops},
                                   {"prepare_ms", t.prep_ms},
+                                  {"prepare_guard_ms", t.prep_guard_ms},
                                   {"prepare_dynamic_ms", t.prep_dyn_ms},
                                   {"total_ms", t.attn_ms + t.prep_ms}};
   entry["rel_l2"] = num(check ? e.rel_l2 : NAN);  // null when not checked
@@ -465,7 +474,8 @@ nlohmann::ordered_json cuda_row(const CudaBench& c, const CudaRun& run) {
   const std::unique_ptr<cuda::Attention> attn = make_attention(run, c.b.shape.heads, c.b.shape.head_dim);
   attn->plan(c.b.shape.cu_seqlens);
   const cuda::DeviceScales st = c.scales.static_scales(run.robust), dyn = c.scales.dynamic_scales(run.robust);
-  const CudaTimes t = time_row(c, *attn, st, dyn, run.dtype == AttnDtype::FP8);
+  const cuda::DeviceScales guarded = c.scales.static_scales(run.robust, true);
+  const CudaTimes t = time_row(c, *attn, st, guarded, dyn, run.dtype == AttnDtype::FP8);
   return report_row(c, run, t, verify_row(c, *attn, st));
 }
 
@@ -491,8 +501,8 @@ int run_bench_cuda(const Bench& b) {
       "fovea bench attention | device cuda ({}) | backend FOVEA | seqlens {} ({} segments, {} tokens) | heads {} | "
       "head_dim {} | dist {} | seed {} | median of {}\n",
       gpu.name, a.seqlens, b.shape.num_segments(), N, H, hd, a.dist, a.seed, a.reps);
-  fmt::print("{:<6} | {:>9} | {:>8} | {:>12} | {:>13} | {:>10} | {:>10} | {:>10}\n", "dtype", "attn ms", "TFLOP/s",
-             "prep ms", "prep dyn ms", "total ms", "rel_l2", "max_abs");
+  fmt::print("{:<6} | {:>9} | {:>8} | {:>12} | {:>13} | {:>13} | {:>10} | {:>10} | {:>10}\n", "dtype", "attn ms",
+             "TFLOP/s", "prep ms", "prep guard ms", "prep dyn ms", "total ms", "rel_l2", "max_abs");
   const CudaBench c{b, in, scales, check, ref};
   nlohmann::ordered_json results = nlohmann::ordered_json::array();
   for (const CudaRun& run : cuda_runs(b, backends)) results.push_back(cuda_row(c, run));
