@@ -15,6 +15,7 @@ A binary named "before" is run with the planner's choice only (a build without t
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -49,11 +50,10 @@ def parse_variant(spec):
 
 
 def cell(values):
-    got = sorted(v for v in values if v is not None)
+    got = [v for v in values if v is not None]
     if not got:
         return "-"
-    mid = got[len(got) // 2] if len(got) % 2 else (got[len(got) // 2 - 1] + got[len(got) // 2]) / 2
-    return f"{mid:.0f}" + (f" ({got[0]:.0f}-{got[-1]:.0f})" if len(got) > 1 else "")
+    return f"{statistics.median(got):.0f}" + (f" ({min(got):.0f}-{max(got):.0f})" if len(got) > 1 else "")
 
 
 def main():
