@@ -58,6 +58,13 @@ namespace {
 //   FOVEA_FLASH_SERIAL3       FP8 with 3 consumer warpgroups: PV, its fold, then S, with no overlap
 //                             inside a warpgroup (the other two warpgroups hide its softmax), so S,
 //                             P and both accumulators fit in 160 registers without spilling.
+//   FOVEA_FLASH_ROWMAX_CHAINS independent max chains per row in the softmax (1, 2 or 4): the row
+//                             max's FMNMX chain is the kernel's second stall; more chains shorten
+//                             it with the same instruction count.
+#ifndef FOVEA_FLASH_ROWMAX_CHAINS
+#define FOVEA_FLASH_ROWMAX_CHAINS 1
+#endif
+static_assert(FOVEA_FLASH_ROWMAX_CHAINS == 1 || FOVEA_FLASH_ROWMAX_CHAINS == 2 || FOVEA_FLASH_ROWMAX_CHAINS == 4);
 #ifndef FOVEA_FLASH_PINGPONG_FP8
 #define FOVEA_FLASH_PINGPONG_FP8 0
 #endif
@@ -261,9 +268,16 @@ __global__ void __launch_bounds__(FlashCfg<kFp8, kHeadDim, kConsumerWgs>::kThrea
   auto softmax = [&] {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {  // rows g and g + 8 of this warp's 16
-      float mx = -INFINITY;
+      constexpr int kChains = FOVEA_FLASH_ROWMAX_CHAINS;
+      float part[kChains];
 #pragma unroll
-      for (int j = 0; j < 16; ++j) mx = fmaxf(mx, fmaxf(sacc[4 * j + 2 * r], sacc[4 * j + 2 * r + 1]));
+      for (int c = 0; c < kChains; ++c) part[c] = -INFINITY;
+#pragma unroll
+      for (int j = 0; j < 16; ++j)
+        part[j % kChains] = fmaxf(part[j % kChains], fmaxf(sacc[4 * j + 2 * r], sacc[4 * j + 2 * r + 1]));
+#pragma unroll
+      for (int c = 1; c < kChains; ++c) part[0] = fmaxf(part[0], part[c]);
+      float mx = part[0];
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
       const float m_new = fmaxf(row_max[r], mx * qk_scale);
