@@ -86,7 +86,7 @@ TEST(CApi, CpuMatchesTheReferenceBitForBit) {
         << last();
     const float fixed[3] = {0.004f, 0.005f, 0.006f};
     const fovea_attn_scales sc{dtype == FOVEA_ATTN_FP8 ? FOVEA_ATTN_SCALES_STATIC : FOVEA_ATTN_SCALES_NONE, fixed,
-                               nullptr, nullptr};
+                               nullptr, nullptr, nullptr};
     fovea_attn_view q = b.view(0), k = b.view(1), v = b.view(2);
     ASSERT_EQ(fovea_attn_prepare(h.h, &q, &k, &v, &sc, 0.0f, nullptr), FOVEA_ATTN_OK) << last();
     std::vector<uint16_t> out(size_t(b.shape.total_tokens() * b.row()), 0x7FC0);  // NaN
@@ -133,7 +133,7 @@ TEST(CApi, HostileCallsFailWithMessages) {
   EXPECT_EQ(fovea_attn_prepare(hh.h, &null_v, &k, &v, nullptr, 0, nullptr), FOVEA_ATTN_INVALID);
   EXPECT_EQ(fovea_attn_prepare(hh.h, &overlap, &k, &v, nullptr, 0, nullptr), FOVEA_ATTN_INVALID);
   EXPECT_NE(last().find("overlap"), std::string::npos) << last();
-  const fovea_attn_scales dyn{FOVEA_ATTN_SCALES_DYNAMIC, nullptr, nullptr, nullptr};
+  const fovea_attn_scales dyn{FOVEA_ATTN_SCALES_DYNAMIC, nullptr, nullptr, nullptr, nullptr};
   EXPECT_EQ(fovea_attn_prepare(hh.h, &q, &k, &v, &dyn, 0, nullptr), FOVEA_ATTN_INVALID);
   EXPECT_EQ(fovea_attn_prepare(hh.h, &q, &k, &v, nullptr, 0.3f, nullptr), FOVEA_ATTN_UNSUPPORTED);
   EXPECT_EQ(fovea_attn_prepare_fused(hh.h, b.bits.data(), 5, nullptr, nullptr, nullptr, nullptr), FOVEA_ATTN_INVALID);
@@ -259,7 +259,7 @@ TEST(CApi, CorruptDynamicStateIsRefusedAndNotWritten) {
       GuardedState g;
       bad.corrupt(g.st.t[bad.tensor]);
       const fovea_attn_amax_state before = g.st;
-      const fovea_attn_scales sc{FOVEA_ATTN_SCALES_DYNAMIC, nullptr, &g.st, nullptr};
+      const fovea_attn_scales sc{FOVEA_ATTN_SCALES_DYNAMIC, nullptr, &g.st, nullptr, nullptr};
       EXPECT_EQ(f.prepare(sc, fused), FOVEA_ATTN_INVALID);
       EXPECT_NE(last().find(bad.message), std::string::npos) << last();
       EXPECT_EQ(std::memcmp(&before, &g.st, sizeof before), 0) << "a refused state is left as it was";
@@ -271,7 +271,7 @@ TEST(CApi, CorruptDynamicStateIsRefusedAndNotWritten) {
   // What fovea's forwards leave is accepted: a wrapped ring goes on at any position.
   GuardedState g;
   for (auto& t : g.st.t) t.filled = 16, t.pos = 5, t.updates = UINT32_MAX, t.nonfinite = UINT32_MAX, t.scale = NAN;
-  const fovea_attn_scales sc{FOVEA_ATTN_SCALES_DYNAMIC, nullptr, &g.st, nullptr};
+  const fovea_attn_scales sc{FOVEA_ATTN_SCALES_DYNAMIC, nullptr, &g.st, nullptr, nullptr};
   ASSERT_EQ(f.prepare(sc, false), FOVEA_ATTN_OK) << last();
   EXPECT_TRUE(g.guards_intact());
   for (const auto& t : g.st.t) {
@@ -284,12 +284,12 @@ TEST(CApi, CorruptDynamicStateIsRefusedAndNotWritten) {
 TEST(CApi, MisalignedOrBadStaticScalesAreRefused) {
   Fp8Cpu f;
   alignas(4) unsigned char raw[sizeof(fovea_attn_amax_state) + 8] = {};
-  const fovea_attn_scales odd{FOVEA_ATTN_SCALES_DYNAMIC, nullptr, raw + 1, nullptr};
+  const fovea_attn_scales odd{FOVEA_ATTN_SCALES_DYNAMIC, nullptr, raw + 1, nullptr, nullptr};
   EXPECT_EQ(f.prepare(odd, false), FOVEA_ATTN_INVALID);
   EXPECT_NE(last().find("`state` is not 4-byte aligned"), std::string::npos) << last();
   const float zero_k[3] = {0.01f, 0.0f, 0.01f}, nan_v[3] = {0.01f, 0.01f, NAN};
-  const fovea_attn_scales s0{FOVEA_ATTN_SCALES_STATIC, zero_k, nullptr, nullptr},
-      s1{FOVEA_ATTN_SCALES_STATIC, nan_v, nullptr, nullptr};
+  const fovea_attn_scales s0{FOVEA_ATTN_SCALES_STATIC, zero_k, nullptr, nullptr, nullptr},
+      s1{FOVEA_ATTN_SCALES_STATIC, nan_v, nullptr, nullptr, nullptr};
   EXPECT_EQ(f.prepare(s0, true), FOVEA_ATTN_INVALID);
   EXPECT_NE(last().find("fixed[1] (k) = 0 is not a finite number > 0"), std::string::npos) << last();
   EXPECT_EQ(f.prepare(s1, false), FOVEA_ATTN_INVALID);
@@ -504,13 +504,86 @@ TEST(CApi, RobustStaticIsTheReferenceWithTheFilesArrays) {
     Batch b({37, 1, 60}, 2, hd, test::fresh_seed());
     const FineScales f = random_fine(2, hd, test::fresh_seed());
     const fovea_attn_fine fine = abi_fine(f);
-    const fovea_attn_scales sc{FOVEA_ATTN_SCALES_ROBUST_STATIC, nullptr, nullptr, &fine};
+    const fovea_attn_scales sc{FOVEA_ATTN_SCALES_ROBUST_STATIC, nullptr, nullptr, &fine, nullptr};
     const std::vector<float> want = reference(b, f);
     for (bool fused : {false, true}) {
       const std::vector<float> got = r.run(b, sc, fused);
       for (size_t i = 0; i < got.size(); ++i) ASSERT_EQ(got[i], want[i]) << i << (fused ? " fused" : " views");
     }
   }
+}
+
+// The static guard through the ABI: the scales the scale book's guard picks, the caller's counts
+// added to, the file's scales never written; without `guard`, the file's scales as given.
+TEST(CApi, TheStaticGuardSwitchesAsTheScaleBookAndCounts) {
+  const int H = 2, hd = 72;
+  Robust r(H, hd);
+  Batch b({37, 1, 60}, H, hd, test::fresh_seed());
+  const float amax_q = amax(b.shape, b.fview(0)), amax_k = amax(b.shape, b.fview(1)),
+              amax_v = amax(b.shape, b.fview(2));
+  // q's and v's ranges (448 s) are passed by the batch, k's is not.
+  const float fixed[3] = {0.25f * amax_q / 448.0f, 2.0f * amax_k / 448.0f, 0.5f * amax_v / 448.0f};
+  const float kept[3] = {fixed[0], fixed[1], fixed[2]};
+  alignas(8) uint64_t counts[3] = {5, 0, 7};
+  const fovea_attn_scales guarded{FOVEA_ATTN_SCALES_STATIC, fixed, nullptr, nullptr, counts};
+  ScaleBook book = ScaleBook::fixed({{fixed[0], fixed[1], fixed[2]}});
+  const QkvScales picked = book.record(0, amax_q, amax_k, amax_v);
+  ASSERT_NE(picked.q, fixed[0]);
+  ASSERT_EQ(picked.k, fixed[1]);
+  const auto reference_at = [&](const QkvScales& sc) {
+    cpu::RefOptions opt;
+    opt.mode = cpu::RefMode::FP8;
+    opt.fp8_scales = sc;
+    std::vector<double> ref(size_t(b.shape.total_tokens() * b.row()));
+    cpu::attention(b.shape, b.fview(0), b.fview(1), b.fview(2), opt, ref.data());
+    return std::vector<float>(ref.begin(), ref.end());
+  };
+  const std::vector<float> want = reference_at(picked), clipped = reference_at({fixed[0], fixed[1], fixed[2]});
+  ASSERT_NE(want, clipped);
+  for (bool fused : {false, true}) {
+    const std::vector<float> got = r.run(b, guarded, fused);
+    for (size_t i = 0; i < got.size(); ++i) ASSERT_EQ(got[i], want[i]) << i << (fused ? " fused" : " views");
+  }
+  EXPECT_EQ(counts[0], 7u);  // two forwards, each switched q and v
+  EXPECT_EQ(counts[1], 0u);
+  EXPECT_EQ(counts[2], 9u);
+  EXPECT_EQ(std::memcmp(fixed, kept, sizeof fixed), 0);
+  const fovea_attn_scales plain{FOVEA_ATTN_SCALES_STATIC, fixed, nullptr, nullptr, nullptr};
+  EXPECT_EQ(r.run(b, plain, true), clipped);
+
+  // Robust: each head's and channel's scales as ScaleBook::guard_fine picks them.
+  FineScales f = random_fine(H, hd, test::fresh_seed());
+  f.q_head[1] *= 0.01f, f.v_channel[3] *= 0.01f;  // below the batch: the guard raises them
+  f.k_head[0] *= 100.0f, f.k_head[1] *= 100.0f;   // far above: kept
+  const fovea_attn_fine fine = abi_fine(f);
+  uint64_t fine_counts[3] = {0, 0, 0};
+  const fovea_attn_scales robust{FOVEA_ATTN_SCALES_ROBUST_STATIC, nullptr, nullptr, &fine, fine_counts};
+  ScaleBook fine_book = ScaleBook::fixed({{1.0f, 1.0f, 1.0f}});
+  const FineScales g = fine_book.guard_fine(0, f, cpu::fine_batch(b.shape, b.fview(0), b.fview(1), b.fview(2)));
+  ASSERT_NE(g.q_head[1], f.q_head[1]);
+  ASSERT_NE(g.v_channel[3], f.v_channel[3]);
+  EXPECT_EQ(fine_book.guarded(0), (GuardCounts{1, 0, 1}));
+  const std::vector<float> robust_want = reference(b, g), robust_clipped = reference(b, f);
+  ASSERT_NE(robust_want, robust_clipped);
+  const std::vector<float> got = r.run(b, robust, true);
+  for (size_t i = 0; i < got.size(); ++i) ASSERT_EQ(got[i], robust_want[i]) << i;
+  EXPECT_EQ(fine_counts[0], 1u);
+  EXPECT_EQ(fine_counts[1], 0u);
+  EXPECT_EQ(fine_counts[2], 1u);
+
+  // Counts are for static scales only, and 8-byte aligned.
+  alignas(LayerAmax) unsigned char st[sizeof(LayerAmax)];
+  fovea_attn_amax_state_init(reinterpret_cast<fovea_attn_amax_state*>(st));
+  const fovea_attn_scales dynamic{FOVEA_ATTN_SCALES_DYNAMIC, nullptr, st, nullptr, counts};
+  EXPECT_EQ(fovea_attn_prepare_fused(r.h.h, b.bits.data(), 3 * b.row(), nullptr, nullptr, &dynamic, nullptr),
+            FOVEA_ATTN_INVALID);
+  EXPECT_NE(last().find("`guard`) are for static or robust static scales, not dynamic ones"), std::string::npos)
+      << last();
+  alignas(8) unsigned char raw[32] = {};
+  const fovea_attn_scales odd{FOVEA_ATTN_SCALES_STATIC, fixed, nullptr, nullptr, reinterpret_cast<uint64_t*>(raw + 4)};
+  EXPECT_EQ(fovea_attn_prepare_fused(r.h.h, b.bits.data(), 3 * b.row(), nullptr, nullptr, &odd, nullptr),
+            FOVEA_ATTN_INVALID);
+  EXPECT_NE(last().find("is not 8-byte aligned"), std::string::npos) << last();
 }
 
 TEST(CApi, RobustDynamicRecordsAsTheScaleBookAndCalibratesTheSameFile) {
@@ -522,7 +595,7 @@ TEST(CApi, RobustDynamicRecordsAsTheScaleBookAndCalibratesTheSameFile) {
   ASSERT_EQ(fovea_attn_robust_state_init(block.data(), bytes, H, hd), FOVEA_ATTN_OK) << last();
   ScaleBook book = ScaleBook::dynamic(1);
   book.enable_fine(H, hd);
-  const fovea_attn_scales sc{FOVEA_ATTN_SCALES_ROBUST_DYNAMIC, nullptr, block.data(), nullptr};
+  const fovea_attn_scales sc{FOVEA_ATTN_SCALES_ROBUST_DYNAMIC, nullptr, block.data(), nullptr, nullptr};
   for (int i = 0; i < 3; ++i) {
     Batch b({20 + 9 * i, 33}, H, hd, test::fresh_seed());
     const FineScales f = book.record_fine(0, cpu::fine_batch(b.shape, b.fview(0), b.fview(1), b.fview(2)));
@@ -585,7 +658,7 @@ TEST(CApi, CorruptRobustStatesAndArraysAreRefusedAndNotWritten) {
     std::vector<double> block = fresh;
     bad.corrupt(reinterpret_cast<uint8_t*>(block.data()));
     const std::vector<double> before = block;
-    const fovea_attn_scales sc{FOVEA_ATTN_SCALES_ROBUST_DYNAMIC, nullptr, block.data(), nullptr};
+    const fovea_attn_scales sc{FOVEA_ATTN_SCALES_ROBUST_DYNAMIC, nullptr, block.data(), nullptr, nullptr};
     fovea_attn_view q = b.view(0), k = b.view(1), v = b.view(2);
     ASSERT_EQ(fovea_attn_plan(r.h.h, b.shape.cu_seqlens.data(), 2, nullptr), FOVEA_ATTN_OK);
     EXPECT_EQ(fovea_attn_prepare(r.h.h, &q, &k, &v, &sc, 0.0f, nullptr), FOVEA_ATTN_INVALID);
@@ -607,7 +680,7 @@ TEST(CApi, CorruptRobustStatesAndArraysAreRefusedAndNotWritten) {
     ASSERT_EQ(fovea_attn_plan(hw.h, cu, 1, nullptr), FOVEA_ATTN_OK) << last();
     std::vector<uint16_t> x(size_t(wide), 0);
     fovea_attn_view w{x.data(), wide, wide};
-    const fovea_attn_scales sc{FOVEA_ATTN_SCALES_ROBUST_DYNAMIC, nullptr, fresh.data(), nullptr};
+    const fovea_attn_scales sc{FOVEA_ATTN_SCALES_ROBUST_DYNAMIC, nullptr, fresh.data(), nullptr, nullptr};
     EXPECT_EQ(fovea_attn_prepare(hw.h, &w, &w, &w, &sc, 0.0f, nullptr), FOVEA_ATTN_INVALID);
     EXPECT_NE(last().find("the robust scheme holds at most 65536"), std::string::npos) << last();
   }
@@ -625,7 +698,7 @@ TEST(CApi, CorruptRobustStatesAndArraysAreRefusedAndNotWritten) {
   const auto refused = [&](const FineScales& g, const char* message, const int32_t* split) {
     fovea_attn_fine fine = abi_fine(g);
     fine.qk_split = split;
-    const fovea_attn_scales sc{FOVEA_ATTN_SCALES_ROBUST_STATIC, nullptr, nullptr, &fine};
+    const fovea_attn_scales sc{FOVEA_ATTN_SCALES_ROBUST_STATIC, nullptr, nullptr, &fine, nullptr};
     ASSERT_EQ(fovea_attn_prepare_fused(r.h.h, b.bits.data(), 3 * b.row(), nullptr, nullptr, &sc, nullptr),
               FOVEA_ATTN_INVALID);
     EXPECT_NE(last().find(message), std::string::npos) << last();
@@ -638,7 +711,7 @@ TEST(CApi, CorruptRobustStatesAndArraysAreRefusedAndNotWritten) {
   g = f, g.qk_split[2] = g.qk_split[3] = 4;
   refused(g, "split pair 4 is given twice", g.qk_split.data());
   refused(f, "qk_split is null; head_dim 72 has 6 split pairs", nullptr);
-  const fovea_attn_scales none{FOVEA_ATTN_SCALES_ROBUST_STATIC, nullptr, nullptr, nullptr};
+  const fovea_attn_scales none{FOVEA_ATTN_SCALES_ROBUST_STATIC, nullptr, nullptr, nullptr, nullptr};
   EXPECT_EQ(fovea_attn_prepare_fused(r.h.h, b.bits.data(), 3 * b.row(), nullptr, nullptr, &none, nullptr),
             FOVEA_ATTN_INVALID);
   EXPECT_NE(last().find("`fine` is null"), std::string::npos) << last();

@@ -43,8 +43,8 @@ extern "C" {
 #endif
 
 /* Bumped on any incompatible change of a signature, a struct or a constant below (2: the robust
- * scheme's scale modes and fovea_attn_scales.fine). */
-#define FOVEA_ATTN_ABI_VERSION 2
+ * scheme's scale modes and fovea_attn_scales.fine; 3: fovea_attn_scales.guard). */
+#define FOVEA_ATTN_ABI_VERSION 3
 
 typedef enum {
   FOVEA_ATTN_OK = 0,
@@ -81,11 +81,19 @@ typedef struct {
   const int32_t* qk_split; /* [heads * fovea_attn_split_pairs(head_dim)]; NULL where that is 0 */
 } fovea_attn_fine;
 
+/* The static guard (docs/fp8.md §Static guard), for STATIC and ROBUST_STATIC: with `guard` set, a
+ * forward first takes the batch's statistics and, where a tensor's amax passes a fixed scale's range
+ * (448 x s; per head or channel for the robust arrays), quantizes that tensor with the batch's own
+ * scale instead of clipping, and adds 1 to guard[0], [1] or [2] (q, k, v) for each tensor it
+ * switched. The fixed scales are never written. guard is uint64[3] in the handle's memory, 8-byte
+ * aligned, kept by the caller across forwards (zero it to start); NULL runs the scales as given,
+ * without the statistics pass. It is refused with the dynamic modes. */
 typedef struct {
   int32_t mode;                /* fovea_attn_scale_mode */
   const float* fixed;          /* STATIC: in the handle's memory (device memory for a GPU handle) */
   void* state;                 /* DYNAMIC, ROBUST_DYNAMIC: a state in the handle's memory */
   const fovea_attn_fine* fine; /* ROBUST_STATIC: host memory; its arrays in the handle's memory */
+  uint64_t* guard;             /* STATIC, ROBUST_STATIC: NULL, or the static guard's counts (above) */
 } fovea_attn_scales;
 
 /* Dynamic scaling of one tensor: the last 16 finite amax values (max |x|); a forward records its

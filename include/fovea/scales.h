@@ -253,6 +253,16 @@ struct GuardCounts {
   bool operator==(const GuardCounts&) const = default;
 };
 
+// One forward through the guard, per tensor: `file`'s scales guarded by the batch's amax (Q, K, V),
+// the tensors it switched added to `counts`.
+QkvScales guard_tensor(const QkvScales& file, float amax_q, float amax_k, float amax_v, GuardCounts& counts);
+// The robust scheme's arrays `file` guarded by a batch's statistics, as the device's prepare step
+// does: each head's Q scale by the head's Q amax, each head's K scale by the amax of K minus the
+// file's mean, each channel's V scale by its amax; the mean and the split pairs stay the file's; a
+// batch with a non-finite value keeps the file's arrays. Adds the tensors it switched to `counts`
+// (once per tensor). Throws where the shapes differ.
+FineScales guard_fine(const FineScales& file, const FineBatch& batch, GuardCounts& counts);
+
 enum class ScaleMode { DYNAMIC, STATIC, CALIBRATE };
 const char* scale_mode_name(ScaleMode m);
 
@@ -272,10 +282,7 @@ class ScaleBook {
   // this forward's amax, and counts the tensors the guard switched.
   QkvScales record(int layer, float amax_q, float amax_k, float amax_v);
   // Static: the robust scheme's arrays `file` (the layer's fine scales) guarded by this forward's
-  // statistics, as the device's prepare step does: each head's Q scale by the head's Q amax, each
-  // head's K scale by the amax of K minus the file's mean, each channel's V scale by its amax; the
-  // mean and the split pairs stay the file's; a batch with a non-finite value keeps the file's arrays.
-  // Counts the tensors it switched (once per tensor).
+  // statistics (the free guard_fine), counted in the layer's guard counts.
   FineScales guard_fine(int layer, const FineScales& file, const FineBatch& batch);
   // Static: the guard's counts of a layer, or of every layer (all zero in the other modes).
   GuardCounts guarded(int layer) const;

@@ -16,7 +16,7 @@ import operator
 import os
 import threading
 
-ABI_VERSION = 2
+ABI_VERSION = 3
 
 OK, INVALID, UNSUPPORTED, RUNTIME = 0, 1, 2, 3
 BF16, FP8 = 1, 2
@@ -110,7 +110,7 @@ class Fine(ctypes.Structure):
 
 class Scales(ctypes.Structure):
     _fields_ = [("mode", ctypes.c_int32), ("fixed", ctypes.c_void_p), ("state", ctypes.c_void_p),
-                ("fine", ctypes.POINTER(Fine))]
+                ("fine", ctypes.POINTER(Fine)), ("guard", ctypes.c_void_p)]
 
 
 assert ctypes.sizeof(AmaxState) == 252

@@ -110,12 +110,17 @@ class Scales:
       Scales(fine=(k_mean, q_head, k_head, v_channel, qk_split))
                               robust, static: one layer's arrays (fp8_plan gives a file's; qk_split 0
                               where split_pairs(head_dim) is 0);
-      Scales(robust_state=p)  robust, dynamic: a robust state (fresh_robust_state) updated in place."""
+      Scales(robust_state=p)  robust, dynamic: a robust state (fresh_robust_state) updated in place.
+    guard=p (static and robust static only): the static guard's counts, uint64[3] (q, k, v) at p, 8-byte
+    aligned, kept across forwards: a tensor whose batch passes its fixed range is quantized with the
+    batch's own scale instead of clipping, and counted (docs/fp8.md §Static guard)."""
 
-    def __init__(self, fixed=None, state=None, fine=None, robust_state=None):
+    def __init__(self, fixed=None, state=None, fine=None, robust_state=None, guard=None):
         given = [x is not None for x in (fixed, state, fine, robust_state)]
         if sum(given) != 1:
             raise ValueError("fovea: give exactly one of fixed, state, fine and robust_state")
+        if guard is not None and fixed is None and fine is None:
+            raise ValueError("fovea: guard counts the static guard: give it with fixed or fine scales")
         self._fine = None
         if fine is not None:
             names = ("k_mean", "q_head", "k_head", "v_channel", "qk_split")
@@ -126,7 +131,8 @@ class Scales:
         mode = modes[given.index(True)]  # in the order of the keywords
         self.arg = _lib.Scales(mode, _lib.pointer("fixed", fixed), _lib.pointer("state", state if state is not None
                                                                                   else robust_state),
-                               ctypes.pointer(self._fine) if self._fine is not None else None)
+                               ctypes.pointer(self._fine) if self._fine is not None else None,
+                               _lib.pointer("guard", guard))
 
 
 def _scales_arg(scales):

@@ -227,13 +227,17 @@ def _check(q, k, v, cu):
 _FP8_KWARGS = ("descale", "amax_state", "fine", "robust_state")
 
 
-def _fp8_kwargs(descale, amax_state, fine, robust_state):
+def _fp8_kwargs(descale, amax_state, fine, robust_state, guard=None):
     given = {k: v for k, v in zip(_FP8_KWARGS, (descale, amax_state, fine, robust_state)) if v is not None}
     if len(given) > 1:
         raise ValueError(f"fovea: give one of descale (static FP8), amax_state (dynamic), fine (robust static) and "
                          f"robust_state (robust dynamic), not {' and '.join(given)}")
     if fine is not None and len(fine) != 5:
         raise ValueError("fovea: fine is (k_mean, q_head, k_head, v_channel, qk_split) tensors")
+    if guard is not None:
+        if descale is None and fine is None:
+            raise ValueError("fovea: guard counts the static guard: give it with descale or fine (static scales)")
+        given["guard"] = guard
     return given
 
 
@@ -244,8 +248,11 @@ def _scales(device, fp8):
             raise ValueError(f"fovea: {name} must be a contiguous {dtype} tensor{f' of {numel} values' if numel else ''} "
                              f"on q's device, got {t.dtype} {tuple(t.shape)} on {t.device}")
         return t.data_ptr()
+    guard = fp8.get("guard")
+    if guard is not None:
+        guard = on_device("guard (the static guard's q, k, v counts)", guard, torch.int64, 3)
     if "descale" in fp8:
-        return _fa.Scales(fixed=on_device("descale (q, k, v)", fp8["descale"], torch.float32, 3))
+        return _fa.Scales(fixed=on_device("descale (q, k, v)", fp8["descale"], torch.float32, 3), guard=guard)
     if "amax_state" in fp8:
         state = fp8["amax_state"]
         if state.numel() * state.element_size() != _fa.STATE_BYTES or not state.is_contiguous() or state.device != device:
@@ -257,7 +264,7 @@ def _scales(device, fp8):
         names = ("k_mean", "q_head", "k_head", "v_channel")
         ptrs = [on_device(f"fine.{n}", t, torch.float32) for n, t in zip(names, fine[:4])]
         split = 0 if fine[4] is None else on_device("fine.qk_split", fine[4], torch.int32)
-        return _fa.Scales(fine=ptrs + [split])
+        return _fa.Scales(fine=ptrs + [split], guard=guard)
     if "robust_state" in fp8:
         return _fa.Scales(robust_state=on_device("robust_state", fp8["robust_state"], torch.uint8))
     return None
@@ -319,14 +326,16 @@ def _run_qkv(qkv, cu_seqlens, rope_cos, rope_sin, fp8):
                    lambda att, stream: att.prepare_fused(qkv.data_ptr(), qkv.stride(0), cos, sin, scales=scales, stream=stream))
 
 
-@torch.library.custom_op("fovea::varlen_attention", mutates_args=())
+# The static ops take the static guard's counts (guard, mutated) or None.
+@torch.library.custom_op("fovea::varlen_attention", mutates_args=("guard",))
 def _varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                      descale: Optional[torch.Tensor], softmax_scale: float) -> torch.Tensor:
-    return _run(q, k, v, cu_seqlens, _fp8_kwargs(descale, None, None, None), softmax_scale)
+                      descale: Optional[torch.Tensor], guard: Optional[torch.Tensor],
+                      softmax_scale: float) -> torch.Tensor:
+    return _run(q, k, v, cu_seqlens, _fp8_kwargs(descale, None, None, None, guard), softmax_scale)
 
 
 @_varlen_attention.register_fake
-def _(q, k, v, cu_seqlens, descale, softmax_scale):
+def _(q, k, v, cu_seqlens, descale, guard, softmax_scale):
     return q.new_empty(q.shape, dtype=torch.bfloat16)
 
 
@@ -341,14 +350,15 @@ def _(q, k, v, cu_seqlens, amax_state, softmax_scale):
     return q.new_empty(q.shape, dtype=torch.bfloat16)
 
 
-@torch.library.custom_op("fovea::varlen_attention_qkv", mutates_args=())
+@torch.library.custom_op("fovea::varlen_attention_qkv", mutates_args=("guard",))
 def _varlen_attention_qkv(qkv: torch.Tensor, cu_seqlens: torch.Tensor, rope_cos: Optional[torch.Tensor],
-                          rope_sin: Optional[torch.Tensor], descale: Optional[torch.Tensor]) -> torch.Tensor:
-    return _run_qkv(qkv, cu_seqlens, rope_cos, rope_sin, _fp8_kwargs(descale, None, None, None))
+                          rope_sin: Optional[torch.Tensor], descale: Optional[torch.Tensor],
+                          guard: Optional[torch.Tensor]) -> torch.Tensor:
+    return _run_qkv(qkv, cu_seqlens, rope_cos, rope_sin, _fp8_kwargs(descale, None, None, None, guard))
 
 
 @_varlen_attention_qkv.register_fake
-def _(qkv, cu_seqlens, rope_cos, rope_sin, descale):
+def _(qkv, cu_seqlens, rope_cos, rope_sin, descale, guard):
     return qkv.new_empty((qkv.shape[0], qkv.shape[2], qkv.shape[3]), dtype=torch.bfloat16)
 
 
@@ -365,15 +375,17 @@ def _(qkv, cu_seqlens, rope_cos, rope_sin, amax_state):
 
 # The robust scheme's ops: its static arrays (qk_split None where the head size has none), and its
 # dynamic state, mutated.
-@torch.library.custom_op("fovea::varlen_attention_robust", mutates_args=())
+@torch.library.custom_op("fovea::varlen_attention_robust", mutates_args=("guard",))
 def _varlen_attention_robust(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
                              k_mean: torch.Tensor, q_head: torch.Tensor, k_head: torch.Tensor, v_channel: torch.Tensor,
-                             qk_split: Optional[torch.Tensor], softmax_scale: float) -> torch.Tensor:
-    return _run(q, k, v, cu_seqlens, {"fine": (k_mean, q_head, k_head, v_channel, qk_split)}, softmax_scale)
+                             qk_split: Optional[torch.Tensor], guard: Optional[torch.Tensor],
+                             softmax_scale: float) -> torch.Tensor:
+    fine = (k_mean, q_head, k_head, v_channel, qk_split)
+    return _run(q, k, v, cu_seqlens, _fp8_kwargs(None, None, fine, None, guard), softmax_scale)
 
 
 @_varlen_attention_robust.register_fake
-def _(q, k, v, cu_seqlens, k_mean, q_head, k_head, v_channel, qk_split, softmax_scale):
+def _(q, k, v, cu_seqlens, k_mean, q_head, k_head, v_channel, qk_split, guard, softmax_scale):
     return q.new_empty(q.shape, dtype=torch.bfloat16)
 
 
@@ -388,16 +400,17 @@ def _(q, k, v, cu_seqlens, robust_state, softmax_scale):
     return q.new_empty(q.shape, dtype=torch.bfloat16)
 
 
-@torch.library.custom_op("fovea::varlen_attention_qkv_robust", mutates_args=())
+@torch.library.custom_op("fovea::varlen_attention_qkv_robust", mutates_args=("guard",))
 def _varlen_attention_qkv_robust(qkv: torch.Tensor, cu_seqlens: torch.Tensor, rope_cos: Optional[torch.Tensor],
                                  rope_sin: Optional[torch.Tensor], k_mean: torch.Tensor, q_head: torch.Tensor,
-                                 k_head: torch.Tensor, v_channel: torch.Tensor,
-                                 qk_split: Optional[torch.Tensor]) -> torch.Tensor:
-    return _run_qkv(qkv, cu_seqlens, rope_cos, rope_sin, {"fine": (k_mean, q_head, k_head, v_channel, qk_split)})
+                                 k_head: torch.Tensor, v_channel: torch.Tensor, qk_split: Optional[torch.Tensor],
+                                 guard: Optional[torch.Tensor]) -> torch.Tensor:
+    fine = (k_mean, q_head, k_head, v_channel, qk_split)
+    return _run_qkv(qkv, cu_seqlens, rope_cos, rope_sin, _fp8_kwargs(None, None, fine, None, guard))
 
 
 @_varlen_attention_qkv_robust.register_fake
-def _(qkv, cu_seqlens, rope_cos, rope_sin, k_mean, q_head, k_head, v_channel, qk_split):
+def _(qkv, cu_seqlens, rope_cos, rope_sin, k_mean, q_head, k_head, v_channel, qk_split, guard):
     return qkv.new_empty((qkv.shape[0], qkv.shape[2], qkv.shape[3]), dtype=torch.bfloat16)
 
 
@@ -424,39 +437,44 @@ def _eager(*tensors):
 
 
 def varlen_attention_qkv(qkv, cu_seqlens, rope_cos=None, rope_sin=None, *, descale=None, amax_state=None, fine=None,
-                         robust_state=None):
+                         robust_state=None, guard=None):
     """fovea's fused entry: the qkv projection's output [tokens, 3, heads, head_dim] bf16 (token stride
     a multiple of 8 elements, 16-byte aligned) and Qwen3-VL's 2D RoPE tables, float32 [tokens,
     head_dim / 2] (the angle of columns d and d + head_dim / 2), or neither: RoPE, quantization and
-    layout in one step, as fovea's own encoder runs it. Returns [tokens, heads, head_dim] bf16."""
-    fp8 = _fp8_kwargs(descale, amax_state, fine, robust_state)
-    if _eager(qkv, cu_seqlens, rope_cos, rope_sin, descale, amax_state, robust_state, *(fine or ())):
+    layout in one step, as fovea's own encoder runs it. Returns [tokens, heads, head_dim] bf16.
+    FP8 keywords as varlen_attention's."""
+    fp8 = _fp8_kwargs(descale, amax_state, fine, robust_state, guard)
+    if _eager(qkv, cu_seqlens, rope_cos, rope_sin, descale, amax_state, robust_state, guard, *(fine or ())):
         return _run_qkv(qkv, cu_seqlens, rope_cos, rope_sin, fp8)
     if amax_state is not None:
         return torch.ops.fovea.varlen_attention_qkv_dynamic(qkv, cu_seqlens, rope_cos, rope_sin, amax_state)
     if robust_state is not None:
         return torch.ops.fovea.varlen_attention_qkv_robust_dynamic(qkv, cu_seqlens, rope_cos, rope_sin, robust_state)
     if fine is not None:
-        return torch.ops.fovea.varlen_attention_qkv_robust(qkv, cu_seqlens, rope_cos, rope_sin, *fine)
-    return torch.ops.fovea.varlen_attention_qkv(qkv, cu_seqlens, rope_cos, rope_sin, descale)
+        return torch.ops.fovea.varlen_attention_qkv_robust(qkv, cu_seqlens, rope_cos, rope_sin, *fine, guard)
+    return torch.ops.fovea.varlen_attention_qkv(qkv, cu_seqlens, rope_cos, rope_sin, descale, guard)
 
 
 def varlen_attention(q, k, v, cu_seqlens, max_seqlen=None, *, softmax_scale=None, descale=None, amax_state=None,
-                     fine=None, robust_state=None):
+                     fine=None, robust_state=None, guard=None):
     """Packed varlen attention, non-causal within each segment. max_seqlen is accepted for
-    flash_attn_varlen_func's callers and not needed. softmax_scale: None or 1/sqrt(head_dim)."""
+    flash_attn_varlen_func's callers and not needed. softmax_scale: None or 1/sqrt(head_dim).
+    FP8: one of descale (static, float32 [3]), amax_state (dynamic), fine (robust static) and
+    robust_state (robust dynamic); ScaleBook.layer(i) gives them. guard, with descale or fine: the
+    static guard's counts, int64 [3] (q, k, v) on the device, added to where a batch passes the
+    static range and is quantized with its own scale instead (docs/fp8.md §Static guard)."""
     del max_seqlen
-    fp8 = _fp8_kwargs(descale, amax_state, fine, robust_state)
+    fp8 = _fp8_kwargs(descale, amax_state, fine, robust_state, guard)
     scale = 0.0 if softmax_scale is None else float(softmax_scale)
-    if _eager(q, k, v, cu_seqlens, descale, amax_state, robust_state, *(fine or ())):
+    if _eager(q, k, v, cu_seqlens, descale, amax_state, robust_state, guard, *(fine or ())):
         return _run(q, k, v, cu_seqlens, fp8, scale)
     if amax_state is not None:
         return torch.ops.fovea.varlen_attention_dynamic(q, k, v, cu_seqlens, amax_state, scale)
     if robust_state is not None:
         return torch.ops.fovea.varlen_attention_robust_dynamic(q, k, v, cu_seqlens, robust_state, scale)
     if fine is not None:
-        return torch.ops.fovea.varlen_attention_robust(q, k, v, cu_seqlens, *fine, scale)
-    return torch.ops.fovea.varlen_attention(q, k, v, cu_seqlens, descale, scale)
+        return torch.ops.fovea.varlen_attention_robust(q, k, v, cu_seqlens, *fine, guard, scale)
+    return torch.ops.fovea.varlen_attention(q, k, v, cu_seqlens, descale, guard, scale)
 
 
 class ScaleBook(torch.nn.Module):
@@ -469,10 +487,12 @@ class ScaleBook(torch.nn.Module):
     fovea's plan (fovea.attention.fp8_plan; docs/fp8.md §The plan), which needs heads and head_dim:
     robust layers keep robust_state [layers, bytes] uint8 (dynamic, calibrate; calibration then writes
     the fine scales too) or the file's arrays (static: k_mean, q_head, k_head, v_channel, qk_split).
+    Static scales are guarded unless guard=False: a batch past a file's range is quantized with its own
+    scale instead of clipping, and counted in guard [layers, 3] int64 (q, k, v; guarded() reads them).
     modes lists each layer's scheme; layer(i) gives the keyword arguments of varlen_attention for layer i."""
 
     def __init__(self, num_layers, mode="dynamic", path=None, margin=1.5, device="cuda", scheme="tensor", heads=None,
-                 head_dim=None):
+                 head_dim=None, guard=True):
         super().__init__()
         if mode not in ("dynamic", "static", "calibrate"):
             raise ValueError(f"fovea: ScaleBook mode {mode!r} is not one of dynamic, static, calibrate")
@@ -495,6 +515,8 @@ class ScaleBook(torch.nn.Module):
             self.modes, rows = plan["modes"], plan.get("qkv")
         if rows is not None:
             self.register_buffer("descale", torch.tensor(rows, dtype=torch.float32, device=device))
+        if mode == "static" and guard:
+            self.register_buffer("guard", torch.zeros((self.num_layers, 3), dtype=torch.int64, device=device))
         if "dynamic" in self.modes:
             raw = bytearray(_fa.fresh_state_bytes() * self.num_layers)
             state = torch.frombuffer(raw, dtype=torch.int32).reshape(self.num_layers, STATE_INTS)
@@ -513,14 +535,24 @@ class ScaleBook(torch.nn.Module):
 
     def layer(self, i):
         m = self.modes[i]
+        guard = {"guard": self.guard[i]} if hasattr(self, "guard") else {}
         if m == "static":
-            return {"descale": self.descale[i]}
+            return {"descale": self.descale[i], **guard}
         if m == "dynamic":
             return {"amax_state": self.amax_state[i]}
         if m == "robust_dynamic":
             return {"robust_state": self.robust_state[i]}
         split = self.fine_qk_split[i] if self.fine_qk_split.shape[1] else None
-        return {"fine": (self.fine_k_mean[i], self.fine_q_head[i], self.fine_k_head[i], self.fine_v_channel[i], split)}
+        return {"fine": (self.fine_k_mean[i], self.fine_q_head[i], self.fine_k_head[i], self.fine_v_channel[i], split),
+                **guard}
+
+    def guarded(self):
+        """The static guard's counts per layer, [[q, k, v], ...]: the forwards in which the guard
+        quantized that tensor with the batch's own scale (the file's range was passed). Reads the
+        device (a synchronization); all zero where the book is not static or guard=False."""
+        if not hasattr(self, "guard"):
+            return [[0, 0, 0] for _ in range(self.num_layers)]
+        return self.guard.tolist()
 
     def states(self):
         """The layers' dynamic states on the host (fovea._lib.AmaxState: .t[0..2].ring, .filled, .scale...)."""

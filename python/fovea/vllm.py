@@ -9,7 +9,9 @@ file; calibration to --mm-encoder-fp8-scale-save-path with --mm-encoder-fp8-scal
 where vLLM's own FP8 encoder attention needs Blackwell. FOVEA_FP8_SCHEME (auto, tensor, robust; fovea's
 own, the fovea command's --fp8-scheme) picks the scales per layer as fovea's plan does: a static file
 with fovea's fine scales runs its layers with outlier channels robust (auto) or every layer robust
-(robust); without a file, robust runs the robust scheme's dynamic scaling. Calibration here writes
+(robust); without a file, robust runs the robust scheme's dynamic scaling. A static file's scales never
+clip: a batch past a layer's range is quantized with its own scale and counted (static_guard_counts()
+reads the counts; docs/fp8.md §Static guard). Calibration here writes
 per-tensor scales (fovea serve and fovea.torch.ScaleBook calibrate the fine scales too). It also replaces the Qwen2.5-VL / Qwen3-VL
 vision attention forward, so fovea gets the qkv projection's output and vLLM's RoPE tables (RoPE,
 quantization and layout in one step), as fovea.transformers' fused path does.
@@ -39,6 +41,7 @@ log = logging.getLogger("fovea.vllm")
 HEAD_SIZES = (64, 72, 80, 128)
 _registered = False
 _layers = []        # weak references to fovea's dynamic FP8 layers, for calibration
+_static_layers = [] # weak references to fovea's static FP8 layers, for static_guard_counts
 _served = [0]       # layers built on fovea in this process (the classmethods then give token offsets)
 _pending = []       # (layer name, reason or None) of layers built since the last report
 _said = set()       # (layer name, reason) of run-time fallbacks already logged
@@ -162,6 +165,9 @@ class _FoveaFp8:
             path = os.path.expanduser(static)
             scales = _layer_scales(path, self.layer_name)
             fine = _layer_fine(path, self.layer_name, self.num_heads, self.head_size)
+            # The static guard's counts (q, k, v): the file's scales never clip (docs/fp8.md §Static guard).
+            self.register_buffer("fovea_guard", torch.zeros(3, dtype=torch.int64))
+            _static_layers.append(weakref.ref(self))
             if fine is not None:  # fovea's plan runs this layer robust from the file's arrays
                 for name, values in fine.items():
                     dtype = torch.int32 if name == "qk_split" else torch.float32
@@ -205,13 +211,15 @@ class _FoveaFp8:
                 t = t.to(device)
                 setattr(self, name, t)
             return t
+        guard = {"guard": on("fovea_guard")} if hasattr(self, "fovea_guard") else {}
         if hasattr(self, "fovea_fine_k_mean"):
             split = on("fovea_fine_qk_split")
             return {"fine": tuple(on(f"fovea_fine_{n}") for n in ("k_mean", "q_head", "k_head", "v_channel"))
-                    + (split if split.numel() else None,)}
-        for name, kw in (("fovea_descale", "descale"), ("fovea_robust_state", "robust_state")):
-            if hasattr(self, name):
-                return {kw: on(name)}
+                    + (split if split.numel() else None,), **guard}
+        if hasattr(self, "fovea_descale"):
+            return {"descale": on("fovea_descale"), **guard}
+        if hasattr(self, "fovea_robust_state"):
+            return {"robust_state": on("fovea_robust_state")}
         return {"amax_state": on("fovea_amax_state")}
 
     def fovea_after_call(self):
@@ -427,6 +435,15 @@ def _count_and_calibrate(layer):
     for x in live:
         x.fovea_save = None
     log.info("fovea: saved FP8 scales of %d layers to %s", len(live), path)
+
+
+def static_guard_counts():
+    """The static guard's counts of this process's static FP8 layers, {layer name: [q, k, v]}: the
+    forwards in which a tensor passed the scale file's range and was quantized with the batch's own
+    scale. A count that grows says the file no longer fits the inputs (calibrate again). Reads the
+    device (a synchronization): for a metrics scrape or a log, not for a forward."""
+    live = [r() for r in _static_layers if r() is not None]
+    return {x.layer_name: x.fovea_guard.tolist() for x in sorted(live, key=lambda x: _layer_index(x.layer_name) or 0)}
 
 
 try:  # host I/O and Python counters: never traced into a compiled region

@@ -151,6 +151,24 @@ class Cpu(unittest.TestCase):
             run(b, "fp8", dyn, att=att)
         self.assertEqual((state.t[0].filled, state.t[0].updates, state.t[0].pos), (16, 18, 18 % 16))
 
+    def test_static_guard_switches_a_tight_file_and_counts(self):
+        """Scales whose range the batch passes (q at 4x, v at 2x): with guard, the output is that of the
+        batch's own scales for q and v (the file's for k) and the caller's counts grow; without, it clips."""
+        b = Batch([100, 29, 150], seed=6)
+        ref = ref_attention(b.q, b.k, b.v, b.cu)
+        amax = [float(np.float32(np.abs(x).max())) for x in (b.q, b.k, b.v)]
+        fixed = (ctypes.c_float * 3)(amax[0] / 448 / 4, amax[1] / 448 * 2, amax[2] / 448 / 2)
+        counts = (ctypes.c_uint64 * 3)(10, 0, 0)
+        guarded = b.read(run(b, "fp8", fa.Scales(fixed=ctypes.addressof(fixed), guard=ctypes.addressof(counts))))
+        self.assertEqual(list(counts), [11, 0, 1])
+        own = (ctypes.c_float * 3)(np.float32(amax[0]) / np.float32(448), fixed[1], np.float32(amax[2]) / np.float32(448))
+        np.testing.assert_array_equal(guarded, b.read(run(b, "fp8", fa.Scales(fixed=ctypes.addressof(own)))))
+        clipped = b.read(run(b, "fp8", fa.Scales(fixed=ctypes.addressof(fixed))))
+        self.assertGreater(rel_l2(clipped, ref), 2 * rel_l2(guarded, ref))
+        state = _lib.AmaxState.from_buffer_copy(fa.fresh_state_bytes())
+        with self.assertRaisesRegex(ValueError, "give it with fixed or fine scales"):
+            fa.Scales(state=ctypes.addressof(state), guard=ctypes.addressof(counts))
+
     def test_fused_path_applies_rope(self):
         b = Batch([50, 77], heads=2, head_dim=64, seed=5)
         rng = np.random.default_rng(6)

@@ -249,6 +249,62 @@ class Op(Checks, unittest.TestCase):
             static = ft.ScaleBook(2, "static", path, device=CUDA)
             self.assertEqual(static.descale.shape, (2, 3))
             ft.varlen_attention(q, k, v, cu, **static.layer(1))
+            self.assertEqual(static.guarded(), [[0, 0, 0], [0, 0, 0]])  # within the calibrated range
+            ft.varlen_attention(q * 10, k, v, cu, **static.layer(1))   # q past it: guarded, counted
+            self.assertEqual(static.guarded(), [[0, 0, 0], [1, 0, 0]])
+            self.assertNotIn("guard", ft.ScaleBook(2, "static", path, device=CUDA, guard=False).layer(0))
+
+    def test_static_guard_never_clips_and_counts(self):
+        """Static scales below the batch's range (q at 4x, v at 2x): guarded, the GPU is the emulation's guarded
+        run and counts as it does; unguarded, both clip. A CUDA graph replays the guard and its counts."""
+        q, k, v, cu = inputs(SEGMENTS, 16, 72, seed=21)
+        ref = ref64(q, k, v, cu)
+        amax = torch.tensor([x.abs().max().item() for x in (q, k, v)])
+        descale = (amax / 448 * torch.tensor([0.25, 2.0, 0.5])).to(CUDA)
+        kept = descale.clone()
+        guard = torch.zeros(3, dtype=torch.int64, device=CUDA)
+        out = ft.varlen_attention(q, k, v, cu, descale=descale, guard=guard)
+        emu, kw = on_cpu(ft.varlen_attention, q, k, v, cu, descale=descale, guard=torch.zeros(3, dtype=torch.int64))
+        self.check("fp8 static guarded", out, emu, ref)
+        self.assertEqual(guard.tolist(), [1, 0, 1])
+        self.assertEqual(kw["guard"].tolist(), [1, 0, 1])
+        self.assertTrue(torch.equal(descale, kept), "the file's scales are never written")
+        clipped = ft.varlen_attention(q, k, v, cu, descale=descale)
+        self.assertGreater(stats(clipped, ref)[0], 2 * stats(out, ref)[0], "unguarded, q and v clip")
+        # The fused entry and the robust arrays (one head's Q scale below its range) take it the same way.
+        qkv = torch.stack([q, k, v], dim=1)
+        fused = ft.varlen_attention_qkv(qkv, cu, descale=descale, guard=guard)
+        self.assertEqual(guard.tolist(), [2, 0, 2])
+        self.assertLessEqual(stats(fused, ref)[0], 2 * stats(emu, ref)[0] + 1e-3)
+        H, hd = 16, 72
+        split = torch.full((H * 6,), -1, dtype=torch.int32, device=CUDA)
+        q_head = torch.full((H,), 1.0, device=CUDA)
+        q_head[3] = 1e-4
+        fine = (torch.zeros(H * hd, device=CUDA), q_head, torch.ones(H, device=CUDA), torch.ones(H * hd, device=CUDA),
+                split)
+        rg = torch.zeros(3, dtype=torch.int64, device=CUDA)
+        out = ft.varlen_attention(q, k, v, cu, fine=fine, guard=rg)
+        cpu_guard = torch.zeros(3, dtype=torch.int64)
+        robust_emu = ft.varlen_attention(q.cpu(), k.cpu(), v.cpu(), cu.cpu(), fine=fine_cpu(fine), guard=cpu_guard)
+        self.check("fp8 robust static guarded", out, robust_emu, ref)
+        self.assertEqual(rg.tolist(), [1, 0, 0])
+        self.assertEqual(cpu_guard.tolist(), [1, 0, 0])
+        # One capture, replayed: every replay guards and counts on the device.
+        guard.zero_()
+        static_out = torch.empty_like(out)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            static_out.copy_(ft.varlen_attention(q, k, v, cu, descale=descale, guard=guard))
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_out.copy_(ft.varlen_attention(q, k, v, cu, descale=descale, guard=guard))
+        for _ in range(3):
+            graph.replay()
+        torch.cuda.synchronize()
+        self.assertEqual(guard.tolist(), [4, 0, 4])
+        self.check("fp8 static guarded replay", static_out, emu, ref)
 
 
 def outlier_inputs(seqlens, hd, seed):

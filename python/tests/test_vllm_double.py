@@ -119,8 +119,11 @@ class Double(unittest.TestCase):
             self.fp8_config(mm_encoder_fp8_scale_path=path)
             m = self.vllm.build_model(AttentionOnly)
             out = self.call(m.layers[0].attn, q, k, v, cu)
-            emu = ft.varlen_attention(q.cpu(), k.cpu(), v.cpu(), torch.from_numpy(cu), descale=torch.tensor(s))
+            guard = torch.zeros(3, dtype=torch.int64)  # the layer's static guard, run by the emulation too
+            emu = ft.varlen_attention(q.cpu(), k.cpu(), v.cpu(), torch.from_numpy(cu), descale=torch.tensor(s),
+                                      guard=guard)
             self.assert_fp8("fp8 static", out, emu, ref)
+            self.assertEqual(m.layers[0].attn.fovea_guard.tolist(), guard.tolist())
             # dynamic (fails today: amax_state stays on the CPU under the device context)
             self.vllm.reset(); self.fv = importlib.reload(self.fv); self.register()
             self.fp8_config()
@@ -403,9 +406,11 @@ class Double(unittest.TestCase):
                 self.assertTrue(hasattr(layer, "fovea_fine_k_mean"), "the file's robust arrays on the layer")
                 out = self.call(layer, q, k, v, cu)
                 fine = layer.fovea_fp8_kwargs(CUDA)["fine"]
+                guard = torch.zeros(3, dtype=torch.int64)
                 emu = ft.varlen_attention(q.cpu(), k.cpu(), v.cpu(), torch.from_numpy(cu),
-                                          fine=tuple(cpu(t) for t in fine))
+                                          fine=tuple(cpu(t) for t in fine), guard=guard)
                 self.assert_fp8("fp8 robust static", out, emu, ref)
+                self.assertEqual(layer.fovea_guard.tolist(), guard.tolist())
                 tensor = build("tensor", mm_encoder_fp8_scale_path=path)
                 self.assertTrue(hasattr(tensor, "fovea_descale"))
                 e_robust, e_tensor = rel(out, ref)[0], rel(self.call(tensor, q, k, v, cu), ref)[0]
@@ -429,6 +434,36 @@ class Double(unittest.TestCase):
                 build("fast")
         finally:
             os.environ.pop("FOVEA_FP8_SCHEME", None)
+
+    # ---- 9 -----------------------------------------------------------------------------------------------------
+    def test_9_a_static_file_that_no_longer_fits_is_guarded_and_counted(self):
+        """A scale file whose q and v ranges the inputs pass (vLLM's own path would clip them): fovea's static
+        layers quantize those tensors with the batch's scale instead, as the CPU emulation's guard does, and
+        static_guard_counts() names the layer and the tensors; a layer inside its range counts nothing."""
+        from vllm.model_executor.models.other_vision import AttentionOnly
+        q, k, v, cu = qkv_inputs([300, 5, 700, 64], seed=9)
+        ref = self.ref64(q, k, v, cu, 16)
+        amax = [x.abs().max().item() for x in (q, k, v)]
+        tight = [amax[0] / 448 / 4, amax[1] / 448 * 2, amax[2] / 448 / 2]
+        roomy = [a / 448 * 1.5 for a in amax]
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "scales.json")
+            self.mea.write_fp8_scale_file(path, {P0: tight, P1: roomy})
+            self.register()
+            self.fp8_config(mm_encoder_fp8_scale_path=path)
+            m = self.vllm.build_model(AttentionOnly, prefixes=(P0, P1))
+            outs = [self.call(holder.attn, q, k, v, cu) for holder in m.layers]
+        cu_t = torch.from_numpy(cu)
+        guard = torch.zeros(3, dtype=torch.int64)
+        emu = ft.varlen_attention(q.cpu(), k.cpu(), v.cpu(), cu_t, descale=torch.tensor(tight), guard=guard)
+        self.assertEqual(guard.tolist(), [1, 0, 1])
+        self.assert_fp8("fp8 static, file too tight, guarded", outs[0], emu, ref)
+        clipped = ft.varlen_attention(q, k, v, torch.from_numpy(cu).to(CUDA), descale=torch.tensor(tight).to(CUDA))
+        print(f"the same file unguarded: rel {rel(clipped, ref)[0]:.3e}")
+        self.assertGreater(rel(clipped, ref)[0], 2 * rel(outs[0], ref)[0])
+        emu = ft.varlen_attention(q.cpu(), k.cpu(), v.cpu(), cu_t, descale=torch.tensor(roomy))
+        self.assert_fp8("fp8 static, file with room", outs[1], emu, ref)
+        self.assertEqual(self.fv.static_guard_counts(), {P0: [1, 0, 1], P1: [0, 0, 0]})
 
 
 if __name__ == "__main__":

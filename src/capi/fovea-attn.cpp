@@ -330,6 +330,12 @@ HostScales check_scales(const fovea_attn& h, const fovea_attn_scales* s) {
       refuse(FOVEA_ATTN_INVALID, "FP8 attention needs static, dynamic, robust static or robust dynamic scales (mode ",
              mode, ")");
   }
+  if (s->guard) {
+    if (mode != FOVEA_ATTN_SCALES_STATIC && mode != FOVEA_ATTN_SCALES_ROBUST_STATIC)
+      refuse(FOVEA_ATTN_INVALID, "the static guard's counts (`guard`) are for static or robust static scales, not ",
+             mode == FOVEA_ATTN_SCALES_DYNAMIC ? "dynamic" : "robust dynamic", " ones");
+    check_aligned(s->guard, alignof(uint64_t), "the static guard's counts (`guard`)");
+  }
   // Host memory is checked before a forward reads or writes it; a GPU handle's is device memory, which
   // the host does not read (prepare makes no host synchronization).
   if (h.backend != AttnBackend::CPU) return {};
@@ -369,9 +375,24 @@ void cpu_scales(fovea_attn& h, const fovea_attn_scales* s, HostScales&& read) {
   h.opt.fp8_fine = {};
   if (h.dtype != AttnDtype::FP8) return;
   const auto view = [&](const std::vector<float>& x) { return ThdView<const float>{x.data(), h.row(), h.head_dim}; };
+  GuardCounts counts;  // the static guard: the caller's counts, written back
+  if (s->guard) counts = {s->guard[0], s->guard[1], s->guard[2]};
+  const auto count = [&] {
+    if (s->guard) s->guard[0] = counts.q, s->guard[1] = counts.k, s->guard[2] = counts.v;
+  };
   switch (s->mode) {
-    case FOVEA_ATTN_SCALES_STATIC: h.opt.fp8_scales = {s->fixed[0], s->fixed[1], s->fixed[2]}; return;
-    case FOVEA_ATTN_SCALES_ROBUST_STATIC: h.opt.fp8_fine = cpu::robust_fine(*read.fine); return;
+    case FOVEA_ATTN_SCALES_STATIC: {
+      const QkvScales file = {s->fixed[0], s->fixed[1], s->fixed[2]};
+      h.opt.fp8_scales = s->guard ? guard_tensor(file, amax(h.shape, view(h.q)), amax(h.shape, view(h.k)),
+                                                 amax(h.shape, view(h.v)), counts)
+                                  : file;
+      return count();
+    }
+    case FOVEA_ATTN_SCALES_ROBUST_STATIC:
+      h.opt.fp8_fine = cpu::robust_fine(
+          s->guard ? guard_fine(*read.fine, cpu::fine_batch(h.shape, view(h.q), view(h.k), view(h.v)), counts)
+                   : *read.fine);
+      return count();
     case FOVEA_ATTN_SCALES_ROBUST_DYNAMIC: {
       FineHistory& hist = *read.state;
       const FineScales f = record_fine(hist, cpu::fine_batch(h.shape, view(h.q), view(h.k), view(h.v)), "robust state");
@@ -420,15 +441,20 @@ void cpu_attend(fovea_attn& h, const fovea_attn_view& out) {
 
 // ---- the GPU backends ------------------------------------------------------------------------------
 #if FOVEA_HAVE_CUDA
+static_assert(sizeof(GuardCounts) == 3 * sizeof(uint64_t) && alignof(GuardCounts) == alignof(uint64_t) &&
+              offsetof(GuardCounts, v) == 2 * sizeof(uint64_t));  // fovea_attn_scales.guard is one
+
 cuda::DeviceScales device_scales(fovea_attn& h, const fovea_attn_scales* s) {
+  GuardCounts* guard = s ? reinterpret_cast<GuardCounts*>(s->guard) : nullptr;
   switch (s ? s->mode : FOVEA_ATTN_SCALES_NONE) {
-    case FOVEA_ATTN_SCALES_STATIC: return cuda::tensor_static_scales(s->fixed);
+    case FOVEA_ATTN_SCALES_STATIC: return cuda::tensor_static_scales(s->fixed, guard);
     case FOVEA_ATTN_SCALES_DYNAMIC: return cuda::tensor_dynamic_scales(static_cast<LayerAmax*>(s->state));
     case FOVEA_ATTN_SCALES_ROBUST_STATIC: {
       const fovea_attn_fine& f = *s->fine;  // prepare reads these arrays, never writes them
-      return cuda::robust_static_scales({const_cast<float*>(f.k_mean), const_cast<float*>(f.q_head),
-                                         const_cast<float*>(f.k_head), const_cast<float*>(f.v_channel),
-                                         const_cast<int32_t*>(f.qk_split)});
+      return cuda::robust_static_scales(
+          {const_cast<float*>(f.k_mean), const_cast<float*>(f.q_head), const_cast<float*>(f.k_head),
+           const_cast<float*>(f.v_channel), const_cast<int32_t*>(f.qk_split)},
+          guard);
     }
     case FOVEA_ATTN_SCALES_ROBUST_DYNAMIC: {
       if (!h.fine.data()) refuse(FOVEA_ATTN_UNSUPPORTED, "robust dynamic scales need the FOVEA backend");

@@ -59,11 +59,7 @@ void ScaleBook::check_layer(int layer) const {
 QkvScales ScaleBook::record(int layer, float amax_q, float amax_k, float amax_v) {
   check_layer(layer);
   if (mode_ == ScaleMode::STATIC) {
-    const QkvScales& f = fixed_[size_t(layer)];
-    const QkvScales s = {guarded_scale(f.q, amax_q), guarded_scale(f.k, amax_k), guarded_scale(f.v, amax_v)};
-    GuardCounts& g = guarded_[size_t(layer)];
-    g.q += s.q != f.q, g.k += s.k != f.k, g.v += s.v != f.v;
-    return s;
+    return guard_tensor(fixed_[size_t(layer)], amax_q, amax_k, amax_v, guarded_[size_t(layer)]);
   }
   auto& l = amax_[size_t(layer)];
   return {amax_history_record(l.t[Q], amax_q), amax_history_record(l.t[K], amax_k),
@@ -179,13 +175,17 @@ void ScaleBook::enable_fine(int heads, int head_dim) {
   fine_.assign(size_t(num_layers_), FineHistory(heads, head_dim));
 }
 
-FineScales ScaleBook::guard_fine(int layer, const FineScales& file, const FineBatch& batch) {
-  check_layer(layer);
-  if (mode_ != ScaleMode::STATIC) fail("scale book: the static guard in a {} book", scale_mode_name(mode_));
+QkvScales guard_tensor(const QkvScales& file, float amax_q, float amax_k, float amax_v, GuardCounts& counts) {
+  const QkvScales s = {guarded_scale(file.q, amax_q), guarded_scale(file.k, amax_k), guarded_scale(file.v, amax_v)};
+  counts.q += s.q != file.q, counts.k += s.k != file.k, counts.v += s.v != file.v;
+  return s;
+}
+
+FineScales guard_fine(const FineScales& file, const FineBatch& batch, GuardCounts& counts) {
   const size_t H = file.q_head.size(), cells = file.v_channel.size();
   if (H == 0 || cells % H || file.k_head.size() != H || file.k_mean.size() != cells || batch.q_amax.size() != cells ||
       batch.v_amax.size() != cells || batch.k_hi.size() != cells || batch.k_lo.size() != cells)
-    fail("scale book: layer {}: the static guard's fine scales and batch statistics differ in shape", layer);
+    fail("the static guard: the fine scales and the batch statistics differ in shape");
   const size_t hd = cells / H;
   FineScales out = file;
   if (!batch.finite) return out;  // a non-finite value anywhere: the file's arrays, as the device keeps them
@@ -205,9 +205,18 @@ FineScales ScaleBook::guard_fine(int layer, const FineScales& file, const FineBa
     out.v_channel[i] = guarded_scale(file.v_channel[i], batch.v_amax[i]);
     raised[V] |= out.v_channel[i] != file.v_channel[i];
   }
-  GuardCounts& g = guarded_[size_t(layer)];
-  g.q += raised[Q], g.k += raised[K], g.v += raised[V];
+  counts.q += raised[Q], counts.k += raised[K], counts.v += raised[V];
   return out;
+}
+
+FineScales ScaleBook::guard_fine(int layer, const FineScales& file, const FineBatch& batch) {
+  check_layer(layer);
+  if (mode_ != ScaleMode::STATIC) fail("scale book: the static guard in a {} book", scale_mode_name(mode_));
+  try {
+    return fovea::guard_fine(file, batch, guarded_[size_t(layer)]);
+  } catch (const Error& e) {
+    fail("scale book: layer {}: {}", layer, e.what());
+  }
 }
 
 GuardCounts ScaleBook::guarded(int layer) const {
