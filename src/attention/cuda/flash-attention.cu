@@ -288,9 +288,8 @@ void FlashAttention::prepare(const void* qkv, int64_t qkv_token_stride, const fl
   check_scales(scales, m.fp8, m.shape.head_dim);
   const FineArrays& fine = scales.fine;
   const bool robust = m.fp8 && is_robust(scales.scheme);
-  GuardLaunch guard;  // static scales with the layer's counters: guarded, into d_guarded
-  const bool guarded = m.fp8 && scales.guard &&
-                       (scales.scheme == LayerScheme::TENSOR_STATIC || scales.scheme == LayerScheme::ROBUST_STATIC);
+  GuardLaunch guard;  // static scales with the layer's counters (check_scales: static only): guarded, into d_guarded
+  const bool guarded = m.fp8 && scales.guard;
   PrepareArgs a;
   a.qkv = static_cast<const __nv_bfloat16*>(qkv);
   a.qkv_token_stride = qkv_token_stride;
