@@ -326,16 +326,14 @@ def _run_qkv(qkv, cu_seqlens, rope_cos, rope_sin, fp8):
                    lambda att, stream: att.prepare_fused(qkv.data_ptr(), qkv.stride(0), cos, sin, scales=scales, stream=stream))
 
 
-# The static ops take the static guard's counts (guard, mutated) or None.
-@torch.library.custom_op("fovea::varlen_attention", mutates_args=("guard",))
+@torch.library.custom_op("fovea::varlen_attention", mutates_args=())
 def _varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                      descale: Optional[torch.Tensor], guard: Optional[torch.Tensor],
-                      softmax_scale: float) -> torch.Tensor:
-    return _run(q, k, v, cu_seqlens, _fp8_kwargs(descale, None, None, None, guard), softmax_scale)
+                      descale: Optional[torch.Tensor], softmax_scale: float) -> torch.Tensor:
+    return _run(q, k, v, cu_seqlens, _fp8_kwargs(descale, None, None, None), softmax_scale)
 
 
 @_varlen_attention.register_fake
-def _(q, k, v, cu_seqlens, descale, guard, softmax_scale):
+def _(q, k, v, cu_seqlens, descale, softmax_scale):
     return q.new_empty(q.shape, dtype=torch.bfloat16)
 
 
@@ -350,15 +348,14 @@ def _(q, k, v, cu_seqlens, amax_state, softmax_scale):
     return q.new_empty(q.shape, dtype=torch.bfloat16)
 
 
-@torch.library.custom_op("fovea::varlen_attention_qkv", mutates_args=("guard",))
+@torch.library.custom_op("fovea::varlen_attention_qkv", mutates_args=())
 def _varlen_attention_qkv(qkv: torch.Tensor, cu_seqlens: torch.Tensor, rope_cos: Optional[torch.Tensor],
-                          rope_sin: Optional[torch.Tensor], descale: Optional[torch.Tensor],
-                          guard: Optional[torch.Tensor]) -> torch.Tensor:
-    return _run_qkv(qkv, cu_seqlens, rope_cos, rope_sin, _fp8_kwargs(descale, None, None, None, guard))
+                          rope_sin: Optional[torch.Tensor], descale: Optional[torch.Tensor]) -> torch.Tensor:
+    return _run_qkv(qkv, cu_seqlens, rope_cos, rope_sin, _fp8_kwargs(descale, None, None, None))
 
 
 @_varlen_attention_qkv.register_fake
-def _(qkv, cu_seqlens, rope_cos, rope_sin, descale, guard):
+def _(qkv, cu_seqlens, rope_cos, rope_sin, descale):
     return qkv.new_empty((qkv.shape[0], qkv.shape[2], qkv.shape[3]), dtype=torch.bfloat16)
 
 
@@ -375,17 +372,15 @@ def _(qkv, cu_seqlens, rope_cos, rope_sin, amax_state):
 
 # The robust scheme's ops: its static arrays (qk_split None where the head size has none), and its
 # dynamic state, mutated.
-@torch.library.custom_op("fovea::varlen_attention_robust", mutates_args=("guard",))
+@torch.library.custom_op("fovea::varlen_attention_robust", mutates_args=())
 def _varlen_attention_robust(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
                              k_mean: torch.Tensor, q_head: torch.Tensor, k_head: torch.Tensor, v_channel: torch.Tensor,
-                             qk_split: Optional[torch.Tensor], guard: Optional[torch.Tensor],
-                             softmax_scale: float) -> torch.Tensor:
-    fine = (k_mean, q_head, k_head, v_channel, qk_split)
-    return _run(q, k, v, cu_seqlens, _fp8_kwargs(None, None, fine, None, guard), softmax_scale)
+                             qk_split: Optional[torch.Tensor], softmax_scale: float) -> torch.Tensor:
+    return _run(q, k, v, cu_seqlens, {"fine": (k_mean, q_head, k_head, v_channel, qk_split)}, softmax_scale)
 
 
 @_varlen_attention_robust.register_fake
-def _(q, k, v, cu_seqlens, k_mean, q_head, k_head, v_channel, qk_split, guard, softmax_scale):
+def _(q, k, v, cu_seqlens, k_mean, q_head, k_head, v_channel, qk_split, softmax_scale):
     return q.new_empty(q.shape, dtype=torch.bfloat16)
 
 
@@ -400,17 +395,16 @@ def _(q, k, v, cu_seqlens, robust_state, softmax_scale):
     return q.new_empty(q.shape, dtype=torch.bfloat16)
 
 
-@torch.library.custom_op("fovea::varlen_attention_qkv_robust", mutates_args=("guard",))
+@torch.library.custom_op("fovea::varlen_attention_qkv_robust", mutates_args=())
 def _varlen_attention_qkv_robust(qkv: torch.Tensor, cu_seqlens: torch.Tensor, rope_cos: Optional[torch.Tensor],
                                  rope_sin: Optional[torch.Tensor], k_mean: torch.Tensor, q_head: torch.Tensor,
-                                 k_head: torch.Tensor, v_channel: torch.Tensor, qk_split: Optional[torch.Tensor],
-                                 guard: Optional[torch.Tensor]) -> torch.Tensor:
-    fine = (k_mean, q_head, k_head, v_channel, qk_split)
-    return _run_qkv(qkv, cu_seqlens, rope_cos, rope_sin, _fp8_kwargs(None, None, fine, None, guard))
+                                 k_head: torch.Tensor, v_channel: torch.Tensor,
+                                 qk_split: Optional[torch.Tensor]) -> torch.Tensor:
+    return _run_qkv(qkv, cu_seqlens, rope_cos, rope_sin, {"fine": (k_mean, q_head, k_head, v_channel, qk_split)})
 
 
 @_varlen_attention_qkv_robust.register_fake
-def _(qkv, cu_seqlens, rope_cos, rope_sin, k_mean, q_head, k_head, v_channel, qk_split, guard):
+def _(qkv, cu_seqlens, rope_cos, rope_sin, k_mean, q_head, k_head, v_channel, qk_split):
     return qkv.new_empty((qkv.shape[0], qkv.shape[2], qkv.shape[3]), dtype=torch.bfloat16)
 
 
@@ -422,6 +416,58 @@ def _varlen_attention_qkv_robust_dynamic(qkv: torch.Tensor, cu_seqlens: torch.Te
 
 @_varlen_attention_qkv_robust_dynamic.register_fake
 def _(qkv, cu_seqlens, rope_cos, rope_sin, robust_state):
+    return qkv.new_empty((qkv.shape[0], qkv.shape[2], qkv.shape[3]), dtype=torch.bfloat16)
+
+
+# The static ops with the static guard: its counts (guard, int64 [3]) mutated.
+@torch.library.custom_op("fovea::varlen_attention_guarded", mutates_args=("guard",))
+def _varlen_attention_guarded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                              descale: torch.Tensor, guard: torch.Tensor, softmax_scale: float) -> torch.Tensor:
+    return _run(q, k, v, cu_seqlens, _fp8_kwargs(descale, None, None, None, guard), softmax_scale)
+
+
+@_varlen_attention_guarded.register_fake
+def _(q, k, v, cu_seqlens, descale, guard, softmax_scale):
+    return q.new_empty(q.shape, dtype=torch.bfloat16)
+
+
+@torch.library.custom_op("fovea::varlen_attention_qkv_guarded", mutates_args=("guard",))
+def _varlen_attention_qkv_guarded(qkv: torch.Tensor, cu_seqlens: torch.Tensor, rope_cos: Optional[torch.Tensor],
+                                  rope_sin: Optional[torch.Tensor], descale: torch.Tensor,
+                                  guard: torch.Tensor) -> torch.Tensor:
+    return _run_qkv(qkv, cu_seqlens, rope_cos, rope_sin, _fp8_kwargs(descale, None, None, None, guard))
+
+
+@_varlen_attention_qkv_guarded.register_fake
+def _(qkv, cu_seqlens, rope_cos, rope_sin, descale, guard):
+    return qkv.new_empty((qkv.shape[0], qkv.shape[2], qkv.shape[3]), dtype=torch.bfloat16)
+
+
+@torch.library.custom_op("fovea::varlen_attention_robust_guarded", mutates_args=("guard",))
+def _varlen_attention_robust_guarded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                                     k_mean: torch.Tensor, q_head: torch.Tensor, k_head: torch.Tensor,
+                                     v_channel: torch.Tensor, qk_split: Optional[torch.Tensor], guard: torch.Tensor,
+                                     softmax_scale: float) -> torch.Tensor:
+    fine = (k_mean, q_head, k_head, v_channel, qk_split)
+    return _run(q, k, v, cu_seqlens, _fp8_kwargs(None, None, fine, None, guard), softmax_scale)
+
+
+@_varlen_attention_robust_guarded.register_fake
+def _(q, k, v, cu_seqlens, k_mean, q_head, k_head, v_channel, qk_split, guard, softmax_scale):
+    return q.new_empty(q.shape, dtype=torch.bfloat16)
+
+
+@torch.library.custom_op("fovea::varlen_attention_qkv_robust_guarded", mutates_args=("guard",))
+def _varlen_attention_qkv_robust_guarded(qkv: torch.Tensor, cu_seqlens: torch.Tensor, rope_cos: Optional[torch.Tensor],
+                                         rope_sin: Optional[torch.Tensor], k_mean: torch.Tensor, q_head: torch.Tensor,
+                                         k_head: torch.Tensor, v_channel: torch.Tensor,
+                                         qk_split: Optional[torch.Tensor], guard: torch.Tensor) -> torch.Tensor:
+    fine = (k_mean, q_head, k_head, v_channel, qk_split)
+    return _run_qkv(qkv, cu_seqlens, rope_cos, rope_sin, _fp8_kwargs(None, None, fine, None, guard))
+
+
+@_varlen_attention_qkv_robust_guarded.register_fake
+def _(qkv, cu_seqlens, rope_cos, rope_sin, k_mean, q_head, k_head, v_channel, qk_split, guard):
     return qkv.new_empty((qkv.shape[0], qkv.shape[2], qkv.shape[3]), dtype=torch.bfloat16)
 
 
@@ -451,8 +497,12 @@ def varlen_attention_qkv(qkv, cu_seqlens, rope_cos=None, rope_sin=None, *, desca
     if robust_state is not None:
         return torch.ops.fovea.varlen_attention_qkv_robust_dynamic(qkv, cu_seqlens, rope_cos, rope_sin, robust_state)
     if fine is not None:
-        return torch.ops.fovea.varlen_attention_qkv_robust(qkv, cu_seqlens, rope_cos, rope_sin, *fine, guard)
-    return torch.ops.fovea.varlen_attention_qkv(qkv, cu_seqlens, rope_cos, rope_sin, descale, guard)
+        if guard is not None:
+            return torch.ops.fovea.varlen_attention_qkv_robust_guarded(qkv, cu_seqlens, rope_cos, rope_sin, *fine, guard)
+        return torch.ops.fovea.varlen_attention_qkv_robust(qkv, cu_seqlens, rope_cos, rope_sin, *fine)
+    if guard is not None:
+        return torch.ops.fovea.varlen_attention_qkv_guarded(qkv, cu_seqlens, rope_cos, rope_sin, descale, guard)
+    return torch.ops.fovea.varlen_attention_qkv(qkv, cu_seqlens, rope_cos, rope_sin, descale)
 
 
 def varlen_attention(q, k, v, cu_seqlens, max_seqlen=None, *, softmax_scale=None, descale=None, amax_state=None,
@@ -473,8 +523,12 @@ def varlen_attention(q, k, v, cu_seqlens, max_seqlen=None, *, softmax_scale=None
     if robust_state is not None:
         return torch.ops.fovea.varlen_attention_robust_dynamic(q, k, v, cu_seqlens, robust_state, scale)
     if fine is not None:
-        return torch.ops.fovea.varlen_attention_robust(q, k, v, cu_seqlens, *fine, guard, scale)
-    return torch.ops.fovea.varlen_attention(q, k, v, cu_seqlens, descale, guard, scale)
+        if guard is not None:
+            return torch.ops.fovea.varlen_attention_robust_guarded(q, k, v, cu_seqlens, *fine, guard, scale)
+        return torch.ops.fovea.varlen_attention_robust(q, k, v, cu_seqlens, *fine, scale)
+    if guard is not None:
+        return torch.ops.fovea.varlen_attention_guarded(q, k, v, cu_seqlens, descale, guard, scale)
+    return torch.ops.fovea.varlen_attention(q, k, v, cu_seqlens, descale, scale)
 
 
 class ScaleBook(torch.nn.Module):

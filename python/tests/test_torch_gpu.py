@@ -155,24 +155,35 @@ class Op(Checks, unittest.TestCase):
         torch.library.opcheck(torch.ops.fovea.varlen_attention_qkv.default, (qkv, cu, cos, sin, None))
         torch.library.opcheck(torch.ops.fovea.varlen_attention_qkv.default, (qkv, cu, None, None, torch.full((3,), 0.01, device=CUDA)))
         torch.library.opcheck(torch.ops.fovea.varlen_attention_qkv_dynamic.default, (qkv, cu, cos, sin, book.amax_state[0]))
+        tight = torch.full((3,), 1e-4, device=CUDA)  # the guard switches all three
+        guard = torch.zeros(3, dtype=torch.int64, device=CUDA)
+        torch.library.opcheck(torch.ops.fovea.varlen_attention_guarded.default, (q, k, v, cu, tight, guard, 0.0))
+        torch.library.opcheck(torch.ops.fovea.varlen_attention_qkv_guarded.default, (qkv, cu, cos, sin, tight, guard))
+        self.assertGreater(guard.min().item(), 0, "the guarded ops count")
 
     def test_compile_fullgraph(self):
         q, k, v, cu = inputs([333, 100], 16, 72, seed=3)
 
-        def f(q, k, v, cu, state):
+        tight = torch.full((3,), 1e-4, device=CUDA)  # the guard switches all three
+
+        def f(q, k, v, cu, state, guard):
             a = ft.varlen_attention(q * 1.0, k, v, cu)
             b = ft.varlen_attention(q, k, v, cu, amax_state=state)
-            return a.float() + b.float()
+            c = ft.varlen_attention(q, k, v, cu, descale=tight, guard=guard)
+            return a.float() + b.float() + c.float()
 
         torch._dynamo.reset()
         compiled = torch.compile(f, fullgraph=True)
         s_eager, s_comp = (ft.ScaleBook(1, "dynamic", device=CUDA) for _ in range(2))
+        g_eager, g_comp = (torch.zeros(3, dtype=torch.int64, device=CUDA) for _ in range(2))
         for _ in range(3):
-            want = f(q, k, v, cu, s_eager.amax_state[0])
-            got = compiled(q, k, v, cu, s_comp.amax_state[0])
+            want = f(q, k, v, cu, s_eager.amax_state[0], g_eager)
+            got = compiled(q, k, v, cu, s_comp.amax_state[0], g_comp)
         self.assertTrue(torch.equal(got, want))
         self.assertTrue(torch.equal(s_eager.amax_state, s_comp.amax_state), "the compiled graph mutates the state")
         self.assertEqual(s_comp.states()[0].t[0].updates, 3)
+        self.assertEqual(g_comp.tolist(), [3, 3, 3], "the compiled graph counts the guard")
+        self.assertEqual(g_eager.tolist(), [3, 3, 3])
 
     def test_cuda_graph_replays_dynamic_scaling(self):
         q, k, v, cu = inputs([500, 250], 16, 72, seed=4)
@@ -275,7 +286,7 @@ class Op(Checks, unittest.TestCase):
         qkv = torch.stack([q, k, v], dim=1)
         fused = ft.varlen_attention_qkv(qkv, cu, descale=descale, guard=guard)
         self.assertEqual(guard.tolist(), [2, 0, 2])
-        self.assertLessEqual(stats(fused, ref)[0], 2 * stats(emu, ref)[0] + 1e-3)
+        self.assertLessEqual(stats(fused, ref)[0], 2 * stats(emu.to(CUDA), ref)[0] + 1e-3)
         H, hd = 16, 72
         split = torch.full((H * 6,), -1, dtype=torch.int32, device=CUDA)
         q_head = torch.full((H,), 1.0, device=CUDA)

@@ -58,13 +58,15 @@ namespace {
 //   FOVEA_FLASH_SERIAL3       FP8 with 3 consumer warpgroups: PV, its fold, then S, with no overlap
 //                             inside a warpgroup (the other two warpgroups hide its softmax), so S,
 //                             P and both accumulators fit in 160 registers without spilling.
-//   FOVEA_FLASH_ROWMAX_CHAINS independent max chains per row in the softmax (1, 2 or 4): the row
-//                             max's FMNMX chain is the kernel's second stall; more chains shorten
-//                             it with the same instruction count.
+//   FOVEA_FLASH_ROWMAX_CHAINS independent max chains per row in the softmax (1, 2 or 4; 0: the
+//                             measured best per dtype, 1 for FP8 and 2 for BF16): the same FMNMX
+//                             count in shorter chains. Two chains gained 2.5-3% in BF16 and lost
+//                             2-10% in FP8 (H100, docs/kernels.md).
 #ifndef FOVEA_FLASH_ROWMAX_CHAINS
-#define FOVEA_FLASH_ROWMAX_CHAINS 1
+#define FOVEA_FLASH_ROWMAX_CHAINS 0
 #endif
-static_assert(FOVEA_FLASH_ROWMAX_CHAINS == 1 || FOVEA_FLASH_ROWMAX_CHAINS == 2 || FOVEA_FLASH_ROWMAX_CHAINS == 4);
+static_assert(FOVEA_FLASH_ROWMAX_CHAINS == 0 || FOVEA_FLASH_ROWMAX_CHAINS == 1 || FOVEA_FLASH_ROWMAX_CHAINS == 2 ||
+              FOVEA_FLASH_ROWMAX_CHAINS == 4);
 #ifndef FOVEA_FLASH_PINGPONG_FP8
 #define FOVEA_FLASH_PINGPONG_FP8 0
 #endif
@@ -268,7 +270,7 @@ __global__ void __launch_bounds__(FlashCfg<kFp8, kHeadDim, kConsumerWgs>::kThrea
   auto softmax = [&] {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {  // rows g and g + 8 of this warp's 16
-      constexpr int kChains = FOVEA_FLASH_ROWMAX_CHAINS;
+      constexpr int kChains = FOVEA_FLASH_ROWMAX_CHAINS ? FOVEA_FLASH_ROWMAX_CHAINS : kFp8 ? 1 : 2;
       float part[kChains];
 #pragma unroll
       for (int c = 0; c < kChains; ++c) part[c] = -INFINITY;
