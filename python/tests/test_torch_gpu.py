@@ -159,7 +159,6 @@ class Op(Checks, unittest.TestCase):
         guard = torch.zeros(3, dtype=torch.int64, device=CUDA)
         torch.library.opcheck(torch.ops.fovea.varlen_attention_guarded.default, (q, k, v, cu, tight, guard, 0.0))
         torch.library.opcheck(torch.ops.fovea.varlen_attention_qkv_guarded.default, (qkv, cu, cos, sin, tight, guard))
-        self.assertGreater(guard.min().item(), 0, "the guarded ops count")
 
     def test_compile_fullgraph(self):
         q, k, v, cu = inputs([333, 100], 16, 72, seed=3)

@@ -60,8 +60,8 @@ namespace {
 //                             P and both accumulators fit in 160 registers without spilling.
 //   FOVEA_FLASH_ROWMAX_CHAINS independent max chains per row in the softmax (1, 2 or 4; 0: the
 //                             measured best per dtype, 1 for FP8 and 2 for BF16): the same FMNMX
-//                             count in shorter chains. Two chains gained 2.5-3% in BF16 and lost
-//                             2-10% in FP8 (H100, docs/kernels.md).
+//                             count in shorter chains. Two chains: BF16 +2-3% at S >= 8192 and -2%
+//                             at 1024 tokens, FP8 -1 to -10% (H100, docs/kernels.md).
 #ifndef FOVEA_FLASH_ROWMAX_CHAINS
 #define FOVEA_FLASH_ROWMAX_CHAINS 0
 #endif
