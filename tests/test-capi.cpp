@@ -498,12 +498,15 @@ std::vector<float> reference(const Batch& b, const FineScales& f) {
   return std::vector<float>(ref.begin(), ref.end());
 }
 
+// A null qk_split splits no pair (a caller written before head_dim 64 and 128 had room for pairs):
+// the output of all -1s.
 TEST(CApi, RobustStaticIsTheReferenceWithTheFilesArrays) {
-  for (int hd : {64, 72}) {
+  for (int hd : {64, 72, 128}) {
     SCOPED_TRACE(hd);
     Robust r(2, hd);
     Batch b({37, 1, 60}, 2, hd, test::fresh_seed());
     const FineScales f = random_fine(2, hd, test::fresh_seed());
+    ASSERT_EQ(f.qk_split.size(), 2u * fp8_split_pairs(hd));
     const fovea_attn_fine fine = abi_fine(f);
     const fovea_attn_scales sc{FOVEA_ATTN_SCALES_ROBUST_STATIC, nullptr, nullptr, &fine, nullptr};
     const std::vector<float> want = reference(b, f);
@@ -511,6 +514,18 @@ TEST(CApi, RobustStaticIsTheReferenceWithTheFilesArrays) {
       const std::vector<float> got = r.run(b, sc, fused);
       for (size_t i = 0; i < got.size(); ++i) ASSERT_EQ(got[i], want[i]) << i << (fused ? " fused" : " views");
     }
+    FineScales none = f;
+    none.qk_split.assign(none.qk_split.size(), -1);
+    fovea_attn_fine null_split = abi_fine(f);
+    null_split.qk_split = nullptr;
+    const fovea_attn_scales sn{FOVEA_ATTN_SCALES_ROBUST_STATIC, nullptr, nullptr, &null_split, nullptr};
+    const std::vector<float> got = r.run(b, sn, false), all_none = reference(b, none);
+    bool differs = false;
+    for (size_t i = 0; i < got.size(); ++i) {
+      ASSERT_EQ(got[i], all_none[i]) << i << " null qk_split";
+      differs |= got[i] != want[i];
+    }
+    EXPECT_TRUE(differs) << "the split pairs change the output";
   }
 }
 
@@ -711,7 +726,6 @@ TEST(CApi, CorruptRobustStatesAndArraysAreRefusedAndNotWritten) {
   refused(g, "k_mean[7] = inf", g.qk_split.data());
   g = f, g.qk_split[2] = g.qk_split[3] = 4;
   refused(g, "split pair 4 is given twice", g.qk_split.data());
-  refused(f, "qk_split is null; head_dim 72 has 6 split pairs", nullptr);
   const fovea_attn_scales none{FOVEA_ATTN_SCALES_ROBUST_STATIC, nullptr, nullptr, nullptr, nullptr};
   EXPECT_EQ(fovea_attn_prepare_fused(r.h.h, b.bits.data(), 3 * b.row(), nullptr, nullptr, &none, nullptr),
             FOVEA_ATTN_INVALID);

@@ -643,19 +643,27 @@ TEST(RobustGain, HandWorkedWellSpreadAndOutliers) {
 }
 
 // pick_split_pairs: ties go to the lower pair, a share of 0 or NaN is never split, and each head's
-// list is fp8_split_pairs(hd) long (0 at head_dim 64 and 128: no room in the padding).
+// list is fp8_split_pairs(hd) long (at head_dim 64 and 128 the robust rows are one K step wider).
 TEST(SplitPairs, TiesZerosAndRoom) {
   EXPECT_EQ(fp8_split_pairs(72), 6);
   EXPECT_EQ(fp8_split_pairs(80), 4);
-  EXPECT_EQ(fp8_split_pairs(64), 0);
-  EXPECT_EQ(fp8_split_pairs(128), 0);
+  EXPECT_EQ(fp8_split_pairs(64), 8);
+  EXPECT_EQ(fp8_split_pairs(128), 8);
   EXPECT_EQ(fp8_split_pairs(8), 4);
+  EXPECT_EQ(fp8_split_pairs(7), 0);  // odd: no rotary pairs
+  // The robust rows: as wide as the per-tensor ones where the padding has room for 4 pairs or more.
+  EXPECT_EQ(fp8_robust_qk_width(72), 96);
+  EXPECT_EQ(fp8_robust_qk_width(80), 96);
+  EXPECT_EQ(fp8_robust_qk_width(64), 96);
+  EXPECT_EQ(fp8_robust_qk_width(128), 160);
+  EXPECT_EQ(fp8_robust_qk_width(88), 128);
+  for (int hd = 2; hd <= 256; hd += 2) EXPECT_LE(hd + 4 * fp8_split_pairs(hd), fp8_robust_qk_width(hd)) << hd;
   // head_dim 8 (pairs 0-3: channels p and p + 4), one head.
   const std::vector<float> q = {1, 2, 0, 1, 1, 2, 0, kNaN}, k = {3, 1.5f, 5, 1, 1, 1, 5, 1};
   // shares: pair 0 1*3 = 3, pair 1 2*1.5 = 3, pair 2 0*5 = 0, pair 3 NaN
   EXPECT_EQ(pick_split_pairs(1, 8, q.data(), k.data()), (std::vector<int32_t>{0, 1, -1, -1}));
-  EXPECT_TRUE(
-      pick_split_pairs(2, 64, std::vector<float>(128, 1.0f).data(), std::vector<float>(128, 1.0f).data()).empty());
+  EXPECT_EQ(pick_split_pairs(2, 64, std::vector<float>(128, 1.0f).data(), std::vector<float>(128, 1.0f).data()),
+            (std::vector<int32_t>{0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7}));
   EXPECT_HAS(error_of([] { check_split_pairs({0, 0, -1, -1}, 1, 8, "x"); }), "x: head 0: split pair 0 is given twice");
   EXPECT_HAS(error_of([] { check_split_pairs({0, 1}, 1, 8, "x"); }), "x: 2 split pairs, not 4");
   check_split_pairs({-1, -1, -1, -1}, 1, 8, "x");

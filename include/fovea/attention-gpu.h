@@ -22,7 +22,8 @@ namespace cuda {
 // The robust FP8 scheme's arrays of one layer in device memory (docs/fp8.md §Outlier channels; the
 // kernels' view of cpu::Fp8Fine without the rotation): K's mean and V's dequantization scales per
 // (head, channel) [H * hd], Q's and (smoothed) K's per head [H], and the split pairs
-// [H * fp8_split_pairs(hd)] (null where hd has none; -1 for an unused slot).
+// [H * fp8_split_pairs(hd)] (-1 for an unused slot; static arrays may leave it null: no pair split;
+// dynamic scaling writes it).
 struct FineArrays {
   float* k_mean = nullptr;
   float* q_head = nullptr;

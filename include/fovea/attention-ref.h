@@ -121,7 +121,7 @@ std::vector<float> dct_matrix(int n);
 // all segments: exact, see Fp8Fine), then amax / 448 per head of Q and of K - k_mean, and per channel
 // of V, each floored at kMinScale. With smooth_qk_pairs, qk_pair[p] = qk_pair_factor(amax of Q's
 // pair p, amax of K's pair p after k_mean), and the per-head amaxes are those of the smoothed Q and
-// K. With split_pairs (at head_dim 72 and 80; none elsewhere), qk_split = pick_split_pairs of Q's amax
+// K. With split_pairs (fp8_split_pairs(hd) a head), qk_split = pick_split_pairs of Q's amax
 // and K - k_mean's per channel. Non-finite inputs throw, naming the tensor.
 Fp8Fine current_fine_scales(const VarlenShape& shape, ThdView<const float> q, ThdView<const float> k,
                             ThdView<const float> v, Fp8FineParts parts);

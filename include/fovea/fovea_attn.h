@@ -69,8 +69,9 @@ typedef enum {
 
 /* The robust scheme's scales of one layer (docs/fp8.md §Outlier channels): K is quantized about its
  * mean, Q and K with one scale per head, V with one per channel, and the split pairs of each head
- * (rotary pairs whose Q and K products keep about 2^-8 instead of E4M3's 2^-4; head_dim 72 and 80
- * have room for fovea_attn_split_pairs(head_dim) per head, other sizes none). Every array is in the
+ * (rotary pairs whose Q and K products keep about 2^-8 instead of E4M3's 2^-4:
+ * fovea_attn_split_pairs(head_dim) per head, 6 at head_dim 72, 4 at 80, 8 at 64 and 128; qk_split NULL
+ * splits none, as all -1 does). Every array is in the
  * handle's memory (device memory for a GPU handle); a CPU handle checks them: k_mean finite, the
  * scales finite and > 0, each head's split pairs -1 or distinct pairs in [0, head_dim / 2). */
 typedef struct {
@@ -78,7 +79,7 @@ typedef struct {
   const float* q_head;     /* [heads] */
   const float* k_head;     /* [heads] (of K minus k_mean) */
   const float* v_channel;  /* [heads * head_dim] */
-  const int32_t* qk_split; /* [heads * fovea_attn_split_pairs(head_dim)]; NULL where that is 0 */
+  const int32_t* qk_split; /* [heads * fovea_attn_split_pairs(head_dim)], or NULL: no pair split */
 } fovea_attn_fine;
 
 /* The static guard (docs/fp8.md §Static guard), for STATIC and ROBUST_STATIC: with `guard` set, a

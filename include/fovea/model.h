@@ -59,7 +59,7 @@ VisionConfig parse_config(std::string_view json_text, const std::string& where);
 // The limits config.json and preprocessor_config.json are parsed with (fovea/json.h).
 JsonLimits config_json_limits();
 // Built-in presets: "synthetic:tiny", "synthetic:qwen3-vl-2b", "synthetic:qwen3-vl-8b", and
-// "synthetic:qwen3-vl-8b-2blocks" (the 8B shapes cut to two blocks, both deepstack taps). Each also
+// "synthetic:qwen3-vl-8b-2blocks" / "-2b-2blocks" (cut to two blocks, both deepstack taps). Each also
 // with kOutliersSuffix ("synthetic:qwen3-vl-8b-outliers"): the same weights with outlier channels as
 // trained ViTs carry them in every block's qkv (add_outlier_channels, docs/fp8.md §Outlier channels).
 constexpr const char* kOutliersSuffix = "-outliers";

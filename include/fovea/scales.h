@@ -130,8 +130,11 @@ constexpr float kAutoRobustGain = 2.0f;
 inline bool auto_runs_robust(const FineScales& f) { return f.robust_gain >= kAutoRobustGain; }
 
 // ---- split pairs (docs/fp8.md §Split pairs) ---------------------------------------------------------
-// FP8 Q and K rows are zero-padded to whole wgmma K steps of 32 channels (fp8_qk_width). At head_dim
-// 72 and 80 the padding has room for fp8_split_pairs(hd) rotary pairs (channels p and p + hd/2, the
+// FP8 Q and K rows are zero-padded to whole wgmma K steps of 32 channels (fp8_qk_width). The robust
+// scheme's rows are fp8_robust_qk_width wide: the same where the padding leaves room for 4 pairs or
+// more (72 and 80), one more K step where a head_dim fills its steps (64, 128: +32 channels, room for
+// 8 pairs, for +50% / +25% of Q K^T's tensor work on robust layers only). That room has space for
+// fp8_split_pairs(hd) rotary pairs (channels p and p + hd/2, the
 // two RoPE turns together) to be split: channel c keeps its E4M3 value x_hi = e4m3(x / s), and two
 // padding slots a = fp8_split_slot(hd, i, j), a + 1 (split i, channel j of the pair) hold, in Q,
 // (q_lo, q_hi) and, in K, (k_hi, k_lo), where x_lo = e4m3(x / s - x_hi) is the rounding error in E4M3.
@@ -139,8 +142,11 @@ inline bool auto_runs_robust(const FineScales& f) { return f.robust_gain >= kAut
 // about 2^-8 relative instead of E4M3's 2^-4, with the same scales and no change to the kernel. Pairs
 // that dominate a head's scores (outlier channels, through RoPE or not) are the ones to split.
 constexpr int fp8_qk_width(int head_dim) { return (head_dim + 31) / 32 * 32; }
+constexpr int fp8_robust_qk_width(int head_dim) {
+  return fp8_qk_width(head_dim) - head_dim < 16 ? fp8_qk_width(head_dim) + 32 : fp8_qk_width(head_dim);
+}
 constexpr int fp8_split_pairs(int head_dim) {
-  const int room = (fp8_qk_width(head_dim) - head_dim) / 4, pairs = head_dim / 2;
+  const int room = (fp8_robust_qk_width(head_dim) - head_dim) / 4, pairs = head_dim / 2;
   return head_dim % 2 ? 0 : room < pairs ? room : pairs;
 }
 constexpr int fp8_split_slot(int head_dim, int split, int j) { return head_dim + 4 * split + 2 * j; }

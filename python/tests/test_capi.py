@@ -442,7 +442,8 @@ class Robust(unittest.TestCase):
         self.assertIn("a robust state for 5 heads of 72, not 2 of 72", str(cm.exception))
         np.testing.assert_array_equal(st, before)
         self.assertEqual(fa.split_pairs(72), 6)
-        self.assertEqual(fa.split_pairs(64), 0)
+        self.assertEqual(fa.split_pairs(64), 8)  # the robust rows one K step wider
+        self.assertEqual(fa.split_pairs(128), 8)
 
 
 class Hostile(unittest.TestCase):

@@ -354,7 +354,11 @@ class Robust(Checks, unittest.TestCase):
             self.assertTrue(torch.equal(fused, out), f"hd {hd}: fused == views")
 
     def test_robust_calibration_writes_the_file_the_static_plan_runs(self):
-        hd = 72
+        for hd in (64, 72):
+            with self.subTest(hd=hd):
+                self.calibrate_then_run_static(hd)
+
+    def calibrate_then_run_static(self, hd):
         with tempfile.TemporaryDirectory() as d:
             path = os.path.join(d, "scales.json")
             cal = ft.ScaleBook(2, "calibrate", path, scheme="auto", heads=4, head_dim=hd, device=CUDA)
@@ -374,9 +378,17 @@ class Robust(Checks, unittest.TestCase):
             kw = static.layer(1)
             out = ft.varlen_attention(q, k, v, cu, **kw)
             emu = ft.varlen_attention(q.cpu(), k.cpu(), v.cpu(), cu.cpu(), fine=fine_cpu(kw["fine"]))
-            self.check("fp8 robust static hd 72", out, emu, ref)
+            self.check(f"fp8 robust static hd {hd}", out, emu, ref)
             tensor = ft.ScaleBook(2, "static", path, device=CUDA)  # the same file's per-tensor q/k/v
             self.assertLess(stats(out, ref)[0], stats(ft.varlen_attention(q, k, v, cu, **tensor.layer(1)), ref)[0])
+            # qk_split None splits no pair: the output of all -1s; the file's split pairs change it.
+            split = kw["fine"][4]
+            self.assertEqual(split.numel(), 4 * {64: 8, 72: 6}[hd])
+            unsplit = ft.varlen_attention(q, k, v, cu, fine=kw["fine"][:4] + (None,))
+            minus = ft.varlen_attention(q, k, v, cu, fine=kw["fine"][:4] + (torch.full_like(split, -1),))
+            self.assertTrue(torch.equal(unsplit, minus))
+            self.assertTrue(bool((split >= 0).any()))
+            self.assertFalse(torch.equal(unsplit, out))
 
     def test_cuda_graph_replays_robust_dynamic_scaling(self):
         """One capture of the dynamic robust op on a device cu_seqlens: each replay records into the state as an eager

@@ -266,7 +266,8 @@ FineScales host_fine(const fovea_attn& h, const fovea_attn_fine& f) {
   o.k_mean = take(f.k_mean, cells, false, "k_mean");
   o.q_head = take(f.q_head, H, true, "q_head"), o.k_head = take(f.k_head, H, true, "k_head");
   o.v_channel = take(f.v_channel, cells, true, "v_channel");
-  if (const size_t n = H * size_t(fp8_split_pairs(h.head_dim))) o.qk_split.assign(f.qk_split, f.qk_split + n);
+  if (const size_t n = H * size_t(fp8_split_pairs(h.head_dim)); n && f.qk_split)  // null: no pair split
+    o.qk_split.assign(f.qk_split, f.qk_split + n);
   try {
     check_split_pairs(o.qk_split, h.heads, h.head_dim, "robust static scales: qk_split");
   } catch (const Error& e) {
@@ -314,12 +315,8 @@ HostScales check_scales(const fovea_attn& h, const fovea_attn_scales* s) {
       need(f.k_mean && f.q_head && f.k_head && f.v_channel, "robust static scales: an array of `fine` is null");
       for (const float* p : {f.k_mean, f.q_head, f.k_head, f.v_channel})
         check_aligned(p, alignof(float), "robust static scales: an array of `fine`");
-      if (fp8_split_pairs(h.head_dim) > 0) {
-        if (!f.qk_split)
-          refuse(FOVEA_ATTN_INVALID, "robust static scales: qk_split is null; head_dim ", h.head_dim, " has ",
-                 fp8_split_pairs(h.head_dim), " split pairs per head (-1: unused)");
+      if (fp8_split_pairs(h.head_dim) > 0 && f.qk_split)  // null: no pair split
         check_aligned(f.qk_split, alignof(int32_t), "robust static scales: qk_split");
-      }
       break;
     }
     case FOVEA_ATTN_SCALES_ROBUST_DYNAMIC:

@@ -555,7 +555,7 @@ void add_bench_attention(CLI::App* bench, Runner& run) {
   cmd->add_option(
          "--fp8-scheme", a->fp8_schemes,
          "comma list of FP8 scale schemes: tensor (vLLM's), smooth-k, per-head, per-channel-v, robust (all three, "
-         "and at head_dim 72 / 80 each head's largest rotary pairs split into two E4M3 terms; these two on the GPU "
+         "and each head's largest rotary pairs split into two E4M3 terms; these two on the GPU "
          "too), robust-nosplit, rotate (Q and K times an orthonormal DCT), robust+rotate, pairs (Q and K rescaled "
          "per rotary pair, per-head scales), robust+pairs")
       ->capture_default_str();

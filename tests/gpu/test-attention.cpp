@@ -1061,6 +1061,10 @@ TEST(FlashAttentionGpuSmall, SanitizerCase) {
   const Problem p({1, 130, 64}, 2, 72, fresh_seed());
   expect_within_rule(run_and_check(p, AttnDtype::FP8), "small fp8");
   expect_within_rule(run_and_check(p, AttnDtype::BF16), "small bf16");
+  const Problem r({1, 130, 64}, 2, 64, fresh_seed(), 1.0f, Dist::CHANNELS);  // robust: hd 64's wide rows
+  cpu::Fp8Fine used;
+  const Checked c = run_robust(r, nullptr, &used);
+  expect_within_robust_rule(c, used, "small robust hd64");
 }
 
 // fovea/cuda-support.h: a pinned -> device -> pinned round trip on a stream through a moved buffer,

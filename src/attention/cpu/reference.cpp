@@ -270,7 +270,8 @@ void attention(const VarlenShape& sh, ThdView<const float> q, ThdView<const floa
   }
   const std::vector<float> rot = fp8 && fine.rotate_qk ? dct_matrix(hd) : std::vector<float>();
   const float* r = rot.empty() ? nullptr : rot.data();
-  const int qk_width = fp8 ? fp8_qk_width(hd) : hd;  // the FP8 rows' zero padding, split pairs there
+  // The FP8 rows' zero padding, split pairs there (the robust scheme's rows are wider at 64 and 128).
+  const int qk_width = !fp8 ? hd : fine.qk_split.empty() ? fp8_qk_width(hd) : fp8_robust_qk_width(hd);
   const Fp8Exact& ex = opt.fp8_exact;
   const std::vector<float> q8 = operand(sh, q, opt.mode, sq, zeros, q_mul, r, qk_width, fine.qk_split, true, ex.qk);
   const std::vector<float> k8 = operand(sh, k, opt.mode, sk, k_shift, k_mul, r, qk_width, fine.qk_split, false, ex.qk);

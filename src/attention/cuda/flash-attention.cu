@@ -67,8 +67,9 @@ void upload(DeviceBuffer<T>& dst, const std::vector<T>& src, uint8_t*& h, cudaSt
 struct FlashAttention::Impl {
   AttnDtype dtype;
   bool fp8;
-  VarlenShape shape;  // heads and head_dim; cu_seqlens: the host layout of plan(), empty after plan_capacity()
-  int hd_pad = 0;
+  VarlenShape shape;    // heads and head_dim; cu_seqlens: the host layout of plan(), empty after plan_capacity()
+  int hd_pad = 0;       // Q / K row width (layout.cuh)
+  int hd_pad_wide = 0;  // the robust scheme's (FP8 at head_dim 64 and 128: wider; else hd_pad)
   // Capacity (what the buffers, descriptors and grids are sized for) and the scheduled layout's
   // segment count.
   int64_t max_tokens = 0, n_pad = 0;
@@ -87,18 +88,19 @@ struct FlashAttention::Impl {
   // the flash kernel read them; the caller's stay as given): per tensor q, k, v [3], then the robust
   // scheme's q_head [H], k_head [H] and v_channel [H * hd].
   DeviceBuffer<float> d_guarded;
-  StagingSlot staging[2];  // the plan uploads' pinned sources, alternately
+  DeviceBuffer<int32_t> d_no_split;  // FP8: H * fp8_split_pairs(hd) -1s, for robust arrays without qk_split
+  StagingSlot staging[2];            // the plan uploads' pinned sources, alternately
   int next_staging = 0;
-  FlashMaps maps{};
+  FlashMaps maps{}, maps_wide{};  // maps_wide: Q and K over hd_pad_wide (where it differs)
   const float* scale_ptr[3] = {nullptr, nullptr, nullptr};
-  bool fine = false;  // the last prepare() used the robust scheme's arrays
+  bool fine = false;  // the last prepare() used the robust scheme's arrays (and its rows)
   bool planned = false, scheduled = false, prepared = false;
 
   void* q() const { return buf.data(); }
   void* k() const { return buf.data() + qk_bytes(); }
   void* vt() const { return buf.data() + 2 * qk_bytes(); }
   size_t es() const { return fp8 ? 1 : 2; }
-  size_t qk_bytes() const { return size_t(shape.heads) * n_pad * hd_pad * es(); }
+  size_t qk_bytes() const { return size_t(shape.heads) * n_pad * hd_pad_wide * es(); }  // either width fits
   size_t v_bytes() const { return size_t(shape.heads) * shape.head_dim * n_pad * es(); }
   // Sizes everything for the capacity (n_pad padded rows, max_tiles tiles of 64 * consumers rows).
   void reserve(int64_t tokens, int segs, int64_t rows, int64_t tiles, int warpgroups);
@@ -112,7 +114,8 @@ FlashAttention::FlashAttention(AttnDtype dtype, int heads, int head_dim) : impl_
   impl_->fp8 = dtype == AttnDtype::FP8;
   impl_->shape.heads = heads;
   impl_->shape.head_dim = head_dim;
-  impl_->hd_pad = layout::head_dim_pad(head_dim, impl_->fp8);
+  impl_->hd_pad = layout::qk_pad(head_dim, impl_->fp8, false);
+  impl_->hd_pad_wide = layout::qk_pad(head_dim, impl_->fp8, true);
   int dev = 0;
   FOVEA_CUDA_CHECK(cudaGetDevice(&dev));
   FOVEA_CUDA_CHECK(cudaDeviceGetAttribute(&impl_->sms, cudaDevAttrMultiProcessorCount, dev));
@@ -136,6 +139,10 @@ FlashAttention::FlashAttention(AttnDtype dtype, int heads, int head_dim) : impl_
       m.fine_scratch.q_prev[i] = prev, m.fine_scratch.k_prev[i] = prev + heads;
     FOVEA_CUDA_CHECK(cudaMemset(b, 0, m.d_fine_scratch.bytes()));
     m.d_guarded.reset(3 + 2 * size_t(heads) + cells);
+    if (const size_t n = size_t(heads) * size_t(fp8_split_pairs(head_dim))) {
+      m.d_no_split.reset(n);
+      FOVEA_CUDA_CHECK(cudaMemset(m.d_no_split.data(), 0xFF, m.d_no_split.bytes()));  // -1: no pair split
+    }
   }
 }
 
@@ -156,12 +163,15 @@ void FlashAttention::Impl::reserve(int64_t tokens, int segs, int64_t rows, int64
   if (need > buf.count()) buf.reset(need);
   const int H = shape.heads, hd = shape.head_dim;
   const uint32_t kstep = uint32_t(layout::kstep(fp8));
-  maps.q = tensor_map(q(), fp8, uint64_t(hd_pad), uint64_t(n_pad), uint64_t(H), kstep, uint32_t(64 * consumers),
-                      CU_TENSOR_MAP_SWIZZLE_32B);
-  maps.k = tensor_map(k(), fp8, uint64_t(hd_pad), uint64_t(n_pad), uint64_t(H), kstep, layout::kBlockN,
-                      CU_TENSOR_MAP_SWIZZLE_32B);
-  maps.v = tensor_map(vt(), fp8, uint64_t(n_pad), uint64_t(hd), uint64_t(H), fp8 ? 128u : 64u, uint32_t(hd),
-                      CU_TENSOR_MAP_SWIZZLE_128B);
+  for (FlashMaps* mp : {&maps, &maps_wide}) {
+    const uint64_t width = uint64_t(mp == &maps ? hd_pad : hd_pad_wide);
+    mp->q = tensor_map(q(), fp8, width, uint64_t(n_pad), uint64_t(H), kstep, uint32_t(64 * consumers),
+                       CU_TENSOR_MAP_SWIZZLE_32B);
+    mp->k =
+        tensor_map(k(), fp8, width, uint64_t(n_pad), uint64_t(H), kstep, layout::kBlockN, CU_TENSOR_MAP_SWIZZLE_32B);
+    mp->v = tensor_map(vt(), fp8, uint64_t(n_pad), uint64_t(hd), uint64_t(H), fp8 ? 128u : 64u, uint32_t(hd),
+                       CU_TENSOR_MAP_SWIZZLE_128B);
+  }
   planned = true;
 }
 
@@ -263,9 +273,8 @@ void check_scales(const DeviceScales& scales, bool fp8, int head_dim) {
   }
   if (!(f.q_head && f.k_head && f.k_mean && f.v_channel))
     fail_cat("FOVEA attention: the robust FP8 scheme needs all four arrays (k_mean, q_head, k_head, v_channel)");
-  if (fp8_split_pairs(head_dim) > 0 && !f.qk_split)
-    fail_cat("FOVEA attention: the robust FP8 scheme at head_dim ", head_dim,
-             " needs its qk_split array (all -1: none)");
+  if (fp8_split_pairs(head_dim) > 0 && !f.qk_split && scales.scheme == LayerScheme::ROBUST_DYNAMIC)
+    fail_cat("FOVEA attention: robust dynamic scaling at head_dim ", head_dim, " needs its qk_split array to write");
   const bool ring = r.q || r.k || r.v || r.k_sum || r.k_hi || r.k_lo || r.q_hi || r.counts;
   if (ring && !(r.q && r.k && r.v && r.k_sum && r.k_hi && r.k_lo && r.q_hi && r.counts))
     fail_cat("FOVEA attention: the robust scheme's history needs all its arrays");
@@ -286,7 +295,8 @@ void FlashAttention::prepare(const void* qkv, int64_t qkv_token_stride, const fl
   if (reinterpret_cast<uintptr_t>(qkv) % 16 != 0) fail_cat("FOVEA attention: qkv must be 16-byte aligned");
   if (bool(rope_cos) != bool(rope_sin)) fail_cat("FOVEA attention: give both RoPE tables or neither");
   check_scales(scales, m.fp8, m.shape.head_dim);
-  const FineArrays& fine = scales.fine;
+  FineArrays fine = scales.fine;
+  if (!fine.qk_split) fine.qk_split = m.d_no_split.data();  // static: no pair split (check_scales)
   const bool robust = m.fp8 && is_robust(scales.scheme);
   GuardLaunch guard;  // static scales with the layer's counters (check_scales: static only): guarded, into d_guarded
   const bool guarded = m.fp8 && scales.guard;
@@ -412,7 +422,8 @@ void FlashAttention::attend(void* out, cudaStream_t stream) {
   p.v_scale = m.scale_ptr[2];
   p.fine = m.fine;
   p.softmax_scale_log2 = float(M_LOG2E / std::sqrt(double(m.shape.head_dim)));
-  launch_flash(p, m.maps, m.max_tiles, m.fp8, m.shape.head_dim, m.consumers, stream);
+  const bool wide = m.fine && m.hd_pad_wide != m.hd_pad;
+  launch_flash(p, wide ? m.maps_wide : m.maps, m.max_tiles, m.fp8, m.shape.head_dim, m.consumers, wide, stream);
 }
 
 }  // namespace fovea::cuda

@@ -74,7 +74,9 @@ static_assert(FOVEA_FLASH_ROWMAX_CHAINS == 0 || FOVEA_FLASH_ROWMAX_CHAINS == 1 |
 #define FOVEA_FLASH_SERIAL3 1
 #endif
 
-template <bool kFp8, int kHeadDim, int kConsumerWgs>
+// kWide: the robust scheme's wider Q / K rows at head_dim 64 and 128 (layout::qk_pad), one more K
+// step of Q K^T over the split pairs.
+template <bool kFp8, int kHeadDim, int kConsumerWgs, bool kWide = false>
 struct FlashCfg {
   static constexpr int kConsumers = kConsumerWgs;
   static constexpr uint32_t kPolyPairs = kFp8 ? fp8_poly_exp_pairs(kHeadDim) : 0u;  // flash-p.h
@@ -82,7 +84,7 @@ struct FlashCfg {
   static constexpr int kPvN = kHeadDim + (kTcSum ? 8 : 0);              // PV's N, the accumulator's columns
   static constexpr int kBlockM = 64 * kConsumers, kBlockN = layout::kBlockN;
   static constexpr int kKStep = layout::kstep(kFp8);
-  static constexpr int kHdPad = layout::head_dim_pad(kHeadDim, kFp8);
+  static constexpr int kHdPad = layout::qk_pad(kHeadDim, kFp8, kWide);
   static constexpr int kChunks = kHdPad / kKStep;  // 32-byte K chunks of a Q / K row
   static constexpr int kQChunkBytes = kBlockM * 32;
   static constexpr int kKChunkBytes = kBlockN * 32;
@@ -143,11 +145,11 @@ __device__ __forceinline__ void mma_pv(float (&d)[N / 2], const uint32_t (&a)[4]
   }
 }
 
-template <bool kFp8, int kHeadDim, int kConsumerWgs>
-__global__ void __launch_bounds__(FlashCfg<kFp8, kHeadDim, kConsumerWgs>::kThreads, 1)
+template <bool kFp8, int kHeadDim, int kConsumerWgs, bool kWide>
+__global__ void __launch_bounds__(FlashCfg<kFp8, kHeadDim, kConsumerWgs, kWide>::kThreads, 1)
     flash_fwd_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                      const __grid_constant__ CUtensorMap tm_v, const FlashParams p) {
-  using C = FlashCfg<kFp8, kHeadDim, kConsumerWgs>;
+  using C = FlashCfg<kFp8, kHeadDim, kConsumerWgs, kWide>;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   uint8_t* sQ = smem;
@@ -457,10 +459,10 @@ __global__ void __launch_bounds__(FlashCfg<kFp8, kHeadDim, kConsumerWgs>::kThrea
   }
 }
 
-template <bool kFp8, int kHeadDim, int kConsumerWgs>
+template <bool kFp8, int kHeadDim, int kConsumerWgs, bool kWide = false>
 void launch(const FlashParams& p, const FlashMaps& m, int num_tiles, cudaStream_t stream) {
-  using C = FlashCfg<kFp8, kHeadDim, kConsumerWgs>;
-  auto* kernel = flash_fwd_kernel<kFp8, kHeadDim, kConsumerWgs>;
+  using C = FlashCfg<kFp8, kHeadDim, kConsumerWgs, kWide>;
+  auto* kernel = flash_fwd_kernel<kFp8, kHeadDim, kConsumerWgs, kWide>;
   // One attribute call per instantiation and GPU: the attribute belongs to the device's copy of the
   // kernel, and encoder replicas on several GPUs (fovea serve --devices) launch from several threads.
   static std::atomic<uint64_t> configured{0};
@@ -475,26 +477,41 @@ void launch(const FlashParams& p, const FlashMaps& m, int num_tiles, cudaStream_
   FOVEA_CUDA_CHECK(cudaGetLastError());
 }
 
+// The FP8 instances of head_dim D: 2 or 3 consumer warpgroups, and with kHasWide the wide rows too.
+template <int D, bool kHasWide>
+void launch_fp8(const FlashParams& p, const FlashMaps& maps, int num_tiles, int consumers, bool wide,
+                cudaStream_t stream) {
+  constexpr bool kThree = layout::max_consumer_warpgroups(true, D) == 3;
+  if constexpr (kHasWide) {
+    if (wide) {
+      if constexpr (kThree)
+        if (consumers == 3) return launch<true, D, 3, true>(p, maps, num_tiles, stream);
+      return launch<true, D, 2, true>(p, maps, num_tiles, stream);
+    }
+  }
+  if constexpr (kThree)
+    if (consumers == 3) return launch<true, D, 3>(p, maps, num_tiles, stream);
+  launch<true, D, 2>(p, maps, num_tiles, stream);
+}
+
 }  // namespace
 
 void launch_flash(const FlashParams& p, const FlashMaps& maps, int max_tiles, bool fp8, int head_dim, int consumers,
-                  cudaStream_t stream) {
+                  bool wide, cudaStream_t stream) {
   const int num_tiles = max_tiles;  // the grid: CTAs past the listed tiles return at once
   if (num_tiles == 0) return;
   if (consumers < 2 || consumers > layout::max_consumer_warpgroups(fp8, head_dim))
     fail_cat("FOVEA attention: ", consumers, " consumer warpgroups for ", fp8 ? "fp8" : "bf16", " head_dim ", head_dim);
+  if (wide && !layout::has_wide_rows(fp8, head_dim))
+    fail_cat("FOVEA attention: no wide rows for ", fp8 ? "fp8" : "bf16", " head_dim ", head_dim);
   dispatch_head_dim(head_dim, [&](auto hd) {
     constexpr int D = decltype(hd)::value;
     if (!fp8)
       launch<false, D, 2>(p, maps, num_tiles, stream);
-    else if constexpr (layout::max_consumer_warpgroups(true, D) == 3) {
-      if (consumers == 3)
-        launch<true, D, 3>(p, maps, num_tiles, stream);
-      else
-        launch<true, D, 2>(p, maps, num_tiles, stream);
-    } else {
-      launch<true, D, 2>(p, maps, num_tiles, stream);
-    }
+    else if constexpr (layout::has_wide_rows(true, D))
+      launch_fp8<D, true>(p, maps, num_tiles, consumers, wide, stream);
+    else
+      launch_fp8<D, false>(p, maps, num_tiles, consumers, false, stream);
   });
 }
 

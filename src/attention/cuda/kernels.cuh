@@ -116,8 +116,9 @@ struct FlashMaps {
 };
 
 // consumers: 2, or 3 where layout::max_consumer_warpgroups allows (tiles of 64 * consumers rows).
-// max_tiles: the grid (the most tiles the schedule can list); *p.num_tiles of them run.
+// max_tiles: the grid (the most tiles the schedule can list); *p.num_tiles of them run. wide: Q and K
+// in the robust scheme's wider rows (layout::has_wide_rows; maps.q and maps.k over that width).
 void launch_flash(const FlashParams& p, const FlashMaps& maps, int max_tiles, bool fp8, int head_dim, int consumers,
-                  cudaStream_t stream);
+                  bool wide, cudaStream_t stream);
 
 }  // namespace fovea::cuda

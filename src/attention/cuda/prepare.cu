@@ -528,7 +528,7 @@ __global__ void __launch_bounds__(kStatThreads)
 template <bool kFp8, int kHeadDim, bool kFine = false>
 __global__ void __launch_bounds__(kThreads) prepare_kernel(PrepareArgs a, FineArrays fa) {
   using Elem = std::conditional_t<kFp8, uint8_t, __nv_bfloat16>;
-  constexpr int kHdPad = layout::head_dim_pad(kHeadDim, kFp8);
+  constexpr int kHdPad = layout::qk_pad(kHeadDim, kFp8, kFine);  // the robust scheme's rows: its split pairs
   __shared__ __align__(16) Elem sv[kThreads][kHeadDim];
   // Heads are the fast grid dimension: the CTAs of one row block run side by side, so a token's
   // RoPE row and the 32-byte sectors two heads' slices share come from DRAM once (with rows fastest,

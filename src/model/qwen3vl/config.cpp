@@ -117,7 +117,8 @@ VisionConfig parse_config(std::string_view text, const std::string& where) {
 }
 
 std::vector<std::string> synthetic_names() {
-  return {"synthetic:tiny", "synthetic:qwen3-vl-2b", "synthetic:qwen3-vl-8b", "synthetic:qwen3-vl-8b-2blocks"};
+  return {"synthetic:tiny", "synthetic:qwen3-vl-2b", "synthetic:qwen3-vl-2b-2blocks", "synthetic:qwen3-vl-8b",
+          "synthetic:qwen3-vl-8b-2blocks"};
 }
 
 bool synthetic_outliers(const std::string& spec) {
@@ -138,12 +139,14 @@ std::optional<VisionConfig> synthetic_config(const std::string& full) {
     c.out_hidden = 4096;
     c.depth = 2;
     c.deepstack = {0, 1};
-  } else if (spec == "synthetic:qwen3-vl-2b") {
-    c.depth = 24;
+  } else if (spec == "synthetic:qwen3-vl-2b" || spec == "synthetic:qwen3-vl-2b-2blocks") {
+    // The 2B / 4B shapes (hd 64); -2blocks cut to two blocks, both tapped, like the 8B's.
+    const bool cut = spec.ends_with("-2blocks");
+    c.depth = cut ? 2 : 24;
     c.hidden = 1024;
     c.intermediate = 4096;
     c.out_hidden = 2048;
-    c.deepstack = {5, 11, 17};
+    c.deepstack = cut ? std::vector<int>{0, 1} : std::vector<int>{5, 11, 17};
   } else if (spec == "synthetic:tiny") {
     // Small enough for CI's CPU forward; odd intermediate size like the real 4304.
     c.depth = 3;
