@@ -11,8 +11,9 @@ own, the fovea command's --fp8-scheme) picks the scales per layer as fovea's pla
 with fovea's fine scales runs its layers with outlier channels robust (auto) or every layer robust
 (robust); without a file, robust runs the robust scheme's dynamic scaling. A static file's scales never
 clip: a batch past a layer's range is quantized with its own scale and counted (static_guard_counts()
-reads the counts; docs/fp8.md §Static guard). Calibration here writes
-per-tensor scales (fovea serve and fovea.torch.ScaleBook calibrate the fine scales too). It also replaces the Qwen2.5-VL / Qwen3-VL
+reads the counts; docs/fp8.md §Static guard). Calibration runs fovea's plan: the robust scheme's
+dynamic scaling, then fovea's own calibration (C++, through the C ABI) writes vLLM's per-tensor q/k/v
+and the fine scales (FOVEA_FP8_SCHEME=tensor: per tensor only). It also replaces the Qwen2.5-VL / Qwen3-VL
 vision attention forward, so fovea gets the qkv projection's output and vLLM's RoPE tables (RoPE,
 quantization and layout in one step), as fovea.transformers' fused path does.
 
@@ -176,14 +177,20 @@ class _FoveaFp8:
             self.register_buffer("fovea_descale", torch.tensor(scales, dtype=torch.float32))
             self.skip_scale_q, self.skip_scale_k, self.skip_scale_v = (s == 1.0 for s in scales)
             return
-        if not save and scheme == "robust":  # robust dynamic: K smoothing, per-head and per-channel scales
+        # Robust dynamic (K smoothing, per-head and per-channel scales) for FOVEA_FP8_SCHEME=robust, and for
+        # calibration unless the scheme is tensor: fovea's plan calibrates robust, so the file records which
+        # layers need it (and per-tensor q/k/v for vLLM's own path).
+        named = _layer_index(self.layer_name) is not None  # robust calibration writes layer i as visual.blocks.i
+        if save and scheme == "robust" and not named:
+            raise ValueError(f"fovea: robust calibration needs layers named visual.blocks.<i>.attn.attn, not "
+                             f"{self.layer_name!r} (FOVEA_FP8_SCHEME=tensor calibrates per tensor)")
+        if scheme == "robust" or (save and scheme == "auto" and named):
             state = fovea_attention.fresh_robust_state(self.num_heads, self.head_size)
             self.register_buffer("fovea_robust_state", torch.tensor(list(state), dtype=torch.uint8))
-            self.fovea_save = None  # calibration through the plugin is per tensor (below)
-            return
-        state = list(memoryview(fovea_attention.fresh_state_bytes()).cast("i"))
-        self.register_buffer("fovea_amax_state", torch.tensor(state, dtype=torch.int32))
-        self.fovea_save = getattr(cfg, "mm_encoder_fp8_scale_save_path", None)
+        else:
+            state = list(memoryview(fovea_attention.fresh_state_bytes()).cast("i"))
+            self.register_buffer("fovea_amax_state", torch.tensor(state, dtype=torch.int32))
+        self.fovea_save = save
         self.fovea_margin = float(getattr(cfg, "mm_encoder_fp8_scale_save_margin", 1.5))
         self.fovea_calls = 0
         _layers.append(weakref.ref(self))
@@ -385,11 +392,15 @@ def _layer_scales(path, prefix):
     """This layer's (q, k, v) from vLLM's scale file, by its prefix as vLLM looks it up (the file's
     other entries are validated by fovea's reader where the prefix names a block)."""
     f = _static_file(path)
+    index = _layer_index(prefix)
+    if index is not None and f.highest is not None and index <= f.highest:
+        # fovea's reader, whole (every block's entry validated, any module prefix before "visual."), at the
+        # file's own layer count
+        return f.scales(index)
     entry = f.layers.get(prefix)
     if not isinstance(entry, dict):
         raise ValueError(f"fovea: FP8 scale file {path} has no entry for layer {prefix}")
-    index = _layer_index(prefix)
-    if index is not None:  # read whole (every block's entry validated), at the file's own layer count
+    if index is not None:
         return f.scales(index)
     vals = [entry.get(n, entry.get(n + "_scale")) for n in ("q", "k", "v")]
     if not all(isinstance(x, (int, float)) and x > 0 for x in vals):
@@ -425,13 +436,23 @@ def _count_and_calibrate(layer):
         return
     from . import attention as fovea_attention
     live.sort(key=lambda x: _layer_index(x.layer_name) or 0)
-    states = [x.fovea_amax_state.cpu().numpy().tobytes() for x in live]
-    scales = fovea_attention.calibrated_scales(states, live[0].fovea_margin)
-    path = layer.fovea_save
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump({x.layer_name: dict(zip("qkv", s)) for x, s in zip(live, scales)}, f, indent=1)
-    os.replace(tmp, path)
+    path, margin = layer.fovea_save, live[0].fovea_margin
+    if any(hasattr(x, "fovea_robust_state") for x in live):  # fovea's calibration (C++), layer i as visual.blocks.i
+        if [_layer_index(x.layer_name) for x in live] != list(range(len(live))):
+            log.error("fovea: no FP8 scales saved: robust calibration writes blocks 0 to %d, the layers are %s "
+                      "(FOVEA_FP8_SCHEME=tensor calibrates per tensor)", len(live) - 1, [x.layer_name for x in live])
+            for x in live:
+                x.fovea_save = None
+            return
+        states = [x.fovea_robust_state.cpu().numpy().tobytes() for x in live]
+        fovea_attention.robust_calibrate(states, live[0].num_heads, live[0].head_size, path, margin)
+    else:
+        states = [x.fovea_amax_state.cpu().numpy().tobytes() for x in live]
+        scales = fovea_attention.calibrated_scales(states, margin)
+        tmp = f"{path}.tmp.{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump({x.layer_name: dict(zip("qkv", s)) for x, s in zip(live, scales)}, f, indent=1)
+        os.replace(tmp, path)
     for x in live:
         x.fovea_save = None
     log.info("fovea: saved FP8 scales of %d layers to %s", len(live), path)

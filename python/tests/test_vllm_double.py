@@ -132,24 +132,37 @@ class Double(unittest.TestCase):
             state = ft.ScaleBook(1, "dynamic", device="cpu").amax_state[0].clone()
             emu = ft.varlen_attention(q.cpu(), k.cpu(), v.cpu(), torch.from_numpy(cu), amax_state=state)
             self.assert_fp8("fp8 dynamic", out, emu, ref)
-            # calibration: 16 forwards of every layer, then the save path (s x margin)
-            save = os.path.join(d, "saved.json")
-            self.vllm.reset(); self.fv = importlib.reload(self.fv); self.register()
-            self.fp8_config(mm_encoder_fp8_scale_save_path=save, mm_encoder_fp8_scale_save_margin=1.5)
-            m = self.vllm.build_model(AttentionOnly, prefixes=(P0, P1))
-            for i in range(16):
-                self.assertFalse(os.path.exists(save), f"written before the 16th forward ({i})")
-                for holder in m.layers:
-                    out = self.call(holder.attn, q * (1 + i % 3), k, v, cu)
+            # calibration: 16 forwards of every layer, then the save path (s x margin). fovea's plan: auto
+            # calibrates robust (fovea's C++ calibration: vLLM's q/k/v and the fine scales), tensor per tensor.
+            self.addCleanup(os.environ.pop, "FOVEA_FP8_SCHEME", None)
+            for scheme in ("auto", "tensor"):
+                os.environ["FOVEA_FP8_SCHEME"] = scheme
+                save = os.path.join(d, f"saved-{scheme}.json")
+                self.vllm.reset(); self.fv = importlib.reload(self.fv); self.register()
+                self.fp8_config(mm_encoder_fp8_scale_save_path=save, mm_encoder_fp8_scale_save_margin=1.5)
+                m = self.vllm.build_model(AttentionOnly, prefixes=(P0, P1))
+                self.assertEqual(hasattr(m.layers[0].attn, "fovea_robust_state"), scheme == "auto")
+                for i in range(16):
+                    self.assertFalse(os.path.exists(save), f"written before the 16th forward ({i})")
+                    for holder in m.layers:
+                        out = self.call(holder.attn, q * (1 + i % 3), k, v, cu)
+                        self.assertFalse(out.isnan().any().item())
+                torch.cuda.synchronize()
+                os.environ.pop("FOVEA_FP8_SCHEME")
+                self.assertTrue(os.path.exists(save), "the scale file after 16 forwards")
+                with open(save) as f:
+                    data = json.load(f)
+                data = data.get("layers", data)
+                self.assertEqual(sorted(data), [P0, P1])
+                want = 3 * q.abs().max().item() / 448 * 1.5
+                self.assertAlmostEqual(data[P0]["q"] / want, 1.0, places=4)
+                self.assertEqual("fovea_q_head" in data[P0], scheme == "auto", scheme)
+                if scheme == "auto":  # the file the plan reads back: robust where the gain says so
+                    self.vllm.reset(); self.fv = importlib.reload(self.fv); self.register()
+                    self.fp8_config(mm_encoder_fp8_scale_path=save)
+                    m = self.vllm.build_model(AttentionOnly, prefixes=(P0, P1))
+                    out = self.call(m.layers[0].attn, q, k, v, cu)
                     self.assertFalse(out.isnan().any().item())
-            torch.cuda.synchronize()
-            self.assertTrue(os.path.exists(save), "the scale file after 16 forwards")
-            with open(save) as f:
-                data = json.load(f)
-            data = data.get("layers", data)
-            self.assertEqual(sorted(data), [P0, P1])
-            want = 3 * q.abs().max().item() / 448 * 1.5
-            self.assertAlmostEqual(data[P0]["q"] / want, 1.0, places=4)
 
     # ---- 2 -----------------------------------------------------------------------------------------------------
     def test_2_encoder_cuda_graphs_replay_50_layouts(self):
