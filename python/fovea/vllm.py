@@ -463,8 +463,12 @@ def static_guard_counts():
     forwards in which a tensor passed the scale file's range and was quantized with the batch's own
     scale. A count that grows says the file no longer fits the inputs (calibrate again). Reads the
     device (a synchronization): for a metrics scrape or a log, not for a forward."""
-    live = [r() for r in _static_layers if r() is not None]
-    return {x.layer_name: x.fovea_guard.tolist() for x in sorted(live, key=lambda x: _layer_index(x.layer_name) or 0)}
+    live = sorted((r() for r in _static_layers if r() is not None), key=lambda x: _layer_index(x.layer_name) or 0)
+    if not live:
+        return {}
+    import torch
+    counts = torch.stack([x.fovea_guard.to(live[0].fovea_guard.device) for x in live]).tolist()  # one read
+    return {x.layer_name: c for x, c in zip(live, counts)}
 
 
 try:  # host I/O and Python counters: never traced into a compiled region
