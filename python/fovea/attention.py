@@ -108,8 +108,8 @@ class Scales:
       Scales(fixed=p)         per tensor, static: float[3] q, k, v at p;
       Scales(state=p)         per tensor, dynamic: a 252-byte state (fresh_state_bytes) updated in place;
       Scales(fine=(k_mean, q_head, k_head, v_channel, qk_split))
-                              robust, static: one layer's arrays (fp8_plan gives a file's; qk_split 0
-                              where split_pairs(head_dim) is 0);
+                              robust, static: one layer's arrays (fp8_plan gives a file's; qk_split 0:
+                              no pair split);
       Scales(robust_state=p)  robust, dynamic: a robust state (fresh_robust_state) updated in place.
     guard=p (static and robust static only): the static guard's counts, uint64[3] (q, k, v) at p, 8-byte
     aligned, kept across forwards: a tensor whose batch passes its fixed range is quantized with the

@@ -10,7 +10,7 @@ strides: views of a fused qkv output are read in place); cu_seqlens: int32 [segm
 [total_tokens, heads, head_dim] bf16. descale: float32 [3] (q, k, v dequantization scales); amax_state:
 a 252-byte tensor (ScaleBook makes them) that the op updates in place (its 16-entry amax history).
 The robust scheme (docs/fp8.md §Outlier channels) takes fine=(k_mean, q_head, k_head, v_channel,
-qk_split) (a calibrated file's arrays; qk_split None where the head size has no split pairs) or
+qk_split) (a calibrated file's arrays; qk_split None: no pair split) or
 robust_state= (a uint8 tensor of fovea.attention.robust_state_bytes(heads, head_dim), updated in place);
 ScaleBook(..., scheme=) gives each layer the scheme fovea's plan chooses.
 
@@ -370,7 +370,7 @@ def _(qkv, cu_seqlens, rope_cos, rope_sin, amax_state):
     return qkv.new_empty((qkv.shape[0], qkv.shape[2], qkv.shape[3]), dtype=torch.bfloat16)
 
 
-# The robust scheme's ops: its static arrays (qk_split None where the head size has none), and its
+# The robust scheme's ops: its static arrays (qk_split None: no pair split), and its
 # dynamic state, mutated.
 @torch.library.custom_op("fovea::varlen_attention_robust", mutates_args=())
 def _varlen_attention_robust(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
