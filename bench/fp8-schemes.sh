@@ -2,7 +2,8 @@
 # The FP8 schemes on photographs, with and without outlier channels (docs/fp8.md §Choosing a scheme):
 #   bench/fp8-schemes.sh [FOVEA]
 # For each model in $MODELS (default: the 8B shapes cut to two blocks, plain and with the outlier
-# channels of trained ViTs), `fovea bench calibration` with the fp32 CPU forward as the reference:
+# channels of trained ViTs; synthetic:qwen3-vl-2b-2blocks[-outliers] gives head_dim 64),
+# `fovea bench calibration` with the fp32 CPU forward as the reference:
 # calibrates per-tensor, robust and auto on the first $CALIB photos, then runs BF16, FP8 dynamic and
 # FP8 static (each margin in $MARGINS) on the rest; each error is also given as a ratio to BF16's own.
 # Then `fovea scales inspect` of each model's calibrated robust file (the per-layer robust gain that
